@@ -1,0 +1,1 @@
+"""Data sets, collation and sampling for training."""

@@ -1,0 +1,102 @@
+"""Reading JSONL data files with errors that point at the offending line.
+
+Every record type (SFT, reward-model pairs, DPO, prompts) reads through
+`read_jsonl` and checks its fields with the `require_*` helpers, so a bad
+file always fails with `path:line: what is wrong; what was expected`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or holds a malformed record."""
+
+
+def _where(path: str | Path, line: int) -> str:
+    return f"{path}:{line}: "
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line number, record) for each non-blank line of a JSONL file.
+
+    A file that cannot be opened is reported at line 0 (the file as a whole).
+    """
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as error:
+        raise DataError(
+            f"{_where(path, 0)}cannot open data file ({error.strerror}); "
+            "expected a readable JSONL file with one JSON object per line"
+        ) from error
+    line_number = 0
+    with handle:
+        try:
+            for line_number, text in enumerate(handle, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as error:
+                    raise DataError(
+                        f"{_where(path, line_number)}invalid JSON ({error.msg} at column {error.colno}); "
+                        "expected one JSON object per line"
+                    ) from None
+                if not isinstance(record, dict):
+                    raise DataError(
+                        f"{_where(path, line_number)}found a JSON {type(record).__name__}; "
+                        "expected a JSON object ({...}) per line"
+                    )
+                yield line_number, record
+        except UnicodeDecodeError as error:
+            raise DataError(
+                f"{_where(path, line_number + 1)}file is not valid UTF-8 ({error.reason}); expected UTF-8 encoded JSONL"
+            ) from None
+
+
+def _require(record: dict, key: str, path: str | Path, line: int) -> Any:
+    if key not in record:
+        present = ", ".join(sorted(map(repr, record))) or "none"
+        raise DataError(f"{_where(path, line)}missing key {key!r} (keys present: {present})")
+    return record[key]
+
+
+def require_str(record: dict, key: str, path: str | Path, line: int, allow_empty: bool = False) -> str:
+    """Return record[key], checking that it is a string (non-blank unless allow_empty)."""
+    value = _require(record, key, path, line)
+    if not isinstance(value, str):
+        raise DataError(
+            f"{_where(path, line)}key {key!r} is a {type(value).__name__}; expected a string"
+        )
+    if not allow_empty and not value.strip():
+        raise DataError(f"{_where(path, line)}key {key!r} is empty; expected non-empty text")
+    return value
+
+
+def optional_str(record: dict, key: str, path: str | Path, line: int, default: str = "") -> str:
+    """Return record[key] if present (a string, may be empty), else `default`."""
+    if record.get(key) is None:
+        return default
+    return require_str(record, key, path, line, allow_empty=True)
+
+
+def require_list(record: dict, key: str, path: str | Path, line: int, allow_empty: bool = False) -> list:
+    """Return record[key], checking that it is a list (non-empty unless allow_empty)."""
+    value = _require(record, key, path, line)
+    if not isinstance(value, list):
+        raise DataError(
+            f"{_where(path, line)}key {key!r} is a {type(value).__name__}; expected a list"
+        )
+    if not allow_empty and not value:
+        raise DataError(f"{_where(path, line)}key {key!r} is an empty list; expected at least one item")
+    return value
+
+
+def require_dict(value: Any, what: str, path: str | Path, line: int) -> dict:
+    """Check that a nested value (e.g. one turn of a conversation) is a JSON object."""
+    if not isinstance(value, dict):
+        raise DataError(f"{_where(path, line)}{what} is a {type(value).__name__}; expected a JSON object")
+    return value

@@ -1,0 +1,59 @@
+"""Steps of micro batches for megatron's schedules: sampler + collate, one list per global step."""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from torch.utils.data import Dataset
+
+from aligner.data.sampler import DistributedBatchSampler
+from aligner.data.sft import collate_sft
+
+
+class MicroBatchLoader:
+    """Yields, per training step, this data-parallel rank's micro batches (collated dicts).
+
+    All micro batches of a step are padded to one sequence length: the pipeline schedule sends
+    activations of a fixed shape between stages.
+    """
+
+    def __init__(self, dataset: Dataset, *, global_batch_size: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool,
+                 pad_id: int, pad_to_multiple_of: int = 8):
+        self.dataset = dataset
+        self.sampler_args = dict(
+            dataset_length=len(dataset), global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+            data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size, seed=seed, shuffle=shuffle,
+        )
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.pad_id = pad_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.num_microbatches = DistributedBatchSampler(**self.sampler_args).num_microbatches
+        self.steps_per_epoch = DistributedBatchSampler(**self.sampler_args).steps_per_epoch
+
+    def total_steps(self, max_steps: int, max_epochs: Optional[int]) -> int:
+        if max_epochs is None:
+            return max_steps
+        return min(max_steps, max_epochs * self.steps_per_epoch) if max_steps > 0 else max_epochs * self.steps_per_epoch
+
+    def iterate(self, consumed_samples: int = 0, epochs: Optional[int] = None,
+                limit_samples: Optional[int] = None) -> Iterator[list[dict]]:
+        sampler = iter(DistributedBatchSampler(**self.sampler_args, consumed_samples=consumed_samples, epochs=epochs))
+        max_steps = None if limit_samples is None else max(limit_samples // self.global_batch_size, 1)
+        step = 0
+        while max_steps is None or step < max_steps:
+            indices = []
+            try:
+                for _ in range(self.num_microbatches):
+                    indices.extend(next(sampler))
+            except StopIteration:
+                return
+            # One collate over the whole step gives every micro batch the same padded length.
+            batch = collate_sft([self.dataset[i] for i in indices], self.pad_id, self.pad_to_multiple_of)
+            yield [_slice_batch(batch, start, start + self.micro_batch_size)
+                   for start in range(0, len(indices), self.micro_batch_size)]
+            step += 1
+
+
+def _slice_batch(batch: dict, start: int, stop: int) -> dict:
+    return {key: None if value is None else value[start:stop] for key, value in batch.items()}

@@ -1,0 +1,232 @@
+"""Supervised fine-tuning data: records -> (tokens, loss_mask), packing and collation.
+
+Two record formats are accepted (the ones NeMo-Aligner reads), one per JSONL line:
+  {"input": "<prompt>", "output": "<response>"}
+  {"system": "...", "conversations": [{"from": "User", "value": "..."},
+                                      {"from": "Assistant", "value": "..."}, ...]}
+In conversations "role"/"content" may stand for "from"/"value"; roles are
+user/human and assistant/gpt in any case; a "mask" key is accepted and ignored
+(the loss always covers exactly the assistant turns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_dict, require_list, require_str
+from aligner.tokenizer import Tokenizer
+
+ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+PROGRESS_BAR_MIN_RECORDS = 10_000
+
+
+@dataclass
+class SFTExample:
+    tokens: list[int]
+    loss_mask: list[int]  # 1 where the token is part of a response the model must predict
+
+
+@dataclass
+class SFTStats:
+    """What tokenization did to the file; the trainer logs it."""
+
+    records: int = 0
+    truncated: int = 0  # longer than max_seq_length, cut at the end
+    dropped: int = 0  # nothing left to learn after truncation (no loss token)
+
+    @property
+    def kept(self) -> int:
+        return self.records - self.dropped
+
+
+def parse_conversation(record: dict, path: str | Path, line: int) -> list[dict]:
+    """Validate a {"system", "conversations"} record into role/content messages."""
+    messages = []
+    system = optional_str(record, "system", path, line)
+    if system.strip():
+        messages.append({"role": "system", "content": system})
+    for turn_index, turn in enumerate(require_list(record, "conversations", path, line)):
+        what = f"conversations[{turn_index}]"
+        require_dict(turn, what, path, line)
+        role_key = "role" if "role" in turn else "from"
+        content_key = "content" if "content" in turn else "value"
+        try:
+            role_name = require_str(turn, role_key, path, line)
+            content = require_str(turn, content_key, path, line)
+        except DataError as error:
+            raise DataError(f"{error} in {what} (expected keys 'from'/'role' and 'value'/'content')") from None
+        role = ROLE_ALIASES.get(role_name.strip().lower())
+        if role is None:
+            raise DataError(
+                f"{path}:{line}: {what} has unknown role {role_name!r}; expected User/Human or Assistant/GPT"
+            )
+        messages.append({"role": role, "content": content})
+    if not any(message["role"] == "assistant" for message in messages):
+        raise DataError(f"{path}:{line}: conversation has no assistant turn; there is nothing to train on")
+    return messages
+
+
+def encode_record(record: dict, tokenizer: Tokenizer, path: str | Path, line: int) -> SFTExample:
+    """Tokenize one SFT record of either format (not truncated)."""
+    if "conversations" in record:
+        messages = parse_conversation(record, path, line)
+        try:
+            tokens, loss_mask = tokenizer.encode_chat(messages)
+        except Exception as error:  # a chat template's own complaint (e.g. roles must alternate)
+            raise DataError(f"{path}:{line}: cannot render conversation with the chat template: {error}") from error
+        return SFTExample(tokens, loss_mask)
+    if "input" in record or "output" in record:
+        prompt = tokenizer.encode(require_str(record, "input", path, line))
+        response = tokenizer.encode(require_str(record, "output", path, line)) + [tokenizer.eos_id]
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        return SFTExample(bos + prompt + response, [0] * (len(bos) + len(prompt)) + [1] * len(response))
+    raise DataError(
+        f"{path}:{line}: record has neither 'input'/'output' nor 'conversations' "
+        f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})"
+    )
+
+
+class SFTDataset(Dataset):
+    """Tokenized SFT examples of one JSONL file, truncated to max_seq_length."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int):
+        if max_seq_length < 2:
+            raise ValueError(f"max_seq_length must be at least 2 (an input and a label), got {max_seq_length}")
+        self.path = path
+        self.max_seq_length = max_seq_length
+        self.stats = SFTStats()
+        records = list(read_jsonl(path))
+        self.examples: list[SFTExample] = []
+        progress = tqdm(records, desc=f"tokenizing {path}", disable=len(records) <= PROGRESS_BAR_MIN_RECORDS)
+        for line, record in progress:
+            example = encode_record(record, tokenizer, path, line)
+            self.stats.records += 1
+            if len(example.tokens) > max_seq_length:
+                # Keep the start: the prompt and the beginning of the response.
+                example = SFTExample(example.tokens[:max_seq_length], example.loss_mask[:max_seq_length])
+                self.stats.truncated += 1
+            # The first token is never a label, so it alone cannot carry loss.
+            if not any(example.loss_mask[1:]):
+                self.stats.dropped += 1
+                continue
+            self.examples.append(example)
+        if not self.examples:
+            raise DataError(
+                f"{path}:0: no usable examples ({self.stats.records} records, {self.stats.dropped} dropped "
+                f"because no response token fits in max_seq_length={max_seq_length})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        example = self.examples[index]
+        return {
+            "tokens": torch.tensor(example.tokens, dtype=torch.long),
+            "loss_mask": torch.tensor(example.loss_mask, dtype=torch.long),
+        }
+
+
+class PackedSFTDataset(Dataset):
+    """Several SFT examples per sequence, packed first-fit-decreasing into max_seq_length.
+
+    Items carry "segment_ids" (0,0,0,1,1,2,...) so collation can restart position
+    ids per example and keep examples from attending to each other. Packing is a
+    pure function of the lengths and `seed` (which only breaks ties between
+    equal lengths), so every rank builds the same packs.
+    """
+
+    def __init__(self, dataset: Dataset, max_seq_length: int, seed: int = 0):
+        lengths = [len(dataset[index]["tokens"]) for index in range(len(dataset))]
+        too_long = [index for index, length in enumerate(lengths) if length > max_seq_length]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} examples (e.g. index {too_long[0]}, {lengths[too_long[0]]} tokens) are longer "
+                f"than the pack size {max_seq_length}; build the dataset with max_seq_length <= the pack size"
+            )
+        self.dataset = dataset
+        self.max_seq_length = max_seq_length
+        tie_break = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+        order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], tie_break[index]))
+        self.packs: list[list[int]] = []  # dataset indices per pack
+        free_space: list[int] = []
+        for index in order:
+            # First fit: a linear scan is fine for the data set sizes SFT uses.
+            target = next((pack for pack, space in enumerate(free_space) if space >= lengths[index]), None)
+            if target is None:
+                self.packs.append([])
+                free_space.append(max_seq_length)
+                target = len(self.packs) - 1
+            self.packs[target].append(index)
+            free_space[target] -= lengths[index]
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        examples = [self.dataset[member] for member in self.packs[index]]
+        segment_ids = [torch.full_like(example["tokens"], segment) for segment, example in enumerate(examples)]
+        return {
+            "tokens": torch.cat([example["tokens"] for example in examples]),
+            "loss_mask": torch.cat([example["loss_mask"] for example in examples]),
+            "segment_ids": torch.cat(segment_ids),
+        }
+
+
+def collate_sft(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-pad examples into a batch of next-token-prediction inputs and labels.
+
+    Returns, with S = padded length - 1:
+      tokens, labels, position_ids: [B, S] long; loss_mask: [B, S] float (0 on padding);
+      attention_mask: None when no example is packed (the model applies a causal mask),
+      else a [B, 1, S, S] bool mask, True = masked out, that is causal within each segment.
+    """
+    packed = any("segment_ids" in example for example in examples)
+    longest = max(len(example["tokens"]) for example in examples)
+    # The model sees S = length - 1 positions, so round S (not the raw length) up.
+    seq_len = -(-(longest - 1) // pad_to_multiple_of) * pad_to_multiple_of
+    batch_size = len(examples)
+    sequences = torch.full((batch_size, seq_len + 1), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((batch_size, seq_len + 1), dtype=torch.float32)
+    # Padding gets segment -1 so it never shares a segment with real tokens.
+    segment_ids = torch.full((batch_size, seq_len + 1), -1, dtype=torch.long)
+    for row, example in enumerate(examples):
+        length = len(example["tokens"])
+        sequences[row, :length] = example["tokens"]
+        loss_mask[row, :length] = example["loss_mask"].float()
+        segment_ids[row, :length] = example["segment_ids"] if "segment_ids" in example else 0
+    segment_ids = segment_ids[:, :-1]
+    batch = {
+        "tokens": sequences[:, :-1].contiguous(),
+        "labels": sequences[:, 1:].contiguous(),
+        "loss_mask": loss_mask[:, 1:].contiguous(),  # a label is learned iff it is a response token
+        "position_ids": _position_ids(segment_ids),
+        "attention_mask": None,
+    }
+    if packed:
+        positions = torch.arange(seq_len)
+        causal = positions[None, :] <= positions[:, None]  # [S, S]: key <= query
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+        # Padding has segment -1 everywhere, so give it only its own diagonal.
+        padding = (segment_ids < 0)[:, :, None] | (segment_ids < 0)[:, None, :]
+        attend = causal & same_segment & ~padding
+        attend |= torch.eye(seq_len, dtype=torch.bool)
+        batch["attention_mask"] = ~attend[:, None]
+    return batch
+
+
+def _position_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... restarting where the segment changes; padding continues counting."""
+    batch_size, seq_len = segment_ids.shape
+    positions = torch.arange(seq_len).expand(batch_size, seq_len)
+    # Real segment starts; padding (-1) is folded into the segment before it.
+    starts = torch.zeros_like(segment_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = (segment_ids[:, 1:] != segment_ids[:, :-1]) & (segment_ids[:, 1:] >= 0)
+    segment_start = torch.cummax(torch.where(starts, positions, 0), dim=1).values
+    return positions - segment_start

@@ -1,0 +1,53 @@
+"""CLI for HF import/export.
+
+    python -m aligner.hf import --hf-dir HF_MODEL_DIR --output CHECKPOINT_DIR [--make-vocab-size-divisible-by 128]
+    python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
+
+Both run in one process at TP=1/PP=1; the imported checkpoint loads at any TP/PP layout, and a
+checkpoint saved at any layout can be exported.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from aligner.hf.layout import ARCHS
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m aligner.hf", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_aligner = commands.add_parser("import", help="HF model directory -> aligner checkpoint")
+    to_aligner.add_argument("--hf-dir", required=True, help="directory with config.json, weights and tokenizer files")
+    to_aligner.add_argument("--output", required=True, help="checkpoint directory to write")
+    to_aligner.add_argument(
+        "--make-vocab-size-divisible-by", type=int, default=128,
+        help="pad the vocabulary to a multiple of this (must be divisible by every TP size you will use)",
+    )
+
+    to_hf = commands.add_parser("export", help="aligner checkpoint -> HF model directory")
+    to_hf.add_argument("--checkpoint", required=True, help="aligner checkpoint directory (any TP/PP layout)")
+    to_hf.add_argument("--output", required=True, help="new (or empty) directory for the HF model")
+    to_hf.add_argument("--arch", choices=ARCHS, default=None, help="default: the imported model's, else inferred")
+    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="default: the imported model's, else float32")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    from aligner.hf.convert import export_hf, import_hf
+
+    if args.command == "import":
+        path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        print(f"imported {args.hf_dir} -> {path}")
+    else:
+        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype)
+        print(f"exported {args.checkpoint} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns worker processes that re-import __main__
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Import a Hugging Face model directory into an aligner checkpoint, and export one back.
+
+Both directions go through the full TP=1/PP=1 megatron model in one process; the checkpoint
+itself is a megatron dist_checkpoint, so an imported model loads at any TP/PP layout, and a
+checkpoint saved at any layout is resharded to TP=1 on export.
+
+Besides the files of `aligner.checkpointing`, an imported checkpoint holds `hf_source.json`
+(the HF architecture, special token ids, dtype and generation config of the source), so an
+export writes back the same kind of model. Checkpoints without it (e.g. a training step saved
+by a trainer) export to the architecture inferred from the model config.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner import checkpointing
+from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, infer_arch, megatron_to_hf
+from aligner.models.gpt import GPTConfig
+
+HF_SOURCE_FILE = "hf_source.json"
+# Tokenizer files copied along with the weights (whatever of these the directory has).
+TOKENIZER_PATTERNS = (
+    "tokenizer*.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All weights of an HF model directory: safetensors (single or sharded), else pytorch .bin."""
+    from safetensors.torch import load_file
+
+    directory = Path(hf_dir)
+    for single, index, load in (
+        ("model.safetensors", "model.safetensors.index.json", load_file),
+        # weights_only: a .bin is a pickle; refuse anything but tensors.
+        ("pytorch_model.bin", "pytorch_model.bin.index.json",
+         lambda path: torch.load(path, map_location="cpu", weights_only=True)),
+    ):
+        if (directory / single).is_file():
+            return dict(load(str(directory / single)))
+        if (directory / index).is_file():
+            weight_map = json.loads((directory / index).read_text())["weight_map"]
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(weight_map.values())):
+                if not (directory / shard).is_file():
+                    raise FileNotFoundError(f"{directory / index} names shard {shard}, which is missing")
+                state.update(load(str(directory / shard)))
+            return state
+    raise FileNotFoundError(
+        f"{directory} has no weights: expected model.safetensors, model.safetensors.index.json (+ shards), "
+        "pytorch_model.bin or pytorch_model.bin.index.json"
+    )
+
+
+@contextlib.contextmanager
+def _single_model_parallel_group() -> Iterator[None]:
+    """TP=1/PP=1 parallel state for the duration (started here unless the caller already has it)."""
+    from megatron.core import parallel_state
+
+    from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
+
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if (tp, pp) != (1, 1):
+            raise RuntimeError(
+                f"HF import/export runs at TP=1/PP=1, but this process is initialised at TP={tp}/PP={pp}; "
+                "run it in its own process (python -m aligner.hf ...)"
+            )
+        yield
+        return
+    started_process_group = not dist.is_initialized()
+    initialize(ParallelConfig())
+    try:
+        yield
+    finally:
+        if started_process_group:
+            shutdown()
+        else:
+            parallel_state.destroy_model_parallel()
+
+
+def _build_model(cfg: GPTConfig) -> torch.nn.Module:
+    from aligner.models.gpt import build_gpt_model, transformer_config
+
+    return build_gpt_model(cfg, transformer_config(cfg))
+
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _copy_tokenizer_files(source: Path, target: Path) -> list[str]:
+    copied = []
+    for pattern in TOKENIZER_PATTERNS:
+        for path in sorted(source.glob(pattern)):
+            if path.is_file():
+                shutil.copy2(path, target / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def _torch_dtype_name(state: dict[str, torch.Tensor]) -> str:
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            return str(tensor.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def import_hf(
+    hf_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+) -> Path:
+    """Convert an HF Llama/Qwen2/Mistral/GPT-2 directory into an aligner checkpoint at `output_dir`.
+
+    The weights are held in float32 (lossless for bf16/fp16 sources); the tokenizer files are
+    copied into the checkpoint. Runs at TP=1/PP=1 in this process; the result loads at any layout.
+    """
+    hf_dir = Path(hf_dir)
+    hf_config = read_hf_config(hf_dir)
+    cfg, arch = gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    hf_state = read_hf_state_dict(hf_dir)
+    source_dtype = _torch_dtype_name(hf_state)
+    megatron_state = hf_to_megatron({name: t.float() for name, t in hf_state.items()}, cfg, arch)
+    del hf_state
+
+    with _single_model_parallel_group(), tempfile.TemporaryDirectory() as scratch:
+        model = _build_model(cfg)
+        # `_extra_state` entries belong to the module (None for local layers); strict loading wants them.
+        for name, value in model.state_dict().items():
+            if name.endswith("_extra_state"):
+                megatron_state[name] = value
+        model.load_state_dict(megatron_state, strict=True)
+        tokenizer_dir = Path(scratch) / "tokenizer"
+        tokenizer_dir.mkdir()
+        has_tokenizer = bool(_copy_tokenizer_files(hf_dir, tokenizer_dir))
+        final = checkpointing.save(
+            output_dir,
+            [model],
+            model_config=cfg.to_dict(),
+            tokenizer_dir=tokenizer_dir if has_tokenizer else None,
+        )
+        if _is_rank_zero():
+            generation_config = hf_dir / "generation_config.json"
+            source = {
+                "arch": arch,
+                "source_dir": str(hf_dir.resolve()),
+                "dtype": source_dtype,
+                "bos_token_id": hf_config.get("bos_token_id"),
+                "eos_token_id": hf_config.get("eos_token_id"),
+                "pad_token_id": hf_config.get("pad_token_id"),
+                "generation_config": json.loads(generation_config.read_text()) if generation_config.is_file() else None,
+            }
+            (final / HF_SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True))
+        if dist.is_initialized():
+            dist.barrier()
+    return final
+
+
+def read_hf_source(checkpoint_dir: str | os.PathLike) -> dict:
+    """What `import_hf` recorded about the source model ({} for checkpoints not imported from HF)."""
+    path = Path(checkpoint_dir) / HF_SOURCE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _special_token_ids(checkpoint_dir: Path, source: dict) -> dict[str, Optional[int]]:
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")
+    if source:
+        return {name: source.get(name) for name in names}
+    tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
+    if not tokenizer_dir.is_dir():
+        return {name: None for name in names}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    return {name: getattr(tokenizer, name) for name in names}
+
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    arch: Optional[str] = None,
+    dtype: Optional[str] = None,
+) -> Path:
+    """Write an aligner checkpoint as an HF model directory (config.json, model.safetensors, tokenizer).
+
+    arch: llama | qwen2 | mistral | gpt2; default: the imported source's, else inferred from the model.
+    dtype: float32 | bfloat16 | float16; default: the imported source's, else float32.
+    The checkpoint may have been saved at any TP/PP layout; it is loaded at TP=1/PP=1 here.
+    """
+    from safetensors.torch import save_file
+
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()):
+        # Never mix with (or delete) an existing model's files: stale shards would be loaded too.
+        raise FileExistsError(f"export output directory {output_dir} is not empty; choose a new directory")
+    meta = checkpointing.read_meta(checkpoint_dir)
+    cfg = GPTConfig.from_dict(meta["model"])
+    source = read_hf_source(checkpoint_dir)
+    arch = arch or source.get("arch") or infer_arch(cfg)
+    dtype = dtype or source.get("dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported for export; choose one of {sorted(_DTYPES)}")
+    hf_config = hf_config_from_gpt(cfg, arch, dtype=dtype, **_special_token_ids(checkpoint_dir, source))
+
+    with _single_model_parallel_group():
+        model = _build_model(cfg)
+        checkpointing.load(checkpoint_dir, [model])
+        megatron_state = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+    hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
+
+    if _is_rank_zero():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        hf_config.save_pretrained(str(output_dir))
+        save_file(hf_state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+        if source.get("generation_config"):
+            (output_dir / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
+        tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
+        if tokenizer_dir.is_dir():
+            for path in tokenizer_dir.iterdir():
+                if path.is_file():
+                    shutil.copy2(path, output_dir / path.name)
+    if dist.is_initialized():
+        dist.barrier()
+    return output_dir

@@ -1,0 +1,531 @@
+"""Hugging Face <-> megatron-core layout: configs and weight names/shapes, as pure functions.
+
+Nothing here touches torch.distributed or builds a model: `hf_to_megatron` turns a full HF
+state dict into the full (TP=1, PP=1) state dict of aligner's megatron `GPTModel`, and
+`megatron_to_hf` is its exact inverse. Resharding to other TP/PP layouts is megatron's
+dist_checkpointing's job (see aligner/hf/convert.py).
+
+Supported architectures (`arch` is the HF `model_type`):
+- llama, mistral: RMSNorm, SwiGLU, RoPE (rotate-half), grouped-query attention, no biases.
+- qwen2: the llama layout plus a bias on the q/k/v projections.
+- gpt2: LayerNorm, GELU, learned absolute positions, biases everywhere, Conv1D weights
+  (stored [in, out], i.e. transposed relative to nn.Linear), q/k/v packed in `c_attn`.
+
+Both HF Llama and megatron apply RoPE in the rotate-half (non-interleaved) convention, so q/k
+rows map over unpermuted; the parity tests check this numerically against `transformers`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, Optional
+
+import torch
+
+from aligner.models.gpt import GPTConfig, padded_vocab_size
+
+ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# HF activation names -> GPTConfig.activation for GPT-2 (gelu_new is the tanh approximation).
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+_GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+# Class defaults of `tie_word_embeddings` when a config.json leaves it out.
+_TIE_DEFAULT = {"llama": False, "qwen2": False, "mistral": False, "gpt2": True}
+# Non-parameter tensors some HF checkpoints carry (buffers recomputed by the model).
+_IGNORED_SUFFIXES = {
+    "llama": (".rotary_emb.inv_freq",),
+    "qwen2": (".rotary_emb.inv_freq",),
+    "mistral": (".rotary_emb.inv_freq",),
+    "gpt2": (".attn.bias", ".attn.masked_bias"),
+}
+
+
+def _as_dict(hf_config: Any) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"expected a transformers config or a config.json dict, got {type(hf_config).__name__}")
+
+
+def _unsupported(arch: str, field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{arch} config: {field}={value!r} is not supported: {why}")
+
+
+def _rope_theta(arch: str, config: dict) -> float:
+    """RoPE base from either config generation (rope_parameters, or rope_theta + rope_scaling)."""
+    params = config.get("rope_parameters") or {}
+    if config.get("rope_scaling"):
+        raise _unsupported(arch, "rope_scaling", config["rope_scaling"], "only plain RoPE is implemented (no scaling)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise _unsupported(
+            arch, "rope_parameters.rope_type", rope_type, "only plain RoPE is implemented (no scaling variants)"
+        )
+    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+    if extra:
+        raise _unsupported(arch, "rope_parameters", params, f"keys {extra} change RoPE; only rope_theta is mapped")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _unsupported(arch, "partial_rotary_factor", partial, "RoPE must rotate the whole head")
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        # megatron's GPTModel takes an integer rotary_base.
+        raise _unsupported(arch, "rope_theta", theta, "megatron-core takes an integer rotary base")
+    return theta
+
+
+def _sliding_window_active(arch: str, config: dict) -> Optional[str]:
+    """A description of the sliding window if it changes attention within max_position_embeddings."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "qwen2" and not config.get("use_sliding_window", False):
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    max_positions = config["max_position_embeddings"]
+    if window >= max_positions:
+        return None  # no sequence the model accepts is longer than the window
+    return f"sliding_window={window} < max_position_embeddings={max_positions}"
+
+
+def gpt_config_from_hf(hf_config: Any, *, make_vocab_size_divisible_by: int = 128) -> tuple[GPTConfig, str]:
+    """(GPTConfig, arch) for a transformers config (object or config.json dict).
+
+    Raises ValueError naming the config field for anything the megatron model would compute
+    differently (RoPE scaling, an active sliding window, biases the layout has no place for, ...).
+    """
+    config = _as_dict(hf_config)
+    arch = config.get("model_type")
+    if arch not in ARCHS:
+        raise ValueError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+    if arch == "gpt2":
+        cfg = _gpt2_config(config)
+    else:
+        cfg = _llama_family_config(arch, config)
+    cfg.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    cfg.validate()
+    return cfg, arch
+
+
+def _llama_family_config(arch: str, config: dict) -> GPTConfig:
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise _unsupported(arch, "hidden_act", config["hidden_act"], "the MLP must be SwiGLU (silu gate)")
+    if config.get("attention_bias", False):
+        raise _unsupported(arch, "attention_bias", True, "megatron has a q/k/v bias only together with qwen2's layout")
+    if config.get("mlp_bias", False):
+        raise _unsupported(arch, "mlp_bias", True, "the Llama-style MLP here has no biases")
+    window = _sliding_window_active(arch, config)
+    if window:
+        raise ValueError(
+            f"{arch} config: {window}: sliding-window attention is not implemented; full attention matches "
+            "only for sequences no longer than the window (set max_position_embeddings <= sliding_window "
+            "in config.json if you only use such sequences)"
+        )
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    if config.get("head_dim") is None and hidden % heads:
+        raise _unsupported(arch, "hidden_size", hidden, f"not divisible by num_attention_heads={heads}; set head_dim")
+    return GPTConfig(
+        num_layers=config["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=config["intermediate_size"],
+        kv_channels=head_dim,
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config["max_position_embeddings"],
+        normalization="RMSNorm",
+        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(arch, config),
+        add_bias_linear=False,
+        add_qkv_bias=arch == "qwen2",
+        tie_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[arch])),
+        hidden_dropout=0.0,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        init_method_std=config.get("initializer_range", 0.02),
+    )
+
+
+def _gpt2_config(config: dict) -> GPTConfig:
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _GPT2_ACTIVATIONS:
+        raise _unsupported("gpt2", "activation_function", activation, f"supported: {sorted(_GPT2_ACTIVATIONS)}")
+    for field, unsupported_value, why in (
+        ("scale_attn_by_inverse_layer_idx", True, "megatron scales attention by 1/sqrt(head_dim) only"),
+        ("scale_attn_weights", False, "megatron always scales attention scores by 1/sqrt(head_dim)"),
+        ("add_cross_attention", True, "decoder-only models only"),
+    ):
+        if config.get(field, not unsupported_value) == unsupported_value:
+            raise _unsupported("gpt2", field, unsupported_value, why)
+    hidden, heads = config["n_embd"], config["n_head"]
+    if hidden % heads:
+        raise _unsupported("gpt2", "n_embd", hidden, f"not divisible by n_head={heads}")
+    # resid_pdrop is megatron's hidden_dropout; megatron applies the same rate after the
+    # embeddings, where GPT-2 uses embd_pdrop (equal in every released GPT-2; training-only).
+    return GPTConfig(
+        num_layers=config["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+        kv_channels=hidden // heads,
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config["n_positions"],
+        normalization="LayerNorm",
+        norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+        activation=_GPT2_ACTIVATIONS[activation],
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        tie_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT["gpt2"])),
+        hidden_dropout=float(config.get("resid_pdrop", 0.1)),
+        attention_dropout=float(config.get("attn_pdrop", 0.1)),
+        init_method_std=config.get("initializer_range", 0.02),
+    )
+
+
+def infer_arch(cfg: GPTConfig) -> str:
+    """The HF architecture a GPTConfig most naturally exports to."""
+    if cfg.position_embedding_type == "learned_absolute":
+        return "gpt2"
+    return "qwen2" if cfg.add_qkv_bias else "llama"
+
+
+def check_exportable(cfg: GPTConfig, arch: str) -> None:
+    """Raise ValueError (naming the model field) if `arch` cannot represent `cfg` exactly."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+    if arch == "gpt2":
+        expected = dict(
+            normalization="LayerNorm",
+            position_embedding_type="learned_absolute",
+            add_bias_linear=True,
+            add_qkv_bias=True,
+        )
+        if cfg.activation not in _GPT2_ACTIVATION_NAMES:
+            raise ValueError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
+        if cfg.query_groups != cfg.num_attention_heads:
+            raise ValueError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise ValueError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
+    else:
+        expected = dict(
+            normalization="RMSNorm",
+            activation="swiglu",
+            position_embedding_type="rope",
+            add_bias_linear=False,
+            add_qkv_bias=arch == "qwen2",
+        )
+    for field, value in expected.items():
+        if getattr(cfg, field) != value:
+            raise ValueError(
+                f"model.{field}={getattr(cfg, field)!r} cannot be exported as {arch} (which needs {value!r}); "
+                f"pick another --arch (inferred from the model it would be {infer_arch(cfg)!r})"
+            )
+    if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
+        raise ValueError(f"model.rotary_base={cfg.rotary_base} is not an integer")
+
+
+def hf_config_from_gpt(
+    cfg: GPTConfig,
+    arch: str,
+    *,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: Optional[int] = None,
+    dtype: str = "float32",
+):
+    """The transformers config of `arch` describing the same model as `cfg`."""
+    import transformers
+
+    check_exportable(cfg, arch)
+    special = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if arch == "gpt2":
+        kwargs: dict[str, Any] = dict(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_position_embeddings,
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_attention_heads,
+            n_inner=cfg.ffn_size,
+            activation_function=_GPT2_ACTIVATION_NAMES[cfg.activation],
+            resid_pdrop=cfg.hidden_dropout,
+            embd_pdrop=cfg.hidden_dropout,
+            attn_pdrop=cfg.attention_dropout,
+            layer_norm_epsilon=cfg.norm_epsilon,
+            initializer_range=cfg.init_method_std,
+            tie_word_embeddings=cfg.tie_embeddings,
+        )
+        config_class = transformers.GPT2Config
+    else:
+        config_class = {
+            "llama": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig,
+        }[arch]
+        kwargs = dict(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.ffn_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.query_groups,
+            head_dim=cfg.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=cfg.max_position_embeddings,
+            rms_norm_eps=cfg.norm_epsilon,
+            attention_dropout=cfg.attention_dropout,
+            initializer_range=cfg.init_method_std,
+            tie_word_embeddings=cfg.tie_embeddings,
+        )
+        if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
+            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+        else:  # transformers 4.x
+            kwargs["rope_theta"] = float(cfg.rotary_base)
+        if arch == "llama":
+            kwargs.update(attention_bias=False, mlp_bias=False)
+        elif arch == "mistral":
+            kwargs.update(sliding_window=None)
+        else:
+            kwargs.update(use_sliding_window=False, sliding_window=None)
+    config = config_class(**kwargs, **special)
+    config.architectures = [HF_ARCHITECTURES[arch]]
+    config.dtype = dtype
+    return config
+
+
+class _Tensors:
+    """A state dict consumed name by name, so leftovers and shape mismatches are reported."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], what: str):
+        self.tensors = dict(state_dict)
+        self.what = what
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.what} has no tensor {name!r} (expected shape {list(shape)})")
+        tensor = self.tensors.pop(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{self.what}: {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+        return tensor
+
+    def pop_if_present(self, name: str) -> Optional[torch.Tensor]:
+        return self.tensors.pop(name, None)
+
+    def finish(self) -> None:
+        if self.tensors:
+            names = sorted(self.tensors)
+            raise ValueError(
+                f"{self.what} has {len(names)} tensors the converter does not map, e.g. {names[:8]}; "
+                "the checkpoint has parts this architecture does not (wrong model_type or an unsupported variant)"
+            )
+
+
+def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """HF q [nq*hd, ...], k/v [ng*hd, ...] -> megatron's grouped [ng * (nq/ng + 2) * hd, ...]."""
+    groups, head_dim = cfg.query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    rest = q.shape[1:]
+    packed = torch.cat(
+        [
+            q.reshape(groups, per_group * head_dim, *rest),
+            k.reshape(groups, head_dim, *rest),
+            v.reshape(groups, head_dim, *rest),
+        ],
+        dim=1,
+    )
+    return packed.reshape(groups * (per_group + 2) * head_dim, *rest)
+
+
+def _unpack_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, head_dim = cfg.query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (per_group + 2) * head_dim, *rest).split(
+        [per_group * head_dim, head_dim, head_dim], dim=1
+    )
+    return (
+        q.reshape(groups * per_group * head_dim, *rest),
+        k.reshape(groups * head_dim, *rest),
+        v.reshape(groups * head_dim, *rest),
+    )
+
+
+def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    # Padding rows are zeros: their logits are masked anyway, and zeros keep them inert.
+    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+
+
+def _strip_prefix(state_dict: Mapping[str, torch.Tensor], arch: str) -> dict:
+    """Accept base-model checkpoints (LlamaModel / GPT2Model) whose names lack the model prefix."""
+    prefix = "transformer." if arch == "gpt2" else "model."
+    first = "wte.weight" if arch == "gpt2" else "embed_tokens.weight"
+    if first in state_dict:
+        return {(name if name == "lm_head.weight" else prefix + name): t for name, t in state_dict.items()}
+    return dict(state_dict)
+
+
+def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
+    """Full TP=1 megatron GPTModel state dict (without `_extra_state`) from a full HF state dict.
+
+    The vocabulary is zero-padded to `padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)`.
+    Every HF tensor must be consumed: leftovers raise ValueError.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+    state = {
+        name: tensor
+        for name, tensor in _strip_prefix(hf_state_dict, arch).items()
+        if not name.endswith(_IGNORED_SUFFIXES[arch])
+    }
+    source = _Tensors(state, f"HF {arch} state dict")
+    hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
+    padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by)
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    out: dict[str, torch.Tensor] = {}
+
+    if arch == "gpt2":
+        embed = source.take("transformer.wte.weight", (vocab, hidden))
+        out["embedding.word_embeddings.weight"] = _pad_vocab(embed, padded)
+        out["embedding.position_embeddings.weight"] = source.take(
+            "transformer.wpe.weight", (cfg.max_position_embeddings, hidden)
+        )
+        for i in range(cfg.num_layers):
+            hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
+            for hf_norm, mg_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                for kind in ("weight", "bias"):
+                    out[f"{mg}{mg_norm}.{kind}"] = source.take(f"{hf}{hf_norm}.{kind}", (hidden,))
+            # Conv1D stores [in, out]; c_attn's output is [q | k | v], each heads-contiguous.
+            q, k, v = source.take(f"{hf}attn.c_attn.weight", (hidden, 3 * hidden)).t().chunk(3, dim=0)
+            out[f"{mg}self_attention.linear_qkv.weight"] = _pack_qkv(q, k, v, cfg)
+            q, k, v = source.take(f"{hf}attn.c_attn.bias", (3 * hidden,)).chunk(3)
+            out[f"{mg}self_attention.linear_qkv.bias"] = _pack_qkv(q, k, v, cfg)
+            out[f"{mg}self_attention.linear_proj.weight"] = source.take(f"{hf}attn.c_proj.weight", (hidden, hidden)).t()
+            out[f"{mg}self_attention.linear_proj.bias"] = source.take(f"{hf}attn.c_proj.bias", (hidden,))
+            out[f"{mg}mlp.linear_fc1.weight"] = source.take(f"{hf}mlp.c_fc.weight", (hidden, ffn)).t()
+            out[f"{mg}mlp.linear_fc1.bias"] = source.take(f"{hf}mlp.c_fc.bias", (ffn,))
+            out[f"{mg}mlp.linear_fc2.weight"] = source.take(f"{hf}mlp.c_proj.weight", (ffn, hidden)).t()
+            out[f"{mg}mlp.linear_fc2.bias"] = source.take(f"{hf}mlp.c_proj.bias", (hidden,))
+        out["decoder.final_layernorm.weight"] = source.take("transformer.ln_f.weight", (hidden,))
+        out["decoder.final_layernorm.bias"] = source.take("transformer.ln_f.bias", (hidden,))
+    else:
+        embed = source.take("model.embed_tokens.weight", (vocab, hidden))
+        out["embedding.word_embeddings.weight"] = _pad_vocab(embed, padded)
+        for i in range(cfg.num_layers):
+            hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+            out[f"{mg}input_layernorm.weight"] = source.take(f"{hf}input_layernorm.weight", (hidden,))
+            q = source.take(f"{hf}self_attn.q_proj.weight", (q_size, hidden))
+            k = source.take(f"{hf}self_attn.k_proj.weight", (kv_size, hidden))
+            v = source.take(f"{hf}self_attn.v_proj.weight", (kv_size, hidden))
+            out[f"{mg}self_attention.linear_qkv.weight"] = _pack_qkv(q, k, v, cfg)
+            if cfg.add_qkv_bias:
+                q = source.take(f"{hf}self_attn.q_proj.bias", (q_size,))
+                k = source.take(f"{hf}self_attn.k_proj.bias", (kv_size,))
+                v = source.take(f"{hf}self_attn.v_proj.bias", (kv_size,))
+                out[f"{mg}self_attention.linear_qkv.bias"] = _pack_qkv(q, k, v, cfg)
+            out[f"{mg}self_attention.linear_proj.weight"] = source.take(f"{hf}self_attn.o_proj.weight", (hidden, q_size))
+            out[f"{mg}pre_mlp_layernorm.weight"] = source.take(f"{hf}post_attention_layernorm.weight", (hidden,))
+            gate = source.take(f"{hf}mlp.gate_proj.weight", (ffn, hidden))
+            up = source.take(f"{hf}mlp.up_proj.weight", (ffn, hidden))
+            out[f"{mg}mlp.linear_fc1.weight"] = torch.cat([gate, up])
+            out[f"{mg}mlp.linear_fc2.weight"] = source.take(f"{hf}mlp.down_proj.weight", (hidden, ffn))
+        out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (hidden,))
+
+    if cfg.tie_embeddings:
+        # Some checkpoints store the tied head anyway; accept it only if it really is the embedding.
+        head = source.pop_if_present("lm_head.weight")
+        if head is not None and not torch.equal(head, embed):
+            raise ValueError(
+                f"{arch} config: tie_word_embeddings=True but the checkpoint's lm_head.weight differs from the "
+                "input embedding; set tie_word_embeddings=false in config.json if the head is separate"
+            )
+    else:
+        head = source.pop_if_present("lm_head.weight")
+        if head is None:
+            raise ValueError(
+                f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
+                "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
+            )
+        source.tensors["lm_head.weight"] = head
+        out["output_layer.weight"] = _pad_vocab(source.take("lm_head.weight", (vocab, hidden)), padded)
+    source.finish()
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
+    """Full HF state dict (as `save_pretrained` writes it) from a full TP=1 megatron state dict.
+
+    `_extra_state` entries are ignored; padding vocabulary rows are dropped; a tied head is not
+    written (transformers ties it on load). Every returned tensor owns its memory.
+    """
+    check_exportable(cfg, arch)
+    source = _Tensors(
+        {name: t for name, t in megatron_state_dict.items() if not name.endswith("_extra_state")},
+        "megatron state dict",
+    )
+    hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
+    padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by)
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    qkv_size = q_size + 2 * kv_size
+    fc1_size = 2 * ffn if cfg.activation == "swiglu" else ffn
+    out: dict[str, torch.Tensor] = {}
+
+    embed = source.take("embedding.word_embeddings.weight", (padded, hidden))[:vocab]
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = embed
+        out["transformer.wpe.weight"] = source.take(
+            "embedding.position_embeddings.weight", (cfg.max_position_embeddings, hidden)
+        )
+        for i in range(cfg.num_layers):
+            hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
+            for hf_norm, mg_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                for kind in ("weight", "bias"):
+                    out[f"{hf}{hf_norm}.{kind}"] = source.take(f"{mg}{mg_norm}.{kind}", (hidden,))
+            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.weight", (qkv_size, hidden)), cfg)
+            out[f"{hf}attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.bias", (qkv_size,)), cfg)
+            out[f"{hf}attn.c_attn.bias"] = torch.cat([q, k, v])
+            out[f"{hf}attn.c_proj.weight"] = source.take(f"{mg}self_attention.linear_proj.weight", (hidden, hidden)).t()
+            out[f"{hf}attn.c_proj.bias"] = source.take(f"{mg}self_attention.linear_proj.bias", (hidden,))
+            out[f"{hf}mlp.c_fc.weight"] = source.take(f"{mg}mlp.linear_fc1.weight", (fc1_size, hidden)).t()
+            out[f"{hf}mlp.c_fc.bias"] = source.take(f"{mg}mlp.linear_fc1.bias", (fc1_size,))
+            out[f"{hf}mlp.c_proj.weight"] = source.take(f"{mg}mlp.linear_fc2.weight", (hidden, ffn)).t()
+            out[f"{hf}mlp.c_proj.bias"] = source.take(f"{mg}mlp.linear_fc2.bias", (hidden,))
+        out["transformer.ln_f.weight"] = source.take("decoder.final_layernorm.weight", (hidden,))
+        out["transformer.ln_f.bias"] = source.take("decoder.final_layernorm.bias", (hidden,))
+    else:
+        out["model.embed_tokens.weight"] = embed
+        for i in range(cfg.num_layers):
+            hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+            out[f"{hf}input_layernorm.weight"] = source.take(f"{mg}input_layernorm.weight", (hidden,))
+            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.weight", (qkv_size, hidden)), cfg)
+            out[f"{hf}self_attn.q_proj.weight"], out[f"{hf}self_attn.k_proj.weight"] = q, k
+            out[f"{hf}self_attn.v_proj.weight"] = v
+            if cfg.add_qkv_bias:
+                q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.bias", (qkv_size,)), cfg)
+                out[f"{hf}self_attn.q_proj.bias"], out[f"{hf}self_attn.k_proj.bias"] = q, k
+                out[f"{hf}self_attn.v_proj.bias"] = v
+            out[f"{hf}self_attn.o_proj.weight"] = source.take(f"{mg}self_attention.linear_proj.weight", (hidden, q_size))
+            out[f"{hf}post_attention_layernorm.weight"] = source.take(f"{mg}pre_mlp_layernorm.weight", (hidden,))
+            gate, up = source.take(f"{mg}mlp.linear_fc1.weight", (fc1_size, hidden)).chunk(2)
+            out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
+            out[f"{hf}mlp.down_proj.weight"] = source.take(f"{mg}mlp.linear_fc2.weight", (hidden, ffn))
+        out["model.norm.weight"] = source.take("decoder.final_layernorm.weight", (hidden,))
+
+    if cfg.tie_embeddings:
+        source.pop_if_present("output_layer.weight")  # a copy of the embedding on the last stage
+    else:
+        out["lm_head.weight"] = source.take("output_layer.weight", (padded, hidden))[:vocab]
+    source.finish()
+    # Views of one megatron tensor (q/k/v, gate/up) would share storage, which safetensors refuses.
+    return {name: tensor.contiguous().clone() for name, tensor in out.items()}

@@ -1,0 +1,98 @@
+"""Forward passes through megatron-core's pipeline schedule (any TP/PP layout)."""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def run_microbatches(
+    model_chunks: Sequence[torch.nn.Module],
+    microbatches: list[dict],
+    forward_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
+    loss_fn: Callable[[dict, torch.Tensor], tuple],
+    *,
+    forward_only: bool,
+    seq_length: int,
+    micro_batch_size: int,
+) -> list[dict]:
+    """Run megatron's forward(-backward) schedule over `microbatches`.
+
+    forward_fn(model, batch) -> output tensor of the chunk; loss_fn(batch, output) -> the
+    (loss_sum, num_tokens, reported) triple megatron expects with per-token loss. Returns the
+    reported dicts (only on the last pipeline stage; an empty list elsewhere).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches: Iterator[dict] = iter(microbatches)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = forward_fn(model, batch)
+        return output, lambda out: loss_fn(batch, out)
+
+    # With a virtual pipeline every chunk consumes the same micro batches through its own iterator.
+    data_iterator = batches if len(model_chunks) == 1 else [iter(microbatches) for _ in model_chunks]
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=list(model_chunks),
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def gather_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gather tensor-parallel vocab shards into [..., vocab_size] logits (padding dropped)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+
+
+@torch.no_grad()
+def forward_logits(
+    model_chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    vocab_size: int,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, vocab] for `tokens`, on every rank (any TP/PP).
+
+    One micro batch through the pipeline; the last stage's result is broadcast to all stages.
+    Meant for evaluation and tests, not for the training hot path.
+    """
+    from megatron.core import parallel_state as ps
+
+    batch_size, seq_length = tokens.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1)
+    captured: list[torch.Tensor] = []
+
+    def forward_fn(model, batch):
+        return model(batch["tokens"], batch["position_ids"], None)
+
+    def loss_fn(batch, output):
+        captured.append(gather_vocab_logits(output, vocab_size).float())
+        return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+    for chunk in model_chunks:
+        chunk.eval()
+    run_microbatches(
+        model_chunks,
+        [{"tokens": tokens, "position_ids": position_ids}],
+        forward_fn,
+        loss_fn,
+        forward_only=True,
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+    )
+    result = captured[0] if captured else torch.empty(batch_size, seq_length, vocab_size)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        last_rank = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(result, src=last_rank, group=pp_group)
+    return result

@@ -1,0 +1,273 @@
+"""The GPT policy: megatron-core `GPTModel` built from the `model:` section of a config.
+
+Two architecture families are covered by the same builder:
+- Llama-style (Llama, Qwen2, Mistral): RMSNorm, SwiGLU, RoPE, grouped-query attention,
+  untied embeddings (Qwen2 adds a bias on the QKV projection only).
+- GPT-2-style: LayerNorm, GELU (tanh approximation), learned absolute positions, biases
+  everywhere, embeddings tied with the output layer.
+The local (pure megatron-core) layer spec is used on CPU; the transformer-engine spec is used
+when `transformer_impl: transformer_engine` is asked for and the package is installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a GPT model; field names match the `model:` section of the yaml configs."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: = num_attention_heads (no GQA)
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 512
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    norm_epsilon: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh | relu
+    position_embedding_type: str = "rope"  # rope | learned_absolute
+    rotary_base: float = 10000.0
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    transformer_impl: str = "local"  # local | transformer_engine
+
+    @classmethod
+    def llama(cls, **overrides: Any) -> "GPTConfig":
+        return cls(**overrides)
+
+    @classmethod
+    def gpt2(cls, **overrides: Any) -> "GPTConfig":
+        base = dict(
+            normalization="LayerNorm",
+            activation="gelu_tanh",
+            position_embedding_type="learned_absolute",
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            tie_embeddings=True,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def validate(self, tensor_parallel_size: int = 1) -> None:
+        if self.vocab_size is None:
+            raise ValueError("model.vocab_size is not set (it is normally taken from the tokenizer)")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"model.normalization must be RMSNorm or LayerNorm, got {self.normalization!r}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
+        if self.position_embedding_type not in ("rope", "learned_absolute"):
+            raise ValueError(
+                f"model.position_embedding_type must be rope or learned_absolute, got {self.position_embedding_type!r}"
+            )
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"model.num_query_groups ({self.query_groups})"
+            )
+        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.query_groups)):
+            if value % tensor_parallel_size:
+                raise ValueError(
+                    f"model.{name}={value} is not divisible by tensor_model_parallel_size={tensor_parallel_size}"
+                )
+        if self.ffn_size % tensor_parallel_size:
+            raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by TP={tensor_parallel_size}")
+
+
+_ACTIVATIONS = {
+    "swiglu": F.silu,  # gated: silu(x W_gate) * (x W_up)
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
+    """Vocabulary rounded up to a multiple of `divisible_by`, the same at every TP size.
+
+    The padded size is part of the checkpoint's tensor shapes, so it must not depend on the
+    layout the checkpoint is saved or loaded at (that is what makes resharding possible); the
+    TP size only has to divide it.
+    """
+    padded = int(math.ceil(vocab_size / divisible_by) * divisible_by)
+    if padded % tensor_parallel_size:
+        raise ValueError(
+            f"padded vocabulary {padded} (vocab {vocab_size} rounded to model.make_vocab_size_divisible_by="
+            f"{divisible_by}) is not divisible by tensor_model_parallel_size={tensor_parallel_size}; "
+            f"set make_vocab_size_divisible_by to a multiple of {tensor_parallel_size}"
+        )
+    return padded
+
+
+def transformer_config(
+    cfg: GPTConfig,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: Optional[int] = None,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+):
+    """The megatron-core `TransformerConfig` for this architecture and parallel layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    cfg.validate(tensor_parallel_size)
+    bf16 = params_dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        ffn_hidden_size=cfg.ffn_size,
+        kv_channels=cfg.head_dim,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=cfg.activation == "swiglu",
+        activation_func=_ACTIVATIONS[cfg.activation],
+        bias_activation_fusion=False,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel_size,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        autocast_dtype=params_dtype,
+        # The full weight is initialised on the CPU and then sliced, so a TP shard holds the same
+        # numbers whatever the TP size (also the only way to initialise without CUDA).
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+    )
+
+
+def layer_spec(cfg: GPTConfig):
+    """The megatron-core module spec: local layers, or transformer-engine layers when asked for."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if cfg.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "model.transformer_impl=transformer_engine needs the transformer-engine package "
+                "(pip install 'aligner[gpu]' on a CUDA machine); use transformer_impl=local otherwise"
+            ) from error
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if cfg.transformer_impl != "local":
+        raise ValueError(f"model.transformer_impl must be local or transformer_engine, got {cfg.transformer_impl!r}")
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.normalization)
+
+
+def build_gpt_model(
+    cfg: GPTConfig,
+    config,  # megatron TransformerConfig from transformer_config()
+    *,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+):
+    """One model chunk for this pipeline stage (and virtual stage); parallel_state must be initialised."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    vocab = padded_vocab_size(
+        cfg.vocab_size, cfg.make_vocab_size_divisible_by, parallel_state.get_tensor_model_parallel_world_size()
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=vocab,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_base=int(cfg.rotary_base),
+        vp_stage=vp_stage,
+    )
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set logits of padding vocabulary entries to -inf on this tensor-parallel shard.
+
+    The padded rows exist only so every TP shard has the same size; left in, they would take
+    probability mass from real tokens and make logprobs differ from the HF model's.
+    logits: [..., vocab_shard] for this rank's shard of the padded vocabulary.
+    """
+    from megatron.core import parallel_state
+
+    shard = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    if start + shard <= vocab_size:
+        return logits
+    first_padded = max(vocab_size - start, 0)
+    logits = logits.clone()
+    logits[..., first_padded:] = float("-inf")
+    return logits
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Parameter count of the full (unsharded, unpadded-vocab) model, for FLOP estimates."""
+    hidden, heads, groups, head_dim, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.ffn_size
+    norm = hidden * (2 if cfg.normalization == "LayerNorm" else 1)
+    attention = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
+    mlp = hidden * ffn * (2 if cfg.activation == "swiglu" else 1) + ffn * hidden
+    if cfg.add_bias_linear:
+        attention += hidden
+        mlp += ffn * (2 if cfg.activation == "swiglu" else 1) + hidden
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
+        attention += (heads + 2 * groups) * head_dim
+    per_layer = attention + mlp + 2 * norm
+    embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_embeddings else 2)
+    if cfg.position_embedding_type == "learned_absolute":
+        embeddings += cfg.max_position_embeddings * hidden
+    return cfg.num_layers * per_layer + embeddings + norm

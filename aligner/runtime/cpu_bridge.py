@@ -1,0 +1,204 @@
+"""The CPU bridge for megatron-core: lets the unchanged megatron-core code path run without CUDA.
+
+megatron-core assumes CUDA in a handful of places (facts measured in shared/ENVIRONMENT.md for
+megatron-core 0.16.1). On a machine without CUDA, `apply()` patches exactly those places and
+nothing else, so the GPU path is untouched and the CPU path runs the same schedules, layers,
+DDP buffers and checkpointing code:
+
+1. `GlobalMemoryBuffer.get_tensor` (attention scratch space) allocates on `current_device()`;
+   it is re-pointed to the CPU.
+2. The model-parallel RNG tracker reads and writes the CUDA generator; the CUDA RNG entry points
+   it uses are mapped onto the CPU default generator (forking semantics are preserved).
+3. Pipeline schedules, p2p communication, DDP grad buffers and checkpoint loading create tensors
+   with a literal `device="cuda"` or `torch.cuda.current_device()`. A `TorchFunctionMode` that
+   rewrites such device arguments to CPU is entered *only* around those entry points, because a
+   global mode costs ~20 % on every torch call (see benchmarks/bridge_overhead.py); the
+   generation hot path never pays for it.
+
+This module is the only place in the project that knows about these differences.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+
+_applied = False
+_lock = threading.Lock()
+
+
+def needed() -> bool:
+    """True when there is no CUDA device, i.e. when the bridge must be applied."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):
+        return True  # a bare int means a CUDA ordinal to torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites `device=cuda`/`device=<int>` keyword arguments to CPU and makes `.cuda()` a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu():
+    """Scope in which megatron-core's literal CUDA allocations land on the CPU (no-op with CUDA)."""
+    if not _applied:
+        yield
+        return
+    with CudaToCpuMode():
+        yield
+
+
+def _scoped(fn: Callable) -> Callable:
+    """Wrap a megatron-core entry point so its body runs inside `cuda_to_cpu()`."""
+    if getattr(fn, "_aligner_bridged", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    wrapper._aligner_bridged = True
+    return wrapper
+
+
+def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    required_len = 1
+    for dim in tensor_shape:
+        required_len *= dim
+    buffer = self.buffer.get((name, dtype))
+    if buffer is None or buffer.numel() < required_len:
+        buffer = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+        self.buffer[(name, dtype)] = buffer
+    return buffer[0:required_len].view(*tensor_shape)
+
+
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip asserts `torch.cuda.FloatTensor` grads; same scaling, any device."""
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def apply() -> bool:
+    """Apply the bridge if there is no CUDA. Idempotent. Returns whether the bridge is active."""
+    global _applied
+    if not needed():
+        return False
+    with _lock:
+        if _applied:
+            return True
+        import warnings
+
+        # Without CUDA the fused kernels of apex/transformer-engine cannot exist; megatron says so
+        # at import time for every module. That is expected here, not news.
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+        import megatron.core
+        import megatron.core.utils as mcore_utils
+        from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.distributed import distributed_data_parallel as mcore_ddp
+        import importlib
+
+        mcore_finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        from megatron.core import dist_checkpointing
+
+        version = getattr(megatron.core, "__version__", "unknown")
+        if version != SUPPORTED_MEGATRON_CORE:
+            warnings.warn(
+                f"aligner's CPU bridge was written for megatron-core {SUPPORTED_MEGATRON_CORE}, "
+                f"found {version}; run tests/unit/test_cpu_bridge.py to see what changed."
+            )
+
+        # 1. Attention scratch buffers.
+        mcore_utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
+
+        # Causal mask that local attention builds when it is given none.
+        import megatron.core.transformer.utils as mcore_transformer_utils
+        import megatron.core.fusions.fused_softmax as mcore_fused_softmax
+
+        mcore_transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+        mcore_fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+        # 2. RNG: the tracker calls these torch.cuda functions and megatron's private helpers.
+        mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+        mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+        torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+        # (torch.manual_seed itself calls torch.cuda.manual_seed_all, so that one stays as it is.)
+        torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+        # 3. Literal CUDA allocations inside schedules, DDP buffers, grad finalisation, checkpoints.
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda device=None: None
+        for name in (
+            "forward_backward_no_pipelining",
+            "forward_backward_pipelining_without_interleaving",
+            "forward_backward_pipelining_with_interleaving",
+        ):
+            setattr(schedules, name, _scoped(getattr(schedules, name)))
+        mcore_ddp.DistributedDataParallel.__init__ = _scoped(
+            mcore_ddp.DistributedDataParallel.__init__
+        )
+        mcore_finalize.finalize_model_grads = _scoped(mcore_finalize.finalize_model_grads)
+        import megatron.core.distributed as mcore_distributed
+
+        mcore_distributed.finalize_model_grads = mcore_finalize.finalize_model_grads
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
+        # The fp32 optimizer wrapper (torch AdamW inside) allocates its scale and the grad-norm
+        # scratch tensors on CUDA; its arithmetic is device-agnostic.
+        mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+        for cls in (mcore_optimizer.FP32Optimizer, mcore_optimizer.ChainedOptimizer):
+            cls.__init__ = _scoped(cls.__init__)
+            cls.step = _scoped(cls.step)
+        dist_checkpointing.load = _scoped(dist_checkpointing.load)
+        dist_checkpointing.save = _scoped(dist_checkpointing.save)
+        _applied = True
+        return True

@@ -1,0 +1,131 @@
+"""Distributed start-up: process group from torchrun/Slurm variables, megatron-core parallel state.
+
+`gloo` without CUDA and `nccl` with it; the CPU bridge is applied here (and only here) so every
+entry point gets the same runtime by calling `initialize(parallel)`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.runtime import cpu_bridge
+
+
+@dataclass
+class ParallelConfig:
+    """The `parallel:` section of every config. Data parallel size is derived from the world size."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                f"({self.pipeline_model_parallel_size}) = {self.model_parallel_size}; launch "
+                f"a multiple of {self.model_parallel_size} processes or change the parallel sizes"
+            )
+        return world_size // self.model_parallel_size
+
+
+def _env_int(*names: str, default: Optional[int] = None) -> Optional[int]:
+    for name in names:
+        if os.environ.get(name) not in (None, ""):
+            return int(os.environ[name])
+    return default
+
+
+def rank_and_world_from_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun variables, else Slurm's, else a single process."""
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    return rank, local_rank, world
+
+
+def backend() -> str:
+    return "gloo" if cpu_bridge.needed() else "nccl"
+
+
+def device() -> torch.device:
+    if cpu_bridge.needed():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
+    """Start the process group and megatron-core parallel state; returns the data-parallel size."""
+    from megatron.core import parallel_state
+
+    cpu_bridge.apply()
+    rank, local_rank, world = rank_and_world_from_env()
+    dp_size = parallel.data_parallel_size(world)
+    if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:
+        raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port() if world == 1 else 29500))
+        if not cpu_bridge.needed():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend=backend(),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+    )
+    return dp_size
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_precision(name: str) -> "torch.dtype":
+    """`auto` is fp32 on CPU (bf16 matmuls are slow there) and bf16 mixed precision on GPU."""
+    if name == "auto":
+        return torch.float32 if cpu_bridge.needed() else torch.bfloat16
+    dtypes = {"fp32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"precision must be auto, fp32 or bf16, got {name!r}")
+    return dtypes[name]
+
+
+def supports_distributed_optimizer() -> bool:
+    """megatron's distributed optimizer needs CUDA tensors and reduce-scatter (not in gloo)."""
+    return not cpu_bridge.needed()

@@ -1,0 +1,135 @@
+"""A thin wrapper around a Hugging Face tokenizer read from a local directory.
+
+Besides plain encode/decode it owns how a chat is laid out in tokens
+(`encode_chat`), so that SFT training examples and the prompts given to the
+policy at generation time are tokenized by the same code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Chat layout for tokenizers without a chat template: each segment is encoded
+# on its own, the assistant reply is followed by eos, e.g.
+#   <bos>System: {system}\nUser: {user}\nAssistant: {reply}<eos>User: ...
+PLAIN_SYSTEM = "System: {content}\n"
+PLAIN_USER = "User: {content}\n"
+PLAIN_ASSISTANT_HEADER = "Assistant: "
+
+
+class Tokenizer:
+    """Token ids, special ids and chat layout of one HF tokenizer."""
+
+    def __init__(self, directory: str | Path):
+        path = Path(directory)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"tokenizer directory {path} does not exist; expected a local directory with "
+                "tokenizer files (tokenizer.json / tokenizer_config.json, e.g. written by save_pretrained)"
+            )
+        self._init(AutoTokenizer.from_pretrained(str(path), local_files_only=True), source=str(path))
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+        """Wrap an already loaded HF tokenizer."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._init(hf_tokenizer, source=type(hf_tokenizer).__name__)
+        return tokenizer
+
+    def _init(self, hf_tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+        self.hf = hf_tokenizer
+        if hf_tokenizer.eos_token_id is None:
+            # Every response we train on or generate ends with eos; without one nothing stops.
+            raise ValueError(f"tokenizer {source} has no eos token; set eos_token in its tokenizer_config.json")
+        self.eos_id: int = hf_tokenizer.eos_token_id
+        self.bos_id: int | None = hf_tokenizer.bos_token_id
+        self.pad_id: int = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab_size: int = len(hf_tokenizer)  # includes added tokens, unlike hf.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without bos/eos."""
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """Text of `messages` ({"role", "content"} dicts) under the tokenizer's chat template."""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of a chat; with add_generation_prompt, ready for the assistant to reply."""
+        return self.encode_chat(messages, add_generation_prompt)[0]
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids of a chat and a same-length mask that is 1 on assistant replies.
+
+        The mask covers each assistant message's content and the end-of-turn
+        (or eos) token that closes it, i.e. what the model must learn to emit.
+        Uses the chat template when there is one, else the plain layout above.
+        """
+        if self.has_chat_template:
+            return self._encode_templated_chat(messages, add_generation_prompt)
+        return self._encode_plain_chat(messages, add_generation_prompt)
+
+    def _encode_templated_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+        text = self.render_chat(messages, add_generation_prompt)
+        # Character spans of each assistant reply, found by rendering prefixes of the chat:
+        # the reply starts where "everything before + generation prompt" ends and ends
+        # where "everything up to and including the reply" ends.
+        cuts: list[int] = [0]
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render_chat(messages[:index], add_generation_prompt=True)
+            through = self.render_chat(messages[: index + 1])
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise ValueError(
+                    "the chat template does not render a conversation as the concatenation of its turns "
+                    f"(assistant turn {index} renders differently on its own), so assistant tokens cannot "
+                    "be located; use a template that renders earlier turns unchanged"
+                )
+            # The newline a template may put after the end-of-turn token is never generated.
+            end = len(through.rstrip())
+            cuts += [len(before), max(end, len(before))]
+        cuts.append(len(text))
+        # Encode the pieces separately so the mask is exact and a training prompt is
+        # tokenized exactly as the same prompt is at generation time.
+        tokens: list[int] = []
+        loss_mask: list[int] = []
+        for piece_index, (start, end) in enumerate(zip(cuts[:-1], cuts[1:])):
+            piece = self.encode(text[start:end]) if end > start else []
+            tokens += piece
+            loss_mask += [piece_index % 2] * len(piece)  # odd pieces are assistant replies
+        return tokens, loss_mask
+
+    def _encode_plain_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+        tokens: list[int] = [] if self.bos_id is None else [self.bos_id]
+        loss_mask: list[int] = [0] * len(tokens)
+        for message in messages:
+            role, content = message["role"], message["content"]
+            if role == "system":
+                prompt, reply = self.encode(PLAIN_SYSTEM.format(content=content)), []
+            elif role == "user":
+                prompt, reply = self.encode(PLAIN_USER.format(content=content)), []
+            elif role == "assistant":
+                prompt, reply = self.encode(PLAIN_ASSISTANT_HEADER), self.encode(content) + [self.eos_id]
+            else:
+                raise ValueError(f"unknown chat role {role!r}; expected system, user or assistant")
+            tokens += prompt + reply
+            loss_mask += [0] * len(prompt) + [1] * len(reply)
+        if add_generation_prompt:
+            header = self.encode(PLAIN_ASSISTANT_HEADER)
+            tokens += header
+            loss_mask += [0] * len(header)
+        return tokens, loss_mask
+
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer files so `Tokenizer(directory)` loads it back."""
+        self.hf.save_pretrained(str(directory))

@@ -1,0 +1,145 @@
+"""Building the pieces every trainer needs: model chunks in DDP, optimizer, LR schedule.
+
+The same megatron-core objects are used on CPU and GPU: `DistributedDataParallel` for gradient
+reduction, `get_megatron_optimizer` (torch AdamW inside an fp32 wrapper on CPU; mixed precision
+and the distributed optimizer on GPU), `OptimizerParamScheduler` for warmup + decay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.runtime import distributed
+from aligner.runtime.distributed import ParallelConfig
+
+
+@dataclass
+class OptimConfig:
+    """The `optim:` section."""
+
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay_style: str = "cosine"  # cosine | linear | constant
+    clip_grad: float = 1.0
+
+
+def build_model_chunks(
+    model_cfg: GPTConfig,
+    parallel: ParallelConfig,
+    params_dtype: torch.dtype,
+    chunk_builder: Callable = build_gpt_model,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (one, or one per virtual pipeline stage), before DDP wrapping."""
+    config = transformer_config(
+        model_cfg,
+        tensor_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        params_dtype=params_dtype,
+        sequence_parallel=parallel.sequence_parallel,
+    )
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    if vpp:
+        if model_cfg.num_layers % (parallel.pipeline_model_parallel_size * vpp):
+            raise ValueError(
+                f"model.num_layers={model_cfg.num_layers} must divide evenly into pipeline stages x "
+                f"virtual stages = {parallel.pipeline_model_parallel_size} x {vpp}"
+            )
+        chunks = [chunk_builder(model_cfg, config, vp_stage=stage) for stage in range(vpp)]
+    else:
+        if model_cfg.num_layers % parallel.pipeline_model_parallel_size:
+            raise ValueError(
+                f"model.num_layers={model_cfg.num_layers} is not divisible by "
+                f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}"
+            )
+        chunks = [chunk_builder(model_cfg, config)]
+    device = distributed.device()
+    return [chunk.to(device) for chunk in chunks]
+
+
+def wrap_for_training(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Mixed-precision wrapper (bf16) and megatron DDP around each chunk; returns the wrapped chunks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed.supports_distributed_optimizer(),
+        check_for_nan_in_grad=True,
+    )
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        if config.bf16:
+            chunk = Float16Module(config, chunk)
+        wrapped.append(
+            DistributedDataParallel(
+                config,
+                ddp_config,
+                chunk,
+                # Only the first chunk's buffers are bucketed normally (megatron's convention).
+                disable_bucketing=index > 0,
+            )
+        )
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    return wrapped
+
+
+def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dtype: torch.dtype):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=distributed.supports_distributed_optimizer(),
+    )
+    return get_megatron_optimizer(config, chunks)
+
+
+def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if optim.decay_style not in ("cosine", "linear", "constant"):
+        raise ValueError(f"optim.decay_style must be cosine, linear or constant, got {optim.decay_style!r}")
+    warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.decay_style != "constant" else optim.lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+def attach_grad_hooks(chunks: list[torch.nn.Module], optimizer) -> None:
+    """Tell megatron's schedules how to reduce gradients and scale the loss."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = chunks[0].config if hasattr(chunks[0], "config") else chunks[0].module.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
