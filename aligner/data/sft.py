@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_dict, require_list, require_str
+from aligner.runtime.distributed import is_rank_zero
 from aligner.tokenizer import Tokenizer
 
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
@@ -102,7 +103,8 @@ class SFTDataset(Dataset):
         self.stats = SFTStats()
         records = list(read_jsonl(path))
         self.examples: list[SFTExample] = []
-        progress = tqdm(records, desc=f"tokenizing {path}", disable=len(records) <= PROGRESS_BAR_MIN_RECORDS)
+        quiet = len(records) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
+        progress = tqdm(records, desc=f"tokenizing {path}", disable=True if quiet else None)
         for line, record in progress:
             example = encode_record(record, tokenizer, path, line)
             self.stats.records += 1

@@ -106,9 +106,15 @@ def _single_model_parallel_group() -> Iterator[None]:
 
 
 def _build_model(cfg: GPTConfig) -> torch.nn.Module:
+    """The TP=1 model; its random initial weights are overwritten, so the caller's RNG is left alone."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
     from aligner.models.gpt import build_gpt_model, transformer_config
 
-    return build_gpt_model(cfg, transformer_config(cfg))
+    with torch.random.fork_rng(devices=[]):
+        if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
+            model_parallel_cuda_manual_seed(0)  # megatron's init forks this stream
+        return build_gpt_model(cfg, transformer_config(cfg))
 
 
 def _is_rank_zero() -> bool:

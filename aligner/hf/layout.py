@@ -450,13 +450,11 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
                 "input embedding; set tie_word_embeddings=false in config.json if the head is separate"
             )
     else:
-        head = source.pop_if_present("lm_head.weight")
-        if head is None:
+        if "lm_head.weight" not in source.tensors:
             raise ValueError(
                 f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
                 "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
             )
-        source.tensors["lm_head.weight"] = head
         out["output_layer.weight"] = _pad_vocab(source.take("lm_head.weight", (vocab, hidden)), padded)
     source.finish()
     return {name: tensor.contiguous() for name, tensor in out.items()}

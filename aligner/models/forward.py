@@ -50,7 +50,8 @@ def gather_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gather tensor-parallel vocab shards into [..., vocab_size] logits (padding dropped)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+    # contiguous: a slice of the padded vocab is a strided view, and collectives send raw storage.
+    return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].contiguous()
 
 
 @torch.no_grad()

@@ -183,6 +183,10 @@ def apply() -> bool:
             "forward_backward_pipelining_with_interleaving",
         ):
             setattr(schedules, name, _scoped(getattr(schedules, name)))
+        # Tied embeddings across pipeline stages: the last stage's copy is made with `.cuda()`.
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        LanguageModule.setup_embeddings_and_output_layer = _scoped(LanguageModule.setup_embeddings_and_output_layer)
         mcore_ddp.DistributedDataParallel.__init__ = _scoped(
             mcore_ddp.DistributedDataParallel.__init__
         )

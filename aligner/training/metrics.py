@@ -112,7 +112,9 @@ class MetricsLogger:
         if config.progress_bar:
             from tqdm import tqdm
 
-            self.progress = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True, file=sys.stderr)
+            # disable=None: a bar on a terminal, none in a redirected log (the metrics lines remain).
+            self.progress = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True,
+                                 file=sys.stderr, disable=None)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
         if not self.enabled:

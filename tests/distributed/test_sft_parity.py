@@ -1,0 +1,118 @@
+"""SFT through the real entry point: parallel-layout parity and resume parity (torchrun, gloo)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aligner.demo import arithmetic
+from aligner.demo.tokenizer import train_char_tokenizer
+
+from ..conftest import REPO_ROOT, run_torchrun
+
+SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_parity")
+    train = _write_jsonl(root / "train.jsonl", arithmetic.sft_records(256, seed=3))
+    texts = [r["input"] + r["output"] for r in arithmetic.sft_records(256, seed=3)]
+    train_char_tokenizer(texts, root / "tokenizer")
+    common = [
+        f"tokenizer.path={root / 'tokenizer'}",
+        f"data.train=[{{path: {train}}}]",
+        "data.split='100,0'",
+        "data.max_seq_length=16",
+        "model.architecture.num_layers=4",
+        "model.architecture.hidden_size=64",
+        "model.architecture.num_attention_heads=4",
+        "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=128",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        "trainer.val_check_interval=0",
+        "optim.lr=1e-3",
+        "optim.warmup_steps=1",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.peak_tflops=1.0",
+    ]
+    # One random initialisation, saved once: every layout starts from these exact weights.
+    init_dir = root / "init"
+    _run_python(SFT_SCRIPT, *common, "trainer.max_steps=0", f"checkpoint.save_dir={init_dir}",
+                f"logging.log_dir={root / 'init_logs'}")
+    return root, common, init_dir / "step_00000000"
+
+
+def _run_python(script: Path, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                            timeout=600, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result.stdout
+
+
+def _train_losses(log_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if row["split"] == "train"}
+
+
+def _layout_args(tp: int, pp: int) -> list[str]:
+    return [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}"]
+
+
+def test_loss_matches_across_parallel_layouts(sft_setup):
+    root, common, init = sft_setup
+    losses = {}
+    for tp, pp, dp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]:
+        log_dir = root / f"layout_{tp}{pp}{dp}"
+        run_torchrun(SFT_SCRIPT, tp * pp * dp, *common, *_layout_args(tp, pp), f"model.init_from={init}",
+                     "trainer.max_steps=3", "checkpoint.save_at_end=false",
+                     f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
+        losses[(tp, pp, dp)] = _train_losses(log_dir)
+    reference = losses[(1, 1, 1)]
+    assert sorted(reference) == [1, 2, 3]
+    assert reference[3] < reference[1], f"loss did not fall: {reference}"
+    for layout, layout_losses in losses.items():
+        for step in (1, 2, 3):
+            relative = abs(layout_losses[step] - reference[step]) / abs(reference[step])
+            assert relative < 1e-5, f"layout (TP,PP,DP)={layout} step {step}: {layout_losses[step]} vs {reference[step]}"
+
+
+def test_resume_continues_the_run_exactly(sft_setup):
+    root, common, init = sft_setup
+    run_args = [*common, f"model.init_from={init}", "trainer.max_steps=4", "checkpoint.save_interval=2",
+                "checkpoint.keep_last=0"]
+    uninterrupted = root / "resume_a"
+    _run_python(SFT_SCRIPT, *run_args, f"checkpoint.save_dir={uninterrupted / 'ckpt'}", f"logging.log_dir={uninterrupted}")
+    expected = _train_losses(uninterrupted)
+    assert (uninterrupted / "ckpt" / "step_00000002").is_dir() and (uninterrupted / "ckpt" / "step_00000004").is_dir()
+
+    # A run stopped after step 2: its save_dir holds only the step-2 checkpoint.
+    resumed = root / "resume_b"
+    shutil.copytree(uninterrupted / "ckpt" / "step_00000002", resumed / "ckpt" / "step_00000002")
+    output = _run_python(SFT_SCRIPT, *run_args, f"checkpoint.save_dir={resumed / 'ckpt'}", f"logging.log_dir={resumed}")
+    assert "resumed from" in output
+    continued = _train_losses(resumed)
+    assert sorted(continued) == [3, 4], continued
+    for step in (3, 4):
+        assert continued[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (step, continued, expected)
+
+    # The same checkpoint resumed at another layout (TP=2): optimizer state is resharded too.
+    resharded = root / "resume_tp2"
+    shutil.copytree(uninterrupted / "ckpt" / "step_00000002", resharded / "ckpt" / "step_00000002")
+    output = run_torchrun(SFT_SCRIPT, 2, *run_args, *_layout_args(2, 1),
+                          f"checkpoint.save_dir={resharded / 'ckpt'}", f"logging.log_dir={resharded}")
+    continued = _train_losses(resharded)
+    for step in (3, 4):
+        assert abs(continued[step] - expected[step]) / expected[step] < 1e-5, (step, continued, expected)
