@@ -21,29 +21,37 @@ import warnings
 from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 BATCH = 32
 PREFILL_TOKENS = 64
 SMALL_OP_CALLS = 2000
 
 
-class _CallCounter(TorchFunctionMode):
-    """Counts the torch calls that reach it (entered outside the bridge's mode, it sees what that mode forwards)."""
+def _count_bridge_calls(fn: Callable[[], object]) -> int:
+    """How many torch calls the bridge's mode handles while fn() runs (counted, not timed)."""
+    from aligner.runtime.cpu_bridge import CudaToCpuMode
 
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
+    original = CudaToCpuMode.__torch_function__
+    calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
+    def counting(self, func, types, args=(), kwargs=None):
+        nonlocal calls
+        calls += 1
+        return original(self, func, types, args, kwargs)
 
-
-def _count_calls(fn: Callable[[], object]) -> int:
-    with _CallCounter() as counter:
+    CudaToCpuMode.__torch_function__ = counting
+    try:
         fn()
-    return counter.calls
+    finally:
+        CudaToCpuMode.__torch_function__ = original
+    return calls
+
+
+def _in_scope(fn: Callable[[], object]) -> object:
+    from aligner.runtime.cpu_bridge import cuda_to_cpu
+
+    with cuda_to_cpu():
+        return fn()
 
 
 def _paired_medians(fn: Callable[[], object], repeats: int, warmup: int) -> tuple[float, float]:
@@ -151,7 +159,7 @@ def main() -> None:
     from aligner.runtime import cpu_bridge, distributed, seeds
     from aligner.runtime.distributed import ParallelConfig
 
-    if cpu_bridge.needed() is False:
+    if not cpu_bridge.needed():
         print("CUDA is available: the CPU bridge is not applied here, so there is nothing to measure.")
         return
     parallel = ParallelConfig()
@@ -175,7 +183,7 @@ def main() -> None:
                 return model(tokens, positions, None)
 
         plain, scoped = _paired_medians(forward, args.repeats, args.warmup)
-        calls = _count_calls(forward)
+        calls = _count_bridge_calls(lambda: _in_scope(forward))
         per_call = (scoped - plain) / calls
         per_call_by_case[name.strip()] = per_call
         print(f"{name} [{BATCH}, {seq:>2}]  plain {plain * 1e3:7.2f} ms   in scope {scoped * 1e3:7.2f} ms   "
@@ -195,7 +203,7 @@ def main() -> None:
 
     step = _training_step_fn(model_cfg, parallel, model_cfg.vocab_size)
     step_seconds = _median_seconds(step, max(args.repeats // 3, 3), 2)
-    step_calls = _count_calls(step)
+    step_calls = _count_bridge_calls(step)
     print(f"training step [{BATCH} x {PREFILL_TOKENS}] (schedule fwd+bwd + finalize_model_grads + optimizer.step, "
           f"inside the scope by construction): {step_seconds * 1e3:.2f} ms, {step_calls} torch calls through the mode")
     # The decode forward is call-bound, so its difference is the cleanest forward estimate of the

@@ -71,6 +71,18 @@ def forward_logits(
     batch_size, seq_length = tokens.shape
     if position_ids is None:
         position_ids = torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1)
+    # The interleaved (virtual pipeline) schedule needs at least PP micro batches: split the rows,
+    # repeating the last one to even them out, and drop the repeats afterwards.
+    num_microbatches = ps.get_pipeline_model_parallel_world_size() if len(model_chunks) > 1 else 1
+    rows_per_microbatch = -(-batch_size // num_microbatches)
+    padding_rows = rows_per_microbatch * num_microbatches - batch_size
+    if padding_rows:
+        tokens = torch.cat([tokens, tokens[-1:].expand(padding_rows, -1)])
+        position_ids = torch.cat([position_ids, position_ids[-1:].expand(padding_rows, -1)])
+    microbatches = [
+        {"tokens": tokens[i:i + rows_per_microbatch], "position_ids": position_ids[i:i + rows_per_microbatch]}
+        for i in range(0, len(tokens), rows_per_microbatch)
+    ]
     captured: list[torch.Tensor] = []
 
     def forward_fn(model, batch):
@@ -82,18 +94,12 @@ def forward_logits(
 
     for chunk in model_chunks:
         chunk.eval()
-    run_microbatches(
-        model_chunks,
-        [{"tokens": tokens, "position_ids": position_ids}],
-        forward_fn,
-        loss_fn,
-        forward_only=True,
-        seq_length=seq_length,
-        micro_batch_size=batch_size,
-    )
-    result = captured[0] if captured else torch.empty(batch_size, seq_length, vocab_size)
-    pp_group = ps.get_pipeline_model_parallel_group()
+    run_microbatches(model_chunks, microbatches, forward_fn, loss_fn, forward_only=True,
+                     seq_length=seq_length, micro_batch_size=rows_per_microbatch)
+    if captured:
+        result = torch.cat(captured)[:batch_size]
+    else:
+        result = torch.empty(batch_size, seq_length, vocab_size)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        last_rank = ps.get_pipeline_model_parallel_last_rank()
-        dist.broadcast(result, src=last_rank, group=pp_group)
+        dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     return result

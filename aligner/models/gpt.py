@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from aligner.runtime import cpu_bridge
+
 
 @dataclass
 class GPTConfig:
@@ -182,6 +184,7 @@ def transformer_config(
         # numbers whatever the TP size (also the only way to initialise without CUDA).
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
+        **cpu_bridge.transformer_config_overrides(),
     )
 
 

@@ -42,6 +42,19 @@ def is_applied() -> bool:
     return _applied
 
 
+def transformer_config_overrides() -> dict:
+    """TransformerConfig settings the gloo backend needs (empty with CUDA/NCCL).
+
+    batch_p2p_comm: megatron's batched p2p posts all sends/receives of a step as one batch. Under
+    an interleaved (virtual) pipeline with two stages a rank receives two same-shaped messages
+    from the same peer in one batch (next chunk's activations and previous chunk's gradients);
+    NCCL groups match them, gloo matches by posting order and can swap them (silently wrong
+    losses, caught by tests/distributed/test_sft_parity.py). The non-batched path orders sends
+    and receives by even/odd rank and is exact on gloo.
+    """
+    return {"batch_p2p_comm": False} if needed() else {}
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, int):
         return True  # a bare int means a CUDA ordinal to torch

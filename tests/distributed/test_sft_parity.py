@@ -67,26 +67,53 @@ def _train_losses(log_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if row["split"] == "train"}
 
 
-def _layout_args(tp: int, pp: int) -> list[str]:
-    return [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}"]
+def _layout_args(tp: int, pp: int, vpp: int | None = None) -> list[str]:
+    return [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
+            f"parallel.virtual_pipeline_model_parallel_size={'null' if vpp is None else vpp}"]
 
 
-def test_loss_matches_across_parallel_layouts(sft_setup):
-    root, common, init = sft_setup
+def _losses_per_layout(root: Path, name: str, run_args: list[str], layouts) -> dict:
     losses = {}
-    for tp, pp, dp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]:
-        log_dir = root / f"layout_{tp}{pp}{dp}"
-        run_torchrun(SFT_SCRIPT, tp * pp * dp, *common, *_layout_args(tp, pp), f"model.init_from={init}",
-                     "trainer.max_steps=3", "checkpoint.save_at_end=false",
-                     f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
-        losses[(tp, pp, dp)] = _train_losses(log_dir)
+    for tp, pp, dp, *vpp in layouts:
+        log_dir = root / f"{name}_{tp}{pp}{dp}{''.join(map(str, vpp))}"
+        run_torchrun(SFT_SCRIPT, tp * pp * dp, *run_args, *_layout_args(tp, pp, *vpp), "trainer.max_steps=3",
+                     "checkpoint.save_at_end=false", f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
+        losses[(tp, pp, dp, *vpp)] = _train_losses(log_dir)
+    return losses
+
+
+def _assert_same_losses(losses: dict) -> None:
     reference = losses[(1, 1, 1)]
     assert sorted(reference) == [1, 2, 3]
     assert reference[3] < reference[1], f"loss did not fall: {reference}"
     for layout, layout_losses in losses.items():
         for step in (1, 2, 3):
             relative = abs(layout_losses[step] - reference[step]) / abs(reference[step])
-            assert relative < 1e-5, f"layout (TP,PP,DP)={layout} step {step}: {layout_losses[step]} vs {reference[step]}"
+            assert relative < 1e-5, f"layout {layout} step {step}: {layout_losses[step]} vs {reference[step]}"
+
+
+def test_loss_matches_across_parallel_layouts(sft_setup):
+    """(TP, PP, DP[, virtual pipeline stages]) from one initial checkpoint: same losses."""
+    root, common, init = sft_setup
+    layouts = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 1, 2)]
+    _assert_same_losses(_losses_per_layout(root, "layout", [*common, f"model.init_from={init}"], layouts))
+
+
+def test_tied_embeddings_split_across_pipeline_stages(sft_setup):
+    """GPT-2 style: the embedding on stage 0 and the output layer on the last stage are one
+    weight, kept equal by megatron's embedding-group gradient all-reduce."""
+    root, common, _ = sft_setup
+    gpt2_style = [
+        "model.architecture.normalization=LayerNorm", "model.architecture.activation=gelu_tanh",
+        "model.architecture.position_embedding_type=learned_absolute", "model.architecture.add_bias_linear=true",
+        "model.architecture.add_qkv_bias=true", "model.architecture.tie_embeddings=true",
+        "model.architecture.max_position_embeddings=32",
+    ]
+    init_dir = root / "init_gpt2"
+    _run_python(SFT_SCRIPT, *common, *gpt2_style, "trainer.max_steps=0", f"checkpoint.save_dir={init_dir}",
+                f"logging.log_dir={root / 'init_gpt2_logs'}")
+    run_args = [*common, f"model.init_from={init_dir / 'step_00000000'}"]
+    _assert_same_losses(_losses_per_layout(root, "tied", run_args, [(1, 1, 1), (1, 2, 1)]))
 
 
 def test_resume_continues_the_run_exactly(sft_setup):
