@@ -81,6 +81,7 @@ def save(
     model_chunks: Sequence[torch.nn.Module],
     *,
     model_config: dict,
+    extra_meta: Optional[dict] = None,
     optimizer=None,
     trainer_state: Optional[dict] = None,
     tokenizer_dir: Optional[str | os.PathLike] = None,
@@ -116,6 +117,7 @@ def save(
             "trainer_state": trainer_state or {},
             "has_optimizer": optimizer is not None,
             "has_rng_state": save_rng,
+            **(extra_meta or {}),
         }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         if tokenizer_dir is not None:
@@ -133,13 +135,20 @@ def load(
     *,
     optimizer=None,
     load_rng: bool = False,
+    skip_prefixes: Sequence[str] = (),
 ) -> dict:
-    """Load model (and optionally optimizer and RNG) state into the given layout; returns the meta."""
+    """Load model (and optionally optimizer and RNG) state into the given layout; returns the meta.
+
+    skip_prefixes: parameter names (per chunk) starting with these are not loaded and keep their
+    current values, e.g. a reward head that an SFT checkpoint does not have.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     meta = read_meta(checkpoint_dir)
     model_state = model_sharded_state_dict(model_chunks)
+    if skip_prefixes:
+        model_state = _without_prefixes(model_state, tuple(skip_prefixes), len(model_chunks) > 1)
     request: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         if not meta.get("has_optimizer"):
@@ -154,11 +163,13 @@ def load(
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded["model"][f"model{i}"], strict=True)
+    for i, chunk in enumerate(chunks):
+        state = loaded["model"] if len(chunks) == 1 else loaded["model"][f"model{i}"]
+        result = chunk.load_state_dict(state, strict=not skip_prefixes)
+        if skip_prefixes:
+            missing = [key for key in result.missing_keys if not key.startswith(tuple(skip_prefixes))]
+            if missing or result.unexpected_keys:
+                raise CheckpointError(f"{checkpoint_dir}: missing {missing}, unexpected {result.unexpected_keys}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if load_rng:
@@ -167,6 +178,12 @@ def load(
         seeds.set_rng_state(loaded["rng_state"])
     meta["rng_restored"] = load_rng
     return meta
+
+
+def _without_prefixes(state: dict, prefixes: tuple, per_chunk: bool) -> dict:
+    if per_chunk:
+        return {name: _without_prefixes(chunk_state, prefixes, False) for name, chunk_state in state.items()}
+    return {key: value for key, value in state.items() if not key.startswith(prefixes)}
 
 
 def step_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -86,6 +86,6 @@ def run_main(main) -> None:
 
     try:
         main()
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as error:
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

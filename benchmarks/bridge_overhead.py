@@ -10,7 +10,7 @@ so this script measures:
   3. one training step (schedule forward+backward, finalize_model_grads, optimizer step), which
      runs inside the mode by construction: calls made there x cost per call = the mode's share.
 
-    python benchmarks/bridge_overhead.py [--repeats 30] [--warmup 5]
+    python benchmarks/bridge_overhead.py [--repeats 30] [--warmup 5] [--threads 1]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,8 +55,17 @@ def _in_scope(fn: Callable[[], object]) -> object:
         return fn()
 
 
-def _paired_medians(fn: Callable[[], object], repeats: int, warmup: int) -> tuple[float, float]:
-    """Median seconds of fn() plain and inside cuda_to_cpu(), measured alternately so drift hits both."""
+@dataclass
+class Paired:
+    """fn() timed plain and inside cuda_to_cpu(), alternately; medians in seconds."""
+
+    plain: float
+    scoped: float
+    ratio: float  # median over pairs of scoped / plain: a burst of load hits both sides of a pair
+    extra: float  # median over pairs of scoped - plain
+
+
+def _paired(fn: Callable[[], object], repeats: int, warmup: int) -> Paired:
     from aligner.runtime.cpu_bridge import cuda_to_cpu
 
     def plain() -> float:
@@ -72,15 +82,20 @@ def _paired_medians(fn: Callable[[], object], repeats: int, warmup: int) -> tupl
     for _ in range(warmup):
         plain()
         scoped()
-    plain_times, scoped_times = [], []
+    pairs = []
     for repeat in range(repeats):
         if repeat % 2:
-            plain_times.append(plain())
-            scoped_times.append(scoped())
+            plain_seconds = plain()
+            pairs.append((plain_seconds, scoped()))
         else:
-            scoped_times.append(scoped())
-            plain_times.append(plain())
-    return statistics.median(plain_times), statistics.median(scoped_times)
+            scoped_seconds = scoped()
+            pairs.append((plain(), scoped_seconds))
+    return Paired(
+        plain=statistics.median(p for p, _ in pairs),
+        scoped=statistics.median(s for _, s in pairs),
+        ratio=statistics.median(s / p for p, s in pairs),
+        extra=statistics.median(s - p for p, s in pairs),
+    )
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -146,8 +161,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30, help="timed repeats per case (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed repeats before timing")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's choice); 1 is steadier on a busy machine")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (0: torch's choice). The mode's cost is per Python-level "
+                        "call; one thread keeps the arithmetic steady on a shared machine so the difference shows")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron's "no transformer-engine/apex" import warnings
     if args.threads:
@@ -182,12 +198,12 @@ def main() -> None:
             with torch.no_grad():
                 return model(tokens, positions, None)
 
-        plain, scoped = _paired_medians(forward, args.repeats, args.warmup)
+        timing = _paired(forward, args.repeats, args.warmup)
         calls = _count_bridge_calls(lambda: _in_scope(forward))
-        per_call = (scoped - plain) / calls
+        per_call = timing.extra / calls
         per_call_by_case[name.strip()] = per_call
-        print(f"{name} [{BATCH}, {seq:>2}]  plain {plain * 1e3:7.2f} ms   in scope {scoped * 1e3:7.2f} ms   "
-              f"ratio {scoped / plain:.3f}   ({calls} torch calls, {per_call * 1e6:+.2f} us/call)")
+        print(f"{name} [{BATCH}, {seq:>2}]  plain {timing.plain * 1e3:7.2f} ms   in scope {timing.scoped * 1e3:7.2f} ms   "
+              f"ratio {timing.ratio:.3f}   ({calls} torch calls, {per_call * 1e6:+.2f} us/call)")
 
     small_a, small_b = torch.ones(4), torch.ones(4)
 
@@ -195,10 +211,10 @@ def main() -> None:
         for _ in range(SMALL_OP_CALLS):
             torch.add(small_a, small_b)
 
-    plain, scoped = _paired_medians(small_ops, max(args.repeats // 3, 3), 1)
-    loop_per_call = (scoped - plain) / SMALL_OP_CALLS
-    print(f"small-op loop      plain {plain / SMALL_OP_CALLS * 1e6:7.2f} us   in scope "
-          f"{scoped / SMALL_OP_CALLS * 1e6:7.2f} us   ratio {scoped / plain:.3f}   "
+    timing = _paired(small_ops, max(args.repeats // 3, 3), 1)
+    loop_per_call = timing.extra / SMALL_OP_CALLS
+    print(f"small-op loop      plain {timing.plain / SMALL_OP_CALLS * 1e6:7.2f} us   in scope "
+          f"{timing.scoped / SMALL_OP_CALLS * 1e6:7.2f} us   ratio {timing.ratio:.3f}   "
           f"({loop_per_call * 1e6:+.2f} us/call)")
 
     step = _training_step_fn(model_cfg, parallel, model_cfg.vocab_size)

@@ -1,7 +1,7 @@
 """Steps of micro batches for megatron's schedules: sampler + collate, one list per global step."""
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from torch.utils.data import Dataset
 
@@ -18,7 +18,7 @@ class MicroBatchLoader:
 
     def __init__(self, dataset: Dataset, *, global_batch_size: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool,
-                 pad_id: int, pad_to_multiple_of: int = 8):
+                 pad_id: int, pad_to_multiple_of: int = 8, collate_fn: Optional[Callable] = None):
         self.dataset = dataset
         self.sampler_args = dict(
             dataset_length=len(dataset), global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
@@ -28,6 +28,9 @@ class MicroBatchLoader:
         self.global_batch_size = global_batch_size
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        # collate_fn(examples, pad_id, pad_to_multiple_of) -> dict of [rows, ...] tensors; a dataset
+        # item may become several rows (a preference pair is two), sliced micro batch by micro batch.
+        self.collate_fn = collate_fn or collate_sft
         self.num_microbatches = DistributedBatchSampler(**self.sampler_args).num_microbatches
         self.steps_per_epoch = DistributedBatchSampler(**self.sampler_args).steps_per_epoch
 
@@ -49,9 +52,10 @@ class MicroBatchLoader:
             except StopIteration:
                 return
             # One collate over the whole step gives every micro batch the same padded length.
-            batch = collate_sft([self.dataset[i] for i in indices], self.pad_id, self.pad_to_multiple_of)
-            yield [_slice_batch(batch, start, start + self.micro_batch_size)
-                   for start in range(0, len(indices), self.micro_batch_size)]
+            batch = self.collate_fn([self.dataset[i] for i in indices], self.pad_id, self.pad_to_multiple_of)
+            rows_per_item = batch["tokens"].shape[0] // len(indices)
+            rows = self.micro_batch_size * rows_per_item
+            yield [_slice_batch(batch, start, start + rows) for start in range(0, batch["tokens"].shape[0], rows)]
             step += 1
 
 

@@ -71,6 +71,11 @@ def forward_logits(
     batch_size, seq_length = tokens.shape
     if position_ids is None:
         position_ids = torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1)
+    for chunk in model_chunks:
+        chunk.eval()
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        # One stage: call the model directly (no schedule, so no CPU-bridge scope on the hot path).
+        return gather_vocab_logits(model_chunks[0](tokens, position_ids, None), vocab_size).float()
     # The interleaved (virtual pipeline) schedule needs at least PP micro batches: split the rows,
     # repeating the last one to even them out, and drop the repeats afterwards.
     num_microbatches = ps.get_pipeline_model_parallel_world_size() if len(model_chunks) > 1 else 1
@@ -92,8 +97,6 @@ def forward_logits(
         captured.append(gather_vocab_logits(output, vocab_size).float())
         return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
-    for chunk in model_chunks:
-        chunk.eval()
     run_microbatches(model_chunks, microbatches, forward_fn, loss_fn, forward_only=True,
                      seq_length=seq_length, micro_batch_size=rows_per_microbatch)
     if captured:

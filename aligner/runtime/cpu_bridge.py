@@ -12,8 +12,8 @@ DDP buffers and checkpointing code:
 3. Pipeline schedules, p2p communication, DDP grad buffers and checkpoint loading create tensors
    with a literal `device="cuda"` or `torch.cuda.current_device()`. A `TorchFunctionMode` that
    rewrites such device arguments to CPU is entered *only* around those entry points, because a
-   global mode costs ~20 % on every torch call (see benchmarks/bridge_overhead.py); the
-   generation hot path never pays for it.
+   global mode costs ~20-40 % on every torch call (see benchmarks/bridge_overhead.py); a model
+   forward called directly (generation, single-stage evaluation) never pays for it.
 
 This module is the only place in the project that knows about these differences.
 """
@@ -180,6 +180,13 @@ def apply() -> bool:
         mcore_fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
 
         # 2. RNG: the tracker calls these torch.cuda functions and megatron's private helpers.
+        # The tracker's "CUDA" stream is the CPU generator here, so megatron's check that the CPU
+        # stream did not move inside a fork fires on every dropout draw: expected, not news.
+        import logging
+
+        logging.getLogger(mcore_random.__name__).addFilter(
+            lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+        )
         mcore_random._get_cuda_rng_state = _cpu_get_rng_state
         mcore_random._set_cuda_rng_state = _cpu_set_rng_state
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
@@ -212,6 +219,9 @@ def apply() -> bool:
         # The fp32 optimizer wrapper (torch AdamW inside) allocates its scale and the grad-norm
         # scratch tensors on CUDA; its arithmetic is device-agnostic.
         mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+        # Grad norm / zero counting, also callable outside step() (e.g. for logging).
+        mcore_optimizer.get_grad_norm_fp32 = _scoped(mcore_optimizer.get_grad_norm_fp32)
+        mcore_optimizer.count_zeros_fp32 = _scoped(mcore_optimizer.count_zeros_fp32)
         for cls in (mcore_optimizer.FP32Optimizer, mcore_optimizer.ChainedOptimizer):
             cls.__init__ = _scoped(cls.__init__)
             cls.step = _scoped(cls.step)

@@ -143,3 +143,95 @@ def attach_grad_hooks(chunks: list[torch.nn.Module], optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+
+@dataclass
+class DatasetEntry:
+    path: str = "???"
+    weight: float = 1.0
+
+
+@dataclass
+class ModelSection:
+    """The `model:` section."""
+
+    init_from: Optional[str] = None  # aligner checkpoint (HF import or an earlier run); None: random init
+    architecture: GPTConfig = field(default_factory=GPTConfig)  # used only for random init
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None  # HF tokenizer directory; None: the one stored in model.init_from
+
+
+@dataclass
+class TrainingModel:
+    """What `build_training_model` returns: the runtime, tokenizer and model ready to train."""
+
+    model_cfg: GPTConfig
+    chunks: list  # DDP-wrapped model chunks
+    optimizer: object
+    tokenizer: object
+    tokenizer_dir: str
+    data_parallel_size: int
+    params_dtype: torch.dtype
+    resume_checkpoint: Optional[object]  # newest checkpoint in checkpoint.save_dir, to resume from
+
+
+def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
+                         tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
+                         chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = ()) -> TrainingModel:
+    """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
+
+    chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
+    skip_prefixes names parameters that `init_from` does not provide (a fresh reward head).
+    """
+    from pathlib import Path
+
+    from aligner import checkpointing
+    from aligner.runtime import seeds
+    from aligner.tokenizer import Tokenizer
+    from aligner.training.metrics import get_logger
+
+    data_parallel_size = distributed.initialize(parallel)
+    params_dtype = distributed.resolve_precision(precision)
+    init_from = model.init_from
+    tokenizer_dir = tokenizer.path or (str(Path(init_from) / checkpointing.TOKENIZER_DIR) if init_from else None)
+    if tokenizer_dir is None:
+        raise checkpointing.CheckpointError("set tokenizer.path (or model.init_from to a checkpoint that holds a tokenizer)")
+    loaded_tokenizer = Tokenizer(tokenizer_dir)
+    if init_from:
+        model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
+    else:
+        model_cfg = GPTConfig.from_dict(model.architecture.to_dict())
+        model_cfg.vocab_size = model_cfg.vocab_size or loaded_tokenizer.vocab_size
+    if loaded_tokenizer.vocab_size > model_cfg.vocab_size:
+        raise checkpointing.CheckpointError(
+            f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}"
+        )
+
+    seeds.set_seed(seed)
+    chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder)
+    latest = checkpointing.latest_checkpoint(save_dir) if resume else None
+    if init_from and latest is None:
+        checkpointing.load(init_from, chunks, skip_prefixes=skip_prefixes)
+        get_logger().info(f"initialised from {init_from}")
+    chunks = wrap_for_training(chunks)
+    optimizer = build_optimizer(chunks, optim, params_dtype)
+    attach_grad_hooks(chunks, optimizer)
+    return TrainingModel(model_cfg, chunks, optimizer, loaded_tokenizer, tokenizer_dir, data_parallel_size,
+                         params_dtype, latest)
+
+
+def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,
+                 pad_to_multiple_of: int, collate_fn: Optional[Callable] = None):
+    """Micro-batch loader for this data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.data.loader import MicroBatchLoader
+
+    return MicroBatchLoader(
+        dataset, global_batch_size=trainer_cfg.global_batch_size, micro_batch_size=trainer_cfg.micro_batch_size,
+        data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=data_parallel_size, seed=seed,
+        shuffle=shuffle, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, collate_fn=collate_fn,
+    )

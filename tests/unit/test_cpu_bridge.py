@@ -126,6 +126,7 @@ def test_apply_wraps_each_entry_point_once():
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed import finalize_model_grads as exported_finalize
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
     from megatron.core.pipeline_parallel import schedules
 
@@ -133,6 +134,7 @@ def test_apply_wraps_each_entry_point_once():
         schedules.forward_backward_no_pipelining,
         schedules.forward_backward_pipelining_without_interleaving,
         schedules.forward_backward_pipelining_with_interleaving,
+        LanguageModule.setup_embeddings_and_output_layer,  # tied embeddings' `.cuda()` at PP > 1
         DistributedDataParallel.__init__,
         exported_finalize,
         FP32Optimizer.__init__, FP32Optimizer.step,
@@ -144,6 +146,14 @@ def test_apply_wraps_each_entry_point_once():
         assert getattr(entry_point, "_aligner_bridged", False), entry_point
         # A second apply() must not stack a second mode around the same function.
         assert not getattr(entry_point.__wrapped__, "_aligner_bridged", False), entry_point
+
+
+def test_gloo_transformer_config_overrides():
+    """gloo matches batched p2p messages by posting order, so the bridge turns batching off."""
+    from aligner.models.gpt import GPTConfig, transformer_config
+
+    assert cpu_bridge.transformer_config_overrides() == {"batch_p2p_comm": False}
+    assert transformer_config(GPTConfig(vocab_size=VOCAB)).batch_p2p_comm is False
 
 
 def test_version_check_names_the_supported_megatron_core(monkeypatch):
@@ -381,15 +391,10 @@ def test_fp32_optimizer_steps_on_cpu_and_clips_to_the_global_norm():
         megatron_clip(copies, clip_grad, expected_norm)
 
 
-# --- known gaps: strict xfails, so fixing the bridge turns them into failures to un-mark ---------
+# --- gaps found by these tests and closed in the bridge -----------------------------------------
 
-@pytest.mark.xfail(
-    strict=True, raises=NO_CUDA_ERRORS,
-    reason="bridge gap: only optimizer.step() is scoped; get_grad_norm/clip_grad_norm/count_zeros called "
-    "on their own reach get_grad_norm_fp32's device='cuda' allocations (wrap get_grad_norm_fp32 and "
-    "count_zeros_fp32 in megatron.core.optimizer.optimizer with _scoped)",
-)
 def test_optimizer_grad_norm_outside_step():
+    """get_grad_norm/clip_grad_norm/count_zeros work on their own, not only inside step()."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_model = _wrap_ddp(_tiny_gpt(seed=3))
@@ -400,13 +405,8 @@ def test_optimizer_grad_norm_outside_step():
     assert optimizer.get_grad_norm() == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bridge gap: the tracker's 'CUDA' generator is the CPU generator, so megatron's fork() logs "
-    "'CPU RNG state changed within GPU RNG context' on every draw inside a fork (once per layer per "
-    "forward with attention_dropout > 0); apply() could filter that record on this logger",
-)
 def test_forked_draws_log_no_warning(caplog):
+    """On CPU the tracker's stream is the CPU generator: megatron's per-draw warning is filtered."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(11)

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-preference", type=int, default=10000)
     parser.add_argument("--num-preference-validation", type=int, default=500)
     parser.add_argument("--num-attributes", type=int, default=10000)
+    parser.add_argument("--num-attributes-validation", type=int, default=500)
     parser.add_argument("--num-rl-prompts", type=int, default=5000)
     return parser.parse_args(argv)
 
@@ -41,6 +42,7 @@ def build_files(args: argparse.Namespace) -> dict[str, list[dict]]:
             args.num_preference_validation, seed, split="heldout"
         ),
         "attributes_train.jsonl": arithmetic.attribute_records(args.num_attributes, seed),
+        "attributes_validation.jsonl": arithmetic.attribute_records(args.num_attributes_validation, seed, split="heldout"),
         "rl_prompts.jsonl": arithmetic.rl_prompts(args.num_rl_prompts, seed),
     }
 

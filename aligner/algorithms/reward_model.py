@@ -1,0 +1,266 @@
+"""Reward-model training: binary ranking (Bradley-Terry) or attribute regression (SteerLM).
+
+Reads top to bottom: config schema, the losses (pure functions), the objective the shared
+trainer runs, reward normalisation, and `build_reward_model_trainer`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from aligner.runtime.distributed import ParallelConfig
+from aligner.training.metrics import LoggingConfig
+from aligner.training.setup import DatasetEntry, ModelSection, OptimConfig, TokenizerConfig
+from aligner.training.trainer import CheckpointConfig, Trainer, TrainerConfig
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class RewardSection:
+    type: str = "binary_ranking"  # binary_ranking | regression
+    attributes: list = field(default_factory=lambda: ["reward"])  # regression: one output per attribute
+    normalize: bool = True  # store mean/std of rewards on a reference set so served rewards are normalised
+    normalization_samples: int = 1024  # reference-set size (from validation data, else training data)
+
+
+@dataclass
+class RewardDataConfig:
+    train: list[DatasetEntry] = field(default_factory=list)
+    validation: list[DatasetEntry] = field(default_factory=list)  # empty: carve `split` out of train
+    split: str = "98,2"
+    max_seq_length: int = 512
+    append_eos: bool = True
+    shuffle: bool = True
+    pad_to_multiple_of: int = 8
+
+
+@dataclass
+class RewardModelConfig:
+    name: str = "reward_model"
+    seed: int = 1234
+    precision: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    reward: RewardSection = field(default_factory=RewardSection)
+    data: RewardDataConfig = field(default_factory=RewardDataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------- losses
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair -log sigmoid(r_chosen - r_rejected): the negative log-likelihood that the
+    chosen response is preferred under the Bradley-Terry model. chosen, rejected: [pairs]."""
+    return -F.logsigmoid(chosen - rejected)
+
+
+def masked_regression_loss(predictions: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-entry squared error, zero where an attribute is unlabelled. All [batch, attributes]."""
+    return (predictions - labels).pow(2) * mask
+
+
+# ----------------------------------------------------------------------------- objectives
+class RankingObjective:
+    """Rows come in (chosen, rejected) pairs; the loss is the mean Bradley-Terry loss per pair."""
+
+    def forward(self, model, batch):
+        return model(batch["tokens"], batch["position_ids"], None)
+
+    def loss(self, batch, scores):
+        from aligner.models.reward import scores_at_last_token
+
+        rewards = scores_at_last_token(scores.float(), batch["lengths"])[:, 0]  # [2 * pairs]
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        per_pair = bradley_terry_loss(chosen, rejected)
+        loss_sum = per_pair.sum()
+        pairs = torch.tensor(per_pair.numel(), dtype=torch.int)
+        report = {
+            "loss_sum": loss_sum.detach(), "pairs": pairs.float(),
+            "correct": (chosen > rejected).float().sum().detach(),
+            "margin_sum": (chosen - rejected).sum().detach(),
+            "chosen_sum": chosen.sum().detach(), "rejected_sum": rejected.sum().detach(),
+        }
+        return loss_sum, pairs, report
+
+    def summarize(self, totals):
+        pairs = max(totals["pairs"], 1.0)
+        return {
+            "loss": totals["loss_sum"] / pairs, "accuracy": totals["correct"] / pairs,
+            "margin": totals["margin_sum"] / pairs, "chosen_reward": totals["chosen_sum"] / pairs,
+            "rejected_reward": totals["rejected_sum"] / pairs, "pairs": totals["pairs"],
+        }
+
+
+class RegressionObjective:
+    """Mean squared error over the labelled (sequence, attribute) entries of the global batch."""
+
+    def __init__(self, attributes: list[str]):
+        self.attributes = list(attributes)
+
+    def forward(self, model, batch):
+        return model(batch["tokens"], batch["position_ids"], None)
+
+    def loss(self, batch, scores):
+        from aligner.models.reward import scores_at_last_token
+
+        predictions = scores_at_last_token(scores.float(), batch["lengths"])  # [batch, attributes]
+        squared = masked_regression_loss(predictions, batch["labels"], batch["label_mask"])
+        loss_sum = squared.sum()
+        labelled = batch["label_mask"].sum().to(torch.int)
+        report = {"loss_sum": loss_sum.detach(), "labelled": labelled.float()}
+        for index, name in enumerate(self.attributes):
+            report[f"se_{name}"] = squared[:, index].sum().detach()
+            report[f"n_{name}"] = batch["label_mask"][:, index].sum()
+        return loss_sum, labelled, report
+
+    def summarize(self, totals):
+        metrics = {"loss": totals["loss_sum"] / max(totals["labelled"], 1.0)}
+        for name in self.attributes:
+            metrics[f"mse_{name}"] = totals[f"se_{name}"] / max(totals[f"n_{name}"], 1.0)
+        return metrics
+
+
+# ----------------------------------------------------------------------------- normalisation
+def reward_normalization(inference, loader, max_samples: int) -> dict:
+    """Mean and std of raw rewards per attribute over up to `max_samples` reference sequences.
+
+    Collective: every rank iterates the same loader slice for its data-parallel rank; statistics
+    are computed from the gathered rewards, so every rank returns the same numbers.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from aligner.runtime.distributed import device
+
+    rewards = []
+    seen = 0
+    for microbatches in loader.iterate(0, epochs=1, limit_samples=max_samples):
+        for batch in microbatches:
+            rewards.append(inference.infer_local(batch["tokens"], batch["lengths"]))
+            seen += batch["tokens"].shape[0]
+    local = torch.cat(rewards).double() if rewards else torch.zeros(0, inference.num_attributes, dtype=torch.float64)
+    stats = torch.stack([local.sum(0), local.pow(2).sum(0), torch.full_like(local.sum(0), local.shape[0])]).to(device())
+    dist.all_reduce(stats, group=ps.get_data_parallel_group())
+    total, total_sq, count = stats.cpu()
+    mean = total / count
+    std = (total_sq / count - mean.pow(2)).clamp_min(1e-12).sqrt()
+    return {"mean": mean.tolist(), "std": std.tolist()}
+
+
+# ----------------------------------------------------------------------------- building a run
+def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
+    from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
+    from aligner.data.reward import ComparisonDataset, RegressionDataset, collate_comparisons, collate_regression
+    from aligner.models.gpt import num_parameters
+    from aligner.models.reward import HEAD_STATE_PREFIX, build_reward_model
+    from aligner.training import setup
+    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+
+    reward = cfg.reward
+    if reward.type not in ("binary_ranking", "regression"):
+        raise ValueError(f"reward.type must be binary_ranking or regression, got {reward.type!r}")
+    if reward.type == "binary_ranking" and len(reward.attributes) != 1:
+        raise ValueError(f"reward.type=binary_ranking predicts one reward; reward.attributes={reward.attributes}")
+    num_attributes = len(reward.attributes)
+
+    def chunk_builder(model_cfg, config, **kwargs):
+        return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed, **kwargs)
+
+    built = setup.build_training_model(
+        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        chunk_builder=chunk_builder, skip_prefixes=(HEAD_STATE_PREFIX,),
+    )
+    logger = get_logger()
+
+    def load_dataset(entry: DatasetEntry):
+        if reward.type == "binary_ranking":
+            dataset = ComparisonDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, cfg.data.append_eos)
+        else:
+            dataset = RegressionDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, list(reward.attributes),
+                                        cfg.data.append_eos)
+        logger.info(f"{entry.path}: {dataset.stats.kept} examples ({dataset.stats.dropped_too_long} dropped: "
+                    f"longer than {cfg.data.max_seq_length} tokens)")
+        return dataset
+
+    if not cfg.data.train:
+        raise ValueError("data.train is empty: give at least one {path, weight} entry")
+    train_sets, val_sets = [], [load_dataset(entry) for entry in cfg.data.validation]
+    for entry in cfg.data.train:
+        dataset = load_dataset(entry)
+        if cfg.data.validation:
+            train_sets.append(dataset)
+            continue
+        train_idx, val_idx = split_indices(len(dataset), cfg.data.split, cfg.seed)
+        train_sets.append(IndexedSubset(dataset, train_idx))
+        if val_idx:
+            val_sets.append(IndexedSubset(dataset, val_idx))
+    trainer_cfg = cfg.trainer
+    if len(train_sets) == 1:
+        train_set = train_sets[0]
+    else:
+        num_samples = max(sum(len(d) for d in train_sets), trainer_cfg.max_steps * trainer_cfg.global_batch_size)
+        train_set = BlendedDataset(train_sets, [e.weight for e in cfg.data.train], num_samples, cfg.seed)
+    val_set = None
+    if val_sets:
+        val_set = val_sets[0] if len(val_sets) == 1 else torch.utils.data.ConcatDataset(val_sets)
+
+    collate = collate_comparisons if reward.type == "binary_ranking" else collate_regression
+
+    def loader(dataset, shuffle):
+        return setup.build_loader(dataset, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size,
+                                  seed=cfg.seed, shuffle=shuffle, pad_id=built.tokenizer.pad_id,
+                                  pad_to_multiple_of=cfg.data.pad_to_multiple_of, collate_fn=collate)
+
+    train_loader = loader(train_set, cfg.data.shuffle)
+    val_loader = None
+    if val_set is not None and len(val_set) >= trainer_cfg.global_batch_size:
+        val_loader = loader(val_set, False)
+    elif val_set is not None:
+        logger.warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: validation is off")
+    total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
+    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
+    model_cfg = built.model_cfg
+    objective = RankingObjective() if reward.type == "binary_ranking" else RegressionObjective(list(reward.attributes))
+    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
+    reward_meta = {"type": reward.type, "attributes": list(reward.attributes), "normalization": None}
+    trainer = Trainer(
+        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective,
+        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
+        val_loader=val_loader, metrics=metrics, checkpoint_meta={"model": model_cfg.to_dict(), "reward": reward_meta},
+        tokenizer_dir=built.tokenizer_dir, num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size, peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
+        pad_id=built.tokenizer.pad_id,
+    )
+    if built.resume_checkpoint is not None:
+        trainer.resume_from(built.resume_checkpoint)
+        from aligner import checkpointing
+
+        trainer.checkpoint_meta["reward"] = checkpointing.read_meta(built.resume_checkpoint).get("reward", reward_meta)
+    # The reference set for normalisation: validation data if any, else training data.
+    trainer.normalization_loader = val_loader if val_loader is not None else train_loader
+    metrics.write(
+        f"{cfg.name}: {reward.type} over {reward.attributes}, {num_parameters(model_cfg) / 1e6:.2f}M parameters, "
+        f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+        f"DP={built.data_parallel_size}, {len(train_set)} train examples, {total_steps} steps of {trainer_cfg.global_batch_size}"
+    )
+    return trainer
+
+
+def finish_reward_model(trainer: Trainer, cfg: RewardModelConfig) -> None:
+    """After training: measure and store the reward normalisation, then save the final checkpoint."""
+    from aligner.models.reward import RewardInference
+
+    if cfg.reward.normalize:
+        inference = RewardInference(trainer.chunks, len(cfg.reward.attributes), cfg.trainer.micro_batch_size)
+        normalization = reward_normalization(inference, trainer.normalization_loader, cfg.reward.normalization_samples)
+        trainer.checkpoint_meta["reward"]["normalization"] = normalization
+        trainer.metrics.write(f"reward normalisation on the reference set: mean {normalization['mean']}, "
+                              f"std {normalization['std']}")
+    trainer.save()

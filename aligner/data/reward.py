@@ -1,0 +1,352 @@
+"""Reward-model data: comparison pairs (Bradley-Terry ranking) and attribute labels (SteerLM regression).
+
+Comparison files come in two layouts, detected from the first record of each file:
+  {"prompt": "<prompt>", "chosen": "<response>", "rejected": "<response>"}   one pair per line
+  {"text": "<prompt + chosen>"} then {"text": "<prompt + rejected>"}          NeMo-Aligner: two lines per pair
+Regression files hold one labelled text per line, the label as a string or an object:
+  {"text": "...", "label": "helpfulness:4,correctness:3"}
+  {"text": "...", "label": {"helpfulness": 4, "correctness": 3}}
+
+Sequences longer than max_seq_length are dropped, never truncated: cutting a response
+changes what is being judged, so a truncated pair or label would be a wrong example.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
+from aligner.runtime.distributed import is_rank_zero
+from aligner.tokenizer import Tokenizer
+
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+LABEL_EXAMPLE = "'helpfulness:4,correctness:3' or {\"helpfulness\": 4, \"correctness\": 3}"
+
+
+@dataclass
+class RewardDataStats:
+    """What tokenization did to the file; the trainer logs it."""
+
+    records: int = 0  # comparisons (pairs) or labelled texts read
+    dropped_too_long: int = 0  # a sequence longer than max_seq_length (dropped, never truncated)
+
+    @property
+    def kept(self) -> int:
+        return self.records - self.dropped_too_long
+
+
+@dataclass
+class Comparison:
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass
+class LabelledText:
+    tokens: list[int]
+    labels: list[float]  # one per attribute, 0.0 where masked
+    label_mask: list[float]  # 1.0 where the record gives the attribute
+
+
+def _keys_present(record: dict) -> str:
+    return ", ".join(sorted(map(repr, record))) or "none"
+
+
+def _progress(items: list, path: str | Path) -> Iterable:
+    quiet = len(items) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
+    return tqdm(items, desc=f"tokenizing {path}", disable=True if quiet else None)
+
+
+def _check_max_seq_length(max_seq_length: int) -> None:
+    if max_seq_length < 1:
+        raise ValueError(
+            f"max_seq_length must be at least 1 (the reward is read at the last token), got {max_seq_length}"
+        )
+
+
+class _TokenLayout:
+    """[bos if the tokenizer has one] + pieces encoded one by one + [eos if append_eos]."""
+
+    def __init__(self, tokenizer: Tokenizer, append_eos: bool):
+        self.tokenizer = tokenizer
+        self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        self.eos = [tokenizer.eos_id] if append_eos else []
+
+    def __call__(self, *pieces: str) -> list[int]:
+        tokens = list(self.bos)
+        for piece in pieces:
+            # Encoded separately, as SFT does, so a prompt tokenizes the same with any response.
+            tokens += self.tokenizer.encode(piece)
+        return tokens + self.eos
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def _detect_comparison_layout(record: dict, path: str | Path, line: int) -> str:
+    if any(key in record for key in PAIR_KEYS):
+        return "pairs"
+    if "text" in record:
+        return "text"
+    raise DataError(
+        f"{path}:{line}: cannot tell the comparison layout: the first record has neither 'prompt'/'chosen'/'rejected' "
+        f"nor 'text' (keys present: {_keys_present(record)}); expected "
+        '{"prompt", "chosen", "rejected"} per line, or {"text"} lines alternating chosen and rejected'
+    )
+
+
+def _comparison_texts(records: list[tuple[int, dict]], layout: str, path: str | Path) -> list[tuple[tuple, tuple]]:
+    """(chosen pieces, rejected pieces) per pair; the pieces are encoded one by one."""
+    if layout == "pairs":
+        pairs = []
+        for line, record in records:
+            prompt, chosen, rejected = (require_str(record, key, path, line) for key in PAIR_KEYS)
+            pairs.append(((prompt, chosen), (prompt, rejected)))
+        return pairs
+    if len(records) % 2:
+        raise DataError(
+            f"{path}:{records[-1][0]}: odd number of records ({len(records)}) in the 'text' comparison layout; "
+            "expected each chosen text to be followed by its rejected text on the next line"
+        )
+    texts = []
+    for line, record in records:
+        if "label" in record:
+            # An attribute file fed to the comparison reader would silently pair unrelated texts.
+            raise DataError(
+                f"{path}:{line}: record has a 'label' key, so this looks like attribute (regression) data; "
+                "comparison files in the 'text' layout hold only {\"text\"} lines, chosen then rejected"
+            )
+        texts.append((line, require_str(record, "text", path, line)))
+    return [((chosen,), (rejected,)) for (_, chosen), (_, rejected) in zip(texts[::2], texts[1::2])]
+
+
+class ComparisonDataset(Dataset):
+    """Tokenized (chosen, rejected) pairs of one JSONL file, for a pairwise ranking loss.
+
+    append_eos: end every sequence with eos (the reward is read at the last token, so the
+    model sees the same end marker at training and at scoring time).
+    """
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int, append_eos: bool = True):
+        _check_max_seq_length(max_seq_length)
+        self.path = path
+        self.max_seq_length = max_seq_length
+        self.stats = RewardDataStats()
+        records = list(read_jsonl(path))
+        if not records:
+            raise DataError(f"{path}:0: the file holds no records; expected comparison pairs in JSONL")
+        self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
+        encode = _TokenLayout(tokenizer, append_eos)
+        self.comparisons: list[Comparison] = []
+        for chosen, rejected in _progress(_comparison_texts(records, self.layout, path), path):
+            comparison = Comparison(encode(*chosen), encode(*rejected))
+            self.stats.records += 1
+            if max(len(comparison.chosen), len(comparison.rejected)) > max_seq_length:
+                self.stats.dropped_too_long += 1
+                continue
+            self.comparisons.append(comparison)
+        if not self.comparisons:
+            raise DataError(
+                f"{path}:0: no usable comparisons: all {self.stats.records} pairs have a sequence longer than "
+                f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
+            )
+
+    def __len__(self) -> int:
+        return len(self.comparisons)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        comparison = self.comparisons[index]
+        return {
+            "chosen": torch.tensor(comparison.chosen, dtype=torch.long),
+            "rejected": torch.tensor(comparison.rejected, dtype=torch.long),
+        }
+
+
+# ---------------------------------------------------------------- regression (attribute labels)
+
+
+def _label_number(name: str, value: Any, path: str | Path, line: int, in_text: bool) -> float:
+    """A label value: a JSON number in an object, or (in_text) the text after ':' in a label string."""
+    if in_text:
+        try:
+            number = float(value)
+        except ValueError:
+            raise DataError(
+                f"{path}:{line}: label {name!r} has value {value!r}, which is not a number; "
+                f"expected e.g. {LABEL_EXAMPLE}"
+            ) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise DataError(f"{path}:{line}: label {name!r} is a {type(value).__name__}; expected a number")
+    if not math.isfinite(number):
+        raise DataError(f"{path}:{line}: label {name!r} is {value!r}; expected a finite number")
+    return number
+
+
+def _label_items(value: Any, path: str | Path, line: int) -> list[tuple[str, float]]:
+    """(name, value) pairs of a label string or object, in the order given."""
+    if isinstance(value, dict):
+        return [(name, _label_number(name, raw, path, line, in_text=False)) for name, raw in value.items()]
+    if not isinstance(value, str):
+        raise DataError(f"{path}:{line}: 'label' is a {type(value).__name__}; expected {LABEL_EXAMPLE}")
+    if not value.strip():
+        return []
+    items: list[tuple[str, float]] = []
+    for item in value.split(","):
+        name, colon, raw = item.partition(":")
+        name = name.strip()
+        if not colon or not name:
+            raise DataError(
+                f"{path}:{line}: malformed label {value!r}: item {item.strip()!r} is not 'name:value'; "
+                f"expected {LABEL_EXAMPLE}"
+            )
+        if any(name == seen for seen, _ in items):
+            raise DataError(f"{path}:{line}: malformed label {value!r}: attribute {name!r} is given twice")
+        items.append((name, _label_number(name, raw.strip(), path, line, in_text=True)))
+    return items
+
+
+def parse_label(value: Any, attributes: list[str], path: str | Path, line: int) -> tuple[list[float], list[float]]:
+    """Attribute values of one record's label, in the order of `attributes`, and their mask.
+
+    value: "helpfulness:4,correctness:3" or {"helpfulness": 4, "correctness": 3}. An attribute
+    the label leaves out gets value 0.0 and mask 0.0; a name not in `attributes` is an error.
+    """
+    columns = {name: column for column, name in enumerate(attributes)}
+    labels = [0.0] * len(attributes)
+    mask = [0.0] * len(attributes)
+    items = _label_items(value, path, line)
+    if not items:
+        raise DataError(
+            f"{path}:{line}: 'label' names no attribute, so there is nothing to learn; expected {LABEL_EXAMPLE}"
+        )
+    for name, number in items:
+        if name not in columns:
+            raise DataError(
+                f"{path}:{line}: unknown attribute {name!r} in 'label'; known attributes: {', '.join(attributes)} "
+                "(add it to the model's attributes, or remove it from the data)"
+            )
+        labels[columns[name]] = number
+        mask[columns[name]] = 1.0
+    return labels, mask
+
+
+def _check_attributes(attributes: list[str]) -> None:
+    if not attributes:
+        raise ValueError("attributes is empty; expected the attribute names to predict, e.g. ['helpfulness']")
+    for name in attributes:
+        if not isinstance(name, str) or not name.strip() or name != name.strip() or any(c in name for c in ",:"):
+            raise ValueError(
+                f"attribute name {name!r} is not usable in a label; expected a non-empty name without ',' or ':'"
+            )
+    if len(set(attributes)) != len(attributes):
+        raise ValueError(f"attributes {attributes} name an attribute twice; each must be a distinct output column")
+
+
+class RegressionDataset(Dataset):
+    """Tokenized texts with per-attribute labels (SteerLM attribute prediction) of one JSONL file.
+
+    attributes: the attribute names to predict; their order is the order of the output columns.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        max_seq_length: int,
+        attributes: list[str],
+        append_eos: bool = True,
+    ):
+        _check_max_seq_length(max_seq_length)
+        _check_attributes(attributes)
+        self.path = path
+        self.max_seq_length = max_seq_length
+        self.attributes = list(attributes)
+        self.stats = RewardDataStats()
+        records = list(read_jsonl(path))
+        if not records:
+            raise DataError(f"{path}:0: the file holds no records; expected {{\"text\", \"label\"}} per line")
+        encode = _TokenLayout(tokenizer, append_eos)
+        self.examples: list[LabelledText] = []
+        for line, record in _progress(records, path):
+            text = require_str(record, "text", path, line)
+            if "label" not in record:
+                raise DataError(f"{path}:{line}: missing key 'label' (keys present: {_keys_present(record)})")
+            labels, label_mask = parse_label(record["label"], self.attributes, path, line)
+            tokens = encode(text)
+            self.stats.records += 1
+            if len(tokens) > max_seq_length:
+                self.stats.dropped_too_long += 1
+                continue
+            self.examples.append(LabelledText(tokens, labels, label_mask))
+        if not self.examples:
+            raise DataError(
+                f"{path}:0: no usable examples: all {self.stats.records} texts are longer than "
+                f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
+            )
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        example = self.examples[index]
+        return {
+            "tokens": torch.tensor(example.tokens, dtype=torch.long),
+            "labels": torch.tensor(example.labels, dtype=torch.float32),
+            "label_mask": torch.tensor(example.label_mask, dtype=torch.float32),
+        }
+
+
+# ---------------------------------------------------------------- collation
+
+
+def _pad_right(sequences: list[torch.Tensor], pad_id: int, pad_to_multiple_of: int) -> dict:
+    """tokens [N, S] right-padded, lengths [N], position_ids [N, S]; S rounded up to the multiple."""
+    if not sequences:
+        raise ValueError("cannot collate an empty batch")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be at least 1, got {pad_to_multiple_of}")
+    lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
+    seq_len = -(-int(lengths.max()) // pad_to_multiple_of) * pad_to_multiple_of
+    tokens = torch.full((len(sequences), seq_len), pad_id, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        tokens[row, : len(sequence)] = sequence
+    return {
+        "tokens": tokens,
+        "lengths": lengths,  # the reward is read at index lengths - 1
+        "position_ids": torch.arange(seq_len).repeat(len(sequences), 1),
+        # Padding is on the right, so under the model's causal mask it never reaches a real position.
+        "attention_mask": None,
+    }
+
+
+def collate_comparisons(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-pad comparison pairs into one batch of 2B sequences.
+
+    Rows are interleaved [chosen0, rejected0, chosen1, rejected1, ...], so any contiguous
+    slice of 2k rows (a micro-batch split) holds k whole pairs. Returns tokens and
+    position_ids [2B, S] long, lengths [2B] long (true lengths), attention_mask None.
+    """
+    sequences = [example[key] for example in examples for key in ("chosen", "rejected")]
+    return _pad_right(sequences, pad_id, pad_to_multiple_of)
+
+
+def collate_regression(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-pad labelled texts into a batch.
+
+    Returns tokens and position_ids [B, S] long, lengths [B] long, labels and
+    label_mask [B, A] float (A = number of attributes), attention_mask None.
+    """
+    batch = _pad_right([example["tokens"] for example in examples], pad_id, pad_to_multiple_of)
+    batch["labels"] = torch.stack([example["labels"] for example in examples])
+    batch["label_mask"] = torch.stack([example["label_mask"] for example in examples])
+    return batch

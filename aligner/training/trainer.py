@@ -1,0 +1,217 @@
+"""The training loop shared by every loss-over-batches algorithm (SFT, reward models, DPO, ...).
+
+An algorithm supplies an *objective*: how a model chunk is run on a micro batch, the loss, and how
+summed per-micro-batch reports become metrics. The `Trainer` owns everything else: megatron's
+pipeline schedule, the optimizer and LR steps, validation, checkpoints, resume and metrics.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from aligner import checkpointing
+from aligner.models.forward import run_microbatches
+from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
+
+
+@dataclass
+class TrainerConfig:
+    """The `trainer:` section."""
+
+    max_steps: int = 100
+    max_epochs: Optional[int] = None
+    global_batch_size: int = 32
+    micro_batch_size: int = 4
+    val_check_interval: int = 50  # steps; <= 0 disables
+    limit_val_samples: Optional[int] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """The `checkpoint:` section."""
+
+    save_dir: str = "results/checkpoints"
+    save_interval: int = 0  # steps; <= 0: only at the end
+    keep_last: int = 2
+    save_at_end: bool = True
+    resume: bool = True  # continue from the newest checkpoint in save_dir if there is one
+
+
+class Objective(Protocol):
+    """What an algorithm tells the trainer.
+
+    loss(batch, output) returns (loss_sum, count, report): megatron divides the gradient by the
+    count summed over the whole global batch (all micro batches and data-parallel ranks), so the
+    loss is a mean over that batch whatever the layout. `report` values are 1-element tensors that
+    are summed the same way and handed to `summarize` to become metrics.
+    """
+
+    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor: ...
+
+    def loss(self, batch: dict, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]: ...
+
+    def summarize(self, totals: dict[str, float]) -> dict[str, float]: ...
+
+
+class Trainer:
+    """fit / train_step / validate / save / resume over megatron model chunks wrapped in DDP."""
+
+    def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
+                 chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
+                 checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
+                 hidden_size: int, peak_tflops: float, pad_id: int):
+        self.name = name
+        self.trainer_cfg = trainer_cfg
+        self.checkpoint_cfg = checkpoint_cfg
+        self.objective = objective
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.metrics = metrics
+        self.checkpoint_meta = checkpoint_meta  # {"model": GPTConfig dict, ...extra sections}
+        self.tokenizer_dir = tokenizer_dir
+        self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
+        self.peak_tflops = peak_tflops
+        self.pad_id = pad_id
+        self.step = 0
+        self.consumed_samples = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.train_loader.total_steps(self.trainer_cfg.max_steps, self.trainer_cfg.max_epochs)
+
+    # -- the loop
+    def fit(self) -> None:
+        total = self.total_steps
+        batches = self.train_loader.iterate(self.consumed_samples)
+        while self.step < total:
+            metrics = self.train_step(next(batches))
+            self.step += 1
+            self.consumed_samples += self.trainer_cfg.global_batch_size
+            self.metrics.log(self.step, metrics)
+            self.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+            interval = self.trainer_cfg.val_check_interval
+            if self.val_loader is not None and interval > 0 and (self.step % interval == 0 or self.step == total):
+                self.metrics.log(self.step, self.validate(), prefix="validation")
+            interval = self.checkpoint_cfg.save_interval
+            if interval > 0 and self.step % interval == 0 and self.step < total:
+                self.save()
+        if self.checkpoint_cfg.save_at_end and not checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step).exists():
+            self.save()
+
+    def _run(self, microbatches: list[dict], forward_only: bool) -> dict[str, float]:
+        """One pass of megatron's pipeline schedule; returns the reports summed over micro batches and DP."""
+        reports = run_microbatches(
+            self.chunks, microbatches, self.objective.forward, self.objective.loss, forward_only=forward_only,
+            seq_length=microbatches[0]["tokens"].shape[1], micro_batch_size=microbatches[0]["tokens"].shape[0],
+        )
+        return reduce_reports(reports)
+
+    def train_step(self, microbatches: list[dict]) -> dict[str, float]:
+        start = time.perf_counter()
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
+        totals = self._run(microbatches, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
+        self.scheduler.step(increment=1)
+        elapsed = time.perf_counter() - start
+        tokens_per_second = global_token_count(microbatches, self.pad_id) / elapsed
+        flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
+                                                      microbatches[0]["tokens"].shape[1])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return {
+            **self.objective.summarize(totals),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens_per_second": tokens_per_second,
+            "mfu": flops_per_token * tokens_per_second / (self.peak_tflops * 1e12 * world),
+            "step_time": elapsed,
+            "consumed_samples": self.consumed_samples + self.trainer_cfg.global_batch_size,
+        }
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for microbatches in self.val_loader.iterate(0, epochs=1, limit_samples=self.trainer_cfg.limit_val_samples):
+            for key, value in self._run(microbatches, forward_only=True).items():
+                totals[key] = totals.get(key, 0.0) + value
+        return self.objective.summarize(totals)
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.consumed_samples = state["consumed_samples"]
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save(self) -> Path:
+        path = checkpointing.save(
+            checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step), self.chunks,
+            model_config=self.checkpoint_meta["model"], extra_meta={k: v for k, v in self.checkpoint_meta.items() if k != "model"},
+            optimizer=self.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.tokenizer_dir, save_rng=True,
+        )
+        checkpointing.remove_old_checkpoints(self.checkpoint_cfg.save_dir, self.checkpoint_cfg.keep_last)
+        self.metrics.write(f"saved checkpoint {path}")
+        return path
+
+    def resume_from(self, checkpoint_dir: Path) -> None:
+        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
+        self.load_state_dict(meta["trainer_state"])
+        if self.metrics.progress is not None:
+            self.metrics.progress.update(self.step)
+        self.metrics.write(
+            f"resumed from {checkpoint_dir} at step {self.step} ({self.consumed_samples} samples consumed"
+            f"{'' if meta['rng_restored'] else '; RNG not restored: the parallel layout changed'})"
+        )
+
+
+def reduce_reports(reports: list[dict]) -> dict[str, float]:
+    """Sum report values over micro batches and data-parallel ranks; the result reaches every rank.
+
+    Reports exist only on the last pipeline stage; the key set travels with the values so that
+    every stage can take part in the collectives.
+    """
+    from megatron.core import parallel_state as ps
+
+    from aligner.runtime.distributed import device
+
+    keys = sorted(reports[0]) if reports else []
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        holder = [keys]
+        dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        keys = holder[0]
+    totals = torch.zeros(len(keys), dtype=torch.float64)
+    for report in reports:
+        totals += torch.stack([report[key].detach().double().cpu().reshape(()) for key in keys])
+    totals = totals.to(device())
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return dict(zip(keys, totals.cpu().tolist()))
+
+
+def global_token_count(microbatches: list[dict], pad_id: int) -> float:
+    """Non-padding input tokens of the global batch (for tokens/s and MFU)."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.runtime.distributed import device
+
+    local = torch.tensor([float(sum(int((b["tokens"] != pad_id).sum()) for b in microbatches))], device=device())
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    return float(local.item())
