@@ -158,7 +158,15 @@ def load(
     load_rng = load_rng and meta.get("has_rng_state", False) and same_layout
     if load_rng:
         request["rng_state"] = ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
-    loaded = dist_checkpointing.load(request, str(checkpoint_dir))
+    try:
+        loaded = dist_checkpointing.load(request, str(checkpoint_dir))
+    except (Exception, _torch_checkpoint_exception()) as error:  # torch's CheckpointException is a BaseException
+        missing = sorted(set(re.findall(r"KeyError\('([^']+)'", repr(error))))[:5]
+        detail = f"missing tensors {missing}" if missing else str(error).splitlines()[0][:500]
+        raise CheckpointError(
+            f"{checkpoint_dir}: cannot load it into this model ({detail}); is it the right kind of checkpoint "
+            f"(policy vs reward model) and architecture?"
+        ) from error
 
     from megatron.core.utils import unwrap_model
 
@@ -178,6 +186,12 @@ def load(
         seeds.set_rng_state(loaded["rng_state"])
     meta["rng_restored"] = load_rng
     return meta
+
+
+def _torch_checkpoint_exception() -> type:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def _without_prefixes(state: dict, prefixes: tuple, per_chunk: bool) -> dict:

@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from aligner.demo.arithmetic import accuracy_by_carry
 
 
@@ -49,16 +51,79 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, prompts_path: str | Path, *,
     return evaluate_arithmetic([model], tokenizer, prompts_path, temperature=temperature, seed=seed, limit=limit)
 
 
+def _rewards(loaded, sequences: list, batch_size: int = 256) -> torch.Tensor:
+    """Raw rewards [N, A] of token sequences, in batches."""
+    out = []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start:start + batch_size]
+        lengths = torch.tensor([len(seq) for seq in chunk])
+        tokens = torch.full((len(chunk), int(lengths.max())), loaded.tokenizer.pad_id, dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            tokens[row, : len(seq)] = seq
+        out.append(loaded.inference.infer(tokens, lengths, normalize=False))
+    return torch.cat(out)
+
+
+def reward_model_accuracy(checkpoint_dir: str | Path, comparisons_path: str | Path, max_seq_length: int = 512) -> dict:
+    """Share of held-out pairs where the reward model scores the chosen response higher."""
+    from aligner.data.reward import ComparisonDataset
+    from aligner.models.reward import load_reward_model
+    from aligner.runtime import distributed
+
+    distributed.initialize(distributed.ParallelConfig())
+    loaded = load_reward_model(checkpoint_dir, micro_batch_size=64)
+    pairs = ComparisonDataset(comparisons_path, loaded.tokenizer, max_seq_length)
+    chosen = _rewards(loaded, [pairs[i]["chosen"] for i in range(len(pairs))])[:, 0]
+    rejected = _rewards(loaded, [pairs[i]["rejected"] for i in range(len(pairs))])[:, 0]
+    return {"accuracy": float((chosen > rejected).float().mean()), "pairs": len(pairs),
+            "margin": float((chosen - rejected).mean())}
+
+
+def reward_model_correlation(checkpoint_dir: str | Path, attributes_path: str | Path, max_seq_length: int = 512) -> dict:
+    """Pearson correlation between predicted and labelled attribute values, per attribute."""
+    from aligner.data.reward import RegressionDataset
+    from aligner.models.reward import load_reward_model
+    from aligner.runtime import distributed
+
+    distributed.initialize(distributed.ParallelConfig())
+    loaded = load_reward_model(checkpoint_dir, micro_batch_size=64)
+    data = RegressionDataset(attributes_path, loaded.tokenizer, max_seq_length, list(loaded.info.attributes))
+    predictions = _rewards(loaded, [data[i]["tokens"] for i in range(len(data))]).double()
+    labels = torch.stack([data[i]["labels"] for i in range(len(data))]).double()
+    masks = torch.stack([data[i]["label_mask"] for i in range(len(data))]).bool()
+    result = {}
+    for index, name in enumerate(loaded.info.attributes):
+        x, y = predictions[masks[:, index], index], labels[masks[:, index], index]
+        result[name] = float(torch.corrcoef(torch.stack([x, y]))[0, 1])
+    return result
+
+
 def main(argv=None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="held-out accuracy of an aligner checkpoint on the arithmetic demo")
+    parser = argparse.ArgumentParser(description="held-out quality of an aligner checkpoint on the arithmetic demo")
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--prompts", required=True, help="JSONL with {'prompt': '12+7='} records")
+    parser.add_argument("--prompts", help="policy: JSONL with {'prompt': '12+7='} records")
+    parser.add_argument("--comparisons", help="binary reward model: JSONL {prompt, chosen, rejected} pairs")
+    parser.add_argument("--attributes", help="regression reward model: JSONL {text, label} records")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--output", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
+    if args.comparisons or args.attributes:
+        if args.comparisons:
+            result = reward_model_accuracy(args.checkpoint, args.comparisons)
+            print(f"{args.checkpoint}: held-out pairwise accuracy {result['accuracy']:.1%} over {result['pairs']} "
+                  f"pairs (mean margin {result['margin']:.3f})")
+        else:
+            result = reward_model_correlation(args.checkpoint, args.attributes)
+            print(f"{args.checkpoint}: Pearson correlation with labels: "
+                  + ", ".join(f"{name} {value:.3f}" for name, value in result.items()))
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=2))
+        return
+    if not args.prompts:
+        parser.error("give --prompts (policy), --comparisons or --attributes (reward models)")
     result = evaluate_checkpoint(args.checkpoint, args.prompts, temperature=args.temperature, limit=args.limit)
     mode = "greedy" if args.temperature == 0 else f"sampled T={args.temperature}"
     print(f"{args.checkpoint}: {mode} accuracy {result['all']:.1%} (carry {result['carry']:.1%}, "

@@ -65,10 +65,23 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+# Deprecation notices raised inside megatron-core/torch internals on every run; nothing a user of
+# this toolkit can act on (they concern megatron's own defaults and its checkpoint backend).
+_THIRD_PARTY_NOTICES = (
+    r"full scope is deprecated",
+    r"`load_state_dict` is deprecated",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+)
+
+
 def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     """Start the process group and megatron-core parallel state; returns the data-parallel size."""
+    import warnings
+
     from megatron.core import parallel_state
 
+    for notice in _THIRD_PARTY_NOTICES:
+        warnings.filterwarnings("ignore", message=notice)
     cpu_bridge.apply()
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)

@@ -1,0 +1,106 @@
+"""Client of the reward-model server (servers/reward_model.py describes the wire format).
+
+    with RewardClient("127.0.0.1", 5555) as client:
+        client.wait_until_ready(timeout_s=60)
+        futures = [client.infer_async(batch) for batch in token_batches]   # many in flight
+        rewards = [future.result() for future in futures]                   # each [len(batch), A]
+
+One client may be shared by any number of threads; up to `max_workers` requests are in flight at
+once, which is what lets the server batch them together.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Sequence
+
+import numpy as np
+
+from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
+                             ServerUnavailableError)
+
+__all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "ClientError"]
+
+MIN_WIDTH = 8
+
+
+class RewardServerError(ServerError):
+    """The reward server rejected a request (the message says which sequence and why) or failed on it."""
+
+
+def padded_width(longest: int) -> int:
+    """Token columns sent for a request: the next power of two (at least MIN_WIDTH).
+
+    Triton batches only requests of the same width together; a few widths keep concurrent
+    requests batchable, and the server cuts the padding off again before running the model.
+    """
+    width = MIN_WIDTH
+    while width < longest:
+        width *= 2
+    return width
+
+
+class RewardClient(ModelServerClient):
+    """Rewards from a reward-model server; futures, thread-safe (see ModelServerClient)."""
+
+    server_kind = "reward model"
+    error_class = RewardServerError
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 5555, model_name: str = "reward_model", *,
+                 timeout_s: float = 60.0, ready_timeout_s: float = 30.0, max_workers: int = 8):
+        super().__init__(host, port, model_name, timeout_s=timeout_s, ready_timeout_s=ready_timeout_s,
+                         max_workers=max_workers)
+
+    def start_hint(self) -> str:
+        return ("Start it with: python examples/nlp/gpt/serve_reward_model.py rm_model_file=<checkpoint> "
+                f"server.host={self.host} server.port={self.port} server.model_name={self.model_name}")
+
+    def infer_async(self, token_lists: Sequence[Sequence[int]]) -> Future:
+        """Rewards of token sequences (each the full query + response ids): a Future of [B, A] float32."""
+        sequences = [np.asarray(tokens).reshape(-1) for tokens in token_lists]
+        if not sequences:
+            raise ValueError("infer_async needs at least one sequence")
+        width = padded_width(max(len(tokens) for tokens in sequences))
+        dtype = np.result_type(*[tokens.dtype for tokens in sequences if tokens.size] or [np.int64])
+        if dtype.kind in "iub":  # integer ids travel as int64; anything else is sent as is and rejected
+            dtype = np.dtype(np.int64)
+        tokens = np.zeros((len(sequences), width), dtype=dtype)  # [B, width], right-padded
+        for row, ids in enumerate(sequences):
+            tokens[row, :len(ids)] = ids
+        lengths = np.array([[len(ids)] for ids in sequences], dtype=np.int64)  # [B, 1]
+        return self.infer_tensors_async({"tokens": tokens, "sequence_lengths": lengths})
+
+    def infer(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """Blocking `infer_async`: [B, A] float32."""
+        return self.infer_async(token_lists).result()
+
+    def infer_text_async(self, texts: Sequence[str]) -> Future:
+        """Rewards of texts, tokenized by the server as [bos] + text + [eos]: a Future of [B, A] float32."""
+        if isinstance(texts, str):
+            raise TypeError("infer_text_async takes a list of texts, not one string")
+        if not texts:
+            raise ValueError("infer_text_async needs at least one text")
+        sentences = np.array([[text.encode("utf-8")] for text in texts], dtype=object)  # [B, 1]
+        return self.infer_tensors_async({"sentences": sentences})
+
+    def infer_text(self, texts: Sequence[str]) -> np.ndarray:
+        return self.infer_text_async(texts).result()
+
+    def infer_tensors_async(self, inputs: dict[str, np.ndarray]) -> Future:
+        """Send request tensors as they are (names and dtypes as in servers/reward_model.py)."""
+        answer: Future = Future()
+        self.submit(inputs).add_done_callback(lambda sent: _settle(answer, sent))
+        return answer
+
+
+def _settle(answer: Future, sent: Future) -> None:
+    """Turn the server's outputs into rewards, or its per-sequence errors into RewardServerError."""
+    try:
+        outputs = sent.result()
+        errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
+        rejected = [message for message in errors if message]
+        if rejected:
+            shown = "; ".join(rejected[:5]) + (f"; and {len(rejected) - 5} more" if len(rejected) > 5 else "")
+            raise RewardServerError(f"the server rejected {len(rejected)} of {len(errors)} sequences: {shown}")
+        answer.set_result(np.asarray(outputs["rewards"], dtype=np.float32))
+    except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller's future
+        answer.set_exception(error)

@@ -1,0 +1,391 @@
+"""PyTriton plumbing shared by the model servers (reward model now, PPO critic later).
+
+Two pieces:
+
+* `serve(...)`: start PyTriton on a configurable host and ports with the environment it needs
+  (see `prepare_environment`), bind models, print one "ready" line once Triton reports the
+  models ready, run until SIGINT/SIGTERM or until Triton dies, then shut down within seconds.
+* `CollectiveServing`: "rank 0 serves, the other ranks follow". A model sharded over a
+  distributed job (TP/PP/DP) is computed by a collective function that *every* rank must call
+  with the same inputs. Only rank 0 runs Triton; its inference callback calls `run(*tensors)`,
+  which broadcasts a RUN command and the tensors to all ranks and then calls the collective
+  function itself, while every other rank sits in `follow()` receiving commands and calling the
+  same function. When rank 0 shuts down it broadcasts STOP and the followers return.
+
+The command channel is its own gloo group on CPU tensors (whatever the model's backend), with a
+long timeout: a follower may wait for the next request for as long as the server is idle, and
+the default process-group timeout (minutes) would otherwise end an idle server. If rank 0 dies,
+gloo reports the closed connection at once and the followers exit with an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import enum
+import logging
+import os
+import signal
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+LOGGER = logging.getLogger(__name__)
+
+# Triton waits this long for in-flight requests when it stops (its default is 30 s).
+EXIT_TIMEOUT_S = 3
+# How long shutdown waits for a running collective call before giving up on telling followers.
+STOP_LOCK_TIMEOUT_S = 10.0
+# Followers wait on the command channel while the server is idle; effectively forever.
+COMMAND_CHANNEL_TIMEOUT = datetime.timedelta(days=365)
+
+
+class TritonSetupError(ValueError):
+    """The environment cannot run PyTriton (a ValueError so entry points report it in one line)."""
+
+
+@dataclass
+class ServerConfig:
+    """The `server:` section of a server config. gRPC listens on port + 1, metrics on port + 2."""
+
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 serves every interface
+    port: int = 5555  # HTTP
+    model_name: str = "model"
+    max_queue_delay_microseconds: int = 2000  # how long Triton may hold a request to batch it with others
+    preferred_batch_sizes: Optional[list[int]] = None  # null: the server's natural batch (see each server)
+    max_batch_size: int = 64  # rows (sequences) per batch the model callback receives at most
+
+    @property
+    def grpc_port(self) -> int:
+        return self.port + 1
+
+    @property
+    def metrics_port(self) -> int:
+        return self.port + 2
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65534:
+            raise TritonSetupError(f"server.port must be in 1..65533 (gRPC uses port+1, metrics port+2), got {self.port}")
+        if self.max_batch_size < 1:
+            raise TritonSetupError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue_delay_microseconds < 0:
+            raise TritonSetupError(
+                f"server.max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
+        for size in self.preferred_batch_sizes or []:
+            if not 1 <= size <= self.max_batch_size:
+                raise TritonSetupError(
+                    f"server.preferred_batch_sizes {self.preferred_batch_sizes}: every size must be in "
+                    f"1..server.max_batch_size ({self.max_batch_size})")
+
+
+def check_numpy() -> None:
+    """PyTriton 0.7 fails every inference under numpy 2 ('cannot reshape array of size 0')."""
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise TritonSetupError(
+            f"PyTriton needs numpy<2 but numpy {numpy.__version__} is installed (with numpy 2 every "
+            "inference fails with 'cannot reshape array of size 0'); install it with: pip install 'numpy<2'"
+        )
+
+
+def prefix_python_libdir() -> None:
+    """Put this interpreter's LIBDIR first on LD_LIBRARY_PATH (read by Triton when it starts).
+
+    PyTriton's Python-backend stub links `libpython3.X.so`; without this the loader may pick
+    another build of the same version (e.g. the system's under pyenv or a venv) and model loading
+    fails with "'_thread.RLock' object has no attribute '_recursion_count'".
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not libdir:
+        return
+    entries = [entry for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if entry]
+    if not entries or entries[0] != libdir:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, *entries])
+
+
+def check_ports_free(server: ServerConfig) -> None:
+    """Fail fast with the port's name: Triton itself would only stop answering readiness checks."""
+    import socket
+
+    for name, port in (("server.port (HTTP)", server.port), ("gRPC (server.port + 1)", server.grpc_port),
+                       ("metrics (server.port + 2)", server.metrics_port)):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is fine
+            try:
+                sock.bind((server.host, port))
+            except OSError as error:
+                raise TritonSetupError(
+                    f"cannot listen on {server.host}:{port} for {name}: {error.strerror}; another server may be "
+                    f"running there, choose another server.port (gRPC and metrics use the next two ports)") from None
+
+
+def prepare_environment() -> None:
+    """Everything PyTriton needs before Triton starts; raises TritonSetupError with the fix."""
+    check_numpy()
+    try:
+        import pytriton  # noqa: F401
+    except ImportError as error:
+        raise TritonSetupError(
+            f"the servers need PyTriton ({error}); install it with: pip install nvidia-pytriton") from None
+    prefix_python_libdir()
+
+
+# ------------------------------------------------------------------------------------------
+# rank 0 serves, the other ranks follow
+
+
+class Command(enum.IntEnum):
+    STOP = 0
+    RUN = 1
+
+
+# Header: [command, number of tensors, then per tensor: dtype code, ndim, dims padded to MAX_DIMS].
+MAX_TENSORS = 8
+MAX_DIMS = 4
+_FIELDS_PER_TENSOR = 2 + MAX_DIMS
+_HEADER_LENGTH = 2 + MAX_TENSORS * _FIELDS_PER_TENSOR
+_DTYPES = [torch.int64, torch.int32, torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8]
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class CollectiveServing:
+    """Serialised calls of one collective function on every rank with rank 0's inputs.
+
+    collective_fn(*tensors) -> result is called by every rank with the same CPU tensors; rank 0
+    gets the result from `run`. Calls are serialised by a lock (two collectives must never
+    interleave), so `run` may be called from any number of threads. Without a process group, or
+    with one process, `run` just calls the function.
+    """
+
+    def __init__(self, collective_fn: Callable[..., torch.Tensor]):
+        self._fn = collective_fn
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._group = None
+        if self._world > 1:  # collective: every rank constructs its CollectiveServing at the same point
+            self._group = dist.new_group(backend="gloo", timeout=COMMAND_CHANNEL_TIMEOUT)
+        from aligner.runtime.distributed import device
+
+        self._device = device()  # this rank's model device, captured on the main thread
+
+    @property
+    def is_server(self) -> bool:
+        return self._rank == 0
+
+    def run(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """Rank 0: have every rank call the collective function on `tensors`; returns rank 0's result."""
+        if not self.is_server:
+            raise RuntimeError("CollectiveServing.run is for rank 0; the other ranks call follow()")
+        tensors = tuple(tensor.detach().cpu().contiguous() for tensor in tensors)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the server is shutting down")
+            self._use_device()
+            if self._group is not None:
+                self._send(Command.RUN, tensors)
+            return self._fn(*tensors)
+
+    def follow(self) -> None:
+        """Ranks other than 0: run the collective function for every RUN until rank 0 sends STOP.
+
+        SIGINT and SIGTERM are ignored meanwhile: rank 0 decides when the job stops (it sends STOP
+        when it is interrupted), so a Ctrl-C or a launcher's SIGTERM that reaches every rank never
+        leaves rank 0 inside a collective with a missing peer. If rank 0 dies, the broadcast fails
+        at once (closed connection) and this raises.
+        """
+        if self.is_server:
+            raise RuntimeError("rank 0 serves; follow() is for the other ranks")
+        if self._group is None:
+            return
+        with _signals_ignored():
+            self._use_device()
+            while True:
+                try:
+                    command, tensors = self._receive()
+                except RuntimeError as error:
+                    raise RuntimeError(
+                        f"rank {self._rank}: lost the serving rank 0 ({str(error).splitlines()[0]}); "
+                        "see rank 0's output for why it stopped") from None
+                if command == Command.STOP:
+                    LOGGER.info("rank %d: rank 0 stopped serving", self._rank)
+                    return
+                try:
+                    self._fn(*tensors)
+                except Exception:  # rank 0 gets the same error (same inputs) and reports it to the client
+                    LOGGER.exception("rank %d: the collective call failed", self._rank)
+
+    def stop(self) -> None:
+        """Rank 0: send STOP to the followers (after any running call); idempotent, never hangs."""
+        if not self.is_server:
+            return
+        if not self._lock.acquire(timeout=STOP_LOCK_TIMEOUT_S):
+            LOGGER.error("a collective call is still running after %.0f s; exiting without stopping the "
+                         "other ranks (they exit when this process does)", STOP_LOCK_TIMEOUT_S)
+            return
+        try:
+            if self._stopped:
+                return
+            self._stopped = True
+            if self._group is not None:
+                header = self._header(Command.STOP, ())
+                try:
+                    work = dist.broadcast(header, src=0, group=self._group, async_op=True)
+                    work.wait(timeout=datetime.timedelta(seconds=5))
+                except RuntimeError as error:  # a follower already gone: nothing left to stop
+                    LOGGER.warning("could not send STOP to the other ranks: %s", str(error).splitlines()[0])
+        finally:
+            self._lock.release()
+
+    # -- wire format
+
+    def _use_device(self) -> None:
+        # Triton calls back on its own threads, whose current CUDA device is 0 by default.
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    @staticmethod
+    def _header(command: Command, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) > MAX_TENSORS:
+            raise ValueError(f"at most {MAX_TENSORS} tensors per call, got {len(tensors)}")
+        header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
+        header[0], header[1] = int(command), len(tensors)
+        for index, tensor in enumerate(tensors):
+            if tensor.dtype not in _DTYPE_CODES or tensor.dim() > MAX_DIMS:
+                raise ValueError(f"tensor {index}: dtype {tensor.dtype} with {tensor.dim()} dims cannot be sent "
+                                 f"(supported: {_DTYPES}, at most {MAX_DIMS} dims)")
+            start = 2 + index * _FIELDS_PER_TENSOR
+            header[start], header[start + 1] = _DTYPE_CODES[tensor.dtype], tensor.dim()
+            header[start + 2:start + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return header
+
+    def _send(self, command: Command, tensors: Sequence[torch.Tensor]) -> None:
+        dist.broadcast(self._header(command, tensors), src=0, group=self._group)
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0, group=self._group)
+
+    def _receive(self) -> tuple[Command, list[torch.Tensor]]:
+        header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self._group)
+        command, count = Command(int(header[0])), int(header[1])
+        tensors = []
+        for index in range(count):
+            start = 2 + index * _FIELDS_PER_TENSOR
+            dtype, ndim = _DTYPES[int(header[start])], int(header[start + 1])
+            shape = header[start + 2:start + 2 + ndim].tolist()
+            tensor = torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=0, group=self._group)
+            tensors.append(tensor)
+        return command, tensors
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _sigterm_as_keyboard_interrupt():
+    """SIGTERM ends the server like Ctrl-C does (so rank 0 always stops Triton and the followers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------------------------------------
+# PyTriton
+
+
+@dataclass
+class TritonModel:
+    """One model to bind: its callback gets a list of requests (dicts of numpy arrays with a
+    leading batch dimension) and returns one dict of outputs per request."""
+
+    name: str
+    infer_fn: Callable
+    inputs: list  # pytriton.model_config.Tensor
+    outputs: list
+    max_batch_size: int
+    max_queue_delay_microseconds: int
+    preferred_batch_sizes: list[int] = field(default_factory=list)
+
+
+def triton_config(server: ServerConfig):
+    from pytriton.triton import TritonConfig
+
+    return TritonConfig(
+        http_address=server.host, http_port=server.port,
+        grpc_address=server.host, grpc_port=server.grpc_port,
+        metrics_address=server.host, metrics_port=server.metrics_port,
+        exit_timeout_secs=EXIT_TIMEOUT_S,
+    )
+
+
+def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
+          ready_message: str = "", poll_s: float = 0.5) -> None:
+    """Serve `models` until SIGINT/SIGTERM or until Triton stops; returns after a clean shutdown.
+
+    With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
+    `ready_message` is printed (flushed) once Triton reports every model ready.
+    """
+    if collective is not None and not collective.is_server:
+        collective.follow()
+        return
+    server.validate()
+    prepare_environment()
+    check_ports_free(server)
+    from pytriton.model_config import DynamicBatcher, ModelConfig
+    from pytriton.triton import Triton
+
+    triton = Triton(config=triton_config(server))
+    try:
+        with _sigterm_as_keyboard_interrupt():
+            try:
+                for model in models:
+                    batcher = DynamicBatcher(max_queue_delay_microseconds=model.max_queue_delay_microseconds,
+                                             preferred_batch_size=list(model.preferred_batch_sizes) or None)
+                    triton.bind(model_name=model.name, infer_func=model.infer_fn, inputs=model.inputs,
+                                outputs=model.outputs,
+                                config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
+                triton.run()  # starts Triton and returns once the bound models are ready
+                if ready_message:
+                    print(ready_message, flush=True)
+                while triton.is_alive():
+                    time.sleep(poll_s)
+                LOGGER.error("Triton stopped unexpectedly; see its log above")
+            except KeyboardInterrupt:
+                LOGGER.info("interrupted; shutting down")
+    finally:
+        with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
+            triton.stop()
+            if collective is not None:
+                collective.stop()
+    sys.stdout.flush()
