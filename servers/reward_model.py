@@ -45,6 +45,7 @@ merged batch; the server keeps serving the next one.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -109,6 +110,7 @@ class RewardModelServer:
         self.max_length = loaded.model_cfg.max_position_embeddings
         self.pad_to_multiple = pad_sequence_length_to_multiple
         self.encode_text = _TokenLayout(loaded.tokenizer, append_eos)  # the layout reward training uses
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
 
     def triton_model(self, server: ServerConfig, data_parallel_size: int) -> TritonModel:
         from pytriton.model_config import Tensor
@@ -200,7 +202,8 @@ class RewardModelServer:
             text = bytes(text).decode("utf-8")
         except (UnicodeDecodeError, TypeError) as error:
             return None, f"sequence {row}: {SENTENCES} must be UTF-8 text ({error})"
-        ids = np.asarray(self.encode_text(text), dtype=np.int64)
+        with self._tokenizer_lock:
+            ids = np.asarray(self.encode_text(text), dtype=np.int64)
         return self._check(row, ids, len(ids))
 
     def _check(self, row: int, ids: np.ndarray, length: int) -> tuple[Optional[np.ndarray], str]:

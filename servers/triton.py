@@ -41,6 +41,8 @@ LOGGER = logging.getLogger(__name__)
 EXIT_TIMEOUT_S = 3
 # How long shutdown waits for a running collective call before giving up on telling followers.
 STOP_LOCK_TIMEOUT_S = 10.0
+# How long Triton may take to report the models ready after it started.
+MODEL_READY_TIMEOUT_S = 120.0
 # Followers wait on the command channel while the server is idle; effectively forever.
 COMMAND_CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 
@@ -349,6 +351,29 @@ def triton_config(server: ServerConfig):
     )
 
 
+def wait_models_ready(server: ServerConfig, model_names: Sequence[str], timeout_s: float = MODEL_READY_TIMEOUT_S) -> None:
+    """Poll Triton until every model answers ready (PyTriton's own wait only warns on a timeout)."""
+    import tritonclient.http
+
+    deadline = time.monotonic() + timeout_s
+    client = tritonclient.http.InferenceServerClient(f"{server.host}:{server.port}", connection_timeout=5.0,
+                                                     network_timeout=5.0)
+    try:
+        for name in model_names:
+            while True:
+                try:
+                    if client.is_model_ready(name):
+                        break
+                except Exception:  # noqa: BLE001 - not answering yet counts as not ready
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Triton on {server.http_url} did not report model '{name}' ready within "
+                                       f"{timeout_s:.0f} s; see its log above")
+                time.sleep(0.2)
+    finally:
+        client.close()
+
+
 def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
           ready_message: str = "", poll_s: float = 0.5) -> None:
     """Serve `models` until SIGINT/SIGTERM or until Triton stops; returns after a clean shutdown.
@@ -375,7 +400,8 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                     triton.bind(model_name=model.name, infer_func=model.infer_fn, inputs=model.inputs,
                                 outputs=model.outputs,
                                 config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
-                triton.run()  # starts Triton and returns once the bound models are ready
+                triton.run()  # starts Triton and waits (a bounded time) for the bound models
+                wait_models_ready(server, [model.name for model in models])
                 if ready_message:
                     print(ready_message, flush=True)
                 while triton.is_alive():

@@ -170,7 +170,8 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     num_attributes = len(reward.attributes)
 
     def chunk_builder(model_cfg, config, **kwargs):
-        return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed, **kwargs)
+        return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed,
+                                  train_bias=reward.type == "regression", **kwargs)
 
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,

@@ -34,12 +34,15 @@ class RewardHead(torch.nn.Module):
     OpenAI's RLHF code as catalogued in "The N Implementation Details of RLHF with PPO".
     """
 
-    def __init__(self, hidden_size: int, num_attributes: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, hidden_size: int, num_attributes: int, dtype: torch.dtype, seed: int = 0,
+                 train_bias: bool = True):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)  # same head on every rank, whatever the layout
         std = 1.0 / math.sqrt(hidden_size + 1)
         self.weight = torch.nn.Parameter((torch.randn(num_attributes, hidden_size, generator=generator) * std).to(dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(num_attributes, dtype=dtype))
+        # A ranking loss sees only reward differences: the bias's true gradient is exactly zero, and
+        # Adam would turn the float noise left in it into lr-sized random steps. Frozen there.
+        self.bias = torch.nn.Parameter(torch.zeros(num_attributes, dtype=dtype), requires_grad=train_bias)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         # hidden_states: [seq, batch, hidden] -> scores [seq, batch, num_attributes]
@@ -56,13 +59,16 @@ class RewardHead(torch.nn.Module):
 
 
 def build_reward_model(cfg: GPTConfig, config, *, num_attributes: int = 1, head_seed: int = 0,
-                       pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                       vp_stage: Optional[int] = None):
-    """A GPTModel whose last stage outputs per-token scores instead of vocabulary logits."""
+                       train_bias: bool = True, pre_process: Optional[bool] = None,
+                       post_process: Optional[bool] = None, vp_stage: Optional[int] = None):
+    """A GPTModel whose last stage outputs per-token scores instead of vocabulary logits.
+
+    train_bias: False for ranking losses, which are blind to a constant shift of the reward.
+    """
     model = build_gpt_model(dataclasses.replace(cfg, tie_embeddings=False), config, pre_process=pre_process,
                             post_process=post_process, vp_stage=vp_stage)
     if model.post_process:
-        model.output_layer = RewardHead(cfg.hidden_size, num_attributes, config.params_dtype, head_seed)
+        model.output_layer = RewardHead(cfg.hidden_size, num_attributes, config.params_dtype, head_seed, train_bias)
     model.num_attributes = num_attributes
     return model
 

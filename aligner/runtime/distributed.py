@@ -88,12 +88,19 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:
         raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port() if world == 1 else 29500))
+        if world == 1 and "MASTER_PORT" not in os.environ:
+            # A lone process picks its own free port, without writing it into os.environ, where
+            # child processes would inherit it and collide with it.
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            init_method = "env://"
         if not cpu_bridge.needed():
             torch.cuda.set_device(local_rank)
         dist.init_process_group(
             backend=backend(),
+            init_method=init_method,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -311,7 +311,7 @@ def test_scripts_write_data_and_tokenizer(tmp_path):
         env=env, capture_output=True, text=True, check=True,
     )
     names = ["sft_train", "sft_validation", "heldout_prompts", "preference_train",
-             "preference_validation", "attributes_train", "rl_prompts"]
+             "preference_validation", "attributes_train", "attributes_validation", "rl_prompts"]
     lines = made.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == [f"{name}.jsonl" for name in names]
     assert lines[0].startswith("sft_train.jsonl: 2000 records")

@@ -72,6 +72,14 @@ def _small_cfg():
                      make_vocab_size_divisible_by=8, max_position_embeddings=32)
 
 
+def test_ranking_heads_do_not_train_the_bias():
+    cfg = _small_cfg()
+    ranking = build_reward_model(cfg, transformer_config(cfg), train_bias=False).output_layer
+    regression = build_reward_model(cfg, transformer_config(cfg), num_attributes=2).output_layer
+    assert not ranking.bias.requires_grad and ranking.weight.requires_grad
+    assert regression.bias.requires_grad
+
+
 def test_head_init_and_shape():
     cfg = _small_cfg()
     model = build_reward_model(cfg, transformer_config(cfg), num_attributes=3, head_seed=7)
