@@ -21,6 +21,7 @@ Responses, one row per sequence:
   rewards           float32 [batch, A]    one reward per attribute (the checkpoint's attribute order);
                                           NaN for a rejected row
   error             bytes [batch, 1]      empty if the row was scored, else why it was rejected
+                                          (e.g. "token id 40 at position 3 is outside the vocabulary [0, 30)")
 
 Batching. Triton's dynamic batcher merges concurrent requests (up to `server.max_batch_size` rows,
 waiting at most `server.max_queue_delay_microseconds`, preferring `server.preferred_batch_sizes`,
@@ -101,7 +102,7 @@ class RewardModelServer:
     def __init__(self, loaded, serving: CollectiveServing, *, pad_sequence_length_to_multiple: int = 8,
                  append_eos: bool = True):
         """loaded: `aligner.models.reward.LoadedRewardModel`; serving runs its `inference.infer`."""
-        from aligner.data.reward import _TokenLayout
+        from aligner.data.reward import RewardTokenLayout
 
         self.loaded = loaded
         self.serving = serving
@@ -109,7 +110,7 @@ class RewardModelServer:
         self.vocab_size = loaded.model_cfg.vocab_size
         self.max_length = loaded.model_cfg.max_position_embeddings
         self.pad_to_multiple = pad_sequence_length_to_multiple
-        self.encode_text = _TokenLayout(loaded.tokenizer, append_eos)  # the layout reward training uses
+        self.encode_text = RewardTokenLayout(loaded.tokenizer, append_eos)  # the layout reward training uses
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
 
     def triton_model(self, server: ServerConfig, data_parallel_size: int) -> TritonModel:
@@ -135,21 +136,23 @@ class RewardModelServer:
 
     def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """One merged batch: validate every row, score the valid ones in one collective call."""
-        decoded = [self._decode_safely(request) for request in requests]  # per request: (ids or None, error) per row
-        valid = [(r, i, ids) for r, rows in enumerate(decoded) for i, (ids, _) in enumerate(rows) if ids is not None]
-        answers = [np.full((len(rows), len(self.attributes)), np.nan, dtype=np.float32) for rows in decoded]
+        decoded = [self._decode_safely(request) for request in requests]  # per request, per row: (ids or None, error)
+        valid = [(request_index, row, ids) for request_index, rows in enumerate(decoded)
+                 for row, (ids, _) in enumerate(rows) if ids is not None]
+        rewards = [np.full((len(rows), len(self.attributes)), np.nan, dtype=np.float32) for rows in decoded]
         if valid:
             tokens, lengths = self.pack([ids for _, _, ids in valid])
             try:
-                rewards = self.serving.run(tokens, lengths).float().numpy()  # [rows, A]
+                scores = self.serving.run(tokens, lengths).float().numpy()  # [valid rows, A]
             except Exception as error:
                 LOGGER.exception("reward model failed on a batch of %s", tuple(tokens.shape))
                 raise RuntimeError(f"the reward model failed on a batch of {tokens.shape[0]} sequences of up to "
                                    f"{tokens.shape[1]} tokens: {type(error).__name__}: {error}") from None
-            for (r, i, _), reward in zip(valid, rewards):
-                answers[r][i] = reward
-        return [{REWARDS: answer, ERROR: np.array([[error.encode()] for _, error in rows], dtype=object).reshape(-1, 1)}
-                for answer, rows in zip(answers, decoded)]
+            for (request_index, row, _), score in zip(valid, scores):
+                rewards[request_index][row] = score
+        return [{REWARDS: request_rewards,
+                 ERROR: np.array([[error.encode()] for _, error in rows], dtype=object).reshape(-1, 1)}
+                for request_rewards, rows in zip(rewards, decoded)]
 
     def pack(self, sequences: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad to the longest row rounded up to the multiple (capped at the model's max length)."""
@@ -175,7 +178,7 @@ class RewardModelServer:
         if SENTENCES in names and names & {TOKENS, LENGTHS}:
             return self._reject_all(rows, f"send either {TOKENS} + {LENGTHS} or {SENTENCES}, not both")
         if SENTENCES in names:
-            return [self._decode_text(row, text) for row, text in enumerate(request[SENTENCES].reshape(rows, -1)[:, 0])]
+            return [self._decode_text(text) for text in request[SENTENCES].reshape(rows, -1)[:, 0]]
         if not {TOKENS, LENGTHS} <= names:
             missing = sorted({TOKENS, LENGTHS} - names)
             return self._reject_all(
@@ -192,30 +195,30 @@ class RewardModelServer:
         for row in range(rows):
             length = int(lengths[row, 0])
             if length > width:
-                decoded.append((None, f"sequence {row}: {LENGTHS} is {length} but only {width} token columns were sent"))
+                decoded.append((None, f"{LENGTHS} is {length} but only {width} token columns were sent"))
             else:
-                decoded.append(self._check(row, tokens[row, :max(length, 0)], length))
+                decoded.append(self._check(tokens[row, :max(length, 0)], length))
         return decoded
 
-    def _decode_text(self, row: int, text) -> tuple[Optional[np.ndarray], str]:
+    def _decode_text(self, text) -> tuple[Optional[np.ndarray], str]:
         try:
             text = bytes(text).decode("utf-8")
         except (UnicodeDecodeError, TypeError) as error:
-            return None, f"sequence {row}: {SENTENCES} must be UTF-8 text ({error})"
+            return None, f"{SENTENCES} must be UTF-8 text ({error})"
         with self._tokenizer_lock:
             ids = np.asarray(self.encode_text(text), dtype=np.int64)
-        return self._check(row, ids, len(ids))
+        return self._check(ids, len(ids))
 
-    def _check(self, row: int, ids: np.ndarray, length: int) -> tuple[Optional[np.ndarray], str]:
+    def _check(self, ids: np.ndarray, length: int) -> tuple[Optional[np.ndarray], str]:
         if length <= 0:
-            return None, f"sequence {row}: empty sequence (length {length}); a sequence needs at least one token"
+            return None, f"empty sequence (length {length}); a sequence needs at least one token"
         if length > self.max_length:
-            return None, (f"sequence {row}: {length} tokens is longer than the model's max_position_embeddings "
+            return None, (f"{length} tokens is longer than the model's max_position_embeddings "
                           f"({self.max_length})")
         outside = (ids < 0) | (ids >= self.vocab_size)
         if outside.any():
             position = int(np.argmax(outside))
-            return None, (f"sequence {row}: token id {int(ids[position])} at position {position} is outside the "
+            return None, (f"token id {int(ids[position])} at position {position} is outside the "
                           f"vocabulary [0, {self.vocab_size})")
         return ids, ""
 

@@ -166,6 +166,8 @@ class ModelServerClient:
         except PyTritonClientInferenceServerError as error:
             raise self.error_class(server_message(str(error))) from None
         except PyTritonClientTimeoutError as error:
+            # The connection may still owe a late answer: never reuse it for the next request.
+            self._discard_thread_client()
             cause = error.__cause__
             if isinstance(cause, OSError) and not isinstance(cause, (socket.timeout, TimeoutError)):
                 self._ready = False  # the server went away: the next request waits for it again
@@ -184,6 +186,7 @@ class ModelServerClient:
         except PyTritonClientError as error:
             raise ClientError(f"{self.server_kind} client for {self.url}: {error}") from None
         except OSError as error:
+            self._discard_thread_client()
             self._ready = False
             raise ServerUnavailableError(
                 f"lost the {self.server_kind} server at {self.host}:{self.port} ({error}). {self.start_hint()}"
@@ -200,6 +203,18 @@ class ModelServerClient:
             with self._lock:
                 self._clients.append(client)
         return client
+
+    def _discard_thread_client(self) -> None:
+        client = getattr(self._local, "client", None)
+        self._local.client = None
+        if client is not None:
+            with self._lock:
+                if client in self._clients:
+                    self._clients.remove(client)
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - a broken connection may fail to close
+                pass
 
     # -- lifetime
 

@@ -97,7 +97,7 @@ def _settle(answer: Future, sent: Future) -> None:
     try:
         outputs = sent.result()
         errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
-        rejected = [message for message in errors if message]
+        rejected = [f"sequence {row}: {message}" for row, message in enumerate(errors) if message]
         if rejected:
             shown = "; ".join(rejected[:5]) + (f"; and {len(rejected) - 5} more" if len(rejected) > 5 else "")
             raise RewardServerError(f"the server rejected {len(rejected)} of {len(errors)} sequences: {shown}")

@@ -72,7 +72,7 @@ def _check_max_seq_length(max_seq_length: int) -> None:
         )
 
 
-class _TokenLayout:
+class RewardTokenLayout:
     """[bos if the tokenizer has one] + pieces encoded one by one + [eos if append_eos]."""
 
     def __init__(self, tokenizer: Tokenizer, append_eos: bool):
@@ -144,7 +144,7 @@ class ComparisonDataset(Dataset):
         if not records:
             raise DataError(f"{path}:0: the file holds no records; expected comparison pairs in JSONL")
         self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
-        encode = _TokenLayout(tokenizer, append_eos)
+        encode = RewardTokenLayout(tokenizer, append_eos)
         self.comparisons: list[Comparison] = []
         for chosen, rejected in _progress(_comparison_texts(records, self.layout, path), path):
             comparison = Comparison(encode(*chosen), encode(*rejected))
@@ -275,7 +275,7 @@ class RegressionDataset(Dataset):
         records = list(read_jsonl(path))
         if not records:
             raise DataError(f"{path}:0: the file holds no records; expected {{\"text\", \"label\"}} per line")
-        encode = _TokenLayout(tokenizer, append_eos)
+        encode = RewardTokenLayout(tokenizer, append_eos)
         self.examples: list[LabelledText] = []
         for line, record in _progress(records, path):
             text = require_str(record, "text", path, line)

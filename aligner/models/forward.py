@@ -25,10 +25,15 @@ def run_microbatches(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from aligner.runtime.distributed import device
+
+    target = device()
     batches: Iterator[dict] = iter(microbatches)
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        # Batches are built on the CPU; the model may live on a GPU (a no-op on CPU).
+        batch = {key: value.to(target, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                 for key, value in next(data_iterator).items()}
         output = forward_fn(model, batch)
         return output, lambda out: loss_fn(batch, out)
 
@@ -68,6 +73,8 @@ def forward_logits(
     """
     from megatron.core import parallel_state as ps
 
+    from aligner.runtime.distributed import device
+
     batch_size, seq_length = tokens.shape
     if position_ids is None:
         position_ids = torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1)
@@ -75,7 +82,9 @@ def forward_logits(
         chunk.eval()
     if ps.get_pipeline_model_parallel_world_size() == 1:
         # One stage: call the model directly (no schedule, so no CPU-bridge scope on the hot path).
-        return gather_vocab_logits(model_chunks[0](tokens, position_ids, None), vocab_size).float()
+        target = device()
+        logits = model_chunks[0](tokens.to(target), position_ids.to(target), None)
+        return gather_vocab_logits(logits, vocab_size).float().cpu()
     # The interleaved (virtual pipeline) schedule needs at least PP micro batches: split the rows,
     # repeating the last one to even them out, and drop the repeats afterwards.
     num_microbatches = ps.get_pipeline_model_parallel_world_size() if len(model_chunks) > 1 else 1
@@ -102,7 +111,7 @@ def forward_logits(
     if captured:
         result = torch.cat(captured)[:batch_size]
     else:
-        result = torch.empty(batch_size, seq_length, vocab_size)
+        result = torch.empty(batch_size, seq_length, vocab_size, device=device())
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return result
+    return result.cpu()

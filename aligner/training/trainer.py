@@ -122,6 +122,7 @@ class Trainer:
         self.optimizer.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
         totals = self._run(microbatches, forward_only=False)
+        forward_backward_done = time.perf_counter()
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise FloatingPointError(f"step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
@@ -138,6 +139,8 @@ class Trainer:
             "tokens_per_second": tokens_per_second,
             "mfu": flops_per_token * tokens_per_second / (self.peak_tflops * 1e12 * world),
             "step_time": elapsed,
+            "time_forward_backward": forward_backward_done - start,
+            "time_optimizer": elapsed - (forward_backward_done - start),
             "consumed_samples": self.consumed_samples + self.trainer_cfg.global_batch_size,
         }
 
