@@ -155,7 +155,6 @@ def reward_normalization(inference, loader, max_samples: int) -> dict:
 
 # ----------------------------------------------------------------------------- building a run
 def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
-    from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
     from aligner.data.reward import ComparisonDataset, RegressionDataset, collate_comparisons, collate_regression
     from aligner.models.gpt import num_parameters
     from aligner.models.reward import HEAD_STATE_PREFIX, build_reward_model
@@ -190,41 +189,16 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
                     f"longer than {cfg.data.max_seq_length} tokens)")
         return dataset
 
-    if not cfg.data.train:
-        raise ValueError("data.train is empty: give at least one {path, weight} entry")
-    train_sets, val_sets = [], [load_dataset(entry) for entry in cfg.data.validation]
-    for entry in cfg.data.train:
-        dataset = load_dataset(entry)
-        if cfg.data.validation:
-            train_sets.append(dataset)
-            continue
-        train_idx, val_idx = split_indices(len(dataset), cfg.data.split, cfg.seed)
-        train_sets.append(IndexedSubset(dataset, train_idx))
-        if val_idx:
-            val_sets.append(IndexedSubset(dataset, val_idx))
     trainer_cfg = cfg.trainer
-    if len(train_sets) == 1:
-        train_set = train_sets[0]
-    else:
-        num_samples = max(sum(len(d) for d in train_sets), trainer_cfg.max_steps * trainer_cfg.global_batch_size)
-        train_set = BlendedDataset(train_sets, [e.weight for e in cfg.data.train], num_samples, cfg.seed)
-    val_set = None
-    if val_sets:
-        val_set = val_sets[0] if len(val_sets) == 1 else torch.utils.data.ConcatDataset(val_sets)
-
-    collate = collate_comparisons if reward.type == "binary_ranking" else collate_regression
-
-    def loader(dataset, shuffle):
-        return setup.build_loader(dataset, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size,
-                                  seed=cfg.seed, shuffle=shuffle, pad_id=built.tokenizer.pad_id,
-                                  pad_to_multiple_of=cfg.data.pad_to_multiple_of, collate_fn=collate)
-
-    train_loader = loader(train_set, cfg.data.shuffle)
-    val_loader = None
-    if val_set is not None and len(val_set) >= trainer_cfg.global_batch_size:
-        val_loader = loader(val_set, False)
-    elif val_set is not None:
-        logger.warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: validation is off")
+    train_set, val_set = setup.build_datasets(
+        train=cfg.data.train, validation=cfg.data.validation, split=cfg.data.split, seed=cfg.seed,
+        trainer_cfg=trainer_cfg, load_dataset=load_dataset,
+    )
+    train_loader, val_loader = setup.build_loaders(
+        train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
+        shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        collate_fn=collate_comparisons if reward.type == "binary_ranking" else collate_regression,
+    )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
     scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
     model_cfg = built.model_cfg

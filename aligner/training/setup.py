@@ -235,3 +235,54 @@ def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, sh
         data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=data_parallel_size, seed=seed,
         shuffle=shuffle, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, collate_fn=collate_fn,
     )
+
+
+def build_datasets(*, train: list, validation: list, split: str, seed: int, trainer_cfg,
+                   load_dataset: Callable) -> tuple:
+    """Train and validation sets from `data.train` / `data.validation` entries (shared by trainers).
+
+    Several train entries are blended by weight (DeepSpeed-Chat's data abstraction); without
+    validation entries, `split` (e.g. "98,2") carves a validation part out of each train file.
+    load_dataset(entry) -> a Dataset. Returns (train_set, val_set or None).
+    """
+    from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
+
+    if not train:
+        raise ValueError("data.train is empty: give at least one {path, weight} entry")
+    train_sets, val_sets = [], [load_dataset(entry) for entry in validation]
+    for entry in train:
+        dataset = load_dataset(entry)
+        if validation:
+            train_sets.append(dataset)
+            continue
+        train_idx, val_idx = split_indices(len(dataset), split, seed)
+        train_sets.append(IndexedSubset(dataset, train_idx))
+        if val_idx:
+            val_sets.append(IndexedSubset(dataset, val_idx))
+    if len(train_sets) == 1:
+        train_set = train_sets[0]
+    else:
+        num_samples = max(sum(len(d) for d in train_sets), trainer_cfg.max_steps * trainer_cfg.global_batch_size)
+        train_set = BlendedDataset(train_sets, [entry.weight for entry in train], num_samples, seed)
+    val_set = None
+    if val_sets:
+        val_set = val_sets[0] if len(val_sets) == 1 else torch.utils.data.ConcatDataset(val_sets)
+    return train_set, val_set
+
+
+def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool,
+                  pad_id: int, pad_to_multiple_of: int, collate_fn: Optional[Callable] = None) -> tuple:
+    """(train loader, validation loader or None); validation smaller than one global batch is off."""
+    from aligner.training.metrics import get_logger
+
+    def loader(dataset, shuffle_data):
+        return build_loader(dataset, trainer_cfg=trainer_cfg, data_parallel_size=data_parallel_size, seed=seed,
+                            shuffle=shuffle_data, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
+                            collate_fn=collate_fn)
+
+    val_loader = None
+    if val_set is not None and len(val_set) >= trainer_cfg.global_batch_size:
+        val_loader = loader(val_set, False)
+    elif val_set is not None:
+        get_logger().warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: validation is off")
+    return loader(train_set, shuffle), val_loader

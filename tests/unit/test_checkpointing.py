@@ -9,14 +9,10 @@ import torch
 from aligner import checkpointing
 from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-from aligner.runtime import distributed, seeds
+from aligner.runtime import seeds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process():
-    distributed.initialize(distributed.ParallelConfig())
-    yield
-    distributed.shutdown()
+pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def _model(seed):

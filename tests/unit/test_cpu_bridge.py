@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
-from aligner.runtime import cpu_bridge, distributed
-from aligner.runtime.distributed import ParallelConfig
+from aligner.runtime import cpu_bridge
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the bridge only applies without CUDA")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the bridge only applies without CUDA"),
+    pytest.mark.usefixtures("single_process"),
+]
 
 # torch raises AssertionError("Torch not compiled with CUDA enabled") on a CPU-only build and
 # RuntimeError on a CUDA build without a device.
@@ -28,11 +30,6 @@ VOCAB = 64
 SEQ = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process():
-    distributed.initialize(ParallelConfig())
-    yield
-    distributed.shutdown()
 
 
 def _bridge_modes() -> list:

@@ -12,15 +12,9 @@ from aligner.algorithms.reward_model import (RankingObjective, RegressionObjecti
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.models.reward import (HEAD_STATE_PREFIX, RewardInference, RewardNormalization, build_reward_model,
                                    scores_at_last_token)
-from aligner.runtime import distributed, seeds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process():
-    distributed.initialize(distributed.ParallelConfig())
-    seeds.set_seed(0)
-    yield
-    distributed.shutdown()
+pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def test_bradley_terry_loss_matches_float64_formula():

@@ -5,15 +5,9 @@ import pytest
 import torch
 
 from aligner.models.gpt import GPTConfig, build_gpt_model, num_parameters, padded_vocab_size, transformer_config
-from aligner.runtime import distributed, seeds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process():
-    distributed.initialize(distributed.ParallelConfig())
-    seeds.set_seed(0)
-    yield
-    distributed.shutdown()
+pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def test_response_token_loss_matches_float64_reference():
