@@ -84,21 +84,28 @@ def token_hashes(token_ids: torch.Tensor) -> torch.Tensor:
     return _mix32((token_ids.to(torch.int64) ^ _SALT_TOKEN) & _MASK32)
 
 
-def step_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """Keys for generation step `step` (the step-th new token of every sample). [batch] int64."""
-    return _mix32(keys ^ int(_mix32(torch.tensor((step + _SALT_STEP) & _MASK32))))
+def step_keys(keys: torch.Tensor, steps) -> torch.Tensor:
+    """Keys of generation step(s) `steps` (the step-th new token of every sample).
+
+    steps: an int ([batch] result) or a [n] tensor of steps ([batch, n] result).
+    """
+    if isinstance(steps, int):
+        return _mix32(keys ^ int(_mix32(torch.tensor((steps + _SALT_STEP) & _MASK32))))
+    return _mix32(keys.unsqueeze(-1) ^ _mix32((steps.to(keys.device, torch.int64) + _SALT_STEP) & _MASK32))
 
 
-def gumbel_noise(step_key: torch.Tensor, token_hash: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """Gumbel(0, 1) noise [batch, tokens] for these step keys [batch] and token hashes [tokens].
+def gumbel_noise(step_key: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32, for step keys and token hashes.
 
-    token_hash may also be [batch, tokens] (candidate tokens that differ per row).
+    step_key [batch] with token_hash [tokens] -> [batch, tokens]; step_key [batch, steps] with
+    token_hash [tokens] -> [batch, steps, tokens] (several steps at once); step_key [batch] with
+    token_hash [batch, tokens] (candidates that differ per row) -> [batch, tokens].
     Uniforms use the top 24 bits, u = (h + 0.5) / 2**24, strictly inside (0, 1): no infinities.
     """
-    if token_hash.dim() == 1:
+    if token_hash.dim() == 1 and step_key.dim() == 1:
         token_hash = token_hash.unsqueeze(0)
     bits = _mix32(step_key.unsqueeze(-1) ^ token_hash) >> 8
-    uniform = (bits.to(out_dtype) + 0.5) * (1.0 / 2**24)
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / 2**24)
     return -torch.log(-torch.log(uniform))
 
 
@@ -182,18 +189,21 @@ def select_tokens(
     scaled_logits: torch.Tensor,
     *,
     greedy: bool,
-    top_k: int,
-    top_p: float,
-    step_key: Optional[torch.Tensor],
-    token_hash: Optional[torch.Tensor],
+    top_k: int = 0,
+    top_p: float = 1.0,
+    step_key: Optional[torch.Tensor] = None,
+    token_hash: Optional[torch.Tensor] = None,
+    shard_noise: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
     group=None,
 ) -> torch.Tensor:
     """Next token ids [batch] from temperature-scaled logits of this shard [batch, vocab_shard].
 
-    greedy: global argmax. Otherwise a Gumbel-max draw with noise from `step_key` [batch] and
-    `token_hash` (token_hashes of this shard's global ids), after top-k and top-p filtering.
-    Every rank of `group` returns the same tokens.
+    greedy: global argmax. Otherwise a Gumbel-max draw after top-k and top-p filtering, with noise
+    from `step_key` [batch] and `token_hash` (token_hashes of this shard's global ids);
+    shard_noise [batch, vocab_shard] may hand in gumbel_noise(step_key, token_hash) computed
+    ahead (the engine makes it for several steps at once). Every rank of `group` returns the
+    same tokens.
     """
     if greedy:
         return vocab_parallel_argmax(scaled_logits, vocab_start, group)
@@ -202,9 +212,10 @@ def select_tokens(
         values = top_p_filter(values, top_p)
         noisy = values + gumbel_noise(step_key, token_hashes(ids))
         return ids.gather(-1, noisy.argmax(dim=-1, keepdim=True)).squeeze(-1)
-    if top_p < 1.0:
+    if top_p < 1.0 and _world(group) > 1:
         full = top_p_filter(gather_vocab(scaled_logits, group), top_p)
-        if _world(group) > 1:
-            token_hash = token_hashes(torch.arange(full.shape[-1], device=full.device))
-        return (full + gumbel_noise(step_key, token_hash)).argmax(dim=-1)
-    return vocab_parallel_argmax(scaled_logits + gumbel_noise(step_key, token_hash), vocab_start, group)
+        ids = torch.arange(full.shape[-1], device=full.device)
+        return (full + gumbel_noise(step_key, token_hashes(ids))).argmax(dim=-1)
+    if shard_noise is None:
+        shard_noise = gumbel_noise(step_key, token_hash)
+    return vocab_parallel_argmax(top_p_filter(scaled_logits, top_p) + shard_noise, vocab_start, group)

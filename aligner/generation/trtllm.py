@@ -33,9 +33,10 @@ Row-parallel biases are not split (added once after the all-reduce); layer norms
 What was executed on these machines and what was not (TensorRT-LLM cannot be installed here):
 - Executed (tests/unit/test_trtllm_conversion.py, CPU): the weight conversion from full and from
   TP-sharded megatron state dicts (names, shapes, per-rank heads checked against the HF layout,
-  shards concatenating back), the checkpoint config.json fields, the SamplingParams mapping and
-  its errors, the stop-words array format, the parsing of generate outputs into a `Rollout`, and
-  the ImportError without tensorrt_llm.
+  shards concatenating back), the refit path `local_rank_weights` on a real megatron model at
+  TP=2 (torchrun, gloo) against the full conversion, the checkpoint config.json fields, the
+  SamplingParams mapping and its errors, the stop-words array format, the parsing of generate
+  outputs into a `Rollout` (on hand-made outputs), and the ImportError without tensorrt_llm.
 - NOT executed: anything that imports tensorrt_llm or tensorrt — building the engine
   (`tensorrt_llm.build` with `BuildConfig(use_refit=True)`), loading it (`ModelRunner.from_dir`),
   the in-place refit (`tensorrt.Refitter.set_named_weights` / `refit_cuda_engine` on
@@ -43,6 +44,11 @@ What was executed on these machines and what was not (TensorRT-LLM cannot be ins
   TensorRT-LLM runs over MPI), and whether greedy outputs equal the native engine's. The TRT-LLM
   facts relied on (names, layouts, config fields, API names) were read from TensorRT-LLM's docs
   and sources, not run; the first GPU run should compare greedy outputs with `NativeEngine`.
+- Assumptions to check on that run: top_k=0 with top_p=1.0 samples from the whole distribution;
+  min_length counts generated tokens; `log_probs` are the log-probabilities of the sampled tokens
+  under logits / temperature (the `Rollout` contract; top-k/top-p renormalisation would differ);
+  a single-GPU engine needs no MPI launcher. Sampled tokens can never equal the native engine's
+  (another random number generator); only greedy outputs can be compared token for token.
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ import torch
 
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.hf.layout import _unpack_qkv, check_exportable, infer_arch
-from aligner.models.gpt import GPTConfig, padded_vocab_size
+from aligner.models.gpt import GPTConfig
 
 INSTALL_HINT = (
     "the TensorRT-LLM generation engine needs the tensorrt_llm package: pip install 'aligner[trtllm]' on a CUDA "

@@ -144,6 +144,10 @@ def test_slow_rank_takes_fewer_prompts(torchrun):
     assert [len(indices) for indices in static["generated"]] == [NUM_PROMPTS // 2, NUM_PROMPTS // 2]
     assert sorted(i for indices in static["generated"] for i in indices) == list(range(NUM_PROMPTS))
     assert static["rebalanced"] == [list(range(0, 32)), list(range(32, 64))]
+    model_parallel = result["model_parallel"]
+    assert model_parallel["micro_batches"][0] == model_parallel["micro_batches"][1] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert model_parallel["server_log"] == {"0": list(range(8))}  # one replica asked, as data-parallel rank 0
+
     # The point of routing: the round ends when the fast rank has done most of the work, instead
     # of when the slow rank has done half of it (16 micro-batches x 0.1 s).
     assert dynamic["seconds"] < static["seconds"]
@@ -186,6 +190,17 @@ def _worker() -> None:
         }
         if server_log is not None:
             result[name]["server_log"] = {str(worker): sorted(idx) for worker, idx in server_log.items()}
+    # One replica spanning both ranks (a model-parallel group of 2, data-parallel size 1): rank 0
+    # takes the micro-batches from the queue and both ranks generate the same ones.
+    own_group = [dist.new_group([0]), dist.new_group([1])][rank]
+    router = DynamicRouter(micro_batch_size=MICRO_BATCH_SIZE, data_parallel_group=own_group,
+                           model_parallel_group=dist.group.WORLD, host="127.0.0.1", timeout_s=60)
+    work = router.route(8, lambda indices: [f"r{i}" for i in indices])
+    server_log = router.assignments() if rank == 0 else None
+    router.close()
+    batches = [None, None]
+    dist.all_gather_object(batches, work.micro_batches)
+    result["model_parallel"] = {"micro_batches": batches, "server_log": server_log}
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -1,0 +1,325 @@
+"""Talking to a trained model: interactive multi-turn chat with streamed output, or a JSONL of prompts.
+
+Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` below).
+
+- checkpoint: an aligner checkpoint directory, or a Hugging Face model directory, which is
+  imported on the fly into a temporary aligner checkpoint (aligner.hf.import_hf).
+- Interactive (no prompts_file): each user line is appended to the conversation, the whole
+  conversation is encoded with the tokenizer's chat template (`Tokenizer.encode_chat(...,
+  add_generation_prompt=True)`; the plain "User:/Assistant:" layout when the tokenizer has no
+  template) and the reply is printed as it is generated, `stream_chunk_tokens` tokens at a time.
+  /reset starts a new conversation, /exit (or end of input) quits.
+- Batch (prompts_file + output_file): each record {"prompt": text} is encoded like an SFT
+  `input` ([bos] + text), each {"messages": [{"role", "content"}, ...]} with the chat template;
+  each output line is the input record plus "response" (and "error" if the record was too long).
+
+Generation runs on `NativeEngine` (KV cache) with the `sampling:` options, greedy by default.
+Stop tokens: the tokenizer's eos plus the eos id(s) of an imported model's generation_config.
+Under torchrun the model may be split with TP/PP (one replica): rank 0 reads the input and
+prints, every rank generates.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, TextIO
+
+import torch.distributed as dist
+from omegaconf import MISSING
+
+from aligner.generation.engine import SamplingParams
+from aligner.runtime.distributed import ParallelConfig
+
+COMMANDS_HELP = "/reset starts a new conversation, /exit quits"
+
+
+@dataclass
+class ChatSamplingConfig:
+    """The `sampling:` section."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int = 1234
+
+
+@dataclass
+class ChatConfig:
+    """Schema of conf/chat.yaml (examples/nlp/gpt/chat.py)."""
+
+    checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir (imported on the fly)
+    tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
+    precision: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sampling: ChatSamplingConfig = field(default_factory=ChatSamplingConfig)
+    system_prompt: Optional[str] = None  # interactive mode: a system message opening each conversation
+    prompts_file: Optional[str] = None  # JSONL of {"prompt": ...} / {"messages": [...]}; null: interactive
+    output_file: Optional[str] = None  # batch mode: where the responses go
+    batch_size: int = 16  # batch mode: prompts per generate call
+    max_sequence_length: Optional[int] = None  # prompt + response tokens; null: model.max_position_embeddings
+    stream_chunk_tokens: int = 4  # interactive mode: tokens generated between two prints
+
+    def validate(self) -> None:
+        if (self.prompts_file is None) != (self.output_file is None):
+            raise ValueError("batch mode needs both prompts_file and output_file (neither for interactive chat)")
+        for name in ("batch_size", "stream_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampling.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}")
+
+    def sampling_params(self, stop_token_ids: list[int]) -> SamplingParams:
+        s = self.sampling
+        return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p, greedy=s.temperature == 0, seed=s.seed, stop_token_ids=stop_token_ids)
+
+
+# ----------------------------------------------------------------------------- loading
+@dataclass
+class ChatModel:
+    """A loaded model ready to answer: generation engine, tokenizer, stop tokens, context size."""
+
+    engine: object  # GenerationEngine
+    tokenizer: object  # aligner.tokenizer.Tokenizer
+    stop_token_ids: list
+    max_sequence_length: int
+    vocab_size: int
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    from aligner.checkpointing import META_FILE
+
+    return (path / "config.json").is_file() and not (path / META_FILE).is_file()
+
+
+def _shared_temp_dir(stack: contextlib.ExitStack) -> Path:
+    """A temporary directory made by rank 0 and known to every rank (one node)."""
+    box = [stack.enter_context(tempfile.TemporaryDirectory(prefix="aligner_chat_")) if _is_rank_zero() else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
+    """Start the runtime, import an HF directory if given one, load the checkpoint, build the engine."""
+    from aligner import checkpointing
+    from aligner.generation.native import NativeEngine
+    from aligner.hf.convert import import_hf, read_hf_source
+    from aligner.models.gpt import GPTConfig
+    from aligner.runtime import distributed, seeds
+    from aligner.tokenizer import Tokenizer
+    from aligner.training.setup import build_model_chunks
+
+    checkpoint = Path(cfg.checkpoint)
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir)")
+    distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
+    if is_hf_model_dir(checkpoint):
+        checkpoint = import_hf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
+    data_parallel = distributed.initialize(cfg.parallel)
+    if data_parallel != 1:
+        raise ValueError(
+            f"chat runs one model replica: launch tensor_model_parallel_size x pipeline_model_parallel_size "
+            f"processes, not {dist.get_world_size()}"
+        )
+    seeds.set_seed(cfg.sampling.seed)
+    model_cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint)["model"])
+    tokenizer = Tokenizer(cfg.tokenizer_path or checkpoint / checkpointing.TOKENIZER_DIR)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
+    chunks = build_model_chunks(model_cfg, cfg.parallel, distributed.resolve_precision(cfg.precision))
+    checkpointing.load(checkpoint, chunks)
+    for chunk in chunks:
+        chunk.eval()
+    max_length = cfg.max_sequence_length or model_cfg.max_position_embeddings
+    engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                          max_batch_size=cfg.batch_size if cfg.prompts_file else 1, max_sequence_length=max_length)
+    stop = {tokenizer.eos_id}
+    generation_config = read_hf_source(checkpoint).get("generation_config") or {}
+    eos = generation_config.get("eos_token_id")
+    stop.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ChatModel(engine, tokenizer, sorted(stop), max_length, model_cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------- generating
+def generate_tokens(model: ChatModel, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+    """New tokens of each prompt, cut after the first stop token (kept). The one place generation is called."""
+    rollout = model.engine.generate(prompts, sampling)
+    return [rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist() for row in range(len(prompts))]
+
+
+def stream_reply(model: ChatModel, prompt: list[int], sampling: SamplingParams, chunk_tokens: int,
+                 write: Callable[[str], None]) -> list[int]:
+    """Generate a reply `chunk_tokens` at a time, writing the decoded text as it grows; returns its tokens.
+
+    Greedy replies equal one-shot generation (each chunk continues the prompt plus the tokens so
+    far); sampled chunks use seed + tokens so far, so no two chunks reuse a noise stream.
+    """
+    reply: list[int] = []
+    printed = ""
+    stop = set(model.stop_token_ids)
+    while len(reply) < sampling.max_new_tokens:
+        budget = min(chunk_tokens, sampling.max_new_tokens - len(reply))
+        step = dataclasses.replace(sampling, max_new_tokens=budget, seed=sampling.seed + len(reply))
+        new = generate_tokens(model, [prompt + reply], step)[0]
+        reply += new
+        text = model.tokenizer.decode([t for t in reply if t not in stop])
+        ready = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
+        if ready.startswith(printed) and len(ready) > len(printed):
+            write(ready[len(printed):])
+            printed = ready
+        if not new or new[-1] in stop:
+            break
+    text = model.tokenizer.decode([t for t in reply if t not in stop])
+    if text.startswith(printed) and len(text) > len(printed):
+        write(text[len(printed):])
+    return reply
+
+
+def response_text(model: ChatModel, tokens: list[int]) -> str:
+    stop = set(model.stop_token_ids)
+    return model.tokenizer.decode([t for t in tokens if t not in stop])
+
+
+# ----------------------------------------------------------------------------- modes
+def _broadcast(value):
+    """Rank 0's value on every rank (the input is read on rank 0 only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _read_lines(stream: TextIO, out: TextIO) -> Iterator[Optional[str]]:
+    """User lines (rank 0 reads, every rank gets them); None at end of input."""
+    while True:
+        line = None
+        if _is_rank_zero():
+            out.write("user> ")
+            out.flush()
+            raw = stream.readline()
+            line = raw.rstrip("\n") if raw else None
+        line = _broadcast(line)
+        yield line
+        if line is None:
+            return
+
+
+def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    """The read-reply loop; returns the number of replies given."""
+    def write(text: str) -> None:
+        if _is_rank_zero():
+            out.write(text)
+            out.flush()
+
+    sampling = cfg.sampling_params(model.stop_token_ids)
+    opening = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    messages = list(opening)
+    write(f"chat with {cfg.checkpoint} ({COMMANDS_HELP})\n")
+    replies = 0
+    for line in _read_lines(stream, out):
+        if line is None or line.strip() in ("/exit", "/quit"):
+            write("\n" if line is None else "")
+            break
+        if line.strip() == "/reset":
+            messages = list(opening)
+            write("(new conversation)\n")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = model.tokenizer.encode_chat(messages, add_generation_prompt=True)[0]
+        if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
+            messages.pop()
+            write(f"(the conversation is {len(prompt)} tokens; with max_new_tokens={sampling.max_new_tokens} it "
+                  f"does not fit the model's {model.max_sequence_length}: /reset to start over)\n")
+            continue
+        write("assistant> ")
+        reply = stream_reply(model, prompt, sampling, cfg.stream_chunk_tokens, write)
+        write("\n")
+        messages.append({"role": "assistant", "content": response_text(model, reply)})
+        replies += 1
+    return replies
+
+
+def encode_record(model: ChatModel, record: dict, path: str, line: int) -> list[int]:
+    """Prompt tokens of one batch-mode record: {"prompt": text} or {"messages": [...]}."""
+    from aligner.data.jsonl import DataError, require_str
+
+    tokenizer = model.tokenizer
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataError(f"{path}:{line}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+        try:
+            return tokenizer.encode_chat(messages, add_generation_prompt=True)[0]
+        except Exception as error:  # the chat template's own complaint (roles must alternate, ...)
+            raise DataError(f"{path}:{line}: cannot render the messages with the chat template: {error}") from error
+    if "prompt" in record:
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        return bos + tokenizer.encode(require_str(record, "prompt", path, line))
+    raise DataError(f"{path}:{line}: record has neither 'prompt' nor 'messages' (keys: {sorted(record)})")
+
+
+def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
+    """Batch mode: one output line per input record; returns the number of records answered."""
+    from aligner.data.jsonl import read_jsonl
+
+    sampling = cfg.sampling_params(model.stop_token_ids)
+    records = list(read_jsonl(cfg.prompts_file))
+    outputs: list[dict] = []
+    pending: list[tuple[int, list[int]]] = []  # (position in outputs, prompt tokens)
+    for line, record in records:
+        prompt = encode_record(model, record, cfg.prompts_file, line)
+        outputs.append(dict(record))
+        if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
+            outputs[-1].update(response=None, error=(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
+                f"max_sequence_length={model.max_sequence_length}"))
+            continue
+        pending.append((len(outputs) - 1, prompt))
+    for start in range(0, len(pending), cfg.batch_size):
+        batch = pending[start:start + cfg.batch_size]
+        # Rows are seeded by their position in the call: offset the seed so batches differ.
+        batch_sampling = dataclasses.replace(sampling, seed=sampling.seed + start)
+        for (position, _), tokens in zip(batch, generate_tokens(model, [p for _, p in batch], batch_sampling)):
+            outputs[position]["response"] = response_text(model, tokens)
+    if _is_rank_zero():
+        path = Path(cfg.output_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            for output in outputs:
+                handle.write(json.dumps(output, ensure_ascii=False) + "\n")
+    return len(outputs)
+
+
+def run_chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+    """Load the model and run batch or interactive mode (the whole entry point)."""
+    from aligner.runtime import distributed
+
+    cfg.validate()
+    with contextlib.ExitStack() as stack:
+        model = load_chat_model(cfg, stack)
+        try:
+            if cfg.prompts_file:
+                count = answer_file(model, cfg)
+                if _is_rank_zero():
+                    print(f"wrote {count} responses to {cfg.output_file}", file=stdout, flush=True)
+            else:
+                chat_interactive(model, cfg, stdin, stdout)
+        finally:
+            model.engine.free()
+            distributed.shutdown()
