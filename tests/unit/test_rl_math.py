@@ -1,0 +1,501 @@
+"""The PPO math (aligner.rl.ppo_math) against straightforward float64 references written as loops."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from aligner.rl import ppo_math as M
+
+LENGTHS = [6, 3, 1, 4]  # one full row, one single-token row
+T = 6
+
+
+def make_mask(lengths=LENGTHS, width=T) -> torch.Tensor:
+    return torch.arange(width) < torch.tensor(lengths).unsqueeze(-1)  # [batch, T] bool, right-padded
+
+
+def random_tokens(seed: int, scale: float = 1.0, shift: float = 0.0, pad=float("nan")) -> torch.Tensor:
+    """[batch, T] float32 values with `pad` off the mask (nan by default: it must never leak)."""
+    values = torch.randn(len(LENGTHS), T, generator=torch.Generator().manual_seed(seed)) * scale + shift
+    return torch.where(make_mask(), values, torch.tensor(pad))
+
+
+def on_mask(values: torch.Tensor, lengths=LENGTHS) -> list[float]:
+    """The response entries, row by row, as Python floats (float64)."""
+    return [float(values[b, t]) for b, n in enumerate(lengths) for t in range(n)]
+
+
+def ref_mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def ref_var(xs: list[float], unbiased: bool = False) -> float:
+    mean = ref_mean(xs)
+    return sum((x - mean) ** 2 for x in xs) / (len(xs) - (1 if unbiased else 0))
+
+
+@pytest.fixture(scope="module")
+def world_group():
+    """A one-process gloo group: runs the all-reduce code paths (a reduction over one rank is the identity)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- masked statistics
+def test_response_lengths_and_right_padding_check():
+    assert M.response_lengths(make_mask()).tolist() == LENGTHS
+    holey = make_mask().clone()
+    holey[0, 2] = False
+    with pytest.raises(ValueError, match=r"rows \[0\] are not right-padded"):
+        M.response_lengths(holey)
+
+
+def test_masked_sum_and_mean_match_loops_and_ignore_padding():
+    values = random_tokens(0)
+    mask = make_mask()
+    assert float(M.masked_sum(values, mask)) == pytest.approx(sum(on_mask(values)), rel=1e-6)
+    assert float(M.masked_mean(values, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
+    per_row = M.masked_mean(values, mask.float(), dim=-1)  # a 0/1 float mask works the same
+    for b, n in enumerate(LENGTHS):
+        assert float(per_row[b]) == pytest.approx(ref_mean([float(values[b, t]) for t in range(n)]), rel=1e-6)
+
+
+def test_masked_mean_empty_mask_raises():
+    values = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="mask is empty"):
+        M.masked_mean(values, torch.zeros(2, 3, dtype=torch.bool))
+    row_empty = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="some slice along dim 1"):
+        M.masked_mean(values, row_empty, dim=1)
+    with pytest.raises(ValueError, match="does not match"):
+        M.masked_mean(values, torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_masked_var_matches_loop(unbiased):
+    values = random_tokens(1, scale=2.0, shift=5.0)
+    expected = ref_var(on_mask(values), unbiased)
+    assert float(M.masked_var(values, make_mask(), unbiased=unbiased)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_masked_var_needs_enough_entries():
+    one = torch.tensor([[3.0, 0.0]])
+    mask = torch.tensor([[True, False]])
+    assert float(M.masked_var(one, mask)) == 0.0
+    with pytest.raises(ValueError, match="at least 2 masked entries for the unbiased variance"):
+        M.masked_var(one, mask, unbiased=True)
+
+
+def test_masked_var_is_accurate_for_a_large_mean():
+    # sum_sq - n mean^2 in float32 would lose every digit here; the float64 sums keep them.
+    values = random_tokens(2, scale=1e-2, shift=1e3)
+    assert float(M.masked_var(values.double(), make_mask())) == pytest.approx(ref_var(on_mask(values)), rel=1e-9)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_matches_loop(shift_mean):
+    values = random_tokens(3, scale=3.0, shift=-2.0).double()
+    mask = make_mask()
+    xs = on_mask(values)
+    mean, var = ref_mean(xs), ref_var(xs)
+    whitened = M.masked_whiten(values, mask, shift_mean=shift_mean)
+    for b in range(len(LENGTHS)):
+        for t in range(T):
+            if t < LENGTHS[b]:
+                expected = (float(values[b, t]) - mean) / math.sqrt(var + 1e-8) + (0.0 if shift_mean else mean)
+                assert float(whitened[b, t]) == pytest.approx(expected, rel=1e-10, abs=1e-12)
+            else:
+                assert float(whitened[b, t]) == 0.0  # padding does not leak (it holds nan)
+
+
+def test_whitening_invariances():
+    values = random_tokens(4, scale=5.0, shift=7.0)
+    mask = make_mask()
+    whitened = M.masked_whiten(values, mask)
+    assert float(M.masked_mean(whitened, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert float(M.masked_var(whitened, mask)) == pytest.approx(1.0, rel=1e-5)
+    kept = M.masked_whiten(values, mask, shift_mean=False)
+    assert float(M.masked_mean(kept, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
+    assert float(M.masked_var(kept, mask)) == pytest.approx(1.0, rel=1e-5)
+    # The unbiased option divides by n - 1: its whitened values have unbiased variance 1.
+    unbiased = M.masked_whiten(values, mask, unbiased=True)
+    assert float(M.masked_var(unbiased, mask, unbiased=True)) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_moment_sums_of_shards_combine_to_the_global_batch():
+    """What the all-reduce does across data-parallel ranks, done by hand on two halves of a batch."""
+    values = random_tokens(5, scale=2.0, shift=1.0).double()
+    mask = make_mask()
+    first, second = (values[:2], mask[:2]), (values[2:], mask[2:])
+    # Pass 1 (center 0) gives the global mean, pass 2 the spread around it: each an addition of shards.
+    combined = M.masked_moment_sums(*first) + M.masked_moment_sums(*second)
+    torch.testing.assert_close(combined, M.masked_moment_sums(values, mask))
+    mean, _ = M.moments_from_sums(combined)
+    combined = M.masked_moment_sums(*first, center=mean) + M.masked_moment_sums(*second, center=mean)
+    torch.testing.assert_close(combined, M.masked_moment_sums(values, mask, center=mean))
+    mean, var = M.moments_from_sums(combined, center=mean)
+    assert float(mean) == pytest.approx(ref_mean(on_mask(values)), rel=1e-12)
+    assert float(var) == pytest.approx(ref_var(on_mask(values)), rel=1e-12)
+    # Each half whitened with the global statistics is the matching half of the whole batch whitened.
+    whole = M.masked_whiten(values, mask)
+    half = torch.where(first[1], (first[0] - mean) * torch.rsqrt(var + 1e-8), 0.0)
+    torch.testing.assert_close(half, whole[:2])
+
+
+def test_group_path_equals_the_local_one(world_group):
+    values = random_tokens(6, scale=2.0, shift=3.0)
+    mask = make_mask()
+    torch.testing.assert_close(M.masked_mean(values, mask, group=world_group), M.masked_mean(values, mask))
+    torch.testing.assert_close(M.masked_var(values, mask, group=world_group), M.masked_var(values, mask))
+    for shift_mean in (True, False):
+        torch.testing.assert_close(M.masked_whiten(values, mask, shift_mean=shift_mean, group=world_group),
+                                   M.masked_whiten(values, mask, shift_mean=shift_mean))
+    returns = random_tokens(7)
+    torch.testing.assert_close(M.explained_variance(values, returns, mask, group=world_group),
+                               M.explained_variance(values, returns, mask))
+    with pytest.raises(ValueError, match="only supported with dim=None"):
+        M.masked_mean(values, mask, dim=1, group=world_group)
+
+
+# ----------------------------------------------------------------------------- scores -> rewards
+def test_score_shaping_helpers():
+    scores = torch.tensor([0.5, -2.0, 3.0])
+    ended = torch.tensor([True, False, True])
+    assert M.apply_missing_stop_penalty(scores, ended, -1.0).tolist() == [0.5, -1.0, 3.0]
+    torch.testing.assert_close(M.normalize_scores(scores, 1.0, 2.0), torch.tensor([-0.25, -1.5, 1.0]))
+    assert M.clip_scores(scores, 1.0).tolist() == [0.5, -1.0, 1.0]
+    with pytest.raises(ValueError, match="std must be a positive"):
+        M.normalize_scores(scores, 0.0, 0.0)
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        M.clip_scores(scores, 0.0)
+    with pytest.raises(ValueError, match="ended_with_stop shape"):
+        M.apply_missing_stop_penalty(scores, ended[:2], -1.0)
+
+
+def test_token_rewards_match_loop():
+    kl = random_tokens(8)
+    scores = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    kl_coef = 0.1
+    rewards = M.token_rewards(scores, kl, make_mask(), kl_coef)
+    for b, n in enumerate(LENGTHS):
+        for t in range(T):
+            expected = 0.0
+            if t < n:
+                expected = -kl_coef * float(kl[b, t]) + (float(scores[b]) if t == n - 1 else 0.0)
+            assert float(rewards[b, t]) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_token_rewards_rejects_empty_and_unpadded_responses():
+    kl = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"responses \[1\] are empty"):
+        M.token_rewards(torch.zeros(2), kl, make_mask([2, 0], 3), 0.1)
+    with pytest.raises(ValueError, match="not right-padded"):
+        M.token_rewards(torch.zeros(2), kl, torch.tensor([[1, 0, 1], [1, 1, 1]]), 0.1)
+    with pytest.raises(ValueError, match="scores shape"):
+        M.token_rewards(torch.zeros(3), kl, make_mask([2, 1], 3), 0.1)
+
+
+# ----------------------------------------------------------------------------- KL
+def test_kl_estimators_match_formulas():
+    logprobs = -torch.rand(len(LENGTHS), T, generator=torch.Generator().manual_seed(9)) * 4
+    ref_logprobs = -torch.rand(len(LENGTHS), T, generator=torch.Generator().manual_seed(10)) * 4
+    formulas = {
+        "k1": lambda lp, ref: lp - ref,
+        "abs": lambda lp, ref: abs(lp - ref),
+        "k2": lambda lp, ref: 0.5 * (lp - ref) ** 2,
+        "k3": lambda lp, ref: (math.exp(ref - lp) - 1) - (ref - lp),
+    }
+    assert set(formulas) == set(M.KL_ESTIMATORS)
+    for name, formula in formulas.items():
+        kl = M.kl_penalty(logprobs, ref_logprobs, name)
+        for b in range(len(LENGTHS)):
+            for t in range(T):
+                expected = formula(float(logprobs[b, t]), float(ref_logprobs[b, t]))
+                assert float(kl[b, t]) == pytest.approx(expected, rel=1e-5, abs=1e-6), (name, b, t)
+        assert float(M.kl_penalty(logprobs, logprobs, name).abs().max()) == 0.0  # same policy: no KL
+    assert float(M.kl_penalty(logprobs, ref_logprobs, "k3").min()) >= 0.0
+    masked = M.kl_penalty(random_tokens(11), random_tokens(12), "k1", mask=make_mask())
+    assert not masked.isnan().any() and float(masked[2, 1:].abs().sum()) == 0.0
+
+
+def test_k3_is_accurate_for_tiny_log_ratios():
+    kl = M.kl_penalty(torch.tensor([0.0]), torch.tensor([1e-4]), "k3")
+    assert float(kl) == pytest.approx(0.5e-8, rel=1e-3)  # (r - 1) - log r ~ x^2 / 2
+
+
+def test_unknown_kl_estimator():
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'; choose one of k1, abs, k2, k3"):
+        M.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_adaptive_kl_controller_hand_computed():
+    controller = M.AdaptiveKLController(init_kl_coef=0.15, target=6.0, horizon=10000)
+    # error = 6.6 / 6 - 1 = 0.1; mult = 1 + 0.1 * 512 / 10000 = 1.00512
+    assert controller.update(6.6, n_steps=512) == pytest.approx(0.15 * 1.00512, rel=1e-12)
+    # error = 30 / 6 - 1 = 4, clipped to 0.2; mult = 1 + 0.2 * 1000 / 10000 = 1.02
+    assert controller.update(torch.tensor(30.0), n_steps=1000) == pytest.approx(0.15 * 1.00512 * 1.02, rel=1e-12)
+    # error = 0 / 6 - 1 = -1, clipped to -0.2; mult = 1 - 0.2 * 2500 / 10000 = 0.95
+    assert controller.update(0.0, n_steps=2500) == pytest.approx(0.15 * 1.00512 * 1.02 * 0.95, rel=1e-12)
+    # on target: unchanged
+    value = controller.value
+    assert controller.update(6.0, n_steps=512) == pytest.approx(value, rel=1e-12)
+    with pytest.raises(ValueError, match="target > 0"):
+        M.AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+def test_kl_controller_state_dict_round_trip():
+    controller = M.AdaptiveKLController(0.2, target=4.0, horizon=100)
+    controller.update(5.0, n_steps=10)
+    resumed = M.AdaptiveKLController(0.2, target=4.0, horizon=100)
+    resumed.load_state_dict(controller.state_dict())
+    assert resumed.value == controller.value
+    assert resumed.update(3.0, n_steps=7) == controller.update(3.0, n_steps=7)
+
+    fixed = M.FixedKLController(0.05)
+    assert fixed.update(100.0, n_steps=1000) == 0.05
+    fixed.load_state_dict({"value": 1.0})  # the config's coefficient wins on resume
+    assert fixed.state_dict() == {"value": 0.05}
+
+
+# ----------------------------------------------------------------------------- GAE
+def reference_gae(rewards, values, lengths, gamma, lam):
+    """Textbook GAE per row in float64: V after the last response token is 0."""
+    advantages = [[0.0] * T for _ in lengths]
+    returns = [[0.0] * T for _ in lengths]
+    for b, n in enumerate(lengths):
+        running = 0.0
+        for t in reversed(range(n)):
+            next_value = float(values[b, t + 1]) if t + 1 < n else 0.0
+            delta = float(rewards[b, t]) + gamma * next_value - float(values[b, t])
+            running = delta + gamma * lam * running
+            advantages[b][t] = running
+            returns[b][t] = running + float(values[b, t])
+    return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.95), (1.0, 1.0), (0.9, 0.0)])
+def test_gae_matches_double_loop(gamma, lam):
+    rewards, values = random_tokens(13).double(), random_tokens(14).double()
+    advantages, returns = M.gae_advantages(rewards, values, make_mask(), gamma, lam)
+    expected_advantages, expected_returns = reference_gae(rewards, values, LENGTHS, gamma, lam)
+    torch.testing.assert_close(advantages, expected_advantages, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, expected_returns, rtol=1e-12, atol=1e-12)
+
+
+def test_gae_special_cases():
+    rewards, values = random_tokens(15), random_tokens(16)
+    mask = make_mask()
+    # gamma = lam = 1: advantage = rewards still to come - V(t); returns = rewards still to come.
+    advantages, returns = M.gae_advantages(rewards, values, mask, 1.0, 1.0)
+    for b, n in enumerate(LENGTHS):
+        for t in range(n):
+            to_come = sum(float(rewards[b, k]) for k in range(t, n))
+            assert float(returns[b, t]) == pytest.approx(to_come, rel=1e-5, abs=1e-5)
+            assert float(advantages[b, t]) == pytest.approx(to_come - float(values[b, t]), rel=1e-5, abs=1e-5)
+    # bf16 inputs are computed in float32; gradients never flow into targets.
+    values_with_grad = torch.where(mask, values, 0.0).requires_grad_()
+    advantages, returns = M.gae_advantages(rewards.bfloat16(), values_with_grad, mask, 1.0, 0.95)
+    assert advantages.dtype == torch.float32 and not returns.requires_grad
+    with pytest.raises(ValueError, match="gamma and lam must lie in"):
+        M.gae_advantages(rewards, values, mask, 1.5, 0.95)
+
+
+# ----------------------------------------------------------------------------- losses
+def reference_policy_loss(logprobs, old_logprobs, advantages, lengths, clip_eps, aggregation):
+    per_row = []
+    for b, n in enumerate(lengths):
+        row = []
+        for t in range(n):
+            ratio = math.exp(float(logprobs[b, t]) - float(old_logprobs[b, t]))
+            advantage = float(advantages[b, t])
+            clipped_ratio = min(max(ratio, 1 - clip_eps), 1 + clip_eps)
+            row.append(max(-advantage * ratio, -advantage * clipped_ratio))
+        per_row.append(row)
+    if aggregation == "token_mean":
+        return ref_mean([x for row in per_row for x in row])
+    return ref_mean([ref_mean(row) for row in per_row if row])
+
+
+def policy_batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    old_logprobs = torch.where(make_mask(), -torch.rand(len(LENGTHS), T, generator=generator) * 3, -math.inf)
+    logprobs = old_logprobs + torch.randn(len(LENGTHS), T, generator=generator) * 0.3  # ratios well past 1 +- 0.2
+    advantages = random_tokens(seed + 1)
+    return logprobs, old_logprobs, advantages
+
+
+@pytest.mark.parametrize("aggregation", M.AGGREGATIONS)
+def test_policy_loss_matches_loop(aggregation):
+    logprobs, old_logprobs, advantages = policy_batch(17)
+    logprobs.requires_grad_()
+    loss, stats = M.policy_loss(logprobs, old_logprobs, advantages, make_mask(), 0.2, aggregation)
+    expected = reference_policy_loss(logprobs.detach(), old_logprobs, advantages, LENGTHS, 0.2, aggregation)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+    ratios, clipped, half_sq, k3 = [], [], [], []
+    for b, n in enumerate(LENGTHS):
+        for t in range(n):
+            log_ratio = float(logprobs[b, t]) - float(old_logprobs[b, t])
+            ratio, advantage = math.exp(log_ratio), float(advantages[b, t])
+            ratios.append(ratio)
+            clipped.append(-advantage * min(max(ratio, 0.8), 1.2) > -advantage * ratio)
+            half_sq.append(0.5 * log_ratio ** 2)
+            k3.append((ratio - 1) - log_ratio)
+    assert 0 < sum(clipped) < len(clipped)  # the batch exercises both branches
+    assert float(stats["clip_fraction"]) == pytest.approx(sum(clipped) / len(clipped), rel=1e-6)
+    assert float(stats["approx_kl"]) == pytest.approx(ref_mean(half_sq), rel=1e-5)
+    assert float(stats["approx_kl_k3"]) == pytest.approx(ref_mean(k3), rel=1e-4)
+    assert float(stats["ratio_mean"]) == pytest.approx(ref_mean(ratios), rel=1e-6)
+    assert float(stats["ratio_max"]) == pytest.approx(max(ratios), rel=1e-6)
+    assert float(stats["ratio_min"]) == pytest.approx(min(ratios), rel=1e-6)
+    assert all(not value.requires_grad for value in stats.values())
+
+    loss.backward()
+    _, _, clipped_mask = M.clipped_surrogate(logprobs.detach(), old_logprobs, advantages, 0.2)
+    grad = logprobs.grad
+    assert not grad.isnan().any()
+    assert float(grad[clipped_mask & make_mask()].abs().max()) == 0.0  # clipped tokens get no gradient
+    assert float(grad[~make_mask()].abs().max()) == 0.0
+
+
+def test_policy_loss_at_ratio_one():
+    _, old_logprobs, advantages = policy_batch(19)
+    mask = make_mask()
+    loss, stats = M.policy_loss(old_logprobs.clone(), old_logprobs, advantages, mask, 0.2)
+    assert float(loss) == pytest.approx(-ref_mean(on_mask(advantages)), rel=1e-6)
+    assert float(stats["clip_fraction"]) == 0.0
+    assert float(stats["approx_kl"]) == 0.0 and float(stats["approx_kl_k3"]) == 0.0
+    assert float(stats["ratio_mean"]) == float(stats["ratio_max"]) == float(stats["ratio_min"]) == 1.0
+
+
+def test_policy_loss_errors():
+    logprobs, old_logprobs, advantages = policy_batch(21)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'; choose one of token_mean, sequence_mean"):
+        M.policy_loss(logprobs, old_logprobs, advantages, make_mask(), 0.2, aggregation="mean")
+    with pytest.raises(ValueError, match="loss mask is empty"):
+        M.policy_loss(logprobs, old_logprobs, advantages, torch.zeros_like(make_mask()), 0.2)
+    with pytest.raises(ValueError, match="clip_eps must be > 0"):
+        M.policy_loss(logprobs, old_logprobs, advantages, make_mask(), 0.0)
+
+
+def test_aggregate_loss_sums_compose_across_micro_batches():
+    """(sum, count) of micro batches add up to the whole batch's mean, as megatron combines them."""
+    per_token = random_tokens(23)
+    lengths = [6, 3, 0, 4]  # an empty response: no tokens, and left out of the sequence mean
+    mask = make_mask(lengths)
+    per_token = torch.where(mask, per_token.nan_to_num(0.0), float("nan"))
+    row_means = [ref_mean([float(per_token[b, t]) for t in range(n)]) for b, n in enumerate(lengths) if n]
+    for aggregation, expected in [("token_mean", ref_mean(on_mask(per_token, lengths))),
+                                  ("sequence_mean", ref_mean(row_means))]:
+        parts = [M.aggregate_loss(per_token[rows], mask[rows], aggregation) for rows in (slice(0, 2), slice(2, 4))]
+        total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        assert float(total / count) == pytest.approx(expected, rel=1e-6)
+        assert int(count) == (sum(lengths) if aggregation == "token_mean" else 3)
+
+
+@pytest.mark.parametrize("clip_value", [0.2, None])
+@pytest.mark.parametrize("aggregation", M.AGGREGATIONS)
+def test_value_loss_matches_loop(clip_value, aggregation):
+    values = random_tokens(25).requires_grad_()
+    old_values, returns = random_tokens(26), random_tokens(27)
+    loss, stats = M.value_loss(values, old_values, returns, make_mask(), clip_value, aggregation)
+    per_row, clipped = [], []
+    for b, n in enumerate(LENGTHS):
+        row = []
+        for t in range(n):
+            v, old, target = float(values[b, t]), float(old_values[b, t]), float(returns[b, t])
+            error = (v - target) ** 2
+            if clip_value is None:
+                clipped_error = error
+            else:
+                clipped_error = (old + min(max(v - old, -clip_value), clip_value) - target) ** 2
+            row.append(0.5 * max(error, clipped_error))
+            clipped.append(clipped_error > error)
+        per_row.append(row)
+    expected = (ref_mean([x for row in per_row for x in row]) if aggregation == "token_mean"
+                else ref_mean([ref_mean(row) for row in per_row]))
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(stats["clip_fraction"]) == pytest.approx(sum(clipped) / len(clipped), rel=1e-6)
+    if clip_value is not None:
+        assert 0 < sum(clipped) < len(clipped)
+    loss.backward()
+    assert not values.grad.isnan().any() and float(values.grad[~make_mask()].abs().max()) == 0.0
+    with pytest.raises(ValueError, match="clip_value must be > 0"):
+        M.value_loss(values, old_values, returns, make_mask(), 0.0)
+
+
+def test_explained_variance():
+    returns = random_tokens(28, scale=2.0)
+    values = random_tokens(29)
+    mask = make_mask()
+    xs, ys = on_mask(values), on_mask(returns)
+    expected = 1 - ref_var([y - x for x, y in zip(xs, ys)]) / ref_var(ys)
+    assert float(M.explained_variance(values, returns, mask)) == pytest.approx(expected, rel=1e-5)
+    assert float(M.explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    constant = torch.full_like(returns, ref_mean(ys))
+    assert float(M.explained_variance(constant, returns, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert math.isnan(float(M.explained_variance(values, torch.ones_like(returns), mask)))
+
+
+# ----------------------------------------------------------------------------- entropy
+def entropy_batch():
+    logits = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(30)) * 3
+    logits[..., 8:] = -math.inf  # padded vocabulary entries, as mask_padded_vocab leaves them
+    return logits
+
+
+def reference_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the real vocabulary, float64."""
+    real = logits[..., :8].double()
+    log_p = torch.log_softmax(real, dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def test_entropy_matches_reference_value_and_gradient():
+    logits = entropy_batch().requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    entropy = M.entropy_from_logits(logits, mask)
+    expected = torch.where(mask, reference_entropy(logits.detach()), 0.0)
+    torch.testing.assert_close(entropy.double(), expected, rtol=1e-5, atol=1e-6)
+    entropy.sum().backward()
+
+    reference_logits = logits.detach()[..., :8].double().requires_grad_()
+    torch.where(mask, reference_entropy(reference_logits), 0.0).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(logits.grad[..., :8].double(), reference_logits.grad, rtol=1e-4, atol=1e-6)
+    assert float(logits.grad[..., 8:].abs().max()) == 0.0
+    uniform = M.entropy_from_logits(torch.zeros(1, 1, 5))
+    assert float(uniform) == pytest.approx(math.log(5), rel=1e-6)
+
+
+def test_entropy_from_vocabulary_shards():
+    """Two tensor-parallel shards: partial sums added (what the all-reduce does) give the full entropy and gradient."""
+    logits = entropy_batch()
+    shards = [logits[..., :5].clone().requires_grad_(), logits[..., 5:].clone().requires_grad_()]
+    row_max = torch.maximum(shards[0].detach().amax(-1), shards[1].detach().amax(-1))
+    partials = [M.entropy_partial_sums(shard, row_max) for shard in shards]
+    entropy = M.entropy_from_partial_sums(partials[0][0] + partials[1][0], partials[0][1] + partials[1][1], row_max)
+    torch.testing.assert_close(entropy.double(), reference_entropy(logits), rtol=1e-5, atol=1e-6)
+    entropy.sum().backward()
+
+    full = logits.clone().requires_grad_()
+    M.entropy_from_logits(full).sum().backward()
+    torch.testing.assert_close(torch.cat([shards[0].grad, shards[1].grad], dim=-1), full.grad)
+
+
+def test_entropy_group_path(world_group):
+    logits = entropy_batch().requires_grad_()
+    local = logits.detach().clone().requires_grad_()
+    grouped = M.entropy_from_logits(logits, group=world_group)
+    expected = M.entropy_from_logits(local)
+    torch.testing.assert_close(grouped, expected)
+    grouped.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(logits.grad, local.grad)  # identity backward: one rank, the same gradient
