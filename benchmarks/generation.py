@@ -45,10 +45,33 @@ def decode_step_flops(cfg, batch: int, context: float) -> float:
     hidden, heads, groups, head_dim, ffn = (cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups,
                                             cfg.head_dim, cfg.ffn_size)
     gated = 2 if cfg.activation == "swiglu" else 1
-    per_layer = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden + hidden * ffn * gated + ffn * hidden
+    attention_weights = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
+    per_layer = attention_weights + hidden * ffn * gated + ffn * hidden
     attention = 2 * heads * head_dim * context  # q.k and p.v
     per_token = cfg.num_layers * (per_layer + attention) + hidden * cfg.vocab_size
     return 2.0 * batch * per_token
+
+
+def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
+    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them), hot in cache."""
+    weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
+    weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                   else model.output_layer.weight)
+    inputs = [torch.randn(w.shape[1], batch) for w in weights]
+
+    def run():
+        for weight, x in zip(weights, inputs):
+            torch.mm(weight, x)
+
+    with torch.inference_mode():
+        for _ in range(5):
+            run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def build_models(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int):
@@ -159,6 +182,7 @@ def main() -> None:
     full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, args.warmup)
     first = paired(hf(1), native(1), args.repeats, args.warmup)
     rate = statistics.median([rate, matmul_rate(1024)])  # before and after: load drifts
+    matmuls = step_matmuls_seconds(model, args.batch)
 
     steps = args.new_tokens - 1
     hf_step = [(f_hf - o_hf) / steps for (f_hf, _), (o_hf, _) in zip(full, first)]
@@ -171,8 +195,8 @@ def main() -> None:
 
     print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads; {args.repeats} alternating pairs after {args.warmup} warm-up")
-    print(f"model: {args.arch}-style, {cfg.num_layers} layers x {cfg.hidden_size} wide, {cfg.num_attention_heads} heads, "
-          f"vocab {cfg.vocab_size}, fp32; HF export max |logit diff| {logit_diff:.1e}")
+    print(f"model: {args.arch}-style, {cfg.num_layers} layers x {cfg.hidden_size} wide, "
+          f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}, fp32; HF export max |logit diff| {logit_diff:.1e}")
     print(f"work: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
           f"(fixed length), sampling at temperature 1")
     print(f"tokens/s      HF generate {hf_tps:9.0f}   native {native_tps:9.0f}   "
@@ -185,6 +209,8 @@ def main() -> None:
     print(f"floor         {decode_step_flops(cfg, args.batch, context) / 1e6:.1f} MFLOP per decode step at "
           f"{rate / 1e9:.0f} GFLOP/s (1024^3 fp32 matmul, this run) = {floor * 1e3:.3f} ms; native is "
           f"{statistics.median(native_step) / floor:.2f}x the floor, HF {statistics.median(hf_step) / floor:.2f}x")
+    print(f"matmuls only  the decode step's weight products alone (W @ x, x [in, {args.batch}], hot in cache): "
+          f"{matmuls * 1e3:.3f} ms = {decode_step_flops(cfg, args.batch, 0) / matmuls / 1e9:.0f} GFLOP/s")
     distributed.shutdown()
 
 

@@ -1,0 +1,160 @@
+"""Native engine under tensor and pipeline parallelism (see tests/distributed/test_native_engine_parallel.py).
+
+Run with 2 processes: `native_engine_parallel.py WORK`. At TP=1 (x DP=2) it builds random
+llama- and gpt2-style models, saves them with aligner.checkpointing and generates the reference
+rollouts; then it loads the same checkpoints at TP=2 (DDP-wrapped chunks), PP=2 and PP=2 with two
+virtual stages (llama), generates the same rollouts and compares. It also checks the
+vocab-parallel sampling helpers at TP=2 against their single-shard versions.
+Rank 0 prints one `RESULT <json>` line.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from aligner import checkpointing
+from aligner.generation import sampling as S
+from aligner.generation.engine import SamplingParams
+from aligner.generation.logprobs import pack_sequences, sequence_logprobs
+from aligner.generation.native import NativeEngine
+from aligner.models.gpt import GPTConfig
+from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
+from aligner.runtime.seeds import set_seed
+from aligner.training import setup
+
+VOCAB, PAD, EOS = 100, 0, 2  # padded to 128: at TP=2 the second shard holds the padding
+CONFIGS = {
+    "llama": GPTConfig.llama(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                             max_position_embeddings=64),
+    "gpt2": GPTConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+                           make_vocab_size_divisible_by=64, max_position_embeddings=64),
+}
+CASES = {
+    "greedy": SamplingParams(max_new_tokens=12, greedy=True),
+    "sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=5),
+    "top_k_top_p": SamplingParams(max_new_tokens=12, temperature=0.8, top_k=10, top_p=0.9, seed=6),
+    "top_p": SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.8, seed=7),
+}
+LAYOUTS = {
+    "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2")),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), ("llama", "gpt2")),
+    "pp2_vpp2": (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ("llama",)),
+}
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (1, 9, 4, 12, 6, 2, 11, 7)]
+
+
+def random_model(cfg: GPTConfig, seed: int) -> torch.nn.Module:
+    """TP=1 model whose every tensor carries signal (identical on every rank: same seed)."""
+    model = setup.build_model_chunks(cfg, ParallelConfig(), torch.float32)[0].eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def run_cases(cfg: GPTConfig, chunks) -> dict:
+    engine = NativeEngine(chunks, cfg, pad_id=PAD, eos_id=EOS, max_batch_size=8, max_sequence_length=32)
+    out = {}
+    for case, sampling in CASES.items():
+        rollout = engine.generate(prompts(), sampling)
+        tokens, prompt_lengths = pack_sequences(rollout.prompt_tokens, rollout.response_tokens,
+                                                rollout.response_lengths, PAD)
+        training = sequence_logprobs(chunks, tokens, prompt_lengths, rollout.response_lengths, vocab_size=VOCAB,
+                                     temperature=1.0 if sampling.is_greedy else sampling.temperature,
+                                     response_width=sampling.max_new_tokens)
+        out[case] = {"tokens": rollout.response_tokens, "lengths": rollout.response_lengths,
+                     "logprobs": rollout.logprobs, "training_logprobs": training.cpu()}
+    return out
+
+
+def worst(value: float) -> float:
+    """The largest value over all ranks (every rank holds the full rollout)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def compare(reference: dict, result: dict) -> dict:
+    report = {}
+    for case in CASES:
+        ref, got = reference[case], result[case]
+        same_rows = [bool(torch.equal(ref["tokens"][i], got["tokens"][i])) for i in range(len(prompts()))]
+        both = [i for i, same in enumerate(same_rows) if same]
+        report[case] = {
+            "same_rows": int(worst(-sum(same_rows)) * -1),  # the fewest over ranks
+            "rows": len(same_rows),
+            "logprob_vs_tp1": worst(float((ref["logprobs"][both] - got["logprobs"][both]).abs().max())),
+            "logprob_vs_training": worst(float((got["logprobs"] - got["training_logprobs"]).abs().max())),
+        }
+    return report
+
+
+def check_sampling_helpers() -> dict:
+    """TP=2 vocab-parallel helpers on shards of one logits tensor vs single-shard versions on all of it."""
+    from megatron.core import parallel_state as ps
+
+    initialize(ParallelConfig(tensor_model_parallel_size=2))
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    logits = 2.0 * torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    logits[:, 100:] = float("-inf")
+    shard = logits[:, rank * 64:(rank + 1) * 64].contiguous()
+    start = rank * 64
+    uniform = S.uniforms(S.sample_keys(0, torch.arange(64)), torch.tensor([0]))[:, 0]
+    tokens = logits.argmax(-1)
+    values, ids = S.vocab_parallel_top_k(shard, 7, start, group)
+    top = torch.topk(logits, 7)
+    checks = {
+        "argmax": torch.equal(S.vocab_parallel_argmax(shard, start, group), tokens),
+        "sample": torch.equal(S.vocab_parallel_sample(shard, uniform, start, group),
+                              S.vocab_parallel_sample(logits, uniform)),
+        "top_k": torch.equal(ids, top.indices) and torch.equal(values, top.values),
+        "logsumexp": bool(torch.allclose(S.vocab_parallel_logsumexp(shard, group), torch.logsumexp(logits, -1),
+                                         atol=1e-5)),
+        "logprobs": bool(torch.allclose(S.vocab_parallel_token_logprobs(shard, tokens, start, group),
+                                        S.token_logprobs(logits, tokens), atol=1e-5)),
+        "select_top_p": torch.equal(
+            S.select_tokens(shard, greedy=False, top_p=0.7, uniform=uniform, vocab_start=start, group=group),
+            S.select_tokens(logits, greedy=False, top_p=0.7, uniform=uniform)),
+        "select_top_k": torch.equal(
+            S.select_tokens(shard, greedy=False, top_k=5, top_p=0.9, uniform=uniform, vocab_start=start, group=group),
+            S.select_tokens(logits, greedy=False, top_k=5, top_p=0.9, uniform=uniform)),
+    }
+    return {name: bool(worst(-float(ok)) == -1.0) for name, ok in checks.items()}
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    initialize(ParallelConfig())  # TP=1 x DP=2: both ranks compute the reference, the save deduplicates
+    set_seed(0)
+    references = {}
+    for index, (name, cfg) in enumerate(CONFIGS.items()):
+        model = random_model(cfg, seed=10 + index)
+        checkpointing.save(work / name, [model], model_config=cfg.to_dict())
+        references[name] = run_cases(cfg, [model])
+    result = {}
+    for layout, (parallel, names) in LAYOUTS.items():
+        initialize(parallel)
+        set_seed(0)
+        for name in names:
+            chunks = setup.build_model_chunks(CONFIGS[name], parallel, torch.float32)
+            checkpointing.load(work / name, chunks)
+            if layout == "tp2":  # what a trainer hands the engine: DDP-wrapped chunks
+                chunks = setup.wrap_for_training(chunks)
+            result[f"{name}/{layout}"] = compare(references[name], run_cases(CONFIGS[name], chunks))
+    result["sampling_helpers_tp2"] = check_sampling_helpers()
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

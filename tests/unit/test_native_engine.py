@@ -1,0 +1,250 @@
+"""The native engine on one process: parity with megatron's own forward, sampling rules, refit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aligner.generation.engine import SamplingParams
+from aligner.generation.logprobs import pack_sequences, sequence_logprobs
+from aligner.generation.native import NativeEngine
+from aligner.generation.reference import generate_full_forward
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.runtime import distributed, seeds
+
+VOCAB, PAD, EOS = 100, 0, 2  # vocab 100 is padded to 128: padded rows must never be sampled
+LOGPROB_TOLERANCE = 1e-5
+
+CONFIGS = {
+    # RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings
+    "llama": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                             max_position_embeddings=64),
+    # LayerNorm, GELU (tanh), learned positions, biases everywhere, tied embeddings
+    "gpt2": GPTConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+                           make_vocab_size_divisible_by=64, max_position_embeddings=64),
+    # Qwen2-like: bias on qkv only, tied embeddings, head_dim != hidden / heads
+    "qwen": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                            kv_channels=32, ffn_hidden_size=96, vocab_size=VOCAB, add_qkv_bias=True,
+                            tie_embeddings=True, make_vocab_size_divisible_by=64, max_position_embeddings=64),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process():
+    distributed.initialize(distributed.ParallelConfig())
+    seeds.set_seed(0)
+    yield
+    distributed.shutdown()
+
+
+def make_model(name: str, seed: int = 0):
+    """A random model whose every tensor carries signal (not megatron's init: zero biases, unit norms)."""
+    cfg = CONFIGS[name]
+    model = build_gpt_model(cfg, transformer_config(cfg)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            is_norm_weight = "norm" in param_name and param_name.endswith("weight")
+            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
+    return cfg, model
+
+
+def make_engine(cfg, model, **overrides) -> NativeEngine:
+    options = dict(pad_id=PAD, eos_id=EOS, max_batch_size=8, max_sequence_length=40)
+    options.update(overrides)
+    return NativeEngine([model], cfg, **options)
+
+
+def make_prompts(count: int = 7, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [1, 12, 5, 9, 3, 12, 7, 2][:count]
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def responses(rollout) -> list[list[int]]:
+    return [rollout.response_tokens[i, :n].tolist() for i, n in enumerate(rollout.response_lengths.tolist())]
+
+
+def training_logprobs(model, cfg, rollout, temperature: float) -> torch.Tensor:
+    tokens, prompt_lengths = pack_sequences(rollout.prompt_tokens, rollout.response_tokens, rollout.response_lengths,
+                                            PAD)
+    return sequence_logprobs([model], tokens, prompt_lengths, rollout.response_lengths, vocab_size=cfg.vocab_size,
+                             temperature=temperature, response_width=rollout.response_tokens.shape[1])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_equals_full_forward_argmax_decoding(name):
+    cfg, model = make_model(name)
+    prompts = make_prompts()
+    rollout = make_engine(cfg, model).generate(prompts, SamplingParams(max_new_tokens=14, greedy=True))
+    expected = generate_full_forward([model], prompts, vocab_size=VOCAB, eos_id=EOS, pad_id=PAD, max_new_tokens=14)
+    assert responses(rollout) == expected
+    assert rollout.prompt_tokens == prompts and rollout.response_tokens.shape == (len(prompts), 14)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=3, stop_token_ids=[5, 6, 7]),
+    SamplingParams(max_new_tokens=16, temperature=1.3, seed=4),
+    SamplingParams(max_new_tokens=16, greedy=True),
+], ids=["t0.7-topk-topp-stops", "t1.3", "greedy"])
+def test_engine_logprobs_equal_the_training_forward(name, sampling):
+    cfg, model = make_model(name)
+    rollout = make_engine(cfg, model).generate(make_prompts(), sampling)
+    expected = training_logprobs(model, cfg, rollout, 1.0 if sampling.is_greedy else sampling.temperature)
+    diff = float((rollout.logprobs - expected).abs().max())
+    print(f"{name}: max |engine - training| logprob = {diff:.2e}")
+    assert diff < LOGPROB_TOLERANCE
+    after_end = torch.arange(16).unsqueeze(0) >= rollout.response_lengths.unsqueeze(1)
+    assert (rollout.logprobs[~after_end] < 0).all()
+    assert (rollout.logprobs[after_end] == 0).all() and (rollout.response_tokens[after_end] == PAD).all()
+
+
+def test_rows_do_not_depend_on_the_rest_of_the_batch():
+    cfg, model = make_model("llama")
+    a, b, c, d = make_prompts(4)
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=30, seed=11)
+    first = make_engine(cfg, model).generate([a, b, c, d], sampling)
+    # Other neighbours (another padding width), and a batch split into chunks of 2 by the engine.
+    other = make_engine(cfg, model).generate([a, [9] * 20, c], sampling)
+    chunked = make_engine(cfg, model, max_batch_size=2).generate([a, b, c, d], sampling)
+    for row in (0, 2):
+        assert torch.equal(other.response_tokens[row], first.response_tokens[row])
+        assert torch.allclose(other.logprobs[row], first.logprobs[row], atol=1e-5)
+    assert torch.equal(chunked.response_tokens, first.response_tokens)
+    again = make_engine(cfg, model).generate([a, b, c, d], sampling)
+    assert torch.equal(again.response_tokens, first.response_tokens)
+    reseeded = make_engine(cfg, model).generate([a, b, c, d], SamplingParams(**{**vars(sampling), "seed": 12}))
+    assert not torch.equal(reseeded.response_tokens, first.response_tokens)
+
+
+def test_stop_token_ids_end_responses_and_are_counted():
+    cfg, model = make_model("gpt2")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1]))
+    stop = int(free_run.response_tokens[0, 3])  # whatever row 0 says fourth
+    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[stop]))
+    for row, tokens in enumerate(free_run.response_tokens.tolist()):
+        end = tokens.index(stop) + 1 if stop in tokens else 10
+        assert rollout.response_tokens[row, :end].tolist() == tokens[:end]
+        assert int(rollout.response_lengths[row]) == end
+        assert bool(rollout.ended_with_stop[row]) == (stop in tokens)
+    assert int(rollout.response_lengths[0]) <= 4 and bool(rollout.ended_with_stop[0])
+
+
+def test_eos_is_the_default_stop_and_max_new_tokens_caps_the_rest():
+    cfg, model = make_model("llama")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1]))
+    eos = int(free_run.response_tokens[1, 2])
+    rollout = make_engine(cfg, model, eos_id=eos).generate(prompts, SamplingParams(max_new_tokens=10, greedy=True))
+    assert int(rollout.response_lengths[1]) <= 3 and bool(rollout.ended_with_stop[1])
+    unstopped = ~rollout.ended_with_stop
+    assert (rollout.response_lengths[unstopped] == 10).all()
+    short = engine.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True, stop_token_ids=[VOCAB - 1]))
+    assert torch.equal(short.response_tokens, free_run.response_tokens[:, :3])
+    assert (short.response_lengths == 3).all() and not short.ended_with_stop.any()
+
+
+def test_min_new_tokens_masks_stop_tokens_until_reached():
+    cfg, model = make_model("llama")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=[VOCAB - 1]))
+    first_tokens = sorted(set(free_run.response_tokens[:, 0].tolist()))
+    sampling = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=first_tokens, min_new_tokens=3)
+    rollout = engine.generate(prompts, sampling)
+    assert (rollout.response_lengths >= 3).all()
+    assert not torch.isin(rollout.response_tokens[:, :3], torch.tensor(first_tokens)).any()
+    # Sampling as well: across seeds, no stop token ever appears before min_new_tokens.
+    for seed in range(3):
+        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=2.0, seed=seed,
+                                                          stop_token_ids=list(range(3, 60)), min_new_tokens=2))
+        assert not torch.isin(sampled.response_tokens[:, :2], torch.arange(3, 60)).any()
+        assert (sampled.response_lengths >= 2).all()
+
+
+def test_stop_strings_end_responses_on_the_decoded_text():
+    cfg, model = make_model("qwen")
+    prompts = make_prompts()
+    def decode(ids): return "".join(f"<{i}>" for i in ids)
+    engine = make_engine(cfg, model, decode=decode)
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1]))
+    pair = f"<{int(free_run.response_tokens[2, 4])}><{int(free_run.response_tokens[2, 5])}>"
+    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1],
+                                                      stop_strings=[pair]))
+    for row, tokens in enumerate(free_run.response_tokens.tolist()):
+        text_ends = [n for n in range(1, 11) if pair in decode(tokens[:n])]
+        end = text_ends[0] if text_ends else 10
+        assert int(rollout.response_lengths[row]) == end and bool(rollout.ended_with_stop[row]) == bool(text_ends)
+        assert rollout.response_tokens[row, :end].tolist() == tokens[:end]
+    assert int(rollout.response_lengths[2]) <= 6 and bool(rollout.ended_with_stop[2])
+    with pytest.raises(ValueError, match="decode"):
+        make_engine(cfg, model).generate(prompts, SamplingParams(max_new_tokens=4, stop_strings=["x"]))
+
+
+def test_fixed_length_samples_past_stop_tokens():
+    cfg, model = make_model("gpt2")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    free_run = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1]))
+    stop = int(free_run.response_tokens[0, 2])
+    fixed = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[stop],
+                                                    fixed_length=True))
+    assert torch.equal(fixed.response_tokens, free_run.response_tokens)
+    assert (fixed.response_lengths == 10).all() and (fixed.logprobs < 0).all()
+    assert torch.equal(fixed.ended_with_stop, (free_run.response_tokens == stop).any(dim=1))
+    expected = training_logprobs(model, cfg, fixed, 1.0)
+    assert float((fixed.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+
+
+def test_padded_vocabulary_is_never_sampled():
+    cfg, model = make_model("llama")
+    with torch.no_grad():
+        model.output_layer.weight[VOCAB:] = 10.0  # padded rows would win every argmax and draw
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=3.0, seed=1))
+    assert greedy.response_tokens.max() < VOCAB and sampled.response_tokens.max() < VOCAB
+    assert torch.isfinite(sampled.logprobs).all()
+
+
+def test_refit_is_free_and_sees_weight_changes():
+    cfg, model = make_model("llama")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    greedy = SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1])
+    before = engine.generate(prompts, greedy)
+    cache = engine._kv_cache
+    # An optimizer step updates parameters in place: the engine serves the new weights at once.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
+    after = engine.generate(prompts, greedy)
+    expected = generate_full_forward([model], prompts, vocab_size=VOCAB, eos_id=VOCAB - 1, pad_id=PAD,
+                                     max_new_tokens=10)
+    assert responses(after) == expected and responses(after) != responses(before)
+    # A different model object: refit points at its tensors, no copy, the cache is kept.
+    _, other = make_model("llama", seed=9)
+    engine.refit([other])
+    assert engine._segments[0].layers[0].qkv.weight is other.decoder.layers[0].self_attention.linear_qkv.weight
+    refitted = engine.generate(prompts, greedy)
+    assert engine._kv_cache is cache
+    assert responses(refitted) == generate_full_forward([other], prompts, vocab_size=VOCAB, eos_id=VOCAB - 1,
+                                                        pad_id=PAD, max_new_tokens=10)
+    engine.free()
+    assert engine._kv_cache is None
+    assert torch.equal(engine.generate(prompts, greedy).response_tokens, refitted.response_tokens)
+
+
+def test_requests_the_engine_cannot_serve_are_refused_with_a_reason():
+    cfg, model = make_model("llama")
+    engine = make_engine(cfg, model)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        engine.generate([[5] * 30], SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[5], []], SamplingParams())
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.generate([[5, VOCAB]], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[5]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="learned positions"):
+        gpt2_cfg, gpt2 = make_model("gpt2")
+        make_engine(gpt2_cfg, gpt2, max_sequence_length=65)
