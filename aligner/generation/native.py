@@ -13,13 +13,22 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   the other rows. This equals the training-side layout of `aligner.generation.logprobs`
   (each sequence from position 0, padding after it);
 - one batched prefill over the prompts (logits only for the last column), then one
-  single-token step per new token.
+  single-token step per new token, run feature-major ([features, batch] activations, see
+  `_decode_forward`) because small-batch products are much faster that way round.
+Sampling (temperature, top-k, top-p, greedy, min/max new tokens, stop ids and strings,
+fixed length, per-sample seeds) is in `sampling`; the reported logprobs are those of
+log_softmax(logits / temperature) over the real vocabulary (temperature 1 when greedy), before
+top-k/top-p/min-new-tokens filtering: the quantity the training forward recomputes.
 
 Parallelism: tensor parallel through megatron's TP group (all-reduce after the row-parallel
 projections, vocab-parallel embedding, sampling on vocab shards, see `sampling`); pipeline
 parallel (also virtual stages) by passing hidden states stage to stage with point-to-point
 sends; the last stage samples and broadcasts tokens and logprobs to the other stages, so every
 rank returns the same Rollout.
+
+Not here (yet): the transformer-engine layer spec (its fused norm+linear weights have other
+names), CUDA-graph capture of the decode step (needs a GPU to test; the step would have to attend
+over the whole static cache with a mask instead of slicing it to the current length).
 """
 from __future__ import annotations
 
@@ -205,8 +214,9 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Continue every prompt; collective over the model-parallel group (every TP/PP rank calls it).
 
-        Row i samples from the noise stream of (sampling.seed, i), so a row's result does not depend
-        on the other prompts in the call nor on how they are split into chunks of max_batch_size.
+        Row i draws from the random stream of (sampling.seed, i), so a row's result does not depend
+        on the other prompts in the call nor on how they are split into chunks of max_batch_size
+        (data-parallel ranks should pass different seeds).
         With fixed_length every row gets max_new_tokens tokens (stop tokens do not end it);
         ended_with_stop then says whether a stop token was generated anywhere in the row.
         """
@@ -478,13 +488,17 @@ class NativeEngine:
         variance = (centered * centered).mean(0, keepdim=True)
         return centered * variance.add_(self.cfg.norm_epsilon).rsqrt_() * norm.weight_column + norm.bias_column
 
+    # In-place adds below act on fresh matmul outputs only: fewer allocations in the hot loop.
     def _linear_columns(self, linear: _Linear, x):
         out = torch.mm(linear.weight, x)
-        return out if linear.bias is None else out + linear.bias_column
+        return out if linear.bias is None else out.add_(linear.bias_column)
 
-    def _row_parallel_columns(self, linear: _Linear, x):
+    def _row_parallel_columns(self, linear: _Linear, x, residual):
+        """megatron's row-parallel linear (matmul, all-reduce, bias) plus the residual stream."""
         out = self._reduce(torch.mm(linear.weight, x))
-        return out if linear.bias is None else out + linear.bias_column
+        if linear.bias is not None:
+            out.add_(linear.bias_column)
+        return out.add_(residual)
 
     def _decode_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask, column, kv_len):
         """hidden [hidden, batch]; caches [batch, groups, max_len, d]; mask [batch, 1, 1, kv_len] or None."""
@@ -506,7 +520,7 @@ class NativeEngine:
         probs = self._softmax(scores).view(batch * groups, per_group, kv_len)
         context = torch.bmm(probs, value_cache[:, :, :kv_len].reshape(batch * groups, kv_len, head_dim))
         context = context.view(batch, self._heads * head_dim).t().contiguous()
-        hidden = hidden + self._row_parallel_columns(layer.proj, context)
+        hidden = self._row_parallel_columns(layer.proj, context, hidden)
 
         intermediate = self._linear_columns(layer.fc1, self._norm_columns(hidden, layer.mlp_norm))
         if self._gated:
@@ -514,7 +528,7 @@ class NativeEngine:
             intermediate = self._activation(gate) * up
         else:
             intermediate = self._activation(intermediate)
-        return hidden + self._row_parallel_columns(layer.fc2, intermediate)
+        return self._row_parallel_columns(layer.fc2, intermediate, hidden)
 
 
 class _SamplingState:

@@ -5,11 +5,13 @@ import pytest
 import torch
 
 from aligner.generation.engine import SamplingParams
-from aligner.generation.logprobs import pack_sequences, sequence_logprobs
+from aligner.generation.logprobs import pack_sequences, response_logprobs, sequence_logprobs
 from aligner.generation.native import NativeEngine
 from aligner.generation.reference import generate_full_forward
+from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-from aligner.runtime import distributed, seeds
+
+pytestmark = pytest.mark.usefixtures("single_process")
 
 VOCAB, PAD, EOS = 100, 0, 2  # vocab 100 is padded to 128: padded rows must never be sampled
 LOGPROB_TOLERANCE = 1e-5
@@ -27,14 +29,6 @@ CONFIGS = {
                             kv_channels=32, ffn_hidden_size=96, vocab_size=VOCAB, add_qkv_bias=True,
                             tie_embeddings=True, make_vocab_size_divisible_by=64, max_position_embeddings=64),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process():
-    distributed.initialize(distributed.ParallelConfig())
-    seeds.set_seed(0)
-    yield
-    distributed.shutdown()
 
 
 def make_model(name: str, seed: int = 0):
@@ -98,6 +92,37 @@ def test_engine_logprobs_equal_the_training_forward(name, sampling):
     after_end = torch.arange(16).unsqueeze(0) >= rollout.response_lengths.unsqueeze(1)
     assert (rollout.logprobs[~after_end] < 0).all()
     assert (rollout.logprobs[after_end] == 0).all() and (rollout.response_tokens[after_end] == PAD).all()
+
+
+def test_sequence_logprobs_equal_per_sequence_log_softmax():
+    cfg, model = make_model("gpt2")
+    prompts = make_prompts(4)
+    response_tokens = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(2))
+    response_lengths = torch.tensor([6, 0, 3, 1])
+    tokens, prompt_lengths = pack_sequences(prompts, response_tokens, response_lengths, PAD)
+    assert tokens.shape == (4, 12) and prompt_lengths.tolist() == [1, 12, 5, 9]
+    result = sequence_logprobs([model], tokens, prompt_lengths, response_lengths, vocab_size=VOCAB,
+                               temperature=0.8, response_width=6)
+    for row, (prompt, length) in enumerate(zip(prompts, response_lengths.tolist())):
+        sequence = torch.tensor([prompt + response_tokens[row, :length].tolist()])
+        logits = forward_logits([model], sequence, VOCAB)[0].double() / 0.8  # unpadded, on its own
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, sequence[0, len(prompt):, None])
+        assert torch.allclose(result[row, :length].double(), expected.squeeze(1), atol=1e-5)
+        assert (result[row, length:] == 0).all()
+
+
+def test_response_logprobs_carry_gradients_to_the_model():
+    cfg, model = make_model("llama")
+    tokens, prompt_lengths = pack_sequences(make_prompts(3), torch.full((3, 4), 7), torch.tensor([4, 2, 3]), PAD)
+    model.train()
+    logits = model(tokens, torch.arange(tokens.shape[1]).expand(3, -1), None)
+    logprobs = response_logprobs(logits, tokens, prompt_lengths, torch.tensor([4, 2, 3]), vocab_size=VOCAB,
+                                 temperature=0.7)
+    logprobs.sum().backward()
+    assert model.output_layer.weight.grad is not None and model.output_layer.weight.grad[:VOCAB].abs().sum() > 0
+    assert (model.output_layer.weight.grad[VOCAB:] == 0).all()  # padded vocabulary rows take no gradient
+    model.zero_grad()
+    model.eval()
 
 
 def test_rows_do_not_depend_on_the_rest_of_the_batch():
