@@ -218,8 +218,6 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
         from aligner import checkpointing
 
         trainer.checkpoint_meta["reward"] = checkpointing.read_meta(built.resume_checkpoint).get("reward", reward_meta)
-    # The reference set for normalisation: validation data if any, else training data.
-    trainer.normalization_loader = val_loader if val_loader is not None else train_loader
     metrics.write(
         f"{cfg.name}: {reward.type} over {reward.attributes}, {num_parameters(model_cfg) / 1e6:.2f}M parameters, "
         f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
@@ -234,7 +232,9 @@ def finish_reward_model(trainer: Trainer, cfg: RewardModelConfig) -> None:
 
     if cfg.reward.normalize:
         inference = RewardInference(trainer.chunks, len(cfg.reward.attributes), cfg.trainer.micro_batch_size)
-        normalization = reward_normalization(inference, trainer.normalization_loader, cfg.reward.normalization_samples)
+        # The reference set: validation data if any, else training data.
+        reference = trainer.val_loader if trainer.val_loader is not None else trainer.train_loader
+        normalization = reward_normalization(inference, reference, cfg.reward.normalization_samples)
         trainer.checkpoint_meta["reward"]["normalization"] = normalization
         trainer.metrics.write(f"reward normalisation on the reference set: mean {normalization['mean']}, "
                               f"std {normalization['std']}")
