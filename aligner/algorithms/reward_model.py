@@ -11,10 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from aligner.runtime.distributed import ParallelConfig
-from aligner.training.metrics import LoggingConfig
-from aligner.training.setup import DatasetEntry, ModelSection, OptimConfig, TokenizerConfig
-from aligner.training.trainer import CheckpointConfig, Trainer, TrainerConfig
+from aligner.training.setup import DataSection, DatasetEntry, RunConfig
+from aligner.training.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- config schema
@@ -27,30 +25,17 @@ class RewardSection:
 
 
 @dataclass
-class RewardDataConfig:
-    train: list[DatasetEntry] = field(default_factory=list)
-    validation: list[DatasetEntry] = field(default_factory=list)  # empty: carve `split` out of train
-    split: str = "98,2"
-    max_seq_length: int = 512
+class RewardDataConfig(DataSection):
     append_eos: bool = True
-    shuffle: bool = True
-    pad_to_multiple_of: int = 8
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(RunConfig):
+    """conf/training_rm.yaml: the shared run sections plus `reward` and `data`."""
+
     name: str = "reward_model"
-    seed: int = 1234
-    precision: str = "auto"
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: ModelSection = field(default_factory=ModelSection)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     reward: RewardSection = field(default_factory=RewardSection)
     data: RewardDataConfig = field(default_factory=RewardDataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # ----------------------------------------------------------------------------- losses

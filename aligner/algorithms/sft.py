@@ -10,37 +10,22 @@ from dataclasses import dataclass, field
 import torch
 
 from aligner.models.gpt import mask_padded_vocab
-from aligner.runtime.distributed import ParallelConfig
-from aligner.training.metrics import LoggingConfig
-from aligner.training.setup import DatasetEntry, ModelSection, OptimConfig, TokenizerConfig
-from aligner.training.trainer import CheckpointConfig, Trainer, TrainerConfig
+from aligner.training.setup import DataSection, DatasetEntry, RunConfig
+from aligner.training.trainer import Trainer
 
 
 # ----------------------------------------------------------------------------- config schema
 @dataclass
-class SFTDataConfig:
-    train: list[DatasetEntry] = field(default_factory=list)
-    validation: list[DatasetEntry] = field(default_factory=list)  # empty: carve `split` out of train
-    split: str = "98,2"
-    max_seq_length: int = 512
+class SFTDataConfig(DataSection):
     pack_sequences: bool = False
-    shuffle: bool = True
-    pad_to_multiple_of: int = 8
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(RunConfig):
+    """conf/gpt_sft.yaml: the shared run sections plus `data`."""
+
     name: str = "gpt_sft"
-    seed: int = 1234
-    precision: str = "auto"
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: ModelSection = field(default_factory=ModelSection)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # ----------------------------------------------------------------------------- loss

@@ -14,6 +14,8 @@ import torch
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import distributed
 from aligner.runtime.distributed import ParallelConfig
+from aligner.training.metrics import LoggingConfig
+from aligner.training.trainer import CheckpointConfig, TrainerConfig
 
 
 @dataclass
@@ -286,3 +288,31 @@ def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, s
     elif val_set is not None:
         get_logger().warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: validation is off")
     return loader(train_set, shuffle), val_loader
+
+
+@dataclass
+class DataSection:
+    """The fields every `data:` section has; algorithms add their own."""
+
+    train: list[DatasetEntry] = field(default_factory=list)
+    validation: list[DatasetEntry] = field(default_factory=list)  # empty: carve `split` out of train
+    split: str = "98,2"
+    max_seq_length: int = 512
+    shuffle: bool = True
+    pad_to_multiple_of: int = 8
+
+
+@dataclass
+class RunConfig:
+    """The sections every training entry point's config has; algorithms add theirs (and `data`)."""
+
+    name: str = "run"
+    seed: int = 1234
+    precision: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line
 
@@ -17,8 +18,9 @@ def test_shipped_yaml_loads_and_overrides_apply():
     assert cfg.model.architecture.normalization == "RMSNorm"
 
 
-def test_every_schema_key_is_in_the_shipped_yaml():
-    """The yaml documents every key the trainer reads (and nothing else, see the next test)."""
+@pytest.mark.parametrize("schema, yaml_name", [(SFTConfig, "gpt_sft.yaml"), (RewardModelConfig, "training_rm.yaml")])
+def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name):
+    """The yaml documents every key the trainer reads, and loads against its schema."""
     from omegaconf import OmegaConf
 
     def keys(node, prefix=""):
@@ -30,9 +32,10 @@ def test_every_schema_key_is_in_the_shipped_yaml():
                 found |= keys(value, f"{name}.")
         return found
 
-    schema = keys(OmegaConf.structured(SFTConfig))
-    in_yaml = keys(OmegaConf.load(SFT_YAML))
-    assert schema - in_yaml == set(), "keys missing from conf/gpt_sft.yaml"
+    schema_keys = keys(OmegaConf.structured(schema))
+    in_yaml = keys(OmegaConf.load(CONF_DIR / yaml_name))
+    assert schema_keys - in_yaml == set(), f"keys missing from conf/{yaml_name}"
+    load_config(schema, CONF_DIR / yaml_name, ["data.train=[{path: x.jsonl}]"])  # unknown yaml keys would raise
 
 
 def test_unknown_keys_are_errors(tmp_path):
