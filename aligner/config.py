@@ -75,9 +75,6 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
     return config_path, overrides
 
 
-def to_yaml(config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
-
 
 def run_main(main) -> None:
     """Run an entry point; user errors (config, data, checkpoint) end with one clear line, exit 2."""

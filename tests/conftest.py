@@ -41,3 +41,20 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 60
 @pytest.fixture
 def torchrun():
     return run_torchrun
+
+
+def dotted_keys(config) -> set[str]:
+    """Every key of a (nested) config as dotted paths, e.g. {"trainer", "trainer.max_steps"}.
+
+    Accepts an omegaconf config or plain dicts; used to check that a shipped yaml documents
+    every key of its schema.
+    """
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(config) if OmegaConf.is_config(config) else config
+    found = set()
+    for key, value in node.items():
+        found.add(str(key))
+        if isinstance(value, dict):
+            found |= {f"{key}.{inner}" for inner in dotted_keys(value)}
+    return found

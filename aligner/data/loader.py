@@ -31,8 +31,9 @@ class MicroBatchLoader:
         # collate_fn(examples, pad_id, pad_to_multiple_of) -> dict of [rows, ...] tensors; a dataset
         # item may become several rows (a preference pair is two), sliced micro batch by micro batch.
         self.collate_fn = collate_fn or collate_sft
-        self.num_microbatches = DistributedBatchSampler(**self.sampler_args).num_microbatches
-        self.steps_per_epoch = DistributedBatchSampler(**self.sampler_args).steps_per_epoch
+        sampler = DistributedBatchSampler(**self.sampler_args)  # also validates the batch sizes now
+        self.num_microbatches = sampler.num_microbatches
+        self.steps_per_epoch = sampler.steps_per_epoch
 
     def total_steps(self, max_steps: int, max_epochs: Optional[int]) -> int:
         if max_epochs is None:

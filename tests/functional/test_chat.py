@@ -10,14 +10,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from aligner.config import CONF_DIR, load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..conftest import REPO_ROOT, dotted_keys
 ENTRY_POINT = REPO_ROOT / "examples" / "nlp" / "gpt" / "chat.py"
 CHAT_YAML = CONF_DIR / "chat.yaml"
 MAX_NEW_TOKENS = 8
@@ -165,16 +164,8 @@ def test_shipped_yaml_has_every_schema_key_and_validates(tmp_path):
 
     from aligner.generation.chat import ChatConfig
 
-    def keys(node: dict, prefix=""):
-        found = set()
-        for key, value in node.items():
-            found.add(f"{prefix}{key}")
-            if isinstance(value, dict):
-                found |= keys(value, f"{prefix}{key}.")
-        return found
 
-    schema = OmegaConf.to_container(OmegaConf.structured(ChatConfig))
-    assert keys(schema) == keys(OmegaConf.to_container(OmegaConf.load(CHAT_YAML)))
+    assert dotted_keys(OmegaConf.structured(ChatConfig)) == dotted_keys(OmegaConf.load(CHAT_YAML))
     cfg = load_config(ChatConfig, CHAT_YAML, ["checkpoint=x", "sampling.temperature=0.7", "sampling.top_k=5"])
     params = cfg.sampling_params([2, 9])
     assert (params.temperature, params.top_k, params.greedy, params.stop_token_ids) == (0.7, 5, False, [2, 9])

@@ -23,7 +23,7 @@ import torch
 from aligner.clients.reward import RewardClient, RewardServerError, ServerUnavailableError
 from aligner.config import CONF_DIR, ConfigError, load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..conftest import REPO_ROOT, dotted_keys
 ENTRY_POINT = REPO_ROOT / "examples" / "nlp" / "gpt" / "serve_reward_model.py"
 RM_YAML = CONF_DIR / "inference_rm.yaml"
 ATTRIBUTES = ["helpfulness", "correctness"]
@@ -209,16 +209,9 @@ def test_shipped_yaml_has_every_schema_key_and_loads():
 
     from servers.reward_model import RewardServerConfig
 
-    def keys(node: dict, prefix=""):
-        found = set()
-        for key, value in node.items():
-            found.add(f"{prefix}{key}")
-            if isinstance(value, dict):
-                found |= keys(value, f"{prefix}{key}.")
-        return found
 
-    schema = keys(OmegaConf.to_container(OmegaConf.structured(RewardServerConfig)))
-    assert schema - keys(OmegaConf.to_container(OmegaConf.load(RM_YAML))) == set(), "keys missing from the yaml"
+    schema = dotted_keys(OmegaConf.structured(RewardServerConfig))
+    assert schema - dotted_keys(OmegaConf.load(RM_YAML)) == set(), "keys missing from the yaml"
     cfg = load_config(RewardServerConfig, RM_YAML, ["rm_model_file=/ckpt", "server.port=7000"])
     assert cfg.server.model_name == "reward_model" and cfg.server.host == "127.0.0.1"
     assert (cfg.server.port, cfg.server.grpc_port, cfg.server.metrics_port) == (7000, 7001, 7002)

@@ -5,6 +5,7 @@ import pytest
 
 from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.sft import SFTConfig
+from ..conftest import dotted_keys
 from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line
 
 SFT_YAML = CONF_DIR / "gpt_sft.yaml"
@@ -23,17 +24,9 @@ def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name):
     """The yaml documents every key the trainer reads, and loads against its schema."""
     from omegaconf import OmegaConf
 
-    def keys(node, prefix=""):
-        found = set()
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            found.add(name)
-            if OmegaConf.is_dict(value):
-                found |= keys(value, f"{name}.")
-        return found
 
-    schema_keys = keys(OmegaConf.structured(schema))
-    in_yaml = keys(OmegaConf.load(CONF_DIR / yaml_name))
+    schema_keys = dotted_keys(OmegaConf.structured(schema))
+    in_yaml = dotted_keys(OmegaConf.load(CONF_DIR / yaml_name))
     assert schema_keys - in_yaml == set(), f"keys missing from conf/{yaml_name}"
     load_config(schema, CONF_DIR / yaml_name, ["data.train=[{path: x.jsonl}]"])  # unknown yaml keys would raise
 

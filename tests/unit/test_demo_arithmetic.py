@@ -7,14 +7,13 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from aligner.demo import arithmetic as task
 from aligner.demo.tokenizer import CHAT_TEMPLATE, train_char_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..conftest import REPO_ROOT
 
 
 # --- answers and the forgotten carry ------------------------------------------------------------
