@@ -146,6 +146,14 @@ def resolve_precision(name: str) -> "torch.dtype":
     return dtypes[name]
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a tensor for offloading: pinned when the model is on a GPU (fast, async-capable
+    copies back), plain memory on CPU (pinning needs CUDA)."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=not cpu_bridge.needed())
+    copy.copy_(tensor.detach())
+    return copy
+
+
 def supports_distributed_optimizer() -> bool:
     """megatron's distributed optimizer needs CUDA tensors and reduce-scatter (not in gloo)."""
     return not cpu_bridge.needed()

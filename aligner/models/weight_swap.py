@@ -1,0 +1,73 @@
+"""Two models on one set of devices: a second set of weights kept on (pinned) host memory and
+swapped into the live model chunks for a pass, then swapped out again.
+
+PPO's actor holds its reference policy this way (NeMo-Aligner's CPU-offloaded reference), DPO can
+compute reference logprobs the same way, and the critic server's combined mode swaps reward-model
+weights into the critic. The swap exchanges parameter *values* in place, so everything that holds
+references to the parameters (DDP buffers, the optimizer, the generation engine) stays valid, and
+swapping back restores the training weights bit for bit.
+
+    reference = HostWeights.snapshot(chunks)        # e.g. right after loading the initial policy
+    with reference.swapped_in(chunks):
+        reference_logprobs = ...                    # the model computes with the reference weights
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+from aligner.runtime.distributed import host_copy
+
+
+def _named_tensors(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter of the chunks in a fixed order, named `chunk<i>.<name>` (wrappers unwrapped)."""
+    from megatron.core.utils import unwrap_model
+
+    named = []
+    for index, chunk in enumerate(unwrap_model(list(chunks))):
+        named.extend((f"chunk{index}.{name}", param) for name, param in chunk.named_parameters())
+    return named
+
+
+class HostWeights:
+    """A host-memory copy of model chunks' parameters that can be exchanged with the live ones."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors  # name -> host tensor, same shapes/dtypes as the live parameters
+
+    @classmethod
+    def snapshot(cls, chunks: Sequence[torch.nn.Module]) -> "HostWeights":
+        """Copy the chunks' current parameters to host memory."""
+        return cls({name: host_copy(param) for name, param in _named_tensors(chunks)})
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @torch.no_grad()
+    def exchange(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Swap values: the chunks get the stored weights, the store gets the chunks' weights."""
+        named = _named_tensors(chunks)
+        if [name for name, _ in named] != list(self.tensors):
+            missing = sorted(set(self.tensors) - {name for name, _ in named})[:5]
+            extra = sorted({name for name, _ in named} - set(self.tensors))[:5]
+            raise ValueError(f"these weights belong to a different model layout (missing {missing}, unexpected {extra})")
+        for name, param in named:
+            stored = self.tensors[name]
+            if stored.shape != param.shape:
+                raise ValueError(f"{name}: stored shape {tuple(stored.shape)} != model shape {tuple(param.shape)}")
+            live = param.clone()  # one parameter's worth of device memory at a time
+            param.copy_(stored)
+            stored.copy_(live)  # reuse the (pinned) host buffer
+
+    @contextlib.contextmanager
+    def swapped_in(self, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+        """Run the block with these weights in the chunks; the chunks' own weights come back after,
+        even if the block raises."""
+        self.exchange(chunks)
+        try:
+            yield
+        finally:
+            self.exchange(chunks)
