@@ -79,10 +79,11 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
 def run_main(main) -> None:
     """Run an entry point; user errors (config, data, checkpoint) end with one clear line, exit 2."""
     from aligner.checkpointing import CheckpointError
+    from aligner.clients import ClientError
     from aligner.data.jsonl import DataError
 
     try:
         main()
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
+    except (ConfigError, DataError, CheckpointError, ClientError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

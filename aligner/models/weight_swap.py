@@ -21,7 +21,7 @@ import torch
 from aligner.runtime.distributed import host_copy
 
 
-def _named_tensors(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+def named_parameters(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of the chunks in a fixed order, named `chunk<i>.<name>` (wrappers unwrapped)."""
     from megatron.core.utils import unwrap_model
 
@@ -40,7 +40,7 @@ class HostWeights:
     @classmethod
     def snapshot(cls, chunks: Sequence[torch.nn.Module]) -> "HostWeights":
         """Copy the chunks' current parameters to host memory."""
-        return cls({name: host_copy(param) for name, param in _named_tensors(chunks)})
+        return cls({name: host_copy(param) for name, param in named_parameters(chunks)})
 
     @property
     def num_bytes(self) -> int:
@@ -49,7 +49,7 @@ class HostWeights:
     @torch.no_grad()
     def exchange(self, chunks: Sequence[torch.nn.Module]) -> None:
         """Swap values: the chunks get the stored weights, the store gets the chunks' weights."""
-        named = _named_tensors(chunks)
+        named = named_parameters(chunks)
         if [name for name, _ in named] != list(self.tensors):
             missing = sorted(set(self.tensors) - {name for name, _ in named})[:5]
             extra = sorted({name for name, _ in named} - set(self.tensors))[:5]

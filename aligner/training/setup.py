@@ -6,6 +6,7 @@ and the distributed optimizer on GPU), `OptimizerParamScheduler` for warmup + de
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -182,11 +183,13 @@ class TrainingModel:
 
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
-                         chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = ()) -> TrainingModel:
+                         chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
+                         model_overrides: Optional[dict] = None) -> TrainingModel:
     """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
 
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
-    skip_prefixes names parameters that `init_from` does not provide (a fresh reward head).
+    skip_prefixes names parameters that `init_from` does not provide (a fresh reward head);
+    model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO).
     """
     from pathlib import Path
 
@@ -207,6 +210,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     else:
         model_cfg = GPTConfig.from_dict(model.architecture.to_dict())
         model_cfg.vocab_size = model_cfg.vocab_size or loaded_tokenizer.vocab_size
+    if model_overrides:
+        model_cfg = dataclasses.replace(model_cfg, **model_overrides)
     if loaded_tokenizer.vocab_size > model_cfg.vocab_size:
         raise checkpointing.CheckpointError(
             f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}"

@@ -6,6 +6,7 @@ pipeline schedule, the optimizer and LR steps, validation, checkpoints, resume a
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,28 +186,42 @@ class Trainer:
 def reduce_reports(reports: list[dict]) -> dict[str, float]:
     """Sum report values over micro batches and data-parallel ranks; the result reaches every rank.
 
-    Reports exist only on the last pipeline stage; the key set travels with the values so that
-    every stage can take part in the collectives.
+    Keys ending in `_max` / `_min` are reduced with max / min instead of a sum (e.g. PPO's ratio
+    extremes). Reports exist only on the last pipeline stage; the key set travels with the values so
+    that every stage can take part in the collectives.
     """
     from megatron.core import parallel_state as ps
 
     from aligner.runtime.distributed import device
 
-    keys = sorted(reports[0]) if reports else []
+    keys = sorted(set().union(*reports)) if reports else []  # micro batches of different kinds may report different keys
     if ps.get_pipeline_model_parallel_world_size() > 1:
         holder = [keys]
         dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         keys = holder[0]
-    totals = torch.zeros(len(keys), dtype=torch.float64)
-    for report in reports:
-        totals += torch.stack([report[key].detach().double().cpu().reshape(()) for key in keys])
-    totals = totals.to(device())
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(totals, group=ps.get_data_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return dict(zip(keys, totals.cpu().tolist()))
+    kinds = {"sum": [k for k in keys if not k.endswith(("_max", "_min"))],
+             "max": [k for k in keys if k.endswith("_max")], "min": [k for k in keys if k.endswith("_min")]}
+    start = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+    combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    result: dict[str, float] = {}
+    for kind, names in kinds.items():
+        if not names:
+            continue
+        totals = torch.full((len(names),), start[kind], dtype=torch.float64)
+        for report in reports:
+            values = [report[key].detach().double().cpu().reshape(()) if key in report else torch.tensor(start[kind],
+                      dtype=torch.float64) for key in names]  # a key a micro batch lacks counts as neutral
+            totals = combine[kind](totals, torch.stack(values))
+        totals = totals.to(device())
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            dist.all_reduce(totals, op=op[kind], group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(totals, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        result.update(zip(names, totals.cpu().tolist()))
+    return {key: result[key] for key in keys}
 
 
 def global_token_count(microbatches: list[dict], pad_id: int) -> float:

@@ -1,0 +1,239 @@
+"""Experience collection shared by the RL actors (PPO, REINFORCE/RLOO): prompts, rollouts, scores.
+
+    prompts = PromptDataset(path, tokenizer, max_prompt_length)         # every rank holds all prompts
+    order = PromptOrder(len(prompts), seed)                             # resumable shuffled order
+    rows = collect_rollouts(engine, router, batch_prompts, sampling, on_generated=send_requests)
+    batch = RolloutBatch.from_rows(my_rows, pad_id)                     # tensors for the update
+
+Generation goes through the router (`aligner.generation.router_client`), one micro-batch of
+prompts at a time; `on_generated` runs right after each micro-batch, which is where the actor
+sends its reward-model and critic requests as futures, so scoring overlaps the generation of the
+next micro-batch (NeMo-Aligner's overlap). Rows are plain dicts keyed by prompt index, so they can
+travel between data-parallel ranks (`rebalance_rollouts`) with their scores attached.
+
+Reward sources answer `score_async(prompts, responses) -> Future[[batch] float tensor]`:
+`RewardServerSource` (a reward-model or combined critic server) or `RuleRewardSource` (a Python
+function `fn(prompt_text, response_text) -> float`, for verifiable tasks such as the demo's
+arithmetic).
+"""
+from __future__ import annotations
+
+import importlib
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from aligner.generation.engine import Rollout, SamplingParams
+
+
+# ----------------------------------------------------------------------------- prompts
+class PromptDataset:
+    """Prompts of a JSONL file (`{"prompt": "..."}` per line) encoded as [bos] + tokens, the SFT input layout."""
+
+    def __init__(self, path, tokenizer, max_prompt_length: int):
+        from aligner.data.jsonl import DataError, read_jsonl, require_str
+
+        self.path = str(path)
+        self.texts: list[str] = []
+        self.tokens: list[list[int]] = []
+        self.too_long = 0
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        for line, record in read_jsonl(path):
+            text = require_str(record, "prompt", path, line)
+            ids = bos + tokenizer.encode(text)
+            if len(ids) > max_prompt_length:
+                self.too_long += 1  # a cut prompt would ask a different question: skip it
+                continue
+            self.texts.append(text)
+            self.tokens.append(ids)
+        if not self.tokens:
+            raise DataError(f"{path}:0: no prompt fits in max_prompt_length={max_prompt_length} "
+                            f"({self.too_long} longer prompts skipped)")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class PromptOrder:
+    """Which prompts each step uses: a seeded shuffle per epoch, read from a position that is saved.
+
+    Every rank computes the same order, so `take(n)` returns the same indices everywhere.
+    """
+
+    def __init__(self, num_prompts: int, seed: int, shuffle: bool = True):
+        self.num_prompts, self.seed, self.shuffle = num_prompts, seed, shuffle
+        self.consumed = 0  # prompts handed out so far, across epochs
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_prompts))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[int]:
+        indices = []
+        while len(indices) < count:
+            epoch, offset = divmod(self.consumed, self.num_prompts)
+            chunk = self._epoch_order(epoch)[offset:offset + count - len(indices)]
+            indices.extend(chunk)
+            self.consumed += len(chunk)
+        return indices
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+# ----------------------------------------------------------------------------- generation
+def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: SamplingParams,
+                     on_generated: Optional[Callable[[list[int], Rollout], None]] = None) -> dict[int, dict]:
+    """Generate every prompt once across the data-parallel replicas; returns this replica's rows.
+
+    Row i (a dict) holds: prompt (list of ids), response [len] long, logprobs [len] (the engine's),
+    ended_with_stop (bool). on_generated(indices, rollout) runs after each micro-batch on every
+    rank of the replica (send scoring requests there; results can be added to the rows later).
+    """
+
+    def generate(indices: list[int]) -> list[dict]:
+        rollout = engine.generate([list(prompts[i]) for i in indices], sampling)
+        if on_generated is not None:
+            on_generated(indices, rollout)
+        rows = []
+        for row in range(len(indices)):
+            length = int(rollout.response_lengths[row])
+            rows.append({
+                "prompt": list(rollout.prompt_tokens[row]),
+                "response": rollout.response_tokens[row, :length].clone(),
+                "logprobs": rollout.logprobs[row, :length].clone(),
+                "ended_with_stop": bool(rollout.ended_with_stop[row]),
+            })
+        return rows
+
+    return router.route(len(prompts), generate).results
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of rows as tensors in the training layout (`aligner.generation.logprobs.pack_sequences`).
+
+    tokens [B, S] prompt + response from column 0, right-padded; per-token tensors [B, T] over
+    response positions (T = widest response), 0 past each response's end.
+    """
+
+    indices: list  # prompt indices of the rows
+    tokens: torch.Tensor  # [B, S]
+    prompt_lengths: torch.Tensor  # [B]
+    response_lengths: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T] bool, True on response tokens
+    engine_logprobs: torch.Tensor  # [B, T]
+    ended_with_stop: torch.Tensor  # [B] bool
+    rows: list  # the row dicts (scores and values attached by the actor)
+
+    @classmethod
+    def from_rows(cls, indexed_rows: Sequence[tuple[int, dict]], pad_id: int, seq_length: Optional[int] = None,
+                  response_width: Optional[int] = None) -> "RolloutBatch":
+        """seq_length / response_width: fixed widths (a pipeline schedule needs one sequence length)."""
+        from aligner.generation.logprobs import pack_sequences
+
+        indices = [index for index, _ in indexed_rows]
+        rows = [row for _, row in indexed_rows]
+        lengths = torch.tensor([len(row["response"]) for row in rows], dtype=torch.long)
+        width = max(int(lengths.max()), 1) if response_width is None else response_width
+        responses = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), width)
+        for b, row in enumerate(rows):
+            responses[b, :len(row["response"])] = row["response"]
+            logprobs[b, :len(row["logprobs"])] = row["logprobs"]
+        tokens, prompt_lengths = pack_sequences([row["prompt"] for row in rows], responses, lengths, pad_id)
+        if seq_length is not None:
+            if tokens.shape[1] > seq_length:
+                raise ValueError(f"a rollout of {tokens.shape[1]} tokens exceeds the fixed length {seq_length}")
+            tokens = torch.nn.functional.pad(tokens, (0, seq_length - tokens.shape[1]), value=pad_id)
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        ended = torch.tensor([row["ended_with_stop"] for row in rows], dtype=torch.bool)
+        return cls(indices, tokens, prompt_lengths, lengths, mask, logprobs, ended, rows)
+
+    def row_tensor(self, key: str) -> torch.Tensor:
+        """Per-row scalars attached under `key` -> [B] float tensor."""
+        return torch.tensor([float(row[key]) for row in self.rows], dtype=torch.float32)
+
+    def token_tensor(self, key: str) -> torch.Tensor:
+        """Per-token vectors attached under `key` ([len] each) -> [B, T] float tensor, 0 past the end."""
+        out = torch.zeros(self.mask.shape, dtype=torch.float32)
+        for b, row in enumerate(self.rows):
+            out[b, :len(row[key])] = torch.as_tensor(row[key], dtype=torch.float32)
+        return out
+
+
+def values_at_response(values: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
+    """Per-token values of one sequence [width] -> [response_length]: response token j's value is the
+    value of the prefix before it, at column prompt_length - 1 + j (the logprob alignment)."""
+    return values[prompt_length - 1: prompt_length - 1 + response_length]
+
+
+def full_sequences(rollout: Rollout) -> list[list[int]]:
+    """prompt + response ids of every row of a Rollout."""
+    return [list(rollout.prompt_tokens[row]) + rollout.response_tokens[row, :int(rollout.response_lengths[row])].tolist()
+            for row in range(len(rollout.prompt_tokens))]
+
+
+# ----------------------------------------------------------------------------- reward sources
+class RewardServerSource:
+    """Scores from a reward-model server (or a combined critic server's reward model), as futures."""
+
+    def __init__(self, client, attribute_index: int = 0):
+        self.client = client
+        self.attribute_index = attribute_index
+
+    def score_async(self, sequences: Sequence[list[int]], prompt_texts: Sequence[str],
+                    response_texts: Sequence[str]) -> Future:
+        answer: Future = Future()
+        sent = self.client.infer_async(sequences)
+
+        def settle(done: Future) -> None:
+            try:
+                answer.set_result(torch.as_tensor(done.result()[:, self.attribute_index], dtype=torch.float32))
+            except BaseException as error:  # noqa: BLE001 - the caller's future carries every failure
+                answer.set_exception(error)
+
+        sent.add_done_callback(settle)
+        return answer
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RuleRewardSource:
+    """Scores from a Python function `fn(prompt_text, response_text) -> float`, named "module:function"."""
+
+    def __init__(self, function_path: str):
+        self.function = load_function(function_path)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rule-reward")
+
+    def score_async(self, sequences: Sequence[list[int]], prompt_texts: Sequence[str],
+                    response_texts: Sequence[str]) -> Future:
+        return self._pool.submit(lambda: torch.tensor([float(self.function(p, r)) for p, r in
+                                                       zip(prompt_texts, response_texts)], dtype=torch.float32))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def load_function(path: str) -> Callable:
+    """"package.module:function" -> the function, with an error that says what is wrong."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({error})") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
+    return function

@@ -1,0 +1,24 @@
+"""PPO actor: generation, scoring through the reward/critic servers, PPO updates (megatron TP/PP/DP).
+
+    torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_ppo_actor.py model.init_from=SFT_CHECKPOINT \
+        data.prompts=prompts.jsonl [key=value ...]
+
+The critic server (serve_ppo_critic.py) and the reward source must be up (see conf/gpt_ppo_actor.yaml);
+examples/nlp/gpt/launch_ppo.py starts everything on one machine.
+"""
+from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
+from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
+
+
+def main() -> None:
+    config_path, overrides = parse_command_line(CONF_DIR / "gpt_ppo_actor.yaml")
+    cfg = load_config(PPOConfig, config_path, overrides)
+    trainer = build_ppo_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+
+
+if __name__ == "__main__":
+    run_main(main)
