@@ -78,6 +78,13 @@ def scores_at_last_token(scores: torch.Tensor, lengths: torch.Tensor) -> torch.T
     return scores[torch.arange(scores.shape[0], device=scores.device), lengths.to(scores.device) - 1]
 
 
+def scores_within_length(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """scores [batch, seq, A], lengths [batch] -> the same scores with every column >= length set to 0."""
+    columns = torch.arange(scores.shape[1], device=scores.device)
+    inside = columns.unsqueeze(0) < lengths.to(scores.device).unsqueeze(1)  # [batch, seq]
+    return scores * inside.unsqueeze(-1).to(scores.dtype)
+
+
 @dataclass
 class RewardNormalization:
     """Served reward = (raw - mean) / std per attribute, measured on a reference set after training."""
@@ -112,6 +119,19 @@ class RewardInference:
     @torch.no_grad()
     def infer(self, tokens: torch.Tensor, lengths: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """tokens [B, S] right-padded, lengths [B], the same on every rank -> rewards [B, A] on every rank."""
+        rewards = self._over_data_parallel(tokens, lengths, self.infer_local)
+        if normalize and self.normalization is not None:
+            rewards = self.normalization.apply(rewards)
+        return rewards
+
+    @torch.no_grad()
+    def token_scores(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Raw scores at every token, [B, S, A] on every rank: column c scores the prefix tokens[:c + 1]
+        (a critic's value of that state); 0 from each row's length on. Same inputs as `infer`."""
+        return self._over_data_parallel(tokens, lengths, self.token_scores_local)
+
+    def _over_data_parallel(self, tokens: torch.Tensor, lengths: torch.Tensor, local_fn) -> torch.Tensor:
+        """Split the rows over data-parallel ranks, run local_fn on this rank's rows, gather all rows."""
         from megatron.core import parallel_state as ps
 
         from aligner.runtime.distributed import device
@@ -124,20 +144,26 @@ class RewardInference:
             tokens = torch.cat([tokens, tokens[:1].expand(padded - batch_size, -1)])
             lengths = torch.cat([lengths, lengths[:1].expand(padded - batch_size)])
         rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)
-        local = self.infer_local(tokens[rows], lengths[rows]).to(device())
+        local = local_fn(tokens[rows], lengths[rows]).to(device())
         if dp_size > 1:
             gathered = [torch.empty_like(local) for _ in range(dp_size)]
             dist.all_gather(gathered, local, group=ps.get_data_parallel_group())
             local = torch.cat(gathered)
-        rewards = local[:batch_size].cpu()
-        if normalize and self.normalization is not None:
-            rewards = self.normalization.apply(rewards)
-        return rewards
+        return local[:batch_size].cpu()
 
     @torch.no_grad()
     def infer_local(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Raw rewards [rows, A] for this data-parallel rank's own rows (collective within its
         model-parallel group only): pads rows to a multiple of the micro batch, runs the pipeline."""
+        return self._run_local(tokens, lengths, scores_at_last_token, (self.num_attributes,))
+
+    @torch.no_grad()
+    def token_scores_local(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Raw per-token scores [rows, S, A] for this data-parallel rank's own rows (see token_scores)."""
+        return self._run_local(tokens, lengths, scores_within_length, (tokens.shape[1], self.num_attributes))
+
+    def _run_local(self, tokens: torch.Tensor, lengths: torch.Tensor, select, row_shape: tuple) -> torch.Tensor:
+        """select(scores [mb, S, A], lengths [mb]) -> [mb, *row_shape] for every micro batch of these rows."""
         from megatron.core import parallel_state as ps
 
         rows, seq_length = tokens.shape
@@ -157,7 +183,7 @@ class RewardInference:
             return model(batch["tokens"], batch["position_ids"], None)
 
         def capture(batch, scores):
-            captured.append(scores_at_last_token(scores.float(), batch["lengths"]))
+            captured.append(select(scores.float(), batch["lengths"]))
             return scores.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
         for chunk in self.chunks:
@@ -166,7 +192,7 @@ class RewardInference:
                          seq_length=seq_length, micro_batch_size=self.micro_batch_size)
         from aligner.runtime.distributed import device
 
-        local = torch.cat(captured) if captured else torch.zeros(padded, self.num_attributes)
+        local = torch.cat(captured) if captured else torch.zeros(padded, *row_shape)
         local = local.to(device())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())

@@ -5,6 +5,7 @@ import pytest
 
 from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.sft import SFTConfig
+from servers.critic import CriticServerConfig
 from ..conftest import dotted_keys
 from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line
 
@@ -19,16 +20,20 @@ def test_shipped_yaml_loads_and_overrides_apply():
     assert cfg.model.architecture.normalization == "RMSNorm"
 
 
-@pytest.mark.parametrize("schema, yaml_name", [(SFTConfig, "gpt_sft.yaml"), (RewardModelConfig, "training_rm.yaml")])
-def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name):
-    """The yaml documents every key the trainer reads, and loads against its schema."""
+@pytest.mark.parametrize("schema, yaml_name, required", [
+    (SFTConfig, "gpt_sft.yaml", "data.train=[{path: x.jsonl}]"),
+    (RewardModelConfig, "training_rm.yaml", "data.train=[{path: x.jsonl}]"),
+    (CriticServerConfig, "gpt_ppo_critic.yaml", "critic.init_from=/checkpoint"),
+])
+def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name, required):
+    """The yaml documents every key the entry point reads, and loads against its schema."""
     from omegaconf import OmegaConf
 
 
     schema_keys = dotted_keys(OmegaConf.structured(schema))
     in_yaml = dotted_keys(OmegaConf.load(CONF_DIR / yaml_name))
     assert schema_keys - in_yaml == set(), f"keys missing from conf/{yaml_name}"
-    load_config(schema, CONF_DIR / yaml_name, ["data.train=[{path: x.jsonl}]"])  # unknown yaml keys would raise
+    load_config(schema, CONF_DIR / yaml_name, [required])  # unknown yaml keys would raise
 
 
 def test_unknown_keys_are_errors(tmp_path):

@@ -1,0 +1,184 @@
+"""Client of the PPO critic server (servers/critic.py describes the wire format).
+
+    with CriticClient("127.0.0.1", 5560) as critic:
+        critic.wait_until_ready(timeout_s=60)
+        inferred = critic.infer_async(token_lists).result()        # .values [B, longest], .rewards
+        metrics = critic.train_async(token_lists, prompt_lengths, returns, old_values).result()
+        path = critic.save(step)
+
+Values are per token column: `values[b, c]` is the critic's value of the prefix token_lists[b][:c + 1]
+(0 past the row's end); the actor reads the value of response token j at column
+prompt_length - 1 + j, the column it reads that token's logprob from. In combined mode the server
+also returns each sequence's reward-model reward (`rewards`), and serves the reward model under
+its usual name, so a `RewardClient` can talk to the same server.
+
+Thread-safe like every ModelServerClient; many inference requests may be in flight (the server
+batches them), train and save calls go one at a time.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
+                             ServerUnavailableError)
+from aligner.clients.reward import padded_width
+
+__all__ = ["CriticClient", "CriticInference", "CriticServerError", "ServerUnavailableError", "RequestTimeoutError",
+           "ClientError"]
+
+TRAIN_METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "critic_step")
+
+
+class CriticServerError(ServerError):
+    """The critic server rejected a request (the message says which row and why) or failed on it."""
+
+
+@dataclass
+class CriticInference:
+    values: np.ndarray  # float32 [B, longest sequence]: value at every token column, 0 past each row's end
+    rewards: Optional[np.ndarray]  # float32 [B]: the reward model's rewards (combined mode), else None
+
+
+def _start_hint(host: str, port: int) -> str:
+    return ("Start it with: python examples/nlp/gpt/serve_ppo_critic.py critic.init_from=<reward-model checkpoint> "
+            f"server.host={host} server.port={port}")
+
+
+class _CriticModel(ModelServerClient):
+    """One of the critic server's Triton models (train, save)."""
+
+    server_kind = "critic"
+    error_class = CriticServerError
+
+    def start_hint(self) -> str:
+        return _start_hint(self.host, self.port)
+
+
+class CriticClient(ModelServerClient):
+    """Values, training and checkpoints from a PPO critic server; futures, thread-safe.
+
+    timeout_s bounds one inference request; train_timeout_s one train or save call (a train call
+    runs epochs_per_call passes over a whole rollout batch).
+    """
+
+    server_kind = "critic"
+    error_class = CriticServerError
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 5560, *, infer_model: str = "critic_infer",
+                 train_model: str = "critic_train", save_model: str = "critic_save", timeout_s: float = 60.0,
+                 train_timeout_s: float = 1800.0, ready_timeout_s: float = 30.0, max_workers: int = 8):
+        super().__init__(host, port, infer_model, timeout_s=timeout_s, ready_timeout_s=ready_timeout_s,
+                         max_workers=max_workers)
+        self._train = _CriticModel(host, port, train_model, timeout_s=train_timeout_s,
+                                   ready_timeout_s=ready_timeout_s, max_workers=1)
+        self._save = _CriticModel(host, port, save_model, timeout_s=train_timeout_s,
+                                  ready_timeout_s=ready_timeout_s, max_workers=1)
+
+    def start_hint(self) -> str:
+        return _start_hint(self.host, self.port)
+
+    def wait_until_ready(self, timeout_s: Optional[float] = None) -> None:
+        """Return once the inference, train and save models are ready; ServerUnavailableError after timeout_s."""
+        super().wait_until_ready(timeout_s)
+        self._train.wait_until_ready(timeout_s)
+        self._save.wait_until_ready(timeout_s)
+
+    # -- inference
+    def infer_async(self, token_lists: Sequence[Sequence[int]]) -> Future:
+        """Values of token sequences (prompt + response ids): a Future of CriticInference."""
+        sequences = [np.asarray(tokens).reshape(-1) for tokens in token_lists]
+        if not sequences:
+            raise ValueError("infer_async needs at least one sequence")
+        longest = max(len(ids) for ids in sequences)
+        tokens = _right_padded(sequences, padded_width(longest))  # widths in power-of-two buckets batch together
+        lengths = np.array([[len(ids)] for ids in sequences], dtype=np.int64)  # [B, 1]
+        answer: Future = Future()
+        self.submit({"tokens": tokens, "sequence_lengths": lengths}).add_done_callback(
+            lambda sent: _settle(answer, sent, lambda outputs: _inference(outputs, longest)))
+        return answer
+
+    def infer(self, token_lists: Sequence[Sequence[int]]) -> CriticInference:
+        return self.infer_async(token_lists).result()
+
+    # -- training
+    def train_async(self, token_lists: Sequence[Sequence[int]], prompt_lengths: Sequence[int], returns,
+                    old_values) -> Future:
+        """Train on one rollout batch: a Future of the metrics dict (value_loss, clip_fraction,
+        explained_variance, grad_norm, lr, critic_step).
+
+        token_lists: prompt + response ids per row; prompt_lengths: per row; returns, old_values:
+        [B, T] per response token (T >= the longest response; entries past a response's end are ignored).
+        """
+        sequences = [np.asarray(tokens).reshape(-1) for tokens in token_lists]
+        returns, old_values = (np.asarray(array, dtype=np.float32) for array in (returns, old_values))
+        if not sequences:
+            raise ValueError("train_async needs at least one sequence")
+        if len(prompt_lengths) != len(sequences) or returns.ndim != 2 or returns.shape != old_values.shape \
+                or returns.shape[0] != len(sequences):
+            raise ValueError(f"train_async: {len(sequences)} sequences need {len(sequences)} prompt lengths and "
+                             f"returns/old_values of shape [{len(sequences)}, T]; got {len(prompt_lengths)} and "
+                             f"{list(returns.shape)}/{list(old_values.shape)}")
+        tokens = _right_padded(sequences, max(len(ids) for ids in sequences))
+        inputs = {"tokens": tokens[None],
+                  "sequence_lengths": np.array([[len(ids) for ids in sequences]], dtype=np.int64),
+                  "prompt_lengths": np.asarray(prompt_lengths, dtype=np.int64).reshape(1, -1),
+                  "returns": returns[None], "old_values": old_values[None]}
+        answer: Future = Future()
+        self._train.submit(inputs).add_done_callback(
+            lambda sent: _settle(answer, sent, lambda outputs: {name: float(outputs[name].reshape(-1)[0])
+                                                                for name in TRAIN_METRICS}))
+        return answer
+
+    def train(self, token_lists, prompt_lengths, returns, old_values) -> dict[str, float]:
+        return self.train_async(token_lists, prompt_lengths, returns, old_values).result()
+
+    # -- checkpoints
+    def save(self, step: int) -> str:
+        """Save the critic as checkpoint.save_dir/step_<step>; returns the checkpoint's path."""
+        sent = self._save.submit({"step": np.array([[int(step)]], dtype=np.int64)})
+        answer: Future = Future()
+        sent.add_done_callback(lambda done: _settle(answer, done, lambda outputs: bytes(
+            outputs["path"].reshape(-1)[0]).decode("utf-8")))
+        return answer.result()
+
+    def close(self) -> None:
+        super().close()
+        self._train.close()
+        self._save.close()
+
+
+def _right_padded(sequences: list[np.ndarray], width: int) -> np.ndarray:
+    dtype = np.result_type(*[ids.dtype for ids in sequences if ids.size] or [np.int64])
+    if dtype.kind in "iub":  # integer ids travel as int64; anything else is sent as is and rejected
+        dtype = np.dtype(np.int64)
+    tokens = np.zeros((len(sequences), width), dtype=dtype)  # [B, width]
+    for row, ids in enumerate(sequences):
+        tokens[row, :len(ids)] = ids
+    return tokens
+
+
+def _inference(outputs: dict, longest: int) -> CriticInference:
+    rewards = outputs.get("rewards")
+    return CriticInference(values=np.asarray(outputs["values"][:, :longest], dtype=np.float32),
+                           rewards=None if rewards is None else np.asarray(rewards, dtype=np.float32).reshape(-1))
+
+
+def _settle(answer: Future, sent: Future, decode) -> None:
+    """The server's outputs decoded, or its per-row / per-request errors as CriticServerError."""
+    try:
+        outputs = sent.result()
+        errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
+        rejected = [(row, message) for row, message in enumerate(errors) if message]
+        if rejected and "values" in outputs:
+            shown = "; ".join(f"sequence {row}: {message}" for row, message in rejected[:5])
+            more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
+            raise CriticServerError(f"the critic server rejected {len(rejected)} of {len(errors)} sequences: {shown}{more}")
+        if rejected:
+            raise CriticServerError(f"the critic server rejected the request: {rejected[0][1]}")
+        answer.set_result(decode(outputs))
+    except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller's future
+        answer.set_exception(error)
