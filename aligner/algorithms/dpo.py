@@ -1,0 +1,251 @@
+"""Direct preference optimisation and its family (IPO, RPO, conservative DPO), megatron TP/PP/DP.
+
+Reads top to bottom: config schema, the objective the shared trainer runs (per-sequence logprobs
+-> implicit rewards -> preference loss, math in `aligner.rl.dpo_math`), the two ways to get the
+reference model's logprobs, and `build_dpo_trainer`.
+
+Reference logprobs (`dpo.reference_logprobs`):
+  precompute  one forward pass over the data before training, with the initial weights; the sums
+              are stored with the dataset rows (cheapest: no reference pass per step).
+  swap        every step, the reference weights (kept in host memory, `HostWeights`) are swapped
+              into the live model for a no-grad pass over the step's micro batches, then swapped
+              out. Needed when the data is not known up front; costs one extra forward per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from aligner.rl import dpo_math
+from aligner.training.setup import DataSection, DatasetEntry, RunConfig
+from aligner.training.trainer import Trainer
+
+REFERENCE_MODES = ("precompute", "swap")
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class DPOSection:
+    """The `dpo:` section."""
+
+    beta: float = 0.1  # KL coefficient: implicit reward = beta * (log pi - log pi_ref)
+    preference_loss: str = "dpo"  # dpo | ipo | rpo_sq | rpo_fwd_kl | rpo_bwd_kl
+    label_smoothing: float = 0.0  # dpo only: conservative DPO's label noise rate, in [0, 0.5)
+    gt_reward_scale: float = 1.0  # rpo_*: eta, the target logit is eta * (r_chosen - r_rejected)
+    sft_loss_weight: float = 0.0  # > 0: add weight * NLL of the chosen response
+    preference_average_logprobs: bool = False  # preference loss on per-token mean logprobs (else sums)
+    sft_average_logprobs: bool = True  # SFT term on per-token mean NLL (else summed)
+    reference_logprobs: str = "precompute"  # precompute | swap
+
+
+@dataclass
+class DPOConfig(RunConfig):
+    """conf/gpt_dpo.yaml: the shared run sections plus `dpo` and `data`."""
+
+    name: str = "gpt_dpo"
+    dpo: DPOSection = field(default_factory=DPOSection)
+    data: DataSection = field(default_factory=DataSection)
+
+
+def check_dpo_section(dpo: DPOSection) -> None:
+    if dpo.preference_loss not in dpo_math.PREFERENCE_LOSSES:
+        raise ValueError(f"dpo.preference_loss must be one of {dpo_math.PREFERENCE_LOSSES}, got {dpo.preference_loss!r}")
+    if dpo.reference_logprobs not in REFERENCE_MODES:
+        raise ValueError(f"dpo.reference_logprobs must be one of {REFERENCE_MODES}, got {dpo.reference_logprobs!r}")
+    if dpo.beta <= 0:
+        raise ValueError(f"dpo.beta must be > 0, got {dpo.beta}")
+    if not 0.0 <= dpo.label_smoothing < 0.5:
+        raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
+    if dpo.label_smoothing and dpo.preference_loss != "dpo":
+        raise ValueError(f"dpo.label_smoothing applies to preference_loss=dpo only (got {dpo.preference_loss})")
+    if dpo.sft_loss_weight < 0:
+        raise ValueError(f"dpo.sft_loss_weight must be >= 0, got {dpo.sft_loss_weight}")
+
+
+# ----------------------------------------------------------------------------- objective
+class DPOObjective:
+    """Mean per-pair preference loss (+ weighted SFT loss) over the pairs of the global batch.
+
+    Batches are `collate_preferences` rows (chosen, rejected interleaved) carrying
+    `reference_logprobs` [rows] (summed over each response). `beta` may be changed between steps
+    (SPIN sets one per iteration).
+    """
+
+    def __init__(self, dpo: DPOSection, vocab_size: int):
+        check_dpo_section(dpo)
+        self.dpo = dpo
+        self.beta = dpo.beta
+        self.vocab_size = vocab_size
+
+    def forward(self, model, batch):
+        return model(batch["tokens"], batch["position_ids"], None)
+
+    def loss(self, batch, logits):
+        from aligner.generation.logprobs import response_logprobs
+
+        dpo = self.dpo
+        lengths = batch["response_lengths"]
+        token_logprobs = response_logprobs(logits, batch["tokens"], batch["prompt_lengths"], lengths,
+                                           vocab_size=self.vocab_size)  # [rows, width]
+        policy = dpo_math.sequence_logprobs(token_logprobs, lengths, dpo.preference_average_logprobs)
+        reference = batch["reference_logprobs"].to(policy.dtype)  # sums over each response
+        if dpo.preference_average_logprobs:
+            reference = reference / lengths.to(policy.dtype)
+        rewards = dpo_math.implicit_rewards(policy, reference, self.beta)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        margin = chosen - rejected
+        target = None
+        if dpo.preference_loss in dpo_math.RPO_LOSSES:
+            if "rewards" not in batch:
+                raise ValueError(f"dpo.preference_loss={dpo.preference_loss} needs 'chosen_reward' and "
+                                 "'rejected_reward' in every data record")
+            given = batch["rewards"].to(policy.dtype)
+            target = dpo.gt_reward_scale * (given[0::2] - given[1::2])
+        preference = dpo_math.preference_loss(margin, kind=dpo.preference_loss, beta=self.beta,
+                                              label_smoothing=dpo.label_smoothing, target_margin=target)
+        per_pair = preference
+        sft = torch.zeros_like(preference)
+        if dpo.sft_loss_weight > 0:
+            chosen_logprobs = dpo_math.sequence_logprobs(token_logprobs[0::2], lengths[0::2], dpo.sft_average_logprobs)
+            sft = dpo_math.sft_loss(chosen_logprobs)
+            per_pair = preference + dpo.sft_loss_weight * sft
+        loss_sum = per_pair.sum()
+        pairs = torch.tensor(per_pair.numel(), dtype=torch.int)
+        report = {
+            "loss_sum": loss_sum.detach(), "pairs": pairs.float(),
+            "preference_loss_sum": preference.sum().detach(), "sft_loss_sum": sft.sum().detach(),
+            "correct": (margin > 0).float().sum().detach(), "margin_sum": margin.sum().detach(),
+            "chosen_sum": chosen.sum().detach(), "rejected_sum": rejected.sum().detach(),
+        }
+        return loss_sum, pairs, report
+
+    def summarize(self, totals):
+        pairs = max(totals["pairs"], 1.0)
+        return {
+            "loss": totals["loss_sum"] / pairs, "preference_loss": totals["preference_loss_sum"] / pairs,
+            "sft_loss": totals["sft_loss_sum"] / pairs, "accuracy": totals["correct"] / pairs,
+            "margin": totals["margin_sum"] / pairs, "chosen_reward": totals["chosen_sum"] / pairs,
+            "rejected_reward": totals["rejected_sum"] / pairs, "pairs": totals["pairs"],
+        }
+
+
+# ----------------------------------------------------------------------------- reference logprobs
+def _summed_logprobs(chunks, batch: dict, vocab_size: int, rows_per_forward: int) -> torch.Tensor:
+    """Summed response logprobs [rows] of a collated preference batch under the chunks' current
+    weights (no grad; collective over the model-parallel group)."""
+    from aligner.generation.logprobs import sequence_logprobs
+
+    token_logprobs = sequence_logprobs(chunks, batch["tokens"], batch["prompt_lengths"], batch["response_lengths"],
+                                       vocab_size=vocab_size, micro_batch_size=rows_per_forward)
+    return token_logprobs.sum(dim=1).float().cpu()  # zeros after each response's end
+
+
+@torch.no_grad()
+def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: int, pairs_per_forward: int) -> None:
+    """Store the chunks' summed logprobs of every pair's responses in `dataset.reference_logprobs`
+    ([pairs, 2]: chosen, rejected). Every data-parallel rank computes the whole set (no DP traffic)."""
+    from aligner.data.preference import collate_preferences
+
+    dataset.reference_logprobs = None  # items without them while computing
+    sums = []
+    for start in range(0, len(dataset), pairs_per_forward):
+        batch = collate_preferences([dataset[i] for i in range(start, min(start + pairs_per_forward, len(dataset)))],
+                                    pad_id)
+        sums.append(_summed_logprobs(chunks, batch, vocab_size, 2 * pairs_per_forward))
+    dataset.reference_logprobs = torch.cat(sums).reshape(-1, 2)
+
+
+class SwappedReferenceLoader:
+    """A micro-batch loader whose batches gain `reference_logprobs`, computed each step with the
+    reference weights swapped into the live chunks. Everything else is the wrapped loader's."""
+
+    def __init__(self, loader, chunks, reference, vocab_size: int):
+        self.loader, self.chunks, self.reference, self.vocab_size = loader, chunks, reference, vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def iterate(self, *args, **kwargs) -> Iterator[list[dict]]:
+        for microbatches in self.loader.iterate(*args, **kwargs):
+            with torch.no_grad(), self.reference.swapped_in(self.chunks):
+                for batch in microbatches:
+                    rows = batch["tokens"].shape[0]
+                    batch["reference_logprobs"] = _summed_logprobs(self.chunks, batch, self.vocab_size, rows)
+            yield microbatches
+
+
+# ----------------------------------------------------------------------------- building a run
+def _load_reference_weights(built, init_from: Optional[str]) -> None:
+    """Make the chunks hold the reference (initial) weights. A resumed run's chunks hold neither
+    yet (the resume loads after this): load `init_from` so the reference is the run's start."""
+    if built.resume_checkpoint is not None and init_from:
+        from aligner import checkpointing
+
+        checkpointing.load(init_from, built.chunks)
+
+
+def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
+    """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.models.gpt import num_parameters
+    from aligner.models.weight_swap import HostWeights
+    from aligner.training import setup
+    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+
+    check_dpo_section(cfg.dpo)
+    built = setup.build_training_model(
+        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+    )
+    logger = get_logger()
+    model_cfg = built.model_cfg
+    trainer_cfg = cfg.trainer
+    _load_reference_weights(built, cfg.model.init_from)
+    precompute = cfg.dpo.reference_logprobs == "precompute"
+
+    def load_dataset(entry: DatasetEntry) -> PreferenceDataset:
+        dataset = PreferenceDataset.from_jsonl(entry.path, built.tokenizer, cfg.data.max_seq_length)
+        logger.info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
+                    f"longer than {cfg.data.max_seq_length} tokens)")
+        if precompute:
+            precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size,
+                                          pad_id=built.tokenizer.pad_id, pairs_per_forward=trainer_cfg.micro_batch_size)
+        return dataset
+
+    train_set, val_set = setup.build_datasets(
+        train=cfg.data.train, validation=cfg.data.validation, split=cfg.data.split, seed=cfg.seed,
+        trainer_cfg=trainer_cfg, load_dataset=load_dataset,
+    )
+    train_loader, val_loader = setup.build_loaders(
+        train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
+        shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        collate_fn=collate_preferences,
+    )
+    if not precompute:
+        reference = HostWeights.snapshot(built.chunks)
+        logger.info(f"reference weights in host memory: {reference.num_bytes / 2**20:.1f} MiB")
+        train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size)
+        if val_loader is not None:
+            val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size)
+    total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
+    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
+    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
+    trainer = Trainer(
+        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint,
+        objective=DPOObjective(cfg.dpo, model_cfg.vocab_size), chunks=built.chunks, optimizer=built.optimizer,
+        scheduler=scheduler, train_loader=train_loader, val_loader=val_loader, metrics=metrics,
+        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
+        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
+    )
+    if built.resume_checkpoint is not None:
+        trainer.resume_from(built.resume_checkpoint)
+    metrics.write(
+        f"{cfg.name}: {cfg.dpo.preference_loss} beta={cfg.dpo.beta}, reference logprobs {cfg.dpo.reference_logprobs}, "
+        f"{num_parameters(model_cfg) / 1e6:.2f}M parameters, TP={cfg.parallel.tensor_model_parallel_size} "
+        f"PP={cfg.parallel.pipeline_model_parallel_size} DP={built.data_parallel_size}, {len(train_set)} train pairs, "
+        f"{total_steps} steps of {trainer_cfg.global_batch_size} pairs"
+    )
+    return trainer

@@ -1,0 +1,174 @@
+"""Preference data for DPO-style training: (prompt, chosen, rejected) with the prompt kept apart.
+
+One pair per JSONL line, in NeMo-Aligner's keys or the short ones (the demo's preference files):
+  {"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}
+  {"prompt": "12+7=", "chosen": "19", "rejected": "18"}
+optionally with given rewards for reward-aware losses (RPO): "chosen_reward", "rejected_reward".
+
+Tokens follow the SFT layout exactly (`aligner.data.sft.encode_record` for input/output records):
+prompt = [bos] + encode(prompt), response = encode(response) + [eos]; so DPO trains the very
+sequences the SFT model learned to produce. Pairs longer than max_seq_length are dropped and
+counted, never truncated (a cut response is a different response).
+
+Rows are interleaved [chosen0, rejected0, chosen1, rejected1, ...] when collated, so a micro-batch
+slice of 2k rows always holds k whole pairs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.tokenizer import Tokenizer
+
+KEY_LAYOUTS = (("chosen_response", "rejected_response"), ("chosen", "rejected"))
+REWARD_KEYS = ("chosen_reward", "rejected_reward")
+
+
+@dataclass
+class PreferencePair:
+    prompt: list[int]  # [bos] + prompt tokens
+    chosen: list[int]  # response tokens (+ eos)
+    rejected: list[int]
+    rewards: Optional[tuple[float, float]] = None  # given (chosen, rejected) rewards, for RPO
+
+
+@dataclass
+class PreferenceStats:
+    records: int = 0
+    dropped_too_long: int = 0
+
+    @property
+    def kept(self) -> int:
+        return self.records - self.dropped_too_long
+
+
+def _response_keys(record: dict, path, line: int) -> tuple[str, str]:
+    for keys in KEY_LAYOUTS:
+        if all(key in record for key in keys):
+            return keys
+    present = ", ".join(sorted(map(repr, record))) or "none"
+    raise DataError(f"{path}:{line}: expected 'prompt' with 'chosen_response'/'rejected_response' "
+                    f"(or 'chosen'/'rejected'); keys present: {present}")
+
+
+def _rewards(record: dict, path, line: int) -> Optional[tuple[float, float]]:
+    given = [key for key in REWARD_KEYS if key in record]
+    if not given:
+        return None
+    if len(given) == 1:
+        raise DataError(f"{path}:{line}: {given[0]!r} without {(set(REWARD_KEYS) - set(given)).pop()!r}; "
+                        "give both rewards or neither")
+    values = []
+    for key in REWARD_KEYS:
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DataError(f"{path}:{line}: {key!r} is {value!r}; expected a finite number")
+        values.append(float(value))
+    return values[0], values[1]
+
+
+class PreferenceDataset(Dataset):
+    """Tokenized preference pairs; optionally with reference logprobs per response (precomputed).
+
+    reference_logprobs, once set, is [pairs, 2] float: the reference model's summed logprob of the
+    chosen and the rejected response; items then carry it to the loss.
+    """
+
+    def __init__(self, pairs: list[PreferencePair], source: str = "<memory>"):
+        if not pairs:
+            raise DataError(f"{source}:0: no usable preference pairs")
+        self.pairs = pairs
+        self.source = source
+        self.stats = PreferenceStats(records=len(pairs))
+        self.reference_logprobs: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int) -> "PreferenceDataset":
+        if max_seq_length < 2:
+            raise ValueError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
+                             f"got {max_seq_length}")
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        pairs, stats, with_rewards = [], PreferenceStats(), None
+        for line, record in read_jsonl(path):
+            chosen_key, rejected_key = _response_keys(record, path, line)
+            prompt = bos + tokenizer.encode(require_str(record, "prompt", path, line))
+            chosen = tokenizer.encode(require_str(record, chosen_key, path, line)) + [tokenizer.eos_id]
+            rejected = tokenizer.encode(require_str(record, rejected_key, path, line)) + [tokenizer.eos_id]
+            rewards = _rewards(record, path, line)
+            if with_rewards is None:
+                with_rewards = rewards is not None
+            elif with_rewards != (rewards is not None):
+                # A batch mixing pairs with and without rewards has no consistent RPO target.
+                raise DataError(f"{path}:{line}: {'no' if with_rewards else ''} rewards here, but the file's "
+                                f"first record {'has' if with_rewards else 'has none'}; all records or none")
+            stats.records += 1
+            if len(prompt) + max(len(chosen), len(rejected)) > max_seq_length:
+                stats.dropped_too_long += 1
+                continue
+            pairs.append(PreferencePair(prompt, chosen, rejected, rewards))
+        if stats.records == 0:
+            raise DataError(f"{path}:0: the file holds no records; expected preference pairs in JSONL")
+        if not pairs:
+            raise DataError(f"{path}:0: no usable pairs: all {stats.records} are longer than "
+                            f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data")
+        dataset = cls(pairs, str(path))
+        dataset.stats = stats
+        return dataset
+
+    @property
+    def has_rewards(self) -> bool:
+        return self.pairs[0].rewards is not None
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict:
+        pair = self.pairs[index]
+        item = {
+            "prompt": torch.tensor(pair.prompt, dtype=torch.long),
+            "chosen": torch.tensor(pair.chosen, dtype=torch.long),
+            "rejected": torch.tensor(pair.rejected, dtype=torch.long),
+        }
+        if pair.rewards is not None:
+            item["rewards"] = torch.tensor(pair.rewards, dtype=torch.float32)
+        if self.reference_logprobs is not None:
+            item["reference_logprobs"] = self.reference_logprobs[index]
+        return item
+
+
+def collate_preferences(items: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-padded rows prompt + response from column 0, interleaved chosen/rejected.
+
+    Returns, for B pairs (2B rows): tokens, position_ids [2B, S] long; prompt_lengths,
+    response_lengths [2B] long; attention_mask None (causal; padding sits after every sequence);
+    and, when every item has them, rewards [2B] and reference_logprobs [2B] float.
+    """
+    if not items:
+        raise ValueError("cannot collate an empty batch")
+    rows = [(item["prompt"], item[side]) for item in items for side in ("chosen", "rejected")]
+    longest = max(len(prompt) + len(response) for prompt, response in rows)
+    seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    for row, (prompt, response) in enumerate(rows):
+        tokens[row, : len(prompt)] = prompt
+        tokens[row, len(prompt): len(prompt) + len(response)] = response
+    batch = {
+        "tokens": tokens,
+        "position_ids": torch.arange(seq_len).repeat(len(rows), 1),
+        "attention_mask": None,
+        "prompt_lengths": torch.tensor([len(prompt) for prompt, _ in rows]),
+        "response_lengths": torch.tensor([len(response) for _, response in rows]),
+    }
+    for key in ("rewards", "reference_logprobs"):
+        present = [key in item for item in items]
+        if all(present):
+            batch[key] = torch.stack([item[key] for item in items]).reshape(-1).float()
+        elif any(present):
+            raise ValueError(f"some pairs in the batch have {key!r} and some do not")
+    return batch

@@ -1,0 +1,221 @@
+"""DPO: preference data (layouts, SFT token layout, errors), reference logprobs (precompute = swap),
+loss log 2 at the start for several betas, and a tiny run whose loss falls."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from aligner.algorithms.dpo import (DPOConfig, DPOObjective, DPOSection, SwappedReferenceLoader, build_dpo_trainer,
+                                    precompute_reference_logprobs)
+from aligner.config import CONF_DIR, load_config
+from aligner.data.jsonl import DataError
+from aligner.data.preference import PreferenceDataset, collate_preferences
+from aligner.data.sft import encode_record
+from aligner.demo import arithmetic
+from aligner.demo.tokenizer import train_char_tokenizer
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.weight_swap import HostWeights
+from aligner.runtime import seeds
+from aligner.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("dpo_tokenizer")
+    train_char_tokenizer(["0123456789+="], directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+def _model(tokenizer: Tokenizer, seed: int = 0):
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=32)
+    seeds.set_seed(seed)
+    return build_gpt_model(cfg, transformer_config(cfg)), cfg
+
+
+# ----------------------------------------------------------------------------- data
+def test_both_key_layouts_give_the_sft_token_layout(tmp_path, tokenizer):
+    nemo = _write_jsonl(tmp_path / "nemo.jsonl", [{"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}])
+    short = _write_jsonl(tmp_path / "short.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
+    for path in (nemo, short):
+        item = PreferenceDataset.from_jsonl(path, tokenizer, 32)[0]
+        for side, answer in (("chosen", "19"), ("rejected", "18")):
+            sft = encode_record({"input": "12+7=", "output": answer}, tokenizer, path, 1)
+            assert item["prompt"].tolist() + item[side].tolist() == sft.tokens
+            # The response is exactly what SFT puts loss on.
+            assert len(item[side]) == sum(sft.loss_mask) and item[side][-1] == tokenizer.eos_id
+            assert item["prompt"][0] == tokenizer.bos_id
+
+
+def test_data_errors_name_file_and_line(tmp_path, tokenizer):
+    good = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    cases = [
+        ([good, {"prompt": "1+1=", "chosen": "2"}], r"bad.jsonl:2: expected 'prompt' with 'chosen_response'"),
+        ([{**good, "chosen_reward": 1.0}], r"bad.jsonl:1: 'chosen_reward' without 'rejected_reward'"),
+        ([{**good, "chosen_reward": "high", "rejected_reward": 0}], r"bad.jsonl:1: 'chosen_reward' is 'high'"),
+        ([{**good, "chosen_reward": 1, "rejected_reward": 0}, good], r"bad.jsonl:2: no rewards here"),
+        ([good, {"prompt": "", "chosen": "2", "rejected": "3"}], r"bad.jsonl:2: key 'prompt' is empty"),
+    ]
+    for records, message in cases:
+        with pytest.raises(DataError, match=message):
+            PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "bad.jsonl", records), tokenizer, 32)
+    with pytest.raises(DataError, match=r"bad.jsonl:0: no usable pairs: all 1 are longer than max_seq_length=4"):
+        PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "bad.jsonl", [good]), tokenizer, 4)
+
+
+def test_collate_interleaves_pairs_and_micro_batches_hold_whole_pairs(tmp_path, tokenizer):
+    records = [{"prompt": "1+1=", "chosen": "2", "rejected": "11", "chosen_reward": 1.0, "rejected_reward": -1.0},
+               {"prompt": "10+15=", "chosen": "25", "rejected": "5", "chosen_reward": 0.5, "rejected_reward": 0.0}]
+    dataset = PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "p.jsonl", records), tokenizer, 32)
+    batch = collate_preferences([dataset[0], dataset[1]], tokenizer.pad_id, pad_to_multiple_of=8)
+    assert batch["tokens"].shape == (4, 16)
+    assert batch["prompt_lengths"].tolist() == [5, 5, 7, 7]
+    assert batch["response_lengths"].tolist() == [2, 3, 3, 2]
+    assert batch["rewards"].tolist() == [1.0, -1.0, 0.5, 0.0]
+    assert tokenizer.decode(batch["tokens"][1, 1:8].tolist()) == "1+1=11"
+    assert (batch["tokens"][1, 8:] == tokenizer.pad_id).all()
+
+
+# ----------------------------------------------------------------------------- reference logprobs and the loss
+def _pairs(tmp_path, tokenizer, n=12, seed=0) -> PreferenceDataset:
+    path = _write_jsonl(tmp_path / f"pairs{seed}.jsonl", arithmetic.preference_records(n, seed=seed))
+    return PreferenceDataset.from_jsonl(path, tokenizer, 32)
+
+
+def test_loss_is_log2_and_rewards_zero_when_policy_is_the_reference(tmp_path, tokenizer):
+    model, cfg = _model(tokenizer)
+    dataset = _pairs(tmp_path, tokenizer)
+    precompute_reference_logprobs(dataset, [model], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                  pairs_per_forward=5)  # other batch shapes than the loss's
+    batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
+    logits = model(batch["tokens"], batch["position_ids"], None)
+    for loss_kind, beta in [("dpo", 0.01), ("dpo", 0.1), ("dpo", 1.0), ("dpo", 10.0)]:
+        for average in (False, True):
+            objective = DPOObjective(DPOSection(beta=beta, preference_average_logprobs=average), cfg.vocab_size)
+            loss_sum, pairs, report = objective.loss(batch, logits)
+            summary = objective.summarize({k: float(v) for k, v in report.items()})
+            assert int(pairs) == len(dataset)
+            assert summary["loss"] == pytest.approx(math.log(2), abs=1e-6), (beta, average)
+            assert abs(summary["chosen_reward"]) < 1e-6 * beta * 10 and abs(summary["rejected_reward"]) < 1e-6 * beta * 10
+            assert abs(summary["margin"]) < 1e-6 * beta * 10
+
+
+def test_objective_matches_a_float64_reference_computed_per_pair(tmp_path, tokenizer):
+    """Policy != reference: the loss is recomputed from full-vocabulary log_softmax in float64."""
+    policy, cfg = _model(tokenizer, seed=1)
+    reference, _ = _model(tokenizer, seed=2)
+    dataset = _pairs(tmp_path, tokenizer, n=6, seed=3)
+    precompute_reference_logprobs(dataset, [reference], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                  pairs_per_forward=6)
+    batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 1)
+    section = DPOSection(beta=0.5, label_smoothing=0.1, sft_loss_weight=0.3)
+    with torch.no_grad():
+        logits = policy(batch["tokens"], batch["position_ids"], None)
+        reference_logits = reference(batch["tokens"], batch["position_ids"], None)
+    loss_sum, _, report = DPOObjective(section, cfg.vocab_size).loss(batch, logits)
+
+    def summed(all_logits, row):
+        logprobs = torch.log_softmax(all_logits[row, :, : cfg.vocab_size].double(), dim=-1)
+        start, n = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+        return [float(logprobs[start + t - 1, batch["tokens"][row, start + t]]) for t in range(n)]
+
+    expected = 0.0
+    for pair in range(len(dataset)):
+        c, r = 2 * pair, 2 * pair + 1
+        margin = 0.5 * ((sum(summed(logits, c)) - sum(summed(reference_logits, c)))
+                        - (sum(summed(logits, r)) - sum(summed(reference_logits, r))))
+        dpo = -0.9 * math.log(1 / (1 + math.exp(-margin))) - 0.1 * math.log(1 / (1 + math.exp(margin)))
+        nll = -sum(summed(logits, c)) / int(batch["response_lengths"][c])
+        expected += dpo + 0.3 * nll
+    assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
+
+
+def test_swapped_reference_equals_precomputed(tmp_path, tokenizer):
+    policy, cfg = _model(tokenizer, seed=1)
+    reference_model, _ = _model(tokenizer, seed=2)
+    dataset = _pairs(tmp_path, tokenizer, n=8, seed=4)
+    precompute_reference_logprobs(dataset, [reference_model], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                  pairs_per_forward=8)
+    expected = dataset.reference_logprobs.reshape(-1)
+    dataset.reference_logprobs = None
+
+    class OneStep:  # the loader interface the wrapper needs
+        def iterate(self):
+            batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
+            yield [{k: None if v is None else v[:8] for k, v in batch.items()},
+                   {k: None if v is None else v[8:] for k, v in batch.items()}]
+
+    before = [p.detach().clone() for p in policy.parameters()]
+    loader = SwappedReferenceLoader(OneStep(), [policy], HostWeights.snapshot([reference_model]), cfg.vocab_size)
+    microbatches = next(loader.iterate())
+    got = torch.cat([batch["reference_logprobs"] for batch in microbatches])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # policy weights are back
+
+
+def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
+    model, cfg = _model(tokenizer)
+    dataset = _pairs(tmp_path, tokenizer, n=2)
+    precompute_reference_logprobs(dataset, [model], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                  pairs_per_forward=2)
+    batch = collate_preferences([dataset[0], dataset[1]], tokenizer.pad_id, 8)
+    logits = model(batch["tokens"], batch["position_ids"], None)
+    with pytest.raises(ValueError, match="rpo_sq needs 'chosen_reward' and 'rejected_reward'"):
+        DPOObjective(DPOSection(preference_loss="rpo_sq"), cfg.vocab_size).loss(batch, logits)
+    with pytest.raises(ValueError, match="dpo.reference_logprobs must be one of"):
+        DPOObjective(DPOSection(reference_logprobs="never"), cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------- a tiny run
+def _run_config(tmp_path, tokenizer_dir, train: Path, mode: str, loss: str = "dpo") -> DPOConfig:
+    return load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [
+        f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
+        "data.max_seq_length=16", "model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=64", "trainer.max_steps=12", "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=3e-3", "optim.warmup_steps=0",
+        "optim.decay_style=constant", "dpo.beta=0.5", f"dpo.reference_logprobs={mode}",
+        f"dpo.preference_loss={loss}", "checkpoint.save_at_end=false", "checkpoint.resume=false",
+        f"checkpoint.save_dir={tmp_path / mode / loss}", f"logging.log_dir={tmp_path / mode / loss}",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.log_interval=100",
+    ])
+
+
+def _train_losses(log_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if row["split"] == "train"]
+
+
+def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, tokenizer_dir):
+    # 8 pairs, seen again and again: the policy must come to prefer the chosen answers.
+    records = arithmetic.preference_records(8, seed=7)
+    train = _write_jsonl(tmp_path / "train.jsonl", records)
+    losses = {}
+    for mode in ("precompute", "swap"):
+        trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, mode))
+        trainer.fit()
+        trainer.metrics.close()
+        losses[mode] = _train_losses(tmp_path / mode / "dpo")
+    for mode, values in losses.items():
+        assert len(values) == 12
+        assert values[0] == pytest.approx(math.log(2), abs=1e-5), mode
+        assert values[-1] < 0.3, (mode, values)
+    # The same run whichever way the reference logprobs arrive.
+    for a, b in zip(losses["precompute"], losses["swap"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
