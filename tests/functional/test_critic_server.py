@@ -84,16 +84,17 @@ def references(tmp_path_factory):
         distributed.shutdown()
 
 
-def start_server(references, log_name: str, *extra: str) -> ServerProcess:
+def start_server(references, log_name: str, *extra: str, launcher: tuple = (sys.executable,)) -> ServerProcess:
+    """The critic server with this module's settings (launcher: e.g. a torchrun command line)."""
     port = free_port_block()
     process = ServerProcess(
-        [sys.executable, str(ENTRY_POINT), f"critic.init_from={references['critic_init']}", f"server.port={port}",
+        [*launcher, str(ENTRY_POINT), f"critic.init_from={references['critic_init']}", f"server.port={port}",
          f"checkpoint.save_dir={references['root'] / 'critic_checkpoints'}", "checkpoint.keep_last=2",
          f"inference.micro_batch_size={INFER_MICRO_BATCH}", f"train.global_batch_size={GLOBAL_BATCH}",
          f"train.micro_batch_size={TRAIN_MICRO_BATCH}", f"train.clip_val={CLIP_VAL}", f"optim.lr={LR}",
          "optim.clip_grad=1000.0", "optim.weight_decay=0.0", "server.max_batch_size=16",
          "server.max_queue_delay_microseconds=5000", *extra],
-        references["root"] / log_name)
+        references["root"] / log_name, new_session=len(launcher) > 1)
     process.ready_line = process.wait_ready()
     process.port = port
     return process

@@ -1,0 +1,54 @@
+"""The critic server under torchrun at DP=2: inference rows and each optimizer step's batch are split
+over the two data-parallel ranks (gradients all-reduced), and the answers equal the single-process
+references: per-token values, and the first train call's loss and gradient norm (float64 reference)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+import numpy as np
+import pytest
+
+from aligner.clients.critic import CriticClient
+from tests.functional.test_critic_server import (float64_reference, pool, references, rollout,  # noqa: F401 - fixtures
+                                                 start_server)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_dp2_critic_matches_single_process(references, pool, rollout):
+    sequences, reference_values, _ = pool
+    loss, grad_norm, _ = float64_reference(references, rollout)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+                "--master_addr=127.0.0.1")
+    server = start_server(references, "dp2.log", f"checkpoint.save_dir={references['root'] / 'dp2_checkpoints'}",
+                          launcher=torchrun)
+    try:
+        with CriticClient("127.0.0.1", server.port, timeout_s=120, train_timeout_s=300) as client:
+            values = client.infer(sequences).values
+            difference = float(np.abs(values - reference_values).max())
+            metrics = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"],
+                                   rollout["old_values"])
+        print(f"\nDP=2 values vs TP=1 in-process: {difference:.2e}; loss {metrics['value_loss']:.7f} vs float64 "
+              f"{loss:.7f}; grad norm {metrics['grad_norm']:.6f} vs {grad_norm:.6f}")
+        assert difference < 1e-5
+        assert metrics["value_loss"] == pytest.approx(loss, rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        assert metrics["critic_step"] == 1.0
+
+        code, _ = server.stop(signal.SIGINT, group=True)
+        log = server.log()
+        assert "rank 1: rank 0 stopped serving" in log, log[-6000:]
+        assert 'serve_ppo_critic.py", line' not in log, log[-6000:]
+        with pytest.raises(ProcessLookupError):
+            os.killpg(server.process.pid, 0)
+    finally:
+        server.kill()
