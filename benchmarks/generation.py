@@ -12,7 +12,10 @@ medians of per-pair ratios (see README.md). The floor is the decode step's FLOPs
 attention over the average context included) over the fp32 matmul rate measured in this run.
 
     python benchmarks/generation.py [--arch llama] [--batch 32] [--prompt-tokens 16]
-                                    [--new-tokens 48] [--repeats 7] [--threads 1]
+                                    [--new-tokens 48] [--repeats 7] [--threads 1] [--static-decode]
+
+--static-decode times the engine's static decode step (whole cache, masked: what CUDA graphs
+capture on a GPU) instead of the default one, to show what it costs on this machine.
 """
 from __future__ import annotations
 
@@ -137,6 +140,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for both sides (0: torch's choice); one keeps a shared "
                         "machine's timings steady")
+    parser.add_argument("--static-decode", action="store_true",
+                        help="run the engine with static_decode=True (the CUDA-graph-capturable step, eagerly)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron's "no transformer-engine/apex" notices, HF generation notices
     if args.threads:
@@ -161,7 +166,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_tokens), generator=generator)
     prompts = prompt_ids.tolist()
-    engine = NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=args.batch, max_sequence_length=max_len)
+    engine = NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=args.batch, max_sequence_length=max_len,
+                          static_decode=args.static_decode)
     hf_model.generation_config.eos_token_id = None  # fixed length: nothing stops a row early
 
     def native(new_tokens: int) -> Callable[[], object]:
@@ -198,7 +204,8 @@ def main() -> None:
     print(f"model: {args.arch}-style, {cfg.num_layers} layers x {cfg.hidden_size} wide, "
           f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}, fp32; HF export max |logit diff| {logit_diff:.1e}")
     print(f"work: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
-          f"(fixed length), sampling at temperature 1")
+          f"(fixed length), sampling at temperature 1; native decode step: "
+          f"{'static (whole cache, masked)' if args.static_decode else 'dynamic (default)'}")
     print(f"tokens/s      HF generate {hf_tps:9.0f}   native {native_tps:9.0f}   "
           f"ratio {statistics.median(h / n for h, n in full):.2f}x")
     print(f"decode step   HF generate {statistics.median(hf_step) * 1e3:7.3f} ms  native "

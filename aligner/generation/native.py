@@ -5,8 +5,9 @@ Hybrid-engine idea: the engine holds references to the training parameters of th
 weights. The forward is a lean re-implementation of megatron's local-spec layer math (the tests
 check it against megatron's own forward) in one tight loop over preallocated state:
 
-- KV cache [batch, groups, max_len, head_dim] per layer, allocated once for max_batch_size x
-  max_sequence_length and reused by every generate call (free() drops it);
+- KV cache per layer, keys [batch, groups, head_dim, max_len] (stored transposed: q @ K^T then
+  reads contiguous blocks) and values [batch, groups, max_len, head_dim], allocated once for
+  max_batch_size x max_sequence_length and reused by every generate call (free() drops it);
 - prompts left-padded to the longest one, so every row writes the same cache column each step;
   position ids skip the padding (row b's first real token is position 0, as in OpenAI's
   original RLHF code) and padded key columns are masked, so a row's numbers do not depend on
@@ -15,6 +16,25 @@ check it against megatron's own forward) in one tight loop over preallocated sta
 - one batched prefill over the prompts (logits only for the last column), then one
   single-token step per new token, run feature-major ([features, batch] activations, see
   `_decode_forward`) because small-batch products are much faster that way round.
+
+The decode step is bound by per-op overhead, not arithmetic, at small sizes, so it is written
+to issue few, cheap torch calls: all heads of a layer in one baddbmm (the padding mask rides in
+as its additive input) and one bmm; norms as one addmm for the feature statistics; rotary
+embedding as mul + addcmul written straight into the batch-major layout attention reads; cache
+writes with index_copy_; per-call tables (padding bias, every step's rotary rows) built once
+per generate call; a sampling path that draws and takes the logprob in one pass. On the 2-core
+CPU, 4 layers x 128 wide, batch 32, one thread: MEASURED_NUMBERS
+torch.compile was tried on the static step (g++ is present): ~100 s to compile and ~2.7x slower
+per generate call than eager on this CPU, so it is not used.
+
+Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
+step can instead attend over the whole preallocated cache with a mask (the future and padding
+columns get the dtype's minimum) and read tokens, positions, the cache column and the padding
+bias from fixed buffers. That step has no Python-side values and no shape changes, so a CUDA
+graph can record it once per batch size and replay it (`aligner.generation.cuda_graphs`, the
+engine's only GPU-specific code). On CPU cuda_graphs=True is refused with a ValueError (no
+silent fallback); static_decode=True runs the same static step eagerly, and the tests check it
+gives the default step's tokens and logprobs (also at TP=2 and PP=2).
 Sampling (temperature, top-k, top-p, greedy, min/max new tokens, stop ids and strings,
 fixed length, per-sample seeds) is in `sampling`; the reported logprobs are those of
 log_softmax(logits / temperature) over the real vocabulary (temperature 1 when greedy), before
@@ -27,8 +47,8 @@ sends; the last stage samples and broadcasts tokens and logprobs to the other st
 rank returns the same Rollout.
 
 Not here (yet): the transformer-engine layer spec (its fused norm+linear weights have other
-names), CUDA-graph capture of the decode step (needs a GPU to test; the step would have to attend
-over the whole static cache with a mask instead of slicing it to the current length).
+names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1). The CUDA-graph path has
+not been run: this repository's machines have no GPU.
 """
 from __future__ import annotations
 
@@ -40,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from aligner.generation import cuda_graphs as graphs
 from aligner.generation import sampling as S
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.models.gpt import GPTConfig
@@ -103,6 +124,12 @@ class NativeEngine:
     max_batch_size, max_sequence_length: the KV cache's size (prompt + new tokens per row);
         generate() splits larger batches into chunks of max_batch_size.
     decode: token ids -> text, needed only for SamplingParams.stop_strings.
+    static_decode: every decode step attends over the whole preallocated cache with a mask and
+        reads its inputs from fixed buffers (same math, same results; slower on CPU, where the
+        short dynamic step wins). It is the step that cuda_graphs captures.
+    cuda_graphs: capture the static decode step once per batch size in a CUDA graph and replay
+        it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`). On a CPU model
+        it raises ValueError rather than silently running something else.
     """
 
     def __init__(
@@ -115,6 +142,8 @@ class NativeEngine:
         max_batch_size: int,
         max_sequence_length: int,
         decode: Optional[Callable[[list], str]] = None,
+        static_decode: bool = False,
+        cuda_graphs: bool = False,
     ):
         from megatron.core import parallel_state as ps
 
@@ -148,8 +177,16 @@ class NativeEngine:
         self._groups = model_cfg.query_groups // self._tp_size
         self._head_dim = model_cfg.head_dim
         self._scale = 1.0 / math.sqrt(self._head_dim)
-        self._kv_cache: Optional[torch.Tensor] = None
+        self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d])
+        self._static_decode = static_decode or cuda_graphs
+        self._cuda_graphs = cuda_graphs
+        self._static_steps: dict = {}  # batch size -> _StaticDecodeStep
         self.refit(model_chunks)
+        if cuda_graphs:
+            if self._pp_size > 1:
+                raise NotImplementedError("cuda_graphs=True supports one pipeline stage only (the graph would have "
+                                          "to span point-to-point sends); use PP=1 or cuda_graphs=False")
+            graphs.check_supported(self._device)
 
     # ------------------------------------------------------------------ GenerationEngine
     def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -189,10 +226,21 @@ class NativeEngine:
         dtype, device = reference.dtype, reference.device
         if (dtype, device) != (getattr(self, "_dtype", None), getattr(self, "_device", None)):
             self._dtype, self._device = dtype, device
-            self._kv_cache = None
+            self.free()
             # baddbmm's input, ignored with beta=0 (megatron computes scores the same way).
             self._no_input = torch.zeros(1, 1, 1, dtype=dtype, device=device)
             self._rope = self._rope_tables(chunks[0]) if self.cfg.position_embedding_type == "rope" else None
+            self._columns = torch.arange(self.max_sequence_length, device=device)
+            # Feature means of [hidden, batch] activations as one addmm (eps + mean_row @ x): one BLAS
+            # call instead of mean's reduction and division, the costliest part of a small norm.
+            hidden = self.cfg.hidden_size
+            self._mean_row = torch.full((1, hidden), 1.0 / hidden, dtype=torch.float32, device=device)
+            self._norm_eps = torch.full((1, 1), self.cfg.norm_epsilon, dtype=torch.float32, device=device)
+            self._zero = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        weights = self._weight_pointers()
+        if weights != getattr(self, "_bound_weights", None):
+            self._bound_weights = weights
+            self._static_steps = {}  # a captured graph reads the old storage: capture again
         # megatron's own activation (the exact function the training forward applies).
         self._gated = chunks[0].config.gated_linear_unit
         self._activation = chunks[0].config.activation_func
@@ -207,8 +255,9 @@ class NativeEngine:
             self._has_vocab_padding = bool(self._vocab_padding.any())
 
     def free(self) -> None:
-        """Drop the KV cache (the weights are the training tensors: nothing else to release)."""
+        """Drop the KV cache and captured decode steps (the weights are the training tensors)."""
         self._kv_cache = None
+        self._static_steps = {}
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
@@ -245,6 +294,18 @@ class NativeEngine:
             fc2=_linear(mlp.linear_fc2),
         )
 
+    def _weight_pointers(self) -> tuple:
+        """Storage addresses of every bound tensor: a captured graph is valid while they are unchanged."""
+        pointers = []
+        for segment in self._segments:
+            for layer in segment.layers:
+                pointers.extend(t.data_ptr() for part in layer for t in part if t is not None)
+            for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
+                pointers.append(None if tensor is None else tensor.data_ptr())
+            if segment.final_norm is not None:
+                pointers.extend(t.data_ptr() for t in segment.final_norm if t is not None)
+        return tuple(pointers)
+
     def _rope_tables(self, chunk) -> tuple:
         """cos and sign-folded sin [max_len, head_dim] from megatron's own rotary frequencies.
 
@@ -256,14 +317,20 @@ class NativeEngine:
         sin = torch.sin(freqs)
         return torch.cos(angles).to(self._dtype), torch.cat([-sin, sin], dim=-1).to(self._dtype)
 
-    def _cache(self, batch: int) -> torch.Tensor:
-        """KV cache [2, layers, batch, groups, max_len, head_dim] (a view of the preallocated one)."""
+    def _cache(self, batch: int) -> tuple:
+        """(keys [layers, batch, groups, d, max_len], values [layers, batch, groups, max_len, d]), views.
+
+        Keys are stored transposed: a decode step's q @ K^T then reads contiguous [d, len] blocks,
+        which BLAS's small batched products run about 1.5x faster than a transposed operand.
+        """
         if self._kv_cache is None:
-            self._kv_cache = torch.zeros(
-                2, self._num_local_layers, self.max_batch_size, self._groups, self.max_sequence_length,
-                self._head_dim, dtype=self._dtype, device=self._device,
-            )
-        return self._kv_cache[:, :, :batch]
+            shape = (self._num_local_layers, self.max_batch_size, self._groups)
+            options = dict(dtype=self._dtype, device=self._device)
+            self._kv_cache = (torch.zeros(*shape, self._head_dim, self.max_sequence_length, **options),
+                              torch.zeros(*shape, self.max_sequence_length, self._head_dim, **options))
+            self._static_steps = {}
+        keys, values = self._kv_cache
+        return keys[:, :batch], values[:, :batch]
 
     def _check_request(self, prompts: list, sampling: SamplingParams) -> None:
         if sampling.max_new_tokens < 1:
@@ -294,27 +361,67 @@ class NativeEngine:
     # ------------------------------------------------------------------ generation loop
     def _generate_batch(self, prompts: list, sampling: SamplingParams, first_sample: int):
         device, batch, new_tokens = self._device, len(prompts), sampling.max_new_tokens
-        prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
-        width = int(prompt_lengths.max())
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        tokens = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+        prompt_lengths = torch.tensor(lengths, device=device)
         padding = width - prompt_lengths  # [batch] left padding of each row
-        tokens = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
-        columns = torch.arange(self.max_sequence_length, device=device)
         # Padding columns of the cache, never attended to: [batch, max_len] (None: no padding at all).
-        key_masked = (columns.unsqueeze(0) < padding.unsqueeze(1)) if bool(padding.any()) else None
-        caches = self._cache(batch)
+        key_masked = (self._columns.unsqueeze(0) < padding.unsqueeze(1)) if min(lengths) < width else None
+        keys, values = self._cache(batch)
 
         state = _SamplingState(self, sampling, batch, first_sample)
-        positions = (columns[:width].unsqueeze(0) - padding.unsqueeze(1)).clamp(min=0)
-        logits = self._prefill_forward(tokens, positions, caches, key_masked)
+        positions = (self._columns[:width].unsqueeze(0) - padding.unsqueeze(1)).clamp(min=0)
+        logits = self._prefill_forward(tokens, positions, keys, values, key_masked)
+        decode_step = self._decode_steps(batch, width, prompt_lengths, key_masked, new_tokens, keys, values)
         for step in range(new_tokens):
             token, logprob = self._next_tokens(logits, step, state)
             if state.record(step, token, logprob) or step + 1 == new_tokens:
                 break
-            # The new token sits in cache column width + step, at position prompt_length + step.
-            logits = self._decode_forward(token, prompt_lengths + step, caches, key_masked, width + step)
+            logits = decode_step(token, step)
         return state.result()
+
+    def _decode_steps(self, batch, width, prompt_lengths, key_masked, new_tokens, keys, values):
+        """step(tokens [batch], step) -> logits: the new tokens of `step` into cache column width + step.
+
+        Everything that is the same for all steps of this call is prepared here, once: the
+        attention bias of the padding columns, and (dynamic path) the rotary tables of every step.
+        """
+        # 0 where a key may be seen, the dtype's minimum on padding columns: [batch * groups, 1, max_len]
+        key_bias = torch.zeros(batch, self._groups, 1, self.max_sequence_length, dtype=self._dtype,
+                               device=self._device)
+        if key_masked is not None:
+            key_bias.masked_fill_(key_masked.view(batch, 1, 1, -1), torch.finfo(self._dtype).min)
+        key_bias = key_bias.view(batch * self._groups, 1, self.max_sequence_length)
+
+        if self._static_decode:
+            static = self._static_step(batch, keys, values)
+            static.key_bias.copy_(key_bias)
+
+            def static_step(tokens, step):
+                static.tokens.copy_(tokens)
+                torch.add(prompt_lengths, step, out=static.positions)
+                static.column.fill_(width + step)
+                return static.run()
+            return static_step
+
+        rope_steps = None
+        if self._rope is not None:  # [steps, batch, 1, 1, d]: row b's token of step s sits at position length_b + s
+            steps_positions = prompt_lengths.unsqueeze(0) + self._columns[:new_tokens].unsqueeze(1)
+            rope_steps = tuple(table[steps_positions].view(new_tokens, batch, 1, 1, -1) for table in self._rope)
+
+        def dynamic_step(tokens, step):
+            column = width + step
+            rope = None if rope_steps is None else (rope_steps[0][step], rope_steps[1][step])
+            inputs = _DecodeInputs(self._columns[column:column + 1], column + 1, key_bias[:, :, :column + 1], rope)
+            return self._decode_forward(tokens, prompt_lengths + step, keys, values, inputs)
+        return dynamic_step
+
+    def _static_step(self, batch, keys, values) -> "_StaticDecodeStep":
+        """The static decode step for this batch size (built, and captured with cuda_graphs, once)."""
+        if batch not in self._static_steps:
+            self._static_steps[batch] = _StaticDecodeStep(self, batch, keys, values, capture=self._cuda_graphs)
+        return self._static_steps[batch]
 
     def _next_tokens(self, logits, step, state: "_SamplingState"):
         """Sample on the last stage and hand (tokens, logprobs) [batch] to every pipeline stage."""
@@ -329,7 +436,7 @@ class NativeEngine:
         return packed[0].long(), packed[1].float()
 
     # ------------------------------------------------------------------ the forward
-    def _prefill_forward(self, tokens, positions, caches, key_masked) -> Optional[torch.Tensor]:
+    def _prefill_forward(self, tokens, positions, keys, values, key_masked) -> Optional[torch.Tensor]:
         """The prompts [batch, seq] (cache columns 0..seq) through this rank's segments.
 
         Returns the last column's logits [batch, vocab_shard] on the last pipeline stage, else None.
@@ -339,17 +446,20 @@ class NativeEngine:
         if self._rope is not None:
             cos, sin = self._rope  # gathered per position: [batch, seq, 1, 1, d]
             rope = (cos[positions].unsqueeze(2).unsqueeze(2), sin[positions].unsqueeze(2).unsqueeze(2))
-        # True where a key must not be seen: the future, and padding columns. [batch | 1, 1, 1, seq, seq]
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
+        # Added to the scores: the dtype's minimum where a key must not be seen (the future, padding
+        # columns), else 0. Built once for all layers, [batch * groups, per_group * seq, seq].
+        unseen = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
         if key_masked is not None:
-            mask = key_masked[:, None, :seq] | mask
-        mask = mask.view(-1, 1, 1, seq, seq)
+            unseen = key_masked[:, None, :seq] | unseen
+        per_group = self._heads // self._groups
+        unseen = unseen.view(-1, 1, 1, seq, seq).expand(batch, self._groups, per_group, seq, seq)
+        mask = torch.zeros(unseen.shape, dtype=self._dtype, device=tokens.device).masked_fill_(
+            unseen, torch.finfo(self._dtype).min).view(batch * self._groups, per_group * seq, seq)
 
         def run(segment, hidden):
             for index, layer in enumerate(segment.layers):
                 cache_index = segment.cache_offset + index
-                hidden = self._prefill_layer(layer, hidden, caches[0, cache_index], caches[1, cache_index], rope,
-                                             mask)
+                hidden = self._prefill_layer(layer, hidden, keys[cache_index], values[cache_index], rope, mask)
             return hidden
 
         def logits(segment, hidden):
@@ -358,8 +468,8 @@ class NativeEngine:
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, self.cfg.hidden_size))
 
-    def _decode_forward(self, tokens, positions, caches, key_masked, column: int) -> Optional[torch.Tensor]:
-        """One new token per row (tokens, positions [batch]) into cache column `column`.
+    def _decode_forward(self, tokens, positions, keys, values, inputs: "_DecodeInputs") -> Optional[torch.Tensor]:
+        """One new token per row (tokens, positions [batch]) into cache column `inputs.column`.
 
         Returns logits [batch, vocab_shard] on the last pipeline stage, else None.
         Activations are feature-major, [features, batch]: the linear layers are then W @ x, a plain
@@ -368,18 +478,11 @@ class NativeEngine:
         step's matmuls), on the training weights as they are: no transposed copy.
         """
         batch = tokens.shape[0]
-        kv_len = column + 1
-        rope = None
-        if self._rope is not None:
-            cos, sin = self._rope  # [d, batch], broadcast over [groups, heads, d, batch]
-            rope = (cos[positions].t(), sin[positions].t())
-        mask = None if key_masked is None else key_masked[:, :kv_len].view(batch, 1, 1, kv_len)
 
         def run(segment, hidden):
             for index, layer in enumerate(segment.layers):
                 cache_index = segment.cache_offset + index
-                hidden = self._decode_layer(layer, hidden, caches[0, cache_index], caches[1, cache_index], rope,
-                                            mask, column, kv_len)
+                hidden = self._decode_layer(layer, hidden, keys[cache_index], values[cache_index], inputs)
             return hidden
 
         def logits(segment, hidden):
@@ -446,8 +549,8 @@ class NativeEngine:
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
-        """hidden [batch, seq, hidden] from cache column 0; caches [batch, groups, max_len, d];
-        mask [batch | 1, 1, 1, seq, seq]."""
+        """hidden [batch, seq, hidden] from cache column 0; key_cache [batch, groups, d, max_len],
+        value_cache [batch, groups, max_len, d]; mask [batch * groups, per_group * seq, seq] (additive)."""
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
@@ -456,26 +559,29 @@ class NativeEngine:
         query_key = qkv[:, :, :, : per_group + 1]
         if rope is not None:
             cos, sin = rope
-            query_key = query_key * cos + torch.roll(query_key, head_dim // 2, dims=-1) * sin
-        key_cache[:, :, :seq] = query_key[:, :, :, per_group].transpose(1, 2)
+            query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=-1), sin)
+        key_cache[:, :, :, :seq] = query_key[:, :, :, per_group].permute(0, 2, 3, 1)
         value_cache[:, :, :seq] = qkv[:, :, :, per_group + 1].transpose(1, 2)
         # [batch * groups, per_group * seq, d] x [batch * groups, d, seq]
         query = query_key[:, :, :, :per_group].permute(0, 2, 3, 1, 4).reshape(batch * groups, per_group * seq, head_dim)
-        keys = key_cache[:, :, :seq].reshape(batch * groups, seq, head_dim)
-        scores = torch.baddbmm(self._no_input, query, keys.transpose(1, 2), beta=0.0, alpha=self._scale)
-        scores = scores.view(batch, groups, per_group, seq, seq).masked_fill(mask, torch.finfo(scores.dtype).min)
-        probs = self._softmax(scores).view(batch * groups, per_group * seq, seq)
+        keys = key_cache[:, :, :, :seq].reshape(batch * groups, head_dim, seq)
+        probs = self._softmax(torch.baddbmm(mask, query, keys, alpha=self._scale))
         context = torch.bmm(probs, value_cache[:, :, :seq].reshape(batch * groups, seq, head_dim))
         context = context.view(batch, groups, per_group, seq, head_dim).permute(0, 3, 1, 2, 4)
         hidden = hidden + self._row_parallel(context.reshape(batch, seq, self._heads * head_dim), layer.proj)
 
-        intermediate = F.linear(self._norm(hidden, layer.mlp_norm), layer.fc1.weight, layer.fc1.bias)
+        normed = self._norm(hidden, layer.mlp_norm)
+        fc1 = layer.fc1
         if self._gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self._activation(gate) * up
+            # Gate and up projections from the weight's two row blocks (views): contiguous outputs,
+            # on which the activation runs ~3x faster than on the strided halves of one product.
+            half = fc1.weight.shape[0] // 2
+            bias = (None, None) if fc1.bias is None else (fc1.bias[:half], fc1.bias[half:])
+            intermediate = self._activation(F.linear(normed, fc1.weight[:half], bias[0]))
+            intermediate.mul_(F.linear(normed, fc1.weight[half:], bias[1]))
         else:
-            intermediate = self._activation(intermediate)
-        return hidden + self._row_parallel(intermediate, layer.fc2)
+            intermediate = self._activation(F.linear(normed, fc1.weight, fc1.bias))
+        return self._row_parallel(intermediate, layer.fc2).add_(hidden)
 
     # -- feature-major layers (decode): [features, batch]
     def _norm_columns(self, x, norm: _Norm):
@@ -483,10 +589,14 @@ class NativeEngine:
         if x.dtype != torch.float32:  # statistics in fp32, as torch's norms compute them for half types
             return self._norm_columns(x.float(), norm).to(x.dtype)
         if self.cfg.normalization == "RMSNorm":
-            return x * (x * x).mean(0, keepdim=True).add_(self.cfg.norm_epsilon).rsqrt_() * norm.weight_column
-        centered = x - x.mean(0, keepdim=True)
-        variance = (centered * centered).mean(0, keepdim=True)
-        return centered * variance.add_(self.cfg.norm_epsilon).rsqrt_() * norm.weight_column + norm.bias_column
+            inverse_rms = torch.addmm(self._norm_eps, self._mean_row, x * x).rsqrt_()  # [1, batch]
+            return (x * norm.weight_column).mul_(inverse_rms)
+        centered = x - torch.mm(self._mean_row, x)
+        inverse_std = torch.addmm(self._norm_eps, self._mean_row, centered * centered).rsqrt_()
+        normalized = centered.mul_(inverse_std)
+        if norm.bias_column is None:
+            return normalized.mul_(norm.weight_column)
+        return torch.addcmul(norm.bias_column, normalized, norm.weight_column)
 
     # In-place adds below act on fresh matmul outputs only: fewer allocations in the hot loop.
     def _linear_columns(self, linear: _Linear, x):
@@ -500,35 +610,87 @@ class NativeEngine:
             out.add_(linear.bias_column)
         return out.add_(residual)
 
-    def _decode_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask, column, kv_len):
-        """hidden [hidden, batch]; caches [batch, groups, max_len, d]; mask [batch, 1, 1, kv_len] or None."""
+    def _decode_layer(self, layer: _Layer, hidden, key_cache, value_cache, inputs: "_DecodeInputs"):
+        """hidden [hidden, batch]; key_cache [batch, groups, d, max_len]; value_cache [batch, groups, max_len, d]."""
         batch = hidden.shape[1]
-        groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
+        groups, per_group, head_dim, kv_len = self._groups, self._heads // self._groups, self._head_dim, inputs.kv_len
         qkv = self._linear_columns(layer.qkv, self._norm_columns(hidden, layer.input_norm))
         qkv = qkv.view(groups, per_group + 2, head_dim, batch)
-        query_key = qkv[:, : per_group + 1]
-        if rope is not None:
-            cos, sin = rope
-            query_key = query_key * cos + torch.roll(query_key, head_dim // 2, dims=2) * sin
-        key_cache[:, :, column] = query_key[:, per_group].permute(2, 0, 1)
-        value_cache[:, :, column] = qkv[:, per_group + 1].permute(2, 0, 1)
-        query = query_key[:, :per_group].permute(3, 0, 1, 2).reshape(batch * groups, per_group, head_dim)
-        keys = key_cache[:, :, :kv_len].reshape(batch * groups, kv_len, head_dim)
-        scores = torch.baddbmm(self._no_input, query, keys.transpose(1, 2), beta=0.0, alpha=self._scale)
-        if mask is not None:
-            scores = scores.view(batch, groups, per_group, kv_len).masked_fill(mask, torch.finfo(scores.dtype).min)
-        probs = self._softmax(scores).view(batch * groups, per_group, kv_len)
-        context = torch.bmm(probs, value_cache[:, :, :kv_len].reshape(batch * groups, kv_len, head_dim))
+        query_key = qkv[:, : per_group + 1].permute(3, 0, 1, 2)  # [batch, groups, per_group + 1, d] view
+        if inputs.rope is not None:
+            cos, sin = inputs.rope  # [batch, 1, 1, d]
+            # Written batch-major (out=): the transposition the attention needs rides on the multiply.
+            rotated = torch.empty(query_key.shape, dtype=qkv.dtype, device=qkv.device)
+            query_key = torch.mul(query_key, cos, out=rotated).addcmul_(
+                torch.roll(query_key, head_dim // 2, dims=3), sin)
+        # One column per row; index_copy_ with a column tensor keeps the step static for graph capture.
+        key_cache.index_copy_(3, inputs.column, query_key[:, :, per_group].unsqueeze(3))
+        value_cache.index_copy_(2, inputs.column, qkv[:, per_group + 1].permute(2, 0, 1).unsqueeze(2))
+        # All heads in one batched product: [batch * groups, per_group, d] x [batch * groups, d, kv_len]
+        query = query_key[:, :, :per_group].reshape(batch * groups, per_group, head_dim)
+        keys = key_cache.view(batch * groups, head_dim, -1)[:, :, :kv_len]
+        scores = torch.baddbmm(inputs.attention_bias, query, keys, alpha=self._scale)  # bias: padding -> min
+        probs = self._softmax(scores)
+        context = torch.bmm(probs, value_cache.view(batch * groups, -1, head_dim)[:, :kv_len])
         context = context.view(batch, self._heads * head_dim).t().contiguous()
         hidden = self._row_parallel_columns(layer.proj, context, hidden)
 
         intermediate = self._linear_columns(layer.fc1, self._norm_columns(hidden, layer.mlp_norm))
         if self._gated:
             gate, up = intermediate.chunk(2, dim=0)
-            intermediate = self._activation(gate) * up
+            intermediate = self._activation(gate).mul_(up)
         else:
             intermediate = self._activation(intermediate)
         return self._row_parallel_columns(layer.fc2, intermediate, hidden)
+
+
+class _DecodeInputs(NamedTuple):
+    """What one decode step needs besides the tokens: where to write, what to attend to."""
+
+    column: torch.Tensor  # [1] long: the cache column the new keys and values go to
+    kv_len: int  # keys 0 .. kv_len - 1 are read (max_len on the static path)
+    attention_bias: torch.Tensor  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for unseen keys
+    rope: Optional[tuple]  # (cos, sin) [batch, 1, 1, d] at each row's position, None without rotary embeddings
+
+
+class _StaticDecodeStep:
+    """The decode step on fixed buffers over the whole cache: what a CUDA graph captures.
+
+    Inputs (tokens, positions, the cache column, the padding bias) are copied into buffers that
+    never move; the step derives everything else from them with tensor ops only (the mask of
+    columns beyond the current one, the rotary rows), so a replay needs no Python-side values.
+    """
+
+    def __init__(self, engine: NativeEngine, batch: int, keys: torch.Tensor, values: torch.Tensor, capture: bool):
+        device = engine._device
+        self.engine, self.keys, self.values, self.capture = engine, keys, values, capture
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_bias = torch.zeros(batch * engine._groups, 1, engine.max_sequence_length, dtype=engine._dtype,
+                                    device=device)
+        self.graph: Optional[graphs.CapturedStep] = None
+
+    def forward(self) -> Optional[torch.Tensor]:
+        engine = self.engine
+        unseen = torch.finfo(engine._dtype).min
+        bias = torch.where(engine._columns > self.column, unseen, self.key_bias)  # the future, and padding
+        rope = None
+        if engine._rope is not None:
+            rope = tuple(table.index_select(0, self.positions).view(len(self.positions), 1, 1, -1)
+                         for table in engine._rope)
+        inputs = _DecodeInputs(self.column, engine.max_sequence_length, bias, rope)
+        return engine._decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
+
+    def run(self) -> Optional[torch.Tensor]:
+        """The step on the buffers' current contents (captured at the first call when capturing).
+
+        Capture happens here, with the first step's inputs in place: the warm-up runs before
+        capture write that step's keys and values, which the replay then writes again.
+        """
+        if self.capture and self.graph is None:
+            self.graph = graphs.CapturedStep(self.forward)
+        return self.forward() if self.graph is None else self.graph.replay()
 
 
 class _SamplingState:
@@ -539,6 +701,9 @@ class _SamplingState:
         self.engine, self.sampling, self.batch = engine, sampling, batch
         self.greedy = sampling.is_greedy
         self.temperature = 1.0 if self.greedy else sampling.temperature
+        # A draw from the whole unfiltered distribution on one shard: its logprob comes with it.
+        self.plain_draw = (not self.greedy and sampling.top_k == 0 and sampling.top_p >= 1.0
+                           and engine._tp_group_or_none is None)
         self.stop_ids = torch.tensor(sampling.stop_token_ids or [engine.eos_id], dtype=torch.long, device=device)
         new_tokens = sampling.max_new_tokens
         self.uniforms = None  # [batch, new_tokens]: row i's draws come from the stream of (seed, i)
@@ -558,6 +723,8 @@ class _SamplingState:
         if engine._has_vocab_padding:
             logits = logits.masked_fill(engine._vocab_padding, float("-inf"))
         scaled = S.apply_temperature(logits, self.temperature)
+        if self.plain_draw and step >= sampling.min_new_tokens:  # one pass for the draw and its logprob
+            return S.sample_with_logprobs(scaled, self.uniforms[:, step])
         candidates = scaled
         if step < sampling.min_new_tokens:
             local = self.stop_ids - engine._vocab_start

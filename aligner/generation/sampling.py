@@ -181,7 +181,7 @@ def vocab_parallel_sample(logits: torch.Tensor, uniform: torch.Tensor, vocab_sta
     uniform: [batch] in (0, 1). Across shards: global max (all-reduce), per-shard masses
     (all-gather of [batch]), the owning rank's local search, its id shared (all-reduce).
     """
-    row_max = logits.max(dim=-1, keepdim=True).values
+    row_max = logits.amax(dim=-1, keepdim=True)
     if _world(group) == 1:
         cdf = torch.cumsum(torch.exp(logits - row_max), dim=-1)
         return _search_cdf(cdf, uniform * cdf[:, -1]) + vocab_start
@@ -200,6 +200,20 @@ def vocab_parallel_sample(logits: torch.Tensor, uniform: torch.Tensor, vocab_sta
     chosen = torch.where(owner == rank, local_id + 1, torch.zeros_like(local_id))
     dist.all_reduce(chosen, group=group)
     return chosen - 1
+
+
+def sample_with_logprobs(logits: torch.Tensor, uniform: torch.Tensor) -> tuple:
+    """`vocab_parallel_sample` on one whole-vocabulary shard, plus the drawn tokens' log-softmax.
+
+    (tokens [batch], logprobs [batch] float32). The same draw, bit for bit; the logprob reuses
+    the draw's exponentials: log_softmax(x)_t = (x_t - max) - log(sum exp(x - max)), that sum
+    being the CDF's last entry, so no second pass over the vocabulary (logsumexp) is needed.
+    """
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    cdf = torch.cumsum(torch.exp(shifted), dim=-1)
+    total = cdf[:, -1]
+    tokens = _search_cdf(cdf, uniform * total)
+    return tokens, shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.log(total)
 
 
 def select_tokens(

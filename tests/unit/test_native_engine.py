@@ -273,3 +273,64 @@ def test_requests_the_engine_cannot_serve_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="learned positions"):
         gpt2_cfg, gpt2 = make_model("gpt2")
         make_engine(gpt2_cfg, gpt2, max_sequence_length=65)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_static_decode_step_gives_the_dynamic_steps_tokens_and_logprobs(name):
+    """The graph-capturable step (whole cache, masked; inputs in fixed buffers) is the same math."""
+    cfg, model = make_model(name)
+    prompts = make_prompts()  # left padding of several widths: the padding bias is exercised
+    sampled = SamplingParams(max_new_tokens=14, temperature=1.1, top_k=40, seed=8, stop_token_ids=[VOCAB - 1])
+    for sampling in (sampled, SamplingParams(max_new_tokens=14, greedy=True)):
+        dynamic = make_engine(cfg, model).generate(prompts, sampling)
+        # max_batch_size 3: chunks of 3, 3 and 1 rows, one static step (buffers) per batch size
+        static_engine = make_engine(cfg, model, static_decode=True, max_batch_size=3)
+        static = static_engine.generate(prompts, sampling)
+        assert sorted(static_engine._static_steps) == [1, 3]
+        assert torch.equal(static.response_tokens, dynamic.response_tokens)
+        assert torch.equal(static.response_lengths, dynamic.response_lengths)
+        assert float((static.logprobs - dynamic.logprobs).abs().max()) < LOGPROB_TOLERANCE
+        expected = training_logprobs(model, cfg, static, 1.0 if sampling.is_greedy else sampling.temperature)
+        assert float((static.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+    # Reused buffers: a second call (other prompts, other padding) is still right.
+    again = static_engine.generate(prompts[::-1], sampled)
+    assert torch.equal(again.response_tokens, make_engine(cfg, model).generate(prompts[::-1], sampled).response_tokens)
+
+
+def test_cuda_graphs_on_a_cpu_model_is_refused_with_a_reason():
+    cfg, model = make_model("llama")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device.*static_decode=True"):
+        make_engine(cfg, model, cuda_graphs=True)
+
+
+def test_static_steps_are_rebuilt_when_weight_storage_or_cache_moves():
+    """A CUDA graph keeps the addresses it captured: moved weights or a new cache need a new step."""
+    cfg, model = make_model("gpt2")
+    engine, prompts = make_engine(cfg, model, static_decode=True), make_prompts()
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    first = engine.generate(prompts, greedy)
+    step = engine._static_steps[len(prompts)]
+    engine.generate(prompts, greedy)
+    assert engine._static_steps[len(prompts)] is step  # nothing moved: reused
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    fc1.weight.data = fc1.weight.data.clone()  # e.g. offloaded and brought back
+    assert torch.equal(engine.generate(prompts, greedy).response_tokens, first.response_tokens)
+    assert engine._static_steps[len(prompts)] is not step
+    step = engine._static_steps[len(prompts)]
+    engine.free()
+    assert engine._static_steps == {}
+    assert torch.equal(engine.generate(prompts, greedy).response_tokens, first.response_tokens)
+    assert engine._static_steps[len(prompts)] is not step
+
+
+def test_sample_with_logprobs_is_the_plain_draw_and_its_float64_log_softmax():
+    from aligner.generation import sampling as S
+
+    generator = torch.Generator().manual_seed(3)
+    logits = 3.0 * torch.randn(64, 50, generator=generator)
+    logits[:, 40:] = float("-inf")  # padded vocabulary rows
+    uniform = S.uniforms(S.sample_keys(5, torch.arange(64)), torch.arange(1))[:, 0]
+    tokens, logprobs = S.sample_with_logprobs(logits, uniform)
+    assert torch.equal(tokens, S.vocab_parallel_sample(logits, uniform))
+    expected = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert tokens.max() < 40 and float((logprobs.double() - expected).abs().max()) < 1e-6

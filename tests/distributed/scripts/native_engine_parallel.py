@@ -5,7 +5,8 @@ llama- and gpt2-style models, saves them with aligner.checkpointing and generate
 rollouts; then it loads the same checkpoints at TP=2 (DDP-wrapped chunks), PP=2 and PP=2 with two
 virtual stages (llama), generates the same rollouts and compares. It also checks the
 vocab-parallel sampling helpers at TP=2 against their single-shard versions.
-Rank 0 prints one `RESULT <json>` line.
+Cases named static_* run the engine's static decode step (static_decode=True), the reference
+always the default one. Rank 0 prints one `RESULT <json>` line.
 """
 import json
 import sys
@@ -37,6 +38,9 @@ CASES = {
     "sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=5),
     "top_k_top_p": SamplingParams(max_new_tokens=12, temperature=0.8, top_k=10, top_p=0.9, seed=6),
     "top_p": SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.8, seed=7),
+    # the static (CUDA-graph-capturable) decode step: whole cache, masked, fixed buffers
+    "static_greedy": SamplingParams(max_new_tokens=12, greedy=True),
+    "static_sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=5),
 }
 LAYOUTS = {
     "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2")),
@@ -62,10 +66,12 @@ def random_model(cfg: GPTConfig, seed: int) -> torch.nn.Module:
 
 
 def run_cases(cfg: GPTConfig, chunks) -> dict:
-    engine = NativeEngine(chunks, cfg, pad_id=PAD, eos_id=EOS, max_batch_size=8, max_sequence_length=32)
+    options = dict(pad_id=PAD, eos_id=EOS, max_batch_size=8, max_sequence_length=32)
+    engine = NativeEngine(chunks, cfg, **options)
+    static_engine = NativeEngine(chunks, cfg, static_decode=True, **options)
     out = {}
     for case, sampling in CASES.items():
-        rollout = engine.generate(prompts(), sampling)
+        rollout = (static_engine if case.startswith("static_") else engine).generate(prompts(), sampling)
         tokens, prompt_lengths = pack_sequences(rollout.prompt_tokens, rollout.response_tokens,
                                                 rollout.response_lengths, PAD)
         training = sequence_logprobs(chunks, tokens, prompt_lengths, rollout.response_lengths, vocab_size=VOCAB,
