@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aligner.data.steerlm import CHECKPOINT_META_KEY, SteerLMConfig
 from aligner.models.gpt import mask_padded_vocab
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
@@ -18,6 +19,8 @@ from aligner.training.trainer import Trainer
 @dataclass
 class SFTDataConfig(DataSection):
     pack_sequences: bool = False
+    # SteerLM: attribute values of annotated records written into the prompt (aligner/data/steerlm.py)
+    steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
 
 
 @dataclass
@@ -66,18 +69,21 @@ class SFTObjective:
 def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     """Runtime, tokenizer, model, optimizer, data, metrics, resume: a trainer ready to `fit()`."""
     from aligner.data.sft import PackedSFTDataset, SFTDataset
+    from aligner.data.steerlm import AttributeConditioning
     from aligner.models.gpt import num_parameters
     from aligner.training import setup
     from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
 
+    cfg.data.steerlm.validate()  # before the model is built: a typo in the format fails at once
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
     )
     logger = get_logger()
+    conditioning = AttributeConditioning(cfg.data.steerlm, built.tokenizer) if cfg.data.steerlm.enabled else None
 
     def load_dataset(entry: DatasetEntry) -> SFTDataset:
-        dataset = SFTDataset(entry.path, built.tokenizer, cfg.data.max_seq_length)
+        dataset = SFTDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, prepare_record=conditioning)
         stats = dataset.stats
         logger.info(f"{entry.path}: {stats.kept} examples ({stats.truncated} truncated to "
                     f"{cfg.data.max_seq_length} tokens, {stats.dropped} dropped: no response token left)")
@@ -98,11 +104,14 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
     scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
     model_cfg = built.model_cfg
+    checkpoint_meta = {"model": model_cfg.to_dict()}
+    if conditioning is not None:  # generation must render the attribute values the same way
+        checkpoint_meta[CHECKPOINT_META_KEY] = cfg.data.steerlm.to_dict()
     metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
     trainer = Trainer(
         name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=SFTObjective(model_cfg.vocab_size),
         chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
-        val_loader=val_loader, metrics=metrics, checkpoint_meta={"model": model_cfg.to_dict()},
+        val_loader=val_loader, metrics=metrics, checkpoint_meta=checkpoint_meta,
         tokenizer_dir=built.tokenizer_dir, num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size, peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
         pad_id=built.tokenizer.pad_id,

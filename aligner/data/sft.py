@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -93,9 +94,14 @@ def encode_record(record: dict, tokenizer: Tokenizer, path: str | Path, line: in
 
 
 class SFTDataset(Dataset):
-    """Tokenized SFT examples of one JSONL file, truncated to max_seq_length."""
+    """Tokenized SFT examples of one JSONL file, truncated to max_seq_length.
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int):
+    prepare_record: maps each (record, path, line) to the SFT record to encode, e.g. SteerLM's
+    attribute conditioning (aligner/data/steerlm.py) writes the attribute values into the prompt.
+    """
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
+                 prepare_record: Optional[Callable[[dict, str | Path, int], dict]] = None):
         if max_seq_length < 2:
             raise ValueError(f"max_seq_length must be at least 2 (an input and a label), got {max_seq_length}")
         self.path = path
@@ -106,6 +112,8 @@ class SFTDataset(Dataset):
         quiet = len(records) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
         progress = tqdm(records, desc=f"tokenizing {path}", disable=True if quiet else None)
         for line, record in progress:
+            if prepare_record is not None:
+                record = prepare_record(record, path, line)
             example = encode_record(record, tokenizer, path, line)
             self.stats.records += 1
             if len(example.tokens) > max_seq_length:

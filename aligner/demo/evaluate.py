@@ -11,18 +11,23 @@ from aligner.demo.arithmetic import accuracy_by_carry
 
 
 def evaluate_arithmetic(model_chunks, tokenizer, prompts_path: str | Path, *, temperature: float = 0.0,
-                        seed: int = 0, limit: Optional[int] = None, max_new_tokens: int = 6) -> dict:
+                        seed: int = 0, limit: Optional[int] = None, max_new_tokens: int = 6,
+                        steer: Optional[dict] = None, steerlm=None) -> dict:
     """Accuracy (overall, on carry and no-carry problems) of answers to the prompts in a JSONL file.
 
-    Prompts are encoded exactly like the SFT `input` field: [bos] + prompt tokens.
+    Prompts are encoded exactly like the SFT `input` field: [bos] + prompt tokens. With `steer`
+    (attribute values, e.g. {"correctness": 4}) and `steerlm` (the checkpoint's SteerLMConfig),
+    the prompt asks for those values the way attribute-conditioned SFT rendered them.
     """
     from aligner.data.jsonl import read_jsonl, require_str
+    from aligner.data.steerlm import condition_prompt
     from aligner.generation.reference import generate_full_forward
 
     records = [(line, record) for line, record in read_jsonl(prompts_path)][:limit]
     prompts = [require_str(record, "prompt", prompts_path, line) for line, record in records]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    encoded = [bos + tokenizer.encode(prompt) for prompt in prompts]
+    model_prompts = prompts if steer is None else [condition_prompt(prompt, steer, steerlm) for prompt in prompts]
+    encoded = [bos + tokenizer.encode(prompt) for prompt in model_prompts]
     vocab_size = model_chunks[0].vocab_size if hasattr(model_chunks[0], "vocab_size") else None
     outputs = generate_full_forward(
         model_chunks, encoded, vocab_size=tokenizer.vocab_size if vocab_size is None else min(vocab_size, tokenizer.vocab_size),
@@ -35,20 +40,26 @@ def evaluate_arithmetic(model_chunks, tokenizer, prompts_path: str | Path, *, te
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, prompts_path: str | Path, *, temperature: float = 0.0,
-                        seed: int = 0, limit: Optional[int] = None) -> dict:
-    """Load an aligner checkpoint in this process (TP=PP=1) and evaluate it."""
+                        seed: int = 0, limit: Optional[int] = None, steer: Optional[dict] = None) -> dict:
+    """Load an aligner checkpoint in this process (TP=PP=1) and evaluate it.
+
+    steer: attribute values to ask a SteerLM (attribute-conditioned) checkpoint for.
+    """
     from aligner import checkpointing
+    from aligner.data.steerlm import steering_for_checkpoint
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
 
+    steerlm = steering_for_checkpoint(checkpoint_dir, steer)  # before loading: a mismatch fails fast
     distributed.initialize(distributed.ParallelConfig())
     seeds.set_seed(seed)
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint_dir)["model"])
     model = build_gpt_model(model_cfg, transformer_config(model_cfg))
     checkpointing.load(checkpoint_dir, [model])
     tokenizer = Tokenizer(Path(checkpoint_dir) / checkpointing.TOKENIZER_DIR)
-    return evaluate_arithmetic([model], tokenizer, prompts_path, temperature=temperature, seed=seed, limit=limit)
+    return evaluate_arithmetic([model], tokenizer, prompts_path, temperature=temperature, seed=seed, limit=limit,
+                               steer=steer, steerlm=steerlm)
 
 
 def _rewards(loaded, sequences: list, batch_size: int = 256) -> torch.Tensor:
@@ -106,6 +117,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", help="policy: JSONL with {'prompt': '12+7='} records")
     parser.add_argument("--comparisons", help="binary reward model: JSONL {prompt, chosen, rejected} pairs")
     parser.add_argument("--attributes", help="regression reward model: JSONL {text, label} records")
+    parser.add_argument("--steer", default=None, metavar="NAME=VALUE,...",
+                        help="policy trained with SteerLM attribute conditioning: ask for these attribute values, "
+                             "e.g. correctness=4")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--output", default=None, help="write the result as JSON here")
@@ -124,8 +138,21 @@ def main(argv=None) -> None:
         return
     if not args.prompts:
         parser.error("give --prompts (policy), --comparisons or --attributes (reward models)")
-    result = evaluate_checkpoint(args.checkpoint, args.prompts, temperature=args.temperature, limit=args.limit)
+    steer = None
+    if args.steer is not None:
+        from aligner.checkpointing import CheckpointError
+        from aligner.data.steerlm import parse_requested_values, steering_for_checkpoint
+
+        try:
+            steer = parse_requested_values(args.steer)
+            steering_for_checkpoint(args.checkpoint, steer)  # the checkpoint was conditioned on these attributes
+        except (ValueError, CheckpointError) as error:
+            parser.error(f"--steer: {error}")
+    result = evaluate_checkpoint(args.checkpoint, args.prompts, temperature=args.temperature, limit=args.limit,
+                                 steer=steer)
     mode = "greedy" if args.temperature == 0 else f"sampled T={args.temperature}"
+    if steer is not None:
+        mode += " asking for " + ",".join(f"{name}={value}" for name, value in steer.items())
     print(f"{args.checkpoint}: {mode} accuracy {result['all']:.1%} (carry {result['carry']:.1%}, "
           f"no carry {result['no_carry']:.1%}); e.g. {', '.join(result['examples'][:4])}")
     if args.output:

@@ -13,6 +13,10 @@ Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` b
   `input` ([bos] + text), each {"messages": [{"role", "content"}, ...]} with the chat template;
   each output line is the input record plus "response" (and "error" if the record was too long).
 
+- steer (SteerLM): attribute values such as {correctness: 4} for a checkpoint trained with
+  attribute-conditioned SFT; every prompt asks for them, rendered as in training
+  (aligner/data/steerlm.py: a system message, or a line before a bare prompt).
+
 Generation runs on `NativeEngine` (KV cache) with the `sampling:` options, greedy by default.
 Stop tokens: the tokenizer's eos plus the eos id(s) of an imported model's generation_config.
 Under torchrun the model may be split with TP/PP (one replica): rank 0 reads the input and
@@ -27,7 +31,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Callable, Dict, Iterator, Optional, TextIO
 
 import torch.distributed as dist
 from omegaconf import MISSING
@@ -59,6 +63,7 @@ class ChatConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: ChatSamplingConfig = field(default_factory=ChatSamplingConfig)
     system_prompt: Optional[str] = None  # interactive mode: a system message opening each conversation
+    steer: Optional[Dict[str, int]] = None  # SteerLM checkpoint: attribute values to ask for, e.g. {correctness: 4}
     prompts_file: Optional[str] = None  # JSONL of {"prompt": ...} / {"messages": [...]}; null: interactive
     output_file: Optional[str] = None  # batch mode: where the responses go
     batch_size: int = 16  # batch mode: prompts per generate call
@@ -90,6 +95,8 @@ class ChatModel:
     stop_token_ids: list
     max_sequence_length: int
     vocab_size: int
+    steerlm: object = None  # SteerLMConfig of a conditioned checkpoint when steering is asked for
+    steer: Optional[dict] = None  # the attribute values every prompt asks for
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -113,6 +120,7 @@ def _is_rank_zero() -> bool:
 def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     """Start the runtime, import an HF directory if given one, load the checkpoint, build the engine."""
     from aligner import checkpointing
+    from aligner.data.steerlm import steering_for_checkpoint
     from aligner.generation.native import NativeEngine
     from aligner.hf.convert import import_hf, read_hf_source
     from aligner.models.gpt import GPTConfig
@@ -126,6 +134,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
     if is_hf_model_dir(checkpoint):
         checkpoint = import_hf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
+    steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)
     if data_parallel != 1:
         raise ValueError(
@@ -148,7 +157,8 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     generation_config = read_hf_source(checkpoint).get("generation_config") or {}
     eos = generation_config.get("eos_token_id")
     stop.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ChatModel(engine, tokenizer, sorted(stop), max_length, model_cfg.vocab_size)
+    return ChatModel(engine, tokenizer, sorted(stop), max_length, model_cfg.vocab_size, steerlm,
+                     None if cfg.steer is None else dict(cfg.steer))
 
 
 # ----------------------------------------------------------------------------- generating
@@ -184,6 +194,19 @@ def stream_reply(model: ChatModel, prompt: list[int], sampling: SamplingParams, 
     if text.startswith(printed) and len(text) > len(printed):
         write(text[len(printed):])
     return reply
+
+
+def steered_messages(model: ChatModel, messages: list[dict]) -> list[dict]:
+    """The messages as the model sees them: with the requested attribute values when steering."""
+    from aligner.data.steerlm import condition_messages
+
+    return messages if model.steer is None else condition_messages(messages, model.steer, model.steerlm)
+
+
+def steered_prompt(model: ChatModel, prompt: str) -> str:
+    from aligner.data.steerlm import condition_prompt
+
+    return prompt if model.steer is None else condition_prompt(prompt, model.steer, model.steerlm)
 
 
 def response_text(model: ChatModel, tokens: list[int]) -> str:
@@ -239,7 +262,7 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = model.tokenizer.encode_chat(messages, add_generation_prompt=True)[0]
+        prompt = model.tokenizer.encode_chat(steered_messages(model, messages), add_generation_prompt=True)[0]
         if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
             messages.pop()
             write(f"(the conversation is {len(prompt)} tokens; with max_new_tokens={sampling.max_new_tokens} it "
@@ -265,12 +288,12 @@ def encode_record(model: ChatModel, record: dict, path: str, line: int) -> list[
                 for m in messages):
             raise DataError(f"{path}:{line}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
         try:
-            return tokenizer.encode_chat(messages, add_generation_prompt=True)[0]
+            return tokenizer.encode_chat(steered_messages(model, messages), add_generation_prompt=True)[0]
         except Exception as error:  # the chat template's own complaint (roles must alternate, ...)
             raise DataError(f"{path}:{line}: cannot render the messages with the chat template: {error}") from error
     if "prompt" in record:
         bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        return bos + tokenizer.encode(require_str(record, "prompt", path, line))
+        return bos + tokenizer.encode(steered_prompt(model, require_str(record, "prompt", path, line)))
     raise DataError(f"{path}:{line}: record has neither 'prompt' nor 'messages' (keys: {sorted(record)})")
 
 
