@@ -420,6 +420,14 @@ def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
         skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,))
     cfg.validate_layout(built.data_parallel_size)
     scheduler = setup.build_scheduler(built.optimizer, cfg.optim, cfg.train.max_steps)
+    init_normalization = init_meta.get("reward", {}).get("normalization")
+    if head_fits and init_normalization and built.resume_checkpoint is None:
+        # Values start in the units of the normalised rewards the actor trains on (not off by the
+        # reward model's raw offset, which value clipping would take many steps to walk back).
+        from aligner.models.reward import fold_normalization_into_head
+
+        fold_normalization_into_head(built.chunks, RewardNormalization(**init_normalization))
+        built.optimizer.reload_model_params()  # mixed precision: the fp32 main copy follows
 
     reward_weights, normalization = None, None
     if cfg.combine_rm_and_critic:

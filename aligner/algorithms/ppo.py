@@ -44,7 +44,9 @@ class ServerAddress:
 
 @dataclass
 class RewardSection:
-    source: str = "server"  # server: a reward-model (or combined critic) server | function: a Python function
+    # server: a reward-model server | critic: the critic server in combined mode (rewards come back with
+    # the values, one request) | function: a Python function
+    source: str = "server"
     server: ServerAddress = field(default_factory=ServerAddress)
     function: Optional[str] = None  # "package.module:function(prompt_text, response_text) -> float"
     attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
@@ -177,8 +179,8 @@ class PPOConfig(RunConfig):
                              "set ppo.recompute_old_logprobs=true")
         if gen.temperature <= 0:
             raise ValueError("PPO samples its rollouts: generation.temperature must be > 0")
-        if self.reward.source not in ("server", "function"):
-            raise ValueError(f"reward.source must be server or function, got {self.reward.source!r}")
+        if self.reward.source not in ("server", "critic", "function"):
+            raise ValueError(f"reward.source must be server, critic or function, got {self.reward.source!r}")
         if self.reward.source == "function" and not self.reward.function:
             raise ValueError("reward.source=function needs reward.function='package.module:function'")
         if gen.engine not in ("native", "trtllm"):
@@ -372,6 +374,9 @@ class PPOTrainer:
                 self.save()
         finally:
             self.router.close()
+            for client in (self.reward_source, self.critic):
+                if hasattr(client, "close"):
+                    client.close()
 
     def train_step(self, update_actor: bool = True) -> dict[str, float]:
         """One PPO step (update_actor=False: a critic warm-up round)."""
@@ -432,8 +437,10 @@ class PPOTrainer:
             sequences = full_sequences(rollout)
             responses = [self.response_text(rollout.response_tokens[row, :int(rollout.response_lengths[row])])
                          for row in range(len(micro_indices))]
-            rewards = self.reward_source.score_async(sequences, [step_texts[i] for i in micro_indices], responses)
-            values = self.critic.infer_async(sequences) if with_values else None
+            values = self.critic.infer_async(sequences) if (with_values or self.reward_source is None) else None
+            rewards = None  # combined critic server: the rewards arrive with the values
+            if self.reward_source is not None:
+                rewards = self.reward_source.score_async(sequences, [step_texts[i] for i in micro_indices], responses)
             pending.append((micro_indices, rollout, rewards, values))
 
         tick = time.perf_counter()
@@ -445,8 +452,12 @@ class PPOTrainer:
 
         tick = time.perf_counter()
         for micro_indices, rollout, rewards, values in pending:
-            scores = rewards.result()
-            value_rows = values.result().values if values is not None else None  # [rows, columns]
+            inferred = values.result() if values is not None else None
+            scores = rewards.result() if rewards is not None else inferred.rewards
+            if scores is None:
+                raise RuntimeError("reward.source=critic, but the critic server sent no rewards: start it in combined "
+                                   "mode (combine_rm_and_critic=true reward_model_file=<reward-model checkpoint>)")
+            value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
             for k, index in enumerate(micro_indices):
                 row = local[index]
                 row["score"] = float(scores[k])
@@ -768,7 +779,7 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
                                model_parallel_group=ps.get_model_parallel_group())
     else:
         router = StaticRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
-    if reward_source is None:
+    if reward_source is None and cfg.reward.source != "critic":
         reward_source = build_reward_source(cfg.reward)
     if critic is None:
         critic = build_critic_client(cfg.critic)
@@ -803,8 +814,11 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
 
 
 def build_reward_source(section: RewardSection):
+    """What scores responses; None when the critic server sends the rewards with its values."""
     from aligner.rl.rollouts import RewardServerSource, RuleRewardSource
 
+    if section.source == "critic":
+        return None
     if section.source == "function":
         return RuleRewardSource(section.function)
     from aligner.clients.reward import RewardClient

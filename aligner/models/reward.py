@@ -73,6 +73,24 @@ def build_reward_model(cfg: GPTConfig, config, *, num_attributes: int = 1, head_
     return model
 
 
+@torch.no_grad()
+def fold_normalization_into_head(chunks, normalization: "RewardNormalization") -> None:
+    """Rescale the head so the model outputs normalised rewards: w <- w / std, b <- (b - mean) / std.
+
+    A critic initialised from a reward model then predicts values in the units of the (normalised)
+    rewards the actor trains on, instead of starting off by the reward model's raw offset.
+    """
+    from megatron.core.utils import unwrap_model
+
+    for chunk in unwrap_model(list(chunks)):
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(head, RewardHead):
+            mean = torch.tensor(normalization.mean, dtype=head.weight.dtype, device=head.weight.device)
+            std = torch.tensor(normalization.std, dtype=head.weight.dtype, device=head.weight.device)
+            head.weight.div_(std.unsqueeze(1))
+            head.bias.sub_(mean).div_(std)
+
+
 def scores_at_last_token(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """scores [batch, seq, A], lengths [batch] -> [batch, A], taken at index lengths - 1."""
     return scores[torch.arange(scores.shape[0], device=scores.device), lengths.to(scores.device) - 1]

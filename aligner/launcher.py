@@ -1,0 +1,131 @@
+"""Start a PPO run's processes on one machine and stop them cleanly (used by examples/nlp/gpt/launch_ppo.py).
+
+A run is up to three processes: the reward-model server (unless the critic server also serves
+rewards, or the reward is a Python function), the critic server, and the actor (under torchrun
+when it has several processes). Servers start first; the actor starts once every server printed
+its ready line; when the actor ends (or the launcher is interrupted) the servers get SIGTERM, then
+SIGKILL if they have not exited after a grace period. Each process's output goes to
+`<log_dir>/<name>.log` and, prefixed with its name, to the launcher's stdout.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+READY_MARKER = "server ready on"
+STOP_GRACE_S = 20.0
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class ManagedProcess:
+    """A child process whose output is copied to a log file and the console by a reader thread."""
+
+    name: str
+    command: list
+    log_path: Path
+    echo: bool = True
+    process: Optional[subprocess.Popen] = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    _reader: Optional[threading.Thread] = None
+
+    def start(self, env: dict) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Own process group: a Ctrl-C in the terminal reaches the launcher, which stops children in order.
+        self.process = subprocess.Popen([str(c) for c in self.command], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                                        start_new_session=True)
+        self._reader = threading.Thread(target=self._copy_output, daemon=True, name=f"{self.name}-output")
+        self._reader.start()
+
+    def _copy_output(self) -> None:
+        with open(self.log_path, "a") as log:
+            for line in self.process.stdout:
+                log.write(line)
+                log.flush()
+                if READY_MARKER in line:
+                    self.ready.set()
+                if self.echo:
+                    sys.stdout.write(f"[{self.name}] {line}")
+                    sys.stdout.flush()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            if not self.running():
+                raise LaunchError(f"{self.name} exited with code {self.process.returncode} before it was ready; "
+                                  f"see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{self.name} was not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        if not self.running():
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def actor_command(script: Path, nproc: int, overrides: Sequence[str]) -> list:
+    if nproc == 1:
+        return [sys.executable, script, *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", script, *overrides]
+
+
+def run_processes(servers: Sequence[ManagedProcess], actor: ManagedProcess, *, ready_timeout_s: float = 300.0,
+                  env: Optional[dict] = None) -> int:
+    """Start the servers, then the actor; return the actor's exit code after stopping the servers."""
+    env = dict(os.environ if env is None else env)
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame):  # SIGTERM from a scheduler: stop like Ctrl-C
+        stop_requested.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    started: list[ManagedProcess] = []
+    try:
+        for server in servers:
+            server.start(env)
+            started.append(server)
+        for server in servers:
+            server.wait_ready(ready_timeout_s)
+        actor.start(env)
+        started.append(actor)
+        while actor.running():
+            time.sleep(0.5)
+        actor._reader.join(timeout=10)
+        return actor.process.returncode
+    except KeyboardInterrupt:
+        print("launcher: interrupted; stopping every process", flush=True)
+        return 130
+    finally:
+        for process in reversed(started):  # the actor first, so it cannot see its servers vanish mid-step
+            process.stop()
+        signal.signal(signal.SIGTERM, previous)

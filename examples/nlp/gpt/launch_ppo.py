@@ -1,0 +1,74 @@
+"""Run PPO on one machine: reward-model server, critic server and actor, started and stopped together.
+
+    python examples/nlp/gpt/launch_ppo.py --reward-checkpoint RM_CHECKPOINT --log-dir results/ppo \
+        --actor-arg model.init_from=SFT_CHECKPOINT --actor-arg data.prompts=prompts.jsonl [--actor-nproc 2]
+
+Reward modes (--reward):
+  combined  (default) the critic server also serves the reward model, swapping the two sets of
+            weights on one set of devices; its answers carry values and rewards together
+  server    a separate reward-model server (serve_reward_model.py) on --reward-port
+  function  no reward server: pass --actor-arg reward.function=package.module:function
+The critic starts from --critic-checkpoint (default: the reward model). Extra settings go to each
+process with --critic-arg / --reward-arg / --actor-arg KEY=VALUE (repeatable). Logs: <log-dir>/*.log;
+the actor's checkpoints and metrics: <log-dir>/actor, the critic's: <log-dir>/critic. Re-running
+the same command resumes both from their newest checkpoints. On a Slurm cluster use
+examples/nlp/gpt/slurm/ppo_heterogeneous.sbatch instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from aligner.launcher import ManagedProcess, actor_command, run_processes
+
+GPT_EXAMPLES = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reward", choices=["combined", "server", "function"], default="combined")
+    parser.add_argument("--reward-checkpoint", help="reward-model checkpoint (modes combined and server)")
+    parser.add_argument("--critic-checkpoint", help="checkpoint the critic starts from (default: the reward model)")
+    parser.add_argument("--log-dir", default="results/ppo")
+    parser.add_argument("--actor-nproc", type=int, default=1, help="actor processes (torchrun when > 1)")
+    parser.add_argument("--critic-nproc", type=int, default=1)
+    parser.add_argument("--critic-port", type=int, default=5560)
+    parser.add_argument("--reward-port", type=int, default=5555)
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
+    parser.add_argument("--actor-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--critic-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--reward-arg", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    if args.reward != "function" and not args.reward_checkpoint:
+        parser.error(f"--reward {args.reward} needs --reward-checkpoint")
+    critic_init = args.critic_checkpoint or args.reward_checkpoint
+    if not critic_init:
+        parser.error("give --critic-checkpoint (the critic's starting weights)")
+    log_dir = Path(args.log_dir)
+
+    critic_args = [f"critic.init_from={critic_init}", f"server.port={args.critic_port}",
+                   f"checkpoint.save_dir={log_dir / 'critic' / 'checkpoints'}"]
+    actor_args = [f"critic.server.port={args.critic_port}", f"checkpoint.save_dir={log_dir / 'actor' / 'checkpoints'}",
+                  f"logging.log_dir={log_dir / 'actor'}"]
+    servers = []
+    if args.reward == "combined":
+        critic_args += ["combine_rm_and_critic=true", f"reward_model_file={args.reward_checkpoint}"]
+        actor_args += ["reward.source=critic"]
+    elif args.reward == "server":
+        servers.append(ManagedProcess("reward_server", [
+            *actor_command(GPT_EXAMPLES / "serve_reward_model.py", 1, []), f"rm_model_file={args.reward_checkpoint}",
+            f"server.port={args.reward_port}", *args.reward_arg], log_dir / "reward_server.log"))
+        actor_args += ["reward.source=server", f"reward.server.port={args.reward_port}"]
+    else:
+        actor_args += ["reward.source=function"]
+    servers.append(ManagedProcess("critic_server", actor_command(
+        GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, [*critic_args, *args.critic_arg]),
+        log_dir / "critic_server.log"))
+    actor = ManagedProcess("actor", actor_command(GPT_EXAMPLES / "train_gpt_ppo_actor.py", args.actor_nproc,
+                                                  [*actor_args, *args.actor_arg]), log_dir / "actor.log")
+    sys.exit(run_processes(servers, actor, ready_timeout_s=args.ready_timeout))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""PPO through the one-machine launcher (combined reward/critic server + actor), with failures:
+killing the actor mid-run and resuming continues with the same metrics; killing the critic server
+stops the actor with an error naming it, and the checkpoints already saved stay loadable."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from aligner import checkpointing
+from aligner.demo import arithmetic
+from aligner.demo.tokenizer import train_char_tokenizer
+
+from ..conftest import REPO_ROOT
+
+GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
+pytestmark = [pytest.mark.slow]
+COMPARED = ("reward_mean", "kl", "response_length", "policy_loss", "values_mean", "critic_value_loss")
+
+
+def _free_port_block() -> int:
+    """A port p with p, p+1, p+2 free (HTTP, gRPC, metrics)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + 2 < 65535 and all(_is_free(port + k) for k in (1, 2)):
+            return port
+    raise RuntimeError("no free port block")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _run(script: Path, *args) -> None:
+    result = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                            cwd=REPO_ROOT, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo_launch")
+    sft_records = arithmetic.sft_records(256, seed=7)
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_records))
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arithmetic.preference_records(128, seed=7)))
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arithmetic.rl_prompts(256, seed=7)))
+    train_char_tokenizer([r["input"] + r["output"] for r in sft_records], root / "tokenizer")
+    tiny = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+            "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+            "model.architecture.ffn_hidden_size=64"]
+    quiet = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+             "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
+    _run(GPT / "train_gpt_sft.py", f"tokenizer.path={root / 'tokenizer'}", f"data.train=[{{path: {root / 'sft.jsonl'}}}]",
+         *tiny, *quiet, "trainer.max_steps=30", "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
+         "optim.lr=3e-3", f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
+    sft = root / "sft" / "step_00000030"
+    _run(GPT / "train_reward_model.py", f"model.init_from={sft}", f"data.train=[{{path: {root / 'pairs.jsonl'}}}]",
+         *quiet, "trainer.max_steps=10", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
+         "optim.lr=1e-3", f"checkpoint.save_dir={root / 'rm'}", f"logging.log_dir={root / 'rm_logs'}")
+    return root, sft, root / "rm" / "step_00000010"
+
+
+def _launch_command(models, log_dir: Path, port: int, max_steps: int) -> list:
+    root, sft, rm = models
+    actor = [f"model.init_from={sft}", f"data.prompts={root / 'prompts.jsonl'}", "data.max_prompt_length=8",
+             "generation.max_new_tokens=5", "generation.micro_batch_size=8", "ppo.prompts_per_step=16",
+             "trainer.global_batch_size=8", "trainer.micro_batch_size=8", f"trainer.max_steps={max_steps}",
+             "checkpoint.save_interval=2", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
+             "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=60",
+             "critic.server.timeout_s=60", "reward.server.timeout_s=60"]
+    critic = ["train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3", "inference.micro_batch_size=8"]
+    return [sys.executable, str(GPT / "launch_ppo.py"), "--reward-checkpoint", str(rm), "--log-dir", str(log_dir),
+            "--critic-port", str(port), "--ready-timeout", "240",
+            *[f"--actor-arg={a}" for a in actor], *[f"--critic-arg={a}" for a in critic]]
+
+
+def _train_rows(log_dir: Path) -> list[dict]:
+    path = log_dir / "actor" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [row for row in map(json.loads, path.read_text().splitlines()) if row["split"] == "train"]
+
+
+def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step: int = 0) -> tuple[int, str]:
+    """Run the launcher; with `kill`, SIGKILL the child whose command line contains it once the
+    actor has logged `after_step`. Returns (exit code, launcher output)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                               env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    if kill is not None:
+        deadline = time.monotonic() + 600
+        while not any(row["step"] >= after_step for row in _train_rows(log_dir)):
+            assert process.poll() is None, process.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "the actor never reached the step to be killed at"
+            time.sleep(0.2)
+        victims = [child for child in psutil.Process(process.pid).children(recursive=True)
+                   if any(kill in part for part in child.cmdline())]
+        assert victims, f"no child process runs {kill}"
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=900)
+    return process.returncode, output
+
+
+def test_actor_killed_and_resumed_matches_an_uninterrupted_run(models, tmp_path):
+    reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
+    code, output = _launch(_launch_command(models, reference_dir, _free_port_block(), 4), reference_dir)
+    assert code == 0, output[-4000:]
+    reference = {row["step"]: row for row in _train_rows(reference_dir)}
+    assert sorted(reference) == [1, 2, 3, 4]
+    assert all(row["first_ratio_mean"] == pytest.approx(1.0, abs=1e-6) for row in reference.values())
+
+    port = _free_port_block()
+    code, output = _launch(_launch_command(models, interrupted_dir, port, 4), interrupted_dir,
+                           kill="train_gpt_ppo_actor.py", after_step=3)
+    assert code != 0, "the launcher must report the killed actor"
+    assert (interrupted_dir / "actor" / "checkpoints" / "step_00000002").exists()
+    code, output = _launch(_launch_command(models, interrupted_dir, port, 4), interrupted_dir)
+    assert code == 0, output[-4000:]
+    assert "resumed from" in output and "step_00000002" in output
+    rows = _train_rows(interrupted_dir)
+    resumed = {row["step"]: row for row in rows[-2:]}  # the run after the restart logs steps 3 and 4
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in COMPARED:
+            assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_killed_critic_server_stops_the_actor_with_a_clear_error(models, tmp_path):
+    log_dir = tmp_path / "critic_killed"
+    port = _free_port_block()
+    code, output = _launch(_launch_command(models, log_dir, port, 8), log_dir, kill="serve_ppo_critic.py",
+                           after_step=3)
+    assert code == 2, output[-4000:]
+    assert f"server at 127.0.0.1:{port}" in output and "serve_ppo_critic.py" in output
+    saved = log_dir / "actor" / "checkpoints" / "step_00000002"
+    assert checkpointing.read_meta(saved)["trainer_state"]["step"] == 2  # what was saved is intact

@@ -1,0 +1,130 @@
+"""PPO actor pieces that need no server: TF-style Adam epsilon, EMA, prompt order, rollout batches,
+report reduction, config checks (the float64 tests of the PPO math are in test_rl_math.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aligner.algorithms.ppo import PPOConfig, tf_adam_epsilon, update_ema
+from aligner.config import CONF_DIR, load_config
+from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, values_at_response
+
+from ..conftest import dotted_keys
+
+
+def _tf_adam_reference(param: float, grads: list[float], lr: float, beta1: float, beta2: float, eps: float) -> float:
+    """TensorFlow's Adam in float64: lr_t = lr sqrt(1 - b2^t) / (1 - b1^t); p -= lr_t m / (sqrt(v) + eps)."""
+    m = v = 0.0
+    for t, g in enumerate(grads, start=1):
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        lr_t = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        param -= lr_t * m / (math.sqrt(v) + eps)
+    return param
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3])
+def test_tf_adam_epsilon_makes_torch_adam_follow_tensorflow(eps):
+    grads = [0.3, -1e-4, 2e-3, 0.5, -0.2, 1e-5]
+    lr, beta1, beta2 = 0.1, 0.9, 0.999
+    param = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=lr, betas=(beta1, beta2), eps=eps)
+    plain = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    plain_optimizer = torch.optim.Adam([plain], lr=lr, betas=(beta1, beta2), eps=eps)
+    for step, grad in enumerate(grads, start=1):
+        optimizer.param_groups[0]["eps"] = tf_adam_epsilon(eps, beta2, step)
+        for p, opt in ((param, optimizer), (plain, plain_optimizer)):
+            p.grad = torch.tensor([grad], dtype=torch.float64)
+            opt.step()
+    expected = _tf_adam_reference(1.0, grads, lr, beta1, beta2, eps)
+    assert float(param) == pytest.approx(expected, rel=1e-12, abs=1e-14)
+    assert abs(float(plain) - expected) > 1e-6  # the plain epsilon really is a different optimizer here
+
+
+def test_update_ema_is_the_exponential_average():
+    ema = {"w": torch.tensor([0.0, 2.0])}
+    history = [torch.tensor([1.0, 0.0]), torch.tensor([3.0, 1.0])]
+    for value in history:
+        update_ema(ema, {"w": value}, decay=0.9)
+    expected = torch.tensor([0.0, 2.0], dtype=torch.float64)
+    for value in history:
+        expected = 0.9 * expected + 0.1 * value.double()
+    torch.testing.assert_close(ema["w"].double(), expected)
+
+
+def test_prompt_order_is_a_resumable_shuffle():
+    order = PromptOrder(10, seed=3)
+    first_epoch = order.take(4) + order.take(6)
+    assert sorted(first_epoch) == list(range(10)) and first_epoch != list(range(10))
+    crossing = order.take(7)  # into a differently shuffled second epoch
+    resumed = PromptOrder(10, seed=3)
+    resumed.load_state_dict({"consumed": 10})
+    assert resumed.take(7) == crossing
+    assert PromptOrder(10, seed=3, shuffle=False).take(12) == list(range(10)) + [0, 1]
+
+
+def test_rollout_batch_layout_and_value_alignment():
+    rows = [(5, {"prompt": [1, 7, 8], "response": torch.tensor([4, 2]), "logprobs": torch.tensor([-0.5, -0.1]),
+                 "ended_with_stop": True, "score": 1.5}),
+            (2, {"prompt": [1, 9], "response": torch.tensor([6, 6, 6]), "logprobs": torch.tensor([-1.0, -2.0, -3.0]),
+                 "ended_with_stop": False, "score": -1.0})]
+    batch = RolloutBatch.from_rows(rows, pad_id=0, seq_length=8, response_width=4)
+    assert batch.indices == [5, 2]
+    assert batch.tokens.tolist() == [[1, 7, 8, 4, 2, 0, 0, 0], [1, 9, 6, 6, 6, 0, 0, 0]]
+    assert batch.mask.tolist() == [[True, True, False, False], [True, True, True, False]]
+    assert batch.engine_logprobs[1].tolist() == [-1.0, -2.0, -3.0, 0.0]
+    assert batch.row_tensor("score").tolist() == [1.5, -1.0]
+    assert batch.ended_with_stop.tolist() == [True, False]
+    # The value of response token j is read at column prompt_length - 1 + j, like its logprob.
+    column_values = torch.arange(10.0)
+    assert values_at_response(column_values, 3, 2).tolist() == [2.0, 3.0]
+    with pytest.raises(ValueError, match="exceeds the fixed length"):
+        RolloutBatch.from_rows(rows, pad_id=0, seq_length=4)
+
+
+def test_reduce_reports_sums_and_takes_extremes(single_process):
+    from aligner.training.trainer import reduce_reports
+
+    reports = [{"loss_sum": torch.tensor(1.5), "ratio_max": torch.tensor(1.2), "ratio_min": torch.tensor(0.9)},
+               {"loss_sum": torch.tensor(2.0), "ratio_max": torch.tensor(1.1), "ratio_min": torch.tensor(0.7),
+                "ptx_tokens": torch.tensor(4.0)}]
+    assert reduce_reports(reports) == pytest.approx(
+        {"loss_sum": 3.5, "ratio_max": 1.2, "ratio_min": 0.7, "ptx_tokens": 4.0})
+
+
+def test_load_function_errors_say_what_is_wrong():
+    assert load_function("aligner.demo.arithmetic:score_response")("2+2=", "4") == 1.0
+    with pytest.raises(ValueError, match="package.module:function"):
+        load_function("score_response")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_function("no_such_module_x:f")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_function("aligner.demo.arithmetic:nope")
+
+
+def test_shipped_yaml_documents_every_key_and_bad_settings_are_refused():
+    from omegaconf import OmegaConf
+
+    yaml_path = CONF_DIR / "gpt_ppo_actor.yaml"
+    assert dotted_keys(OmegaConf.structured(PPOConfig)) - dotted_keys(OmegaConf.load(yaml_path)) == set()
+    required = ["model.init_from=x", "data.prompts=p.jsonl"]
+    cfg = load_config(PPOConfig, yaml_path, required)
+    cfg.validate(data_parallel_size=2)
+    bad = {
+        "ppo.prompts_per_step=63": "multiple of the data-parallel size",
+        "trainer.global_batch_size=48": "divide ppo.prompts_per_step",
+        "trainer.micro_batch_size=5": "must divide the per-rank minibatch",
+        "kl.estimator=k9": "kl.estimator",
+        "ppo.loss_aggregation=sum": "loss_aggregation",
+        "reward.source=function": "reward.function",
+        "generation.temperature=0": "temperature must be > 0",
+        "trainer.max_epochs=1": "trainer.max_steps",
+        "ppo.scale_logits_by_temperature=false": "recompute_old_logprobs",
+        "ptx.data=x.jsonl": "ptx.coef",
+    }
+    for override, message in bad.items():
+        extra = ["ppo.recompute_old_logprobs=false"] if "scale_logits" in override else []
+        with pytest.raises(ValueError, match=message):
+            load_config(PPOConfig, yaml_path, [*required, override, *extra]).validate(data_parallel_size=2)
