@@ -18,10 +18,9 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   `_decode_forward`) because small-batch products are much faster that way round.
 
 The decode step is bound by per-op overhead, not arithmetic, at small sizes, so it is written
-to issue few, cheap torch calls: all heads of a layer in one baddbmm (the padding mask rides in
-as its additive input) and one bmm; norms as one addmm for the feature statistics; rotary
-embedding as mul + addcmul written straight into the batch-major layout attention reads; cache
-writes with index_copy_; per-call tables (padding bias, every step's rotary rows) built once
+to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a padding
+mask, when there is padding, as one in-place add); norms as one addmm for the feature statistics; rotary
+embedding as mul + roll + addcmul; cache writes with index_copy_; per-call tables (padding bias, every step's rotary rows) built once
 per generate call; a sampling path that draws and takes the logprob in one pass. On the 2-core
 CPU, 4 layers x 128 wide, batch 32, one thread: MEASURED_NUMBERS
 torch.compile was tried on the static step (g++ is present): ~100 s to compile and ~2.7x slower
@@ -406,14 +405,15 @@ class NativeEngine:
             return static_step
 
         rope_steps = None
-        if self._rope is not None:  # [steps, batch, 1, 1, d]: row b's token of step s sits at position length_b + s
+        if self._rope is not None:  # [steps, d, batch]: row b's token of step s sits at position length_b + s
             steps_positions = prompt_lengths.unsqueeze(0) + self._columns[:new_tokens].unsqueeze(1)
-            rope_steps = tuple(table[steps_positions].view(new_tokens, batch, 1, 1, -1) for table in self._rope)
+            rope_steps = tuple(table[steps_positions].transpose(1, 2).contiguous() for table in self._rope)
 
         def dynamic_step(tokens, step):
             column = width + step
             rope = None if rope_steps is None else (rope_steps[0][step], rope_steps[1][step])
-            inputs = _DecodeInputs(self._columns[column:column + 1], column + 1, key_bias[:, :, :column + 1], rope)
+            bias = None if key_masked is None else key_bias[:, :, :column + 1]
+            inputs = _DecodeInputs(self._columns[column:column + 1], column + 1, bias, rope)
             return self._decode_forward(tokens, prompt_lengths + step, keys, values, inputs)
         return dynamic_step
 
@@ -616,20 +616,19 @@ class NativeEngine:
         groups, per_group, head_dim, kv_len = self._groups, self._heads // self._groups, self._head_dim, inputs.kv_len
         qkv = self._linear_columns(layer.qkv, self._norm_columns(hidden, layer.input_norm))
         qkv = qkv.view(groups, per_group + 2, head_dim, batch)
-        query_key = qkv[:, : per_group + 1].permute(3, 0, 1, 2)  # [batch, groups, per_group + 1, d] view
+        query_key = qkv[:, : per_group + 1]
         if inputs.rope is not None:
-            cos, sin = inputs.rope  # [batch, 1, 1, d]
-            # Written batch-major (out=): the transposition the attention needs rides on the multiply.
-            rotated = torch.empty(query_key.shape, dtype=qkv.dtype, device=qkv.device)
-            query_key = torch.mul(query_key, cos, out=rotated).addcmul_(
-                torch.roll(query_key, head_dim // 2, dims=3), sin)
+            cos, sin = inputs.rope  # [d, batch], broadcast over [groups, per_group + 1, d, batch]
+            query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=2), sin)
         # One column per row; index_copy_ with a column tensor keeps the step static for graph capture.
-        key_cache.index_copy_(3, inputs.column, query_key[:, :, per_group].unsqueeze(3))
+        key_cache.index_copy_(3, inputs.column, query_key[:, per_group].permute(2, 0, 1).unsqueeze(3))
         value_cache.index_copy_(2, inputs.column, qkv[:, per_group + 1].permute(2, 0, 1).unsqueeze(2))
         # All heads in one batched product: [batch * groups, per_group, d] x [batch * groups, d, kv_len]
-        query = query_key[:, :, :per_group].reshape(batch * groups, per_group, head_dim)
+        query = query_key[:, :per_group].permute(3, 0, 1, 2).reshape(batch * groups, per_group, head_dim)
         keys = key_cache.view(batch * groups, head_dim, -1)[:, :, :kv_len]
-        scores = torch.baddbmm(inputs.attention_bias, query, keys, alpha=self._scale)  # bias: padding -> min
+        scores = torch.baddbmm(self._no_input, query, keys, beta=0.0, alpha=self._scale)
+        if inputs.attention_bias is not None:  # a separate add: baddbmm with a real input costs more
+            scores.add_(inputs.attention_bias)
         probs = self._softmax(scores)
         context = torch.bmm(probs, value_cache.view(batch * groups, -1, head_dim)[:, :kv_len])
         context = context.view(batch, self._heads * head_dim).t().contiguous()
@@ -649,8 +648,9 @@ class _DecodeInputs(NamedTuple):
 
     column: torch.Tensor  # [1] long: the cache column the new keys and values go to
     kv_len: int  # keys 0 .. kv_len - 1 are read (max_len on the static path)
-    attention_bias: torch.Tensor  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for unseen keys
-    rope: Optional[tuple]  # (cos, sin) [batch, 1, 1, d] at each row's position, None without rotary embeddings
+    attention_bias: Optional[torch.Tensor]  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for
+    # unseen keys; None when every key may be seen
+    rope: Optional[tuple]  # (cos, sin) [d, batch] at each row's position, None without rotary embeddings
 
 
 class _StaticDecodeStep:
@@ -677,8 +677,7 @@ class _StaticDecodeStep:
         bias = torch.where(engine._columns > self.column, unseen, self.key_bias)  # the future, and padding
         rope = None
         if engine._rope is not None:
-            rope = tuple(table.index_select(0, self.positions).view(len(self.positions), 1, 1, -1)
-                         for table in engine._rope)
+            rope = tuple(table.index_select(0, self.positions).t() for table in engine._rope)
         inputs = _DecodeInputs(self.column, engine.max_sequence_length, bias, rope)
         return engine._decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
 
