@@ -19,10 +19,18 @@ check it against megatron's own forward) in one tight loop over preallocated sta
 
 The decode step is bound by per-op overhead, not arithmetic, at small sizes, so it is written
 to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a padding
-mask, when there is padding, as one in-place add); norms as one addmm for the feature statistics; rotary
-embedding as mul + roll + addcmul; cache writes with index_copy_; per-call tables (padding bias, every step's rotary rows) built once
-per generate call; a sampling path that draws and takes the logprob in one pass. On the 2-core
-CPU, 4 layers x 128 wide, batch 32, one thread: MEASURED_NUMBERS
+mask, when there is padding, as one in-place add); norms with one addmm for the feature
+statistics; rotary embedding as mul + roll + addcmul; cache writes with index_copy_; tables
+that are the same for every step (padding bias, every step's rotary rows) built once per
+generate call; a sampling path that draws and takes the logprob in one pass. Measured
+(benchmarks/generation.py: llama-style, 4 layers x 128 wide, vocab 256, batch 32, one thread,
+on the shared 2-core CPU under heavy load from other jobs, median of 3 runs): 2.15x HF
+`generate` tokens/s, decode step 2.4-3.1 ms = 6.2x the arithmetic floor (best run 4.6x); the
+goals (3x HF, 3x floor) are not reached. In one process, alternating, the previous version's
+step (sampling included) took 2.97 ms and this one 2.84 ms (sampling 157 -> 81 us, a norm
+33 -> 21 us). What is left: the weight matmuls alone run at ~116 GFLOP/s (0.6 ms, already
+1.2x the floor), attention's batched tiny products ~0.11 ms per layer, and ~230 torch calls
+per step at a few microseconds each.
 torch.compile was tried on the static step (g++ is present): ~100 s to compile and ~2.7x slower
 per generate call than eager on this CPU, so it is not used.
 
@@ -34,6 +42,7 @@ graph can record it once per batch size and replay it (`aligner.generation.cuda_
 engine's only GPU-specific code). On CPU cuda_graphs=True is refused with a ValueError (no
 silent fallback); static_decode=True runs the same static step eagerly, and the tests check it
 gives the default step's tokens and logprobs (also at TP=2 and PP=2).
+
 Sampling (temperature, top-k, top-p, greedy, min/max new tokens, stop ids and strings,
 fixed length, per-sample seeds) is in `sampling`; the reported logprobs are those of
 log_softmax(logits / temperature) over the real vocabulary (temperature 1 when greedy), before
