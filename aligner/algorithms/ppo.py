@@ -683,7 +683,7 @@ class PPOTrainer:
                                    model_config=self.model_cfg.to_dict(), tokenizer_dir=self.policy.tokenizer_dir)
             checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last)
         if dist.get_rank() == 0:
-            critic_path = self.critic.save(self.step)
+            critic_path = self.critic.save(self.step) if self.critic is not None else "none"  # REINFORCE has none
             self.metrics.write(f"saved checkpoint {path} (critic: {critic_path})")
         dist.barrier()
         checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last)
@@ -706,8 +706,6 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
     critic / reward_source: objects with the client interfaces (`CriticClient`, `score_async`);
     None builds them from the config (tests pass in-process ones).
     """
-    from megatron.core import parallel_state as ps
-
     from aligner import checkpointing
     from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
@@ -758,27 +756,7 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
         ptx_loader = setup.build_loader(ptx_set, trainer_cfg=cfg.trainer, data_parallel_size=built.data_parallel_size,
                                         seed=cfg.seed, shuffle=True, pad_id=tokenizer.pad_id, pad_to_multiple_of=1)
 
-    gen = cfg.generation
-    if gen.engine == "native":
-        from aligner.generation.native import NativeEngine
-
-        engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
-                              max_batch_size=gen.micro_batch_size, max_sequence_length=seq_length,
-                              decode=tokenizer.decode)
-    else:
-        from aligner.generation.trtllm import TensorRTLLMEngine
-
-        engine = TensorRTLLMEngine(model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
-                                   work_dir=Path(gen.trtllm_work_dir) / f"replica_{ps.get_data_parallel_rank()}",
-                                   max_batch_size=gen.micro_batch_size, max_input_len=cfg.data.max_prompt_length,
-                                   max_sequence_length=seq_length)
-    from aligner.generation.router_client import DynamicRouter, StaticRouter
-
-    if gen.router == "dynamic":
-        router = DynamicRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group(),
-                               model_parallel_group=ps.get_model_parallel_group())
-    else:
-        router = StaticRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
+    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
     if reward_source is None and cfg.reward.source != "critic":
         reward_source = build_reward_source(cfg.reward)
     if critic is None:
@@ -811,6 +789,34 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
         f"{cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB)"
     )
     return trainer
+
+
+def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer, max_prompt_length: int):
+    """The generation engine on this replica and the router that hands it prompts (collective)."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.generation.router_client import DynamicRouter, StaticRouter
+
+    seq_length = max_prompt_length + gen.max_new_tokens
+    if gen.engine == "native":
+        from aligner.generation.native import NativeEngine
+
+        engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                              max_batch_size=gen.micro_batch_size, max_sequence_length=seq_length,
+                              decode=tokenizer.decode)
+    else:
+        from aligner.generation.trtllm import TensorRTLLMEngine
+
+        engine = TensorRTLLMEngine(model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                                   work_dir=Path(gen.trtllm_work_dir) / f"replica_{ps.get_data_parallel_rank()}",
+                                   max_batch_size=gen.micro_batch_size, max_input_len=max_prompt_length,
+                                   max_sequence_length=seq_length)
+    if gen.router == "dynamic":
+        router = DynamicRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group(),
+                               model_parallel_group=ps.get_model_parallel_group())
+    else:
+        router = StaticRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
+    return engine, router
 
 
 def build_reward_source(section: RewardSection):

@@ -18,6 +18,7 @@ arithmetic).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,7 +101,10 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
     """
 
     def generate(indices: list[int]) -> list[dict]:
-        rollout = engine.generate([list(prompts[i]) for i in indices], sampling)
+        # The engine's row streams are (seed, row of the call): one seed for every micro-batch would give
+        # row r of each the same random numbers, so each micro-batch gets a seed of its own first index.
+        micro_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, indices[0]))
+        rollout = engine.generate([list(prompts[i]) for i in indices], micro_sampling)
         if on_generated is not None:
             on_generated(indices, rollout)
         rows = []
@@ -115,6 +119,17 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
         return rows
 
     return router.route(len(prompts), generate).results
+
+
+def micro_batch_seed(seed: int, first_index: int) -> int:
+    """Sampling seed of the micro-batch that starts at prompt `first_index`: a hash of both, in [0, 2**32).
+
+    Micro-batches are fixed runs of indices, so a prompt's sample does not depend on which replica
+    generated it.
+    """
+    from aligner.generation.sampling import sample_keys
+
+    return int(sample_keys(seed, torch.tensor([first_index]))[0])
 
 
 @dataclass
