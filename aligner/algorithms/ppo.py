@@ -335,7 +335,6 @@ class PPOTrainer:
         self.seq_length = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
         self.temperature = cfg.generation.temperature if cfg.ppo.scale_logits_by_temperature else 1.0
         self._ptx_batches = None
-        self.critic_metrics: dict[str, float] = {}  # the last finished critic_train's
 
     # -- sampling settings
     def sampling(self, greedy: bool = False, seed: int = 0):
@@ -366,7 +365,6 @@ class PPOTrainer:
                 interval = self.cfg.checkpoint.save_interval
                 if interval > 0 and self.step % interval == 0 and self.step < max_steps:
                     self.save()
-            self._finish_critic_train()
             from aligner import checkpointing
 
             if self.cfg.checkpoint.save_at_end and not checkpointing.step_dir(self.cfg.checkpoint.save_dir,
@@ -395,8 +393,7 @@ class PPOTrainer:
 
         experience = self.advantages(batch, old_logprobs, reference_logprobs)
         tick = time.perf_counter()
-        self._finish_critic_train()  # the previous step's request has long finished; collect its metrics
-        self.send_critic_train(batch, experience)
+        self.send_critic_train(batch, experience)  # the critic trains while the actor does
         timings["time_critic_send"] = time.perf_counter() - tick
 
         metrics = dict(experience["metrics"])
@@ -410,7 +407,9 @@ class PPOTrainer:
                 update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
             self.kl_controller.update(metrics["kl"], self.cfg.ppo.prompts_per_step)
         metrics["kl_coef"] = self.kl_controller.value
-        metrics.update(self.critic_metrics)
+        tick = time.perf_counter()
+        metrics.update(self._finish_critic_train())
+        timings["time_critic_wait"] = time.perf_counter() - tick
         timings["step_time"] = time.perf_counter() - start
         metrics.update(timings)
         metrics["rollout_tokens_per_second"] = generated / max(timings["time_generation"], 1e-9)
@@ -544,15 +543,16 @@ class PPOTrainer:
                 [s for p in parts for s in p["sequences"]], [n for p in parts for n in p["prompt_lengths"]],
                 torch.cat([p["returns"] for p in parts]).numpy(), torch.cat([p["old_values"] for p in parts]).numpy())
 
-    def _finish_critic_train(self) -> None:
-        """Wait for the last critic_train request (rank 0) and share its metrics with every rank."""
+    def _finish_critic_train(self) -> dict[str, float]:
+        """Wait for the pending critic_train request (rank 0); its metrics, on every rank."""
         metrics = {}
         if self.pending_critic_train is not None:
-            metrics = {f"critic_{key}": float(value) for key, value in self.pending_critic_train.result().items()}
+            metrics = {f"critic_{key.removeprefix('critic_')}": float(value)
+                       for key, value in self.pending_critic_train.result().items()}
             self.pending_critic_train = None
         holder = [metrics]
         dist.broadcast_object_list(holder, src=0)
-        self.critic_metrics = holder[0] or self.critic_metrics
+        return holder[0]
 
     # -- 6: PPO epochs over minibatches
     def update_policy(self, batch, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
@@ -670,7 +670,6 @@ class PPOTrainer:
     def save(self) -> Path:
         from aligner import checkpointing
 
-        self._finish_critic_train()  # the critic checkpoint must include this step's training
         save_dir = self.cfg.checkpoint.save_dir
         path = checkpointing.save(
             checkpointing.step_dir(save_dir, self.step), self.chunks, model_config=self.model_cfg.to_dict(),

@@ -6,42 +6,24 @@ in process: this checks the actor's own computation (rollout, logprobs, minibatc
 """
 import json
 import sys
-from concurrent.futures import Future
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
 from aligner.config import CONF_DIR, load_config
-
-
-def _done(value) -> Future:
-    future = Future()
-    future.set_result(value)
-    return future
+from aligner.rl.rollouts import NullCritic
 
 
 class DigitReward:
     def score_async(self, sequences, prompt_texts, response_texts):
-        return _done(torch.tensor([float(sum(c.isdigit() for c in text)) for text in response_texts]))
-
-
-class ZeroCritic:
-    def infer_async(self, sequences):
-        return _done(SimpleNamespace(values=[torch.zeros(len(s)) for s in sequences], rewards=None))
-
-    def train_async(self, sequences, prompt_lengths, returns, old_values):
-        return _done({"rows": float(len(sequences))})
-
-    def save(self, step):
-        return "in-process"
+        return NullCritic._done(torch.tensor([float(sum(c.isdigit() for c in text)) for text in response_texts]))
 
 
 def main() -> None:
     output, overrides = sys.argv[1], sys.argv[2:]
     cfg = load_config(PPOConfig, CONF_DIR / "gpt_ppo_actor.yaml", overrides)
-    trainer = build_ppo_trainer(cfg, critic=ZeroCritic(), reward_source=DigitReward())
+    trainer = build_ppo_trainer(cfg, critic=NullCritic(), reward_source=DigitReward())
     metrics = trainer.train_step()
     trainer.router.close()
     if dist.get_rank() == 0:
