@@ -236,6 +236,17 @@ def sft_records(
     ]
 
 
+def correct_sft_records(n: int, seed: int) -> list[dict]:
+    """Demonstrations ``{"input": "18+5=", "output": "23"}`` that are all right, from train problems.
+
+    A careful demonstrator: the ground truth for self-play fine-tuning (SPIN), which can only move
+    the model towards its demonstrations. Its own random stream, so its problems differ from
+    :func:`sft_records`'.
+    """
+    rng = _rng("sft_correct", seed)
+    return [{"input": format_prompt(a, b), "output": correct_answer(a, b)} for a, b in _draw("train", n, rng)]
+
+
 def heldout_prompts(n: int | None = None, seed: int = 0) -> list[dict]:
     """Evaluation prompts ``{"prompt": "37+45=", "answer": "82"}`` from distinct held-out problems.
 

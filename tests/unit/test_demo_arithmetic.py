@@ -310,12 +310,14 @@ def test_scripts_write_data_and_tokenizer(tmp_path):
         env=env, capture_output=True, text=True, check=True,
     )
     names = ["sft_train", "sft_validation", "heldout_prompts", "preference_train",
-             "preference_validation", "attributes_train", "attributes_validation", "rl_prompts"]
+             "preference_validation", "attributes_train", "attributes_validation", "rl_prompts", "sft_correct_train"]
     lines = made.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == [f"{name}.jsonl" for name in names]
     assert lines[0].startswith("sft_train.jsonl: 2000 records")
     with open(data_dir / "sft_train.jsonl") as handle:
         assert [json.loads(line) for line in handle] == task.sft_records(2000, 0)
+    assert "sft_correct_train.jsonl: 5000 records, carry problems" in made.stdout
+    assert made.stdout.strip().endswith("wrong 0.0% (on carry problems 0.0%)")
 
     trained = subprocess.run(
         [sys.executable, scripts / "train_tokenizer.py", "--data-dir", data_dir, "--out-dir", tmp_path / "tok"],

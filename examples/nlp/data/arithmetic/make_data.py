@@ -22,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="probability that a carry demonstration forgets the carry")
     parser.add_argument("--num-sft", type=int, default=20000)
     parser.add_argument("--num-sft-validation", type=int, default=500)
+    parser.add_argument("--num-sft-correct", type=int, default=5000,
+                        help="demonstrations with every carry right (SPIN's ground truth)")
     parser.add_argument("--num-heldout", type=int, default=500, help="at most 2000")
     parser.add_argument("--num-preference", type=int, default=10000)
     parser.add_argument("--num-preference-validation", type=int, default=500)
@@ -44,6 +46,7 @@ def build_files(args: argparse.Namespace) -> dict[str, list[dict]]:
         "attributes_train.jsonl": arithmetic.attribute_records(args.num_attributes, seed),
         "attributes_validation.jsonl": arithmetic.attribute_records(args.num_attributes_validation, seed, split="heldout"),
         "rl_prompts.jsonl": arithmetic.rl_prompts(args.num_rl_prompts, seed),
+        "sft_correct_train.jsonl": arithmetic.correct_sft_records(args.num_sft_correct, seed),
     }
 
 

@@ -1,0 +1,263 @@
+"""Self-play fine-tuning (SPIN): the model learns to prefer the demonstrations over its own answers.
+
+    for iteration in 1..N:
+        reference = the model now (HostWeights snapshot, or logprobs precomputed with it)
+        rejected  = the model's own responses to this iteration's SFT prompts (NativeEngine)
+        train steps_per_iteration steps of the DPO loss on (prompt, demonstration, own response)
+                   with this iteration's beta (spin.kl_betas)
+
+The loss is DPO's (`aligner.algorithms.dpo.DPOObjective`), the pairs are `PreferenceDataset`
+rows built in memory, and the steps are the shared Trainer's `train_step`: only the outer loop is
+SPIN's. When the model already reproduces a demonstration, chosen and rejected are the same
+sequence and the pair carries no gradient; the share of such pairs (`self_match`) is logged per
+iteration: it is how far SPIN has left to go on those prompts.
+
+Not here yet: resuming a SPIN run (it refuses an existing checkpoint in save_dir); every
+data-parallel rank generates the whole iteration's responses (identical on every rank, simple,
+but DP-fold redundant).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from aligner.algorithms.dpo import (REFERENCE_MODES, DPOObjective, DPOSection, SwappedReferenceLoader,
+                                    precompute_reference_logprobs)
+from aligner.training.setup import RunConfig
+from aligner.training.trainer import Trainer
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class SPINGenerationConfig:
+    """How the model answers the prompts each iteration (`spin.generation:`)."""
+
+    greedy: bool = True  # false: sample with temperature / top_k / top_p
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    batch_size: int = 256  # prompts per generate call (the KV cache's batch)
+
+
+@dataclass
+class SPINSection:
+    """The `spin:` section."""
+
+    num_iterations: int = 1
+    steps_per_iteration: int = 100  # optimizer steps per iteration (global_batch_size pairs each)
+    kl_betas: list = field(default_factory=lambda: [0.1])  # beta per iteration; one value: every iteration
+    sft_loss_weight: float = 0.0  # > 0: add this weight times the NLL of the demonstration
+    preference_average_logprobs: bool = False
+    reference_logprobs: str = "swap"  # swap (snapshot of the iteration's start) | precompute
+    generation: SPINGenerationConfig = field(default_factory=SPINGenerationConfig)
+
+
+@dataclass
+class DemonstrationFile:
+    path: str = "???"
+
+
+@dataclass
+class SPINTrainerConfig:
+    """The `trainer:` section: SPIN's length is spin.num_iterations x spin.steps_per_iteration."""
+
+    global_batch_size: int = 32  # pairs
+    micro_batch_size: int = 4  # pairs
+
+
+@dataclass
+class SPINDataConfig:
+    """The `data:` section: SFT demonstrations (no validation: self-play has no held-out pairs)."""
+
+    train: list[DemonstrationFile] = field(default_factory=list)  # all files are used, concatenated
+    max_seq_length: int = 512
+    shuffle: bool = True
+    pad_to_multiple_of: int = 8
+
+
+@dataclass
+class SPINConfig(RunConfig):
+    """conf/gpt_spin.yaml: the shared run sections plus `spin`, with SPIN's own `trainer` and `data`."""
+
+    name: str = "gpt_spin"
+    spin: SPINSection = field(default_factory=SPINSection)
+    trainer: SPINTrainerConfig = field(default_factory=SPINTrainerConfig)
+    data: SPINDataConfig = field(default_factory=SPINDataConfig)
+
+
+def iteration_betas(spin: SPINSection) -> list[float]:
+    """One beta per iteration from spin.kl_betas (a single value applies to all)."""
+    betas = [float(beta) for beta in spin.kl_betas]
+    if len(betas) == 1:
+        betas = betas * spin.num_iterations
+    if len(betas) != spin.num_iterations:
+        raise ValueError(f"spin.kl_betas has {len(betas)} values for spin.num_iterations={spin.num_iterations}; "
+                         "give one per iteration, or a single value for all")
+    if any(beta <= 0 for beta in betas):
+        raise ValueError(f"spin.kl_betas must be > 0, got {betas}")
+    return betas
+
+
+def dpo_section(spin: SPINSection, beta: float) -> DPOSection:
+    """The DPO loss settings of one SPIN iteration."""
+    return DPOSection(beta=beta, preference_loss="dpo", sft_loss_weight=spin.sft_loss_weight,
+                      preference_average_logprobs=spin.preference_average_logprobs,
+                      reference_logprobs=spin.reference_logprobs)
+
+
+# ----------------------------------------------------------------------------- data
+def load_demonstrations(path: str, tokenizer, max_seq_length: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt tokens, response tokens) of each SFT record, in the SFT layout (`encode_record`).
+
+    A record must hold one response (one span of loss tokens at the end): the prompt is
+    everything before it. Records longer than max_seq_length are dropped.
+    """
+    from aligner.data.jsonl import DataError, read_jsonl
+    from aligner.data.sft import encode_record
+
+    demonstrations = []
+    for line, record in read_jsonl(path):
+        example = encode_record(record, tokenizer, path, line)
+        start = example.loss_mask.index(1)
+        if not all(example.loss_mask[start:]):
+            raise DataError(f"{path}:{line}: SPIN needs one response per record (the last assistant turn); "
+                            "this record has several response spans")
+        if len(example.tokens) <= max_seq_length:
+            demonstrations.append((example.tokens[:start], example.tokens[start:]))
+    if not demonstrations:
+        raise DataError(f"{path}:0: no usable demonstrations (none fits max_seq_length={max_seq_length})")
+    return demonstrations
+
+
+def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int):
+    """PreferencePairs (demonstration chosen, own response rejected) and the share of identical ones."""
+    from aligner.data.preference import PreferencePair
+
+    pairs, identical = [], 0
+    for start in range(0, len(demonstrations), batch_size):
+        part = demonstrations[start:start + batch_size]
+        rollout = engine.generate([prompt for prompt, _ in part], sampling)
+        for row, (prompt, response) in enumerate(part):
+            generated = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
+            identical += generated == response
+            pairs.append(PreferencePair(list(prompt), list(response), generated))
+    return pairs, identical / len(demonstrations)
+
+
+# ----------------------------------------------------------------------------- the run
+class SPINRun:
+    """The outer SPIN loop around a shared Trainer (which owns the model, optimizer and metrics)."""
+
+    def __init__(self, cfg: SPINConfig, trainer: Trainer, built, demonstrations: list):
+        from aligner.generation.native import NativeEngine
+
+        self.cfg, self.trainer, self.built = cfg, trainer, built
+        self.demonstrations = demonstrations
+        self.betas = iteration_betas(cfg.spin)
+        self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,
+                                   eos_id=built.tokenizer.eos_id, max_batch_size=cfg.spin.generation.batch_size,
+                                   max_sequence_length=cfg.data.max_seq_length + cfg.spin.generation.max_new_tokens)
+        # A fixed order of the demonstrations; iterations take consecutive slices (wrapping around).
+        self.order = list(range(len(demonstrations)))
+        random.Random(cfg.seed).shuffle(self.order)
+
+    def sampling(self, iteration: int):
+        from aligner.generation.engine import SamplingParams
+
+        generation = self.cfg.spin.generation
+        return SamplingParams(max_new_tokens=generation.max_new_tokens, greedy=generation.greedy,
+                              temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p,
+                              seed=self.cfg.seed + iteration)
+
+    def iteration_demonstrations(self, iteration: int) -> list:
+        needed = self.cfg.spin.steps_per_iteration * self.cfg.trainer.global_batch_size
+        start = iteration * needed
+        return [self.demonstrations[self.order[(start + i) % len(self.order)]] for i in range(needed)]
+
+    def fit(self) -> None:
+        from aligner.data.preference import PreferenceDataset, collate_preferences
+        from aligner.models.weight_swap import HostWeights
+        from aligner.training import setup
+
+        cfg, trainer, built = self.cfg, self.trainer, self.built
+        vocab_size = built.model_cfg.vocab_size
+        for iteration, beta in enumerate(self.betas):
+            # The reference of this iteration is the model as it is now.
+            pairs, self_match = self_play_pairs(self.engine, self.iteration_demonstrations(iteration),
+                                                self.sampling(iteration), cfg.spin.generation.batch_size)
+            dataset = PreferenceDataset(pairs, source=f"SPIN iteration {iteration + 1}")
+            if cfg.spin.reference_logprobs == "precompute":
+                precompute_reference_logprobs(dataset, built.chunks, vocab_size=vocab_size,
+                                              pad_id=built.tokenizer.pad_id,
+                                              pairs_per_forward=cfg.trainer.micro_batch_size)
+            loader = setup.build_loader(dataset, trainer_cfg=cfg.trainer, data_parallel_size=built.data_parallel_size,
+                                        seed=cfg.seed + iteration, shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id,
+                                        pad_to_multiple_of=cfg.data.pad_to_multiple_of, collate_fn=collate_preferences)
+            if cfg.spin.reference_logprobs == "swap":
+                loader = SwappedReferenceLoader(loader, built.chunks, HostWeights.snapshot(built.chunks), vocab_size)
+            trainer.objective = DPOObjective(dpo_section(cfg.spin, beta), vocab_size)
+            trainer.train_loader = loader
+            trainer.metrics.write(f"SPIN iteration {iteration + 1}/{len(self.betas)}: beta={beta}, {len(pairs)} pairs, "
+                                  f"{self_match:.1%} of the model's responses equal the demonstration")
+            trainer.metrics.log(trainer.step, {"self_match": self_match, "iteration": iteration + 1}, prefix="spin")
+            for microbatches in loader.iterate(0, epochs=1):
+                metrics = trainer.train_step(microbatches)
+                trainer.step += 1
+                trainer.consumed_samples += cfg.trainer.global_batch_size
+                trainer.metrics.log(trainer.step, {**metrics, "iteration": iteration + 1, "beta": beta})
+                trainer.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+        self.engine.free()
+        if cfg.checkpoint.save_at_end:
+            trainer.save()
+
+
+def build_spin_run(cfg: SPINConfig) -> SPINRun:
+    """Runtime, tokenizer, model, demonstrations, optimizer and schedule, metrics: a run ready to `fit()`."""
+    from aligner.models.gpt import num_parameters
+    from aligner.training import setup
+    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+
+    spin = cfg.spin
+    if spin.num_iterations < 1 or spin.steps_per_iteration < 1:
+        raise ValueError(f"spin.num_iterations and spin.steps_per_iteration must be >= 1, got "
+                         f"{spin.num_iterations} and {spin.steps_per_iteration}")
+    if spin.reference_logprobs not in REFERENCE_MODES:
+        raise ValueError(f"spin.reference_logprobs must be one of {REFERENCE_MODES}, got {spin.reference_logprobs!r}")
+    iteration_betas(spin)
+    if not cfg.data.train:
+        raise ValueError("data.train is empty: give the SFT demonstrations as {path} entries")
+    built = setup.build_training_model(
+        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+    )
+    if built.resume_checkpoint is not None:
+        raise ValueError(f"{cfg.checkpoint.save_dir} holds checkpoint {built.resume_checkpoint.name}, and SPIN runs "
+                         "cannot resume yet; use a fresh checkpoint.save_dir or checkpoint.resume=false")
+    demonstrations = []
+    for entry in cfg.data.train:
+        loaded = load_demonstrations(entry.path, built.tokenizer, cfg.data.max_seq_length)
+        get_logger().info(f"{entry.path}: {len(loaded)} demonstrations")
+        demonstrations += loaded
+    total_steps = spin.num_iterations * spin.steps_per_iteration
+    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
+    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
+    model_cfg = built.model_cfg
+    trainer = Trainer(
+        name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint,
+        objective=DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
+        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None,
+        metrics=metrics, checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
+        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
+    )
+    metrics.write(
+        f"{cfg.name}: {spin.num_iterations} iterations x {spin.steps_per_iteration} steps of "
+        f"{cfg.trainer.global_batch_size} pairs, betas {iteration_betas(spin)}, "
+        f"{'greedy' if spin.generation.greedy else 'sampled'} self-play, {len(demonstrations)} demonstrations, "
+        f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+        f"DP={built.data_parallel_size}"
+    )
+    return SPINRun(cfg, trainer, built, demonstrations)
