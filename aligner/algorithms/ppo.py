@@ -381,7 +381,9 @@ class PPOTrainer:
         start = time.perf_counter()
         timings: dict[str, float] = {}
         indices = self.order.take(self.cfg.ppo.prompts_per_step)
-        batch, generated = self.make_experience(indices, timings, seed=self.step * 1_000_003 + self.critic_warmup_done)
+        # A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range.
+        seed = (self.cfg.seed * 1_000_003 + self.step * 7_919 + self.critic_warmup_done) % 2**32
+        batch, generated = self.make_experience(indices, timings, seed=seed)
 
         # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1)
         # and of the reference policy (its weights swapped in from host memory, then out again).
