@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from aligner.checkpointing import latest_checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
 DATA_SCRIPTS = REPO_ROOT / "examples" / "nlp" / "data" / "arithmetic"
+STEERLM_SCRIPTS = REPO_ROOT / "examples" / "nlp" / "data" / "steerlm"
 
 # The demo model and schedule (sized for ~2 minutes of SFT on 2 CPU cores).
 SFT_OVERRIDES = [
@@ -56,6 +58,66 @@ RM_OVERRIDES = [
 ]
 
 
+# PPO: 40 steps of 128 rollouts, 4 epochs on each, critic server started from the reward model.
+PPO_CRITIC_PORT = 5760
+PPO_ACTOR_OVERRIDES = [
+    "data.max_prompt_length=8",
+    "generation.max_new_tokens=6",
+    "generation.micro_batch_size=64",
+    "ppo.prompts_per_step=128",
+    "ppo.epochs=4",
+    "trainer.global_batch_size=128",
+    "trainer.micro_batch_size=64",
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=0",
+    "critic.warmup_steps=2",
+    "kl.init_coef=0.01",
+    "optim.lr=5e-5",
+    "checkpoint.save_interval=0",
+    "logging.log_interval=10",
+]
+PPO_CRITIC_OVERRIDES = [
+    "train.global_batch_size=128",
+    "train.micro_batch_size=128",
+    "train.clip_val=null",
+    "optim.lr=3e-4",
+    "inference.micro_batch_size=64",
+]
+
+# REINFORCE/RLOO: 10 steps of 64 prompts x 4 samples, no KL.
+REINFORCE_OVERRIDES = [
+    "data.max_prompt_length=8",
+    "generation.max_new_tokens=6",
+    "generation.micro_batch_size=128",
+    "reinforce.prompts_per_step=64",
+    "reinforce.samples_per_prompt=4",
+    "trainer.global_batch_size=256",
+    "trainer.micro_batch_size=128",
+    "optim.lr=1e-4",
+    "kl.init_coef=0.0",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=0",
+    "checkpoint.save_interval=0",
+    "checkpoint.resume=false",
+]
+
+# SteerLM: 10,000 demonstrations annotated by the attribute model, 300 steps of conditioned SFT.
+STEERLM_SERVER_PORT = 5781
+STEERLM_SFT_OVERRIDES = [
+    "data.max_seq_length=32",
+    "data.split='100,0'",
+    "trainer.max_steps=300",
+    "trainer.global_batch_size=128",
+    "trainer.micro_batch_size=128",
+    "trainer.val_check_interval=0",
+    "optim.lr=1e-3",
+    "optim.min_lr=1e-4",
+    "optim.warmup_steps=10",
+    "logging.log_interval=100",
+    "checkpoint.resume=false",
+]
+
+
 def run(stage: str, command: list[str]) -> None:
     print(f"\n=== {stage}: {' '.join(map(str, command))}", flush=True)
     start = time.perf_counter()
@@ -65,9 +127,10 @@ def run(stage: str, command: list[str]) -> None:
     print(f"=== {stage} done in {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def evaluate(stage: str, checkpoint: Path, prompts: Path, output: Path, temperature: float = 0.0) -> dict:
+def evaluate(stage: str, checkpoint: Path, prompts: Path, output: Path, temperature: float = 0.0,
+             extra: tuple = ()) -> dict:
     run(stage, [sys.executable, "-m", "aligner.demo.evaluate", "--checkpoint", checkpoint, "--prompts", prompts,
-                "--temperature", str(temperature), "--output", output])
+                "--temperature", str(temperature), "--output", output, *extra])
     return json.loads(output.read_text())
 
 
@@ -77,70 +140,165 @@ def evaluate_reward_model(stage: str, checkpoint: Path, flag: str, data_file: Pa
     return json.loads(output.read_text())
 
 
+class Demo:
+    """The pipeline's stages; each one reads what earlier stages wrote under `work` (so a stage can be
+    re-run alone with --stages) and adds rows to the accuracy table."""
+
+    def __init__(self, work: Path, args):
+        self.work, self.args = work, args
+        self.data, self.tokenizer = work / "data", work / "data" / "tokenizer"
+        self.heldout = self.data / "heldout_prompts.jsonl"
+        self.table: list[tuple[str, dict]] = []
+        self.notes: list[str] = []
+        self.timings: dict[str, float] = {}
+
+    @property
+    def sft_checkpoint(self) -> Path:
+        return latest_checkpoint(self.work / "sft" / "checkpoints")
+
+    @property
+    def rm_checkpoint(self) -> Path:
+        return latest_checkpoint(self.work / "reward_model" / "checkpoints")
+
+    @property
+    def attribute_rm_checkpoint(self) -> Path:
+        return latest_checkpoint(self.work / "attribute_reward_model" / "checkpoints")
+
+    def greedy(self, name: str, checkpoint: Path, extra: tuple = ()) -> dict:
+        result = evaluate(f"evaluate {name}", checkpoint, self.heldout, self.work / f"eval_{name}.json", extra=extra)
+        return result
+
+    # -- 1-4: data, tokenizer, random init, SFT
+    def sft(self) -> None:
+        run("data", [sys.executable, DATA_SCRIPTS / "make_data.py", "--out-dir", self.data, "--seed", "0"])
+        run("tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", self.data,
+                          "--out-dir", self.tokenizer])
+        common = [f"tokenizer.path={self.tokenizer}", f"data.train=[{{path: {self.data / 'sft_train.jsonl'}}}]",
+                  f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES]
+        if self.args.sft_steps is not None:
+            common.append(f"trainer.max_steps={self.args.sft_steps}")
+        init = self.work / "init"
+        run("init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, "trainer.max_steps=0",
+                     f"checkpoint.save_dir={init}", f"logging.log_dir={init}", "checkpoint.resume=false"])
+        self.table.append(("random init", self.greedy("init", init / "step_00000000")))
+        sft_dir = self.work / "sft"
+        run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, f"model.init_from={init / 'step_00000000'}",
+                    f"checkpoint.save_dir={sft_dir / 'checkpoints'}", f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
+        self.table.append(("SFT", self.greedy("sft", self.sft_checkpoint)))
+        sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout, self.work / "eval_sft_sampled.json",
+                           temperature=1.0)
+        self.table.append(("SFT, sampled at T=1", sampled))
+        losses = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+        train_losses = [row["loss"] for row in losses if row["split"] == "train"]
+        self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
+
+    # -- 5-6: reward models
+    def reward_models(self) -> None:
+        rm_steps = [] if self.args.rm_steps is None else [f"trainer.max_steps={self.args.rm_steps}"]
+        rm_dir = self.work / "reward_model"
+        run("reward model", [sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
+                             f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
+                             f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES,
+                             *rm_steps, f"checkpoint.save_dir={rm_dir / 'checkpoints'}", f"logging.log_dir={rm_dir}"])
+        rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
+                                          self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
+        self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} ({rm_result['pairs']} pairs)")
+        attribute_dir = self.work / "attribute_reward_model"
+        run("attribute reward model", [
+            sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
+            "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
+            f"data.train=[{{path: {self.data / 'attributes_train.jsonl'}}}]",
+            f"data.validation=[{{path: {self.data / 'attributes_validation.jsonl'}}}]", *RM_OVERRIDES, *rm_steps,
+            f"checkpoint.save_dir={attribute_dir / 'checkpoints'}", f"logging.log_dir={attribute_dir}"])
+        attribute_result = evaluate_reward_model("evaluate attribute reward model", self.attribute_rm_checkpoint,
+                                                 "--attributes", self.data / "attributes_validation.jsonl",
+                                                 self.work / "eval_attribute_rm.json")
+        self.notes.append("attribute reward model: Pearson correlation with held-out labels "
+                          + ", ".join(f"{name} {value:.3f}" for name, value in attribute_result.items()))
+
+    # -- 7: PPO (critic server + actor through the launcher; the reward is the task's checker)
+    def ppo(self) -> None:
+        ppo_dir = self.work / "ppo"
+        shutil.rmtree(ppo_dir, ignore_errors=True)
+        actor = [f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
+                 "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES]
+        run("ppo", [sys.executable, GPT_EXAMPLES / "launch_ppo.py", "--reward", "function",
+                    "--critic-checkpoint", self.rm_checkpoint, "--log-dir", ppo_dir, "--critic-port", str(PPO_CRITIC_PORT),
+                    *[f"--actor-arg={arg}" for arg in actor], *[f"--critic-arg={arg}" for arg in PPO_CRITIC_OVERRIDES]])
+        self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
+
+    # -- 10: REINFORCE / RLOO (no critic; k samples per prompt)
+    def reinforce(self) -> None:
+        out = self.work / "reinforce"
+        shutil.rmtree(out, ignore_errors=True)
+        run("reinforce (rloo)", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
+                                 f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
+                                 "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
+                                 *REINFORCE_OVERRIDES, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.table.append(("REINFORCE (RLOO)", self.greedy("reinforce", latest_checkpoint(out / "checkpoints"))))
+
+    # -- 9: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
+    def steerlm(self) -> None:
+        out = self.work / "steerlm"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        annotated = out / "sft_annotated.jsonl"
+        with open(out / "server.log", "w") as server_log:
+            server = subprocess.Popen(
+                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"), f"rm_model_file={self.attribute_rm_checkpoint}",
+                 "normalize_rewards=false", f"server.port={STEERLM_SERVER_PORT}", "inference.micro_batch_size=256",
+                 "server.max_batch_size=256"], cwd=REPO_ROOT, stdout=server_log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            try:
+                run("steerlm annotate", [sys.executable, STEERLM_SCRIPTS / "annotate.py", "--input",
+                                         self.data / "sft_train.jsonl", "--output", annotated, "--attributes", "correctness",
+                                         "--scale", "0:4", "--port", str(STEERLM_SERVER_PORT), "--limit", "10000",
+                                         "--batch-size", "256", "--max-in-flight", "4", "--ready-timeout", "180"])
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+        run("steerlm sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", f"model.init_from={self.sft_checkpoint}",
+                            f"data.train=[{{path: {annotated}}}]", "data.steerlm.attributes=[correctness]",
+                            "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES,
+                            f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        checkpoint = latest_checkpoint(out / "checkpoints")
+        self.table.append(("SteerLM, correctness=4", self.greedy("steerlm_top", checkpoint, ("--steer", "correctness=4"))))
+        self.table.append(("SteerLM, correctness=1", self.greedy("steerlm_low", checkpoint, ("--steer", "correctness=1"))))
+
+    def summary(self, started: float) -> None:
+        print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
+        for note in self.notes:
+            print(note)
+        print(f"{'model':<26}{'accuracy':>10}{'carry':>10}{'no carry':>10}")
+        for name, result in self.table:
+            print(f"{name:<26}{result['all']:>10.1%}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
+        print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
+        print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
+
+
+STAGES = ("sft", "reward_models", "ppo", "steerlm", "reinforce")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="results/demo")
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count (quick runs)")
     parser.add_argument("--rm-steps", type=int, default=None, help="override the reward-model step counts (quick runs)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated subset of {','.join(STAGES)} (later stages reuse earlier ones' artefacts)")
     args = parser.parse_args()
-    work = (REPO_ROOT / args.workdir).resolve()
-    data, tokenizer = work / "data", work / "data" / "tokenizer"
+    chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
+    unknown = sorted(set(chosen) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    demo = Demo((REPO_ROOT / args.workdir).resolve(), args)
     started = time.perf_counter()
-
-    run("data", [sys.executable, DATA_SCRIPTS / "make_data.py", "--out-dir", data, "--seed", "0"])
-    run("tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", data, "--out-dir", tokenizer])
-
-    sft_common = [
-        f"tokenizer.path={tokenizer}",
-        f"data.train=[{{path: {data / 'sft_train.jsonl'}}}]",
-        f"data.validation=[{{path: {data / 'sft_validation.jsonl'}}}]",
-        *SFT_OVERRIDES,
-    ]
-    if args.sft_steps is not None:
-        sft_common.append(f"trainer.max_steps={args.sft_steps}")
-    run("init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *sft_common, "trainer.max_steps=0",
-                 f"checkpoint.save_dir={work / 'init'}", f"logging.log_dir={work / 'init'}", "checkpoint.resume=false"])
-    init_checkpoint = work / "init" / "step_00000000"
-    heldout = data / "heldout_prompts.jsonl"
-    before = evaluate("evaluate init", init_checkpoint, heldout, work / "eval_init.json")
-
-    sft_dir = work / "sft"
-    run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *sft_common, f"model.init_from={init_checkpoint}",
-                f"checkpoint.save_dir={sft_dir / 'checkpoints'}", f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
-    sft_checkpoint = latest_checkpoint(sft_dir / "checkpoints")
-    after = evaluate("evaluate sft (greedy)", sft_checkpoint, heldout, work / "eval_sft.json")
-    sampled = evaluate("evaluate sft (sampled)", sft_checkpoint, heldout, work / "eval_sft_sampled.json", temperature=1.0)
-
-    rm_steps = [] if args.rm_steps is None else [f"trainer.max_steps={args.rm_steps}"]
-    rm_dir = work / "reward_model"
-    run("reward model", [sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={sft_checkpoint}",
-                         f"data.train=[{{path: {data / 'preference_train.jsonl'}}}]",
-                         f"data.validation=[{{path: {data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES, *rm_steps,
-                         f"checkpoint.save_dir={rm_dir / 'checkpoints'}", f"logging.log_dir={rm_dir}"])
-    rm_result = evaluate_reward_model("evaluate reward model", latest_checkpoint(rm_dir / "checkpoints"),
-                                      "--comparisons", data / "preference_validation.jsonl", work / "eval_rm.json")
-    steerlm_rm_dir = work / "attribute_reward_model"
-    run("attribute reward model", [
-        sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={sft_checkpoint}",
-        "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
-        f"data.train=[{{path: {data / 'attributes_train.jsonl'}}}]",
-        f"data.validation=[{{path: {data / 'attributes_validation.jsonl'}}}]", *RM_OVERRIDES, *rm_steps,
-        f"checkpoint.save_dir={steerlm_rm_dir / 'checkpoints'}", f"logging.log_dir={steerlm_rm_dir}"])
-    attribute_result = evaluate_reward_model(
-        "evaluate attribute reward model", latest_checkpoint(steerlm_rm_dir / "checkpoints"),
-        "--attributes", data / "attributes_validation.jsonl", work / "eval_attribute_rm.json")
-
-    losses = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
-    train_losses = [row["loss"] for row in losses if row["split"] == "train"]
-    print("\n=== demo summary (held-out problems, never trained on)")
-    print(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
-    print(f"{'model':<22}{'accuracy':>10}{'carry':>10}{'no carry':>10}")
-    for name, result in (("random init (greedy)", before), ("SFT (greedy)", after), ("SFT (sampled, T=1)", sampled)):
-        print(f"{name:<22}{result['all']:>10.1%}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
-    print(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} ({rm_result['pairs']} pairs)")
-    print("attribute reward model: Pearson correlation with held-out labels "
-          + ", ".join(f"{name} {value:.3f}" for name, value in attribute_result.items()))
-    print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {work}")
+    for stage in STAGES:
+        if stage in chosen:
+            stage_start = time.perf_counter()
+            getattr(demo, stage)()
+            demo.timings[stage] = time.perf_counter() - stage_start
+    demo.summary(started)
 
 
 if __name__ == "__main__":
