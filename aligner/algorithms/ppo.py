@@ -153,44 +153,54 @@ class PPOConfig(RunConfig):
     logging: PPOLoggingConfig = field(default_factory=PPOLoggingConfig)
 
     def validate(self, data_parallel_size: int) -> None:
-        ppo, gen, trainer = self.ppo, self.generation, self.trainer
-        if trainer.max_epochs is not None:
-            raise ValueError("PPO counts rollout steps: set trainer.max_steps and leave trainer.max_epochs null")
-        per_rank, remainder = divmod(ppo.prompts_per_step, data_parallel_size)
-        if remainder or per_rank == 0:
-            raise ValueError(f"ppo.prompts_per_step={ppo.prompts_per_step} must be a positive multiple of the "
-                             f"data-parallel size {data_parallel_size}")
-        minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
-        if remainder or minibatch_per_rank == 0 or per_rank % minibatch_per_rank:
-            raise ValueError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) must be a "
-                             f"multiple of the data-parallel size {data_parallel_size} and divide ppo.prompts_per_step="
-                             f"{ppo.prompts_per_step}")
-        if minibatch_per_rank % trainer.micro_batch_size:
-            raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the per-rank minibatch "
-                             f"{minibatch_per_rank}")
-        if self.kl.estimator not in M.KL_ESTIMATORS:
-            raise ValueError(f"kl.estimator must be one of {M.KL_ESTIMATORS}, got {self.kl.estimator!r}")
-        if ppo.loss_aggregation not in M.AGGREGATIONS:
-            raise ValueError(f"ppo.loss_aggregation must be one of {M.AGGREGATIONS}, got {ppo.loss_aggregation!r}")
-        if ppo.adam_epsilon_style not in ("torch", "tf"):
-            raise ValueError(f"ppo.adam_epsilon_style must be torch or tf, got {ppo.adam_epsilon_style!r}")
-        if not ppo.scale_logits_by_temperature and not ppo.recompute_old_logprobs:
-            raise ValueError("the engine's logprobs are temperature-scaled: with ppo.scale_logits_by_temperature=false "
-                             "set ppo.recompute_old_logprobs=true")
-        if gen.temperature <= 0:
-            raise ValueError("PPO samples its rollouts: generation.temperature must be > 0")
-        if self.reward.source not in ("server", "critic", "function"):
-            raise ValueError(f"reward.source must be server, critic or function, got {self.reward.source!r}")
-        if self.reward.source == "function" and not self.reward.function:
-            raise ValueError("reward.source=function needs reward.function='package.module:function'")
-        if gen.engine not in ("native", "trtllm"):
-            raise ValueError(f"generation.engine must be native or trtllm, got {gen.engine!r}")
-        if gen.router not in ("dynamic", "static"):
-            raise ValueError(f"generation.router must be dynamic or static, got {gen.router!r}")
+        check_actor_config(self, "ppo", self.ppo.prompts_per_step, data_parallel_size,
+                           reward_sources=("server", "critic", "function"))
         if self.ptx.data is not None and self.ptx.coef <= 0:
             raise ValueError("ptx.data is set but ptx.coef is not > 0")
         if self.ema.decay is not None and not 0 < self.ema.decay < 1:
             raise ValueError(f"ema.decay must lie in (0, 1), got {self.ema.decay}")
+
+
+def check_actor_config(cfg, section_name: str, rollouts_per_step: int, data_parallel_size: int,
+                       reward_sources: tuple) -> None:
+    """Checks shared by the RL actors (PPO, REINFORCE): batch arithmetic over data-parallel ranks and
+    the generation, KL, loss and reward settings. `cfg.ppo` is the actor's update section, named
+    `section_name` in its yaml."""
+    section, gen, trainer = cfg.ppo, cfg.generation, cfg.trainer
+    if trainer.max_epochs is not None:
+        raise ValueError("RL actors count rollout steps: set trainer.max_steps and leave trainer.max_epochs null")
+    per_rank, remainder = divmod(rollouts_per_step, data_parallel_size)
+    if remainder or per_rank == 0:
+        raise ValueError(f"{section_name}.prompts_per_step: {rollouts_per_step} rollouts per step must be a positive "
+                         f"multiple of the data-parallel size {data_parallel_size}")
+    minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
+    if remainder or minibatch_per_rank == 0 or per_rank % minibatch_per_rank:
+        raise ValueError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) must be a "
+                         f"multiple of the data-parallel size {data_parallel_size} and divide the {rollouts_per_step} "
+                         f"rollouts per step ({section_name}.prompts_per_step)")
+    if minibatch_per_rank % trainer.micro_batch_size:
+        raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the per-rank minibatch "
+                         f"{minibatch_per_rank}")
+    if cfg.kl.estimator not in M.KL_ESTIMATORS:
+        raise ValueError(f"kl.estimator must be one of {M.KL_ESTIMATORS}, got {cfg.kl.estimator!r}")
+    if section.loss_aggregation not in M.AGGREGATIONS:
+        raise ValueError(f"{section_name}.loss_aggregation must be one of {M.AGGREGATIONS}, "
+                         f"got {section.loss_aggregation!r}")
+    if section.adam_epsilon_style not in ("torch", "tf"):
+        raise ValueError(f"{section_name}.adam_epsilon_style must be torch or tf, got {section.adam_epsilon_style!r}")
+    if not section.scale_logits_by_temperature and not section.recompute_old_logprobs:
+        raise ValueError(f"the engine's logprobs are temperature-scaled: with {section_name}.scale_logits_by_temperature"
+                         f"=false set {section_name}.recompute_old_logprobs=true")
+    if gen.temperature <= 0:
+        raise ValueError("the actor samples its rollouts: generation.temperature must be > 0")
+    if cfg.reward.source not in reward_sources:
+        raise ValueError(f"reward.source must be one of {', '.join(reward_sources)}, got {cfg.reward.source!r}")
+    if cfg.reward.source == "function" and not cfg.reward.function:
+        raise ValueError("reward.source=function needs reward.function='package.module:function'")
+    if gen.engine not in ("native", "trtllm"):
+        raise ValueError(f"generation.engine must be native or trtllm, got {gen.engine!r}")
+    if gen.router not in ("dynamic", "static"):
+        raise ValueError(f"generation.router must be dynamic or static, got {gen.router!r}")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -349,7 +359,8 @@ class PPOTrainer:
     def fit(self) -> None:
         max_steps = self.cfg.trainer.max_steps
         try:
-            while self.critic_warmup_done < self.cfg.critic.warmup_steps and self.step == 0:
+            warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
+            while self.critic_warmup_done < warmup_steps and self.step == 0:
                 metrics = self.train_step(update_actor=False)
                 self.critic_warmup_done += 1
                 self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
@@ -701,11 +712,29 @@ class PPOTrainer:
 
 
 # ----------------------------------------------------------------------------- building a run
-def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPOTrainer:
-    """Runtime, policy + reference (+ EMA), engine, router, reward source, critic client, data, resume.
+@dataclass
+class ActorParts:
+    """What every RL actor is built from (see `build_actor_parts`)."""
 
-    critic / reward_source: objects with the client interfaces (`CriticClient`, `score_async`);
-    None builds them from the config (tests pass in-process ones).
+    policy: object  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, objective
+    reference: object  # HostWeights of the starting policy
+    engine: object
+    router: object
+    reward_source: object
+    prompts: object
+    validation_prompts: object
+    tokenizer: object
+    model_cfg: object
+    metrics: object
+    resume: Optional[Path]  # the checkpoint to resume from (loaded by the trainer)
+    minibatches_per_step: int
+    summary: str  # one line for the log
+
+
+def build_actor_parts(cfg, rollouts_per_step: int, *, reward_source=None, ptx_coef: float = 0.0) -> ActorParts:
+    """Runtime, policy + reference weights, prompts, engine, router, reward source, optimizer and schedule.
+
+    cfg: a PPO-style config (`cfg.ppo` is the update section); reward_source None builds it from cfg.reward.
     """
     from aligner import checkpointing
     from aligner.models.gpt import num_parameters
@@ -715,35 +744,74 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
     from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
     from aligner.training.trainer import Trainer
 
-    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if cfg.ppo.disable_dropout else None
+    section = cfg.ppo
+    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if section.disable_dropout else None
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
     )
     cfg.validate(built.data_parallel_size)
     chunks, model_cfg, tokenizer = built.chunks, built.model_cfg, built.tokenizer
-    resume = built.resume_checkpoint
-
     # The reference policy is the starting policy, also when resuming (the chunks then hold random
     # init until the resume load, so the starting weights are loaded first, copied, then replaced).
-    if resume is not None:
+    if built.resume_checkpoint is not None:
         checkpointing.load(cfg.model.init_from, chunks)
     reference = HostWeights.snapshot(chunks)
+
+    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length)
+    validation = None
+    if cfg.data.validation_prompts:
+        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length)
+    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
+    if reward_source is None and cfg.reward.source != "critic":
+        reward_source = build_reward_source(cfg.reward)
+
+    trainer_cfg = cfg.trainer
+    minibatches_per_step = rollouts_per_step // trainer_cfg.global_batch_size
+    scheduler = setup.build_scheduler(built.optimizer, cfg.optim,
+                                      trainer_cfg.max_steps * section.epochs * minibatches_per_step)
+    metrics = MetricsLogger(cfg.logging, cfg.name, trainer_cfg.max_steps)
+    objective = PPOObjective(model_cfg.vocab_size, cfg.generation.temperature if section.scale_logits_by_temperature
+                             else 1.0, section.clip_ratio, section.entropy_coef, section.loss_aggregation, ptx_coef)
+    policy = Trainer(
+        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective, chunks=chunks,
+        optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None, metrics=metrics,
+        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
+        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=tokenizer.pad_id,
+    )
+    summary = (f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "
+               f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+               f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "
+               f"{cfg.data.max_prompt_length} tokens skipped); reference policy {cfg.model.init_from} on host memory "
+               f"({reference.num_bytes / 2**20:.1f} MiB)")
+    return ActorParts(policy, reference, engine, router, reward_source, prompts, validation, tokenizer, model_cfg,
+                      metrics, built.resume_checkpoint, minibatches_per_step, summary)
+
+
+def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPOTrainer:
+    """The PPO actor: `build_actor_parts` plus the critic client, the PTX data and the EMA copy; resumed
+    from the newest checkpoint in checkpoint.save_dir if there is one.
+
+    critic / reward_source: objects with the client interfaces (`CriticClient`, `score_async`);
+    None builds them from the config (tests pass in-process ones).
+    """
+    from aligner import checkpointing
+    from aligner.models.weight_swap import HostWeights
+    from aligner.training import setup
+
+    parts = build_actor_parts(cfg, cfg.ppo.prompts_per_step, reward_source=reward_source,
+                              ptx_coef=cfg.ptx.coef if cfg.ptx.data else 0.0)
+    chunks, resume = parts.policy.chunks, parts.resume
     ema = None
     if cfg.ema.decay is not None:
-        ema_checkpoint = checkpointing.step_dir(Path(cfg.checkpoint.save_dir) / "ema", 0)
         if resume is not None:
             ema_checkpoint = Path(cfg.checkpoint.save_dir) / "ema" / resume.name
             if not ema_checkpoint.exists():
                 raise checkpointing.CheckpointError(f"resuming {resume} with ema.decay set, but its EMA copy "
                                                     f"{ema_checkpoint} is missing")
             checkpointing.load(ema_checkpoint, chunks)
-        ema = HostWeights.snapshot(chunks)
-
-    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length)
-    validation = None
-    if cfg.data.validation_prompts:
-        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length)
+        ema = HostWeights.snapshot(chunks)  # the starting policy, or the saved EMA when resuming
     seq_length = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
     ptx_loader = None
     if cfg.ptx.data is not None:
@@ -753,42 +821,22 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
             raise ValueError(f"ptx.max_seq_length={cfg.ptx.max_seq_length} must be at most data.max_prompt_length + "
                              f"generation.max_new_tokens + 1 = {seq_length + 1}: PTX and PPO micro batches share one "
                              "sequence length in the pipeline schedule")
-        ptx_set = SFTDataset(cfg.ptx.data, tokenizer, cfg.ptx.max_seq_length)
-        ptx_loader = setup.build_loader(ptx_set, trainer_cfg=cfg.trainer, data_parallel_size=built.data_parallel_size,
-                                        seed=cfg.seed, shuffle=True, pad_id=tokenizer.pad_id, pad_to_multiple_of=1)
+        ptx_set = SFTDataset(cfg.ptx.data, parts.tokenizer, cfg.ptx.max_seq_length)
+        from megatron.core import parallel_state as ps
 
-    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
-    if reward_source is None and cfg.reward.source != "critic":
-        reward_source = build_reward_source(cfg.reward)
+        ptx_loader = setup.build_loader(ptx_set, trainer_cfg=cfg.trainer,
+                                        data_parallel_size=ps.get_data_parallel_world_size(), seed=cfg.seed,
+                                        shuffle=True, pad_id=parts.tokenizer.pad_id, pad_to_multiple_of=1)
     if critic is None:
         critic = build_critic_client(cfg.critic)
-
-    trainer_cfg = cfg.trainer
-    minibatches_per_step = cfg.ppo.prompts_per_step // trainer_cfg.global_batch_size
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, trainer_cfg.max_steps * cfg.ppo.epochs * minibatches_per_step)
-    metrics = MetricsLogger(cfg.logging, cfg.name, trainer_cfg.max_steps)
-    objective = PPOObjective(model_cfg.vocab_size, cfg.generation.temperature if cfg.ppo.scale_logits_by_temperature else 1.0,
-                             cfg.ppo.clip_ratio, cfg.ppo.entropy_coef, cfg.ppo.loss_aggregation,
-                             cfg.ptx.coef if cfg.ptx.data else 0.0)
-    policy = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective, chunks=chunks,
-        optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None, metrics=metrics,
-        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
-        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=tokenizer.pad_id,
-    )
-    trainer = PPOTrainer(cfg, policy=policy, reference=reference, engine=engine, router=router,
-                         reward_source=reward_source, critic=critic, prompts=prompts, validation_prompts=validation,
-                         ptx_loader=ptx_loader, tokenizer=tokenizer, model_cfg=model_cfg, metrics=metrics, ema=ema)
+    trainer = PPOTrainer(cfg, policy=parts.policy, reference=parts.reference, engine=parts.engine, router=parts.router,
+                         reward_source=parts.reward_source, critic=critic, prompts=parts.prompts,
+                         validation_prompts=parts.validation_prompts, ptx_loader=ptx_loader, tokenizer=parts.tokenizer,
+                         model_cfg=parts.model_cfg, metrics=parts.metrics, ema=ema)
     if resume is not None:
         trainer.resume_from(resume)
-    metrics.write(
-        f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout TP={cfg.parallel.tensor_model_parallel_size} "
-        f"PP={cfg.parallel.pipeline_model_parallel_size} DP={built.data_parallel_size}; {len(prompts)} prompts "
-        f"({prompts.too_long} longer than {cfg.data.max_prompt_length} tokens skipped); {cfg.ppo.prompts_per_step} "
-        f"rollouts per step, {cfg.ppo.epochs} epoch(s) of {minibatches_per_step} minibatch(es); reference policy "
-        f"{cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB)"
-    )
+    parts.metrics.write(f"{parts.summary}; {cfg.ppo.prompts_per_step} rollouts per step, {cfg.ppo.epochs} epoch(s) of "
+                        f"{parts.minibatches_per_step} minibatch(es)")
     return trainer
 
 

@@ -39,6 +39,7 @@ from aligner.algorithms.ppo import (
     PPOLoggingConfig,
     PPOTrainer,
     RewardSection,
+    check_actor_config,
 )
 from aligner.rl import ppo_math as M
 from aligner.rl import reinforce_math as R
@@ -88,48 +89,18 @@ class ReinforceConfig(RunConfig):
         return self.reinforce.prompts_per_step * self.reinforce.samples_per_prompt
 
     def validate(self, data_parallel_size: int) -> None:
-        rf, trainer = self.reinforce, self.trainer
-        if trainer.max_epochs is not None:
-            raise ValueError("REINFORCE counts rollout steps: set trainer.max_steps and leave trainer.max_epochs null")
+        rf = self.reinforce
         if rf.baseline not in R.BASELINES:
             raise ValueError(f"reinforce.baseline must be one of {R.BASELINES}, got {rf.baseline!r}")
         needs_group = rf.baseline == "rloo" or rf.normalize_by_group_std
         if rf.samples_per_prompt < (2 if needs_group else 1):
             raise ValueError(f"reinforce.samples_per_prompt={rf.samples_per_prompt}: the rloo baseline and "
                              "normalize_by_group_std need at least 2 samples per prompt")
-        per_rank, remainder = divmod(rf.prompts_per_step, data_parallel_size)
-        if remainder or per_rank == 0:
+        if rf.prompts_per_step % data_parallel_size or rf.prompts_per_step == 0:
             raise ValueError(f"reinforce.prompts_per_step={rf.prompts_per_step} must be a positive multiple of the "
                              f"data-parallel size {data_parallel_size} (each rank trains on whole prompt groups)")
-        rollouts_per_rank = per_rank * rf.samples_per_prompt
-        minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
-        if remainder or minibatch_per_rank == 0 or rollouts_per_rank % minibatch_per_rank:
-            raise ValueError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) must be "
-                             f"a multiple of the data-parallel size {data_parallel_size} and divide the rollouts per "
-                             f"step, reinforce.prompts_per_step * samples_per_prompt = {self.rollouts_per_step}")
-        if minibatch_per_rank % trainer.micro_batch_size:
-            raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the per-rank minibatch "
-                             f"{minibatch_per_rank}")
-        if self.kl.estimator not in M.KL_ESTIMATORS:
-            raise ValueError(f"kl.estimator must be one of {M.KL_ESTIMATORS}, got {self.kl.estimator!r}")
-        if rf.loss_aggregation not in M.AGGREGATIONS:
-            raise ValueError(f"reinforce.loss_aggregation must be one of {M.AGGREGATIONS}, got {rf.loss_aggregation!r}")
-        if rf.adam_epsilon_style not in ("torch", "tf"):
-            raise ValueError(f"reinforce.adam_epsilon_style must be torch or tf, got {rf.adam_epsilon_style!r}")
-        if not rf.scale_logits_by_temperature and not rf.recompute_old_logprobs:
-            raise ValueError("the engine's logprobs are temperature-scaled: with reinforce.scale_logits_by_temperature"
-                             "=false set reinforce.recompute_old_logprobs=true")
-        if self.generation.temperature <= 0:
-            raise ValueError("REINFORCE samples its rollouts: generation.temperature must be > 0")
-        if self.reward.source not in ("server", "function"):
-            raise ValueError(f"reward.source must be server or function (REINFORCE has no critic), "
-                             f"got {self.reward.source!r}")
-        if self.reward.source == "function" and not self.reward.function:
-            raise ValueError("reward.source=function needs reward.function='package.module:function'")
-        if self.generation.engine not in ("native", "trtllm"):
-            raise ValueError(f"generation.engine must be native or trtllm, got {self.generation.engine!r}")
-        if self.generation.router not in ("dynamic", "static"):
-            raise ValueError(f"generation.router must be dynamic or static, got {self.generation.router!r}")
+        check_actor_config(self, "reinforce", self.rollouts_per_step, data_parallel_size,
+                           reward_sources=("server", "function"))
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -139,31 +110,6 @@ class ReinforceTrainer(PPOTrainer):
     Built with critic=None, no PTX data and no EMA; inherits the PPO actor's experience collection
     (`make_experience`), `logprobs`, `update_policy`, `validate`, checkpointing and state.
     """
-
-    def fit(self) -> None:
-        from aligner import checkpointing
-
-        max_steps = self.cfg.trainer.max_steps
-        try:
-            while self.step < max_steps:
-                metrics = self.train_step()
-                self.step += 1
-                self.metrics.log(self.step, metrics)
-                self.metrics.advance(reward=metrics["reward_mean"], kl=metrics["kl"])
-                interval = self.cfg.trainer.val_check_interval
-                if self.validation_prompts is not None and interval > 0 and (
-                        self.step % interval == 0 or self.step == max_steps):
-                    self.metrics.log(self.step, self.validate(), prefix="validation")
-                interval = self.cfg.checkpoint.save_interval
-                if interval > 0 and self.step % interval == 0 and self.step < max_steps:
-                    self.save()
-            if self.cfg.checkpoint.save_at_end and not checkpointing.step_dir(self.cfg.checkpoint.save_dir,
-                                                                                self.step).exists():
-                self.save()
-        finally:
-            self.router.close()
-            if hasattr(self.reward_source, "close"):
-                self.reward_source.close()
 
     def group_indices(self, prompt_indices: list[int]) -> list[int]:
         """Each prompt samples_per_prompt times, adjacent: rollout j is a sample of prompt_indices[j // k]."""
@@ -238,61 +184,18 @@ def build_reinforce_trainer(cfg: ReinforceConfig, *, reward_source=None) -> Rein
 
     reward_source: an object with `score_async` (tests pass in-process ones); None builds it from the config.
     """
-    from aligner import checkpointing
-    from aligner.algorithms.ppo import PPOObjective, build_engine_and_router, build_reward_source
-    from aligner.models.gpt import num_parameters
-    from aligner.models.weight_swap import HostWeights
-    from aligner.rl.rollouts import PromptDataset
-    from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
-    from aligner.training.trainer import Trainer
+    from aligner.algorithms.ppo import build_actor_parts
 
     rf = cfg.reinforce
-    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if rf.disable_dropout else None
-    built = setup.build_training_model(
-        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
-    )
-    cfg.validate(built.data_parallel_size)
-    chunks, model_cfg, tokenizer = built.chunks, built.model_cfg, built.tokenizer
-    resume = built.resume_checkpoint
-    # The reference policy is the starting policy, also when resuming (see build_ppo_trainer).
-    if resume is not None:
-        checkpointing.load(cfg.model.init_from, chunks)
-    reference = HostWeights.snapshot(chunks)
-
-    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length)
-    validation = None
-    if cfg.data.validation_prompts:
-        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length)
-    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
-    if reward_source is None:
-        reward_source = build_reward_source(cfg.reward)
-
-    trainer_cfg = cfg.trainer
-    minibatches_per_step = cfg.rollouts_per_step // trainer_cfg.global_batch_size
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, trainer_cfg.max_steps * rf.epochs * minibatches_per_step)
-    metrics = MetricsLogger(cfg.logging, cfg.name, trainer_cfg.max_steps)
-    objective = PPOObjective(model_cfg.vocab_size, cfg.generation.temperature if rf.scale_logits_by_temperature else 1.0,
-                             rf.clip_ratio, rf.entropy_coef, rf.loss_aggregation, ptx_coef=0.0)
-    policy = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective, chunks=chunks,
-        optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None, metrics=metrics,
-        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
-        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=tokenizer.pad_id,
-    )
-    trainer = ReinforceTrainer(cfg, policy=policy, reference=reference, engine=engine, router=router,
-                               reward_source=reward_source, critic=None, prompts=prompts, validation_prompts=validation,
-                               ptx_loader=None, tokenizer=tokenizer, model_cfg=model_cfg, metrics=metrics)
-    if resume is not None:
-        trainer.resume_from(resume)
-    metrics.write(
-        f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout TP={cfg.parallel.tensor_model_parallel_size} "
-        f"PP={cfg.parallel.pipeline_model_parallel_size} DP={built.data_parallel_size}; {len(prompts)} prompts "
-        f"({prompts.too_long} longer than {cfg.data.max_prompt_length} tokens skipped); {rf.prompts_per_step} prompts x "
-        f"{rf.samples_per_prompt} samples per step, baseline {rf.baseline}"
-        f"{' / group std' if rf.normalize_by_group_std else ''}, {rf.epochs} epoch(s) of {minibatches_per_step} "
-        f"minibatch(es); reference policy {cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB)"
-    )
+    parts = build_actor_parts(cfg, cfg.rollouts_per_step, reward_source=reward_source, ptx_coef=0.0)
+    trainer = ReinforceTrainer(cfg, policy=parts.policy, reference=parts.reference, engine=parts.engine,
+                               router=parts.router, reward_source=parts.reward_source, critic=None, prompts=parts.prompts,
+                               validation_prompts=parts.validation_prompts, ptx_loader=None, tokenizer=parts.tokenizer,
+                               model_cfg=parts.model_cfg, metrics=parts.metrics)
+    if parts.resume is not None:
+        trainer.resume_from(parts.resume)
+    parts.metrics.write(
+        f"{parts.summary}; {rf.prompts_per_step} prompts x {rf.samples_per_prompt} samples per step, baseline "
+        f"{rf.baseline}{' / group std' if rf.normalize_by_group_std else ''}, {rf.epochs} epoch(s) of "
+        f"{parts.minibatches_per_step} minibatch(es)")
     return trainer

@@ -114,7 +114,7 @@ def test_shipped_yaml_documents_every_key_and_bad_settings_are_refused():
     cfg.validate(data_parallel_size=2)
     bad = {
         "ppo.prompts_per_step=63": "multiple of the data-parallel size",
-        "trainer.global_batch_size=48": "divide ppo.prompts_per_step",
+        "trainer.global_batch_size=48": r"divide the 64 rollouts per step \(ppo.prompts_per_step\)",
         "trainer.micro_batch_size=5": "must divide the per-rank minibatch",
         "kl.estimator=k9": "kl.estimator",
         "ppo.loss_aggregation=sum": "loss_aggregation",

@@ -23,13 +23,13 @@ def test_shipped_yaml_documents_every_key_and_bad_settings_are_refused():
     assert cfg.rollouts_per_step == 256 and cfg.ppo is cfg.reinforce  # the PPO update code reads cfg.ppo
     bad = {
         "reinforce.prompts_per_step=63": "multiple of the data-parallel size",
-        "trainer.global_batch_size=96": "divide the rollouts per step",
+        "trainer.global_batch_size=96": r"divide the 256 rollouts per step",
         "trainer.micro_batch_size=5": "must divide the per-rank minibatch",
         "reinforce.baseline=loo": "reinforce.baseline",
         "reinforce.samples_per_prompt=1": "at least 2 samples",
         "kl.estimator=k9": "kl.estimator",
         "reinforce.loss_aggregation=sum": "loss_aggregation",
-        "reward.source=critic": "no critic",
+        "reward.source=critic": "must be one of server, function",
         "generation.temperature=0": "temperature must be > 0",
         "trainer.max_epochs=1": "trainer.max_steps",
     }
