@@ -76,6 +76,20 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
 
 
 
+def run_training(schema: Type[T], yaml_name: str, build, after_fit=None) -> None:
+    """The body of a training entry point: conf/<yaml_name> + command-line overrides -> schema ->
+    build(cfg) -> fit(); after_fit(trainer, cfg) runs on success; the metrics are closed either way."""
+    config_path, overrides = parse_command_line(CONF_DIR / yaml_name)
+    cfg = load_config(schema, config_path, overrides)
+    trainer = build(cfg)
+    try:
+        trainer.fit()
+        if after_fit is not None:
+            after_fit(trainer, cfg)
+    finally:
+        trainer.metrics.close()
+
+
 def run_main(main) -> None:
     """Run an entry point; user errors (config, data, checkpoint) end with one clear line, exit 2."""
     from aligner.checkpointing import CheckpointError

@@ -58,3 +58,31 @@ def dotted_keys(config) -> set[str]:
         if isinstance(value, dict):
             found |= {f"{key}.{inner}" for inner in dotted_keys(value)}
     return found
+
+
+def train_tiny_arithmetic_policy(root: Path, seed: int, num_prompts: int = 64, steps: int = 20) -> tuple[Path, Path]:
+    """A tiny (2-layer, 32-wide) policy SFT-trained for a few steps on the demo task, so its responses are
+    short digit strings that often stop, and a prompt file: (checkpoint, prompts.jsonl) under root."""
+    import json
+
+    from aligner.demo import arithmetic
+    from aligner.demo.tokenizer import train_char_tokenizer
+
+    records = arithmetic.sft_records(128, seed=seed)
+    train = root / "sft.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.rl_prompts(num_prompts, seed=seed)))
+    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
+    result = subprocess.run([
+        sys.executable, str(REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"),
+        f"tokenizer.path={root / 'tokenizer'}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
+        "data.max_seq_length=16", "model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=64", f"trainer.max_steps={steps}", "trainer.global_batch_size=32",
+        "trainer.micro_batch_size=32", "trainer.val_check_interval=0", "optim.lr=3e-3", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.peak_tflops=1.0", f"checkpoint.save_dir={root / 'sft'}",
+        f"logging.log_dir={root / 'sft_logs'}",
+    ], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root / "sft" / f"step_{steps:08d}", prompts

@@ -3,42 +3,20 @@ weights, so its ratio is exactly 1 and its approximate KL 0 (the NeMo-Aligner #6
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from aligner.demo import arithmetic
-from aligner.demo.tokenizer import train_char_tokenizer
-
-from ..conftest import REPO_ROOT, run_torchrun
+from ..conftest import REPO_ROOT, run_torchrun, train_tiny_arithmetic_policy
 
 SCRIPT = REPO_ROOT / "tests" / "distributed" / "scripts" / "ppo_step.py"
-SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_parity")
-    records = arithmetic.sft_records(128, seed=5)
-    train = root / "sft.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in records))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.rl_prompts(64, seed=5)))
-    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
-    # A few SFT steps from random init, so responses are short digit strings that often stop.
-    result = subprocess.run([
-        sys.executable, str(SFT_SCRIPT), f"tokenizer.path={root / 'tokenizer'}", f"data.train=[{{path: {train}}}]",
-        "data.split='100,0'", "data.max_seq_length=16", "model.architecture.num_layers=2",
-        "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
-        "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64", "trainer.max_steps=20",
-        "trainer.global_batch_size=32", "trainer.micro_batch_size=32", "trainer.val_check_interval=0", "optim.lr=3e-3",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
-        f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}",
-    ], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return root, root / "sft" / "step_00000020", prompts
+    policy, prompts = train_tiny_arithmetic_policy(root, seed=5)
+    return root, policy, prompts
 
 
 @pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])

@@ -4,18 +4,7 @@
         'data.train=[{path: preferences.jsonl}]' [dpo.beta=0.1 dpo.preference_loss=dpo ...]
 """
 from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
-from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
-
-
-def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "gpt_dpo.yaml")
-    cfg = load_config(DPOConfig, config_path, overrides)
-    trainer = build_dpo_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.metrics.close()
-
+from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: run_training(DPOConfig, "gpt_dpo.yaml", build_dpo_trainer))

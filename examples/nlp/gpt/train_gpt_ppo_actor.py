@@ -7,18 +7,7 @@ The critic server (serve_ppo_critic.py) and the reward source must be up (see co
 examples/nlp/gpt/launch_ppo.py starts everything on one machine.
 """
 from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
-from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
-
-
-def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "gpt_ppo_actor.yaml")
-    cfg = load_config(PPOConfig, config_path, overrides)
-    trainer = build_ppo_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.metrics.close()
-
+from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: run_training(PPOConfig, "gpt_ppo_actor.yaml", build_ppo_trainer))

@@ -7,18 +7,7 @@ With reward.source=server a reward-model server (serve_reward_model.py) must be 
 conf/gpt_reinforce_actor.yaml for every key.
 """
 from aligner.algorithms.reinforce import ReinforceConfig, build_reinforce_trainer
-from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
-
-
-def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "gpt_reinforce_actor.yaml")
-    cfg = load_config(ReinforceConfig, config_path, overrides)
-    trainer = build_reinforce_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.metrics.close()
-
+from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: run_training(ReinforceConfig, "gpt_reinforce_actor.yaml", build_reinforce_trainer))

@@ -4,19 +4,7 @@
         'data.train=[{path: comparisons.jsonl}]' [key=value ...]
 """
 from aligner.algorithms.reward_model import RewardModelConfig, build_reward_model_trainer, finish_reward_model
-from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
-
-
-def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "training_rm.yaml")
-    cfg = load_config(RewardModelConfig, config_path, overrides)
-    trainer = build_reward_model_trainer(cfg)
-    try:
-        trainer.fit()
-        finish_reward_model(trainer, cfg)
-    finally:
-        trainer.metrics.close()
-
+from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: run_training(RewardModelConfig, "training_rm.yaml", build_reward_model_trainer, after_fit=finish_reward_model))
