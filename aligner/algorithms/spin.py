@@ -155,6 +155,7 @@ class SPINRun:
         from aligner.generation.native import NativeEngine
 
         self.cfg, self.trainer, self.built = cfg, trainer, built
+        self.metrics = trainer.metrics  # what `aligner.config.run_training` closes
         self.demonstrations = demonstrations
         self.betas = iteration_betas(cfg.spin)
         self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,

@@ -4,18 +4,7 @@
         'data.train=[{path: sft.jsonl}]' spin.num_iterations=2 'spin.kl_betas=[0.1, 0.05]' [key=value ...]
 """
 from aligner.algorithms.spin import SPINConfig, build_spin_run
-from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
-
-
-def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "gpt_spin.yaml")
-    cfg = load_config(SPINConfig, config_path, overrides)
-    run = build_spin_run(cfg)
-    try:
-        run.fit()
-    finally:
-        run.trainer.metrics.close()
-
+from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(lambda: run_training(SPINConfig, "gpt_spin.yaml", build_spin_run))
