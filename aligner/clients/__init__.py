@@ -11,6 +11,7 @@ All derive from ClientError. The reward client is `aligner.clients.reward.Reward
 """
 from __future__ import annotations
 
+import http.client
 import re
 import socket
 import threading
@@ -185,7 +186,7 @@ class ModelServerClient:
             raise ServerUnavailableError(f"{error}. {self.start_hint()}") from None
         except PyTritonClientError as error:
             raise ClientError(f"{self.server_kind} client for {self.url}: {error}") from None
-        except OSError as error:
+        except (OSError, http.client.HTTPException) as error:  # e.g. the server died with our request in flight
             self._discard_thread_client()
             self._ready = False
             raise ServerUnavailableError(
