@@ -1,14 +1,19 @@
 """The tiny end-to-end alignment pipeline on CPU (`make demo`).
 
-Stages, each the same command a user would run:
-  1. data: arithmetic problems; the demonstrations systematically forget the carry
-  2. tokenizer: a character-level HF tokenizer trained on that data
-  3. init: a random-init model saved as a checkpoint ("before")
-  4. SFT on the demonstrations, then held-out accuracy ("after")
-  5. a reward model on preference pairs (right answer preferred), held-out pairwise accuracy
-  6. a regression reward model on attribute labels (SteerLM), correlation with held-out labels
-The SFT model learns the demonstrators' habit: right without a carry, mostly wrong with one.
-That gap is what the alignment stages (PPO, DPO, ... on top of these reward models) have to close.
+Stages, each the same command a user would run (`--stages` re-runs a subset on earlier artefacts):
+  sft            data (arithmetic problems; the demonstrations systematically forget the carry), a
+                 character tokenizer, a random-init model ("before"), SFT ("after")
+  reward_models  a reward model on preference pairs (pairwise accuracy) and a SteerLM attribute
+                 model (correlation with held-out labels)
+  ppo            critic server (started from the reward model) + PPO actor through launch_ppo.py,
+                 rewarded by the task's checker
+  dpo            DPO (+ NLL on the chosen answer) on the preference pairs
+  spin           SPIN on correct demonstrations
+  steerlm        annotate demonstrations with the served attribute model, attribute-conditioned SFT,
+                 then ask for the top and a low correctness
+  reinforce      REINFORCE with the RLOO baseline, 4 samples per prompt, rewarded by the task's checker
+The SFT model learns the demonstrators' habit: right without a carry, mostly wrong with one. The
+summary table shows how far each alignment method closes that gap on held-out problems.
 """
 from __future__ import annotations
 
@@ -99,6 +104,41 @@ REINFORCE_OVERRIDES = [
     "trainer.val_check_interval=0",
     "checkpoint.save_interval=0",
     "checkpoint.resume=false",
+]
+
+# DPO from the SFT checkpoint; the NLL term on the chosen answer keeps the right answers likely
+# (plain DPO lowers both likelihoods and made this model worse).
+DPO_OVERRIDES = [
+    "data.max_seq_length=32",
+    "trainer.max_steps=120",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=64",
+    "trainer.val_check_interval=0",
+    "optim.lr=5e-4",
+    "optim.min_lr=5e-5",
+    "optim.warmup_steps=10",
+    "dpo.beta=0.1",
+    "dpo.sft_loss_weight=1.0",
+    "dpo.reference_logprobs=swap",
+    "logging.log_interval=50",
+    "checkpoint.resume=false",
+]
+
+# SPIN on correct demonstrations (on the careless ones it can only learn their habit), 2 iterations.
+SPIN_OVERRIDES = [
+    "data.max_seq_length=32",
+    "spin.generation.max_new_tokens=6",
+    "spin.num_iterations=2",
+    "spin.steps_per_iteration=60",
+    "spin.kl_betas=[0.1]",
+    "spin.sft_loss_weight=1.0",
+    "spin.reference_logprobs=precompute",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=64",
+    "optim.lr=5e-4",
+    "optim.min_lr=5e-5",
+    "optim.warmup_steps=10",
+    "logging.log_interval=25",
 ]
 
 # SteerLM: 10,000 demonstrations annotated by the attribute model, 300 steps of conditioned SFT.
@@ -227,7 +267,26 @@ class Demo:
                     *[f"--actor-arg={arg}" for arg in actor], *[f"--critic-arg={arg}" for arg in PPO_CRITIC_OVERRIDES]])
         self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
 
-    # -- 10: REINFORCE / RLOO (no critic; k samples per prompt)
+    # -- 8: DPO on the preference pairs (the reward model's training data)
+    def dpo(self) -> None:
+        out = self.work / "dpo"
+        shutil.rmtree(out, ignore_errors=True)
+        run("dpo", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
+                    f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
+                    f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
+                    f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.table.append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
+
+    # -- 9: SPIN (self-play against the demonstrations)
+    def spin(self) -> None:
+        out = self.work / "spin"
+        shutil.rmtree(out, ignore_errors=True)
+        run("spin", [sys.executable, GPT_EXAMPLES / "train_gpt_spin.py", f"model.init_from={self.sft_checkpoint}",
+                     f"data.train=[{{path: {self.data / 'sft_correct_train.jsonl'}}}]", *SPIN_OVERRIDES,
+                     f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.table.append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
+
+    # -- 11: REINFORCE / RLOO (no critic; k samples per prompt)
     def reinforce(self) -> None:
         out = self.work / "reinforce"
         shutil.rmtree(out, ignore_errors=True)
@@ -237,7 +296,7 @@ class Demo:
                                  *REINFORCE_OVERRIDES, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("REINFORCE (RLOO)", self.greedy("reinforce", latest_checkpoint(out / "checkpoints"))))
 
-    # -- 9: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
+    # -- 10: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
     def steerlm(self) -> None:
         out = self.work / "steerlm"
         shutil.rmtree(out, ignore_errors=True)
@@ -276,7 +335,7 @@ class Demo:
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
 
-STAGES = ("sft", "reward_models", "ppo", "steerlm", "reinforce")
+STAGES = ("sft", "reward_models", "ppo", "dpo", "spin", "steerlm", "reinforce")
 
 
 def main() -> None:

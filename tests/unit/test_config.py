@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import pytest
 
+from aligner.algorithms.dpo import DPOConfig
+from aligner.algorithms.ppo import PPOConfig
+from aligner.algorithms.reinforce import ReinforceConfig
 from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.sft import SFTConfig
-from servers.critic import CriticServerConfig
-from ..conftest import dotted_keys
+from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line
+from servers.critic import CriticServerConfig
+
+from ..conftest import dotted_keys
 
 SFT_YAML = CONF_DIR / "gpt_sft.yaml"
 
@@ -21,19 +26,22 @@ def test_shipped_yaml_loads_and_overrides_apply():
 
 
 @pytest.mark.parametrize("schema, yaml_name, required", [
-    (SFTConfig, "gpt_sft.yaml", "data.train=[{path: x.jsonl}]"),
-    (RewardModelConfig, "training_rm.yaml", "data.train=[{path: x.jsonl}]"),
-    (CriticServerConfig, "gpt_ppo_critic.yaml", "critic.init_from=/checkpoint"),
+    (SFTConfig, "gpt_sft.yaml", ("data.train=[{path: x.jsonl}]",)),
+    (RewardModelConfig, "training_rm.yaml", ("data.train=[{path: x.jsonl}]",)),
+    (CriticServerConfig, "gpt_ppo_critic.yaml", ("critic.init_from=/checkpoint",)),
+    (PPOConfig, "gpt_ppo_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
+    (ReinforceConfig, "gpt_reinforce_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
+    (DPOConfig, "gpt_dpo.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
+    (SPINConfig, "gpt_spin.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
 ])
 def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name, required):
     """The yaml documents every key the entry point reads, and loads against its schema."""
     from omegaconf import OmegaConf
 
-
     schema_keys = dotted_keys(OmegaConf.structured(schema))
     in_yaml = dotted_keys(OmegaConf.load(CONF_DIR / yaml_name))
     assert schema_keys - in_yaml == set(), f"keys missing from conf/{yaml_name}"
-    load_config(schema, CONF_DIR / yaml_name, [required])  # unknown yaml keys would raise
+    load_config(schema, CONF_DIR / yaml_name, list(required))  # unknown yaml keys would raise
 
 
 def test_unknown_keys_are_errors(tmp_path):

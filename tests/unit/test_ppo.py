@@ -11,8 +11,6 @@ from aligner.algorithms.ppo import PPOConfig, tf_adam_epsilon, update_ema
 from aligner.config import CONF_DIR, load_config
 from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, values_at_response
 
-from ..conftest import dotted_keys
-
 
 def _tf_adam_reference(param: float, grads: list[float], lr: float, beta1: float, beta2: float, eps: float) -> float:
     """TensorFlow's Adam in float64: lr_t = lr sqrt(1 - b2^t) / (1 - b1^t); p -= lr_t m / (sqrt(v) + eps)."""
@@ -104,11 +102,8 @@ def test_load_function_errors_say_what_is_wrong():
         load_function("aligner.demo.arithmetic:nope")
 
 
-def test_shipped_yaml_documents_every_key_and_bad_settings_are_refused():
-    from omegaconf import OmegaConf
-
+def test_bad_settings_are_refused_with_the_key_named():
     yaml_path = CONF_DIR / "gpt_ppo_actor.yaml"
-    assert dotted_keys(OmegaConf.structured(PPOConfig)) - dotted_keys(OmegaConf.load(yaml_path)) == set()
     required = ["model.init_from=x", "data.prompts=p.jsonl"]
     cfg = load_config(PPOConfig, yaml_path, required)
     cfg.validate(data_parallel_size=2)
