@@ -387,14 +387,22 @@ class PPOTrainer:
                 if hasattr(client, "close"):
                     client.close()
 
+    def rollout_indices(self) -> list[int]:
+        """The prompt indices this step generates, one rollout each."""
+        return self.order.take(self.cfg.ppo.prompts_per_step)
+
+    def step_seed(self) -> int:
+        """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
+        return (self.cfg.seed * 1_000_003 + self.step * 7_919 + self.critic_warmup_done) % 2**32
+
     def train_step(self, update_actor: bool = True) -> dict[str, float]:
-        """One PPO step (update_actor=False: a critic warm-up round)."""
+        """One step (update_actor=False: a critic warm-up round). Without a critic (REINFORCE) the
+        values are skipped and nothing is sent for critic training."""
         start = time.perf_counter()
         timings: dict[str, float] = {}
-        indices = self.order.take(self.cfg.ppo.prompts_per_step)
-        # A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range.
-        seed = (self.cfg.seed * 1_000_003 + self.step * 7_919 + self.critic_warmup_done) % 2**32
-        batch, generated = self.make_experience(indices, timings, seed=seed)
+        indices = self.rollout_indices()
+        has_critic = self.critic is not None
+        batch, generated = self.make_experience(indices, timings, seed=self.step_seed(), with_values=has_critic)
 
         # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1)
         # and of the reference policy (its weights swapped in from host memory, then out again).
@@ -405,9 +413,10 @@ class PPOTrainer:
         timings["time_logprobs"] = time.perf_counter() - tick
 
         experience = self.advantages(batch, old_logprobs, reference_logprobs)
-        tick = time.perf_counter()
-        self.send_critic_train(batch, experience)  # the critic trains while the actor does
-        timings["time_critic_send"] = time.perf_counter() - tick
+        if has_critic:
+            tick = time.perf_counter()
+            self.send_critic_train(batch, experience)  # the critic trains while the actor does
+            timings["time_critic_send"] = time.perf_counter() - tick
 
         metrics = dict(experience["metrics"])
         if update_actor:
@@ -418,11 +427,12 @@ class PPOTrainer:
                 from aligner.models.weight_swap import named_parameters
 
                 update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
-            self.kl_controller.update(metrics["kl"], self.cfg.ppo.prompts_per_step)
+            self.kl_controller.update(metrics["kl"], len(indices))
         metrics["kl_coef"] = self.kl_controller.value
-        tick = time.perf_counter()
-        metrics.update(self._finish_critic_train())
-        timings["time_critic_wait"] = time.perf_counter() - tick
+        if has_critic:
+            tick = time.perf_counter()
+            metrics.update(self._finish_critic_train())
+            timings["time_critic_wait"] = time.perf_counter() - tick
         timings["step_time"] = time.perf_counter() - start
         metrics.update(timings)
         metrics["rollout_tokens_per_second"] = generated / max(timings["time_generation"], 1e-9)

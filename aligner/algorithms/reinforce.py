@@ -25,7 +25,6 @@ checkpoints. The math is in `aligner.rl.reinforce_math`.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -107,8 +106,9 @@ class ReinforceConfig(RunConfig):
 class ReinforceTrainer(PPOTrainer):
     """fit / train_step / validate / save / resume of the REINFORCE/RLOO actor (collective over the job).
 
-    Built with critic=None, no PTX data and no EMA; inherits the PPO actor's experience collection
-    (`make_experience`), `logprobs`, `update_policy`, `validate`, checkpointing and state.
+    Built with critic=None, no PTX data and no EMA; inherits the PPO actor's step (`train_step`:
+    experience, logprobs, update), `validate`, checkpointing and state, and replaces which rollouts a
+    step generates (k per prompt), their seed, and the advantages.
     """
 
     def group_indices(self, prompt_indices: list[int]) -> list[int]:
@@ -116,32 +116,11 @@ class ReinforceTrainer(PPOTrainer):
         k = self.cfg.reinforce.samples_per_prompt
         return [index for index in prompt_indices for _ in range(k)]
 
-    def train_step(self) -> dict[str, float]:
-        start = time.perf_counter()
-        timings: dict[str, float] = {}
-        rollout_prompts = self.group_indices(self.order.take(self.cfg.reinforce.prompts_per_step))
-        seed = (self.cfg.seed * 1_000_003 + self.step) % 2**32
-        batch, generated = self.make_experience(rollout_prompts, timings, seed=seed, with_values=False)
+    def rollout_indices(self) -> list[int]:
+        return self.group_indices(self.order.take(self.cfg.reinforce.prompts_per_step))
 
-        tick = time.perf_counter()
-        old_logprobs = self.logprobs(batch) if self.cfg.reinforce.recompute_old_logprobs else batch.engine_logprobs
-        with self.reference.swapped_in(self.chunks):
-            reference_logprobs = self.logprobs(batch)
-        timings["time_logprobs"] = time.perf_counter() - tick
-
-        experience = self.advantages(batch, old_logprobs, reference_logprobs)
-        tick = time.perf_counter()
-        metrics = dict(experience["metrics"])
-        metrics.update(self.update_policy(batch, old_logprobs, experience["advantages"]))
-        timings["time_train"] = time.perf_counter() - tick
-        self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
-        metrics["kl_coef"] = self.kl_controller.value
-        timings["step_time"] = time.perf_counter() - start
-        metrics.update(timings)
-        metrics["rollout_tokens_per_second"] = generated / max(timings["time_generation"], 1e-9)
-        if self._should_log_samples():
-            self.log_samples(batch, experience)
-        return metrics
+    def step_seed(self) -> int:
+        return (self.cfg.seed * 1_000_003 + self.step) % 2**32
 
     def advantages(self, batch, old_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> dict:
         """Scores -> KL-penalised sequence rewards -> group baseline -> per-token advantages [B, T]."""
