@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from aligner.algorithms.reward_model import pair_report, summarize_pairs
 from aligner.rl import dpo_math
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
@@ -113,22 +114,10 @@ class DPOObjective:
             per_pair = preference + dpo.sft_loss_weight * sft
         loss_sum = per_pair.sum()
         pairs = torch.tensor(per_pair.numel(), dtype=torch.int)
-        report = {
-            "loss_sum": loss_sum.detach(), "pairs": pairs.float(),
-            "preference_loss_sum": preference.sum().detach(), "sft_loss_sum": sft.sum().detach(),
-            "correct": (margin > 0).float().sum().detach(), "margin_sum": margin.sum().detach(),
-            "chosen_sum": chosen.sum().detach(), "rejected_sum": rejected.sum().detach(),
-        }
-        return loss_sum, pairs, report
+        return loss_sum, pairs, pair_report(loss_sum, chosen, rejected, preference_loss=preference, sft_loss=sft)
 
     def summarize(self, totals):
-        pairs = max(totals["pairs"], 1.0)
-        return {
-            "loss": totals["loss_sum"] / pairs, "preference_loss": totals["preference_loss_sum"] / pairs,
-            "sft_loss": totals["sft_loss_sum"] / pairs, "accuracy": totals["correct"] / pairs,
-            "margin": totals["margin_sum"] / pairs, "chosen_reward": totals["chosen_sum"] / pairs,
-            "rejected_reward": totals["rejected_sum"] / pairs, "pairs": totals["pairs"],
-        }
+        return summarize_pairs(totals)
 
 
 # ----------------------------------------------------------------------------- reference logprobs

@@ -51,6 +51,30 @@ def masked_regression_loss(predictions: torch.Tensor, labels: torch.Tensor, mask
 
 
 # ----------------------------------------------------------------------------- objectives
+def pair_report(loss_sum: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, **extra_sums) -> dict:
+    """Per-micro-batch sums for a pairwise objective (reward model ranking, DPO): chosen/rejected are
+    the pairs' (implicit) rewards [pairs]; extra_sums are more `<name>_sum` tensors to report."""
+    report = {
+        "loss_sum": loss_sum.detach(), "pairs": torch.tensor(float(chosen.numel())),
+        "correct": (chosen > rejected).float().sum().detach(), "margin_sum": (chosen - rejected).sum().detach(),
+        "chosen_sum": chosen.sum().detach(), "rejected_sum": rejected.sum().detach(),
+    }
+    report.update({f"{name}_sum": value.sum().detach() for name, value in extra_sums.items()})
+    return report
+
+
+def summarize_pairs(totals: dict) -> dict:
+    """Means per pair of `pair_report` sums (extra `<name>_sum` entries become `<name>`)."""
+    pairs = max(totals["pairs"], 1.0)
+    metrics = {"loss": totals["loss_sum"] / pairs}
+    metrics.update({key[:-4]: value / pairs for key, value in totals.items()
+                    if key.endswith("_sum") and key not in ("loss_sum", "margin_sum", "chosen_sum", "rejected_sum")})
+    metrics.update({"accuracy": totals["correct"] / pairs, "margin": totals["margin_sum"] / pairs,
+                    "chosen_reward": totals["chosen_sum"] / pairs, "rejected_reward": totals["rejected_sum"] / pairs,
+                    "pairs": totals["pairs"]})
+    return metrics
+
+
 class RankingObjective:
     """Rows come in (chosen, rejected) pairs; the loss is the mean Bradley-Terry loss per pair."""
 
@@ -65,21 +89,10 @@ class RankingObjective:
         per_pair = bradley_terry_loss(chosen, rejected)
         loss_sum = per_pair.sum()
         pairs = torch.tensor(per_pair.numel(), dtype=torch.int)
-        report = {
-            "loss_sum": loss_sum.detach(), "pairs": pairs.float(),
-            "correct": (chosen > rejected).float().sum().detach(),
-            "margin_sum": (chosen - rejected).sum().detach(),
-            "chosen_sum": chosen.sum().detach(), "rejected_sum": rejected.sum().detach(),
-        }
-        return loss_sum, pairs, report
+        return loss_sum, pairs, pair_report(loss_sum, chosen, rejected)
 
     def summarize(self, totals):
-        pairs = max(totals["pairs"], 1.0)
-        return {
-            "loss": totals["loss_sum"] / pairs, "accuracy": totals["correct"] / pairs,
-            "margin": totals["margin_sum"] / pairs, "chosen_reward": totals["chosen_sum"] / pairs,
-            "rejected_reward": totals["rejected_sum"] / pairs, "pairs": totals["pairs"],
-        }
+        return summarize_pairs(totals)
 
 
 class RegressionObjective:
