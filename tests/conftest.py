@@ -43,6 +43,14 @@ def torchrun():
     return run_torchrun
 
 
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    """One JSON object per line; returns the path."""
+    import json
+
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
 def dotted_keys(config) -> set[str]:
     """Every key of a (nested) config as dotted paths, e.g. {"trainer", "trainer.max_steps"}.
 

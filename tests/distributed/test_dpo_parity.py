@@ -10,8 +10,8 @@ import pytest
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun
-from .test_sft_parity import SFT_SCRIPT, _run_python, _write_jsonl
+from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
+from .test_sft_parity import SFT_SCRIPT, _run_python
 
 DPO_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_dpo.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -23,14 +23,14 @@ def _rows(log_dir: Path) -> list[dict]:
 
 def test_dpo_losses_match_across_layouts_and_reference_modes(tmp_path):
     pairs = arithmetic.preference_records(64, seed=11)
-    train = _write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    train = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     train_char_tokenizer([p["prompt"] + p["chosen"] + p["rejected"] for p in pairs], tmp_path / "tokenizer")
     architecture = ["model.architecture.num_layers=4", "model.architecture.hidden_size=64",
                     "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
                     "model.architecture.ffn_hidden_size=128"]
     quiet = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0"]
     # One initial policy (random init) for every layout; it is also the reference.
-    sft = _write_jsonl(tmp_path / "sft.jsonl", arithmetic.sft_records(16, seed=11))
+    sft = write_jsonl(tmp_path / "sft.jsonl", arithmetic.sft_records(16, seed=11))
     _run_python(SFT_SCRIPT, f"tokenizer.path={tmp_path / 'tokenizer'}", f"data.train=[{{path: {sft}}}]",
                 "trainer.max_steps=0", *architecture, *quiet, "trainer.global_batch_size=8", "data.split='100,0'",
                 f"checkpoint.save_dir={tmp_path / 'policy'}", f"logging.log_dir={tmp_path / 'policy'}")

@@ -12,21 +12,16 @@ import pytest
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun
+from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
-
-
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_parity")
-    train = _write_jsonl(root / "train.jsonl", arithmetic.sft_records(256, seed=3))
+    train = write_jsonl(root / "train.jsonl", arithmetic.sft_records(256, seed=3))
     texts = [r["input"] + r["output"] for r in arithmetic.sft_records(256, seed=3)]
     train_char_tokenizer(texts, root / "tokenizer")
     common = [

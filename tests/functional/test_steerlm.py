@@ -17,7 +17,7 @@ import pytest
 from aligner.data.jsonl import read_jsonl
 from aligner.demo import arithmetic
 
-from ..conftest import REPO_ROOT
+from ..conftest import REPO_ROOT, write_jsonl
 from .test_reward_server import ENTRY_POINT, ServerProcess, free_port_block, make_reward_checkpoint
 
 ANNOTATE = REPO_ROOT / "examples" / "nlp" / "data" / "steerlm" / "annotate.py"
@@ -33,11 +33,6 @@ def _run(command: list, timeout: float = 300) -> subprocess.CompletedProcess:
               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}}
     return subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, timeout=timeout,
                           cwd=REPO_ROOT, env=env)
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -67,7 +62,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sft_file(tmp_path_factory):
-    return _write_jsonl(tmp_path_factory.mktemp("steerlm_data") / "sft.jsonl", arithmetic.sft_records(NUM_RECORDS, 5))
+    return write_jsonl(tmp_path_factory.mktemp("steerlm_data") / "sft.jsonl", arithmetic.sft_records(NUM_RECORDS, 5))
 
 
 def _annotate(input_path: Path, output: Path, port: int, *extra: str) -> subprocess.CompletedProcess:
@@ -126,7 +121,7 @@ def test_annotation_resumes_where_it_stopped(served, sft_file, tmp_path):
     third = _annotate(sft_file, output, port)
     assert "annotated 0 records" in third.stdout and len(_read_jsonl(output)) == NUM_RECORDS
     # An output of another input is refused, not appended to.
-    other = _write_jsonl(tmp_path / "other.jsonl", arithmetic.sft_records(NUM_RECORDS, 99))
+    other = write_jsonl(tmp_path / "other.jsonl", arithmetic.sft_records(NUM_RECORDS, 99))
     refused = _annotate(other, output, port)
     assert refused.returncode == 2 and "is not the annotation of input line 1" in refused.stderr
 
@@ -165,7 +160,7 @@ def steerlm_run(tmp_path_factory):
         wrong = str(a + b - 10) if a + b >= 10 else str(a + b + 10)
         records += [{**record, "attributes": {"correctness": 4}},
                     {**record, "output": wrong, "attributes": {"correctness": 2}}]
-    train = _write_jsonl(root / "annotated.jsonl", records)
+    train = write_jsonl(root / "annotated.jsonl", records)
     train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
     run_dir = root / "steerlm"
     result = _run([SFT_SCRIPT, f"tokenizer.path={root / 'tokenizer'}", f"data.train=[{{path: {train}}}]",
@@ -195,7 +190,7 @@ def test_conditioned_sft_learns_and_records_its_conditioning(steerlm_run):
 
 def test_steered_evaluation_and_chat_render_the_request_alike(steerlm_run, tmp_path):
     _, checkpoint = steerlm_run
-    prompts = _write_jsonl(tmp_path / "prompts.jsonl", arithmetic.heldout_prompts(8))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", arithmetic.heldout_prompts(8))
     steered = _run(["-m", "aligner.demo.evaluate", "--checkpoint", checkpoint, "--prompts", prompts,
                     "--steer", "correctness=4", "--output", tmp_path / "eval.json"])
     assert steered.returncode == 0, steered.stderr[-4000:]

@@ -22,12 +22,9 @@ from aligner.models.weight_swap import HostWeights
 from aligner.runtime import seeds
 from aligner.tokenizer import Tokenizer
 
+from ..conftest import write_jsonl
+
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +48,8 @@ def _model(tokenizer: Tokenizer, seed: int = 0):
 
 # ----------------------------------------------------------------------------- data
 def test_both_key_layouts_give_the_sft_token_layout(tmp_path, tokenizer):
-    nemo = _write_jsonl(tmp_path / "nemo.jsonl", [{"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}])
-    short = _write_jsonl(tmp_path / "short.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
+    nemo = write_jsonl(tmp_path / "nemo.jsonl", [{"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}])
+    short = write_jsonl(tmp_path / "short.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
     for path in (nemo, short):
         item = PreferenceDataset.from_jsonl(path, tokenizer, 32)[0]
         for side, answer in (("chosen", "19"), ("rejected", "18")):
@@ -74,15 +71,15 @@ def test_data_errors_name_file_and_line(tmp_path, tokenizer):
     ]
     for records, message in cases:
         with pytest.raises(DataError, match=message):
-            PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "bad.jsonl", records), tokenizer, 32)
+            PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", records), tokenizer, 32)
     with pytest.raises(DataError, match=r"bad.jsonl:0: no usable pairs: all 1 are longer than max_seq_length=4"):
-        PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "bad.jsonl", [good]), tokenizer, 4)
+        PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good]), tokenizer, 4)
 
 
 def test_collate_interleaves_pairs_and_micro_batches_hold_whole_pairs(tmp_path, tokenizer):
     records = [{"prompt": "1+1=", "chosen": "2", "rejected": "11", "chosen_reward": 1.0, "rejected_reward": -1.0},
                {"prompt": "10+15=", "chosen": "25", "rejected": "5", "chosen_reward": 0.5, "rejected_reward": 0.0}]
-    dataset = PreferenceDataset.from_jsonl(_write_jsonl(tmp_path / "p.jsonl", records), tokenizer, 32)
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "p.jsonl", records), tokenizer, 32)
     batch = collate_preferences([dataset[0], dataset[1]], tokenizer.pad_id, pad_to_multiple_of=8)
     assert batch["tokens"].shape == (4, 16)
     assert batch["prompt_lengths"].tolist() == [5, 5, 7, 7]
@@ -94,7 +91,7 @@ def test_collate_interleaves_pairs_and_micro_batches_hold_whole_pairs(tmp_path, 
 
 # ----------------------------------------------------------------------------- reference logprobs and the loss
 def _pairs(tmp_path, tokenizer, n=12, seed=0) -> PreferenceDataset:
-    path = _write_jsonl(tmp_path / f"pairs{seed}.jsonl", arithmetic.preference_records(n, seed=seed))
+    path = write_jsonl(tmp_path / f"pairs{seed}.jsonl", arithmetic.preference_records(n, seed=seed))
     return PreferenceDataset.from_jsonl(path, tokenizer, 32)
 
 
@@ -205,7 +202,7 @@ def _train_losses(log_dir: Path) -> list[float]:
 def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, tokenizer_dir):
     # 8 pairs, seen again and again: the policy must come to prefer the chosen answers.
     records = arithmetic.preference_records(8, seed=7)
-    train = _write_jsonl(tmp_path / "train.jsonl", records)
+    train = write_jsonl(tmp_path / "train.jsonl", records)
     losses = {}
     for mode in ("precompute", "swap"):
         trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, mode))

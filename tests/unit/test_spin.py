@@ -24,14 +24,9 @@ from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import seeds
 from aligner.tokenizer import Tokenizer
 
-from ..conftest import dotted_keys
+from ..conftest import dotted_keys, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +59,14 @@ def test_betas_per_iteration():
 
 def test_demonstrations_split_prompt_and_response(tmp_path, tokenizer_dir):
     tokenizer = Tokenizer(tokenizer_dir)
-    path = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "12+7=", "output": "19"}])
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"input": "12+7=", "output": "19"}])
     [(prompt, response)] = load_demonstrations(path, tokenizer, 32)
     assert prompt == [tokenizer.bos_id] + tokenizer.encode("12+7=")
     assert response == tokenizer.encode("19") + [tokenizer.eos_id]
     two_answers = {"conversations": [{"from": "User", "value": "1+1="}, {"from": "Assistant", "value": "2"},
                                      {"from": "User", "value": "2+2="}, {"from": "Assistant", "value": "4"}]}
     with pytest.raises(DataError, match=r"two.jsonl:1: SPIN needs one response per record"):
-        load_demonstrations(_write_jsonl(tmp_path / "two.jsonl", [two_answers]), tokenizer, 32)
+        load_demonstrations(write_jsonl(tmp_path / "two.jsonl", [two_answers]), tokenizer, 32)
 
 
 def _model(tokenizer: Tokenizer, seed: int):
@@ -86,7 +81,7 @@ def test_spin_loss_on_self_play_pairs_matches_a_float64_reference(tmp_path, toke
     tokenizer = Tokenizer(tokenizer_dir)
     policy, cfg = _model(tokenizer, seed=3)
     reference, _ = _model(tokenizer, seed=4)
-    path = _write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(6, seed=1))
+    path = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(6, seed=1))
     demonstrations = load_demonstrations(path, tokenizer, 32)
     engine = NativeEngine([reference], cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id, max_batch_size=4,
                           max_sequence_length=16)
@@ -124,7 +119,7 @@ def test_spin_loss_on_self_play_pairs_matches_a_float64_reference(tmp_path, toke
 
 
 def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, tokenizer_dir):
-    train = _write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
+    train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
     cfg = load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
         f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
         "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
