@@ -422,7 +422,7 @@ class NativeEngine:
             column = width + step
             rope = None if rope_steps is None else (rope_steps[0][step], rope_steps[1][step])
             bias = None if key_masked is None else key_bias[:, :, :column + 1]
-            inputs = _DecodeInputs(self._columns[column:column + 1], column + 1, bias, rope)
+            inputs = _DecodeInputs(self._columns[column:column + 1], column, column + 1, bias, rope)
             return self._decode_forward(tokens, prompt_lengths + step, keys, values, inputs)
         return dynamic_step
 
@@ -629,9 +629,13 @@ class NativeEngine:
         if inputs.rope is not None:
             cos, sin = inputs.rope  # [d, batch], broadcast over [groups, per_group + 1, d, batch]
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=2), sin)
-        # One column per row; index_copy_ with a column tensor keeps the step static for graph capture.
-        key_cache.index_copy_(3, inputs.column, query_key[:, per_group].permute(2, 0, 1).unsqueeze(3))
-        value_cache.index_copy_(2, inputs.column, qkv[:, per_group + 1].permute(2, 0, 1).unsqueeze(2))
+        new_keys, new_values = query_key[:, per_group].permute(2, 0, 1), qkv[:, per_group + 1].permute(2, 0, 1)
+        if inputs.column_index is None:  # static step: a column tensor keeps it capturable in a graph
+            key_cache.index_copy_(3, inputs.column, new_keys.unsqueeze(3))
+            value_cache.index_copy_(2, inputs.column, new_values.unsqueeze(2))
+        else:  # a plain column copy: cheaper than index_copy_
+            key_cache.select(3, inputs.column_index).copy_(new_keys)
+            value_cache.select(2, inputs.column_index).copy_(new_values)
         # All heads in one batched product: [batch * groups, per_group, d] x [batch * groups, d, kv_len]
         query = query_key[:, :per_group].permute(3, 0, 1, 2).reshape(batch * groups, per_group, head_dim)
         keys = key_cache.view(batch * groups, head_dim, -1)[:, :, :kv_len]
@@ -640,8 +644,8 @@ class NativeEngine:
             scores.add_(inputs.attention_bias)
         probs = self._softmax(scores)
         context = torch.bmm(probs, value_cache.view(batch * groups, -1, head_dim)[:, :kv_len])
-        context = context.view(batch, self._heads * head_dim).t().contiguous()
-        hidden = self._row_parallel_columns(layer.proj, context, hidden)
+        # [batch, heads * d] read transposed by the product: no copy into feature-major order.
+        hidden = self._row_parallel_columns(layer.proj, context.view(batch, self._heads * head_dim).t(), hidden)
 
         intermediate = self._linear_columns(layer.fc1, self._norm_columns(hidden, layer.mlp_norm))
         if self._gated:
@@ -656,6 +660,7 @@ class _DecodeInputs(NamedTuple):
     """What one decode step needs besides the tokens: where to write, what to attend to."""
 
     column: torch.Tensor  # [1] long: the cache column the new keys and values go to
+    column_index: Optional[int]  # the same column as a Python int (dynamic step), None on the static step
     kv_len: int  # keys 0 .. kv_len - 1 are read (max_len on the static path)
     attention_bias: Optional[torch.Tensor]  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for
     # unseen keys; None when every key may be seen
@@ -687,7 +692,7 @@ class _StaticDecodeStep:
         rope = None
         if engine._rope is not None:
             rope = tuple(table.index_select(0, self.positions).t() for table in engine._rope)
-        inputs = _DecodeInputs(self.column, engine.max_sequence_length, bias, rope)
+        inputs = _DecodeInputs(self.column, None, engine.max_sequence_length, bias, rope)
         return engine._decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
 
     def run(self) -> Optional[torch.Tensor]:
