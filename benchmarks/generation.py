@@ -55,6 +55,29 @@ def decode_step_flops(cfg, batch: int, context: float) -> float:
     return 2.0 * batch * per_token
 
 
+def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
+    """Bytes one decode step must read: every weight once (embedding rows aside) and the KV cache
+    over `context` columns of every layer, K and V (the cache's dtype is the model's)."""
+    embedding = model.embedding.word_embeddings.weight
+    tied = model.share_embeddings_and_output_weights
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied)
+    kv = 2 * cfg.num_layers * batch * cfg.query_groups * cfg.head_dim * context * embedding.element_size()
+    return weights + kv
+
+
+def read_rate(nbytes: float, repeats: int = 30) -> float:
+    """Bytes/s of a summing pass over a float32 buffer of nbytes (kept hot: the step's working set)."""
+    buffer = torch.randn(max(int(nbytes) // 4, 1 << 16))
+    for _ in range(3):
+        buffer.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times)
+
+
 def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
     """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them), hot in cache."""
     weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
@@ -198,6 +221,8 @@ def main() -> None:
     native_tps = statistics.median(tokens / n for _, n in full)
     context = args.prompt_tokens + args.new_tokens / 2
     floor = decode_step_flops(cfg, args.batch, context) / rate
+    step_bytes = decode_step_bytes(model, cfg, args.batch, context)
+    bandwidth = read_rate(step_bytes)
 
     print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads; {args.repeats} alternating pairs after {args.warmup} warm-up")
@@ -216,6 +241,10 @@ def main() -> None:
     print(f"floor         {decode_step_flops(cfg, args.batch, context) / 1e6:.1f} MFLOP per decode step at "
           f"{rate / 1e9:.0f} GFLOP/s (1024^3 fp32 matmul, this run) = {floor * 1e3:.3f} ms; native is "
           f"{statistics.median(native_step) / floor:.2f}x the floor, HF {statistics.median(hf_step) / floor:.2f}x")
+    print(f"memory        {step_bytes / 1e6:.1f} MB read per decode step (weights + KV cache) at {bandwidth / 1e9:.1f} GB/s "
+          f"(sum over a buffer of that size, this run) = {step_bytes / bandwidth * 1e3:.3f} ms; native moves "
+          f"{step_bytes / statistics.median(native_step) / 1e9:.1f} GB/s = "
+          f"{step_bytes / statistics.median(native_step) / bandwidth:.0%} of that rate")
     print(f"matmuls only  the decode step's weight products alone (W @ x, x [in, {args.batch}], hot in cache): "
           f"{matmuls * 1e3:.3f} ms = {decode_step_flops(cfg, args.batch, 0) / matmuls / 1e9:.0f} GFLOP/s")
     distributed.shutdown()
