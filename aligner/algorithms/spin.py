@@ -12,12 +12,18 @@ SPIN's. When the model already reproduces a demonstration, chosen and rejected a
 sequence and the pair carries no gradient; the share of such pairs (`self_match`) is logged per
 iteration: it is how far SPIN has left to go on those prompts.
 
-Not here yet: resuming a SPIN run (it refuses an existing checkpoint in save_dir); every
-data-parallel rank generates the whole iteration's responses (identical on every rank, simple,
-but DP-fold redundant).
+Checkpoints are written at iteration ends only (the first one on or after each multiple of
+`checkpoint.save_interval` steps, and the last), and a run resumes from the newest one at the next
+iteration. Nothing else needs saving: an iteration's self-play answers, reference and
+data order follow from the weights at its start and seeds derived from `seed` and the iteration,
+so a resumed run repeats the uninterrupted one step for step (tests/unit/test_spin.py).
+
+Self-play generation is split over the data-parallel replicas (batches dealt round-robin, each
+with a seed of its own, answers gathered), so every rank trains on the same pairs at any DP size.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -132,18 +138,34 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int) -> list[tuple
     return demonstrations
 
 
-def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int):
-    """PreferencePairs (demonstration chosen, own response rejected) and the share of identical ones."""
-    from aligner.data.preference import PreferencePair
+def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, replica: int = 0, replicas: int = 1,
+                    group=None):
+    """PreferencePairs (demonstration chosen, own response rejected) and the share of identical ones.
 
-    pairs, identical = [], 0
-    for start in range(0, len(demonstrations), batch_size):
+    The demonstrations go to the engine in batches of batch_size, dealt round-robin to the
+    data-parallel replicas (`replica` of `replicas`; the answers are gathered over `group`), and
+    each batch samples with a seed of its own first index: every rank returns the same pairs,
+    whatever the number of replicas.
+    """
+    from aligner.data.preference import PreferencePair
+    from aligner.rl.rollouts import micro_batch_seed
+
+    answers = {}  # demonstration index -> the model's response ids
+    for number, start in enumerate(range(0, len(demonstrations), batch_size)):
+        if number % replicas != replica:
+            continue
         part = demonstrations[start:start + batch_size]
-        rollout = engine.generate([prompt for prompt, _ in part], sampling)
-        for row, (prompt, response) in enumerate(part):
-            generated = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
-            identical += generated == response
-            pairs.append(PreferencePair(list(prompt), list(response), generated))
+        batch_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start))
+        rollout = engine.generate([prompt for prompt, _ in part], batch_sampling)
+        for row in range(len(part)):
+            answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
+    if replicas > 1:
+        gathered = [None] * replicas
+        torch.distributed.all_gather_object(gathered, answers, group=group)
+        answers = {index: answer for part in gathered for index, answer in part.items()}
+    pairs = [PreferencePair(list(prompt), list(response), answers[index])
+             for index, (prompt, response) in enumerate(demonstrations)]
+    identical = sum(pair.rejected == pair.chosen for pair in pairs)
     return pairs, identical / len(demonstrations)
 
 
@@ -161,6 +183,11 @@ class SPINRun:
         self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,
                                    eos_id=built.tokenizer.eos_id, max_batch_size=cfg.spin.generation.batch_size,
                                    max_sequence_length=cfg.data.max_seq_length + cfg.spin.generation.max_new_tokens)
+        from megatron.core import parallel_state as ps
+
+        # (this replica, replicas, their group): self-play generation is split over the replicas.
+        self.data_parallel = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                              ps.get_data_parallel_group())
         # A fixed order of the demonstrations; iterations take consecutive slices (wrapping around).
         self.order = list(range(len(demonstrations)))
         random.Random(cfg.seed).shuffle(self.order)
@@ -185,10 +212,14 @@ class SPINRun:
 
         cfg, trainer, built = self.cfg, self.trainer, self.built
         vocab_size = built.model_cfg.vocab_size
+        first_iteration = trainer.step // cfg.spin.steps_per_iteration  # > 0 after a resume
         for iteration, beta in enumerate(self.betas):
+            if iteration < first_iteration:
+                continue
             # The reference of this iteration is the model as it is now.
             pairs, self_match = self_play_pairs(self.engine, self.iteration_demonstrations(iteration),
-                                                self.sampling(iteration), cfg.spin.generation.batch_size)
+                                                self.sampling(iteration), cfg.spin.generation.batch_size,
+                                                *self.data_parallel)
             dataset = PreferenceDataset(pairs, source=f"SPIN iteration {iteration + 1}")
             if cfg.spin.reference_logprobs == "precompute":
                 precompute_reference_logprobs(dataset, built.chunks, vocab_size=vocab_size,
@@ -210,9 +241,15 @@ class SPINRun:
                 trainer.consumed_samples += cfg.trainer.global_batch_size
                 trainer.metrics.log(trainer.step, {**metrics, "iteration": iteration + 1, "beta": beta})
                 trainer.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+            # Saved only at iteration ends, the points a run can resume from: at the first one on or
+            # after each multiple of save_interval, and at the end.
+            interval, start = cfg.checkpoint.save_interval, trainer.step - cfg.spin.steps_per_iteration
+            if iteration + 1 == len(self.betas):
+                if cfg.checkpoint.save_at_end:
+                    trainer.save()
+            elif interval > 0 and trainer.step // interval > start // interval:
+                trainer.save()
         self.engine.free()
-        if cfg.checkpoint.save_at_end:
-            trainer.save()
 
 
 def build_spin_run(cfg: SPINConfig) -> SPINRun:
@@ -234,9 +271,6 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
     )
-    if built.resume_checkpoint is not None:
-        raise ValueError(f"{cfg.checkpoint.save_dir} holds checkpoint {built.resume_checkpoint.name}, and SPIN runs "
-                         "cannot resume yet; use a fresh checkpoint.save_dir or checkpoint.resume=false")
     demonstrations = []
     for entry in cfg.data.train:
         loaded = load_demonstrations(entry.path, built.tokenizer, cfg.data.max_seq_length)
@@ -254,6 +288,12 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
     )
+    if built.resume_checkpoint is not None:
+        trainer.resume_from(built.resume_checkpoint)
+        if trainer.step % spin.steps_per_iteration:
+            raise ValueError(f"{built.resume_checkpoint}: step {trainer.step} is not at the end of a SPIN iteration "
+                             f"(spin.steps_per_iteration={spin.steps_per_iteration}); SPIN resumes only from its "
+                             "iteration-end checkpoints. Use another checkpoint.save_dir or checkpoint.resume=false")
     metrics.write(
         f"{cfg.name}: {spin.num_iterations} iterations x {spin.steps_per_iteration} steps of "
         f"{cfg.trainer.global_batch_size} pairs, betas {iteration_betas(spin)}, "

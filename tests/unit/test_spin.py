@@ -145,3 +145,65 @@ def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, toke
     # Within an iteration the model comes to prefer the demonstrations over its own answers.
     assert train_rows[5]["preference_loss"] < 0.5 and train_rows[5]["accuracy"] > 0.5, train_rows[5]
     assert (tmp_path / "ckpt" / "step_00000012").is_dir()
+
+
+def _tiny_spin_config(tmp_path, tokenizer_dir, train, name: str, *overrides) -> SPINConfig:
+    return load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
+        f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
+        "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
+        "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
+        "spin.num_iterations=2", "spin.steps_per_iteration=3", "spin.kl_betas=[0.5, 0.25]",
+        "spin.generation.max_new_tokens=4", "spin.generation.batch_size=8", "spin.generation.greedy=false",
+        "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=1",
+        "optim.decay_style=cosine", "checkpoint.save_interval=3", f"checkpoint.save_dir={tmp_path / name / 'ckpt'}",
+        f"logging.log_dir={tmp_path / name}", "logging.progress_bar=false", "logging.tensorboard=false",
+        "logging.peak_tflops=1.0", "logging.log_interval=100", *overrides,
+    ])
+
+
+def _train_rows(log_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["split"] in ("train", "spin")]
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, monkeypatch):
+    import aligner.algorithms.spin as spin_module
+
+    train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
+    whole = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "whole"))
+    whole.fit()
+    whole.trainer.metrics.close()
+
+    # The same run, stopped when the second iteration starts (after the first one's checkpoint).
+    calls = []
+    real_self_play = spin_module.self_play_pairs
+
+    def crash_at_second_iteration(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real_self_play(*args, **kwargs)
+
+    monkeypatch.setattr(spin_module, "self_play_pairs", crash_at_second_iteration)
+    first = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "interrupted"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.fit()
+    first.trainer.metrics.close()
+    assert (tmp_path / "interrupted" / "ckpt" / "step_00000003").is_dir()
+    monkeypatch.setattr(spin_module, "self_play_pairs", real_self_play)
+
+    resumed = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "interrupted",
+                                               f"logging.log_dir={tmp_path / 'resumed'}"))
+    assert resumed.trainer.step == 3
+    resumed.fit()
+    resumed.trainer.metrics.close()
+
+    expected = _train_rows(tmp_path / "whole")
+    got = _train_rows(tmp_path / "interrupted") + _train_rows(tmp_path / "resumed")
+    assert [(row["split"], row["step"]) for row in got] == [(row["split"], row["step"]) for row in expected]
+    for want, have in zip(expected, got):
+        for key in ("loss", "preference_loss", "margin", "lr", "grad_norm", "self_match", "beta"):
+            if key in want:
+                assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (key, want, have)
+    assert (tmp_path / "interrupted" / "ckpt" / "step_00000006").is_dir()
+
