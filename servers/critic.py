@@ -549,7 +549,7 @@ class CriticServer:
     # -- critic_infer
     def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """One merged batch: validate every row (as the reward server does), compute the valid ones together."""
-        decoded = [self.rows._decode_safely(request) for request in requests]
+        decoded = [self.rows.decode_rows(request) for request in requests]
         widths = [request[TOKENS].shape[1] if TOKENS in request and request[TOKENS].ndim == 2 else 1
                   for request in requests]
         values = [np.full((len(rows), width), np.nan, dtype=np.float32) for rows, width in zip(decoded, widths)]

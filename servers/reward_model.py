@@ -136,7 +136,7 @@ class RewardModelServer:
 
     def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """One merged batch: validate every row, score the valid ones in one collective call."""
-        decoded = [self._decode_safely(request) for request in requests]  # per request, per row: (ids or None, error)
+        decoded = [self.decode_rows(request) for request in requests]  # per request, per row: (ids or None, error)
         valid = [(request_index, row, ids) for request_index, rows in enumerate(decoded)
                  for row, (ids, _) in enumerate(rows) if ids is not None]
         rewards = [np.full((len(rows), len(self.attributes)), np.nan, dtype=np.float32) for rows in decoded]
@@ -165,7 +165,8 @@ class RewardModelServer:
 
     # -- decoding and validation (never raises: a bad request gets errors, the batch goes on)
 
-    def _decode_safely(self, request: Mapping[str, np.ndarray]) -> list[tuple[Optional[np.ndarray], str]]:
+    def decode_rows(self, request: Mapping[str, np.ndarray]) -> list[tuple[Optional[np.ndarray], str]]:
+        """Per row of one request: (token ids, "") or (None, why the row is rejected). Never raises."""
         rows = _batch_size(request)
         try:
             return self._decode(request, rows)
