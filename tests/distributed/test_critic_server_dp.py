@@ -1,6 +1,7 @@
-"""The critic server under torchrun at DP=2: inference rows and each optimizer step's batch are split
-over the two data-parallel ranks (gradients all-reduced), and the answers equal the single-process
-references: per-token values, and the first train call's loss and gradient norm (float64 reference)."""
+"""The critic server under torchrun at DP=2, TP=2 and PP=2: at DP=2 inference rows and each optimizer
+step's batch are split over the two data-parallel ranks (gradients all-reduced); at TP=2 and PP=2
+the model is split. Every layout answers as the single-process references do: per-token values,
+and the first train call's loss and gradient norm (float64 reference)."""
 from __future__ import annotations
 
 import os
@@ -24,20 +25,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_dp2_critic_matches_single_process(references, pool, rollout):
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_two_rank_critic_matches_single_process(references, pool, rollout, layout):
     sequences, reference_values, _ = pool
     loss, grad_norm, _ = float64_reference(references, rollout)
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
                 "--master_addr=127.0.0.1")
-    server = start_server(references, "dp2.log", f"checkpoint.save_dir={references['root'] / 'dp2_checkpoints'}",
-                          launcher=torchrun)
+    split = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
+             "pp2": ["parallel.pipeline_model_parallel_size=2"]}[layout]
+    server = start_server(references, f"{layout}.log", f"checkpoint.save_dir={references['root'] / f'{layout}_checkpoints'}",
+                          *split, launcher=torchrun)
     try:
         with CriticClient("127.0.0.1", server.port, timeout_s=120, train_timeout_s=300) as client:
             values = client.infer(sequences).values
             difference = float(np.abs(values - reference_values).max())
             metrics = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"],
                                    rollout["old_values"])
-        print(f"\nDP=2 values vs TP=1 in-process: {difference:.2e}; loss {metrics['value_loss']:.7f} vs float64 "
+        print(f"\n{layout}: values vs TP=1 in-process: {difference:.2e}; loss {metrics['value_loss']:.7f} vs float64 "
               f"{loss:.7f}; grad norm {metrics['grad_norm']:.6f} vs {grad_norm:.6f}")
         assert difference < 1e-5
         assert metrics["value_loss"] == pytest.approx(loss, rel=1e-5)
