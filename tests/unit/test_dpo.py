@@ -216,3 +216,27 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, token
     # The same run whichever way the reference logprobs arrive.
     for a, b in zip(losses["precompute"], losses["swap"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def _train_rows(log_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["split"] == "train"]
+
+
+@pytest.mark.parametrize("loss", ["rpo_sq", "rpo_fwd_kl"])
+def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, tokenizer_dir, loss):
+    # Every pair's given rewards differ by 0.5: RPO pulls the implicit reward margin to 0.5 and holds
+    # it there, where DPO on the same pairs pushes it on without bound.
+    records = [{**record, "chosen_reward": 1.0, "rejected_reward": 0.5}
+               for record in arithmetic.preference_records(8, seed=7)]
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    margins = {}
+    for kind in (loss, "dpo"):
+        trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, "precompute", kind))
+        trainer.fit()
+        trainer.metrics.close()
+        margins[kind] = [row["margin"] for row in _train_rows(tmp_path / "precompute" / kind)]
+    assert abs(margins[loss][0]) < 1e-5 and abs(margins["dpo"][0]) < 1e-5
+    print(f"\n{loss}: margin {margins[loss][-1]:.3f} (given 0.5); dpo: {margins['dpo'][-1]:.3f}")
+    assert margins[loss][-1] == pytest.approx(0.5, abs=0.15), margins[loss]
+    assert margins["dpo"][-1] > 1.0, margins["dpo"]
