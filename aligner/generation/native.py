@@ -17,22 +17,32 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   single-token step per new token, run feature-major ([features, batch] activations, see
   `_decode_forward`) because small-batch products are much faster that way round.
 
-The decode step is bound by per-op overhead, not arithmetic, at small sizes, so it is written
-to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a padding
-mask, when there is padding, as one in-place add); norms with one addmm for the feature
-statistics; rotary embedding as mul + roll + addcmul; cache writes with index_copy_; tables
-that are the same for every step (padding bias, every step's rotary rows) built once per
-generate call; a sampling path that draws and takes the logprob in one pass. Measured
-(benchmarks/generation.py: llama-style, 4 layers x 128 wide, vocab 256, batch 32, one thread,
-on the shared 2-core CPU under heavy load from other jobs, median of 3 runs): 2.15x HF
-`generate` tokens/s, decode step 2.4-3.1 ms = 6.2x the arithmetic floor (best run 4.6x); the
-goals (3x HF, 3x floor) are not reached. In one process, alternating, the previous version's
-step (sampling included) took 2.97 ms and this one 2.84 ms (sampling 157 -> 81 us, a norm
-33 -> 21 us). What is left: the weight matmuls alone run at ~116 GFLOP/s (0.6 ms, already
-1.2x the floor), attention's batched tiny products ~0.11 ms per layer, and ~230 torch calls
-per step at a few microseconds each.
-torch.compile was tried on the static step (g++ is present): ~100 s to compile and ~2.7x slower
-per generate call than eager on this CPU, so it is not used.
+The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
+written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a
+padding mask, when there is padding, as one in-place add); norms with one addmm for the feature
+statistics; rotary embedding as mul + roll + addcmul; cache columns written with a plain column
+copy; the attention output read transposed by the projection (no copy); tables that are the same
+for every step (padding bias, every step's rotary rows) built once per generate call; a sampling
+path that draws and takes the logprob in one pass.
+
+Measured (benchmarks/generation.py: llama-style, 4 layers x 128 wide, vocab 256, batch 32, one
+thread, idle 2-core CPU, three runs): 2.24-2.29x HF `generate` tokens/s, decode step 2.17-2.46 ms
+(HF 5.3-5.9 ms) = 4.8-5.2x the arithmetic floor, moving 13-15% of the bytes per second a plain
+read of the step's working set reaches. The goals (3x HF, within 3x of the floor) are NOT met.
+The weight matmuls alone take 0.57-0.59 ms (1.2x the floor); the rest is ~150 small torch calls at
+~3-10 us each. Tried and measured on this CPU, and not used:
+- torch.compile of the static step: ~14 s to compile (100 s cold), 8 ms per step: AOT
+  functionalisation copies the whole KV cache around each in-place cache write;
+- torch.compile of a step that reads the cache and returns the new keys/values (written outside):
+  1.9-2.0 ms vs eager 2.2-2.3 ms in one process (cpp_wrapper alike), 10-20% for a compile per
+  batch size; inductor's fused attention kernels ran slower than baddbmm + softmax + bmm;
+- torch.jit.script of a decode layer: 12% faster than eager (deprecated API);
+- scaled_dot_product_attention for the decode attention: 148 us per layer vs 120 us for the
+  baddbmm/softmax/bmm path; elementwise (mul + sum) attention: 240 us;
+- a hand-written C kernel for rotary + cache write + attention (through ctypes): 12% per step in
+  one process, the same tokens; not worth a C toolchain at run time for what it buys.
+The previous step (index_copy_ cache writes, a contiguous copy of the attention output) was
+1.09x slower than this one in one process, with identical outputs.
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
 step can instead attend over the whole preallocated cache with a mask (the future and padding
