@@ -51,6 +51,14 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def metrics_rows(log_dir: Path, *splits: str) -> list[dict]:
+    """The rows a run wrote to log_dir/metrics.jsonl, in order; only those of `splits` if given."""
+    import json
+
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if not splits or row["split"] in splits]
+
+
 def dotted_keys(config) -> set[str]:
     """Every key of a (nested) config as dotted paths, e.g. {"trainer", "trainer.max_steps"}.
 

@@ -1,24 +1,18 @@
 """DPO through the real entry point at several parallel layouts (torchrun, gloo): same losses."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
 from .test_sft_parity import SFT_SCRIPT, _run_python
 
 DPO_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_dpo.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _rows(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_dpo_losses_match_across_layouts_and_reference_modes(tmp_path):
@@ -45,7 +39,7 @@ def test_dpo_losses_match_across_layouts_and_reference_modes(tmp_path):
         run_torchrun(DPO_SCRIPT, tp * pp * dp, *common, f"parallel.tensor_model_parallel_size={tp}",
                      f"parallel.pipeline_model_parallel_size={pp}", f"dpo.reference_logprobs={mode}",
                      f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
-        results[(tp, pp, dp, mode)] = _rows(log_dir)
+        results[(tp, pp, dp, mode)] = metrics_rows(log_dir)
     reference = results[(1, 1, 1, "precompute")]
     assert [row["split"] for row in reference] == ["train", "train", "train", "validation"]
     first = reference[0]

@@ -2,22 +2,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
 from .test_sft_parity import SFT_SCRIPT, _run_python
 
 RM_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_reward_model.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _validation_rows(log_dir: Path) -> list[dict]:
-    return [row for row in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 def test_reward_model_losses_match_across_layouts_and_normalisation_is_stored(tmp_path):
@@ -44,7 +39,7 @@ def test_reward_model_losses_match_across_layouts_and_normalisation_is_stored(tm
                      f"parallel.pipeline_model_parallel_size={pp}", f"checkpoint.save_dir={log_dir / 'ckpt'}",
                      f"logging.log_dir={log_dir}")
         meta = json.loads((log_dir / "ckpt" / "step_00000003" / "aligner_meta.json").read_text())
-        results[(tp, pp, dp)] = (_validation_rows(log_dir), meta["reward"])
+        results[(tp, pp, dp)] = (metrics_rows(log_dir), meta["reward"])
     reference_rows, reference_reward = results[(1, 1, 1)]
     assert reference_reward["type"] == "binary_ranking" and len(reference_reward["normalization"]["mean"]) == 1
     assert reference_reward["normalization"]["std"][0] > 0

@@ -1,7 +1,6 @@
 """SFT through the real entry point: parallel-layout parity and resume parity (torchrun, gloo)."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -58,8 +57,7 @@ def _run_python(script: Path, *args: str) -> str:
 
 
 def _train_losses(log_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows if row["split"] == "train"}
+    return {row["step"]: row["loss"] for row in metrics_rows(log_dir, "train")}
 
 
 def _layout_args(tp: int, pp: int, vpp: int | None = None) -> list[str]:

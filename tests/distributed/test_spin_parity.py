@@ -3,23 +3,16 @@ losses as one process. Generation is split over the data-parallel replicas and s
 also checks that each generation batch draws from its own seeds whatever replica runs it."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, run_torchrun, write_jsonl
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
 from .test_sft_parity import SFT_SCRIPT, _run_python
 
 SPIN_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_spin.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _rows(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_spin_matches_one_process_at_dp2_and_tp2(tmp_path):
@@ -43,7 +36,7 @@ def test_spin_matches_one_process_at_dp2_and_tp2(tmp_path):
         log_dir = tmp_path / f"spin_tp{tp}_dp{dp}"
         run_torchrun(SPIN_SCRIPT, tp * dp, *common, f"parallel.tensor_model_parallel_size={tp}",
                      f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
-        results[(tp, dp)] = _rows(log_dir)
+        results[(tp, dp)] = metrics_rows(log_dir)
     reference = results[(1, 1)]
     assert [row["split"] for row in reference] == ["spin", "train", "train", "spin", "train", "train"]
     # Sampled self-play answers some prompts wrongly: the pairs are not all identical, so they train.

@@ -2,7 +2,6 @@
 loss log 2 at the start for several betas, and a tiny run whose loss falls."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from aligner.models.weight_swap import HostWeights
 from aligner.runtime import seeds
 from aligner.tokenizer import Tokenizer
 
-from ..conftest import write_jsonl
+from ..conftest import metrics_rows, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -194,11 +193,6 @@ def _run_config(tmp_path, tokenizer_dir, train: Path, mode: str, loss: str = "dp
     ])
 
 
-def _train_losses(log_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if row["split"] == "train"]
-
-
 def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, tokenizer_dir):
     # 8 pairs, seen again and again: the policy must come to prefer the chosen answers.
     records = arithmetic.preference_records(8, seed=7)
@@ -208,7 +202,7 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, token
         trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, mode))
         trainer.fit()
         trainer.metrics.close()
-        losses[mode] = _train_losses(tmp_path / mode / "dpo")
+        losses[mode] = [row["loss"] for row in metrics_rows(tmp_path / mode / "dpo", "train")]
     for mode, values in losses.items():
         assert len(values) == 12
         assert values[0] == pytest.approx(math.log(2), abs=1e-5), mode
@@ -216,11 +210,6 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, token
     # The same run whichever way the reference logprobs arrive.
     for a, b in zip(losses["precompute"], losses["swap"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
-
-
-def _train_rows(log_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if row["split"] == "train"]
 
 
 @pytest.mark.parametrize("loss", ["rpo_sq", "rpo_fwd_kl"])
@@ -235,7 +224,7 @@ def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, token
         trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, "precompute", kind))
         trainer.fit()
         trainer.metrics.close()
-        margins[kind] = [row["margin"] for row in _train_rows(tmp_path / "precompute" / kind)]
+        margins[kind] = [row["margin"] for row in metrics_rows(tmp_path / "precompute" / kind, "train")]
     assert abs(margins[loss][0]) < 1e-5 and abs(margins["dpo"][0]) < 1e-5
     print(f"\n{loss}: margin {margins[loss][-1]:.3f} (given 0.5); dpo: {margins['dpo'][-1]:.3f}")
     assert margins[loss][-1] == pytest.approx(0.5, abs=0.15), margins[loss]

@@ -2,7 +2,6 @@
 reference, and a tiny two-iteration run (the reference is re-taken at each iteration's start)."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import seeds
 from aligner.tokenizer import Tokenizer
 
-from ..conftest import dotted_keys, write_jsonl
+from ..conftest import dotted_keys, metrics_rows, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -133,7 +132,7 @@ def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, toke
     run = build_spin_run(cfg)
     run.fit()
     run.trainer.metrics.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     train_rows = [row for row in rows if row["split"] == "train"]
     assert [row["iteration"] for row in train_rows] == [1] * 6 + [2] * 6
     assert [row["beta"] for row in train_rows] == [0.5] * 6 + [0.25] * 6
@@ -159,11 +158,6 @@ def _tiny_spin_config(tmp_path, tokenizer_dir, train, name: str, *overrides) -> 
         f"logging.log_dir={tmp_path / name}", "logging.progress_bar=false", "logging.tensorboard=false",
         "logging.peak_tflops=1.0", "logging.log_interval=100", *overrides,
     ])
-
-
-def _train_rows(log_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if row["split"] in ("train", "spin")]
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, monkeypatch):
@@ -198,8 +192,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, mo
     resumed.fit()
     resumed.trainer.metrics.close()
 
-    expected = _train_rows(tmp_path / "whole")
-    got = _train_rows(tmp_path / "interrupted") + _train_rows(tmp_path / "resumed")
+    expected = metrics_rows(tmp_path / "whole", "train", "spin")
+    got = metrics_rows(tmp_path / "interrupted", "train", "spin") + metrics_rows(tmp_path / "resumed", "train", "spin")
     assert [(row["split"], row["step"]) for row in got] == [(row["split"], row["step"]) for row in expected]
     for want, have in zip(expected, got):
         for key in ("loss", "preference_loss", "margin", "lr", "grad_norm", "self_match", "beta"):
