@@ -30,17 +30,27 @@ from typing import Callable
 import torch
 
 
-def matmul_rate(size: int, repeats: int = 20) -> float:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds fn() takes, its device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def matmul_rate(size: int, device: torch.device, repeats: int = 20) -> float:
     """FLOP/s of a [size, size] x [size, size] fp32 product (median of repeats)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     for _ in range(3):
         a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / statistics.median(timed(lambda: a @ b, device) for _ in range(repeats))
 
 
 def decode_step_flops(cfg, batch: int, context: float) -> float:
@@ -65,17 +75,15 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     return weights + kv
 
 
-def read_rate(nbytes: float, repeats: int = 30) -> float:
-    """Bytes/s of a summing pass over a float32 buffer of nbytes (kept hot: the step's working set)."""
-    buffer = torch.randn(max(int(nbytes) // 4, 1 << 16))
+def read_rate(nbytes: float, device: torch.device, repeats: int = 30) -> float:
+    """Bytes/s of a summing pass over a float32 buffer: of nbytes on CPU (kept hot, like the step's
+    working set), of at least 1 GiB on a GPU (more than its L2 cache: the HBM read rate)."""
+    if device.type == "cuda":
+        nbytes = max(nbytes, 2**30)
+    buffer = torch.randn(max(int(nbytes) // 4, 1 << 16), device=device)
     for _ in range(3):
         buffer.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return buffer.numel() * 4 / statistics.median(times)
+    return buffer.numel() * 4 / statistics.median(timed(buffer.sum, device) for _ in range(repeats))
 
 
 def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
@@ -83,7 +91,7 @@ def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
     weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
     weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                    else model.output_layer.weight)
-    inputs = [torch.randn(w.shape[1], batch) for w in weights]
+    inputs = [torch.randn(w.shape[1], batch, device=w.device) for w in weights]
 
     def run():
         for weight, x in zip(weights, inputs):
@@ -92,12 +100,7 @@ def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
     with torch.inference_mode():
         for _ in range(5):
             run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return statistics.median(timed(run, weights[0].device) for _ in range(repeats))
 
 
 def build_models(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int):
@@ -121,30 +124,27 @@ def build_models(arch: str, work: Path, layers: int, hidden: int, heads: int, vo
 def check_same_logits(model, hf_model, cfg) -> float:
     from aligner.models.forward import forward_logits
 
-    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    device = next(hf_model.parameters()).device
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.no_grad():
         expected = hf_model(tokens).logits.float()
     return float((forward_logits([model], tokens, cfg.vocab_size) - expected).abs().max())
 
 
-def paired(first: Callable[[], object], second: Callable[[], object], repeats: int, warmup: int):
+def paired(first: Callable[[], object], second: Callable[[], object], repeats: int, warmup: int,
+           device: torch.device):
     """Seconds of first() and second(), alternated so a burst of load hits both sides of a pair."""
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     for _ in range(warmup):
         first()
         second()
     pairs = []
     for repeat in range(repeats):
         if repeat % 2:
-            b = timed(second)
-            pairs.append((timed(first), b))
+            b = timed(second, device)
+            pairs.append((timed(first, device), b))
         else:
-            a = timed(first)
-            pairs.append((a, timed(second)))
+            a = timed(first, device)
+            pairs.append((a, timed(second, device)))
     return pairs
 
 
@@ -177,11 +177,13 @@ def main() -> None:
     from aligner.runtime import distributed, seeds
 
     distributed.initialize(distributed.ParallelConfig())
+    device = distributed.device()  # the megatron model's device; HF runs on the same one
     seeds.set_seed(0)
     max_len = args.prompt_tokens + args.new_tokens
     with tempfile.TemporaryDirectory() as scratch:
         cfg, model, hf_model = build_models(args.arch, Path(scratch), args.layers, args.hidden, args.heads,
                                             args.vocab, max(max_len, 64))
+    hf_model.to(device)
     logit_diff = check_same_logits(model, hf_model, cfg)
     if logit_diff > 1e-4:
         raise SystemExit(f"HF export does not reproduce the megatron model (max logit diff {logit_diff:.2e})")
@@ -189,6 +191,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_tokens), generator=generator)
     prompts = prompt_ids.tolist()
+    prompt_ids = prompt_ids.to(device)
     engine = NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=args.batch, max_sequence_length=max_len,
                           static_decode=args.static_decode)
     hf_model.generation_config.eos_token_id = None  # fixed length: nothing stops a row early
@@ -207,10 +210,10 @@ def main() -> None:
             return out
         return run
 
-    rate = matmul_rate(1024)
-    full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, args.warmup)
-    first = paired(hf(1), native(1), args.repeats, args.warmup)
-    rate = statistics.median([rate, matmul_rate(1024)])  # before and after: load drifts
+    rate = matmul_rate(1024, device)
+    full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, args.warmup, device)
+    first = paired(hf(1), native(1), args.repeats, args.warmup, device)
+    rate = statistics.median([rate, matmul_rate(1024, device)])  # before and after: load drifts
     matmuls = step_matmuls_seconds(model, args.batch)
 
     steps = args.new_tokens - 1
@@ -222,10 +225,12 @@ def main() -> None:
     context = args.prompt_tokens + args.new_tokens / 2
     floor = decode_step_flops(cfg, args.batch, context) / rate
     step_bytes = decode_step_bytes(model, cfg, args.batch, context)
-    bandwidth = read_rate(step_bytes)
+    bandwidth = read_rate(step_bytes, device)
 
-    print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.repeats} alternating pairs after {args.warmup} warm-up")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU, {torch.get_num_threads()} threads")
+    print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, {where}; "
+          f"{args.repeats} alternating pairs after {args.warmup} warm-up")
     print(f"model: {args.arch}-style, {cfg.num_layers} layers x {cfg.hidden_size} wide, "
           f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}, fp32; HF export max |logit diff| {logit_diff:.1e}")
     print(f"work: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
@@ -242,7 +247,8 @@ def main() -> None:
           f"{rate / 1e9:.0f} GFLOP/s (1024^3 fp32 matmul, this run) = {floor * 1e3:.3f} ms; native is "
           f"{statistics.median(native_step) / floor:.2f}x the floor, HF {statistics.median(hf_step) / floor:.2f}x")
     print(f"memory        {step_bytes / 1e6:.1f} MB read per decode step (weights + KV cache) at {bandwidth / 1e9:.1f} GB/s "
-          f"(sum over a buffer of that size, this run) = {step_bytes / bandwidth * 1e3:.3f} ms; native moves "
+          f"(sum over a {'1 GiB' if device.type == 'cuda' else 'same-size'} buffer, this run) = "
+          f"{step_bytes / bandwidth * 1e3:.3f} ms; native moves "
           f"{step_bytes / statistics.median(native_step) / 1e9:.1f} GB/s = "
           f"{step_bytes / statistics.median(native_step) / bandwidth:.0%} of that rate")
     print(f"matmuls only  the decode step's weight products alone (W @ x, x [in, {args.batch}], hot in cache): "
