@@ -174,6 +174,8 @@ class SPINRun:
     """The outer SPIN loop around a shared Trainer (which owns the model, optimizer and metrics)."""
 
     def __init__(self, cfg: SPINConfig, trainer: Trainer, built, demonstrations: list):
+        from megatron.core import parallel_state as ps
+
         from aligner.generation.native import NativeEngine
 
         self.cfg, self.trainer, self.built = cfg, trainer, built
@@ -183,8 +185,6 @@ class SPINRun:
         self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,
                                    eos_id=built.tokenizer.eos_id, max_batch_size=cfg.spin.generation.batch_size,
                                    max_sequence_length=cfg.data.max_seq_length + cfg.spin.generation.max_new_tokens)
-        from megatron.core import parallel_state as ps
-
         # (this replica, replicas, their group): self-play generation is split over the replicas.
         self.data_parallel = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                               ps.get_data_parallel_group())

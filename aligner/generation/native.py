@@ -25,24 +25,10 @@ copy; the attention output read transposed by the projection (no copy); tables t
 for every step (padding bias, every step's rotary rows) built once per generate call; a sampling
 path that draws and takes the logprob in one pass.
 
-Measured (benchmarks/generation.py: llama-style, 4 layers x 128 wide, vocab 256, batch 32, one
-thread, idle 2-core CPU, three runs): 2.24-2.29x HF `generate` tokens/s, decode step 2.17-2.46 ms
-(HF 5.3-5.9 ms) = 4.8-5.2x the arithmetic floor, moving 13-15% of the bytes per second a plain
-read of the step's working set reaches. The goals (3x HF, within 3x of the floor) are NOT met.
-The weight matmuls alone take 0.57-0.59 ms (1.2x the floor); the rest is ~150 small torch calls at
-~3-10 us each. Tried and measured on this CPU, and not used:
-- torch.compile of the static step: ~14 s to compile (100 s cold), 8 ms per step: AOT
-  functionalisation copies the whole KV cache around each in-place cache write;
-- torch.compile of a step that reads the cache and returns the new keys/values (written outside):
-  1.9-2.0 ms vs eager 2.2-2.3 ms in one process (cpp_wrapper alike), 10-20% for a compile per
-  batch size; inductor's fused attention kernels ran slower than baddbmm + softmax + bmm;
-- torch.jit.script of a decode layer: 12% faster than eager (deprecated API);
-- scaled_dot_product_attention for the decode attention: 148 us per layer vs 120 us for the
-  baddbmm/softmax/bmm path; elementwise (mul + sum) attention: 240 us;
-- a hand-written C kernel for rotary + cache write + attention (through ctypes): 12% per step in
-  one process, the same tokens; not worth a C toolchain at run time for what it buys.
-The previous step (index_copy_ cache writes, a contiguous copy of the attention output) was
-1.09x slower than this one in one process, with identical outputs.
+Measured (benchmarks/generation.py, demo-sized model, batch 32, one CPU thread): 2.2-2.3x HF
+`generate` tokens/s, a decode step at ~5x the arithmetic floor; the issue's goals (3x HF, within
+3x of the floor) are not met. torch.compile, TorchScript, SDPA and a hand-written C attention
+kernel were measured against this step and are not used (at most 10-20%, see benchmarks/README.md).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
 step can instead attend over the whole preallocated cache with a mask (the future and padding
