@@ -201,3 +201,16 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, mo
                 assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (key, want, have)
     assert (tmp_path / "interrupted" / "ckpt" / "step_00000006").is_dir()
 
+
+
+def test_resuming_from_a_step_that_is_not_an_iteration_end_is_refused(tmp_path, tokenizer_dir):
+    train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
+    run = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "run", "spin.num_iterations=1",
+                                         "spin.kl_betas=[0.5]"))
+    run.fit()
+    run.trainer.metrics.close()
+    assert (tmp_path / "run" / "ckpt" / "step_00000003").is_dir()
+    # The same save_dir with another iteration length: step 3 is not the end of an iteration.
+    with pytest.raises(ValueError, match="step 3 is not at the end of a SPIN iteration"):
+        build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "run", "spin.steps_per_iteration=2",
+                                         f"logging.log_dir={tmp_path / 'again'}"))
