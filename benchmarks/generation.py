@@ -69,8 +69,11 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     """Bytes one decode step must read: every weight once (embedding rows aside) and the KV cache
     over `context` columns of every layer, K and V (the cache's dtype is the model's)."""
     embedding = model.embedding.word_embeddings.weight
-    tied = model.share_embeddings_and_output_weights
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or tied)
+    positions = getattr(model.embedding, "position_embeddings", None)
+    gathered = {id(positions.weight)} if positions is not None else set()  # rows looked up, not read whole
+    if not model.share_embeddings_and_output_weights:  # tied: the output layer reads it whole
+        gathered.add(id(embedding))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in gathered)
     kv = 2 * cfg.num_layers * batch * cfg.query_groups * cfg.head_dim * context * embedding.element_size()
     return weights + kv
 
