@@ -181,7 +181,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+    from aligner.training.metrics import get_logger
 
     check_dpo_section(cfg.dpo)
     built = setup.build_training_model(
@@ -219,16 +219,9 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
         if val_loader is not None:
             val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size)
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
-    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
-    trainer = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint,
-        objective=DPOObjective(cfg.dpo, model_cfg.vocab_size), chunks=built.chunks, optimizer=built.optimizer,
-        scheduler=scheduler, train_loader=train_loader, val_loader=val_loader, metrics=metrics,
-        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
-        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
-    )
+    trainer = setup.build_trainer(cfg, built, DPOObjective(cfg.dpo, model_cfg.vocab_size), total_steps=total_steps,
+                                  train_loader=train_loader, val_loader=val_loader)
+    metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
     metrics.write(

@@ -751,8 +751,6 @@ def build_actor_parts(cfg, rollouts_per_step: int, *, reward_source=None, ptx_co
     from aligner.models.weight_swap import HostWeights
     from aligner.rl.rollouts import PromptDataset
     from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
-    from aligner.training.trainer import Trainer
 
     section = cfg.ppo
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if section.disable_dropout else None
@@ -778,18 +776,12 @@ def build_actor_parts(cfg, rollouts_per_step: int, *, reward_source=None, ptx_co
 
     trainer_cfg = cfg.trainer
     minibatches_per_step = rollouts_per_step // trainer_cfg.global_batch_size
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim,
-                                      trainer_cfg.max_steps * section.epochs * minibatches_per_step)
-    metrics = MetricsLogger(cfg.logging, cfg.name, trainer_cfg.max_steps)
     objective = PPOObjective(model_cfg.vocab_size, cfg.generation.temperature if section.scale_logits_by_temperature
                              else 1.0, section.clip_ratio, section.entropy_coef, section.loss_aggregation, ptx_coef)
-    policy = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective, chunks=chunks,
-        optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None, metrics=metrics,
-        checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
-        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=tokenizer.pad_id,
-    )
+    # Steps are PPO steps; the LR schedule counts optimizer steps (epochs x minibatches per step).
+    policy = setup.build_trainer(cfg, built, objective, total_steps=trainer_cfg.max_steps,
+                                 optimizer_steps=trainer_cfg.max_steps * section.epochs * minibatches_per_step)
+    metrics = policy.metrics
     summary = (f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "
                f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
                f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "

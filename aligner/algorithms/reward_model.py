@@ -157,7 +157,7 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     from aligner.models.gpt import num_parameters
     from aligner.models.reward import HEAD_STATE_PREFIX, build_reward_model
     from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+    from aligner.training.metrics import get_logger
 
     reward = cfg.reward
     if reward.type not in ("binary_ranking", "regression"):
@@ -198,19 +198,12 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
         collate_fn=collate_comparisons if reward.type == "binary_ranking" else collate_regression,
     )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
     model_cfg = built.model_cfg
     objective = RankingObjective() if reward.type == "binary_ranking" else RegressionObjective(list(reward.attributes))
-    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
     reward_meta = {"type": reward.type, "attributes": list(reward.attributes), "normalization": None}
-    trainer = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=objective,
-        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
-        val_loader=val_loader, metrics=metrics, checkpoint_meta={"model": model_cfg.to_dict(), "reward": reward_meta},
-        tokenizer_dir=built.tokenizer_dir, num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size, peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
-        pad_id=built.tokenizer.pad_id,
-    )
+    trainer = setup.build_trainer(cfg, built, objective, total_steps=total_steps, train_loader=train_loader,
+                                  val_loader=val_loader, checkpoint_meta={"reward": reward_meta})
+    metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
         from aligner import checkpointing

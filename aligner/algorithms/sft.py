@@ -72,7 +72,7 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     from aligner.data.steerlm import AttributeConditioning
     from aligner.models.gpt import num_parameters
     from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+    from aligner.training.metrics import get_logger
 
     cfg.data.steerlm.validate()  # before the model is built: a typo in the format fails at once
     built = setup.build_training_model(
@@ -102,20 +102,13 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
         shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
     )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
     model_cfg = built.model_cfg
-    checkpoint_meta = {"model": model_cfg.to_dict()}
+    checkpoint_meta = {}
     if conditioning is not None:  # generation must render the attribute values the same way
         checkpoint_meta[CHECKPOINT_META_KEY] = cfg.data.steerlm.to_dict()
-    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
-    trainer = Trainer(
-        name=cfg.name, trainer_cfg=trainer_cfg, checkpoint_cfg=cfg.checkpoint, objective=SFTObjective(model_cfg.vocab_size),
-        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
-        val_loader=val_loader, metrics=metrics, checkpoint_meta=checkpoint_meta,
-        tokenizer_dir=built.tokenizer_dir, num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size, peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
-        pad_id=built.tokenizer.pad_id,
-    )
+    trainer = setup.build_trainer(cfg, built, SFTObjective(model_cfg.vocab_size), total_steps=total_steps,
+                                  train_loader=train_loader, val_loader=val_loader, checkpoint_meta=checkpoint_meta)
+    metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
     metrics.write(

@@ -254,9 +254,8 @@ class SPINRun:
 
 def build_spin_run(cfg: SPINConfig) -> SPINRun:
     """Runtime, tokenizer, model, demonstrations, optimizer and schedule, metrics: a run ready to `fit()`."""
-    from aligner.models.gpt import num_parameters
     from aligner.training import setup
-    from aligner.training.metrics import MetricsLogger, get_logger, peak_tflops_per_device
+    from aligner.training.metrics import get_logger
 
     spin = cfg.spin
     if spin.num_iterations < 1 or spin.steps_per_iteration < 1:
@@ -277,17 +276,12 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
         get_logger().info(f"{entry.path}: {len(loaded)} demonstrations")
         demonstrations += loaded
     total_steps = spin.num_iterations * spin.steps_per_iteration
-    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, total_steps)
-    metrics = MetricsLogger(cfg.logging, cfg.name, total_steps)
     model_cfg = built.model_cfg
-    trainer = Trainer(
-        name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint,
-        objective=DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
-        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=None, val_loader=None,
-        metrics=metrics, checkpoint_meta={"model": model_cfg.to_dict()}, tokenizer_dir=built.tokenizer_dir,
-        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
+    trainer = setup.build_trainer(
+        cfg, built, DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
+        total_steps=total_steps,
     )
+    metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
         if trainer.step % spin.steps_per_iteration:

@@ -116,6 +116,28 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dt
     return get_megatron_optimizer(config, chunks)
 
 
+def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_steps: int,
+                  optimizer_steps: Optional[int] = None, train_loader=None, val_loader=None,
+                  checkpoint_meta: Optional[dict] = None):
+    """The shared Trainer over a built model: an LR schedule over `optimizer_steps` (default
+    total_steps), metrics and progress over `total_steps`, checkpoints that record the model config
+    (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller."""
+    from aligner.models.gpt import num_parameters
+    from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
+    from aligner.training.trainer import Trainer
+
+    model_cfg = built.model_cfg
+    scheduler = build_scheduler(built.optimizer, cfg.optim, total_steps if optimizer_steps is None else optimizer_steps)
+    return Trainer(
+        name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint, objective=objective,
+        chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
+        val_loader=val_loader, metrics=MetricsLogger(cfg.logging, cfg.name, total_steps),
+        checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
+        num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
+    )
+
+
 def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
