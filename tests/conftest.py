@@ -43,6 +43,16 @@ def torchrun():
     return run_torchrun
 
 
+@pytest.fixture(scope="session")
+def arithmetic_tokenizer_dir(tmp_path_factory) -> Path:
+    """A character tokenizer over the demo task's alphabet (digits, '+', '='), trained once per session."""
+    from aligner.demo.tokenizer import train_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("arithmetic_tokenizer")
+    train_char_tokenizer(["0123456789+="], directory)
+    return directory
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     """One JSON object per line; returns the path."""
     import json

@@ -15,7 +15,6 @@ from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset, collate_preferences
 from aligner.data.sft import encode_record
 from aligner.demo import arithmetic
-from aligner.demo.tokenizer import train_char_tokenizer
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.models.weight_swap import HostWeights
 from aligner.runtime import seeds
@@ -27,15 +26,8 @@ pytestmark = pytest.mark.usefixtures("single_process")
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("dpo_tokenizer")
-    train_char_tokenizer(["0123456789+="], directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir) -> Tokenizer:
-    return Tokenizer(tokenizer_dir)
+def tokenizer(arithmetic_tokenizer_dir) -> Tokenizer:
+    return Tokenizer(arithmetic_tokenizer_dir)
 
 
 def _model(tokenizer: Tokenizer, seed: int = 0):
@@ -179,9 +171,9 @@ def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
 
 
 # ----------------------------------------------------------------------------- a tiny run
-def _run_config(tmp_path, tokenizer_dir, train: Path, mode: str, loss: str = "dpo") -> DPOConfig:
+def _run_config(tmp_path, arithmetic_tokenizer_dir, train: Path, mode: str, loss: str = "dpo") -> DPOConfig:
     return load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [
-        f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
+        f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
         "data.max_seq_length=16", "model.architecture.num_layers=2", "model.architecture.hidden_size=32",
         "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
         "model.architecture.ffn_hidden_size=64", "trainer.max_steps=12", "trainer.global_batch_size=8",
@@ -193,13 +185,13 @@ def _run_config(tmp_path, tokenizer_dir, train: Path, mode: str, loss: str = "dp
     ])
 
 
-def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, tokenizer_dir):
+def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, arithmetic_tokenizer_dir):
     # 8 pairs, seen again and again: the policy must come to prefer the chosen answers.
     records = arithmetic.preference_records(8, seed=7)
     train = write_jsonl(tmp_path / "train.jsonl", records)
     losses = {}
     for mode in ("precompute", "swap"):
-        trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, mode))
+        trainer = build_dpo_trainer(_run_config(tmp_path, arithmetic_tokenizer_dir, train, mode))
         trainer.fit()
         trainer.metrics.close()
         losses[mode] = [row["loss"] for row in metrics_rows(tmp_path / mode / "dpo", "train")]
@@ -213,7 +205,7 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, token
 
 
 @pytest.mark.parametrize("loss", ["rpo_sq", "rpo_fwd_kl"])
-def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, tokenizer_dir, loss):
+def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, arithmetic_tokenizer_dir, loss):
     # Every pair's given rewards differ by 0.5: RPO pulls the implicit reward margin to 0.5 and holds
     # it there, where DPO on the same pairs pushes it on without bound.
     records = [{**record, "chosen_reward": 1.0, "rejected_reward": 0.5}
@@ -221,7 +213,7 @@ def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, token
     train = write_jsonl(tmp_path / "train.jsonl", records)
     margins = {}
     for kind in (loss, "dpo"):
-        trainer = build_dpo_trainer(_run_config(tmp_path, tokenizer_dir, train, "precompute", kind))
+        trainer = build_dpo_trainer(_run_config(tmp_path, arithmetic_tokenizer_dir, train, "precompute", kind))
         trainer.fit()
         trainer.metrics.close()
         margins[kind] = [row["margin"] for row in metrics_rows(tmp_path / "precompute" / kind, "train")]

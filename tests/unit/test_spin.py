@@ -3,7 +3,6 @@ reference, and a tiny two-iteration run (the reference is re-taken at each itera
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from aligner.config import CONF_DIR, load_config
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset, collate_preferences
 from aligner.demo import arithmetic
-from aligner.demo.tokenizer import train_char_tokenizer
 from aligner.generation.engine import SamplingParams
 from aligner.generation.native import NativeEngine
 from aligner.generation.reference import generate_full_forward
@@ -26,13 +24,6 @@ from aligner.tokenizer import Tokenizer
 from ..conftest import dotted_keys, metrics_rows, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("spin_tokenizer")
-    train_char_tokenizer(["0123456789+="], directory)
-    return directory
 
 
 def test_every_schema_key_is_in_the_shipped_yamls():
@@ -56,8 +47,8 @@ def test_betas_per_iteration():
         iteration_betas(SPINSection(num_iterations=1, kl_betas=[0.0]))
 
 
-def test_demonstrations_split_prompt_and_response(tmp_path, tokenizer_dir):
-    tokenizer = Tokenizer(tokenizer_dir)
+def test_demonstrations_split_prompt_and_response(tmp_path, arithmetic_tokenizer_dir):
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
     path = write_jsonl(tmp_path / "sft.jsonl", [{"input": "12+7=", "output": "19"}])
     [(prompt, response)] = load_demonstrations(path, tokenizer, 32)
     assert prompt == [tokenizer.bos_id] + tokenizer.encode("12+7=")
@@ -75,9 +66,9 @@ def _model(tokenizer: Tokenizer, seed: int):
     return build_gpt_model(cfg, transformer_config(cfg)), cfg
 
 
-def test_spin_loss_on_self_play_pairs_matches_a_float64_reference(tmp_path, tokenizer_dir):
+def test_spin_loss_on_self_play_pairs_matches_a_float64_reference(tmp_path, arithmetic_tokenizer_dir):
     """Rejected = the model's own greedy answer; the loss is DPO's with the demonstration chosen."""
-    tokenizer = Tokenizer(tokenizer_dir)
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
     policy, cfg = _model(tokenizer, seed=3)
     reference, _ = _model(tokenizer, seed=4)
     path = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(6, seed=1))
@@ -117,10 +108,10 @@ def test_spin_loss_on_self_play_pairs_matches_a_float64_reference(tmp_path, toke
     assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
 
 
-def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, tokenizer_dir):
+def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, arithmetic_tokenizer_dir):
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
     cfg = load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
-        f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
+        f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
         "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
         "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
         "spin.num_iterations=2", "spin.steps_per_iteration=6", "spin.kl_betas=[0.5, 0.25]",
@@ -146,9 +137,9 @@ def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, toke
     assert (tmp_path / "ckpt" / "step_00000012").is_dir()
 
 
-def _tiny_spin_config(tmp_path, tokenizer_dir, train, name: str, *overrides) -> SPINConfig:
+def _tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, name: str, *overrides) -> SPINConfig:
     return load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
-        f"tokenizer.path={tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
+        f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
         "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
         "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
         "spin.num_iterations=2", "spin.steps_per_iteration=3", "spin.kl_betas=[0.5, 0.25]",
@@ -160,11 +151,11 @@ def _tiny_spin_config(tmp_path, tokenizer_dir, train, name: str, *overrides) -> 
     ])
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, monkeypatch):
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, arithmetic_tokenizer_dir, monkeypatch):
     import aligner.algorithms.spin as spin_module
 
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
-    whole = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "whole"))
+    whole = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "whole"))
     whole.fit()
     whole.trainer.metrics.close()
 
@@ -179,14 +170,14 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, mo
         return real_self_play(*args, **kwargs)
 
     monkeypatch.setattr(spin_module, "self_play_pairs", crash_at_second_iteration)
-    first = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "interrupted"))
+    first = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "interrupted"))
     with pytest.raises(RuntimeError, match="simulated crash"):
         first.fit()
     first.trainer.metrics.close()
     assert (tmp_path / "interrupted" / "ckpt" / "step_00000003").is_dir()
     monkeypatch.setattr(spin_module, "self_play_pairs", real_self_play)
 
-    resumed = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "interrupted",
+    resumed = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "interrupted",
                                                f"logging.log_dir={tmp_path / 'resumed'}"))
     assert resumed.trainer.step == 3
     resumed.fit()
@@ -203,14 +194,14 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, tokenizer_dir, mo
 
 
 
-def test_resuming_from_a_step_that_is_not_an_iteration_end_is_refused(tmp_path, tokenizer_dir):
+def test_resuming_from_a_step_that_is_not_an_iteration_end_is_refused(tmp_path, arithmetic_tokenizer_dir):
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
-    run = build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "run", "spin.num_iterations=1",
+    run = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "run", "spin.num_iterations=1",
                                          "spin.kl_betas=[0.5]"))
     run.fit()
     run.trainer.metrics.close()
     assert (tmp_path / "run" / "ckpt" / "step_00000003").is_dir()
     # The same save_dir with another iteration length: step 3 is not the end of an iteration.
     with pytest.raises(ValueError, match="step 3 is not at the end of a SPIN iteration"):
-        build_spin_run(_tiny_spin_config(tmp_path, tokenizer_dir, train, "run", "spin.steps_per_iteration=2",
+        build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "run", "spin.steps_per_iteration=2",
                                          f"logging.log_dir={tmp_path / 'again'}"))
