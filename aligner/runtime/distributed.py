@@ -5,8 +5,10 @@ entry point gets the same runtime by calling `initialize(parallel)`.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,6 +107,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
+        _shut_down_at_exit()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -122,6 +125,33 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_exit_hook_registered = False
+_uncaught_exception = False
+
+
+def _shut_down_at_exit() -> None:
+    """Destroy the process groups before the interpreter is torn down.
+
+    A process that exits with a live gloo group can die with SIGABRT ("terminate called without
+    an active exception"): gloo's worker threads still hold tensors when finalisation frees them
+    (pytorch/pytorch#190489). The hook runs only after a clean exit: a rank that raised must not
+    wait on a teardown its peers may never reach.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    previous_hook = sys.excepthook
+
+    def note_uncaught(exc_type, exc, tb):
+        global _uncaught_exception
+        _uncaught_exception = True
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = note_uncaught
+    atexit.register(lambda: None if _uncaught_exception else shutdown())
 
 
 def is_rank_zero() -> bool:
