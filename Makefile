@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints/ci.txt
 install: $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
 
 test-fast: install
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra -m "not slow and not distributed" $(PYTEST_ARGS) tests

@@ -73,14 +73,22 @@ class ManagedProcess:
                 raise LaunchError(f"{self.name} was not ready after {timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        if not self.running():
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        if self.running():
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        # Whatever the child left behind in its process group goes too: a killed or crashed actor
+        # does not reap its own children (torch.compile's worker pool, which megatron-core's fused
+        # kernels start), and they would outlive the job.
         try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except (ProcessLookupError, PermissionError):
+            pass
         if self._reader is not None:
             self._reader.join(timeout=5)
 
@@ -120,8 +128,7 @@ def run_processes(servers: Sequence[ManagedProcess], actor: ManagedProcess, *, r
         started.append(actor)
         while actor.running():
             time.sleep(0.5)
-        actor._reader.join(timeout=10)
-        return actor.process.returncode
+        return actor.process.returncode  # its output is drained by `stop` below
     except KeyboardInterrupt:
         print("launcher: interrupted; stopping every process", flush=True)
         return 130
