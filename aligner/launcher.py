@@ -4,7 +4,8 @@ A run is up to three processes: the reward-model server (unless the critic serve
 rewards, or the reward is a Python function), the critic server, and the actor (under torchrun
 when it has several processes). Servers start first; the actor starts once every server printed
 its ready line; when the actor ends (or the launcher is interrupted) the servers get SIGTERM, then
-SIGKILL if they have not exited after a grace period. Each process's output goes to
+SIGKILL if they have not exited after a grace period; whatever a process leaves in its process
+group (even after it was killed) is killed with it. Each process's output goes to
 `<log_dir>/<name>.log` and, prefixed with its name, to the launcher's stdout.
 """
 from __future__ import annotations
