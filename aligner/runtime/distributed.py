@@ -107,7 +107,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
-        _shut_down_at_exit()
+        _register_shutdown_at_exit()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -131,7 +131,7 @@ _exit_hook_registered = False
 _uncaught_exception = False
 
 
-def _shut_down_at_exit() -> None:
+def _register_shutdown_at_exit() -> None:
     """Destroy the process groups before the interpreter is torn down.
 
     A process that exits with a live gloo group can die with SIGABRT ("terminate called without
