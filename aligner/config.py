@@ -100,4 +100,7 @@ def run_main(main) -> None:
         main()
     except (ConfigError, DataError, CheckpointError, ClientError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        from aligner.runtime import distributed
+
+        distributed.exiting_on_error()
         raise SystemExit(2) from None

@@ -128,7 +128,13 @@ def shutdown() -> None:
 
 
 _exit_hook_registered = False
-_uncaught_exception = False
+_exiting_on_error = False
+
+
+def exiting_on_error() -> None:
+    """Skip the teardown at exit: this process is ending on an error (see below)."""
+    global _exiting_on_error
+    _exiting_on_error = True
 
 
 def _register_shutdown_at_exit() -> None:
@@ -136,8 +142,8 @@ def _register_shutdown_at_exit() -> None:
 
     A process that exits with a live gloo group can die with SIGABRT ("terminate called without
     an active exception"): gloo's worker threads still hold tensors when finalisation frees them
-    (pytorch/pytorch#190489). The hook runs only after a clean exit: a rank that raised must not
-    wait on a teardown its peers may never reach.
+    (pytorch/pytorch#190489). The hook runs only after a clean exit: a rank that failed (an
+    uncaught exception, or `exiting_on_error`) must not wait on a teardown its peers may never reach.
     """
     global _exit_hook_registered
     if _exit_hook_registered:
@@ -146,12 +152,11 @@ def _register_shutdown_at_exit() -> None:
     previous_hook = sys.excepthook
 
     def note_uncaught(exc_type, exc, tb):
-        global _uncaught_exception
-        _uncaught_exception = True
+        exiting_on_error()
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = note_uncaught
-    atexit.register(lambda: None if _uncaught_exception else shutdown())
+    atexit.register(lambda: None if _exiting_on_error else shutdown())
 
 
 def is_rank_zero() -> bool:

@@ -1,12 +1,14 @@
 """aligner/runtime/distributed.py: a process that initialised the runtime tears its process groups
 down before the interpreter does (a live gloo group at finalisation can abort the process with
-SIGABRT, "terminate called without an active exception"), unless the process is dying of an error."""
+SIGABRT, "terminate called without an active exception"), unless the process is ending on an error."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from ..conftest import REPO_ROOT
 
@@ -23,6 +25,11 @@ PROBE = textwrap.dedent("""
     distributed.initialize(distributed.ParallelConfig())  # a second call registers no second hook
     if sys.argv[1] == "raise":
         raise RuntimeError("the run failed")
+    if sys.argv[1] == "user_error":  # an entry point's clear one-line error, exit code 2
+        from aligner.config import run_main
+        def main():
+            raise ValueError("a bad setting")
+        run_main(main)
 """)
 
 
@@ -40,8 +47,10 @@ def test_a_clean_exit_destroys_the_process_groups():
     assert "alive at exit: False False" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
-def test_an_uncaught_error_leaves_the_groups_and_keeps_the_error():
-    result = _run_probe("raise")
-    assert result.returncode == 1
-    assert "RuntimeError: the run failed" in result.stderr
+@pytest.mark.parametrize("mode, code, message", [("raise", 1, "RuntimeError: the run failed"),
+                                                 ("user_error", 2, "error: a bad setting")])
+def test_a_failed_run_leaves_the_groups_and_keeps_its_error(mode, code, message):
+    result = _run_probe(mode)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message in result.stderr
     assert "alive at exit: True True" in result.stdout, result.stdout + result.stderr[-3000:]
