@@ -3,7 +3,6 @@ killing the actor mid-run and resuming continues with the same metrics; killing 
 stops the actor with an error naming it, and the checkpoints already saved stay loadable."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ from aligner import checkpointing
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT
+from ..conftest import REPO_ROOT, metrics_rows, write_jsonl
 
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
 pytestmark = [pytest.mark.slow]
@@ -55,9 +54,9 @@ def _run(script: Path, *args) -> None:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_launch")
     sft_records = arithmetic.sft_records(256, seed=7)
-    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_records))
-    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arithmetic.preference_records(128, seed=7)))
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arithmetic.rl_prompts(256, seed=7)))
+    write_jsonl(root / "sft.jsonl", sft_records)
+    write_jsonl(root / "pairs.jsonl", arithmetic.preference_records(128, seed=7))
+    write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(256, seed=7))
     train_char_tokenizer([r["input"] + r["output"] for r in sft_records], root / "tokenizer")
     tiny = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
             "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
@@ -89,10 +88,10 @@ def _launch_command(models, log_dir: Path, port: int, max_steps: int) -> list:
 
 
 def _train_rows(log_dir: Path) -> list[dict]:
-    path = log_dir / "actor" / "metrics.jsonl"
-    if not path.exists():
+    """The actor's train rows so far (none before it wrote its first)."""
+    if not (log_dir / "actor" / "metrics.jsonl").exists():
         return []
-    return [row for row in map(json.loads, path.read_text().splitlines()) if row["split"] == "train"]
+    return metrics_rows(log_dir / "actor", "train")
 
 
 def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step: int = 0) -> tuple[int, str]:

@@ -17,7 +17,7 @@ import pytest
 from aligner.data.jsonl import read_jsonl
 from aligner.demo import arithmetic
 
-from ..conftest import REPO_ROOT, write_jsonl
+from ..conftest import REPO_ROOT, metrics_rows, write_jsonl
 from .test_reward_server import ENTRY_POINT, ServerProcess, free_port_block, make_reward_checkpoint
 
 ANNOTATE = REPO_ROOT / "examples" / "nlp" / "data" / "steerlm" / "annotate.py"
@@ -180,7 +180,7 @@ def test_conditioned_sft_learns_and_records_its_conditioning(steerlm_run):
     from aligner import checkpointing
 
     run_dir, checkpoint = steerlm_run
-    losses = [row["loss"] for row in _read_jsonl(run_dir / "metrics.jsonl") if row["split"] == "train"]
+    losses = [row["loss"] for row in metrics_rows(run_dir, "train")]
     assert len(losses) == 40
     first, last = np.mean(losses[:3]), np.mean(losses[-5:])
     print(f"\nconditioned SFT loss {first:.3f} -> {last:.3f}")
