@@ -67,14 +67,15 @@ class Tokenizer:
         """Token ids of a chat; with add_generation_prompt, ready for the assistant to reply."""
         return self.encode_chat(messages, add_generation_prompt)[0]
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    use_template: bool = True) -> tuple[list[int], list[int]]:
         """Token ids of a chat and a same-length mask that is 1 on assistant replies.
 
         The mask covers each assistant message's content and the end-of-turn
         (or eos) token that closes it, i.e. what the model must learn to emit.
-        Uses the chat template when there is one, else the plain layout above.
+        Uses the chat template when there is one (and use_template), else the plain layout above.
         """
-        if self.has_chat_template:
+        if use_template and self.has_chat_template:
             return self._encode_templated_chat(messages, add_generation_prompt)
         return self._encode_plain_chat(messages, add_generation_prompt)
 
