@@ -17,6 +17,13 @@ or
                                           training lays out a text: [bos if the tokenizer has one]
                                           + tokenizer.encode(text) + [eos] (no eos with
                                           `append_eos=false`)
+or
+  conversations     bytes [batch, 1]      UTF-8 JSON {"prompt": text or {role, content} messages,
+                                          "response": text or an assistant message}, tokenized on
+                                          the server as reward training lays out the same record
+                                          (`aligner.data.reward.request_sample_tokens`, with the
+                                          server's `chat_template` and `append_eos`): the SFT
+                                          encoding of the conversation up to the end of the reply
 Responses, one row per sequence:
   rewards           float32 [batch, A]    one reward per attribute (the checkpoint's attribute order);
                                           NaN for a rejected row
@@ -38,7 +45,8 @@ before anything runs, and a bad row is answered in its own `error` output (NaN r
 other rows and requests of the batch are scored normally; `RewardClient` raises
 `RewardServerError` with the message. Rejected: token ids < 0 or >= the model's vocabulary,
 an empty sequence (length 0), a sequence longer than max_position_embeddings or than the tokens
-sent, both kinds of input or neither, texts that are not UTF-8. Triton itself rejects a wrong dtype
+sent, more than one kind of input or none, texts that are not UTF-8, conversations that are not
+JSON or not a valid prompt and response (e.g. a prompt ending with an assistant turn). Triton itself rejects a wrong dtype
 (e.g. int32 tokens), an unknown input name or too many rows before the callback runs, with an
 error for that request only. An exception while the model runs (a bug, out of memory) fails that
 merged batch; the server keeps serving the next one.
@@ -60,7 +68,7 @@ from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonS
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "reward_model"
-TOKENS, LENGTHS, SENTENCES = "tokens", "sequence_lengths", "sentences"
+TOKENS, LENGTHS, SENTENCES, CONVERSATIONS = "tokens", "sequence_lengths", "sentences", "conversations"
 REWARDS, ERROR = "rewards", "error"
 PAD_ID = 0  # any in-vocabulary id: padding after a row's last token never reaches its reward
 
@@ -80,7 +88,8 @@ class RewardServerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name=DEFAULT_MODEL_NAME))
     normalize_rewards: bool = True  # apply the checkpoint's reward normalisation
     pad_sequence_length_to_multiple: int = 8
-    append_eos: bool = True  # `sentences` input: end the tokenized text with eos, as reward training does
+    append_eos: bool = True  # `sentences`/`conversations` input: end with eos, as reward training does
+    chat_template: bool = True  # `conversations` input: the chat template, as the reward model's data.chat_template
 
     def validate(self) -> None:
         if self.inference.micro_batch_size < 1:
@@ -100,7 +109,7 @@ class RewardModelServer:
     """Decodes reward requests, scores the valid rows collectively, encodes one answer per request."""
 
     def __init__(self, loaded, serving: CollectiveServing, *, pad_sequence_length_to_multiple: int = 8,
-                 append_eos: bool = True):
+                 append_eos: bool = True, chat_template: bool = True):
         """loaded: `aligner.models.reward.LoadedRewardModel`; serving runs its `inference.infer`."""
         from aligner.data.reward import RewardTokenLayout
 
@@ -110,7 +119,7 @@ class RewardModelServer:
         self.vocab_size = loaded.model_cfg.vocab_size
         self.max_length = loaded.model_cfg.max_position_embeddings
         self.pad_to_multiple = pad_sequence_length_to_multiple
-        self.encode_text = RewardTokenLayout(loaded.tokenizer, append_eos)  # the layout reward training uses
+        self.layout = RewardTokenLayout(loaded.tokenizer, append_eos, chat_template)  # the one reward training uses
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
 
     def triton_model(self, server: ServerConfig, data_parallel_size: int) -> TritonModel:
@@ -124,7 +133,8 @@ class RewardModelServer:
             infer_fn=self.infer,
             inputs=[Tensor(name=TOKENS, dtype=np.int64, shape=(-1,), optional=True),
                     Tensor(name=LENGTHS, dtype=np.int64, shape=(1,), optional=True),
-                    Tensor(name=SENTENCES, dtype=bytes, shape=(1,), optional=True)],
+                    Tensor(name=SENTENCES, dtype=bytes, shape=(1,), optional=True),
+                    Tensor(name=CONVERSATIONS, dtype=bytes, shape=(1,), optional=True)],
             outputs=[Tensor(name=REWARDS, dtype=np.float32, shape=(len(self.attributes),)),
                      Tensor(name=ERROR, dtype=bytes, shape=(1,))],
             max_batch_size=server.max_batch_size,
@@ -176,15 +186,21 @@ class RewardModelServer:
 
     def _decode(self, request: Mapping[str, np.ndarray], rows: int) -> list[tuple[Optional[np.ndarray], str]]:
         names = set(request.keys())
-        if SENTENCES in names and names & {TOKENS, LENGTHS}:
-            return self._reject_all(rows, f"send either {TOKENS} + {LENGTHS} or {SENTENCES}, not both")
+        kinds = [kind for kind, inputs in ((TOKENS, {TOKENS, LENGTHS}), (SENTENCES, {SENTENCES}),
+                                           (CONVERSATIONS, {CONVERSATIONS})) if names & inputs]
+        if len(kinds) > 1:
+            return self._reject_all(rows, f"send only one of: {TOKENS} + {LENGTHS}, {SENTENCES}, {CONVERSATIONS}; "
+                                    f"got {', '.join(sorted(names))}")
         if SENTENCES in names:
             return [self._decode_text(text) for text in request[SENTENCES].reshape(rows, -1)[:, 0]]
+        if CONVERSATIONS in names:
+            return [self._decode_conversation(payload) for payload in request[CONVERSATIONS].reshape(rows, -1)[:, 0]]
         if not {TOKENS, LENGTHS} <= names:
             missing = sorted({TOKENS, LENGTHS} - names)
             return self._reject_all(
                 rows, f"missing input {', '.join(missing)}: send {TOKENS} (int64 [batch, width], right-padded) with "
-                f"{LENGTHS} (int64 [batch, 1]), or {SENTENCES} (bytes [batch, 1]); got {sorted(names) or 'nothing'}")
+                f"{LENGTHS} (int64 [batch, 1]), or {SENTENCES} or {CONVERSATIONS} (bytes [batch, 1]); "
+                f"got {sorted(names) or 'nothing'}")
         tokens, lengths = request[TOKENS], request[LENGTHS]
         if tokens.dtype.kind not in "iu" or lengths.dtype.kind not in "iu":
             return self._reject_all(rows, f"{TOKENS} and {LENGTHS} must be int64, got {tokens.dtype} and {lengths.dtype}")
@@ -207,7 +223,17 @@ class RewardModelServer:
         except (UnicodeDecodeError, TypeError) as error:
             return None, f"{SENTENCES} must be UTF-8 text ({error})"
         with self._tokenizer_lock:
-            ids = np.asarray(self.encode_text(text), dtype=np.int64)
+            ids = np.asarray(self.layout.text(text), dtype=np.int64)
+        return self._check(ids, len(ids))
+
+    def _decode_conversation(self, payload) -> tuple[Optional[np.ndarray], str]:
+        from aligner.data.reward import request_sample_tokens
+
+        try:
+            with self._tokenizer_lock:
+                ids = np.asarray(request_sample_tokens(payload, self.layout), dtype=np.int64)
+        except ValueError as error:
+            return None, f"{CONVERSATIONS}: {error}"
         return self._check(ids, len(ids))
 
     def _check(self, ids: np.ndarray, length: int) -> tuple[Optional[np.ndarray], str]:
@@ -249,7 +275,7 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
                                    normalize=cfg.normalize_rewards)
         serving = CollectiveServing(lambda tokens, lengths: loaded.inference.infer(tokens, lengths))
         server = RewardModelServer(loaded, serving, pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple,
-                                   append_eos=cfg.append_eos)
+                                   append_eos=cfg.append_eos, chat_template=cfg.chat_template)
         ready = (f"reward model server ready on {cfg.server.http_url} (model '{cfg.server.model_name}', "
                  f"attributes {server.attributes})")
         serve(cfg.server, [server.triton_model(cfg.server, data_parallel_size)], serving, ready_message=ready)

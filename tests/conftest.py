@@ -112,3 +112,57 @@ def train_tiny_arithmetic_policy(root: Path, seed: int, num_prompts: int = 64, s
     ], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "sft" / f"step_{steps:08d}", prompts
+
+
+# ---------------------------------------------------------------------- conversational data
+# The three tokenizers of tests/chat_tokenizers.py, and prompts/answers in every layout the readers
+# accept: plain text, one user message, a system message, multi-turn with and without system.
+CHAT_KINDS = ("smollm2", "llama3", "plain")
+SAMPLE_PROMPTS = {
+    "text": "What is the capital of France?",
+    "user": [{"role": "user", "content": "What is the capital of France?"}],
+    "system": [{"role": "system", "content": "Answer briefly."},
+               {"role": "user", "content": "List three prime numbers."}],
+    "multi_turn": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello, how are you?"},
+                   {"role": "user", "content": "Twelve plus seven?"}],
+    "multi_turn_system": [{"from": "system", "value": "You are a helpful assistant."},
+                          {"from": "human", "value": "hello world"}, {"from": "gpt", "value": "fine thanks"},
+                          {"from": "human", "value": "12+7="}],
+}
+SAMPLE_ANSWERS = {
+    "text": "The capital of France is Paris.",
+    "message": {"role": "assistant", "content": "2, 3 and 5."},
+    "message_list": [{"role": "assistant", "content": "nineteen: 12+7=19"}],
+}
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizers(tmp_path_factory) -> dict:
+    """kind -> Tokenizer for each of CHAT_KINDS (built once per session)."""
+    from .chat_tokenizers import build_chat_tokenizer
+
+    return {kind: build_chat_tokenizer(tmp_path_factory.mktemp(f"chat_{kind}"), kind) for kind in CHAT_KINDS}
+
+
+def answer_text(answer) -> str:
+    """The text of a SAMPLE_ANSWERS value."""
+    return answer if isinstance(answer, str) else (answer[0] if isinstance(answer, list) else answer)["content"]
+
+
+def sft_reference(tokenizer, prompt, answer, use_template: bool = True) -> tuple[list[int], int]:
+    """The SFT encoding of prompt + the assistant's answer, cut at the end of its last assistant span,
+    and where that span starts: (tokens, start). A text prompt is an {"input", "output"} record."""
+    from aligner.data.conversation import parse_messages
+    from aligner.data.sft import encode_record
+
+    if isinstance(prompt, str):
+        record = {"input": prompt, "output": answer_text(answer)}
+    else:
+        record = {"messages": parse_messages(prompt, "prompt", "reference", 1)
+                  + [{"role": "assistant", "content": answer_text(answer)}]}
+    example = encode_record(record, tokenizer, "reference", 1, use_template)
+    end = max(index for index, masked in enumerate(example.loss_mask) if masked) + 1
+    start = end
+    while start > 0 and example.loss_mask[start - 1]:
+        start -= 1
+    return example.tokens[:end], start

@@ -195,7 +195,8 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     precompute = cfg.dpo.reference_logprobs == "precompute"
 
     def load_dataset(entry: DatasetEntry) -> PreferenceDataset:
-        dataset = PreferenceDataset.from_jsonl(entry.path, built.tokenizer, cfg.data.max_seq_length)
+        dataset = PreferenceDataset.from_jsonl(entry.path, built.tokenizer, cfg.data.max_seq_length,
+                                               use_template=cfg.data.chat_template)
         logger.info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
                     f"longer than {cfg.data.max_seq_length} tokens)")
         if precompute:

@@ -179,10 +179,11 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
 
     def load_dataset(entry: DatasetEntry):
         if reward.type == "binary_ranking":
-            dataset = ComparisonDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, cfg.data.append_eos)
+            dataset = ComparisonDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, cfg.data.append_eos,
+                                        use_template=cfg.data.chat_template)
         else:
             dataset = RegressionDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, list(reward.attributes),
-                                        cfg.data.append_eos)
+                                        cfg.data.append_eos, use_template=cfg.data.chat_template)
         logger.info(f"{entry.path}: {dataset.stats.kept} examples ({dataset.stats.dropped_too_long} dropped: "
                     f"longer than {cfg.data.max_seq_length} tokens)")
         return dataset

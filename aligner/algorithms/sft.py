@@ -83,7 +83,8 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     conditioning = AttributeConditioning(cfg.data.steerlm, built.tokenizer) if cfg.data.steerlm.enabled else None
 
     def load_dataset(entry: DatasetEntry) -> SFTDataset:
-        dataset = SFTDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, prepare_record=conditioning)
+        dataset = SFTDataset(entry.path, built.tokenizer, cfg.data.max_seq_length, prepare_record=conditioning,
+                             use_template=cfg.data.chat_template)
         stats = dataset.stats
         logger.info(f"{entry.path}: {stats.kept} examples ({stats.truncated} truncated to "
                     f"{cfg.data.max_seq_length} tokens, {stats.dropped} dropped: no response token left)")

@@ -10,8 +10,9 @@ once, which is what lets the server batch them together.
 """
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -84,6 +85,25 @@ class RewardClient(ModelServerClient):
 
     def infer_text(self, texts: Sequence[str]) -> np.ndarray:
         return self.infer_text_async(texts).result()
+
+    def infer_conversations_async(self, prompts: Sequence[Union[str, list]],
+                                  responses: Sequence[Union[str, dict]]) -> Future:
+        """Rewards of (prompt, response) samples, tokenized by the server as reward training tokenizes a
+        {"prompt", "response"} record: a Future of [B, A] float32.
+
+        prompts: text or lists of {"role", "content"} messages; responses: text or assistant messages.
+        """
+        if isinstance(prompts, str) or isinstance(responses, (str, dict)):
+            raise TypeError("infer_conversations_async takes lists of prompts and responses, not one of each")
+        if len(prompts) != len(responses) or not prompts:
+            raise ValueError(f"infer_conversations_async needs as many responses as prompts (at least one); "
+                             f"got {len(prompts)} prompts and {len(responses)} responses")
+        rows = [[json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False).encode("utf-8")]
+                for prompt, response in zip(prompts, responses)]
+        return self.infer_tensors_async({"conversations": np.array(rows, dtype=object)})  # [B, 1]
+
+    def infer_conversations(self, prompts: Sequence[Union[str, list]], responses: Sequence[Union[str, dict]]) -> np.ndarray:
+        return self.infer_conversations_async(prompts, responses).result()
 
     def infer_tensors_async(self, inputs: dict[str, np.ndarray]) -> Future:
         """Send request tensors as they are (names and dtypes as in servers/reward_model.py)."""

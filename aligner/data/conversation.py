@@ -19,8 +19,11 @@ example of the same conversation are the same tokens:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterator, Union
+
+from jinja2.exceptions import TemplateError
 
 from aligner.data.jsonl import DataError
 from aligner.tokenizer import Tokenizer
@@ -82,6 +85,8 @@ def parse_answer(record: dict, key: str, path: str | Path, line: int) -> str:
                         f"{', '.join(sorted(map(repr, record))) or 'none'})")
     value = record[key]
     if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{path}:{line}: key {key!r} is empty; expected non-empty text or an assistant message")
         return value
     if isinstance(value, dict):
         value = [value]
@@ -90,9 +95,22 @@ def parse_answer(record: dict, key: str, path: str | Path, line: int) -> str:
         if len(messages) != 1 or messages[0]["role"] != "assistant":
             raise DataError(f"{path}:{line}: {key!r} holds {len(messages)} message(s) "
                             f"({', '.join(m['role'] for m in messages)}); expected one assistant message")
+        if not messages[0]["content"].strip():
+            raise DataError(f"{path}:{line}: {key!r} is an assistant message with empty content")
         return messages[0]["content"]
     raise DataError(f"{path}:{line}: key {key!r} is a {type(value).__name__}; "
                     "expected text or an assistant message {\"role\": \"assistant\", \"content\": ...}")
+
+
+@contextmanager
+def template_errors(path: str | Path, line: int) -> Iterator[None]:
+    """A chat template's complaint about one record (e.g. roles must alternate) as a DataError at path:line."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (ValueError, TemplateError) as error:
+        raise DataError(f"{path}:{line}: cannot render the conversation with the chat template: {error}") from error
 
 
 def prompt_text(prompt: Prompt) -> str:

@@ -4,11 +4,18 @@ One pair per JSONL line, in NeMo-Aligner's keys or the short ones (the demo's pr
   {"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}
   {"prompt": "12+7=", "chosen": "19", "rejected": "18"}
 optionally with given rewards for reward-aware losses (RPO): "chosen_reward", "rejected_reward".
+Conversational pairs (TRL's layout): the prompt a list of {"role", "content"} messages, the answers
+strings or assistant messages; or, without "prompt", chosen and rejected as whole conversations
+that differ only in their final assistant message (TRL's implicit prompt):
+  {"prompt": [{"role": "user", "content": "12+7="}], "chosen": [{"role": "assistant", "content": "19"}], ...}
+  {"chosen": [{"role": "user", ...}, {"role": "assistant", "content": "19"}], "rejected": [... "18"}]}
 
-Tokens follow the SFT layout exactly (`aligner.data.sft.encode_record` for input/output records):
-prompt = [bos] + encode(prompt), response = encode(response) + [eos]; so DPO trains the very
-sequences the SFT model learned to produce. Pairs longer than max_seq_length are dropped and
-counted, never truncated (a cut response is a different response).
+Tokens come from `ChatEncoder.sample_tokens`, so prompt + response is exactly the SFT encoding of
+the conversation up to the end of the reply (what SFT puts loss on is the response): with a chat
+template the prompt ends with the generation prompt and a response with its end-of-turn token;
+without one (or `data.chat_template=false`) prompt = [bos] + prompt text, response = text + [eos].
+Pairs longer than max_seq_length are dropped and counted, never truncated (a cut response is a
+different response).
 
 Rows are interleaved [chosen0, rejected0, chosen1, rejected1, ...] when collated, so a micro-batch
 slice of 2k rows always holds k whole pairs.
@@ -16,14 +23,16 @@ slice of 2k rows always holds k whole pairs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 
-from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.data.conversation import (ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt,
+                                       template_errors)
+from aligner.data.jsonl import DataError, read_jsonl
 from aligner.tokenizer import Tokenizer
 
 KEY_LAYOUTS = (("chosen_response", "rejected_response"), ("chosen", "rejected"))
@@ -32,8 +41,8 @@ REWARD_KEYS = ("chosen_reward", "rejected_reward")
 
 @dataclass
 class PreferencePair:
-    prompt: list[int]  # [bos] + prompt tokens
-    chosen: list[int]  # response tokens (+ eos)
+    prompt: list[int]  # what the policy is given: [bos] + text, or the chat template's rendering
+    chosen: list[int]  # response tokens, ending with eos (or the template's end-of-turn token)
     rejected: list[int]
     rewards: Optional[tuple[float, float]] = None  # given (chosen, rejected) rewards, for RPO
 
@@ -55,6 +64,27 @@ def _response_keys(record: dict, path, line: int) -> tuple[str, str]:
     present = ", ".join(sorted(map(repr, record))) or "none"
     raise DataError(f"{path}:{line}: expected 'prompt' with 'chosen_response'/'rejected_response' "
                     f"(or 'chosen'/'rejected'); keys present: {present}")
+
+
+def parse_pair(record: dict, chosen_key: str, rejected_key: str, path, line: int) -> tuple[Prompt, str, str]:
+    """(prompt, chosen answer, rejected answer) of one record, with "prompt" or TRL's implicit prompt.
+
+    Without a "prompt" key, chosen and rejected must be whole conversations: the same turns, then
+    one assistant message each; the shared turns are the prompt.
+    """
+    if "prompt" in record or not isinstance(record.get(chosen_key), list):
+        return (parse_prompt(record, "prompt", path, line), parse_answer(record, chosen_key, path, line),
+                parse_answer(record, rejected_key, path, line))
+    conversations = [parse_messages(record[key], key, path, line) for key in (chosen_key, rejected_key)]
+    for key, messages in zip((chosen_key, rejected_key), conversations):
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            raise DataError(f"{path}:{line}: {key!r} without a 'prompt' key must be a whole conversation: "
+                            "the prompt's turns, then the assistant's answer (TRL's implicit prompt)")
+    if conversations[0][:-1] != conversations[1][:-1]:
+        raise DataError(f"{path}:{line}: {chosen_key!r} and {rejected_key!r} differ before their last message; "
+                        "with an implicit prompt both must repeat the same prompt turns (or give a 'prompt' key)")
+    prompt = parse_prompt({"prompt": conversations[0][:-1]}, "prompt", path, line)
+    return prompt, conversations[0][-1]["content"], conversations[1][-1]["content"]
 
 
 def _rewards(record: dict, path, line: int) -> Optional[tuple[float, float]]:
@@ -89,17 +119,20 @@ class PreferenceDataset(Dataset):
         self.reference_logprobs: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int) -> "PreferenceDataset":
+    def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
+                   use_template: bool = True) -> "PreferenceDataset":
+        """use_template: render with the tokenizer's chat template (`data.chat_template`)."""
         if max_seq_length < 2:
             raise ValueError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
                              f"got {max_seq_length}")
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        encoder = ChatEncoder(tokenizer, use_template=use_template)
         pairs, stats, with_rewards = [], PreferenceStats(), None
         for line, record in read_jsonl(path):
             chosen_key, rejected_key = _response_keys(record, path, line)
-            prompt = bos + tokenizer.encode(require_str(record, "prompt", path, line))
-            chosen = tokenizer.encode(require_str(record, chosen_key, path, line)) + [tokenizer.eos_id]
-            rejected = tokenizer.encode(require_str(record, rejected_key, path, line)) + [tokenizer.eos_id]
+            prompt_text, chosen_text, rejected_text = parse_pair(record, chosen_key, rejected_key, path, line)
+            with template_errors(path, line):
+                prompt, chosen = encoder.sample_tokens(prompt_text, chosen_text)
+                rejected = encoder.sample_tokens(prompt_text, rejected_text)[1]
             rewards = _rewards(record, path, line)
             if with_rewards is None:
                 with_rewards = rewards is not None

@@ -3,9 +3,20 @@
 Comparison files come in two layouts, detected from the first record of each file:
   {"prompt": "<prompt>", "chosen": "<response>", "rejected": "<response>"}   one pair per line
   {"text": "<prompt + chosen>"} then {"text": "<prompt + rejected>"}          NeMo-Aligner: two lines per pair
-Regression files hold one labelled text per line, the label as a string or an object:
+In the pair layout the prompt may be {"role", "content"} messages and the answers assistant
+messages, or chosen/rejected whole conversations without "prompt" (TRL's implicit prompt; see
+`aligner.data.preference.parse_pair`).
+Regression files hold one labelled sample per line, the label as a string or an object:
   {"text": "...", "label": "helpfulness:4,correctness:3"}
   {"text": "...", "label": {"helpfulness": 4, "correctness": 3}}
+  {"prompt": "<text or messages>", "response": "<text or assistant message>", "label": ...}
+
+Tokens (`RewardTokenLayout`): a prompt and a response are `ChatEncoder.sample_tokens`, the same
+tokens as the SFT encoding of the conversation up to the end of the reply, and the same tokens a
+policy's rollout has (prompt + generated answer); without a chat template (or with
+`data.chat_template=false`) that is [bos] + prompt + response + [eos]. A raw {"text"} is
+[bos] + text + [eos]. The reward is read at the last token: eos, or with a template the
+end-of-turn token that closes the reply (what a generated answer ends with).
 
 Sequences longer than max_seq_length are dropped, never truncated: cutting a response
 changes what is being judged, so a truncated pair or label would be a wrong example.
@@ -13,6 +24,7 @@ changes what is being judged, so a truncated pair or label would be a wrong exam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +34,15 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.data.preference import parse_pair
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
 from aligner.tokenizer import Tokenizer
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
+REQUEST_KEYS = ("prompt", "response")  # a conversational reward-server request: a regression record's sample
 LABEL_EXAMPLE = "'helpfulness:4,correctness:3' or {\"helpfulness\": 4, \"correctness\": 3}"
 
 
@@ -73,19 +88,29 @@ def _check_max_seq_length(max_seq_length: int) -> None:
 
 
 class RewardTokenLayout:
-    """[bos if the tokenizer has one] + pieces encoded one by one + [eos if append_eos]."""
+    """The tokens a reward model scores: training data and the reward server both encode through this.
 
-    def __init__(self, tokenizer: Tokenizer, append_eos: bool):
+    append_eos: end with eos; false drops a final eos (the raw text layout then has none).
+    use_template: render prompts with the tokenizer's chat template (`data.chat_template`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, append_eos: bool = True, use_template: bool = True):
         self.tokenizer = tokenizer
-        self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        self.eos = [tokenizer.eos_id] if append_eos else []
+        self.append_eos = append_eos
+        self.encoder = ChatEncoder(tokenizer, use_template=use_template)
 
-    def __call__(self, *pieces: str) -> list[int]:
-        tokens = list(self.bos)
-        for piece in pieces:
-            # Encoded separately, as SFT does, so a prompt tokenizes the same with any response.
-            tokens += self.tokenizer.encode(piece)
-        return tokens + self.eos
+    def text(self, text: str) -> list[int]:
+        """A raw text: [bos if the tokenizer has one] + its tokens + [eos]."""
+        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        return self._end(bos + self.tokenizer.encode(text) + [self.tokenizer.eos_id])
+
+    def sample(self, prompt: Prompt, response: str) -> list[int]:
+        """A prompt (text or messages) and its response: prompt tokens + answer tokens."""
+        prompt_tokens, answer_tokens = self.encoder.sample_tokens(prompt, response)
+        return self._end(prompt_tokens + answer_tokens)
+
+    def _end(self, tokens: list[int]) -> list[int]:
+        return tokens if self.append_eos or tokens[-1:] != [self.tokenizer.eos_id] else tokens[:-1]
 
 
 # ---------------------------------------------------------------- comparisons
@@ -103,14 +128,16 @@ def _detect_comparison_layout(record: dict, path: str | Path, line: int) -> str:
     )
 
 
-def _comparison_texts(records: list[tuple[int, dict]], layout: str, path: str | Path) -> list[tuple[tuple, tuple]]:
-    """(chosen pieces, rejected pieces) per pair; the pieces are encoded one by one."""
+def _comparison_sequences(records: list[tuple[int, dict]], layout: str, path: str | Path,
+                          encode: RewardTokenLayout) -> list[tuple[list[int], list[int]]]:
+    """(chosen tokens, rejected tokens) per pair."""
     if layout == "pairs":
-        pairs = []
-        for line, record in records:
-            prompt, chosen, rejected = (require_str(record, key, path, line) for key in PAIR_KEYS)
-            pairs.append(((prompt, chosen), (prompt, rejected)))
-        return pairs
+        sequences = []
+        for line, record in _progress(records, path):
+            prompt, chosen, rejected = parse_pair(record, "chosen", "rejected", path, line)
+            with template_errors(path, line):
+                sequences.append((encode.sample(prompt, chosen), encode.sample(prompt, rejected)))
+        return sequences
     if len(records) % 2:
         raise DataError(
             f"{path}:{records[-1][0]}: odd number of records ({len(records)}) in the 'text' comparison layout; "
@@ -124,8 +151,9 @@ def _comparison_texts(records: list[tuple[int, dict]], layout: str, path: str | 
                 f"{path}:{line}: record has a 'label' key, so this looks like attribute (regression) data; "
                 "comparison files in the 'text' layout hold only {\"text\"} lines, chosen then rejected"
             )
-        texts.append((line, require_str(record, "text", path, line)))
-    return [((chosen,), (rejected,)) for (_, chosen), (_, rejected) in zip(texts[::2], texts[1::2])]
+        texts.append(require_str(record, "text", path, line))
+    return [(encode.text(chosen), encode.text(rejected)) for chosen, rejected in _progress(
+        list(zip(texts[::2], texts[1::2])), path)]
 
 
 class ComparisonDataset(Dataset):
@@ -133,9 +161,11 @@ class ComparisonDataset(Dataset):
 
     append_eos: end every sequence with eos (the reward is read at the last token, so the
     model sees the same end marker at training and at scoring time).
+    use_template: render prompts with the tokenizer's chat template (`data.chat_template`).
     """
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int, append_eos: bool = True):
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int, append_eos: bool = True,
+                 use_template: bool = True):
         _check_max_seq_length(max_seq_length)
         self.path = path
         self.max_seq_length = max_seq_length
@@ -144,10 +174,10 @@ class ComparisonDataset(Dataset):
         if not records:
             raise DataError(f"{path}:0: the file holds no records; expected comparison pairs in JSONL")
         self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
-        encode = RewardTokenLayout(tokenizer, append_eos)
+        encode = RewardTokenLayout(tokenizer, append_eos, use_template)
         self.comparisons: list[Comparison] = []
-        for chosen, rejected in _progress(_comparison_texts(records, self.layout, path), path):
-            comparison = Comparison(encode(*chosen), encode(*rejected))
+        for chosen, rejected in _comparison_sequences(records, self.layout, path, encode):
+            comparison = Comparison(chosen, rejected)
             self.stats.records += 1
             if max(len(comparison.chosen), len(comparison.rejected)) > max_seq_length:
                 self.stats.dropped_too_long += 1
@@ -252,10 +282,45 @@ def _check_attributes(attributes: list[str]) -> None:
         raise ValueError(f"attributes {attributes} name an attribute twice; each must be a distinct output column")
 
 
+def regression_sample_tokens(record: dict, encode: RewardTokenLayout, path: str | Path, line: int) -> list[int]:
+    """The tokens of a labelled record: a raw {"text"} or a {"prompt", "response"} conversation."""
+    if "text" in record or "prompt" not in record:
+        return encode.text(require_str(record, "text", path, line))
+    prompt, response = parse_prompt(record, "prompt", path, line), parse_answer(record, "response", path, line)
+    with template_errors(path, line):
+        return encode.sample(prompt, response)
+
+
+def request_sample_tokens(payload: bytes, encode: RewardTokenLayout) -> list[int]:
+    """Tokens of one conversational reward-server request: UTF-8 JSON {"prompt", "response"}.
+
+    Laid out exactly as the same {"prompt", "response"} record is for training. Raises ValueError
+    saying what is wrong (the server answers it for that row only).
+    """
+    try:
+        record = json.loads(bytes(payload).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"not UTF-8 JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}; expected an object "
+                         '{"prompt": text or messages, "response": text or an assistant message}')
+    unknown = sorted(set(record) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected only 'prompt' and 'response'")
+    where = "request"
+    try:
+        prompt, response = parse_prompt(record, "prompt", where, 0), parse_answer(record, "response", where, 0)
+        with template_errors(where, 0):
+            return encode.sample(prompt, response)
+    except DataError as error:
+        raise ValueError(str(error).removeprefix(f"{where}:0: ")) from None
+
+
 class RegressionDataset(Dataset):
-    """Tokenized texts with per-attribute labels (SteerLM attribute prediction) of one JSONL file.
+    """Tokenized samples with per-attribute labels (SteerLM attribute prediction) of one JSONL file.
 
     attributes: the attribute names to predict; their order is the order of the output columns.
+    use_template: render prompts with the tokenizer's chat template (`data.chat_template`).
     """
 
     def __init__(
@@ -265,6 +330,7 @@ class RegressionDataset(Dataset):
         max_seq_length: int,
         attributes: list[str],
         append_eos: bool = True,
+        use_template: bool = True,
     ):
         _check_max_seq_length(max_seq_length)
         _check_attributes(attributes)
@@ -274,15 +340,15 @@ class RegressionDataset(Dataset):
         self.stats = RewardDataStats()
         records = list(read_jsonl(path))
         if not records:
-            raise DataError(f"{path}:0: the file holds no records; expected {{\"text\", \"label\"}} per line")
-        encode = RewardTokenLayout(tokenizer, append_eos)
+            raise DataError(f"{path}:0: the file holds no records; expected {{\"text\", \"label\"}} or "
+                            "{\"prompt\", \"response\", \"label\"} per line")
+        encode = RewardTokenLayout(tokenizer, append_eos, use_template)
         self.examples: list[LabelledText] = []
         for line, record in _progress(records, path):
-            text = require_str(record, "text", path, line)
+            tokens = regression_sample_tokens(record, encode, path, line)
             if "label" not in record:
                 raise DataError(f"{path}:{line}: missing key 'label' (keys present: {_keys_present(record)})")
             labels, label_mask = parse_label(record["label"], self.attributes, path, line)
-            tokens = encode(text)
             self.stats.records += 1
             if len(tokens) > max_seq_length:
                 self.stats.dropped_too_long += 1

@@ -1,12 +1,16 @@
 """Supervised fine-tuning data: records -> (tokens, loss_mask), packing and collation.
 
-Two record formats are accepted (the ones NeMo-Aligner reads), one per JSONL line:
+Three record formats are accepted, one per JSONL line (NeMo-Aligner's two and TRL's):
   {"input": "<prompt>", "output": "<response>"}
   {"system": "...", "conversations": [{"from": "User", "value": "..."},
                                       {"from": "Assistant", "value": "..."}, ...]}
-In conversations "role"/"content" may stand for "from"/"value"; roles are
-user/human and assistant/gpt in any case; a "mask" key is accepted and ignored
-(the loss always covers exactly the assistant turns).
+  {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                {"role": "assistant", "content": "..."}, ...]}
+Turns are parsed by `aligner.data.conversation.parse_messages` (role/content or from/value;
+system, user/human, assistant/gpt in any case); a "mask" key is accepted and ignored (the loss
+always covers exactly the assistant turns). Tokens come from `ChatEncoder`: an input/output
+record is a one-turn conversation under the chat template, or [bos] + input, output + [eos]
+without one (or with `data.chat_template=false`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_dict, require_list, require_str
+from aligner.data.conversation import ChatEncoder, Messages, Prompt, parse_messages, template_errors
+from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_str
 from aligner.runtime.distributed import is_rank_zero
 from aligner.tokenizer import Tokenizer
 
-ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+CONVERSATION_KEYS = ("conversations", "messages")  # NeMo-Aligner's and TRL's key for a list of turns
 PROGRESS_BAR_MIN_RECORDS = 10_000
 
 
@@ -46,51 +51,59 @@ class SFTStats:
         return self.records - self.dropped
 
 
-def parse_conversation(record: dict, path: str | Path, line: int) -> list[dict]:
-    """Validate a {"system", "conversations"} record into role/content messages."""
-    messages = []
-    system = optional_str(record, "system", path, line)
+def conversation_key(record: dict) -> Optional[str]:
+    """The key holding a record's list of turns ("conversations" or "messages"), or None."""
+    return next((key for key in CONVERSATION_KEYS if key in record), None)
+
+
+def parse_conversation(record: dict, path: str | Path, line: int) -> Messages:
+    """Validate a {"system", "conversations"} or {"messages"} record into role/content messages."""
+    key = conversation_key(record)
+    if key is None:
+        raise _no_known_layout(record, path, line)
+    messages = parse_messages(record[key], key, path, line)
+    system = optional_str(record, "system", path, line) if key == "conversations" else ""
     if system.strip():
-        messages.append({"role": "system", "content": system})
-    for turn_index, turn in enumerate(require_list(record, "conversations", path, line)):
-        what = f"conversations[{turn_index}]"
-        require_dict(turn, what, path, line)
-        role_key = "role" if "role" in turn else "from"
-        content_key = "content" if "content" in turn else "value"
-        try:
-            role_name = require_str(turn, role_key, path, line)
-            content = require_str(turn, content_key, path, line)
-        except DataError as error:
-            raise DataError(f"{error} in {what} (expected keys 'from'/'role' and 'value'/'content')") from None
-        role = ROLE_ALIASES.get(role_name.strip().lower())
-        if role is None:
-            raise DataError(
-                f"{path}:{line}: {what} has unknown role {role_name!r}; expected User/Human or Assistant/GPT"
-            )
-        messages.append({"role": role, "content": content})
+        messages.insert(0, {"role": "system", "content": system})
     if not any(message["role"] == "assistant" for message in messages):
-        raise DataError(f"{path}:{line}: conversation has no assistant turn; there is nothing to train on")
+        raise DataError(f"{path}:{line}: {key!r} has no assistant turn; there is nothing to train on")
     return messages
 
 
-def encode_record(record: dict, tokenizer: Tokenizer, path: str | Path, line: int) -> SFTExample:
-    """Tokenize one SFT record of either format (not truncated)."""
-    if "conversations" in record:
+def prompt_and_answer(record: dict, path: str | Path, line: int) -> tuple[Prompt, str]:
+    """(prompt, answer) of an SFT record: input and output, or a conversation cut before its last
+    assistant turn and that turn's text (what a reward model scores as {"prompt", "response"})."""
+    if conversation_key(record) is None:
+        if "input" not in record and "output" not in record:
+            raise _no_known_layout(record, path, line)
+        return require_str(record, "input", path, line), require_str(record, "output", path, line)
+    messages = parse_conversation(record, path, line)
+    last = max(index for index, message in enumerate(messages) if message["role"] == "assistant")
+    prompt = messages[:last]
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise DataError(f"{path}:{line}: {conversation_key(record)!r}: the last assistant turn does not follow a "
+                        "user or system turn, so it has no prompt to answer")
+    return prompt, messages[last]["content"]
+
+
+def encode_record(record: dict, tokenizer: Tokenizer, path: str | Path, line: int,
+                  use_template: bool = True) -> SFTExample:
+    """Tokenize one SFT record of any format (not truncated); use_template is `data.chat_template`."""
+    encoder = ChatEncoder(tokenizer, use_template=use_template)
+    if conversation_key(record) is not None:
         messages = parse_conversation(record, path, line)
-        try:
-            tokens, loss_mask = tokenizer.encode_chat(messages)
-        except Exception as error:  # a chat template's own complaint (e.g. roles must alternate)
-            raise DataError(f"{path}:{line}: cannot render conversation with the chat template: {error}") from error
-        return SFTExample(tokens, loss_mask)
+        with template_errors(path, line):
+            return SFTExample(*encoder.conversation_tokens(messages))
     if "input" in record or "output" in record:
-        prompt = tokenizer.encode(require_str(record, "input", path, line))
-        response = tokenizer.encode(require_str(record, "output", path, line)) + [tokenizer.eos_id]
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        return SFTExample(bos + prompt + response, [0] * (len(bos) + len(prompt)) + [1] * len(response))
-    raise DataError(
-        f"{path}:{line}: record has neither 'input'/'output' nor 'conversations' "
-        f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})"
-    )
+        prompt, response = require_str(record, "input", path, line), require_str(record, "output", path, line)
+        with template_errors(path, line):
+            return SFTExample(*encoder.input_output_tokens(prompt, response))
+    raise _no_known_layout(record, path, line)
+
+
+def _no_known_layout(record: dict, path: str | Path, line: int) -> DataError:
+    return DataError(f"{path}:{line}: record has neither 'input'/'output' nor 'conversations'/'messages' "
+                     f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
 
 
 class SFTDataset(Dataset):
@@ -98,10 +111,11 @@ class SFTDataset(Dataset):
 
     prepare_record: maps each (record, path, line) to the SFT record to encode, e.g. SteerLM's
     attribute conditioning (aligner/data/steerlm.py) writes the attribute values into the prompt.
+    use_template: render with the tokenizer's chat template (`data.chat_template`).
     """
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
-                 prepare_record: Optional[Callable[[dict, str | Path, int], dict]] = None):
+                 prepare_record: Optional[Callable[[dict, str | Path, int], dict]] = None, use_template: bool = True):
         if max_seq_length < 2:
             raise ValueError(f"max_seq_length must be at least 2 (an input and a label), got {max_seq_length}")
         self.path = path
@@ -114,7 +128,7 @@ class SFTDataset(Dataset):
         for line, record in progress:
             if prepare_record is not None:
                 record = prepare_record(record, path, line)
-            example = encode_record(record, tokenizer, path, line)
+            example = encode_record(record, tokenizer, path, line, use_template)
             self.stats.records += 1
             if len(example.tokens) > max_seq_length:
                 # Keep the start: the prompt and the beginning of the response.

@@ -18,9 +18,10 @@ scales, e.g. 0..4); annotation (examples/nlp/data/steerlm/annotate.py) rounds an
 predicted scores onto them.
 
 Where the line goes: in an {"input", "output"} record it is prefixed to "input"; in a
-{"conversations"} record it becomes the system message (prefixed to an existing one, on its own
-line), so with a plain chat template both layouts give the same tokens. Annotated records carry
-their values as "attributes": {"correctness": 4} (or a label string "correctness:4").
+{"conversations"} or {"messages"} record it becomes the system message (prefixed to an existing
+one, on its own line; `condition_messages`, as generation does for a conversational prompt), so
+with a plain chat template both layouts give the same tokens. Annotated records carry their values
+as "attributes": {"correctness": 4} (or a label string "correctness:4").
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from aligner.data.jsonl import DataError, optional_str
+from aligner.data.jsonl import DataError
 
 FORMATS = ("named", "values")
 ATTRIBUTES_KEY = "attributes"  # the annotated record's key holding its attribute values
@@ -156,7 +157,9 @@ class AttributeConditioning:
             raise DataError(f"{where}record has no {ATTRIBUTES_KEY!r} (keys present: "
                             f"{', '.join(sorted(map(repr, record))) or 'none'}); SteerLM training needs annotated "
                             "records: run examples/nlp/data/steerlm/annotate.py on the SFT data first")
-        from aligner.data.reward import parse_label  # torch and the tokenizer stack: not at config import
+        # torch and the tokenizer stack: not at config import
+        from aligner.data.reward import parse_label
+        from aligner.data.sft import conversation_key, parse_conversation
 
         label, mask = parse_label(record[ATTRIBUTES_KEY], self.cfg.attributes, path, line)
         values = {name: value for name, value, present in zip(self.cfg.attributes, label, mask) if present}
@@ -166,14 +169,16 @@ class AttributeConditioning:
             raise DataError(f"{where}{error}") from None
         self._check_spelling(attribute_line, where)
         conditioned = {key: value for key, value in record.items() if key != ATTRIBUTES_KEY}
-        if "conversations" in record:
-            system = optional_str(record, "system", path, line)
-            conditioned["system"] = f"{attribute_line}\n{system}" if system.strip() else attribute_line
+        if conversation_key(record) is not None:
+            # Either layout becomes {"messages"}: the record's own system turns stay after the line.
+            messages = condition_messages(parse_conversation(record, path, line), values, self.cfg)
+            conditioned = {key: value for key, value in conditioned.items() if key not in ("system", "conversations")}
+            conditioned["messages"] = messages
         elif "input" in record:
             if not isinstance(record["input"], str):
                 raise DataError(f"{where}key 'input' is a {type(record['input']).__name__}; expected a string")
             conditioned["input"] = f"{attribute_line}\n{record['input']}"
-        # else: encode_record reports the missing input/output/conversations keys with file and line
+        # else: encode_record reports the missing input/output/conversations/messages keys with file and line
         return conditioned
 
     def _check_spelling(self, attribute_line: str, where: str) -> None:

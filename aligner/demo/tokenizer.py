@@ -10,11 +10,13 @@ Behaviour a data layer relies on:
 - ``decode(ids, skip_special_tokens=True)`` round-trips text exactly: the decoder concatenates
   tokens (no spaces between characters) and ``clean_up_tokenization_spaces`` is off.
 - The chat template (``CHAT_TEMPLATE``) renders messages plainly, compatible with task prompts:
-  a system message is its content plus a newline, a user message is its content as is, an
-  assistant message is its content plus the eos token. A generation prompt adds nothing, since a
-  task prompt ``"12+7="`` already ends where the answer starts. So
-  ``[{"role": "user", "content": "12+7="}]`` renders to ``"12+7="``, the raw task prompt, and with
-  an assistant reply ``"19"`` to ``"12+7=19</s>"``. No bos is rendered (the data layer adds it).
+  bos first, then a system message is its content plus a newline, a user message is its content
+  as is, an assistant message is its content plus the eos token. A generation prompt adds
+  nothing, since a task prompt ``"12+7="`` already ends where the answer starts. So
+  ``[{"role": "user", "content": "12+7="}]`` renders to ``"<s>12+7="`` and with an assistant
+  reply ``"19"`` to ``"<s>12+7=19</s>"``: a one-turn conversation is exactly the plain layout
+  [bos] + prompt + answer + [eos], so every demo record (a text prompt is one user turn) has the
+  same tokens with the template as without it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
 EXTRA_CHARACTERS = ("\n", " ")
 
 CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{ message['content'] + '\\n' }}"
     "{%- elif message['role'] == 'user' -%}{{ message['content'] }}"

@@ -327,6 +327,9 @@ class DataSection:
     max_seq_length: int = 512
     shuffle: bool = True
     pad_to_multiple_of: int = 8
+    # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
+    # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
+    chat_template: bool = True
 
 
 @dataclass

@@ -353,7 +353,7 @@ BAD_RAW_REQUESTS = {
     "length beyond tokens sent": (_raw([[1, 2, 3]], [[4]]), "only 3 token columns"),
     "missing tokens": ({"sequence_lengths": np.array([[3]], dtype=np.int64)}, "missing input tokens"),
     "missing lengths": ({"tokens": np.array([[1, 2]], dtype=np.int64)}, "missing input sequence_lengths"),
-    "both inputs": ({**_raw([[1, 2]], [[2]]), "sentences": np.array([[b"12"]], dtype=object)}, "not both"),
+    "both inputs": ({**_raw([[1, 2]], [[2]]), "sentences": np.array([[b"12"]], dtype=object)}, "only one of"),
     "unknown input": ({"token_ids": np.array([[1, 2]], dtype=np.int64)}, "token_ids"),
     "not utf-8 text": ({"sentences": np.array([[b"\xff\xfe"]], dtype=object)}, "UTF-8"),
 }

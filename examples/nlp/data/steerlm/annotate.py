@@ -5,14 +5,17 @@
         --attributes correctness --scale 0:4 --port 5555
 
 SteerLM step 2. Each output line is the input record plus "attributes": {"correctness": 4}: the
-model's score for the record's text, rounded to the nearest integer (halves up) and clipped to the
+model's score for the record, rounded to the nearest integer (halves up) and clipped to the
 attribute's scale. The output is what `data.steerlm` conditioned SFT reads (aligner/data/steerlm.py).
 
-- Text scored: an {"input", "output"} record is scored as input + output, the layout the
-  regression data ({"text": prompt + response}) has; a {"conversations"} record is rendered with
-  the chat template of --tokenizer (its trailing eos dropped: the server appends eos itself).
+- What is scored: each record is sent as a conversation, {"prompt": input, "response": output}, or
+  for a {"conversations"}/{"messages"} record the turns before its last assistant turn and that
+  turn; the server tokenizes it exactly as reward training tokenizes the same {"prompt",
+  "response", "label"} record (its chat template, or [bos] + input + output + [eos] without one),
+  so the score is of the tokens the attribute model was trained on (serve it with the
+  chat_template and append_eos its training used).
   Other keys of a record are kept as they are; a record that already has "attributes" gets new ones.
-- Many requests are in flight at once (--max-in-flight batches of --batch-size texts), so the
+- Many requests are in flight at once (--max-in-flight batches of --batch-size records), so the
   server's dynamic batcher keeps the model busy; lines are written in input order.
 - Resumable: records already in --output (checked to be the same records, in order) are skipped,
   and a line cut off by an interrupted run is rewritten.
@@ -32,7 +35,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from aligner.clients.reward import ClientError, RewardClient, ServerUnavailableError
-from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.data.jsonl import DataError, read_jsonl
 from aligner.data.steerlm import ATTRIBUTES_KEY
 
 SCORES_KEY = "attribute_scores"  # --keep-scores: the unrounded predictions
@@ -70,21 +73,11 @@ def to_scale(score: float, scale: tuple[int, int]) -> int:
     return int(min(max(math.floor(score + 0.5), scale[0]), scale[1]))
 
 
-def record_text(record: dict, tokenizer, path: str | Path, line: int) -> str:
-    """The text the attribute model scores for one SFT record."""
-    if "conversations" in record:
-        if tokenizer is None:
-            raise DataError(f"{path}:{line}: a 'conversations' record needs --tokenizer: its chat template "
-                            "renders the conversation into the text the reward model scores")
-        from aligner.data.sft import parse_conversation  # torch + transformers: only when needed
+def record_sample(record: dict, path: str | Path, line: int) -> tuple:
+    """(prompt, response) the attribute model scores for one SFT record."""
+    from aligner.data.sft import prompt_and_answer  # torch + transformers: only when needed
 
-        text = tokenizer.render_chat(parse_conversation(record, path, line))
-        eos = tokenizer.hf.eos_token
-        return text[: -len(eos)] if eos and text.endswith(eos) else text
-    if "input" in record or "output" in record:
-        return require_str(record, "input", path, line) + require_str(record, "output", path, line)
-    raise DataError(f"{path}:{line}: record has neither 'input'/'output' nor 'conversations' "
-                    f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
+    return prompt_and_answer(record, path, line)
 
 
 def _unannotated(record: dict) -> dict:
@@ -118,12 +111,12 @@ def count_done(output: Path, records: list[tuple[int, dict]]) -> int:
 
 
 def annotate(records: list[tuple[int, dict]], input_path: Path, output: Path, client: RewardClient,
-             attributes: list[str], scales: dict[str, tuple[int, int]], *, tokenizer=None, batch_size: int = 64,
+             attributes: list[str], scales: dict[str, tuple[int, int]], *, batch_size: int = 64,
              max_in_flight: int = 8, progress: bool = True, keep_scores: bool = False) -> int:
     """Annotate the records not yet in `output` (appending in order); returns how many were added."""
     done = count_done(output, records)
     todo = records[done:]
-    texts = [record_text(record, tokenizer, input_path, line) for line, record in todo]  # every error before sending
+    samples = [record_sample(record, input_path, line) for line, record in todo]  # every error before sending
     bar = tqdm(total=len(records), initial=done, desc="annotating", unit="rec", disable=not progress)
     pending: deque = deque()  # (start index into todo, future), oldest first
 
@@ -147,7 +140,9 @@ def annotate(records: list[tuple[int, dict]], input_path: Path, output: Path, cl
         for start in range(0, len(todo), batch_size):
             if len(pending) >= max_in_flight:
                 write_oldest()
-            pending.append((start, client.infer_text_async(texts[start:start + batch_size])))
+            batch = samples[start:start + batch_size]
+            pending.append((start, client.infer_conversations_async([prompt for prompt, _ in batch],
+                                                                    [response for _, response in batch])))
         while pending:
             write_oldest()
     bar.close()
@@ -156,7 +151,8 @@ def annotate(records: list[tuple[int, dict]], input_path: Path, output: Path, cl
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", type=Path, required=True, help="JSONL of SFT records (input/output or conversations)")
+    parser.add_argument("--input", type=Path, required=True,
+                        help="JSONL of SFT records (input/output, conversations or messages)")
     parser.add_argument("--output", type=Path, required=True, help="annotated JSONL (appended to when resuming)")
     parser.add_argument("--attributes", required=True,
                         help="comma-separated attribute names, in the served model's output order, e.g. correctness")
@@ -165,9 +161,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5555)
     parser.add_argument("--model-name", default="reward_model")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="HF tokenizer dir (needed for conversations)")
     parser.add_argument("--limit", type=int, default=None, help="annotate only the first N records of --input")
-    parser.add_argument("--batch-size", type=int, default=64, help="texts per request")
+    parser.add_argument("--batch-size", type=int, default=64, help="records per request")
     parser.add_argument("--max-in-flight", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the server")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
@@ -189,16 +184,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = list(read_jsonl(args.input))[: args.limit]
         if not records:
             raise AnnotationError(f"{args.input} holds no records to annotate")
-        tokenizer = None
-        if args.tokenizer is not None:
-            from aligner.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer(args.tokenizer)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         with RewardClient(args.host, args.port, args.model_name, timeout_s=args.request_timeout,
                           ready_timeout_s=args.ready_timeout, max_workers=args.max_in_flight) as client:
             client.wait_until_ready(timeout_s=args.ready_timeout)
-            added = annotate(records, args.input, args.output, client, attributes, scales, tokenizer=tokenizer,
+            added = annotate(records, args.input, args.output, client, attributes, scales,
                              batch_size=args.batch_size, max_in_flight=args.max_in_flight,
                              progress=not args.no_progress, keep_scores=args.keep_scores)
     except (AnnotationError, DataError, ServerUnavailableError, ClientError, FileNotFoundError) as error:
