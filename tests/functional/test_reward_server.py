@@ -6,6 +6,7 @@ message that says what to start. One server (random-weight checkpoint) serves th
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -289,6 +290,29 @@ def test_text_input_equals_token_input(client, reward_model):
     assert np.abs(from_text - in_process_rewards(loaded.inference, token_lists)).max() < 1e-6
 
 
+CONVERSATIONS = [  # (prompt, response) in every layout; the characters are in the test tokenizer's vocabulary
+    ("12+7=", "19"),
+    ([{"role": "user", "content": "1+1="}], {"role": "assistant", "content": "2"}),
+    ([{"role": "system", "content": "abc"}, {"from": "human", "value": "12+7="}, {"from": "gpt", "value": "19"},
+      {"role": "user", "content": "9+9="}], [{"role": "assistant", "content": "18"}]),
+]
+
+
+def test_conversational_requests_score_the_tokens_reward_training_uses(client, reward_model, tmp_path):
+    from aligner.data.reward import RegressionDataset
+
+    _, loaded = reward_model
+    records = [{"prompt": prompt, "response": response, "label": {ATTRIBUTES[0]: 1}} for prompt, response in CONVERSATIONS]
+    path = tmp_path / "labels.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    training = [item["tokens"].tolist() for item in RegressionDataset(path, loaded.tokenizer, MAX_LENGTH, ATTRIBUTES)]
+    plain = [item["tokens"].tolist() for item in RegressionDataset(path, loaded.tokenizer, MAX_LENGTH, ATTRIBUTES,
+                                                                    use_template=False)]
+    assert training[2] != plain[2]  # the server must render the multi-turn prompt with the template to pass
+    served = client.infer_conversations([prompt for prompt, _ in CONVERSATIONS], [answer for _, answer in CONVERSATIONS])
+    assert np.abs(served - in_process_rewards(loaded.inference, training)).max() < 1e-6
+
+
 def test_many_threads_get_their_own_answers(client, pool):
     sequences, reference = pool
     errors: list[str] = []
@@ -347,6 +371,11 @@ def _raw(tokens, lengths, tokens_dtype=np.int64):
     return {"tokens": np.asarray(tokens, dtype=tokens_dtype), "sequence_lengths": np.asarray(lengths, dtype=np.int64)}
 
 
+def _conversations(*rows) -> dict:
+    payloads = [row if isinstance(row, bytes) else json.dumps(row).encode() for row in rows]
+    return {"conversations": np.array([[payload] for payload in payloads], dtype=object)}
+
+
 BAD_RAW_REQUESTS = {
     "wrong dtype": (_raw([[1, 2, 3]], [[3]], np.int32), "INT32"),
     "float tokens": (_raw([[1.0, 2.0]], [[2]], np.float32), "FP32"),
@@ -356,6 +385,18 @@ BAD_RAW_REQUESTS = {
     "both inputs": ({**_raw([[1, 2]], [[2]]), "sentences": np.array([[b"12"]], dtype=object)}, "only one of"),
     "unknown input": ({"token_ids": np.array([[1, 2]], dtype=np.int64)}, "token_ids"),
     "not utf-8 text": ({"sentences": np.array([[b"\xff\xfe"]], dtype=object)}, "UTF-8"),
+    "conversation not json": (_conversations(b'{"prompt": "1+1="'), "conversations: not UTF-8 JSON"),
+    "prompt ends with the assistant": (_conversations({"prompt": [{"role": "user", "content": "1+1="},
+                                                                  {"role": "assistant", "content": "2"}],
+                                                       "response": "2"}), "'prompt' ends with an assistant turn"),
+    "unknown role": (_conversations({"prompt": [{"role": "robot", "content": "1"}], "response": "2"}),
+                     r"prompt\[0\] has unknown role 'robot'"),
+    "response holds a user message": (_conversations({"prompt": "1+1=", "response": {"role": "user", "content": "2"}}),
+                                      r"'response' holds 1 message\(s\) \(user\)"),
+    "unknown key": (_conversations({"prompt": "1+1=", "response": "2", "label": 3}), "unknown key.*'label'"),
+    "one bad conversation among good ones": (
+        _conversations({"prompt": "1+1=", "response": "2"}, {"prompt": "1+1="}, {"prompt": "2+2=", "response": "4"}),
+        "rejected 1 of 3 sequences: sequence 1: conversations: missing key 'response'"),
 }
 
 

@@ -71,7 +71,8 @@ def _annotate(input_path: Path, output: Path, port: int, *extra: str) -> subproc
 
 
 def _expected_scores(loaded, records: list[dict]) -> np.ndarray:
-    """In-process rewards of each record's text laid out as reward training does: [bos] + text + [eos]."""
+    """In-process rewards of each record laid out as reward training does (the demo template renders the
+    plain layout): [bos] + input + output + [eos]."""
     import torch
 
     tokenizer = loaded.tokenizer
@@ -101,6 +102,32 @@ def test_annotation_equals_in_process_scores_rounded_onto_the_scales(served, sft
             assert a["attributes"][name] == min(max(int(np.floor(score + 0.5)), low), high)
     print(f"\nscores {expected.min():.2f}..{expected.max():.2f}; "
           f"values {sorted({tuple(a['attributes'].values()) for a in annotated})}")
+
+
+def test_annotating_conversations_scores_the_tokens_reward_training_uses(served, tmp_path):
+    """A conversation is scored at its last assistant turn, as the same {"prompt", "response"} regression record."""
+    import torch
+
+    from aligner.data.reward import RegressionDataset
+
+    _, port, loaded = served
+    user, reply = {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}
+    records = [{"messages": [{"role": "system", "content": "abc"}, user, reply]},
+               {"system": "a", "conversations": [{"from": "User", "value": "12+7="}, {"from": "Assistant", "value": "19"},
+                                                 {"from": "User", "value": "9+9="}, {"from": "Assistant", "value": "18"}]}]
+    training = [{"prompt": [{"role": "system", "content": "abc"}, user], "response": "2"},
+                {"prompt": [{"role": "system", "content": "a"}, {"role": "user", "content": "12+7="},
+                            {"role": "assistant", "content": "19"}, {"role": "user", "content": "9+9="}],
+                 "response": "18"}]
+    output = tmp_path / "annotated.jsonl"
+    result = _annotate(write_jsonl(tmp_path / "chats.jsonl", records), output, port)
+    assert result.returncode == 0, result.stderr[-4000:]
+    served_scores = np.array([[a["attribute_scores"][n] for n in ATTRIBUTES.split(",")] for a in _read_jsonl(output)])
+    labels = write_jsonl(tmp_path / "labels.jsonl", [{**record, "label": "helpfulness:1"} for record in training])
+    sequences = [item["tokens"] for item in RegressionDataset(labels, loaded.tokenizer, 64, ATTRIBUTES.split(","))]
+    tokens = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    expected = loaded.inference.infer(tokens, torch.tensor([len(ids) for ids in sequences])).numpy()
+    assert np.abs(served_scores - expected).max() < 1e-5
 
 
 def test_annotation_resumes_where_it_stopped(served, sft_file, tmp_path):

@@ -290,11 +290,70 @@ def test_tokenizer_round_trips_one_token_per_character(tokenizer):
 def test_tokenizer_chat_template(tokenizer):
     assert tokenizer.chat_template == CHAT_TEMPLATE
     user = [{"role": "user", "content": "12+7="}]
-    assert tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == "12+7="
+    assert tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == "<s>12+7="
     dialogue = [{"role": "system", "content": "1"}, *user, {"role": "assistant", "content": "19"}]
-    assert tokenizer.apply_chat_template(dialogue, tokenize=False) == "1\n12+7=19</s>"
+    assert tokenizer.apply_chat_template(dialogue, tokenize=False) == "<s>1\n12+7=19</s>"
     rendered_ids = tokenizer.apply_chat_template(user + dialogue[2:], tokenize=True, return_dict=False)
-    assert list(rendered_ids) == tokenizer.encode("12+7=19") + [tokenizer.eos_token_id]
+    assert list(rendered_ids) == [tokenizer.bos_token_id] + tokenizer.encode("12+7=19") + [tokenizer.eos_token_id]
+
+
+def test_every_demo_record_encodes_to_the_plain_layout_under_the_template(tokenizer, tmp_path):
+    """The template renders bos, so every record of the demo's files has the tokens of the layout without
+    a template: [bos] + prompt (+ answer + [eos]); the demo's runs are unchanged by chat templates."""
+    from aligner.data.conversation import ChatEncoder
+    from aligner.data.preference import PreferenceDataset
+    from aligner.data.reward import ComparisonDataset, RegressionDataset, RewardTokenLayout, request_sample_tokens
+    from aligner.data.sft import SFTDataset
+    from aligner.data.steerlm import AttributeConditioning, SteerLMConfig
+    from aligner.tokenizer import Tokenizer
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    demo = Tokenizer(tmp_path / "tokenizer")
+    assert demo.has_chat_template
+    bos, eos, encode = demo.bos_id, demo.eos_id, demo.encode
+
+    def write(name, records):
+        (tmp_path / name).write_text("".join(json.dumps(record) + "\n" for record in records))
+        return tmp_path / name
+
+    for use_template in (True, False):
+        sft = task.sft_records(50, seed=1)
+        dataset = SFTDataset(write("sft.jsonl", sft), demo, 32, use_template=use_template)
+        for item, record in zip(dataset, sft):
+            prompt = [bos] + encode(record["input"])
+            assert item["tokens"].tolist() == prompt + encode(record["output"]) + [eos]
+            assert item["loss_mask"].tolist() == [0] * len(prompt) + [1] * (len(record["output"]) + 1)
+
+        annotated = [{**record, "attributes": {"correctness": index % 5}} for index, record in enumerate(sft)]
+        steerlm = SteerLMConfig(attributes=["correctness"], format="values")
+        conditioned = SFTDataset(write("annotated.jsonl", annotated), demo, 32, use_template=use_template,
+                                 prepare_record=AttributeConditioning(steerlm, demo))
+        for item, record in zip(conditioned, annotated):
+            expected = [bos] + encode(f"{record['attributes']['correctness']}\n{record['input']}{record['output']}")
+            assert item["tokens"].tolist() == expected + [eos]
+
+        pairs = task.preference_records(50, seed=1)
+        preference = PreferenceDataset.from_jsonl(write("pairs.jsonl", pairs), demo, 32, use_template=use_template)
+        ranking = ComparisonDataset(tmp_path / "pairs.jsonl", demo, 32, use_template=use_template)
+        for item, comparison, record in zip(preference, ranking, pairs):
+            assert item["prompt"].tolist() == [bos] + encode(record["prompt"])
+            for side in ("chosen", "rejected"):
+                assert item[side].tolist() == encode(record[side]) + [eos]
+                assert comparison[side].tolist() == [bos] + encode(record["prompt"] + record[side]) + [eos]
+
+        labelled = task.attribute_records(50, seed=1)
+        regression = RegressionDataset(write("labels.jsonl", labelled), demo, 32, ["correctness"],
+                                       use_template=use_template)
+        layout = RewardTokenLayout(demo, use_template=use_template)
+        for item, record in zip(regression, labelled):
+            assert item["tokens"].tolist() == [bos] + encode(record["text"]) + [eos]
+        for record in sft:  # what SteerLM annotation sends to the attribute model
+            request = json.dumps({"prompt": record["input"], "response": record["output"]}).encode()
+            assert request_sample_tokens(request, layout) == [bos] + encode(record["input"] + record["output"]) + [eos]
+
+        encoder = ChatEncoder(demo, use_template=use_template)
+        for record in task.rl_prompts(50, seed=1) + task.heldout_prompts(50):
+            assert encoder.prompt_tokens(record["prompt"]) == [bos] + encode(record["prompt"])
 
 
 # --- scripts --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from aligner.algorithms.dpo import (DPOConfig, DPOObjective, DPOSection, SwappedReferenceLoader, build_dpo_trainer,
                                     precompute_reference_logprobs)
 from aligner.config import CONF_DIR, load_config
+from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset, collate_preferences
 from aligner.data.sft import encode_record
@@ -20,7 +21,7 @@ from aligner.models.weight_swap import HostWeights
 from aligner.runtime import seeds
 from aligner.tokenizer import Tokenizer
 
-from ..conftest import metrics_rows, write_jsonl
+from ..conftest import CHAT_KINDS, SAMPLE_ANSWERS, SAMPLE_PROMPTS, metrics_rows, sft_reference, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -65,6 +66,72 @@ def test_data_errors_name_file_and_line(tmp_path, tokenizer):
             PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", records), tokenizer, 32)
     with pytest.raises(DataError, match=r"bad.jsonl:0: no usable pairs: all 1 are longer than max_seq_length=4"):
         PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good]), tokenizer, 4)
+
+
+REJECTED_ANSWERS = {"text": "Lyon.", "message": {"role": "assistant", "content": "4, 6 and 8."},
+                    "message_list": [{"role": "assistant", "content": "twenty"}]}
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+@pytest.mark.parametrize("prompt_name", sorted(SAMPLE_PROMPTS))
+@pytest.mark.parametrize("answer_name", sorted(SAMPLE_ANSWERS))
+def test_conversational_pairs_are_the_sft_encoding_of_each_conversation(tmp_path, chat_tokenizers, kind, prompt_name,
+                                                                       answer_name):
+    tokenizer = chat_tokenizers[kind]
+    prompt, chosen, rejected = SAMPLE_PROMPTS[prompt_name], SAMPLE_ANSWERS[answer_name], REJECTED_ANSWERS[answer_name]
+    records = [{"prompt": prompt, "chosen": chosen, "rejected": rejected},
+               {"prompt": prompt, "chosen_response": chosen, "rejected_response": rejected}]
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, 256)
+    for item in dataset:
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            tokens, answer_start = sft_reference(tokenizer, prompt, answer)
+            assert item["prompt"].tolist() + item[side].tolist() == tokens
+            assert len(item["prompt"]) == answer_start
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+def test_implicit_prompt_pairs_equal_explicit_ones(tmp_path, chat_tokenizers, kind):
+    tokenizer = chat_tokenizers[kind]
+    prompt = SAMPLE_PROMPTS["multi_turn_system"]
+    explicit = {"prompt": prompt, "chosen": "nineteen", "rejected": "twenty"}
+    implicit = {"chosen": prompt + [{"from": "gpt", "value": "nineteen"}],
+                "rejected": prompt + [{"role": "assistant", "content": "twenty"}]}
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl", [explicit, implicit]), tokenizer, 256)
+    for key in ("prompt", "chosen", "rejected"):
+        assert dataset[0][key].tolist() == dataset[1][key].tolist()
+
+
+def test_chat_template_false_gives_the_plain_layout(tmp_path, chat_tokenizers):
+    tokenizer = chat_tokenizers["smollm2"]
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
+    item = PreferenceDataset.from_jsonl(path, tokenizer, 64, use_template=False)[0]
+    assert item["prompt"].tolist() == [tokenizer.bos_id] + tokenizer.encode("12+7=")
+    assert item["chosen"].tolist() == tokenizer.encode("19") + [tokenizer.eos_id]
+    templated = PreferenceDataset.from_jsonl(path, tokenizer, 64)[0]
+    assert templated["prompt"].tolist() == ChatEncoder(tokenizer).prompt_tokens([{"role": "user", "content": "12+7="}])
+
+
+USER, ASSISTANT = {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": [USER, ASSISTANT], "chosen": "2", "rejected": "3"}, "'prompt' ends with an assistant turn"),
+    ({"prompt": [{"role": "robot", "content": "1+1="}], "chosen": "2", "rejected": "3"},
+     r"prompt\[0\] has unknown role 'robot'"),
+    ({"prompt": [USER], "chosen": [USER], "rejected": "3"}, r"'chosen' holds 1 message\(s\) \(user\); expected one "
+                                                            "assistant message"),
+    ({"prompt": [USER], "chosen": "2", "rejected": {"role": "assistant", "content": ""}},
+     "'rejected' is an assistant message with empty content"),
+    ({"chosen": [USER, ASSISTANT], "rejected": [{"role": "user", "content": "1+2="}, ASSISTANT]},
+     "'chosen' and 'rejected' differ before their last message"),
+    ({"chosen": [USER, ASSISTANT], "rejected": [USER]}, "'rejected' without a 'prompt' key must be a whole conversation"),
+    ({"chosen": "2", "rejected": "3"}, "missing key 'prompt'"),
+])
+def test_malformed_conversational_pairs_name_file_line_and_key(tmp_path, chat_tokenizers, record, message):
+    good = {"prompt": [USER], "chosen": ASSISTANT, "rejected": "3"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, record])
+    with pytest.raises(DataError, match=rf"^{tmp_path}/bad\.jsonl:2: {message}"):
+        PreferenceDataset.from_jsonl(path, chat_tokenizers["smollm2"], 64)
 
 
 def test_collate_interleaves_pairs_and_micro_batches_hold_whole_pairs(tmp_path, tokenizer):

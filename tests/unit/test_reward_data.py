@@ -23,6 +23,8 @@ from aligner.demo.arithmetic import attribute_records, preference_records
 from aligner.demo.tokenizer import train_char_tokenizer
 from aligner.tokenizer import Tokenizer
 
+from ..conftest import CHAT_KINDS, SAMPLE_ANSWERS, SAMPLE_PROMPTS, sft_reference
+
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = "what is two plus two four five six hello world good bad a b c d e".split()
 VOCAB = {token: index for index, token in enumerate(SPECIALS + WORDS)}
@@ -122,7 +124,13 @@ def test_empty_comparison_file_is_an_error(tmp_path, tokenizer):
         ([PAIRS[0], '{"prompt": "a",'], 2, "invalid JSON"),
         ([PAIRS[0], {"prompt": "a", "chosen": "b"}], 2, "missing key 'rejected'"),
         ([PAIRS[0], PAIRS[1], {"prompt": "a", "chosen": " ", "rejected": "b"}], 3, "key 'chosen' is empty"),
-        ([PAIRS[0], {"prompt": ["a"], "chosen": "b", "rejected": "c"}], 2, "key 'prompt' is a list; expected a string"),
+        ([PAIRS[0], {"prompt": ["a"], "chosen": "b", "rejected": "c"}], 2, r"prompt\[0\] is a str; expected a JSON object"),
+        ([PAIRS[0], {"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                     "chosen": "b", "rejected": "c"}], 2, "'prompt' ends with an assistant turn"),
+        ([PAIRS[0], {"prompt": [{"role": "bot", "content": "a"}], "chosen": "b", "rejected": "c"}], 2,
+         "unknown role 'bot'"),
+        ([PAIRS[0], {"prompt": "a", "chosen": {"role": "user", "content": "b"}, "rejected": "c"}], 2,
+         r"'chosen' holds 1 message\(s\) \(user\)"),
         ([{"text": "a"}, {"text": "b"}, "", {"text": "c"}], 4, r"odd number of records \(3\)"),
         ([{"text": "a"}, {"chosen": "b"}], 2, "missing key 'text'"),
         ([{"text": "a"}, {"text": 3}], 2, "key 'text' is a int"),
@@ -208,6 +216,12 @@ def test_regression_drops_too_long_texts(tmp_path, tokenizer):
         ('{"text": "a", "label": ', "invalid JSON"),
         ({"text": "a"}, "missing key 'label'"),
         ({"label": "helpfulness:1"}, "missing key 'text'"),
+        ({"prompt": "a", "label": "helpfulness:1"}, "missing key 'response'"),
+        ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "response": "c",
+          "label": "helpfulness:1"}, "'prompt' ends with an assistant turn"),
+        ({"prompt": "a", "response": [{"role": "user", "content": "b"}], "label": "helpfulness:1"},
+         r"'response' holds 1 message\(s\) \(user\)"),
+        ({"prompt": "a", "response": "b"}, "missing key 'label'"),
         ({"text": "", "label": "helpfulness:1"}, "key 'text' is empty"),
         ({"text": 7, "label": "helpfulness:1"}, "key 'text' is a int; expected a string"),
         ({"text": "a", "label": ["helpfulness", 1]}, "'label' is a list"),
@@ -259,6 +273,58 @@ def test_collate_regression_pads_and_stacks_labels():
     assert batch["label_mask"].tolist() == [[1.0, 0.0], [1.0, 1.0]]
     assert batch["labels"].dtype == batch["label_mask"].dtype == torch.float32
     assert batch["attention_mask"] is None
+
+
+# ---------------------------------------------------------------- conversational records on real chat templates
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+@pytest.mark.parametrize("prompt_name", sorted(SAMPLE_PROMPTS))
+@pytest.mark.parametrize("answer_name", sorted(SAMPLE_ANSWERS))
+def test_conversational_ranking_pairs_are_the_sft_encoding(tmp_path, chat_tokenizers, kind, prompt_name, answer_name):
+    tokenizer = chat_tokenizers[kind]
+    prompt, chosen = SAMPLE_PROMPTS[prompt_name], SAMPLE_ANSWERS[answer_name]
+    rejected = {"role": "assistant", "content": "I do not know."}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+    dataset = ComparisonDataset(path, tokenizer, 256)
+    assert dataset[0]["chosen"].tolist() == sft_reference(tokenizer, prompt, chosen)[0]
+    assert dataset[0]["rejected"].tolist() == sft_reference(tokenizer, prompt, rejected)[0]
+    assert dataset[0]["chosen"][-1] == tokenizer.eos_id  # the reward is read at the reply's end-of-turn token
+    implicit = {"chosen": SAMPLE_PROMPTS["user"] + [{"role": "assistant", "content": "Paris."}],
+                "rejected": SAMPLE_PROMPTS["user"] + [rejected]}
+    explicit = {"prompt": SAMPLE_PROMPTS["user"], "chosen": "Paris.", "rejected": rejected}
+    both = ComparisonDataset(write_jsonl(tmp_path / "both.jsonl", [implicit, explicit]), tokenizer, 256)
+    assert [both[0][key].tolist() for key in ("chosen", "rejected")] == [both[1][key].tolist() for key in ("chosen", "rejected")]
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+@pytest.mark.parametrize("prompt_name", sorted(SAMPLE_PROMPTS))
+def test_conversational_regression_records_are_the_sft_encoding(tmp_path, chat_tokenizers, kind, prompt_name):
+    tokenizer = chat_tokenizers[kind]
+    prompt = SAMPLE_PROMPTS[prompt_name]
+    records = [{"prompt": prompt, "response": answer, "label": {"helpfulness": 3}} for answer in SAMPLE_ANSWERS.values()]
+    dataset = RegressionDataset(write_jsonl(tmp_path / "labels.jsonl", records), tokenizer, 256, ATTRIBUTES)
+    for item, answer in zip(dataset, SAMPLE_ANSWERS.values()):
+        assert item["tokens"].tolist() == sft_reference(tokenizer, prompt, answer)[0]
+        assert item["labels"].tolist() == [3.0, 0.0, 0.0]
+    # Without the end marker (append_eos=false) the sequence stops after the reply's text.
+    no_eos = RegressionDataset(tmp_path / "labels.jsonl", tokenizer, 256, ATTRIBUTES, append_eos=False)
+    assert no_eos[0]["tokens"].tolist() == dataset[0]["tokens"].tolist()[:-1]
+
+
+def test_chat_template_false_and_raw_text_keep_the_plain_layout(tmp_path, chat_tokenizers):
+    tokenizer = chat_tokenizers["llama3"]
+    bos, eos, encode = tokenizer.bos_id, tokenizer.eos_id, tokenizer.encode
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
+    plain = ComparisonDataset(pairs, tokenizer, 64, use_template=False)
+    assert plain[0]["chosen"].tolist() == [bos] + encode("12+7=") + encode("19") + [eos]
+    labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "12+7=19", "label": "helpfulness:1"},
+                                                    {"prompt": "12+7=", "response": "19", "label": "helpfulness:1"}])
+    for use_template in (True, False):  # raw text is raw text, whatever the setting
+        dataset = RegressionDataset(labels, tokenizer, 64, ATTRIBUTES, use_template=use_template)
+        assert dataset[0]["tokens"].tolist() == [bos] + encode("12+7=19") + [eos]
+    templated = RegressionDataset(labels, tokenizer, 64, ATTRIBUTES)[1]["tokens"].tolist()
+    assert templated == sft_reference(tokenizer, "12+7=", "19")[0] != plain[0]["chosen"].tolist()
 
 
 # ---------------------------------------------------------------- the demo task's files

@@ -13,10 +13,13 @@ from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
+from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError, read_jsonl, require_list, require_str
 from aligner.data.sft import PackedSFTDataset, SFTDataset, collate_sft
 from aligner.data.sampler import DistributedBatchSampler
 from aligner.tokenizer import Tokenizer
+
+from ..conftest import CHAT_KINDS, SAMPLE_ANSWERS, SAMPLE_PROMPTS
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 WORDS = "hello world how are you fine thanks be brief System User Assistant : a b c d e f g".split()
@@ -209,14 +212,18 @@ ASSISTANT_TURN = {"from": "assistant", "value": "world"}
         ({"input": "hello"}, "missing key 'output'"),
         ({"input": "hello", "output": ""}, "key 'output' is empty"),
         ({"input": 5, "output": "x"}, "key 'input' is a int; expected a string"),
-        ({"text": "hello"}, "neither 'input'/'output' nor 'conversations'"),
-        ({"conversations": "hello"}, "key 'conversations' is a str; expected a list"),
-        ({"conversations": []}, "key 'conversations' is an empty list"),
+        ({"text": "hello"}, "neither 'input'/'output' nor 'conversations'/'messages'"),
+        ({"conversations": "hello"}, "conversations is a str; expected a non-empty list"),
+        ({"conversations": []}, "conversations is an empty list"),
         ({"conversations": [USER_TURN, "world"]}, r"conversations\[1\] is a str; expected a JSON object"),
-        ({"conversations": [USER_TURN, {"from": "assistant"}]}, r"missing key 'value'.* in conversations\[1\]"),
+        ({"conversations": [USER_TURN, {"from": "assistant"}]}, r"conversations\[1\] needs string 'role' \(or 'from'\) "
+                                                                r"and 'content' \(or 'value'\); keys present: 'from'"),
         ({"conversations": [USER_TURN, {"from": "robot", "value": "x"}]}, r"unknown role 'robot'"),
-        ({"conversations": [USER_TURN, USER_TURN]}, "no assistant turn"),
+        ({"conversations": [USER_TURN, USER_TURN]}, "'conversations' has no assistant turn"),
         ({"system": 3, "conversations": [USER_TURN, ASSISTANT_TURN]}, "key 'system' is a int"),
+        ({"messages": [USER_TURN, {"role": "tool", "content": "x"}]}, r"messages\[1\] has unknown role 'tool'"),
+        ({"messages": [USER_TURN]}, "'messages' has no assistant turn"),
+        ({"messages": {"role": "user", "content": "x"}}, "messages is a dict; expected a non-empty list"),
     ],
 )
 def test_malformed_records_name_file_and_line(tmp_path, plain_tokenizer, record, expected):
@@ -237,6 +244,73 @@ def test_truncation_keeps_the_start_and_drops_examples_without_response(tmp_path
     assert len(dataset) == 2
     assert dataset[1]["tokens"].tolist() == [BOS] + ids("how are a b c")
     assert dataset[1]["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+# ---------------------------------------------------------------- conversational records on real chat templates
+
+
+def _spans(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1s."""
+    spans, start = [], None
+    for index, flag in enumerate(mask + [0]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            spans.append((start, index))
+            start = None
+    return spans
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+def test_input_output_is_a_one_turn_conversation(tmp_path, chat_tokenizers, kind):
+    tokenizer = chat_tokenizers[kind]
+    prompt, answer = SAMPLE_PROMPTS["text"], SAMPLE_ANSWERS["text"]
+    path = write_jsonl(tmp_path / "data.jsonl", [{"input": prompt, "output": answer},
+                                                 {"messages": SAMPLE_PROMPTS["user"] + [{"role": "assistant", "content": answer}]}])
+    dataset = SFTDataset(path, tokenizer, 256)
+    tokens, mask = dataset[0]["tokens"].tolist(), dataset[0]["loss_mask"].tolist()
+    if kind == "plain":  # NeMo-Aligner's layout: [bos] + input, output + [eos]
+        assert tokens == [tokenizer.bos_id] + tokenizer.encode(prompt) + tokenizer.encode(answer) + [tokenizer.eos_id]
+    else:
+        assert tokens == dataset[1]["tokens"].tolist() and mask == dataset[1]["loss_mask"].tolist()
+        rendered = tokenizer.render_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+        assert tokens == tokenizer.hf.encode(rendered, add_special_tokens=False)
+    (start, end), = _spans(mask)
+    assert tokenizer.hf.decode(tokens[start:end]) == answer + tokenizer.hf.eos_token
+    assert tokens[:start] == ChatEncoder(tokenizer).prompt_tokens(prompt)  # what generation is given
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+@pytest.mark.parametrize("with_system", [True, False])
+def test_multi_turn_conversations_and_messages_mask_every_assistant_turn(tmp_path, chat_tokenizers, kind, with_system):
+    tokenizer = chat_tokenizers[kind]
+    turns = [("user", "hello"), ("assistant", "hello, how are you?"), ("user", "Twelve plus seven?"),
+             ("assistant", "nineteen: 12+7=19")]
+    system = "You are a helpful assistant." if with_system else ""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": role, "content": content} for role, content in turns]
+    nemo = {"system": system, "mask": "User",
+            "conversations": [{"from": role.capitalize(), "value": content} for role, content in turns]}
+    path = write_jsonl(tmp_path / "data.jsonl", [nemo, {"messages": messages}])
+    dataset = SFTDataset(path, tokenizer, 256)
+    tokens, mask = dataset[0]["tokens"].tolist(), dataset[0]["loss_mask"].tolist()
+    assert tokens == dataset[1]["tokens"].tolist() and mask == dataset[1]["loss_mask"].tolist()
+    if kind != "plain":
+        assert tokens == tokenizer.hf.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    replies = [tokenizer.hf.decode(tokens[start:end]) for start, end in _spans(mask)]
+    assert replies == [content + tokenizer.hf.eos_token for role, content in turns if role == "assistant"]
+
+
+@pytest.mark.parametrize("kind", ("smollm2", "llama3"))
+def test_chat_template_false_gives_the_plain_layout(tmp_path, chat_tokenizers, kind):
+    tokenizer = chat_tokenizers[kind]
+    records = [{"input": "hello", "output": "fine thanks"},
+               {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine thanks"}]}]
+    dataset = SFTDataset(write_jsonl(tmp_path / "data.jsonl", records), tokenizer, 64, use_template=False)
+    bos, eos, encode = tokenizer.bos_id, tokenizer.eos_id, tokenizer.encode
+    assert dataset[0]["tokens"].tolist() == [bos] + encode("hello") + encode("fine thanks") + [eos]
+    assert dataset[1]["tokens"].tolist() == [bos] + encode("User: hello\n") + encode("Assistant: ") + encode(
+        "fine thanks") + [eos]
 
 
 # ---------------------------------------------------------------- packing and collation

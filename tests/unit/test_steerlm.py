@@ -122,8 +122,15 @@ def test_conditioned_records_both_layouts_and_label_strings():
     assert conditioning(as_string, "a.jsonl", 2) == conditioning(record, "a.jsonl", 1)
     chat = {"conversations": [{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "hello"}],
             "attributes": {"correctness": 1, "helpfulness": 3}}
-    assert conditioning(chat, "a.jsonl", 3)["system"] == "helpfulness:3,correctness:1"
-    assert conditioning({**chat, "system": "Be nice."}, "a.jsonl", 4)["system"] == "helpfulness:3,correctness:1\nBe nice."
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    line = {"role": "system", "content": "helpfulness:3,correctness:1"}
+    # Both conversational layouts become {"messages"} with the attribute line as (or opening) the system message.
+    assert conditioning(chat, "a.jsonl", 3) == {"messages": [line, *turns]}
+    with_system = {"role": "system", "content": "helpfulness:3,correctness:1\nBe nice."}
+    assert conditioning({**chat, "system": "Be nice."}, "a.jsonl", 4) == {"messages": [with_system, *turns]}
+    messages = {"messages": [{"role": "system", "content": "Be nice."}, *turns], "attributes": chat["attributes"]}
+    assert conditioning(messages, "a.jsonl", 5) == {"messages": [with_system, *turns]}
+    assert conditioning({**messages, "messages": turns}, "a.jsonl", 6) == {"messages": [line, *turns]}
 
 
 @pytest.mark.parametrize("record, message", [
@@ -193,13 +200,22 @@ def test_resume_bookkeeping(tmp_path):
         annotate.count_done(output, records[:1])
 
 
-def test_text_of_records():
+def test_the_sample_scored_for_each_record_layout():
     annotate = _load_annotate()
-    assert annotate.record_text({"input": "12+7=", "output": "19"}, None, "d.jsonl", 1) == "12+7=19"
-    with pytest.raises(DataError, match="d.jsonl:2: a 'conversations' record needs --tokenizer"):
-        annotate.record_text({"conversations": []}, None, "d.jsonl", 2)
-    with pytest.raises(DataError, match="d.jsonl:3: record has neither"):
-        annotate.record_text({"text": "x"}, None, "d.jsonl", 3)
+    assert annotate.record_sample({"input": "12+7=", "output": "19"}, "d.jsonl", 1) == ("12+7=", "19")
+    user, reply = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+    later = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "bye"}]
+    # A conversation is scored at its last assistant turn, with everything before it as the prompt.
+    conversation = {"system": "Be nice.", "conversations": [user, reply, *later, {"role": "user", "content": "?"}]}
+    assert annotate.record_sample(conversation, "d.jsonl", 2) == (
+        [{"role": "system", "content": "Be nice."}, user, reply, later[0]], "bye")
+    assert annotate.record_sample({"messages": [user, reply]}, "d.jsonl", 3) == ([user], "hello")
+    with pytest.raises(DataError, match="d.jsonl:4: 'messages': the last assistant turn does not follow"):
+        annotate.record_sample({"messages": [reply]}, "d.jsonl", 4)
+    with pytest.raises(DataError, match="d.jsonl:5: 'conversations' has no assistant turn"):
+        annotate.record_sample({"conversations": [user]}, "d.jsonl", 5)
+    with pytest.raises(DataError, match="d.jsonl:6: record has neither"):
+        annotate.record_sample({"text": "x"}, "d.jsonl", 6)
 
 
 def test_steering_a_checkpoint_checks_its_conditioning(tmp_path):
