@@ -46,10 +46,10 @@ other rows and requests of the batch are scored normally; `RewardClient` raises
 `RewardServerError` with the message. Rejected: token ids < 0 or >= the model's vocabulary,
 an empty sequence (length 0), a sequence longer than max_position_embeddings or than the tokens
 sent, more than one kind of input or none, texts that are not UTF-8, conversations that are not
-JSON or not a valid prompt and response (e.g. a prompt ending with an assistant turn). Triton itself rejects a wrong dtype
-(e.g. int32 tokens), an unknown input name or too many rows before the callback runs, with an
-error for that request only. An exception while the model runs (a bug, out of memory) fails that
-merged batch; the server keeps serving the next one.
+JSON or not a valid prompt and response (e.g. a prompt ending with an assistant turn). Triton
+itself rejects a wrong dtype (e.g. int32 tokens), an unknown input name or too many rows before
+the callback runs, with an error for that request only. An exception while the model runs (a bug,
+out of memory) fails that merged batch; the server keeps serving the next one.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
         futures = [client.infer_async(batch) for batch in token_batches]   # many in flight
         rewards = [future.result() for future in futures]                   # each [len(batch), A]
 
+Texts (`infer_text`) and conversations (`infer_conversations`: prompts as text or messages, responses
+as text or assistant messages) are tokenized by the server exactly as reward training tokenizes them.
 One client may be shared by any number of threads; up to `max_workers` requests are in flight at
 once, which is what lets the server batch them together.
 """
@@ -102,7 +104,8 @@ class RewardClient(ModelServerClient):
                 for prompt, response in zip(prompts, responses)]
         return self.infer_tensors_async({"conversations": np.array(rows, dtype=object)})  # [B, 1]
 
-    def infer_conversations(self, prompts: Sequence[Union[str, list]], responses: Sequence[Union[str, dict]]) -> np.ndarray:
+    def infer_conversations(self, prompts: Sequence[Union[str, list]],
+                            responses: Sequence[Union[str, dict]]) -> np.ndarray:
         return self.infer_conversations_async(prompts, responses).result()
 
     def infer_tensors_async(self, inputs: dict[str, np.ndarray]) -> Future:

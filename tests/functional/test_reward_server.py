@@ -302,14 +302,16 @@ def test_conversational_requests_score_the_tokens_reward_training_uses(client, r
     from aligner.data.reward import RegressionDataset
 
     _, loaded = reward_model
-    records = [{"prompt": prompt, "response": response, "label": {ATTRIBUTES[0]: 1}} for prompt, response in CONVERSATIONS]
+    records = [{"prompt": prompt, "response": response, "label": {ATTRIBUTES[0]: 1}}
+               for prompt, response in CONVERSATIONS]
     path = tmp_path / "labels.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     training = [item["tokens"].tolist() for item in RegressionDataset(path, loaded.tokenizer, MAX_LENGTH, ATTRIBUTES)]
     plain = [item["tokens"].tolist() for item in RegressionDataset(path, loaded.tokenizer, MAX_LENGTH, ATTRIBUTES,
                                                                     use_template=False)]
     assert training[2] != plain[2]  # the server must render the multi-turn prompt with the template to pass
-    served = client.infer_conversations([prompt for prompt, _ in CONVERSATIONS], [answer for _, answer in CONVERSATIONS])
+    served = client.infer_conversations([prompt for prompt, _ in CONVERSATIONS],
+                                        [answer for _, answer in CONVERSATIONS])
     assert np.abs(served - in_process_rewards(loaded.inference, training)).max() < 1e-6
 
 

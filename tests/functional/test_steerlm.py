@@ -113,8 +113,9 @@ def test_annotating_conversations_scores_the_tokens_reward_training_uses(served,
     _, port, loaded = served
     user, reply = {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}
     records = [{"messages": [{"role": "system", "content": "abc"}, user, reply]},
-               {"system": "a", "conversations": [{"from": "User", "value": "12+7="}, {"from": "Assistant", "value": "19"},
-                                                 {"from": "User", "value": "9+9="}, {"from": "Assistant", "value": "18"}]}]
+               {"system": "a", "conversations": [
+                   {"from": "User", "value": "12+7="}, {"from": "Assistant", "value": "19"},
+                   {"from": "User", "value": "9+9="}, {"from": "Assistant", "value": "18"}]}]
     training = [{"prompt": [{"role": "system", "content": "abc"}, user], "response": "2"},
                 {"prompt": [{"role": "system", "content": "a"}, {"role": "user", "content": "12+7="},
                             {"role": "assistant", "content": "19"}, {"role": "user", "content": "9+9="}],
