@@ -247,12 +247,12 @@ def _read_lines(stream: TextIO, out: TextIO) -> Iterator[Optional[str]]:
 
 def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
     """The read-reply loop; returns the number of replies given."""
+    from aligner.data.conversation import ChatEncoder
+
     def write(text: str) -> None:
         if _is_rank_zero():
             out.write(text)
             out.flush()
-
-    from aligner.data.conversation import ChatEncoder
 
     encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
     sampling = cfg.sampling_params(model.stop_token_ids)
