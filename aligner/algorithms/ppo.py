@@ -48,7 +48,7 @@ class RewardSection:
     # the values, one request) | function: a Python function
     source: str = "server"
     server: ServerAddress = field(default_factory=ServerAddress)
-    function: Optional[str] = None  # "package.module:function"; fn(prompt, response_text) -> float, prompt as in the data
+    function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
     attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
 
 

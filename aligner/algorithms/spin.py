@@ -164,7 +164,8 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
         try:
             prompt_tokens, answer_tokens = encoder.sample_tokens(prompt, answer)
         except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
-            raise DataError(f"{path}:{line}: cannot render the demonstration with the chat template: {error}") from error
+            raise DataError(f"{path}:{line}: cannot render the demonstration with the chat template: {error}") \
+                from error
         if len(prompt_tokens) + len(answer_tokens) <= max_seq_length:
             demonstrations.append((prompt_tokens, answer_tokens))
     if not demonstrations:

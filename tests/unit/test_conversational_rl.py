@@ -102,7 +102,8 @@ def test_chat_template_false_gives_bos_plus_text_and_the_plain_layout(tmp_path, 
     prompts = PromptDataset(path, tokenizer, 256, use_template=False)
     assert prompts.tokens[0] == [tokenizer.bos_id] + tokenizer.encode(PROMPTS[0])
     assert prompts.tokens[1] == ([tokenizer.bos_id] + tokenizer.encode("System: Answer briefly.\n")
-                                 + tokenizer.encode("User: List three prime numbers.\n") + tokenizer.encode("Assistant: "))
+                                 + tokenizer.encode("User: List three prime numbers.\n")
+                                 + tokenizer.encode("Assistant: "))
 
 
 ALTERNATING_TEMPLATE = (  # a template that complains, as many real ones do
@@ -338,8 +339,9 @@ def test_spin_demonstrations_equal_the_sft_encoding(tmp_path, tokenizers, kind, 
 def test_spin_refuses_a_conversation_that_does_not_end_with_the_reply(tmp_path, tokenizers):
     from aligner.algorithms.spin import load_demonstrations
 
+    only_reply = {"conversations": [{"from": "gpt", "value": "hi"}]}
     for record, message in (({"messages": PROMPTS[2]}, "'messages' ends with a user turn"),
-                            ({"conversations": [{"from": "gpt", "value": "hi"}]}, "'conversations' holds only the assistant's reply")):
+                            (only_reply, "'conversations' holds only the assistant's reply")):
         with pytest.raises(DataError, match=f"sft.jsonl:1: {message}"):
             load_demonstrations(write_jsonl(tmp_path / "sft.jsonl", [record]), tokenizers["smollm2"], 512)
 
