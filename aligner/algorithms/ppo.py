@@ -48,7 +48,7 @@ class RewardSection:
     # the values, one request) | function: a Python function
     source: str = "server"
     server: ServerAddress = field(default_factory=ServerAddress)
-    function: Optional[str] = None  # "package.module:function(prompt_text, response_text) -> float"
+    function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
     attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
 
 
@@ -118,10 +118,11 @@ class EMASection:
 
 @dataclass
 class PPODataSection:
-    prompts: str = "???"  # JSONL, {"prompt": ...} per line
+    prompts: str = "???"  # JSONL, {"prompt": text or [{"role", "content"}, ...]} per line
     validation_prompts: Optional[str] = None
     max_prompt_length: int = 64
     shuffle: bool = True
+    chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
 
 
 @dataclass
@@ -450,7 +451,7 @@ class PPOTrainer:
 
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
-        step_texts = [prompts.texts[i] for i in indices]
+        given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
         pending = []  # (micro-batch indices, rollout, reward future, values future)
 
         def send_scoring(micro_indices, rollout):
@@ -462,12 +463,15 @@ class PPOTrainer:
             values = self.critic.infer_async(sequences) if (with_values or self.reward_source is None) else None
             rewards = None  # combined critic server: the rewards arrive with the values
             if self.reward_source is not None:
-                rewards = self.reward_source.score_async(sequences, [step_texts[i] for i in micro_indices], responses)
+                rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
+                                                         responses)
             pending.append((micro_indices, rollout, rewards, values))
 
         tick = time.perf_counter()
         self.engine.refit(self.chunks)
         local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
+        for position, row in local.items():
+            row["given_prompt"] = given_prompts[position]
         if hasattr(self.engine, "free") and self.cfg.generation.engine != "native":
             self.engine.free()  # the KV cache of the native engine is small and kept for the next step
         timings["time_generation"] = time.perf_counter() - tick
@@ -499,6 +503,7 @@ class PPOTrainer:
         return batch, float(generated.item())
 
     def response_text(self, response_tokens: torch.Tensor) -> str:
+        """What reward functions and sample tables read; the tokens themselves go on unchanged."""
         ids = [t for t in response_tokens.tolist() if t != self.tokenizer.eos_id]
         return self.tokenizer.decode(ids)
 
@@ -668,9 +673,11 @@ class PPOTrainer:
         return interval > 0 and (self.step % interval == 0)
 
     def log_samples(self, batch, experience) -> None:
+        from aligner.data.conversation import prompt_text
+
         rows = []
         for b in range(min(self.cfg.logging.num_samples, len(batch.indices))):
-            prompt = self.tokenizer.decode([t for t in batch.rows[b]["prompt"] if t != self.tokenizer.bos_id])
+            prompt = prompt_text(batch.rows[b]["given_prompt"])
             response = self.response_text(batch.rows[b]["response"])
             rows.append(f"| {prompt!r} | {response!r} | {batch.rows[b]['score']:.3f} |")
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
@@ -766,10 +773,11 @@ def build_actor_parts(cfg, rollouts_per_step: int, *, reward_source=None, ptx_co
         checkpointing.load(cfg.model.init_from, chunks)
     reference = HostWeights.snapshot(chunks)
 
-    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length)
+    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)
     validation = None
     if cfg.data.validation_prompts:
-        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length)
+        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length,
+                                   cfg.data.chat_template)
     engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
     if reward_source is None and cfg.reward.source != "critic":
         reward_source = build_reward_source(cfg.reward)

@@ -82,6 +82,7 @@ class SPINDataConfig:
     max_seq_length: int = 512
     shuffle: bool = True
     pad_to_multiple_of: int = 8
+    chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
 
 @dataclass
@@ -115,24 +116,58 @@ def dpo_section(spin: SPINSection, beta: float) -> DPOSection:
 
 
 # ----------------------------------------------------------------------------- data
-def load_demonstrations(path: str, tokenizer, max_seq_length: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt tokens, response tokens) of each SFT record, in the SFT layout (`encode_record`).
+def demonstration(record: dict, path: str, line: int):
+    """(prompt, answer text) of one demonstration record; the prompt is text or messages.
 
-    A record must hold one response (one span of loss tokens at the end): the prompt is
-    everything before it. Records longer than max_seq_length are dropped.
+    {"input", "output"}; {"prompt", "response"} (a conversational prompt, the answer as text or an
+    assistant message); or a conversation, {"system"?, "conversations"} (the SFT file layout) or
+    {"messages"}, whose last turn is the assistant's reply: the earlier turns are its prompt.
     """
-    from aligner.data.jsonl import DataError, read_jsonl
-    from aligner.data.sft import encode_record
+    from aligner.data.conversation import parse_answer, parse_messages, parse_prompt
+    from aligner.data.jsonl import DataError, optional_str, require_str
 
+    if "input" in record or "output" in record:
+        return require_str(record, "input", path, line), require_str(record, "output", path, line)
+    if "prompt" in record or "response" in record:
+        return parse_prompt(record, "prompt", path, line), parse_answer(record, "response", path, line)
+    key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
+    if key is None:
+        raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response', 'conversations' "
+                        f"or 'messages' (keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
+    messages = parse_messages(record[key], key, path, line)
+    system = optional_str(record, "system", path, line)
+    if system.strip():
+        messages = [{"role": "system", "content": system}] + messages
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{path}:{line}: {key!r} ends with a {messages[-1]['role']} turn; SPIN's demonstration is "
+                        "the last turn, which must be the assistant's reply")
+    if len(messages) == 1:
+        raise DataError(f"{path}:{line}: {key!r} holds only the assistant's reply; it needs a turn to reply to")
+    return messages[:-1], messages[-1]["content"]
+
+
+def load_demonstrations(path: str, tokenizer, max_seq_length: int,
+                        use_template: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(prompt tokens, response tokens) of each record (`demonstration`), as `ChatEncoder.sample_tokens`
+    lays them out: prompt + response is the SFT encoding of the conversation up to the end of the
+    reply. Records longer than max_seq_length are dropped.
+    """
+    from jinja2.exceptions import TemplateError
+
+    from aligner.data.conversation import ChatEncoder
+    from aligner.data.jsonl import DataError, read_jsonl
+
+    encoder = ChatEncoder(tokenizer, use_template)
     demonstrations = []
     for line, record in read_jsonl(path):
-        example = encode_record(record, tokenizer, path, line)
-        start = example.loss_mask.index(1)
-        if not all(example.loss_mask[start:]):
-            raise DataError(f"{path}:{line}: SPIN needs one response per record (the last assistant turn); "
-                            "this record has several response spans")
-        if len(example.tokens) <= max_seq_length:
-            demonstrations.append((example.tokens[:start], example.tokens[start:]))
+        prompt, answer = demonstration(record, path, line)
+        try:
+            prompt_tokens, answer_tokens = encoder.sample_tokens(prompt, answer)
+        except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
+            raise DataError(f"{path}:{line}: cannot render the demonstration with the chat template: {error}") \
+                from error
+        if len(prompt_tokens) + len(answer_tokens) <= max_seq_length:
+            demonstrations.append((prompt_tokens, answer_tokens))
     if not demonstrations:
         raise DataError(f"{path}:0: no usable demonstrations (none fits max_seq_length={max_seq_length})")
     return demonstrations
@@ -158,6 +193,7 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
         batch_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start))
         rollout = engine.generate([prompt for prompt, _ in part], batch_sampling)
         for row in range(len(part)):
+            # The engine's ids as they are: decoding and re-encoding could spell the answer differently.
             answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
     if replicas > 1:
         gathered = [None] * replicas
@@ -272,7 +308,7 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     )
     demonstrations = []
     for entry in cfg.data.train:
-        loaded = load_demonstrations(entry.path, built.tokenizer, cfg.data.max_seq_length)
+        loaded = load_demonstrations(entry.path, built.tokenizer, cfg.data.max_seq_length, cfg.data.chat_template)
         get_logger().info(f"{entry.path}: {len(loaded)} demonstrations")
         demonstrations += loaded
     total_steps = spin.num_iterations * spin.steps_per_iteration

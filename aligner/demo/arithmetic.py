@@ -152,11 +152,15 @@ def _rng(purpose: str, seed: int) -> random.Random:
 # Rewards and evaluation
 
 
-def score_response(prompt: str, response_text: str) -> float:
+def score_response(prompt: str | list, response_text: str) -> float:
     """The rule-based reward: 1.0 if the stripped response is exactly the right sum, else 0.0.
 
-    Exact string match: "019" or "19." score 0. The prompt must be a task prompt (see parse_prompt).
+    Exact string match: "019" or "19." score 0. The prompt is a task prompt (see parse_prompt), or,
+    as a conversational prompt file gives it, a list of {"role", "content"} messages whose last
+    user turn is one.
     """
+    if not isinstance(prompt, str):
+        prompt = [message["content"] for message in prompt if message["role"] == "user"][-1]
     a, b = parse_prompt(prompt)
     return 1.0 if response_text.strip() == correct_answer(a, b) else 0.0
 

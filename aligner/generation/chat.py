@@ -4,14 +4,16 @@ Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` b
 
 - checkpoint: an aligner checkpoint directory, or a Hugging Face model directory, which is
   imported on the fly into a temporary aligner checkpoint (aligner.hf.import_hf).
+- Prompts are encoded as every algorithm encodes them (`aligner.data.conversation.ChatEncoder`):
+  with the tokenizer's chat template and its generation prompt (`chat_template: true`, a text
+  prompt being one user turn); without a template or with `chat_template=false`, a text prompt
+  is [bos] + text and messages take the plain "User:/Assistant:" layout.
 - Interactive (no prompts_file): each user line is appended to the conversation, the whole
-  conversation is encoded with the tokenizer's chat template (`Tokenizer.encode_chat(...,
-  add_generation_prompt=True)`; the plain "User:/Assistant:" layout when the tokenizer has no
-  template) and the reply is printed as it is generated, `stream_chunk_tokens` tokens at a time.
-  /reset starts a new conversation, /exit (or end of input) quits.
-- Batch (prompts_file + output_file): each record {"prompt": text} is encoded like an SFT
-  `input` ([bos] + text), each {"messages": [{"role", "content"}, ...]} with the chat template;
-  each output line is the input record plus "response" (and "error" if the record was too long).
+  conversation is encoded, and the reply is printed as it is generated, `stream_chunk_tokens`
+  tokens at a time. /reset starts a new conversation, /exit (or end of input) quits.
+- Batch (prompts_file + output_file): each record is {"prompt": text}, {"prompt": [messages]} or
+  {"messages": [{"role", "content"}, ...]} (ending with the turn to answer); each output line is
+  the input record plus "response" (and "error" if the record was too long).
 
 - steer (SteerLM): attribute values such as {correctness: 4} for a checkpoint trained with
   attribute-conditioned SFT; every prompt asks for them, rendered as in training
@@ -31,13 +33,16 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, TextIO
 
 import torch.distributed as dist
 from omegaconf import MISSING
 
 from aligner.generation.engine import SamplingParams
 from aligner.runtime.distributed import ParallelConfig
+
+if TYPE_CHECKING:
+    from aligner.data.conversation import ChatEncoder
 
 COMMANDS_HELP = "/reset starts a new conversation, /exit quits"
 
@@ -64,11 +69,12 @@ class ChatConfig:
     sampling: ChatSamplingConfig = field(default_factory=ChatSamplingConfig)
     system_prompt: Optional[str] = None  # interactive mode: a system message opening each conversation
     steer: Optional[Dict[str, int]] = None  # SteerLM checkpoint: attribute values to ask for, e.g. {correctness: 4}
-    prompts_file: Optional[str] = None  # JSONL of {"prompt": ...} / {"messages": [...]}; null: interactive
+    prompts_file: Optional[str] = None  # JSONL of {"prompt": text or messages} / {"messages": [...]}; null: interactive
     output_file: Optional[str] = None  # batch mode: where the responses go
     batch_size: int = 16  # batch mode: prompts per generate call
     max_sequence_length: Optional[int] = None  # prompt + response tokens; null: model.max_position_embeddings
     stream_chunk_tokens: int = 4  # interactive mode: tokens generated between two prints
+    chat_template: bool = True  # encode prompts with the tokenizer's chat template (if it has one)
 
     def validate(self) -> None:
         if (self.prompts_file is None) != (self.output_file is None):
@@ -241,11 +247,14 @@ def _read_lines(stream: TextIO, out: TextIO) -> Iterator[Optional[str]]:
 
 def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
     """The read-reply loop; returns the number of replies given."""
+    from aligner.data.conversation import ChatEncoder
+
     def write(text: str) -> None:
         if _is_rank_zero():
             out.write(text)
             out.flush()
 
+    encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
     sampling = cfg.sampling_params(model.stop_token_ids)
     opening = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages = list(opening)
@@ -262,7 +271,7 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = model.tokenizer.encode_chat(steered_messages(model, messages), add_generation_prompt=True)[0]
+        prompt = encoder.prompt_tokens(steered_messages(model, messages))
         if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
             messages.pop()
             write(f"(the conversation is {len(prompt)} tokens; with max_new_tokens={sampling.max_new_tokens} it "
@@ -276,37 +285,38 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
     return replies
 
 
-def encode_record(model: ChatModel, record: dict, path: str, line: int) -> list[int]:
-    """Prompt tokens of one batch-mode record: {"prompt": text} or {"messages": [...]}."""
-    from aligner.data.jsonl import DataError, require_str
+def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: str, line: int) -> list[int]:
+    """Prompt tokens of one batch-mode record, {"prompt": text or messages} or {"messages": [...]},
+    steered when asked to (`ChatEncoder.prompt_tokens` of the steered prompt)."""
+    from jinja2.exceptions import TemplateError
 
-    tokenizer = model.tokenizer
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise DataError(f"{path}:{line}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
-        try:
-            return tokenizer.encode_chat(steered_messages(model, messages), add_generation_prompt=True)[0]
-        except Exception as error:  # the chat template's own complaint (roles must alternate, ...)
-            raise DataError(f"{path}:{line}: cannot render the messages with the chat template: {error}") from error
-    if "prompt" in record:
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        return bos + tokenizer.encode(steered_prompt(model, require_str(record, "prompt", path, line)))
-    raise DataError(f"{path}:{line}: record has neither 'prompt' nor 'messages' (keys: {sorted(record)})")
+    from aligner.data.conversation import parse_prompt
+    from aligner.data.jsonl import DataError
+
+    if "messages" not in record and "prompt" not in record:
+        raise DataError(f"{path}:{line}: record has neither 'prompt' nor 'messages' "
+                        f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
+    prompt = parse_prompt(record, "messages" if "messages" in record else "prompt", path, line)
+    prompt = steered_prompt(model, prompt) if isinstance(prompt, str) else steered_messages(model, prompt)
+    try:
+        return encoder.prompt_tokens(prompt)
+    except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
+        raise DataError(f"{path}:{line}: cannot render the prompt with the chat template: {error}") from error
 
 
 def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
     """Batch mode: one output line per input record; returns the number of records answered."""
     from aligner.data.jsonl import read_jsonl
 
+    from aligner.data.conversation import ChatEncoder
+
+    encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
     sampling = cfg.sampling_params(model.stop_token_ids)
     records = list(read_jsonl(cfg.prompts_file))
     outputs: list[dict] = []
     pending: list[tuple[int, list[int]]] = []  # (position in outputs, prompt tokens)
     for line, record in records:
-        prompt = encode_record(model, record, cfg.prompts_file, line)
+        prompt = encode_record(model, encoder, record, cfg.prompts_file, line)
         outputs.append(dict(record))
         if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
             outputs[-1].update(response=None, error=(

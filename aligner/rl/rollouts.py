@@ -11,10 +11,15 @@ sends its reward-model and critic requests as futures, so scoring overlaps the g
 next micro-batch (NeMo-Aligner's overlap). Rows are plain dicts keyed by prompt index, so they can
 travel between data-parallel ranks (`rebalance_rollouts`) with their scores attached.
 
-Reward sources answer `score_async(prompts, responses) -> Future[[batch] float tensor]`:
-`RewardServerSource` (a reward-model or combined critic server) or `RuleRewardSource` (a Python
-function `fn(prompt_text, response_text) -> float`, for verifiable tasks such as the demo's
-arithmetic).
+Token in, token out: the prompt tokens and the engine's response ids go unchanged to the reward
+model, the critic and the training batch; nothing is decoded and re-encoded on the way (a
+response's text re-encodes to other ids whenever the policy spelled a word in unusual pieces).
+
+Reward sources answer `score_async(sequences, prompts, response_texts) -> Future[[batch] float
+tensor]`: `RewardServerSource` (a reward-model or combined critic server, given the token ids) or
+`RuleRewardSource` (a Python function `fn(prompt, response_text) -> float` given the prompt as the
+data gave it, a string or a list of {"role", "content"} messages, for verifiable tasks such as the
+demo's arithmetic).
 """
 from __future__ import annotations
 
@@ -32,23 +37,35 @@ from aligner.generation.engine import Rollout, SamplingParams
 
 # ----------------------------------------------------------------------------- prompts
 class PromptDataset:
-    """Prompts of a JSONL file (`{"prompt": "..."}` per line) encoded as [bos] + tokens, the SFT input layout."""
+    """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
 
-    def __init__(self, path, tokenizer, max_prompt_length: int):
-        from aligner.data.jsonl import DataError, read_jsonl, require_str
+    prompts[i] is the prompt as the data gave it (what reward functions receive), tokens[i] what
+    the policy is given (`ChatEncoder.prompt_tokens`: the chat template's rendering with the
+    generation prompt, a string being one user turn; [bos] + text without a template or with
+    use_template=False), so prompt + generated answer is the SFT encoding of the conversation.
+    """
+
+    def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True):
+        from jinja2.exceptions import TemplateError
+
+        from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt
+        from aligner.data.jsonl import DataError, read_jsonl
 
         self.path = str(path)
-        self.texts: list[str] = []
+        self.prompts: list[Prompt] = []
         self.tokens: list[list[int]] = []
         self.too_long = 0
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        encoder = ChatEncoder(tokenizer, use_template)
         for line, record in read_jsonl(path):
-            text = require_str(record, "prompt", path, line)
-            ids = bos + tokenizer.encode(text)
+            prompt = parse_prompt(record, "prompt", path, line)
+            try:
+                ids = encoder.prompt_tokens(prompt)
+            except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
+                raise DataError(f"{path}:{line}: cannot render the prompt with the chat template: {error}") from error
             if len(ids) > max_prompt_length:
                 self.too_long += 1  # a cut prompt would ask a different question: skip it
                 continue
-            self.texts.append(text)
+            self.prompts.append(prompt)
             self.tokens.append(ids)
         if not self.tokens:
             raise DataError(f"{path}:0: no prompt fits in max_prompt_length={max_prompt_length} "
@@ -205,8 +222,8 @@ class RewardServerSource:
         self.client = client
         self.attribute_index = attribute_index
 
-    def score_async(self, sequences: Sequence[list[int]], prompt_texts: Sequence[str],
-                    response_texts: Sequence[str]) -> Future:
+    def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str]) -> Future:
+        """Scores of prompt + response token ids (`sequences`); the model reads nothing else."""
         answer: Future = Future()
         sent = self.client.infer_async(sequences)
 
@@ -224,16 +241,19 @@ class RewardServerSource:
 
 
 class RuleRewardSource:
-    """Scores from a Python function `fn(prompt_text, response_text) -> float`, named "module:function"."""
+    """Scores from a Python function `fn(prompt, response_text) -> float`, named "module:function".
+
+    prompt: as the data gave it, a string or the list of {"role", "content"} messages the answer
+    replies to; response_text: the decoded response, without its stop token.
+    """
 
     def __init__(self, function_path: str):
         self.function = load_function(function_path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rule-reward")
 
-    def score_async(self, sequences: Sequence[list[int]], prompt_texts: Sequence[str],
-                    response_texts: Sequence[str]) -> Future:
+    def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str]) -> Future:
         return self._pool.submit(lambda: torch.tensor([float(self.function(p, r)) for p, r in
-                                                       zip(prompt_texts, response_texts)], dtype=torch.float32))
+                                                       zip(prompts, response_texts)], dtype=torch.float32))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

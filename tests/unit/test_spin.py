@@ -53,10 +53,16 @@ def test_demonstrations_split_prompt_and_response(tmp_path, arithmetic_tokenizer
     [(prompt, response)] = load_demonstrations(path, tokenizer, 32)
     assert prompt == [tokenizer.bos_id] + tokenizer.encode("12+7=")
     assert response == tokenizer.encode("19") + [tokenizer.eos_id]
-    two_answers = {"conversations": [{"from": "User", "value": "1+1="}, {"from": "Assistant", "value": "2"},
-                                     {"from": "User", "value": "2+2="}, {"from": "Assistant", "value": "4"}]}
-    with pytest.raises(DataError, match=r"two.jsonl:1: SPIN needs one response per record"):
-        load_demonstrations(write_jsonl(tmp_path / "two.jsonl", [two_answers]), tokenizer, 32)
+    # A conversation's demonstration is its last turn; the earlier ones, replies included, are its prompt.
+    turns = [{"from": "User", "value": "1+1="}, {"from": "Assistant", "value": "2"},
+             {"from": "User", "value": "2+2="}, {"from": "Assistant", "value": "4"}]
+    [(prompt, response)] = load_demonstrations(write_jsonl(tmp_path / "two.jsonl", [{"conversations": turns}]),
+                                               tokenizer, 32)
+    earlier = [{"role": t["from"].lower(), "content": t["value"]} for t in turns[:3]]
+    assert prompt == tokenizer.encode_chat(earlier, add_generation_prompt=True)[0]
+    assert response == tokenizer.encode("4") + [tokenizer.eos_id]
+    with pytest.raises(DataError, match=r"user.jsonl:1: 'conversations' ends with a user turn"):
+        load_demonstrations(write_jsonl(tmp_path / "user.jsonl", [{"conversations": turns[:3]}]), tokenizer, 32)
 
 
 def _model(tokenizer: Tokenizer, seed: int):

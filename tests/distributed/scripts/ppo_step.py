@@ -16,7 +16,7 @@ from aligner.rl.rollouts import NullCritic
 
 
 class DigitReward:
-    def score_async(self, sequences, prompt_texts, response_texts):
+    def score_async(self, sequences, prompts, response_texts):
         return NullCritic._done(torch.tensor([float(sum(c.isdigit() for c in text)) for text in response_texts]))
 
 

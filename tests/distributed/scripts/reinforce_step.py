@@ -22,7 +22,7 @@ def ones_fraction(response_text: str) -> float:
 
 
 class OnesReward:
-    def score_async(self, sequences, prompt_texts, response_texts):
+    def score_async(self, sequences, prompts, response_texts):
         future: Future = Future()
         future.set_result(torch.tensor([ones_fraction(text) for text in response_texts]))
         return future
