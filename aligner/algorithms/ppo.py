@@ -831,7 +831,8 @@ def build_ppo_trainer(cfg: PPOConfig, *, critic=None, reward_source=None) -> PPO
             raise ValueError(f"ptx.max_seq_length={cfg.ptx.max_seq_length} must be at most data.max_prompt_length + "
                              f"generation.max_new_tokens + 1 = {seq_length + 1}: PTX and PPO micro batches share one "
                              "sequence length in the pipeline schedule")
-        ptx_set = SFTDataset(cfg.ptx.data, parts.tokenizer, cfg.ptx.max_seq_length)
+        ptx_set = SFTDataset(cfg.ptx.data, parts.tokenizer, cfg.ptx.max_seq_length,
+                             use_template=cfg.data.chat_template)
         from megatron.core import parallel_state as ps
 
         ptx_loader = setup.build_loader(ptx_set, trainer_cfg=cfg.trainer,

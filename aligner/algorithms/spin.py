@@ -152,20 +152,15 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
     lays them out: prompt + response is the SFT encoding of the conversation up to the end of the
     reply. Records longer than max_seq_length are dropped.
     """
-    from jinja2.exceptions import TemplateError
-
-    from aligner.data.conversation import ChatEncoder
+    from aligner.data.conversation import ChatEncoder, template_errors
     from aligner.data.jsonl import DataError, read_jsonl
 
     encoder = ChatEncoder(tokenizer, use_template)
     demonstrations = []
     for line, record in read_jsonl(path):
         prompt, answer = demonstration(record, path, line)
-        try:
+        with template_errors(path, line):
             prompt_tokens, answer_tokens = encoder.sample_tokens(prompt, answer)
-        except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
-            raise DataError(f"{path}:{line}: cannot render the demonstration with the chat template: {error}") \
-                from error
         if len(prompt_tokens) + len(answer_tokens) <= max_seq_length:
             demonstrations.append((prompt_tokens, answer_tokens))
     if not demonstrations:

@@ -288,9 +288,7 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
 def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: str, line: int) -> list[int]:
     """Prompt tokens of one batch-mode record, {"prompt": text or messages} or {"messages": [...]},
     steered when asked to (`ChatEncoder.prompt_tokens` of the steered prompt)."""
-    from jinja2.exceptions import TemplateError
-
-    from aligner.data.conversation import parse_prompt
+    from aligner.data.conversation import parse_prompt, template_errors
     from aligner.data.jsonl import DataError
 
     if "messages" not in record and "prompt" not in record:
@@ -298,10 +296,8 @@ def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: st
                         f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
     prompt = parse_prompt(record, "messages" if "messages" in record else "prompt", path, line)
     prompt = steered_prompt(model, prompt) if isinstance(prompt, str) else steered_messages(model, prompt)
-    try:
+    with template_errors(path, line):
         return encoder.prompt_tokens(prompt)
-    except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
-        raise DataError(f"{path}:{line}: cannot render the prompt with the chat template: {error}") from error
 
 
 def answer_file(model: ChatModel, cfg: ChatConfig) -> int:

@@ -46,9 +46,7 @@ class PromptDataset:
     """
 
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True):
-        from jinja2.exceptions import TemplateError
-
-        from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt
+        from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
         from aligner.data.jsonl import DataError, read_jsonl
 
         self.path = str(path)
@@ -58,10 +56,8 @@ class PromptDataset:
         encoder = ChatEncoder(tokenizer, use_template)
         for line, record in read_jsonl(path):
             prompt = parse_prompt(record, "prompt", path, line)
-            try:
+            with template_errors(path, line):
                 ids = encoder.prompt_tokens(prompt)
-            except (ValueError, TemplateError) as error:  # the template's own complaint (roles must alternate, ...)
-                raise DataError(f"{path}:{line}: cannot render the prompt with the chat template: {error}") from error
             if len(ids) > max_prompt_length:
                 self.too_long += 1  # a cut prompt would ask a different question: skip it
                 continue
