@@ -163,8 +163,8 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
             "in config.json if you only use such sequences)"
         )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch) or hidden // heads
-    if not (config.get("head_dim") or arch in _HEAD_DIM_DEFAULT) and hidden % heads:
+    head_dim = config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch)  # None: hidden / heads (kept, for export)
+    if head_dim is None and hidden % heads:
         raise _unsupported(arch, "hidden_size", hidden, f"not divisible by num_attention_heads={heads}; set head_dim")
     rotary_base, llama3_factor = _rope(arch, config)
     return GPTConfig(
@@ -261,7 +261,7 @@ def _gpt2_config(config: dict) -> GPTConfig:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=heads,
-        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+        ffn_hidden_size=config.get("n_inner"),  # None: 4 * hidden in both
         kv_channels=hidden // heads,
         vocab_size=config["vocab_size"],
         max_position_embeddings=config["n_positions"],
@@ -355,7 +355,7 @@ def hf_config_from_gpt(
             n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers,
             n_head=cfg.num_attention_heads,
-            n_inner=cfg.ffn_size,
+            n_inner=cfg.ffn_hidden_size,
             activation_function=_GPT2_ACTIVATION_NAMES[cfg.activation],
             resid_pdrop=cfg.hidden_dropout,
             embd_pdrop=cfg.hidden_dropout,
@@ -381,7 +381,6 @@ def hf_config_from_gpt(
             num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads,
             num_key_value_heads=cfg.query_groups,
-            head_dim=cfg.head_dim,
             hidden_act="silu",
             max_position_embeddings=cfg.max_position_embeddings,
             rms_norm_eps=cfg.norm_epsilon,
@@ -389,6 +388,8 @@ def hf_config_from_gpt(
             initializer_range=cfg.init_method_std,
             tie_word_embeddings=cfg.tie_embeddings,
         )
+        if cfg.kv_channels is not None:  # else the class default, hidden / heads (None in a mixtral config)
+            kwargs["head_dim"] = cfg.kv_channels
         rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
         if cfg.llama3_rope_scaling_factor is not None:
             rope = dict(rope, rope_type="llama3", factor=float(cfg.llama3_rope_scaling_factor), **MEGATRON_LLAMA3_ROPE)

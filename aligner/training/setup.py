@@ -47,6 +47,7 @@ def build_model_chunks(
         virtual_pipeline_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype,
         sequence_parallel=parallel.sequence_parallel,
+        expert_parallel_size=parallel.expert_model_parallel_size,
     )
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp:
