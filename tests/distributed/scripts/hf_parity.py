@@ -41,6 +41,15 @@ def megatron_logit_diff(checkpoint: Path, reference_file: Path, tp: int, pp: int
     checkpointing.load(checkpoint, [model])
     reference = torch.load(reference_file)
     logits = forward_logits([model], reference["tokens"], cfg.vocab_size)
+    if ep > 1:  # generation at EP>1 is refused with a reason (see aligner/generation/native.py)
+        from aligner.generation.native import NativeEngine
+
+        try:
+            NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=1, max_sequence_length=8)
+        except NotImplementedError as error:
+            assert "expert_model_parallel_size=2" in str(error), error
+        else:
+            raise AssertionError("NativeEngine accepted an expert-parallel MoE model")
     if resave is not None:
         checkpointing.save(resave, [model], model_config=meta["model"],
                            tokenizer_dir=checkpoint / checkpointing.TOKENIZER_DIR)
