@@ -41,6 +41,9 @@ def megatron_logit_diff(checkpoint: Path, reference_file: Path, tp: int, pp: int
     checkpointing.load(checkpoint, [model])
     reference = torch.load(reference_file)
     logits = forward_logits([model], reference["tokens"], cfg.vocab_size)
+    if cfg.is_moe:  # each rank holds its share of the experts
+        local_experts = model.decoder.layers[-1].mlp.experts.local_experts
+        assert len(local_experts) == cfg.num_moe_experts // ep, (len(local_experts), ep)
     if ep > 1:  # generation at EP>1 is refused with a reason (see aligner/generation/native.py)
         from aligner.generation.native import NativeEngine
 
