@@ -56,3 +56,14 @@ def test_parameter_count_includes_every_expert_and_the_qk_norms():
                     num_moe_experts=4, qk_layernorm=True)
     per_layer_mlp = 64 * 96 * 3
     assert num_parameters(moe) - num_parameters(dense) == 2 * (3 * per_layer_mlp + 4 * 64 + 2 * 16)
+
+
+def test_moe_training_at_tp2_is_refused_before_megatron_fails_mid_step():
+    from aligner.training.setup import check_trainable
+
+    moe = GPTConfig(vocab_size=VOCAB, num_moe_experts=4)
+    check_trainable(transformer_config(moe))  # TP=1 trains
+    check_trainable(transformer_config(GPTConfig(vocab_size=VOCAB), tensor_parallel_size=2))  # dense at TP=2 trains
+    with pytest.raises(ValueError, match="num_moe_experts=4.*tensor_model_parallel_size=2 only with "
+                                         "parallel.sequence_parallel=true"):
+        check_trainable(transformer_config(moe, tensor_parallel_size=2))
