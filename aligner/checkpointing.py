@@ -68,12 +68,16 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict:
 def _parallel_layout() -> dict:
     from megatron.core import parallel_state as ps
 
-    return {
+    layout = {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
         "world_size": _world(),
     }
+    expert_parallel = ps.get_expert_model_parallel_world_size()
+    if expert_parallel > 1:  # only then: layouts of checkpoints without MoE compare as before
+        layout["expert_model_parallel_size"] = expert_parallel
+    return layout
 
 
 def save(

@@ -50,12 +50,21 @@ parallel (also virtual stages) by passing hidden states stage to stage with poin
 sends; the last stage samples and broadcasts tokens and logprobs to the other stages, so every
 rank returns the same Rollout.
 
+Model families: the rotary tables come from megatron's own RotaryEmbedding of the chunk (Llama 3.x
+scaling included, one fact); queries and keys get the per-head norm of megatron's qk_layernorm
+(Qwen3) before RoPE; an MoE layer's MLP is megatron's own MoELayer module (router, token dispatcher,
+experts), called token-major ([tokens, 1, hidden]) from both the prefill and the feature-major decode
+step. Generation with expert_model_parallel_size > 1 is refused (each data-parallel rank decodes its
+own prompts for its own number of steps, the MoE layer would need them in lockstep), and so is
+cuda_graphs=True for MoE models (tokens per expert change every step).
+
 Not here (yet): the transformer-engine layer spec (its fused norm+linear weights have other
 names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1). The CUDA-graph path has
 not been run: this repository's machines have no GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -90,8 +99,11 @@ class _Layer(NamedTuple):
     qkv: _Linear
     proj: _Linear
     mlp_norm: _Norm
-    fc1: _Linear
-    fc2: _Linear
+    fc1: Optional[_Linear]  # dense MLP (None in an MoE layer)
+    fc2: Optional[_Linear]
+    q_norm: Optional[_Norm] = None  # megatron's qk_layernorm: per-head norms of queries and keys
+    k_norm: Optional[_Norm] = None
+    moe: Optional[torch.nn.Module] = None  # megatron's own MoELayer (router, dispatcher, experts)
 
 
 @dataclass
@@ -204,6 +216,23 @@ class NativeEngine:
 
         self._chunks = unwrap_model(list(model_chunks))
         self._bind()
+        if self._moe_modules:
+            self._check_moe_supported()
+
+    def _check_moe_supported(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        expert_parallel = ps.get_expert_model_parallel_world_size()
+        if expert_parallel > 1:
+            # The MoE layer exchanges tokens with the other expert-parallel (data-parallel) ranks at
+            # every step, but each data-parallel rank generates its own prompts for its own number of steps.
+            raise NotImplementedError(
+                f"NativeEngine does not generate with expert_model_parallel_size={expert_parallel}: every MoE "
+                "step would need the other data-parallel ranks in lockstep; use expert_model_parallel_size=1"
+            )
+        if self._cuda_graphs:
+            raise ValueError("cuda_graphs=True cannot capture an MoE model's decode step (tokens per expert change "
+                             "from step to step); use cuda_graphs=False")
 
     def _bind(self) -> None:
         """Collect the current parameter tensors of the chunks (cheap: no data is touched)."""
@@ -225,6 +254,7 @@ class NativeEngine:
             segments.append(segment)
         self._segments = segments
         self._num_local_layers = cache_offset
+        self._moe_modules = [layer.moe for segment in segments for layer in segment.layers if layer.moe is not None]
         reference = segments[-1].output_weight if segments[-1].output_weight is not None else \
             chunks[0].decoder.layers[0].self_attention.linear_qkv.weight
         dtype, device = reference.dtype, reference.device
@@ -276,8 +306,9 @@ class NativeEngine:
         self._check_request(prompts, sampling)
         self._bind()
         parts = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            parts.append(self._generate_batch(prompts[start:start + self.max_batch_size], sampling, start))
+        with self._moe_in_eval_mode():
+            for start in range(0, len(prompts), self.max_batch_size):
+                parts.append(self._generate_batch(prompts[start:start + self.max_batch_size], sampling, start))
         return Rollout(
             prompt_tokens=[list(p) for p in prompts],
             response_tokens=torch.cat([p[0] for p in parts]),
@@ -288,22 +319,46 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ setup
     def _layer_weights(self, layer) -> _Layer:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
         attention, mlp = layer.self_attention, layer.mlp
+        is_moe = isinstance(mlp, MoELayer)
+        q_norm, k_norm = (getattr(attention, name, None) for name in ("q_layernorm", "k_layernorm"))
         return _Layer(
             input_norm=_norm(layer.input_layernorm),
             qkv=_linear(attention.linear_qkv),
             proj=_linear(attention.linear_proj),
             mlp_norm=_norm(layer.pre_mlp_layernorm),
-            fc1=_linear(mlp.linear_fc1),
-            fc2=_linear(mlp.linear_fc2),
+            fc1=None if is_moe else _linear(mlp.linear_fc1),
+            fc2=None if is_moe else _linear(mlp.linear_fc2),
+            q_norm=_norm(q_norm) if isinstance(getattr(q_norm, "weight", None), torch.Tensor) else None,
+            k_norm=_norm(k_norm) if isinstance(getattr(k_norm, "weight", None), torch.Tensor) else None,
+            moe=mlp if is_moe else None,
         )
+
+    @contextlib.contextmanager
+    def _moe_in_eval_mode(self):
+        """MoE layers in eval mode while generating: megatron refuses an MoE forward in training mode
+        at TP>1 without sequence parallelism (a training-speed rule; the numbers are the same)."""
+        modes = [(module, module.training) for module in self._moe_modules]
+        for module, _ in modes:
+            module.train(False)
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.train(training)
 
     def _weight_pointers(self) -> tuple:
         """Storage addresses of every bound tensor: a captured graph is valid while they are unchanged."""
         pointers = []
         for segment in self._segments:
             for layer in segment.layers:
-                pointers.extend(t.data_ptr() for part in layer for t in part if t is not None)
+                for part in layer:
+                    if isinstance(part, tuple):
+                        pointers.extend(t.data_ptr() for t in part if t is not None)
+                    elif part is not None:  # an MoE layer: its router's and experts' parameters
+                        pointers.extend(p.data_ptr() for p in part.parameters())
             for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
                 pointers.append(None if tensor is None else tensor.data_ptr())
             if segment.final_norm is not None:
@@ -562,6 +617,8 @@ class NativeEngine:
         qkv = F.linear(self._norm(hidden, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
         qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim)
         query_key = qkv[:, :, :, : per_group + 1]
+        if layer.q_norm is not None:
+            query_key = self._head_norm(query_key, layer, dim=4)
         if rope is not None:
             cos, sin = rope
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=-1), sin)
@@ -576,6 +633,9 @@ class NativeEngine:
         hidden = hidden + self._row_parallel(context.reshape(batch, seq, self._heads * head_dim), layer.proj)
 
         normed = self._norm(hidden, layer.mlp_norm)
+        if layer.moe is not None:  # megatron's MoE layer on [tokens, 1, hidden]: each token is routed alone
+            routed, _ = layer.moe(normed.reshape(-1, 1, normed.shape[-1]))
+            return routed.view(hidden.shape).add_(hidden)
         fc1 = layer.fc1
         if self._gated:
             # Gate and up projections from the weight's two row blocks (views): contiguous outputs,
@@ -587,6 +647,26 @@ class NativeEngine:
         else:
             intermediate = self._activation(F.linear(normed, fc1.weight, fc1.bias))
         return self._row_parallel(intermediate, layer.fc2).add_(hidden)
+
+    def _head_norm(self, query_key, layer: _Layer, dim: int):
+        """megatron's q/k norm: each query and key head normalised over its features (axis `dim`), before RoPE.
+
+        query_key holds a group's [q_1 .. q_per_group, k] heads on axis dim - 1 (prefill: [batch, seq,
+        groups, heads, d], dim 4; decode: [groups, heads, d, batch], dim 2). torch's norm op sequence
+        (statistics in fp32), with the query weight on the query heads and the key weight on the key head.
+        """
+        x = query_key if query_key.dtype == torch.float32 else query_key.float()
+        if self.cfg.normalization == "LayerNorm":
+            x = x - x.mean(dim, keepdim=True)
+        normed = x * (x * x).mean(dim, keepdim=True).add_(self.cfg.norm_epsilon).rsqrt_()
+        per_group = normed.shape[dim - 1] - 1
+        weight_shape = (-1,) + (1,) * (normed.dim() - dim - 1)  # along `dim`, broadcast over the axes after it
+        for heads, norm in ((normed.narrow(dim - 1, 0, per_group), layer.q_norm),
+                            (normed.narrow(dim - 1, per_group, 1), layer.k_norm)):
+            heads.mul_(norm.weight.view(weight_shape))
+            if norm.bias is not None:
+                heads.add_(norm.bias.view(weight_shape))
+        return normed.to(query_key.dtype)
 
     # -- feature-major layers (decode): [features, batch]
     def _norm_columns(self, x, norm: _Norm):
@@ -622,6 +702,8 @@ class NativeEngine:
         qkv = self._linear_columns(layer.qkv, self._norm_columns(hidden, layer.input_norm))
         qkv = qkv.view(groups, per_group + 2, head_dim, batch)
         query_key = qkv[:, : per_group + 1]
+        if layer.q_norm is not None:
+            query_key = self._head_norm(query_key, layer, dim=2)
         if inputs.rope is not None:
             cos, sin = inputs.rope  # [d, batch], broadcast over [groups, per_group + 1, d, batch]
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=2), sin)
@@ -643,6 +725,9 @@ class NativeEngine:
         # [batch, heads * d] read transposed by the product: no copy into feature-major order.
         hidden = self._row_parallel_columns(layer.proj, context.view(batch, self._heads * head_dim).t(), hidden)
 
+        if layer.moe is not None:  # megatron's MoE layer takes token-major [tokens, 1, hidden]
+            routed, _ = layer.moe(self._norm_columns(hidden, layer.mlp_norm).t().reshape(batch, 1, -1))
+            return torch.add(hidden, routed.view(batch, -1).t())
         intermediate = self._linear_columns(layer.fc1, self._norm_columns(hidden, layer.mlp_norm))
         if self._gated:
             gate, up = intermediate.chunk(2, dim=0)

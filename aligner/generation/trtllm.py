@@ -102,6 +102,11 @@ def _check_supported(cfg: GPTConfig, arch: Optional[str]) -> str:
             "use generation.engine=native for this model"
         )
     check_exportable(cfg, "gpt2" if arch == "gpt2" else "llama")
+    if cfg.llama3_rope_scaling_factor is not None:
+        raise ValueError(
+            f"model.llama3_rope_scaling_factor={cfg.llama3_rope_scaling_factor} (Llama 3.x RoPE scaling) is not "
+            "mapped to TensorRT-LLM here; use generation.engine=native for this model"
+        )
     if cfg.activation not in _HIDDEN_ACT:
         raise ValueError(
             f"model.activation={cfg.activation!r} has no exact TensorRT-LLM equivalent (its gelu is the tanh "

@@ -144,7 +144,7 @@ def import_hf(
     *,
     make_vocab_size_divisible_by: int = 128,
 ) -> Path:
-    """Convert an HF Llama/Qwen2/Mistral/GPT-2 directory into an aligner checkpoint at `output_dir`.
+    """Convert an HF model directory (an architecture of layout.ARCHS) into an aligner checkpoint at `output_dir`.
 
     The weights are held in float32 (lossless for bf16/fp16 sources); the tokenizer files are
     copied into the checkpoint. Runs at TP=1/PP=1 in this process; the result loads at any layout.
@@ -218,7 +218,7 @@ def export_hf(
 ) -> Path:
     """Write an aligner checkpoint as an HF model directory (config.json, model.safetensors, tokenizer).
 
-    arch: llama | qwen2 | mistral | gpt2; default: the imported source's, else inferred from the model.
+    arch: one of layout.ARCHS; default: the imported source's, else inferred from the model.
     dtype: float32 | bfloat16 | float16; default: the imported source's, else float32.
     The checkpoint may have been saved at any TP/PP layout; it is loaded at TP=1/PP=1 here.
     """

@@ -1,13 +1,18 @@
 """Hugging Face <-> megatron-core layout: configs and weight names/shapes, as pure functions.
 
 Nothing here touches torch.distributed or builds a model: `hf_to_megatron` turns a full HF
-state dict into the full (TP=1, PP=1) state dict of aligner's megatron `GPTModel`, and
-`megatron_to_hf` is its exact inverse. Resharding to other TP/PP layouts is megatron's
+state dict into the full (TP=1, PP=1, EP=1) state dict of aligner's megatron `GPTModel`, and
+`megatron_to_hf` is its exact inverse. Resharding to other TP/PP/EP layouts is megatron's
 dist_checkpointing's job (see aligner/hf/convert.py).
 
 Supported architectures (`arch` is the HF `model_type`):
-- llama, mistral: RMSNorm, SwiGLU, RoPE (rotate-half), grouped-query attention, no biases.
+- llama, mistral: RMSNorm, SwiGLU, RoPE (rotate-half), grouped-query attention, no biases;
+  Llama 3.x `llama3` RoPE scaling through megatron's own RotaryEmbedding scaling.
 - qwen2: the llama layout plus a bias on the q/k/v projections.
+- qwen3: the llama layout plus an RMSNorm over each query and key head before RoPE
+  (megatron's qk_layernorm), usually with head_dim != hidden/heads.
+- mixtral, qwen3_moe: the llama (mixtral) or qwen3 (qwen3_moe) attention with megatron-core's
+  MoE layer for every MLP: a router (no bias) and SwiGLU experts, stored per expert on disk.
 - gpt2: LayerNorm, GELU, learned absolute positions, biases everywhere, Conv1D weights
   (stored [in, out], i.e. transposed relative to nn.Linear), q/k/v packed in `c_attn`.
 
@@ -23,26 +28,32 @@ import torch
 
 from aligner.models.gpt import GPTConfig, padded_vocab_size
 
-ARCHS = ("llama", "qwen2", "mistral", "gpt2")
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 # HF activation names -> GPTConfig.activation for GPT-2 (gelu_new is the tanh approximation).
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 # Class defaults of `tie_word_embeddings` when a config.json leaves it out.
-_TIE_DEFAULT = {"llama": False, "qwen2": False, "mistral": False, "gpt2": True}
+_TIE_DEFAULT = {arch: False for arch in LLAMA_FAMILY} | {"gpt2": True}
+# Class defaults of `head_dim` when a config.json leaves it out (else hidden_size // num_attention_heads).
+_HEAD_DIM_DEFAULT = {"qwen3": 128}
 # Non-parameter tensors some HF checkpoints carry (buffers recomputed by the model).
-_IGNORED_SUFFIXES = {
-    "llama": (".rotary_emb.inv_freq",),
-    "qwen2": (".rotary_emb.inv_freq",),
-    "mistral": (".rotary_emb.inv_freq",),
+_IGNORED_SUFFIXES = {arch: (".rotary_emb.inv_freq",) for arch in LLAMA_FAMILY} | {
     "gpt2": (".attn.bias", ".attn.masked_bias"),
 }
+# The llama3 RoPE scaling parameters megatron-core's RotaryEmbedding fixes (only `factor` is free).
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _as_dict(hf_config: Any) -> dict:
@@ -57,27 +68,49 @@ def _unsupported(arch: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{arch} config: {field}={value!r} is not supported: {why}")
 
 
-def _rope_theta(arch: str, config: dict) -> float:
-    """RoPE base from either config generation (rope_parameters, or rope_theta + rope_scaling)."""
-    params = config.get("rope_parameters") or {}
+def _rope(arch: str, config: dict) -> tuple[float, Optional[float]]:
+    """(RoPE base, llama3 scaling factor or None) from either config generation.
+
+    transformers 5 keeps everything in `rope_parameters`; older config.json files have
+    `rope_theta` plus a `rope_scaling` dict (named in errors as the field the file has).
+    """
+    params = dict(config.get("rope_parameters") or {})
+    field = "rope_parameters"
     if config.get("rope_scaling"):
-        raise _unsupported(arch, "rope_scaling", config["rope_scaling"], "only plain RoPE is implemented (no scaling)")
+        params.update(config["rope_scaling"])
+        field = "rope_scaling"
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise _unsupported(
-            arch, "rope_parameters.rope_type", rope_type, "only plain RoPE is implemented (no scaling variants)"
-        )
-    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
-    if extra:
-        raise _unsupported(arch, "rope_parameters", params, f"keys {extra} change RoPE; only rope_theta is mapped")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _unsupported(arch, "partial_rotary_factor", partial, "RoPE must rotate the whole head")
+    params.pop("partial_rotary_factor", None)
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     if theta != int(theta):
         # megatron's GPTModel takes an integer rotary_base.
         raise _unsupported(arch, "rope_theta", theta, "megatron-core takes an integer rotary base")
-    return theta
+    known = {"rope_type", "type", "rope_theta"}
+    if rope_type == "default":
+        llama3_factor = None
+    elif rope_type == "llama3":
+        known |= {"factor"} | set(MEGATRON_LLAMA3_ROPE)
+        defaults = dict(MEGATRON_LLAMA3_ROPE, original_max_position_embeddings=config["max_position_embeddings"])
+        for key, fixed in MEGATRON_LLAMA3_ROPE.items():
+            value = params.get(key, defaults[key])
+            if value != fixed:
+                raise _unsupported(arch, f"{field}.{key}", value,
+                                   f"megatron-core's llama3 RoPE scaling fixes {key}={fixed:g}")
+        if "factor" not in params:
+            raise ValueError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
+        llama3_factor = float(params["factor"])
+        if llama3_factor < 1.0:
+            raise _unsupported(arch, f"{field}.factor", llama3_factor, "llama3 scaling needs factor >= 1")
+    else:
+        raise _unsupported(arch, f"{field}.rope_type", rope_type,
+                           "only plain RoPE and Llama 3.x (llama3) scaling are implemented")
+    extra = sorted(set(params) - known)
+    if extra:
+        raise _unsupported(arch, field, params, f"keys {extra} change RoPE and are not mapped")
+    return theta, llama3_factor
 
 
 def _sliding_window_active(arch: str, config: dict) -> Optional[str]:
@@ -85,7 +118,7 @@ def _sliding_window_active(arch: str, config: dict) -> Optional[str]:
     window = config.get("sliding_window")
     if window is None:
         return None
-    if arch == "qwen2" and not config.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
         return None
     layer_types = config.get("layer_types")
     if layer_types is not None and "sliding_attention" not in layer_types:
@@ -130,9 +163,10 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
             "in config.json if you only use such sequences)"
         )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    if config.get("head_dim") is None and hidden % heads:
+    head_dim = config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch)  # None: hidden / heads (kept, for export)
+    if head_dim is None and hidden % heads:
         raise _unsupported(arch, "hidden_size", hidden, f"not divisible by num_attention_heads={heads}; set head_dim")
+    rotary_base, llama3_factor = _rope(arch, config)
     return GPTConfig(
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
@@ -146,13 +180,63 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
         norm_epsilon=config.get("rms_norm_eps", 1e-6),
         activation="swiglu",
         position_embedding_type="rope",
-        rotary_base=_rope_theta(arch, config),
+        rotary_base=rotary_base,
+        llama3_rope_scaling_factor=llama3_factor,
+        qk_layernorm=arch in QK_NORM_ARCHS,
         add_bias_linear=False,
         add_qkv_bias=arch == "qwen2",
         tie_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[arch])),
         hidden_dropout=0.0,
         attention_dropout=float(config.get("attention_dropout", 0.0)),
         init_method_std=config.get("initializer_range", 0.02),
+        **(_moe_fields(arch, config) if arch in MOE_ARCHS else {}),
+    )
+
+
+def _moe_fields(arch: str, config: dict) -> dict:
+    """GPTConfig's MoE fields: every layer an MoE layer with megatron's router computing HF's weights.
+
+    HF mixtral (and qwen3_moe with norm_topk_prob) weight the top-k experts by the softmax over all
+    experts renormalised over the top k, which equals megatron's default softmax over the top-k
+    logits; qwen3_moe without norm_topk_prob keeps the unnormalised top-k of the full softmax,
+    megatron's moe_router_pre_softmax. The load-balancing loss is off (moe_aux_loss_coeff 0):
+    HF adds it only when output_router_logits is set, and with another normalisation.
+    """
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    top_k = config["num_experts_per_tok"]
+    if arch == "mixtral":
+        expert_ffn = config["intermediate_size"]
+        normalised = True
+        jitter = config.get("router_jitter_noise", 0.0)
+        if jitter:
+            raise _unsupported(arch, "router_jitter_noise", jitter,
+                               "HF scales the expert inputs by the noise; megatron jitters only the router input")
+    else:
+        expert_ffn = config["moe_intermediate_size"]
+        normalised = bool(config.get("norm_topk_prob", False))
+        num_layers = config["num_hidden_layers"]
+        dense = sorted(set(config.get("mlp_only_layers") or []) & set(range(num_layers)))
+        if dense:
+            raise _unsupported(arch, "mlp_only_layers", config["mlp_only_layers"],
+                               "every layer must be an MoE layer (dense layers are not mapped)")
+        step = config.get("decoder_sparse_step", 1)
+        if step != 1 and num_layers > 0:
+            raise _unsupported(arch, "decoder_sparse_step", step,
+                               "every layer must be an MoE layer (dense layers are not mapped)")
+        for field in ("shared_expert_intermediate_size", "num_shared_experts", "n_shared_experts"):
+            if config.get(field):
+                raise _unsupported(arch, field, config[field], "shared experts are not mapped")
+    if top_k == 1 and normalised:
+        raise _unsupported(
+            arch, "num_experts_per_tok", 1,
+            "a renormalised top-1 weight is always 1, which megatron's router cannot express "
+            "(top-1 needs the softmax before the top-k)",
+        )
+    return dict(
+        num_moe_experts=num_experts,
+        moe_ffn_hidden_size=expert_ffn,
+        moe_router_topk=top_k,
+        moe_router_pre_softmax=not normalised,
     )
 
 
@@ -177,7 +261,7 @@ def _gpt2_config(config: dict) -> GPTConfig:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=heads,
-        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+        ffn_hidden_size=config.get("n_inner"),  # None: 4 * hidden in both
         kv_channels=hidden // heads,
         vocab_size=config["vocab_size"],
         max_position_embeddings=config["n_positions"],
@@ -198,6 +282,10 @@ def infer_arch(cfg: GPTConfig) -> str:
     """The HF architecture a GPTConfig most naturally exports to."""
     if cfg.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if cfg.is_moe:
+        return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
+    if cfg.qk_layernorm:
+        return "qwen3"
     return "qwen2" if cfg.add_qkv_bias else "llama"
 
 
@@ -211,6 +299,8 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             position_embedding_type="learned_absolute",
             add_bias_linear=True,
             add_qkv_bias=True,
+            qk_layernorm=False,
+            is_moe=False,
         )
         if cfg.activation not in _GPT2_ACTIVATION_NAMES:
             raise ValueError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
@@ -225,11 +315,19 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             position_embedding_type="rope",
             add_bias_linear=False,
             add_qkv_bias=arch == "qwen2",
+            qk_layernorm=arch in QK_NORM_ARCHS,
+            is_moe=arch in MOE_ARCHS,
         )
+        if arch == "mixtral":
+            # mixtral always renormalises the top-k weights (qwen3_moe says so in norm_topk_prob).
+            expected["moe_router_pre_softmax"] = False
     for field, value in expected.items():
         if getattr(cfg, field) != value:
+            name = "num_moe_experts" if field == "is_moe" else field
+            shown = getattr(cfg, name) if field == "is_moe" else getattr(cfg, field)
+            needs = ("an MoE model" if value else "a dense model") if field == "is_moe" else repr(value)
             raise ValueError(
-                f"model.{field}={getattr(cfg, field)!r} cannot be exported as {arch} (which needs {value!r}); "
+                f"model.{name}={shown!r} cannot be exported as {arch} (which needs {needs}); "
                 f"pick another --arch (inferred from the model it would be {infer_arch(cfg)!r})"
             )
     if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
@@ -257,7 +355,7 @@ def hf_config_from_gpt(
             n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers,
             n_head=cfg.num_attention_heads,
-            n_inner=cfg.ffn_size,
+            n_inner=cfg.ffn_hidden_size,
             activation_function=_GPT2_ACTIVATION_NAMES[cfg.activation],
             resid_pdrop=cfg.hidden_dropout,
             embd_pdrop=cfg.hidden_dropout,
@@ -271,7 +369,10 @@ def hf_config_from_gpt(
         config_class = {
             "llama": transformers.LlamaConfig,
             "qwen2": transformers.Qwen2Config,
+            "qwen3": transformers.Qwen3Config,
             "mistral": transformers.MistralConfig,
+            "mixtral": transformers.MixtralConfig,
+            "qwen3_moe": transformers.Qwen3MoeConfig,
         }[arch]
         kwargs = dict(
             vocab_size=cfg.vocab_size,
@@ -280,7 +381,6 @@ def hf_config_from_gpt(
             num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads,
             num_key_value_heads=cfg.query_groups,
-            head_dim=cfg.head_dim,
             hidden_act="silu",
             max_position_embeddings=cfg.max_position_embeddings,
             rms_norm_eps=cfg.norm_epsilon,
@@ -288,20 +388,55 @@ def hf_config_from_gpt(
             initializer_range=cfg.init_method_std,
             tie_word_embeddings=cfg.tie_embeddings,
         )
+        if cfg.kv_channels is not None:  # else the class default, hidden / heads (None in a mixtral config)
+            kwargs["head_dim"] = cfg.kv_channels
+        rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+        if cfg.llama3_rope_scaling_factor is not None:
+            rope = dict(rope, rope_type="llama3", factor=float(cfg.llama3_rope_scaling_factor), **MEGATRON_LLAMA3_ROPE)
         if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
-            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+            kwargs["rope_parameters"] = rope
         else:  # transformers 4.x
-            kwargs["rope_theta"] = float(cfg.rotary_base)
+            kwargs["rope_theta"] = rope.pop("rope_theta")
+            kwargs["rope_scaling"] = None if rope["rope_type"] == "default" else rope
         if arch == "llama":
             kwargs.update(attention_bias=False, mlp_bias=False)
-        elif arch == "mistral":
+        elif arch in ("mistral", "mixtral"):
             kwargs.update(sliding_window=None)
         else:
             kwargs.update(use_sliding_window=False, sliding_window=None)
+        if arch in ("qwen3", "qwen3_moe"):
+            kwargs.update(attention_bias=False)
+        if arch == "mixtral":
+            kwargs.update(intermediate_size=cfg.expert_ffn_size, num_local_experts=cfg.num_moe_experts,
+                          num_experts_per_tok=cfg.moe_router_topk, router_jitter_noise=0.0)
+        elif arch == "qwen3_moe":
+            kwargs.update(moe_intermediate_size=cfg.expert_ffn_size, num_experts=cfg.num_moe_experts,
+                          num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=not cfg.moe_router_pre_softmax,
+                          decoder_sparse_step=1, mlp_only_layers=[])
     config = config_class(**kwargs, **special)
     config.architectures = [HF_ARCHITECTURES[arch]]
     config.dtype = dtype
     return config
+
+
+# HF names (relative to model.layers.{i}.) of an MoE layer's router and of expert e's
+# (gate, up, down) projections, as real checkpoints and save_pretrained store them.
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{}.", ("gate_proj", "up_proj", "down_proj")),
+}
+_DENSE_MLP_NAMES = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _mlp_name_pairs(cfg: GPTConfig, arch: str, layer: int) -> list[tuple[str, str, str, str]]:
+    """(HF prefix, megatron prefix, ...) per SwiGLU block of a layer: (hf, mg, gate, up, down) names."""
+    hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    if not cfg.is_moe:
+        prefix, (gate, up, down) = _DENSE_MLP_NAMES
+        return [(hf + prefix, mg + "mlp.", gate, up, down)]
+    _, expert, (gate, up, down) = _MOE_NAMES[arch]
+    return [(hf + expert.format(e), f"{mg}mlp.experts.local_experts.{e}.", gate, up, down)
+            for e in range(cfg.num_moe_experts)]
 
 
 class _Tensors:
@@ -392,6 +527,7 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
     hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
     padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by)
     q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
     out: dict[str, torch.Tensor] = {}
 
     if arch == "gpt2":
@@ -433,12 +569,19 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
                 k = source.take(f"{hf}self_attn.k_proj.bias", (kv_size,))
                 v = source.take(f"{hf}self_attn.v_proj.bias", (kv_size,))
                 out[f"{mg}self_attention.linear_qkv.bias"] = _pack_qkv(q, k, v, cfg)
+            if cfg.qk_layernorm:
+                for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+                    out[f"{mg}self_attention.{mg_norm}.weight"] = source.take(
+                        f"{hf}self_attn.{hf_norm}.weight", (cfg.head_dim,))
             out[f"{mg}self_attention.linear_proj.weight"] = source.take(f"{hf}self_attn.o_proj.weight", (hidden, q_size))
             out[f"{mg}pre_mlp_layernorm.weight"] = source.take(f"{hf}post_attention_layernorm.weight", (hidden,))
-            gate = source.take(f"{hf}mlp.gate_proj.weight", (ffn, hidden))
-            up = source.take(f"{hf}mlp.up_proj.weight", (ffn, hidden))
-            out[f"{mg}mlp.linear_fc1.weight"] = torch.cat([gate, up])
-            out[f"{mg}mlp.linear_fc2.weight"] = source.take(f"{hf}mlp.down_proj.weight", (hidden, ffn))
+            if cfg.is_moe:
+                out[f"{mg}mlp.router.weight"] = source.take(hf + _MOE_NAMES[arch][0], (cfg.num_moe_experts, hidden))
+            for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
+                gate = source.take(f"{hf_mlp}{gate_name}.weight", (mlp_ffn, hidden))
+                up = source.take(f"{hf_mlp}{up_name}.weight", (mlp_ffn, hidden))
+                out[f"{mg_mlp}linear_fc1.weight"] = torch.cat([gate, up])
+                out[f"{mg_mlp}linear_fc2.weight"] = source.take(f"{hf_mlp}{down_name}.weight", (hidden, mlp_ffn))
         out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (hidden,))
 
     if cfg.tie_embeddings:
@@ -476,6 +619,7 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConf
     q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
     qkv_size = q_size + 2 * kv_size
     fc1_size = 2 * ffn if cfg.activation == "swiglu" else ffn
+    mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
     out: dict[str, torch.Tensor] = {}
 
     embed = source.take("embedding.word_embeddings.weight", (padded, hidden))[:vocab]
@@ -513,11 +657,18 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConf
                 q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.bias", (qkv_size,)), cfg)
                 out[f"{hf}self_attn.q_proj.bias"], out[f"{hf}self_attn.k_proj.bias"] = q, k
                 out[f"{hf}self_attn.v_proj.bias"] = v
+            if cfg.qk_layernorm:
+                for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+                    out[f"{hf}self_attn.{hf_norm}.weight"] = source.take(
+                        f"{mg}self_attention.{mg_norm}.weight", (cfg.head_dim,))
             out[f"{hf}self_attn.o_proj.weight"] = source.take(f"{mg}self_attention.linear_proj.weight", (hidden, q_size))
             out[f"{hf}post_attention_layernorm.weight"] = source.take(f"{mg}pre_mlp_layernorm.weight", (hidden,))
-            gate, up = source.take(f"{mg}mlp.linear_fc1.weight", (fc1_size, hidden)).chunk(2)
-            out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
-            out[f"{hf}mlp.down_proj.weight"] = source.take(f"{mg}mlp.linear_fc2.weight", (hidden, ffn))
+            if cfg.is_moe:
+                out[hf + _MOE_NAMES[arch][0]] = source.take(f"{mg}mlp.router.weight", (cfg.num_moe_experts, hidden))
+            for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
+                gate, up = source.take(f"{mg_mlp}linear_fc1.weight", (2 * mlp_ffn, hidden)).chunk(2)
+                out[f"{hf_mlp}{gate_name}.weight"], out[f"{hf_mlp}{up_name}.weight"] = gate, up
+                out[f"{hf_mlp}{down_name}.weight"] = source.take(f"{mg_mlp}linear_fc2.weight", (hidden, mlp_ffn))
         out["model.norm.weight"] = source.take("decoder.final_layernorm.weight", (hidden,))
 
     if cfg.tie_embeddings:

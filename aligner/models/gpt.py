@@ -1,8 +1,10 @@
 """The GPT policy: megatron-core `GPTModel` built from the `model:` section of a config.
 
 Two architecture families are covered by the same builder:
-- Llama-style (Llama, Qwen2, Mistral): RMSNorm, SwiGLU, RoPE, grouped-query attention,
-  untied embeddings (Qwen2 adds a bias on the QKV projection only).
+- Llama-style (Llama, Qwen2/3, Mistral, Mixtral, Qwen3-MoE): RMSNorm, SwiGLU, RoPE, grouped-query
+  attention; variants are fields: a bias on the QKV projection only (Qwen2), a per-head norm of
+  queries and keys (Qwen3), Llama 3.x RoPE frequency scaling, and megatron-core's MoE layer in
+  place of the dense MLP (top-k routing over SwiGLU experts).
 - GPT-2-style: LayerNorm, GELU (tanh approximation), learned absolute positions, biases
   everywhere, embeddings tied with the output layer.
 The local (pure megatron-core) layer spec is used on CPU; the transformer-engine spec is used
@@ -39,6 +41,19 @@ class GPTConfig:
     activation: str = "swiglu"  # swiglu | gelu | gelu_tanh | relu
     position_embedding_type: str = "rope"  # rope | learned_absolute
     rotary_base: float = 10000.0
+    # Llama 3.x RoPE scaling (HF rope_type "llama3") by this factor, with megatron's fixed
+    # low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192; None: plain RoPE.
+    llama3_rope_scaling_factor: Optional[float] = None
+    qk_layernorm: bool = False  # a norm over each query and key head before RoPE (Qwen3)
+    # Mixture of experts (megatron-core's MoELayer in every layer): None is a dense MLP.
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's hidden size; None: ffn_hidden_size
+    moe_router_topk: int = 2
+    # True: softmax over all experts, then the top-k of those probabilities (they do not sum to 1).
+    # False: softmax over the top-k logits (= top-k of the full softmax, renormalised).
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0: no aux loss, training sees only the task loss
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (megatron's; alltoall needs CUDA)
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
@@ -87,7 +102,15 @@ class GPTConfig:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
-    def validate(self, tensor_parallel_size: int = 1) -> None:
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
         if self.vocab_size is None:
             raise ValueError("model.vocab_size is not set (it is normally taken from the tokenizer)")
         if self.normalization not in ("RMSNorm", "LayerNorm"):
@@ -110,7 +133,40 @@ class GPTConfig:
                 )
         if self.ffn_size % tensor_parallel_size:
             raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by TP={tensor_parallel_size}")
+        if self.llama3_rope_scaling_factor is not None and self.position_embedding_type != "rope":
+            raise ValueError("model.llama3_rope_scaling_factor needs model.position_embedding_type=rope")
+        self._validate_moe(tensor_parallel_size, expert_parallel_size)
 
+    def _validate_moe(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
+        if not self.is_moe:
+            if expert_parallel_size > 1:
+                raise ValueError(f"expert_model_parallel_size={expert_parallel_size} needs an MoE model "
+                                 "(model.num_moe_experts is not set)")
+            return
+        if self.num_moe_experts < 1:
+            raise ValueError(f"model.num_moe_experts must be >= 1, got {self.num_moe_experts}")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} must be in [1, num_moe_experts="
+                             f"{self.num_moe_experts}]")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            # A softmax over one logit is always 1 (megatron refuses it: the router would get no gradient).
+            raise ValueError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true")
+        if self.num_moe_experts % expert_parallel_size:
+            raise ValueError(f"model.num_moe_experts={self.num_moe_experts} is not divisible by "
+                             f"expert_model_parallel_size={expert_parallel_size}")
+        if self.expert_ffn_size % tensor_parallel_size:
+            raise ValueError(f"model.moe_ffn_hidden_size={self.expert_ffn_size} is not divisible by "
+                             f"TP={tensor_parallel_size}")
+        if self.add_bias_linear:
+            raise ValueError("model.add_bias_linear=true is not supported with MoE (megatron's experts have no biases)")
+        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+            raise ValueError(f"model.moe_token_dispatcher_type must be one of {list(MOE_TOKEN_DISPATCHERS)}, "
+                             f"got {self.moe_token_dispatcher_type!r}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+
+
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
 
 _ACTIVATIONS = {
     "swiglu": F.silu,  # gated: silu(x W_gate) * (x W_up)
@@ -145,12 +201,31 @@ def transformer_config(
     virtual_pipeline_parallel_size: Optional[int] = None,
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
+    expert_parallel_size: int = 1,
 ):
     """The megatron-core `TransformerConfig` for this architecture and parallel layout."""
     from megatron.core.transformer import TransformerConfig
 
-    cfg.validate(tensor_parallel_size)
+    cfg.validate(tensor_parallel_size, expert_parallel_size)
     bf16 = params_dtype == torch.bfloat16
+    moe = {}
+    if cfg.is_moe:
+        cpu_bridge.check_moe_token_dispatcher(cfg.moe_token_dispatcher_type)
+        moe = dict(
+            num_moe_experts=cfg.num_moe_experts,
+            moe_ffn_hidden_size=cfg.expert_ffn_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+            moe_router_score_function="softmax",
+            # Without a coefficient no balancing loss is computed at all (not a zero-weighted one).
+            moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+            expert_model_parallel_size=expert_parallel_size,
+        )
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -184,6 +259,8 @@ def transformer_config(
         # numbers whatever the TP size (also the only way to initialise without CUDA).
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
+        qk_layernorm=cfg.qk_layernorm,
+        **moe,
         **cpu_bridge.transformer_config_overrides(),
     )
 
@@ -200,10 +277,24 @@ def layer_spec(cfg: GPTConfig):
                 "model.transformer_impl=transformer_engine needs the transformer-engine package "
                 "(pip install 'aligner[gpu]' on a CUDA machine); use transformer_impl=local otherwise"
             ) from error
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
+        )
     if cfg.transformer_impl != "local":
         raise ValueError(f"model.transformer_impl must be local or transformer_engine, got {cfg.transformer_impl!r}")
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.normalization)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization
+    )
+
+
+def _patch_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router reads `te_general_gemm`, which moe_utils defines only when
+    transformer-engine imports: without it every MoE forward raises NameError. None selects the
+    plain torch product megatron has for that case."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(
@@ -225,6 +316,8 @@ def build_gpt_model(
     vocab = padded_vocab_size(
         cfg.vocab_size, cfg.make_vocab_size_divisible_by, parallel_state.get_tensor_model_parallel_world_size()
     )
+    if cfg.is_moe:
+        _patch_moe_without_transformer_engine()
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
@@ -235,6 +328,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
         rotary_base=int(cfg.rotary_base),
+        rope_scaling=cfg.llama3_rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.llama3_rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
 
@@ -264,6 +359,12 @@ def num_parameters(cfg: GPTConfig) -> int:
     norm = hidden * (2 if cfg.normalization == "LayerNorm" else 1)
     attention = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
     mlp = hidden * ffn * (2 if cfg.activation == "swiglu" else 1) + ffn * hidden
+    if cfg.is_moe:  # every expert plus the router (all parameters, not the active ones)
+        expert_ffn = cfg.expert_ffn_size
+        mlp = cfg.num_moe_experts * (hidden * expert_ffn * (2 if cfg.activation == "swiglu" else 1)
+                                     + expert_ffn * hidden) + cfg.num_moe_experts * hidden
+    if cfg.qk_layernorm:
+        attention += 2 * head_dim * (2 if cfg.normalization == "LayerNorm" else 1)
     if cfg.add_bias_linear:
         attention += hidden
         mlp += ffn * (2 if cfg.activation == "swiglu" else 1) + hidden

@@ -269,6 +269,7 @@ def load_reward_model(checkpoint_dir, *, micro_batch_size: int, normalize: bool 
     parallel = ParallelConfig(
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
     seeds.set_seed(0)
     chunks = build_model_chunks(

@@ -55,6 +55,20 @@ def transformer_config_overrides() -> dict:
     return {"batch_p2p_comm": False} if needed() else {}
 
 
+def check_moe_token_dispatcher(dispatcher: str) -> None:
+    """Refuse an MoE token dispatcher that cannot run without CUDA.
+
+    megatron-core's alltoall dispatcher creates and synchronises on CUDA streams
+    (`torch.cuda.Stream()` in its constructor); the allgather dispatcher is plain collectives
+    (all-gather, reduce-scatter), which gloo has, also across expert-parallel ranks.
+    """
+    if needed() and dispatcher == "alltoall":
+        raise ValueError(
+            "model.moe_token_dispatcher_type=alltoall needs CUDA (megatron-core's alltoall dispatcher "
+            "synchronises on CUDA streams); use moe_token_dispatcher_type=allgather on CPU"
+        )
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, int):
         return True  # a bare int means a CUDA ordinal to torch

@@ -26,6 +26,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    # MoE experts split over this many ranks of the data-parallel dimension (megatron's EP); the
+    # experts keep tensor_model_parallel_size as their TP.
+    expert_model_parallel_size: int = 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -39,7 +42,15 @@ class ParallelConfig:
                 f"({self.pipeline_model_parallel_size}) = {self.model_parallel_size}; launch "
                 f"a multiple of {self.model_parallel_size} processes or change the parallel sizes"
             )
-        return world_size // self.model_parallel_size
+        data_parallel = world_size // self.model_parallel_size
+        expert = self.expert_model_parallel_size
+        if expert < 1 or data_parallel % expert:
+            raise ValueError(
+                f"expert_model_parallel_size={expert} must divide the data-parallel size {data_parallel} "
+                f"(world size {world_size} / (TP x PP) = {self.model_parallel_size}); experts are split "
+                "over data-parallel ranks"
+            )
+        return data_parallel
 
 
 def _env_int(*names: str, default: Optional[int] = None) -> Optional[int]:
@@ -114,6 +125,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
     )
     return dp_size
 

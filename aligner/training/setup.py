@@ -47,6 +47,7 @@ def build_model_chunks(
         virtual_pipeline_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype,
         sequence_parallel=parallel.sequence_parallel,
+        expert_parallel_size=parallel.expert_model_parallel_size,
     )
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp:
@@ -67,12 +68,29 @@ def build_model_chunks(
     return [chunk.to(device) for chunk in chunks]
 
 
+def check_trainable(config) -> None:
+    """Refuse layouts megatron-core cannot train (config: the chunks' megatron TransformerConfig).
+
+    MoE at TP>1: megatron-core 0.16.1 refuses an MoE forward in training mode at TP>1 without
+    sequence parallelism, and the local layer spec's torch norms refuse sequence parallelism, so
+    only the transformer-engine spec could. Inference (generation, served models) runs at TP>1.
+    """
+    if config.num_moe_experts is not None and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"an MoE model (model.num_moe_experts={config.num_moe_experts}) trains at tensor_model_parallel_size="
+            f"{config.tensor_model_parallel_size} only with parallel.sequence_parallel=true (megatron-core's rule), "
+            "which the local layer spec (model.transformer_impl=local) does not support; train MoE models at "
+            "tensor_model_parallel_size=1 with expert_model_parallel_size / pipeline / data parallelism"
+        )
+
+
 def wrap_for_training(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Mixed-precision wrapper (bf16) and megatron DDP around each chunk; returns the wrapped chunks."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     config = chunks[0].config
+    check_trainable(config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

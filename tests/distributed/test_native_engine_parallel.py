@@ -1,4 +1,5 @@
-"""Native engine at TP=2, PP=2 and PP=2 with virtual stages against TP=1, from one TP=1 checkpoint.
+"""Native engine at TP=2, PP=2 and PP=2 with virtual stages against TP=1, from one TP=1 checkpoint
+(Llama-style, GPT-2-style, and an MoE model with q/k norm and Llama 3.x RoPE scaling).
 
 Greedy tokens must equal TP=1's; logprobs must stay within 1e-5 of TP=1's and of the training
 forward (`sequence_logprobs`) at the same layout. Sampled rollouts draw from the same per-sample
@@ -26,7 +27,8 @@ def test_tp2_pp2_vpp_generation_matches_tp1(tmp_path, torchrun):
     assert lines, stdout[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     print(json.dumps(result, indent=1))
-    assert set(result) == {"llama/tp2", "gpt2/tp2", "llama/pp2", "gpt2/pp2", "llama/pp2_vpp2", "sampling_helpers_tp2"}
+    assert set(result) == {"llama/tp2", "gpt2/tp2", "moe/tp2", "llama/pp2", "gpt2/pp2", "moe/pp2", "llama/pp2_vpp2",
+                           "sampling_helpers_tp2"}
     assert all(result.pop("sampling_helpers_tp2").values())
     for layout, cases in result.items():
         assert cases["greedy"]["same_rows"] == cases["greedy"]["rows"], layout

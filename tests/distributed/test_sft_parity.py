@@ -109,6 +109,25 @@ def test_tied_embeddings_split_across_pipeline_stages(sft_setup):
     _assert_same_losses(_losses_per_layout(root, "tied", run_args, [(1, 1, 1), (1, 2, 1)]))
 
 
+def test_moe_loss_matches_at_expert_and_pipeline_parallel(sft_setup):
+    """megatron's MoE layers (4 experts, top 2, q/k norm): the same losses with the experts split over two
+    data-parallel ranks (EP=2, gloo, allgather dispatcher) and across two pipeline stages."""
+    root, common, _ = sft_setup
+    moe = ["model.architecture.num_moe_experts=4", "model.architecture.moe_ffn_hidden_size=64",
+           "model.architecture.qk_layernorm=true"]
+    init_dir = root / "init_moe"
+    _run_python(SFT_SCRIPT, *common, *moe, "trainer.max_steps=0", f"checkpoint.save_dir={init_dir}",
+                f"logging.log_dir={root / 'init_moe_logs'}")
+    run_args = [*common, f"model.init_from={init_dir / 'step_00000000'}"]
+    losses = _losses_per_layout(root, "moe", run_args, [(1, 1, 1), (1, 2, 1)])
+    log_dir = root / "moe_ep2"
+    run_torchrun(SFT_SCRIPT, 2, *run_args, *_layout_args(1, 1), "parallel.expert_model_parallel_size=2",
+                 "trainer.max_steps=3", "checkpoint.save_at_end=false", f"checkpoint.save_dir={log_dir / 'ckpt'}",
+                 f"logging.log_dir={log_dir}")
+    losses[(1, 1, 2, "ep2")] = _train_losses(log_dir)
+    _assert_same_losses(losses)
+
+
 def test_resume_continues_the_run_exactly(sft_setup):
     root, common, init = sft_setup
     run_args = [*common, f"model.init_from={init}", "trainer.max_steps=4", "checkpoint.save_interval=2",

@@ -153,6 +153,16 @@ def test_gloo_transformer_config_overrides():
     assert transformer_config(GPTConfig(vocab_size=VOCAB)).batch_p2p_comm is False
 
 
+def test_alltoall_moe_dispatcher_is_refused_without_cuda_and_allgather_is_used():
+    """megatron's alltoall token dispatcher builds CUDA streams; allgather is plain collectives (gloo has them)."""
+    from aligner.models.gpt import GPTConfig, transformer_config
+
+    moe = GPTConfig(vocab_size=VOCAB, num_moe_experts=4)
+    assert transformer_config(moe).moe_token_dispatcher_type == "allgather"  # the default
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type=alltoall needs CUDA.*use moe_token_dispatcher_type=allgather"):
+        transformer_config(GPTConfig(vocab_size=VOCAB, num_moe_experts=4, moe_token_dispatcher_type="alltoall"))
+
+
 def test_version_check_names_the_supported_megatron_core(monkeypatch):
     import megatron.core
 

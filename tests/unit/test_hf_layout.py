@@ -27,26 +27,45 @@ LLAMA_FAMILY = dict(
 )
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.2's
+
+
 def hf_config(arch: str, **overrides):
     if arch == "gpt2":
         values = dict(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=2, n_positions=32, n_inner=96)
         values.update(overrides)
         return transformers.GPT2Config(**values)
     values = dict(LLAMA_FAMILY, **overrides)
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         values.setdefault("sliding_window", None)
-    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-            "mistral": transformers.MistralConfig}[arch](**values)
+    if arch == "qwen3":
+        values.setdefault("head_dim", 16)
+    if arch == "mixtral":
+        values = dict(dict(num_experts_per_tok=2, num_local_experts=4), **values)
+    if arch == "qwen3_moe":
+        values = dict(dict(num_experts_per_tok=2, num_experts=4, moe_intermediate_size=48, head_dim=16,
+                           norm_topk_prob=True), **values)
+    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig,
+            "qwen3_moe": transformers.Qwen3MoeConfig}[arch](**values)
 
 
 def saved_state_dict(config) -> dict[str, torch.Tensor]:
-    """A random HF state dict in the form save_pretrained writes (no tied lm_head)."""
+    """A random HF state dict as save_pretrained writes it: no tied lm_head, and MoE experts one by one
+    under the checkpoint names (transformers 5 fuses them in memory and splits them again on save)."""
+    import tempfile
+
+    from aligner.hf.convert import read_hf_state_dict
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    state = {name: torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        del state["lm_head.weight"]
-    return state
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param))
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return read_hf_state_dict(directory)
 
 
 ROUND_TRIP_CASES = [
@@ -57,6 +76,12 @@ ROUND_TRIP_CASES = [
     ("mistral", dict(num_key_value_heads=4)),
     ("gpt2", {}),
     ("gpt2", dict(tie_word_embeddings=False)),
+    ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    ("qwen3", {}),
+    ("qwen3", dict(tie_word_embeddings=True)),
+    ("mixtral", {}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", dict(norm_topk_prob=False, num_experts_per_tok=1)),
 ]
 
 
@@ -185,7 +210,22 @@ def test_config_round_trip_through_transformers(arch, overrides):
 
 
 UNSUPPORTED = [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope"),
+    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear'"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     "rope_parameters.rope_type='yarn'"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}),
+     "rope_parameters.rope_type='dynamic'"),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, low_freq_factor=2.0)), "rope_parameters.low_freq_factor=2.0"),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, high_freq_factor=8.0)), "rope_parameters.high_freq_factor=8.0"),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=4096), max_position_embeddings=8192),
+     "rope_parameters.original_max_position_embeddings=4096"),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, partial_rotary_factor=0.5)), "partial_rotary_factor=0.5"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window=16"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    ("mixtral", dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
@@ -283,3 +323,112 @@ def test_reading_hf_directories(tmp_path):
     # Export never writes into (or clears) a directory that already holds files.
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(tmp_path / "no_checkpoint", tmp_path)
+
+
+def test_llama3_rope_scaling_from_old_and_new_config_generations():
+    raw = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=131072, rope_theta=500000.0,
+               rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})
+    cfg, _ = gpt_config_from_hf(raw)  # a Llama 3.x config.json as released (transformers 4 layout)
+    assert (cfg.rotary_base, cfg.llama3_rope_scaling_factor) == (500000.0, 32.0)
+    assert gpt_config_from_hf(hf_config("llama", rope_parameters=LLAMA3_ROPE))[0].llama3_rope_scaling_factor == 32.0
+    assert gpt_config_from_hf(hf_config("llama"))[0].llama3_rope_scaling_factor is None
+    raw["rope_scaling"] = dict(raw["rope_scaling"], high_freq_factor=2.0)
+    with pytest.raises(ValueError, match=r"rope_scaling.high_freq_factor=2.0 is not supported: .*fixes high_freq_factor=4"):
+        gpt_config_from_hf(raw)
+
+
+@pytest.mark.parametrize("theta,factor", [(500000.0, 8.0), (500000.0, 32.0), (10000.0, 4.0)])
+def test_megatron_llama3_rotary_frequencies_equal_transformers(theta, factor):
+    """The one fact the whole scaling rests on: megatron's scaled inverse frequencies are HF's."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = dict(LLAMA3_ROPE, rope_theta=theta, factor=factor)
+    config = hf_config("llama", rope_parameters=rope, head_dim=64, max_position_embeddings=16384)
+    cfg, _ = gpt_config_from_hf(config)
+    megatron = RotaryEmbedding(kv_channels=cfg.head_dim, rotary_percent=1.0, rotary_base=int(cfg.rotary_base),
+                               rope_scaling=True, rope_scaling_factor=cfg.llama3_rope_scaling_factor,
+                               use_cpu_initialization=True)
+    hf = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    plain = 1.0 / theta ** (torch.arange(0, 64, 2).float() / 64)
+    # Low frequencies are divided by the factor, high ones kept, the band between smoothed.
+    assert (hf.inv_freq < plain).any() and (hf.inv_freq == plain).any()
+    torch.testing.assert_close(megatron.inv_freq, hf.inv_freq, rtol=1e-6, atol=0)
+    assert float(hf.attention_scaling) == 1.0  # llama3 does not rescale cos/sin
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_experts_map_to_megatron_local_experts(arch):
+    """Per-expert HF tensors (as on disk) -> megatron's router and local_experts.{e} fc1 = [gate; up], fc2 = down."""
+    config = hf_config(arch)
+    cfg, _ = gpt_config_from_hf(config)
+    hf_state = saved_state_dict(config)
+    megatron_state = hf_to_megatron(hf_state, cfg, arch)
+    router, expert, (gate, up, down) = {
+        "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.", ("w1", "w3", "w2")),
+        "qwen3_moe": ("mlp.gate", "mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
+    }[arch]
+    expert_ffn = 96 if arch == "mixtral" else 48
+    assert torch.equal(megatron_state["decoder.layers.1.mlp.router.weight"], hf_state[f"model.layers.1.{router}.weight"])
+    for e in range(4):
+        hf_expert, mg_expert = f"model.layers.1.{expert}{e}.", f"decoder.layers.1.mlp.experts.local_experts.{e}."
+        fc1 = megatron_state[mg_expert + "linear_fc1.weight"]
+        assert fc1.shape == (2 * expert_ffn, 64)
+        assert torch.equal(fc1[:expert_ffn], hf_state[f"{hf_expert}{gate}.weight"])
+        assert torch.equal(fc1[expert_ffn:], hf_state[f"{hf_expert}{up}.weight"])
+        assert torch.equal(megatron_state[mg_expert + "linear_fc2.weight"], hf_state[f"{hf_expert}{down}.weight"])
+    assert not any(".mlp.linear_fc" in name for name in megatron_state)
+
+
+def test_moe_routing_maps_to_megatrons_router_options():
+    """mixtral and qwen3_moe(norm_topk_prob) renormalise the top-k: megatron's softmax over the top-k logits;
+    qwen3_moe without it keeps the full softmax's top-k: moe_router_pre_softmax. No aux loss."""
+    mixtral, _ = gpt_config_from_hf(hf_config("mixtral"))
+    assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_router_pre_softmax) == (4, 2, False)
+    assert (mixtral.expert_ffn_size, mixtral.qk_layernorm, mixtral.moe_aux_loss_coeff) == (96, False, 0.0)
+    qwen, _ = gpt_config_from_hf(hf_config("qwen3_moe", norm_topk_prob=True))
+    assert (qwen.moe_router_pre_softmax, qwen.expert_ffn_size, qwen.ffn_size, qwen.qk_layernorm) == (False, 48, 96, True)
+    assert gpt_config_from_hf(hf_config("qwen3_moe", norm_topk_prob=False))[0].moe_router_pre_softmax is True
+    # The same routing weights, computed both ways, for a renormalised top-2 of 6 experts:
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    full = torch.softmax(logits, -1)
+    top, index = full.topk(2, -1)
+    for pre_softmax, expected in ((False, top / top.sum(-1, keepdim=True)), (True, top)):
+        probs, routing_map = topk_routing_with_score_function(logits, 2, use_pre_softmax=pre_softmax)
+        assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, index, True))
+        torch.testing.assert_close(probs.gather(1, index), expected, rtol=1e-6, atol=0)  # megatron: fp32 softmax
+
+
+def test_qwen3_config_and_qk_norm_names():
+    config = hf_config("qwen3")
+    cfg, arch = gpt_config_from_hf(config)
+    assert (arch, cfg.qk_layernorm, cfg.head_dim, cfg.add_qkv_bias, cfg.norm_epsilon) == ("qwen3", True, 16, False, 1e-6)
+    assert infer_arch(cfg) == "qwen3"
+    hf_state = saved_state_dict(config)
+    megatron_state = hf_to_megatron(hf_state, cfg, "qwen3")
+    for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        assert torch.equal(megatron_state[f"decoder.layers.0.self_attention.{mg_norm}.weight"],
+                           hf_state[f"model.layers.0.self_attn.{hf_norm}.weight"])
+    # A Qwen3 config.json without head_dim means the class default 128, not hidden / heads.
+    raw = dict(config.to_dict())
+    del raw["head_dim"]
+    assert gpt_config_from_hf(raw)[0].head_dim == 128
+
+
+def test_new_families_infer_their_export_arch_and_refuse_the_others():
+    for arch in ("qwen3", "mixtral", "qwen3_moe"):
+        cfg, _ = gpt_config_from_hf(hf_config(arch))
+        assert infer_arch(cfg) == arch
+    mixtral, _ = gpt_config_from_hf(hf_config("mixtral"))
+    with pytest.raises(ValueError, match="model.num_moe_experts=4 cannot be exported as llama"):
+        check_exportable(mixtral, "llama")
+    with pytest.raises(ValueError, match="model.qk_layernorm=False cannot be exported as qwen3_moe"):
+        check_exportable(mixtral, "qwen3_moe")
+    qwen_unnormalised, _ = gpt_config_from_hf(hf_config("qwen3_moe", norm_topk_prob=False))
+    with pytest.raises(ValueError, match="model.qk_layernorm=True cannot be exported as mixtral"):
+        check_exportable(qwen_unnormalised, "mixtral")
+    qwen3, _ = gpt_config_from_hf(hf_config("qwen3"))
+    with pytest.raises(ValueError, match="model.num_moe_experts=None cannot be exported as qwen3_moe"):
+        check_exportable(qwen3, "qwen3_moe")

@@ -28,6 +28,11 @@ CONFIGS = {
     "qwen": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                             kv_channels=32, ffn_hidden_size=96, vocab_size=VOCAB, add_qkv_bias=True,
                             tie_embeddings=True, make_vocab_size_divisible_by=64, max_position_embeddings=64),
+    # Qwen3-MoE-like: per-head q/k norm, Llama 3.x RoPE scaling, megatron's MoE layer (4 experts, top 2)
+    "moe": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                           ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                           max_position_embeddings=64, qk_layernorm=True, llama3_rope_scaling_factor=8.0,
+                           num_moe_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
 }
 
 
@@ -334,3 +339,65 @@ def test_sample_with_logprobs_is_the_plain_draw_and_its_float64_log_softmax():
     assert torch.equal(tokens, S.vocab_parallel_sample(logits, uniform))
     expected = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     assert tokens.max() < 40 and float((logprobs.double() - expected).abs().max()) < 1e-6
+
+
+# HF models of the families the engine serves through megatron's own modules: q/k norm, llama3-scaled
+# rotary tables (megatron's RotaryEmbedding), MoE layers (megatron's MoELayer in the decode step too).
+HF_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def hf_family_config(family: str):
+    transformers = pytest.importorskip("transformers")
+    if family == "llama3_tied":
+        return transformers.LlamaConfig(**dict(HF_BASE, max_position_embeddings=16384), rope_parameters=LLAMA3_ROPE,
+                                        tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**HF_BASE, head_dim=32)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**HF_BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    return transformers.Qwen3MoeConfig(**HF_BASE, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=48, norm_topk_prob=True)
+
+
+def hf_and_megatron_models(family: str, directory):
+    """A random HF model and the megatron model holding its weights (through the HF importer's layout)."""
+    import transformers
+
+    from aligner.hf.convert import read_hf_state_dict
+    from aligner.hf.layout import gpt_config_from_hf, hf_to_megatron
+
+    config = hf_family_config(family)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():  # every tensor carries signal (not HF's init)
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            param.copy_((1.0 if is_norm_weight else 0.0) + 0.2 * torch.randn_like(param))
+    hf_model.save_pretrained(str(directory))  # the per-expert names real checkpoints have
+    cfg, arch = gpt_config_from_hf(config, make_vocab_size_divisible_by=64)
+    model = build_gpt_model(cfg, transformer_config(cfg)).eval()
+    result = model.load_state_dict(hf_to_megatron(read_hf_state_dict(directory), cfg, arch), strict=False)
+    assert not result.unexpected_keys and all(key.endswith("_extra_state") for key in result.missing_keys)
+    return hf_model, cfg, model
+
+
+@pytest.mark.parametrize("family", ["llama3_tied", "qwen3", "mixtral", "qwen3_moe"])
+def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
+    hf_model, cfg, model = hf_and_megatron_models(family, tmp_path)
+    prompts = make_prompts()
+    rollout = make_engine(cfg, model).generate(prompts, SamplingParams(max_new_tokens=14, greedy=True))
+    for prompt, response in zip(prompts, responses(rollout)):
+        with torch.no_grad():
+            output = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                       max_new_tokens=14, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        assert response == output[0, len(prompt):].tolist(), (family, prompt)
+    assert sum(len(r) for r in responses(rollout)) > 3 * len(prompts)  # not all stopping at once
+
+
+def test_moe_engine_refuses_cuda_graphs_with_a_reason():
+    cfg, model = make_model("moe")
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot capture an MoE model"):
+        make_engine(cfg, model, cuda_graphs=True)

@@ -237,6 +237,11 @@ def test_unsupported_models_and_layouts():
         trtllm_config(gpt2_cfg(), 1, arch="llama")
     with pytest.raises(ValueError, match="dtype"):
         trtllm_config(llama_cfg(), 1, dtype="int8")
+    with pytest.raises(ValueError, match="llama3_rope_scaling_factor=8.0"):
+        trtllm_config(llama_cfg(llama3_rope_scaling_factor=8.0), 1)
+    for family_fields, arch in ((dict(qk_layernorm=True), "qwen3"), (dict(num_moe_experts=4), "mixtral")):
+        with pytest.raises(ValueError, match=f"arch='{arch}'"):
+            trtllm_config(llama_cfg(**family_fields), 1)
     cfg = llama_cfg()
     with pytest.raises(ValueError, match="num_query_groups=4 is not divisible by tensor_model_parallel_size=8"):
         megatron_to_trtllm_checkpoint(random_megatron_state(cfg), cfg, 8)
