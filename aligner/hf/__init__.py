@@ -1,9 +1,11 @@
-"""Hugging Face interop: import HF Llama/Qwen2/Mistral/GPT-2 models as aligner checkpoints and export back.
+"""Hugging Face interop: import HF Llama/Qwen2/Mistral/GPT-2 models (directories or GGUF files) as aligner
+checkpoints and export back.
 
-`layout` holds the pure config and tensor transforms; `convert` does the file and megatron work.
+`layout` holds the pure config and tensor transforms; `convert` does the file and megatron work;
+`gguf` reads GGUF files; `pinned` fetches the pinned real model the tests use.
 CLI: `python -m aligner.hf import|export ...` (see aligner/hf/__main__.py).
 """
-from aligner.hf.convert import export_hf, import_hf, read_hf_source
+from aligner.hf.convert import export_hf, import_gguf, import_hf, read_hf_source
 from aligner.hf.layout import ARCHS, gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, megatron_to_hf
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "hf_to_megatron",
+    "import_gguf",
     "import_hf",
     "megatron_to_hf",
     "read_hf_source",
