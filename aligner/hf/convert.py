@@ -167,6 +167,14 @@ def _torch_dtype_name(state: dict[str, torch.Tensor]) -> str:
     return "float32"
 
 
+def _model_config(hf_config: dict, source: Path, make_vocab_size_divisible_by: int) -> tuple[GPTConfig, str]:
+    """gpt_config_from_hf, its errors prefixed with the file the config came from."""
+    try:
+        return gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
 def import_hf(
     hf_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -180,7 +188,7 @@ def import_hf(
     """
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
-    cfg, arch = gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cfg, arch = _model_config(hf_config, hf_dir / "config.json", make_vocab_size_divisible_by)
     hf_state = read_hf_state_dict(hf_dir)
     generation_config = hf_dir / "generation_config.json"
     source = {
@@ -212,7 +220,7 @@ def import_gguf(
     gguf_file = Path(gguf_file)
     config = read_gguf_config(gguf_file)
     hf_config = config.to_dict()
-    cfg, arch = gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
     tokenizer = read_gguf_tokenizer(gguf_file)
     hf_state = read_gguf_state_dict(gguf_file, config, dtype)
     source = {"source_file": str(gguf_file.resolve()), "dtype": dtype, "generation_config": None}
