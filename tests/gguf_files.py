@@ -104,11 +104,13 @@ def transformers_reference(path: Path):
     from the config with the weights of `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
     does, without its `accelerate` requirement)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(config)
+    with no_init_weights():  # every weight is overwritten below
+        model = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
