@@ -112,7 +112,8 @@ def transformers_reference(path: Path):
     with no_init_weights():  # every weight is overwritten below
         model = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # assign: the model's parameters are these tensors (no second copy of the weights)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return config, tokenizer, model.eval(), tensors
