@@ -215,8 +215,9 @@ def import_gguf(
 
     The config, tokenizer and chat template come from the file; then as `import_hf`.
     """
-    from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer
+    from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
 
+    torch_dtype(dtype)  # an unknown dtype fails before the file is read
     gguf_file = Path(gguf_file)
     config = read_gguf_config(gguf_file)
     hf_config = config.to_dict()

@@ -22,6 +22,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _PARSE_ERRORS = (ValueError, struct.error, OSError, KeyError, IndexError, UnicodeDecodeError)
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype GGUF weights are dequantised to, by name (float32 | bfloat16)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported for GGUF weights; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
 def is_gguf_file(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
@@ -63,12 +70,15 @@ def read_gguf_state_dict(path: str | os.PathLike, config, dtype: str = "float32"
     (its `read_gguf_config`); a tied lm_head is absent, as in an HF directory."""
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported for GGUF weights; choose one of {sorted(DTYPES)}")
+    target_dtype = torch_dtype(dtype)
     try:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError as error:  # transformers moves its GGUF code around between releases
-        raise MissingExtraError(f"this transformers version has no load_gguf_checkpoint ({error})") from None
+    except ImportError as error:  # transformers is moving its GGUF code to transformers.integrations.gguf
+        import transformers
+
+        raise MissingExtraError(
+            f"reading GGUF weights needs transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint, which "
+            f"transformers {transformers.__version__} does not have ({error})") from None
     # The reader maps GGUF tensor names to the parameter names of a model of this config: a model
     # on the meta device has the names and allocates nothing.
     with torch.device("meta"):
@@ -78,5 +88,5 @@ def read_gguf_state_dict(path: str | os.PathLike, config, dtype: str = "float32"
     except _PARSE_ERRORS as error:
         raise ValueError(f"{path}: cannot read the weights ({type(error).__name__}: {error})") from None
     for name in tensors:  # one tensor at a time, so only one extra copy is alive
-        tensors[name] = tensors[name].to(DTYPES[dtype])
+        tensors[name] = tensors[name].to(target_dtype)
     return tensors
