@@ -1,8 +1,6 @@
-"""Hugging Face interop: import HF Llama/Qwen2/Mistral/GPT-2 models (directories or GGUF files) as aligner
-checkpoints and export back.
+"""Hugging Face interop: import HF Llama/Qwen2/Mistral/GPT-2 models as aligner checkpoints and export back.
 
-`layout` holds the pure config and tensor transforms; `convert` does the file and megatron work;
-`gguf` reads GGUF files; `pinned` fetches the pinned real model the tests use.
+`layout` holds the pure config and tensor transforms; `convert` does the file and megatron work.
 CLI: `python -m aligner.hf import|export ...` (see aligner/hf/__main__.py).
 """
 from aligner.hf.convert import export_hf, import_gguf, import_hf, read_hf_source
