@@ -6,17 +6,21 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install real-model test test-fast demo bench clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[test,gguf]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-test: install
+# The pinned real model of the real-model test tier (downloaded once into .cache/models, sha256-checked).
+real-model: install
+	$(PY) examples/nlp/data/fetch_real_model.py
+
+test: install real-model
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
 
 test-fast: install

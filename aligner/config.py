@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     pass
 
 
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message says which extra to install."""
+
+
 def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str] = ()) -> T:
     """Build a `schema` instance from a yaml file plus `key=value` overrides (dotted keys)."""
     yaml_path = Path(yaml_path)
@@ -98,7 +102,8 @@ def run_main(main) -> None:
 
     try:
         main()
-    except (ConfigError, DataError, CheckpointError, ClientError, FileNotFoundError, ValueError) as error:
+    except (ConfigError, DataError, CheckpointError, ClientError, MissingExtraError, FileNotFoundError,
+            FileExistsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         from aligner.runtime import distributed
 

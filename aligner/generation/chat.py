@@ -2,8 +2,8 @@
 
 Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` below).
 
-- checkpoint: an aligner checkpoint directory, or a Hugging Face model directory, which is
-  imported on the fly into a temporary aligner checkpoint (aligner.hf.import_hf).
+- checkpoint: an aligner checkpoint directory, a Hugging Face model directory or a .gguf file;
+  the last two are imported on the fly into a temporary aligner checkpoint (aligner.hf).
 - Prompts are encoded as every algorithm encodes them (`aligner.data.conversation.ChatEncoder`):
   with the tokenizer's chat template and its generation prompt (`chat_template: true`, a text
   prompt being one user turn); without a template or with `chat_template=false`, a text prompt
@@ -62,7 +62,7 @@ class ChatSamplingConfig:
 class ChatConfig:
     """Schema of conf/chat.yaml (examples/nlp/gpt/chat.py)."""
 
-    checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir (imported on the fly)
+    checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
     precision: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -128,17 +128,22 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner import checkpointing
     from aligner.data.steerlm import steering_for_checkpoint
     from aligner.generation.native import NativeEngine
-    from aligner.hf.convert import import_hf, read_hf_source
+    from aligner.hf.convert import import_gguf, import_hf, read_hf_source
+    from aligner.hf.gguf import is_gguf_file
     from aligner.models.gpt import GPTConfig
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
     from aligner.training.setup import build_model_chunks
 
     checkpoint = Path(cfg.checkpoint)
-    if not checkpoint.is_dir():
-        raise FileNotFoundError(f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir)")
+    gguf = is_gguf_file(checkpoint)
+    if not checkpoint.is_dir() and not gguf:
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
     distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
-    if is_hf_model_dir(checkpoint):
+    if gguf:
+        checkpoint = import_gguf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
+    elif is_hf_model_dir(checkpoint):
         checkpoint = import_hf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
     steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)

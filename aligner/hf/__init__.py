@@ -6,7 +6,7 @@ Qwen3-MoE, GPT-2.
 `layout` holds the pure config and tensor transforms; `convert` does the file and megatron work.
 CLI: `python -m aligner.hf import|export ...` (see aligner/hf/__main__.py).
 """
-from aligner.hf.convert import export_hf, import_hf, read_hf_source
+from aligner.hf.convert import export_hf, import_gguf, import_hf, read_hf_source
 from aligner.hf.layout import ARCHS, gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, megatron_to_hf
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "hf_to_megatron",
+    "import_gguf",
     "import_hf",
     "megatron_to_hf",
     "read_hf_source",

@@ -1,17 +1,20 @@
 """CLI for HF import/export.
 
     python -m aligner.hf import --hf-dir HF_MODEL_DIR --output CHECKPOINT_DIR [--make-vocab-size-divisible-by 128]
+    python -m aligner.hf import --gguf FILE.gguf --output CHECKPOINT_DIR [--dtype float32|bfloat16]
     python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
 
 Both run in one process at TP=1/PP=1; the imported checkpoint loads at any TP/PP layout, and a
-checkpoint saved at any layout can be exported.
+checkpoint saved at any layout can be exported. A GGUF file is dequantised (float32 keeps the values
+exactly); its tokenizer and chat template go into the checkpoint. User errors end with one line
+`error: ...` and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
+from aligner.config import run_main
 from aligner.hf.layout import ARCHS
 
 
@@ -19,13 +22,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m aligner.hf", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    to_aligner = commands.add_parser("import", help="HF model directory -> aligner checkpoint")
-    to_aligner.add_argument("--hf-dir", required=True, help="directory with config.json, weights and tokenizer files")
+    to_aligner = commands.add_parser("import", help="HF model directory or GGUF file -> aligner checkpoint")
+    source = to_aligner.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-dir", help="directory with config.json, weights and tokenizer files")
+    source.add_argument("--gguf", help="a .gguf file (needs the gguf extra: pip install 'aligner[gguf]')")
     to_aligner.add_argument("--output", required=True, help="checkpoint directory to write")
     to_aligner.add_argument(
         "--make-vocab-size-divisible-by", type=int, default=128,
         help="pad the vocabulary to a multiple of this (must be divisible by every TP size you will use)",
     )
+    to_aligner.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                            help="--gguf only: precision of the dequantised weights, and the default export dtype "
+                                 "(default float32, which keeps the values exactly)")
 
     to_hf = commands.add_parser("export", help="aligner checkpoint -> HF model directory")
     to_hf.add_argument("--checkpoint", required=True, help="aligner checkpoint directory (any TP/PP layout)")
@@ -36,18 +44,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    from aligner.hf.convert import export_hf, import_hf
+    from aligner.hf.convert import export_hf, import_gguf, import_hf
 
-    if args.command == "import":
+    if args.command == "import" and args.gguf:
+        path = import_gguf(args.gguf, args.output, dtype=args.dtype or "float32",
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        print(f"imported {args.gguf} -> {path}")
+    elif args.command == "import":
+        if args.dtype is not None:
+            raise ValueError("--dtype applies to --gguf only; an HF directory keeps its weights' own dtype")
         path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         print(f"imported {args.hf_dir} -> {path}")
     else:
         path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype)
         print(f"exported {args.checkpoint} -> {path}")
-    return 0
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns worker processes that re-import __main__
-    sys.exit(main())
+    run_main(main)

@@ -1,4 +1,4 @@
-"""Import a Hugging Face model directory into an aligner checkpoint, and export one back.
+"""Import a Hugging Face model directory (or a GGUF file) into an aligner checkpoint, and export one back.
 
 Both directions go through the full TP=1/PP=1 megatron model in one process; the checkpoint
 itself is a megatron dist_checkpoint, so an imported model loads at any TP/PP layout, and a
@@ -43,33 +43,62 @@ TOKENIZER_PATTERNS = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+
+
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    path = Path(hf_dir) / "config.json"
+    directory = Path(hf_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"HF model directory {directory} does not exist")
+    path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model directory")
-    return json.loads(path.read_text())
+    return _read_json(path)
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: damaged or truncated safetensors file ({error})") from None
+
+
+def _load_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
+    import pickle
+    import zipfile
+
+    try:
+        # weights_only: a .bin is a pickle; refuse anything but tensors.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}: damaged, truncated or not a tensors-only pytorch file ({error})") from None
 
 
 def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All weights of an HF model directory: safetensors (single or sharded), else pytorch .bin."""
-    from safetensors.torch import load_file
-
     directory = Path(hf_dir)
     for single, index, load in (
-        ("model.safetensors", "model.safetensors.index.json", load_file),
-        # weights_only: a .bin is a pickle; refuse anything but tensors.
-        ("pytorch_model.bin", "pytorch_model.bin.index.json",
-         lambda path: torch.load(path, map_location="cpu", weights_only=True)),
+        ("model.safetensors", "model.safetensors.index.json", _load_safetensors),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json", _load_pytorch_bin),
     ):
         if (directory / single).is_file():
-            return dict(load(str(directory / single)))
+            return dict(load(directory / single))
         if (directory / index).is_file():
-            weight_map = json.loads((directory / index).read_text())["weight_map"]
+            weight_map = _read_json(directory / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{directory / index}: no 'weight_map' object")
             state: dict[str, torch.Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if not (directory / shard).is_file():
                     raise FileNotFoundError(f"{directory / index} names shard {shard}, which is missing")
-                state.update(load(str(directory / shard)))
+                state.update(load(directory / shard))
             return state
     raise FileNotFoundError(
         f"{directory} has no weights: expected model.safetensors, model.safetensors.index.json (+ shards), "
@@ -138,6 +167,14 @@ def _torch_dtype_name(state: dict[str, torch.Tensor]) -> str:
     return "float32"
 
 
+def _model_config(hf_config: dict, source: Path, make_vocab_size_divisible_by: int) -> tuple[GPTConfig, str]:
+    """gpt_config_from_hf, its errors prefixed with the file the config came from."""
+    try:
+        return gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
 def import_hf(
     hf_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -151,38 +188,78 @@ def import_hf(
     """
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
-    cfg, arch = gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cfg, arch = _model_config(hf_config, hf_dir / "config.json", make_vocab_size_divisible_by)
     hf_state = read_hf_state_dict(hf_dir)
-    source_dtype = _torch_dtype_name(hf_state)
-    megatron_state = hf_to_megatron({name: t.float() for name, t in hf_state.items()}, cfg, arch)
-    del hf_state
+    generation_config = hf_dir / "generation_config.json"
+    source = {
+        "source_dir": str(hf_dir.resolve()),
+        "dtype": _torch_dtype_name(hf_state),
+        "generation_config": _read_json(generation_config) if generation_config.is_file() else None,
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer_dir = Path(scratch) / "tokenizer"
+        tokenizer_dir.mkdir()
+        has_tokenizer = bool(_copy_tokenizer_files(hf_dir, tokenizer_dir))
+        return _write_imported_checkpoint(cfg, arch, hf_config, hf_state, output_dir,
+                                          tokenizer_dir if has_tokenizer else None, source)
 
-    with _single_model_parallel_group(), tempfile.TemporaryDirectory() as scratch:
+
+def import_gguf(
+    gguf_file: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    make_vocab_size_divisible_by: int = 128,
+) -> Path:
+    """Convert a GGUF file (dequantised to `dtype`: float32 | bfloat16) into an aligner checkpoint.
+
+    The config, tokenizer and chat template come from the file; then as `import_hf`.
+    """
+    from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
+
+    torch_dtype(dtype)  # an unknown dtype fails before the file is read
+    gguf_file = Path(gguf_file)
+    config = read_gguf_config(gguf_file)
+    hf_config = config.to_dict()
+    cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
+    tokenizer = read_gguf_tokenizer(gguf_file)
+    hf_state = read_gguf_state_dict(gguf_file, config, dtype)
+    source = {"source_file": str(gguf_file.resolve()), "dtype": dtype, "generation_config": None}
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer.save_pretrained(scratch)
+        return _write_imported_checkpoint(cfg, arch, hf_config, hf_state, output_dir, Path(scratch), source)
+
+
+def _write_imported_checkpoint(
+    cfg: GPTConfig,
+    arch: str,
+    hf_config: dict,
+    hf_state: dict[str, torch.Tensor],
+    output_dir: str | os.PathLike,
+    tokenizer_dir: Optional[Path],
+    source: dict,
+) -> Path:
+    """The one converter behind every import: HF-named weights -> TP=1 megatron model -> checkpoint,
+    plus `hf_source.json` (`source` and what export needs). Empties `hf_state` as it converts it."""
+    megatron_state = hf_to_megatron({name: t.float() for name, t in hf_state.items()}, cfg, arch)
+    hf_state.clear()
+
+    with _single_model_parallel_group():
         model = _build_model(cfg)
         # `_extra_state` entries belong to the module (None for local layers); strict loading wants them.
         for name, value in model.state_dict().items():
             if name.endswith("_extra_state"):
                 megatron_state[name] = value
         model.load_state_dict(megatron_state, strict=True)
-        tokenizer_dir = Path(scratch) / "tokenizer"
-        tokenizer_dir.mkdir()
-        has_tokenizer = bool(_copy_tokenizer_files(hf_dir, tokenizer_dir))
-        final = checkpointing.save(
-            output_dir,
-            [model],
-            model_config=cfg.to_dict(),
-            tokenizer_dir=tokenizer_dir if has_tokenizer else None,
-        )
+        del megatron_state
+        final = checkpointing.save(output_dir, [model], model_config=cfg.to_dict(), tokenizer_dir=tokenizer_dir)
         if _is_rank_zero():
-            generation_config = hf_dir / "generation_config.json"
             source = {
                 "arch": arch,
-                "source_dir": str(hf_dir.resolve()),
-                "dtype": source_dtype,
+                **source,
                 "bos_token_id": hf_config.get("bos_token_id"),
                 "eos_token_id": hf_config.get("eos_token_id"),
                 "pad_token_id": hf_config.get("pad_token_id"),
-                "generation_config": json.loads(generation_config.read_text()) if generation_config.is_file() else None,
             }
             (final / HF_SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True))
         if dist.is_initialized():

@@ -1,0 +1,170 @@
+"""GGUF import (python -m aligner.hf import --gguf) on tiny GGUF files written here, and the one-line
+user errors of the HF CLI.
+
+The reference is transformers reading the same file: its config, its tokenizer and the weights its
+`load_gguf_checkpoint` dequantises. The real model (SmolLM2) is tested in tests/real_model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ..conftest import REPO_ROOT
+from ..gguf_files import aligner_logits, transformers_reference, write_tiny_llama_gguf
+
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "tell me the news"},
+]
+
+
+def run_hf_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """`python -m aligner.hf ARGS` (with `prelude` run first in the same interpreter)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    command = [sys.executable, "-m", "aligner.hf", *args]
+    if prelude:
+        code = f"{prelude}\nimport runpy, sys\nsys.argv = ['aligner.hf', *{list(args)!r}]\nrunpy.run_module('aligner.hf', run_name='__main__')"
+        command = [sys.executable, "-c", code]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_embeddings", "separate_output_layer"])
+def test_gguf_import_matches_transformers_logits_tokenizer_and_chat_template(tmp_path, tied):
+    from aligner.hf import import_gguf, read_hf_source
+    from aligner.tokenizer import Tokenizer
+
+    gguf_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf", tied=tied)
+    import_gguf(gguf_file, tmp_path / "ckpt")
+    config, hf_tokenizer, hf_model, _ = transformers_reference(gguf_file)
+    assert config.tie_word_embeddings is tied
+
+    # The tokenizer and chat template come from the file: same ids as transformers' own rendering.
+    tokenizer = Tokenizer(tmp_path / "ckpt" / "tokenizer")
+    prompt = tokenizer.encode_chat(MESSAGES, add_generation_prompt=True)[0]
+    assert prompt == hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (1, 2, 2)
+    source = read_hf_source(tmp_path / "ckpt")
+    assert (source["arch"], source["dtype"], source["eos_token_id"]) == ("llama", "float32", 2)
+
+    tokens = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+    logits = aligner_logits(tmp_path / "ckpt", tokens)
+    assert logits.shape == expected.shape
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_gguf_import_in_bfloat16_rounds_the_dequantised_weights_and_exports_in_bfloat16(tmp_path):
+    from safetensors.torch import load_file
+
+    from aligner.hf import export_hf
+
+    gguf_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf", seed=1)
+    result = run_hf_cli("import", "--gguf", str(gguf_file), "--output", str(tmp_path / "ckpt"), "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().endswith(f"-> {tmp_path / 'ckpt'}")
+    export_hf(tmp_path / "ckpt", tmp_path / "export")  # the dtype recorded at import: bfloat16
+    _, _, _, dequantised = transformers_reference(gguf_file)
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(exported) == sorted(dequantised)
+    for name, tensor in dequantised.items():
+        assert exported[name].dtype == torch.bfloat16
+        assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    assert (tmp_path / "export" / "chat_template.jinja").is_file()
+
+
+def _tiny_llama_config() -> dict:
+    return {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 64}
+
+
+def _user_error_cases(root):
+    """(name, CLI args, text the one error line must contain) for each kind of bad input."""
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    (root / "no_config").mkdir()
+    bad_json = root / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text('{"model_type": "llama",')
+    unsupported = root / "unsupported"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    truncated = root / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text(json.dumps(_tiny_llama_config()))
+    save_file({"model.embed_tokens.weight": torch.ones(300, 64)}, str(truncated / "model.safetensors"))
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    garbage = root / "garbage.gguf"
+    garbage.write_bytes(b"this is not a GGUF file" * 10)
+    cut = root / "cut.gguf"
+    cut.write_bytes(write_tiny_llama_gguf(root / "whole.gguf").read_bytes()[:20000])
+    out = str(root / "out")
+    return [
+        ("missing_dir", ["import", "--hf-dir", str(root / "nope"), "--output", out], f"{root / 'nope'} does not exist"),
+        ("missing_config", ["import", "--hf-dir", str(root / "no_config"), "--output", out], "has no config.json"),
+        ("bad_json", ["import", "--hf-dir", str(bad_json), "--output", out], f"{bad_json / 'config.json'}: not valid JSON"),
+        ("unsupported_arch", ["import", "--hf-dir", str(unsupported), "--output", out], f"{unsupported / 'config.json'}: model_type='bert' is not supported"),
+        ("truncated_safetensors", ["import", "--hf-dir", str(truncated), "--output", out],
+         f"{truncated / 'model.safetensors'}: damaged or truncated safetensors file"),
+        ("missing_gguf", ["import", "--gguf", str(root / "nope.gguf"), "--output", out], f"GGUF file {root / 'nope.gguf'} does not exist"),
+        ("garbage_gguf", ["import", "--gguf", str(garbage), "--output", out], f"{garbage}: not a readable GGUF file"),
+        ("truncated_gguf", ["import", "--gguf", str(cut), "--output", out], f"{cut}: not a readable GGUF file"),
+        ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(root)], "is not empty"),
+    ]
+
+
+# Runs the CLI's main through run_main once per case in one interpreter (a process per case would
+# cost seconds each); the end-to-end `python -m aligner.hf` wiring is covered by the other tests.
+_RUN_CASES = """
+import contextlib, io, json, sys
+from aligner.config import run_main
+from aligner.hf.__main__ import main
+results = []
+for args in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            run_main(lambda: main(args))
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+    results.append([status, stderr.getvalue()])
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_hf_cli_user_errors_are_one_line_with_exit_status_2(tmp_path):
+    cases = _user_error_cases(tmp_path / "inputs")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "-c", _RUN_CASES, json.dumps([args for _, args, _ in cases])],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcomes = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    for (name, _, expected), (status, stderr) in zip(cases, outcomes):
+        lines = stderr.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, status, stderr[-3000:])
+        assert expected in lines[0], (name, lines[0])
+
+
+def test_gguf_import_without_the_gguf_package_names_the_extra(tmp_path):
+    gguf_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    # sys.modules[name] = None makes `import gguf` raise ImportError, as when it is not installed.
+    result = run_hf_cli("import", "--gguf", str(gguf_file), "--output", str(tmp_path / "ckpt"),
+                        prelude="import sys; sys.modules['gguf'] = None")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == "error: reading GGUF files needs the gguf package: pip install 'aligner[gguf]'"
