@@ -50,7 +50,7 @@ def silence_cpu_notices() -> None:
 
     Their fused kernels cannot exist on such a machine, so the notices (four on every start) say
     nothing a user can act on; with CUDA they stay, since there installing them is a real option.
-    Call before megatron-core is first imported.
+    Called (through `distributed.silence_third_party_notices`) before megatron-core is imported.
     """
     if needed():
         warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
@@ -170,7 +170,6 @@ def apply() -> bool:
     with _lock:
         if _applied:
             return True
-        silence_cpu_notices()
         import megatron.core
         import megatron.core.utils as mcore_utils
         from megatron.core.tensor_parallel import random as mcore_random

@@ -88,7 +88,8 @@ def _not_a_rerun_state_machine_notice(record: logging.LogRecord) -> bool:
 def silence_third_party_notices() -> None:
     """Filter the start-up notices of megatron-core and torch that no user can act on (idempotent).
 
-    Called before megatron-core is first imported, since some of them are raised at import.
+    Called when the aligner package is imported, before megatron-core is, which raises some of
+    them at import.
     Each filter matches one known message, so anything else (a real error) still shows.
     """
     for notice in _THIRD_PARTY_NOTICES:
@@ -101,7 +102,6 @@ def silence_third_party_notices() -> None:
 
 def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     """Start the process group and megatron-core parallel state; returns the data-parallel size."""
-    silence_third_party_notices()
     from megatron.core import parallel_state
 
     cpu_bridge.apply()
