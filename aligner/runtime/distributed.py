@@ -78,7 +78,10 @@ _THIRD_PARTY_NOTICES = (
 )
 # Log lines of megatron's rerun state machine (a fault-injection tool aligner never enables)
 # announcing itself at the first training step.
-_RERUN_STATE_MACHINE_NOTICES = ("Implicit initialization of Rerun State Machine", "RerunStateMachine initialized in mode")
+_RERUN_STATE_MACHINE_NOTICES = (
+    "Implicit initialization of Rerun State Machine",
+    "RerunStateMachine initialized in mode",
+)
 
 
 def _not_a_rerun_state_machine_notice(record: logging.LogRecord) -> bool:

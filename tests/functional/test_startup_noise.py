@@ -47,10 +47,11 @@ def sft_run(tmp_path_factory, arithmetic_tokenizer_dir):
 
     root = tmp_path_factory.mktemp("startup_noise")
     train = write_jsonl(root / "sft.jsonl", arithmetic.sft_records(16, seed=0))
-    result = run(GPT / "train_gpt_sft.py", f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]",
-                 "data.split='100,0'", "data.max_seq_length=16", "model.architecture.num_layers=1",
-                 "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
-                 "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
+    result = run(GPT / "train_gpt_sft.py", f"tokenizer.path={arithmetic_tokenizer_dir}",
+                 f"data.train=[{{path: {train}}}]", "data.split='100,0'", "data.max_seq_length=16",
+                 "model.architecture.num_layers=1", "model.architecture.hidden_size=32",
+                 "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+                 "model.architecture.ffn_hidden_size=64",
                  "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
                  "trainer.val_check_interval=0", "logging.progress_bar=false", "logging.tensorboard=false",
                  f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
