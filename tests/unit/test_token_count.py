@@ -72,3 +72,17 @@ def test_rollout_micro_batch_counts_its_eos_tokens():
 def test_a_batch_without_lengths_is_an_internal_error():
     with pytest.raises(KeyError, match="lengths"):
         real_token_count({"tokens": torch.zeros(2, 4, dtype=torch.long)})
+
+
+def test_ptx_micro_batches_keep_the_lengths_when_padded_to_the_ppo_length():
+    from types import SimpleNamespace
+
+    from aligner.algorithms.ppo import PPOTrainer
+
+    sequences = [[BOS, 5, EOS], [BOS, 6, 7, 8, EOS]]
+    examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
+    loader = SimpleNamespace(iterate=lambda consumed: iter([[collate_sft(examples, PAD)]]))
+    actor = SimpleNamespace(ptx_loader=loader, _ptx_batches=None, seq_length=12, tokenizer=SimpleNamespace(pad_id=PAD))
+    (microbatch,) = PPOTrainer.ptx_microbatches(actor)
+    assert microbatch["tokens"].shape == (2, 12)
+    assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only
