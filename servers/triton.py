@@ -27,13 +27,17 @@ import os
 import signal
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from aligner.runtime import cpu_bridge
 
 LOGGER = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ EXIT_TIMEOUT_S = 3
 STOP_LOCK_TIMEOUT_S = 10.0
 # How long Triton may take to report the models ready after it started.
 MODEL_READY_TIMEOUT_S = 120.0
+# Lines of Triton's own log shown when it fails.
+TRITON_LOG_TAIL_LINES = 30
 # Followers wait on the command channel while the server is idle; effectively forever.
 COMMAND_CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 
@@ -340,18 +346,41 @@ class TritonModel:
     preferred_batch_sizes: list[int] = field(default_factory=list)
 
 
-def triton_config(server: ServerConfig):
+def new_triton_log(server: ServerConfig) -> Path:
+    """A new file for Triton's own log (serve() removes it after a clean stop, keeps it after a failure).
+
+    Not the console: Triton prints its option tables on every start and, on a machine without
+    CUDA, errors about the missing CUDA driver that no user can act on. Its real failures are
+    shown from this file (`triton_log_tail`) where the server reports them.
+    """
+    handle, path = tempfile.mkstemp(prefix=f"aligner_triton_{server.port}_", suffix=".log")
+    os.close(handle)
+    return Path(path)
+
+
+def triton_log_tail(path: Path) -> str:
+    """The path and last lines of Triton's log, for an error message."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-TRITON_LOG_TAIL_LINES:]
+    except OSError as error:
+        return f"Triton's log {path} cannot be read ({error.strerror})"
+    return f"the end of Triton's log {path}:\n" + "\n".join(lines)
+
+
+def triton_config(server: ServerConfig, log_file: Path):
     from pytriton.triton import TritonConfig
 
     return TritonConfig(
         http_address=server.host, http_port=server.port,
         grpc_address=server.host, grpc_port=server.grpc_port,
         metrics_address=server.host, metrics_port=server.metrics_port,
-        exit_timeout_secs=EXIT_TIMEOUT_S,
+        exit_timeout_secs=EXIT_TIMEOUT_S, log_file=log_file,
+        **cpu_bridge.triton_config_overrides(),
     )
 
 
-def wait_models_ready(server: ServerConfig, model_names: Sequence[str], timeout_s: float = MODEL_READY_TIMEOUT_S) -> None:
+def wait_models_ready(server: ServerConfig, model_names: Sequence[str], log_file: Path,
+                      timeout_s: float = MODEL_READY_TIMEOUT_S) -> None:
     """Poll Triton until every model answers ready (PyTriton's own wait only warns on a timeout)."""
     import tritonclient.http
 
@@ -368,7 +397,7 @@ def wait_models_ready(server: ServerConfig, model_names: Sequence[str], timeout_
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"Triton on {server.http_url} did not report model '{name}' ready within "
-                                       f"{timeout_s:.0f} s; see its log above")
+                                       f"{timeout_s:.0f} s; {triton_log_tail(log_file)}")
                 time.sleep(0.2)
     finally:
         client.close()
@@ -390,7 +419,10 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.triton import Triton
 
-    triton = Triton(config=triton_config(server))
+    log_file = new_triton_log(server)
+    triton = Triton(config=triton_config(server, log_file))
+    LOGGER.info("Triton's log: %s", log_file)
+    stopped_cleanly = False
     try:
         with _sigterm_as_keyboard_interrupt():
             try:
@@ -401,17 +433,20 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                                 outputs=model.outputs,
                                 config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
                 triton.run()  # starts Triton and waits (a bounded time) for the bound models
-                wait_models_ready(server, [model.name for model in models])
+                wait_models_ready(server, [model.name for model in models], log_file)
                 if ready_message:
                     print(ready_message, flush=True)
                 while triton.is_alive():
                     time.sleep(poll_s)
-                LOGGER.error("Triton stopped unexpectedly; see its log above")
+                LOGGER.error("Triton stopped unexpectedly; %s", triton_log_tail(log_file))
             except KeyboardInterrupt:
                 LOGGER.info("interrupted; shutting down")
+                stopped_cleanly = True
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
             if collective is not None:
                 collective.stop()
+            if stopped_cleanly:
+                log_file.unlink(missing_ok=True)
     sys.stdout.flush()

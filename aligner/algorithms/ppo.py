@@ -630,7 +630,8 @@ class PPOTrainer:
             pad = lambda tensor, value: torch.nn.functional.pad(tensor, (0, extra), value=value)  # noqa: E731
             padded.append({"kind": "ptx", "tokens": pad(mb["tokens"], self.tokenizer.pad_id),
                            "labels": pad(mb["labels"], self.tokenizer.pad_id), "loss_mask": pad(mb["loss_mask"], 0.0),
-                           "position_ids": pad(mb["position_ids"], 0), "attention_mask": None})
+                           "position_ids": pad(mb["position_ids"], 0), "attention_mask": None,
+                           "lengths": mb["lengths"]})
         return padded
 
     def _set_normalizers(self, microbatches: list[dict]) -> None:

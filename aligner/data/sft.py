@@ -207,6 +207,7 @@ def collate_sft(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_mul
 
     Returns, with S = padded length - 1:
       tokens, labels, position_ids: [B, S] long; loss_mask: [B, S] float (0 on padding);
+      lengths: [B] long, the real (not padding) tokens of each row of tokens;
       attention_mask: None when no example is packed (the model applies a causal mask),
       else a [B, 1, S, S] bool mask, True = masked out, that is causal within each segment.
     """
@@ -231,6 +232,7 @@ def collate_sft(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_mul
         "loss_mask": loss_mask[:, 1:].contiguous(),  # a label is learned iff it is a response token
         "position_ids": _position_ids(segment_ids),
         "attention_mask": None,
+        "lengths": torch.tensor([min(len(example["tokens"]), seq_len) for example in examples]),
     }
     if packed:
         positions = torch.arange(seq_len)

@@ -5,9 +5,11 @@ Hybrid-engine idea: the engine holds references to the training parameters of th
 weights. The forward is a lean re-implementation of megatron's local-spec layer math (the tests
 check it against megatron's own forward) in one tight loop over preallocated state:
 
-- KV cache per layer, keys [batch, groups, head_dim, max_len] (stored transposed: q @ K^T then
-  reads contiguous blocks) and values [batch, groups, max_len, head_dim], allocated once for
-  max_batch_size x max_sequence_length and reused by every generate call (free() drops it);
+- KV cache per layer, keys [batch, groups, head_dim, len] (stored transposed: q @ K^T then
+  reads contiguous blocks) and values [batch, groups, len, head_dim], sized by what a generate
+  call needs (its rows, at most max_batch_size, x its longest prompt + max_new_tokens), kept and
+  reused by later calls that fit, and replaced (the old one dropped first) by one that does not:
+  max_sequence_length is a limit, not an allocation (free() drops the cache);
 - prompts left-padded to the longest one, so every row writes the same cache column each step;
   position ids skip the padding (row b's first real token is position 0, as in OpenAI's
   original RLHF code) and padded key columns are masked, so a row's numbers do not depend on
@@ -31,10 +33,10 @@ Measured (benchmarks/generation.py, demo-sized model, batch 32, one CPU thread):
 kernel were measured against this step and are not used (at most 10-20%, see benchmarks/README.md).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
-step can instead attend over the whole preallocated cache with a mask (the future and padding
+step can instead attend over the whole cache with a mask (the future and padding
 columns get the dtype's minimum) and read tokens, positions, the cache column and the padding
 bias from fixed buffers. That step has no Python-side values and no shape changes, so a CUDA
-graph can record it once per batch size and replay it (`aligner.generation.cuda_graphs`, the
+graph can record it once per batch size and cache allocation and replay it (`aligner.generation.cuda_graphs`, the
 engine's only GPU-specific code). On CPU cuda_graphs=True is refused with a ValueError (no
 silent fallback); static_decode=True runs the same static step eagerly, and the tests check it
 gives the default step's tokens and logprobs (also at TP=2 and PP=2).
@@ -137,14 +139,16 @@ class NativeEngine:
     model_chunks: this rank's model chunks (one per virtual pipeline stage), DDP/Float16 wrappers
         allowed. model_cfg: their architecture. pad_id fills prompts' left padding and responses
         after their end; eos_id is the stop token when SamplingParams.stop_token_ids is empty.
-    max_batch_size, max_sequence_length: the KV cache's size (prompt + new tokens per row);
-        generate() splits larger batches into chunks of max_batch_size.
+    max_batch_size, max_sequence_length: limits, not allocations. generate() splits larger
+        batches into chunks of max_batch_size and refuses prompt + new tokens longer than
+        max_sequence_length; the KV cache holds what the call needs (see `kv_cache_bytes`).
     decode: token ids -> text, needed only for SamplingParams.stop_strings.
-    static_decode: every decode step attends over the whole preallocated cache with a mask and
+    static_decode: every decode step attends over the whole KV cache with a mask and
         reads its inputs from fixed buffers (same math, same results; slower on CPU, where the
         short dynamic step wins). It is the step that cuda_graphs captures.
     cuda_graphs: capture the static decode step once per batch size in a CUDA graph and replay
-        it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`). On a CPU model
+        it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`), captured again
+        when the cache is reallocated. On a CPU model
         it raises ValueError rather than silently running something else.
     """
 
@@ -193,10 +197,10 @@ class NativeEngine:
         self._groups = model_cfg.query_groups // self._tp_size
         self._head_dim = model_cfg.head_dim
         self._scale = 1.0 / math.sqrt(self._head_dim)
-        self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d])
+        self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d]), see _reserve_cache
         self._static_decode = static_decode or cuda_graphs
         self._cuda_graphs = cuda_graphs
-        self._static_steps: dict = {}  # batch size -> _StaticDecodeStep
+        self._static_steps: dict = {}  # batch size -> _StaticDecodeStep over the current cache
         self.refit(model_chunks)
         if cuda_graphs:
             if self._pp_size > 1:
@@ -293,6 +297,13 @@ class NativeEngine:
         self._kv_cache = None
         self._static_steps = {}
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache now (0 before the first generate call or after free())."""
+        if self._kv_cache is None:
+            return 0
+        return sum(part.numel() * part.element_size() for part in self._kv_cache)
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Continue every prompt; collective over the model-parallel group (every TP/PP rank calls it).
@@ -305,6 +316,8 @@ class NativeEngine:
         """
         self._check_request(prompts, sampling)
         self._bind()
+        self._reserve_cache(min(len(prompts), self.max_batch_size),
+                            max(len(p) for p in prompts) + sampling.max_new_tokens)
         parts = []
         with self._moe_in_eval_mode():
             for start in range(0, len(prompts), self.max_batch_size):
@@ -376,18 +389,28 @@ class NativeEngine:
         sin = torch.sin(freqs)
         return torch.cos(angles).to(self._dtype), torch.cat([-sin, sin], dim=-1).to(self._dtype)
 
-    def _cache(self, batch: int) -> tuple:
-        """(keys [layers, batch, groups, d, max_len], values [layers, batch, groups, max_len, d]), views.
+    def _reserve_cache(self, rows: int, length: int) -> None:
+        """Make the KV cache hold at least `rows` rows of `length` columns (prompt + new tokens).
 
+        A cache that is large enough in both is kept; otherwise it is replaced by one of exactly
+        this size, the old one (and the static steps that point into it) dropped first, so memory
+        never holds both. Zeros, not empty memory: the static step reads every column (masked),
+        and a NaN in an unwritten column would survive the mask.
         Keys are stored transposed: a decode step's q @ K^T then reads contiguous [d, len] blocks,
         which BLAS's small batched products run about 1.5x faster than a transposed operand.
         """
-        if self._kv_cache is None:
-            shape = (self._num_local_layers, self.max_batch_size, self._groups)
-            options = dict(dtype=self._dtype, device=self._device)
-            self._kv_cache = (torch.zeros(*shape, self._head_dim, self.max_sequence_length, **options),
-                              torch.zeros(*shape, self.max_sequence_length, self._head_dim, **options))
-            self._static_steps = {}
+        if self._kv_cache is not None:
+            cached_rows, cached_length = self._kv_cache[0].shape[1], self._kv_cache[0].shape[-1]
+            if cached_rows >= rows and cached_length >= length:
+                return
+        self.free()
+        shape = (self._num_local_layers, rows, self._groups)
+        options = dict(dtype=self._dtype, device=self._device)
+        self._kv_cache = (torch.zeros(*shape, self._head_dim, length, **options),
+                          torch.zeros(*shape, length, self._head_dim, **options))
+
+    def _cache(self, batch: int) -> tuple:
+        """(keys [layers, batch, groups, d, len], values [layers, batch, groups, len, d]): views of the first rows."""
         keys, values = self._kv_cache
         return keys[:, :batch], values[:, :batch]
 
@@ -425,9 +448,10 @@ class NativeEngine:
         tokens = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
         prompt_lengths = torch.tensor(lengths, device=device)
         padding = width - prompt_lengths  # [batch] left padding of each row
-        # Padding columns of the cache, never attended to: [batch, max_len] (None: no padding at all).
-        key_masked = (self._columns.unsqueeze(0) < padding.unsqueeze(1)) if min(lengths) < width else None
         keys, values = self._cache(batch)
+        columns = self._columns[:keys.shape[-1]]  # [len]: the cache's columns
+        # Padding columns of the cache, never attended to: [batch, len] (None: no padding at all).
+        key_masked = (columns.unsqueeze(0) < padding.unsqueeze(1)) if min(lengths) < width else None
 
         state = _SamplingState(self, sampling, batch, first_sample)
         positions = (self._columns[:width].unsqueeze(0) - padding.unsqueeze(1)).clamp(min=0)
@@ -446,12 +470,12 @@ class NativeEngine:
         Everything that is the same for all steps of this call is prepared here, once: the
         attention bias of the padding columns, and (dynamic path) the rotary tables of every step.
         """
-        # 0 where a key may be seen, the dtype's minimum on padding columns: [batch * groups, 1, max_len]
-        key_bias = torch.zeros(batch, self._groups, 1, self.max_sequence_length, dtype=self._dtype,
-                               device=self._device)
+        # 0 where a key may be seen, the dtype's minimum on padding columns: [batch * groups, 1, len]
+        cache_length = keys.shape[-1]
+        key_bias = torch.zeros(batch, self._groups, 1, cache_length, dtype=self._dtype, device=self._device)
         if key_masked is not None:
             key_bias.masked_fill_(key_masked.view(batch, 1, 1, -1), torch.finfo(self._dtype).min)
-        key_bias = key_bias.view(batch * self._groups, 1, self.max_sequence_length)
+        key_bias = key_bias.view(batch * self._groups, 1, cache_length)
 
         if self._static_decode:
             static = self._static_step(batch, keys, values)
@@ -478,7 +502,8 @@ class NativeEngine:
         return dynamic_step
 
     def _static_step(self, batch, keys, values) -> "_StaticDecodeStep":
-        """The static decode step for this batch size (built, and captured with cuda_graphs, once)."""
+        """The static decode step for this batch size over the current cache (built, and captured with
+        cuda_graphs, once; _reserve_cache drops the steps when it replaces the cache)."""
         if batch not in self._static_steps:
             self._static_steps[batch] = _StaticDecodeStep(self, batch, keys, values, capture=self._cuda_graphs)
         return self._static_steps[batch]
@@ -609,8 +634,8 @@ class NativeEngine:
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
-        """hidden [batch, seq, hidden] from cache column 0; key_cache [batch, groups, d, max_len],
-        value_cache [batch, groups, max_len, d]; mask [batch * groups, per_group * seq, seq] (additive)."""
+        """hidden [batch, seq, hidden] from cache column 0; key_cache [batch, groups, d, len],
+        value_cache [batch, groups, len, d]; mask [batch * groups, per_group * seq, seq] (additive)."""
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
@@ -696,7 +721,7 @@ class NativeEngine:
         return out.add_(residual)
 
     def _decode_layer(self, layer: _Layer, hidden, key_cache, value_cache, inputs: "_DecodeInputs"):
-        """hidden [hidden, batch]; key_cache [batch, groups, d, max_len]; value_cache [batch, groups, max_len, d]."""
+        """hidden [hidden, batch]; key_cache [batch, groups, d, len]; value_cache [batch, groups, len, d]."""
         batch = hidden.shape[1]
         groups, per_group, head_dim, kv_len = self._groups, self._heads // self._groups, self._head_dim, inputs.kv_len
         qkv = self._linear_columns(layer.qkv, self._norm_columns(hidden, layer.input_norm))
@@ -742,14 +767,14 @@ class _DecodeInputs(NamedTuple):
 
     column: torch.Tensor  # [1] long: the cache column the new keys and values go to
     column_index: Optional[int]  # the same column as a Python int (dynamic step), None on the static step
-    kv_len: int  # keys 0 .. kv_len - 1 are read (max_len on the static path)
+    kv_len: int  # keys 0 .. kv_len - 1 are read (all the cache's columns on the static path)
     attention_bias: Optional[torch.Tensor]  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for
     # unseen keys; None when every key may be seen
     rope: Optional[tuple]  # (cos, sin) [d, batch] at each row's position, None without rotary embeddings
 
 
 class _StaticDecodeStep:
-    """The decode step on fixed buffers over the whole cache: what a CUDA graph captures.
+    """The decode step on fixed buffers over the whole cache (all its columns): what a CUDA graph captures.
 
     Inputs (tokens, positions, the cache column, the padding bias) are copied into buffers that
     never move; the step derives everything else from them with tensor ops only (the mask of
@@ -759,21 +784,22 @@ class _StaticDecodeStep:
     def __init__(self, engine: NativeEngine, batch: int, keys: torch.Tensor, values: torch.Tensor, capture: bool):
         device = engine._device
         self.engine, self.keys, self.values, self.capture = engine, keys, values, capture
+        self.columns = engine._columns[:keys.shape[-1]]  # [len]
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.key_bias = torch.zeros(batch * engine._groups, 1, engine.max_sequence_length, dtype=engine._dtype,
+        self.key_bias = torch.zeros(batch * engine._groups, 1, len(self.columns), dtype=engine._dtype,
                                     device=device)
         self.graph: Optional[graphs.CapturedStep] = None
 
     def forward(self) -> Optional[torch.Tensor]:
         engine = self.engine
         unseen = torch.finfo(engine._dtype).min
-        bias = torch.where(engine._columns > self.column, unseen, self.key_bias)  # the future, and padding
+        bias = torch.where(self.columns > self.column, unseen, self.key_bias)  # the future, and padding
         rope = None
         if engine._rope is not None:
             rope = tuple(table.index_select(0, self.positions).t() for table in engine._rope)
-        inputs = _DecodeInputs(self.column, None, engine.max_sequence_length, bias, rope)
+        inputs = _DecodeInputs(self.column, None, len(self.columns), bias, rope)
         return engine._decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
 
     def run(self) -> Optional[torch.Tensor]:

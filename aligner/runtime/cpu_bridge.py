@@ -15,6 +15,8 @@ DDP buffers and checkpointing code:
    global mode costs ~20-40 % on every torch call (see benchmarks/bridge_overhead.py); a model
    forward called directly (generation, single-stage evaluation) never pays for it.
 
+Besides the patches it says what else differs without CUDA: the start-up notices to silence
+(`silence_cpu_notices`) and the TransformerConfig and Triton settings a CPU machine needs.
 This module is the only place in the project that knows about these differences.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,6 +43,26 @@ def needed() -> bool:
 
 def is_applied() -> bool:
     return _applied
+
+
+def silence_cpu_notices() -> None:
+    """Without CUDA, hide megatron-core's import-time notices that apex/transformer-engine are missing.
+
+    Their fused kernels cannot exist on such a machine, so the notices (four on every start) say
+    nothing a user can act on; with CUDA they stay, since there installing them is a real option.
+    Called (through `distributed.silence_third_party_notices`) before megatron-core is imported.
+    """
+    if needed():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+
+
+def triton_config_overrides() -> dict:
+    """PyTriton `TritonConfig` settings this machine needs (empty with CUDA).
+
+    Triton's GPU metrics start NVML and DCGM, which without a GPU print "Error: Failed to
+    initialize NVML" and a DCGM warning on every server start; CPU metrics stay on.
+    """
+    return {"allow_gpu_metrics": False} if needed() else {}
 
 
 def transformer_config_overrides() -> dict:
@@ -161,11 +184,6 @@ def apply() -> bool:
     with _lock:
         if _applied:
             return True
-        import warnings
-
-        # Without CUDA the fused kernels of apex/transformer-engine cannot exist; megatron says so
-        # at import time for every module. That is expected here, not news.
-        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
         import megatron.core
         import megatron.core.utils as mcore_utils
         from megatron.core.tensor_parallel import random as mcore_random

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,16 +87,37 @@ _THIRD_PARTY_NOTICES = (
     r"`load_state_dict` is deprecated",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
+# Log lines of megatron's rerun state machine (a fault-injection tool aligner never enables)
+# announcing itself at the first training step.
+_RERUN_STATE_MACHINE_NOTICES = (
+    "Implicit initialization of Rerun State Machine",
+    "RerunStateMachine initialized in mode",
+)
+
+
+def _not_a_rerun_state_machine_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RERUN_STATE_MACHINE_NOTICES)
+
+
+def silence_third_party_notices() -> None:
+    """Filter the start-up notices of megatron-core and torch that no user can act on (idempotent).
+
+    Called when the aligner package is imported, before megatron-core is, which raises some of
+    them at import.
+    Each filter matches one known message, so anything else (a real error) still shows.
+    """
+    for notice in _THIRD_PARTY_NOTICES:
+        warnings.filterwarnings("ignore", message=notice)
+    rerun_logger = logging.getLogger("megatron.core.rerun_state_machine")
+    if _not_a_rerun_state_machine_notice not in rerun_logger.filters:
+        rerun_logger.addFilter(_not_a_rerun_state_machine_notice)
+    cpu_bridge.silence_cpu_notices()
 
 
 def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     """Start the process group and megatron-core parallel state; returns the data-parallel size."""
-    import warnings
-
     from megatron.core import parallel_state
 
-    for notice in _THIRD_PARTY_NOTICES:
-        warnings.filterwarnings("ignore", message=notice)
     cpu_bridge.apply()
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)

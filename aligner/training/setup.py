@@ -152,7 +152,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         val_loader=val_loader, metrics=MetricsLogger(cfg.logging, cfg.name, total_steps),
         checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops), pad_id=built.tokenizer.pad_id,
+        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
     )
 
 

@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
-                 hidden_size: int, peak_tflops: float, pad_id: int):
+                 hidden_size: int, peak_tflops: float):
         self.name = name
         self.trainer_cfg = trainer_cfg
         self.checkpoint_cfg = checkpoint_cfg
@@ -80,7 +80,6 @@ class Trainer:
         self.tokenizer_dir = tokenizer_dir
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
         self.peak_tflops = peak_tflops
-        self.pad_id = pad_id
         self.step = 0
         self.consumed_samples = 0
 
@@ -129,7 +128,7 @@ class Trainer:
             raise FloatingPointError(f"step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
         self.scheduler.step(increment=1)
         elapsed = time.perf_counter() - start
-        tokens_per_second = global_token_count(microbatches, self.pad_id) / elapsed
+        tokens_per_second = global_token_count(microbatches) / elapsed
         flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
                                                       microbatches[0]["tokens"].shape[1])
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -224,12 +223,28 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     return {key: result[key] for key in keys}
 
 
-def global_token_count(microbatches: list[dict], pad_id: int) -> float:
-    """Non-padding input tokens of the global batch (for tokens/s and MFU)."""
+def real_token_count(batch: dict) -> int:
+    """Real (not padding) tokens in a micro batch's `tokens`, from the lengths the batch carries.
+
+    Never by comparing tokens with the pad id: where pad == eos (SmolLM2, Qwen) that drops every
+    real eos token. Batches say how long their rows are in one of two ways:
+      lengths [B]: real tokens of each row of `tokens` (SFT and PTX, reward models);
+      prompt_lengths + response_lengths [B]: DPO, SPIN, PPO/REINFORCE rollouts.
+    """
+    if "lengths" in batch:
+        return int(batch["lengths"].sum())
+    if "prompt_lengths" in batch and "response_lengths" in batch:
+        return int(batch["prompt_lengths"].sum() + batch["response_lengths"].sum())
+    raise KeyError(f"a micro batch with keys {sorted(batch)} says nothing about its rows' lengths: give it "
+                   "`lengths` or `prompt_lengths` + `response_lengths`")
+
+
+def global_token_count(microbatches: list[dict]) -> float:
+    """Real input tokens of the global batch (for tokens/s and MFU)."""
     from megatron.core import parallel_state as ps
 
     from aligner.runtime.distributed import device
 
-    local = torch.tensor([float(sum(int((b["tokens"] != pad_id).sum()) for b in microbatches))], device=device())
+    local = torch.tensor([float(sum(real_token_count(batch) for batch in microbatches))], device=device())
     dist.all_reduce(local, group=ps.get_data_parallel_group())
     return float(local.item())

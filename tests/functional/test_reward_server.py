@@ -258,6 +258,15 @@ def test_ready_line_names_url_model_and_attributes(server):
                                          f"(model 'reward_model', attributes {ATTRIBUTES})")
 
 
+def test_start_prints_only_where_tritons_log_is_and_the_ready_line(server):
+    """Triton's option tables and, without a GPU, its CUDA driver and NVML errors go to its own file."""
+    before_ready = server.log().split(server.ready_line)[0].splitlines()
+    assert len(before_ready) == 1 and "INFO servers.triton: Triton's log: " in before_ready[0], before_ready
+    triton_log = Path(before_ready[0].split("Triton's log: ")[1])
+    assert "Started HTTPService at 127.0.0.1:" in triton_log.read_text()  # removed when the server stops cleanly
+    assert "NVML" not in server.log() and "NVML" not in triton_log.read_text()
+
+
 def test_served_rewards_equal_in_process_whatever_the_batching(client, pool):
     sequences, reference = pool
     # One request with every sequence (split by the client at the server's max_batch_size of 16).

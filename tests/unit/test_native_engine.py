@@ -264,6 +264,59 @@ def test_refit_is_free_and_sees_weight_changes():
     assert torch.equal(engine.generate(prompts, greedy).response_tokens, refitted.response_tokens)
 
 
+def kv_cache_bytes_formula(cfg, rows: int, length: int) -> int:
+    """keys + values: layers x rows x query groups x head_dim x columns, fp32."""
+    return 2 * cfg.num_layers * rows * cfg.query_groups * cfg.head_dim * length * 4
+
+
+def test_kv_cache_holds_what_each_call_needs_not_max_sequence_length():
+    cfg, model = make_model("llama")  # 2 layers, 2 query groups, head_dim 16
+    engine, prompts = make_engine(cfg, model, max_batch_size=8, max_sequence_length=40), make_prompts()  # longest 12
+    assert engine.kv_cache_bytes == 0  # nothing is allocated before the first call
+
+    def generate(batch, new_tokens):
+        rollout = engine.generate(batch, SamplingParams(max_new_tokens=new_tokens, greedy=True))
+        expected = generate_full_forward([model], batch, vocab_size=VOCAB, eos_id=EOS, pad_id=PAD,
+                                         max_new_tokens=new_tokens)
+        assert responses(rollout) == expected
+
+    generate(prompts, 6)  # 7 rows x (12 + 6) columns
+    assert engine.kv_cache_bytes == kv_cache_bytes_formula(cfg, 7, 18) == 64512
+    cache = engine._kv_cache
+    generate(prompts[2:5], 4)  # 3 rows x (9 + 4): fits, the same tensors serve it
+    assert engine._kv_cache is cache and engine.kv_cache_bytes == 64512
+    generate(prompts, 20)  # longer: replaced by 7 x 32
+    assert engine._kv_cache is not cache and engine.kv_cache_bytes == kv_cache_bytes_formula(cfg, 7, 32) == 114688
+    # More rows than max_batch_size: chunks of 8 rows. The new cache is this call's size (8 x (7 + 3)),
+    # not the largest of each dimension seen so far.
+    generate([[5] * 7] * 10, 3)
+    assert engine.kv_cache_bytes == kv_cache_bytes_formula(cfg, 8, 10) == 40960
+    engine.free()
+    assert engine.kv_cache_bytes == 0
+
+
+def test_static_step_over_a_larger_reused_cache_equals_the_dynamic_step():
+    """The static step attends over every cache column: extra (stale) columns must change nothing."""
+    cfg, model = make_model("llama")
+    prompts = make_prompts()
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.1, top_k=40, seed=8)
+    static_engine = make_engine(cfg, model, static_decode=True)
+    static_engine.generate(prompts, SamplingParams(max_new_tokens=25, temperature=1.0, seed=2))  # 7 x 37 cache
+    step = static_engine._static_steps[7]
+    assert static_engine.kv_cache_bytes == kv_cache_bytes_formula(cfg, 7, 37)
+    short_prompts = [p[:4] for p in prompts]
+    static = static_engine.generate(short_prompts, sampling)  # 7 x 12 needed: the 7 x 37 cache is reused
+    assert static_engine._static_steps[7] is step and static_engine.kv_cache_bytes == kv_cache_bytes_formula(cfg, 7, 37)
+    dynamic = make_engine(cfg, model).generate(short_prompts, sampling)
+    assert torch.equal(static.response_tokens, dynamic.response_tokens)
+    assert float((static.logprobs - dynamic.logprobs).abs().max()) < LOGPROB_TOLERANCE
+    # A call that does not fit replaces the cache, and with it the steps captured against the old one.
+    longer = [p + [7] * 20 for p in prompts[:2]]
+    static = static_engine.generate(longer, sampling)
+    assert static_engine._static_steps[2].keys.shape[-1] == 32 + 8 and 7 not in static_engine._static_steps
+    assert torch.equal(static.response_tokens, make_engine(cfg, model).generate(longer, sampling).response_tokens)
+
+
 def test_requests_the_engine_cannot_serve_are_refused_with_a_reason():
     cfg, model = make_model("llama")
     engine = make_engine(cfg, model)

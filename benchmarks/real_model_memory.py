@@ -1,0 +1,114 @@
+"""Peak RSS and wall time of the entry points on a real model (SmolLM2-135M-Instruct), one process each.
+
+    .venv/bin/python benchmarks/real_model_memory.py --hf-dir HF_MODEL_DIR [--code-root DIR] \
+        [--stages import,chat,sft,dpo] [--work DIR] [--threads 2]
+
+Stages, each a fresh process of the code under --code-root (default: this checkout; another
+checkout, e.g. an older commit, gives the "before" numbers with the same commands):
+- import: `python -m aligner.hf import` of the HF directory (fp32), the checkpoint the others use;
+- chat:   batch mode, 16 templated prompts in one generate call, 64 new tokens, greedy;
+- sft:    3 steps, micro batch 4 = global batch 4, sequences of 256 tokens (conversations);
+- dpo:    3 steps, 2 pairs per step, prompt + response up to 256 tokens.
+Peak RSS is the largest resident set of the stage's process tree (`wait4`'s ru_maxrss, in MB);
+the machine's load average (`/proc/loadavg`, 1 minute) is printed beside each number, because
+wall times on a shared machine move with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the model reads a long question about rivers mountains prime numbers and small towns then writes "
+         "a careful answer with three short steps each step names one fact and checks it against the last "
+         "one before the final line says what was found and why it matters to the person who asked").split()
+
+
+def sentence(index: int, words: int) -> str:
+    """Deterministic filler text: `words` words picked by a multiplicative hash of (index, position)."""
+    return " ".join(WORDS[(index * 7919 + position * 104729) % len(WORDS)] for position in range(words)).capitalize()
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def write_data(work: Path) -> dict[str, Path]:
+    """Chat prompts, SFT conversations (> 256 tokens: truncated to exactly 256) and DPO pairs."""
+    paths = {name: work / f"{name}.jsonl" for name in ("chat", "sft", "dpo")}
+    write_jsonl(paths["chat"], [{"messages": [{"role": "user", "content": sentence(i, 12 + i) + "?"}]}
+                                for i in range(16)])
+    write_jsonl(paths["sft"], [{"conversations": [{"from": "User", "value": sentence(i, 60)},
+                                                  {"from": "Assistant", "value": sentence(i + 100, 200)}]}
+                               for i in range(64)])
+    write_jsonl(paths["dpo"], [{"prompt": sentence(i, 40), "chosen": sentence(i + 200, 120),
+                                "rejected": sentence(i + 300, 100)} for i in range(16)])
+    return paths
+
+
+def run_stage(name: str, command: list[str], code_root: Path, threads: int, log: Path) -> dict:
+    """Run one stage to completion; its wall time, peak RSS and the load average around it."""
+    env = {**os.environ, "PYTHONPATH": str(code_root), "OMP_NUM_THREADS": str(threads)}
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=code_root, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"stage {name} failed (exit {code}); see {log}:\n" + log.read_text()[-3000:])
+    return {"stage": name, "peak_rss_mb": usage.ru_maxrss / 1024, "wall_s": wall,
+            "load": f"{load_before:.2f}->{os.getloadavg()[0]:.2f}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-dir", required=True, help="HF directory of SmolLM2-135M-Instruct (fp32)")
+    parser.add_argument("--code-root", default=str(REPO_ROOT), help="checkout whose aligner, conf and examples run")
+    parser.add_argument("--stages", default="import,chat,sft,dpo")
+    parser.add_argument("--work", default=None, help="scratch directory (default: a new one under /tmp)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    code_root = Path(args.code_root).resolve()
+    work = Path(args.work) if args.work else Path(f"/tmp/real_model_memory_{os.getpid()}")
+    work.mkdir(parents=True, exist_ok=True)
+    data = write_data(work)
+    checkpoint = work / "checkpoint"
+    python, gpt = sys.executable, code_root / "examples" / "nlp" / "gpt"
+    quiet = ["logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.save_at_end=false",
+             "trainer.val_check_interval=0", "trainer.max_steps=3", "optim.warmup_steps=0"]
+    commands = {
+        "import": [python, "-m", "aligner.hf", "import", "--hf-dir", args.hf_dir, "--output", str(checkpoint)],
+        "chat": [python, str(gpt / "chat.py"), f"checkpoint={checkpoint}", f"prompts_file={data['chat']}",
+                 f"output_file={work / 'chat_out.jsonl'}", "batch_size=16", "sampling.max_new_tokens=64"],
+        "sft": [python, str(gpt / "train_gpt_sft.py"), f"model.init_from={checkpoint}",
+                f"data.train=[{{path: {data['sft']}, weight: 1.0}}]", "data.max_seq_length=256",
+                "trainer.micro_batch_size=4", "trainer.global_batch_size=4", f"checkpoint.save_dir={work / 'sft'}",
+                f"logging.log_dir={work / 'sft'}", *quiet],
+        "dpo": [python, str(gpt / "train_gpt_dpo.py"), f"model.init_from={checkpoint}",
+                f"data.train=[{{path: {data['dpo']}, weight: 1.0}}]", "data.max_seq_length=256",
+                "trainer.micro_batch_size=2", "trainer.global_batch_size=2", f"checkpoint.save_dir={work / 'dpo'}",
+                f"logging.log_dir={work / 'dpo'}", *quiet],
+    }
+    stages = args.stages.split(",")
+    unknown = sorted(set(stages) - set(commands))
+    if unknown:
+        raise SystemExit(f"unknown stages {unknown}; choose from {sorted(commands)}")
+    if "import" not in stages and not checkpoint.is_dir():
+        raise SystemExit(f"{checkpoint} does not exist: run the import stage first (same --work)")
+    print(f"code {code_root}, work {work}, {args.threads} threads")
+    print(f"{'stage':<8} {'peak RSS MB':>12} {'wall s':>8}  load (1 min, before->after)")
+    for stage in stages:
+        row = run_stage(stage, commands[stage], code_root, args.threads, work / f"{stage}.log")
+        print(f"{row['stage']:<8} {row['peak_rss_mb']:>12.0f} {row['wall_s']:>8.1f}  {row['load']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

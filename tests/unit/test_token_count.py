@@ -1,0 +1,88 @@
+"""The tokens/s count: real tokens from the lengths each algorithm's batch carries, eos included when pad == eos."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aligner.data.preference import collate_preferences
+from aligner.data.reward import collate_comparisons, collate_regression
+from aligner.data.sft import collate_sft
+from aligner.rl.rollouts import RolloutBatch
+from aligner.training.trainer import real_token_count
+
+EOS = PAD = 2  # as in SmolLM2 and Qwen: the pad id is the eos id
+BOS = 1
+
+
+def tensor(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pad_compared_count(batch: dict) -> int:
+    """The old count, which drops every real eos."""
+    return int((batch["tokens"] != PAD).sum())
+
+
+def test_sft_batch_counts_its_eos_tokens():
+    sequences = [[BOS, 5, 6, 7, EOS], [BOS, 8, EOS, 9, 10, 11, EOS], [BOS, EOS]]  # eos mid-row: multi-turn
+    examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
+    batch = collate_sft(examples, PAD, pad_to_multiple_of=8)
+    assert batch["tokens"].shape == (3, 8)
+    # Each row's tokens hold the whole sequence (the longest, 7, fits in the 8 input columns).
+    assert real_token_count(batch) == 5 + 7 + 2 == 14
+    assert pad_compared_count(batch) == 14 - 4
+    # A row as long as the padded length + 1 loses its last token to the labels only.
+    batch = collate_sft(examples, PAD, pad_to_multiple_of=1)
+    assert batch["tokens"].shape == (3, 6) and real_token_count(batch) == 5 + 6 + 2
+
+
+def test_preference_batches_count_their_eos_tokens():
+    items = [{"prompt": tensor([BOS, 5, 6]), "chosen": tensor([7, EOS]), "rejected": tensor([8, 9, EOS])},
+             {"prompt": tensor([BOS, 4]), "chosen": tensor([EOS]), "rejected": tensor([3, 3, 3, EOS])}]
+    batch = collate_preferences(items, PAD, pad_to_multiple_of=8)  # DPO and SPIN
+    assert real_token_count(batch) == 5 + 6 + 3 + 6 == 20
+    assert pad_compared_count(batch) == 20 - 4
+
+
+@pytest.mark.parametrize("kind", ["comparisons", "regression"])
+def test_reward_model_batches_count_their_eos_tokens(kind):
+    chosen, rejected = tensor([BOS, 5, 6, EOS]), tensor([BOS, 7, EOS, 8, EOS])
+    if kind == "comparisons":
+        batch = collate_comparisons([{"chosen": chosen, "rejected": rejected}], PAD, pad_to_multiple_of=8)
+    else:
+        examples = [{"tokens": t, "labels": torch.zeros(1), "label_mask": torch.ones(1)} for t in (chosen, rejected)]
+        batch = collate_regression(examples, PAD, pad_to_multiple_of=8)
+    assert real_token_count(batch) == 4 + 5
+    assert pad_compared_count(batch) == 9 - 3
+
+
+def test_rollout_micro_batch_counts_its_eos_tokens():
+    rows = [(0, {"prompt": [BOS, 5, 6], "response": tensor([7, EOS]), "logprobs": torch.full((2,), -1.0),
+                 "ended_with_stop": True}),
+            (1, {"prompt": [BOS, 4], "response": tensor([8, 9, 10]), "logprobs": torch.full((3,), -1.0),
+                 "ended_with_stop": False})]
+    batch = RolloutBatch.from_rows(rows, PAD, seq_length=16)
+    # The keys PPO/REINFORCE micro batches take from a RolloutBatch (aligner/algorithms/ppo.py).
+    microbatch = {"tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths,
+                  "response_lengths": batch.response_lengths}
+    assert real_token_count(microbatch) == 5 + 5
+    assert pad_compared_count(microbatch) == 10 - 1
+
+
+def test_a_batch_without_lengths_is_an_internal_error():
+    with pytest.raises(KeyError, match="lengths"):
+        real_token_count({"tokens": torch.zeros(2, 4, dtype=torch.long)})
+
+
+def test_ptx_micro_batches_keep_the_lengths_when_padded_to_the_ppo_length():
+    from types import SimpleNamespace
+
+    from aligner.algorithms.ppo import PPOTrainer
+
+    sequences = [[BOS, 5, EOS], [BOS, 6, 7, 8, EOS]]
+    examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
+    loader = SimpleNamespace(iterate=lambda consumed: iter([[collate_sft(examples, PAD)]]))
+    actor = SimpleNamespace(ptx_loader=loader, _ptx_batches=None, seq_length=12, tokenizer=SimpleNamespace(pad_id=PAD))
+    (microbatch,) = PPOTrainer.ptx_microbatches(actor)
+    assert microbatch["tokens"].shape == (2, 12)
+    assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only
