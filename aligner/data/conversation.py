@@ -25,7 +25,7 @@ from typing import Any, Iterator, Union
 
 from jinja2.exceptions import TemplateError
 
-from aligner.data.jsonl import DataError
+from aligner.data.jsonl import DataError, require_key
 from aligner.tokenizer import Tokenizer
 
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
@@ -60,10 +60,7 @@ def parse_messages(value: Any, what: str, path: str | Path, line: int) -> Messag
 
 def parse_prompt(record: dict, key: str, path: str | Path, line: int) -> Prompt:
     """record[key] as a prompt: non-blank text, or messages that end before an assistant reply."""
-    if key not in record:
-        raise DataError(f"{path}:{line}: missing key {key!r} (keys present: "
-                        f"{', '.join(sorted(map(repr, record))) or 'none'})")
-    value = record[key]
+    value = require_key(record, key, path, line)
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{path}:{line}: key {key!r} is empty; expected non-empty text or messages")
@@ -80,10 +77,7 @@ def parse_prompt(record: dict, key: str, path: str | Path, line: int) -> Prompt:
 
 def parse_answer(record: dict, key: str, path: str | Path, line: int) -> str:
     """record[key] as an answer's text: a string, an assistant message, or a list of one."""
-    if key not in record:
-        raise DataError(f"{path}:{line}: missing key {key!r} (keys present: "
-                        f"{', '.join(sorted(map(repr, record))) or 'none'})")
-    value = record[key]
+    value = require_key(record, key, path, line)
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{path}:{line}: key {key!r} is empty; expected non-empty text or an assistant message")

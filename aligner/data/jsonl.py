@@ -57,7 +57,8 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             ) from None
 
 
-def _require(record: dict, key: str, path: str | Path, line: int) -> Any:
+def require_key(record: dict, key: str, path: str | Path, line: int) -> Any:
+    """record[key], whatever its type, or an error listing the keys present."""
     if key not in record:
         present = ", ".join(sorted(map(repr, record))) or "none"
         raise DataError(f"{_where(path, line)}missing key {key!r} (keys present: {present})")
@@ -66,7 +67,7 @@ def _require(record: dict, key: str, path: str | Path, line: int) -> Any:
 
 def require_str(record: dict, key: str, path: str | Path, line: int, allow_empty: bool = False) -> str:
     """Return record[key], checking that it is a string (non-blank unless allow_empty)."""
-    value = _require(record, key, path, line)
+    value = require_key(record, key, path, line)
     if not isinstance(value, str):
         raise DataError(
             f"{_where(path, line)}key {key!r} is a {type(value).__name__}; expected a string"
@@ -85,7 +86,7 @@ def optional_str(record: dict, key: str, path: str | Path, line: int, default: s
 
 def require_list(record: dict, key: str, path: str | Path, line: int, allow_empty: bool = False) -> list:
     """Return record[key], checking that it is a list (non-empty unless allow_empty)."""
-    value = _require(record, key, path, line)
+    value = require_key(record, key, path, line)
     if not isinstance(value, list):
         raise DataError(
             f"{_where(path, line)}key {key!r} is a {type(value).__name__}; expected a list"
