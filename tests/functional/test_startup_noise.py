@@ -81,4 +81,4 @@ def test_chat_answers_without_noise_and_still_reports_a_bad_record(sft_run):
                  f"output_file={root / 'bad_answers.jsonl'}", "sampling.max_new_tokens=4")
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: {bad}:2: record has neither 'prompt' nor 'messages' "
-                                     f"(keys: ['question'])")
+                                     "(keys present: 'question')")
