@@ -123,21 +123,19 @@ def demonstration(record: dict, path: str, line: int):
     assistant message); or a conversation, {"system"?, "conversations"} (the SFT file layout) or
     {"messages"}, whose last turn is the assistant's reply: the earlier turns are its prompt.
     """
-    from aligner.data.conversation import parse_answer, parse_messages, parse_prompt
-    from aligner.data.jsonl import DataError, optional_str, require_str
+    from aligner.data.conversation import parse_answer, parse_prompt
+    from aligner.data.jsonl import DataError, require_str
+    from aligner.data.sft import conversation_key, parse_conversation
 
     if "input" in record or "output" in record:
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
     if "prompt" in record or "response" in record:
         return parse_prompt(record, "prompt", path, line), parse_answer(record, "response", path, line)
-    key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
+    key = conversation_key(record)
     if key is None:
         raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response', 'conversations' "
                         f"or 'messages' (keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
-    messages = parse_messages(record[key], key, path, line)
-    system = optional_str(record, "system", path, line)
-    if system.strip():
-        messages = [{"role": "system", "content": system}] + messages
+    messages = parse_conversation(record, path, line)  # the SFT reader's turns, system message included
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{path}:{line}: {key!r} ends with a {messages[-1]['role']} turn; SPIN's demonstration is "
                         "the last turn, which must be the assistant's reply")
