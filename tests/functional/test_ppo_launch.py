@@ -94,6 +94,14 @@ def _train_rows(log_dir: Path) -> list[dict]:
     return metrics_rows(log_dir / "actor", "train")
 
 
+def _command_line(process: psutil.Process) -> list[str]:
+    """A child's command line; empty for one that has exited (a zombie not yet reaped, or gone)."""
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
+
+
 def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step: int = 0) -> tuple[int, str]:
     """Run the launcher; with `kill`, SIGKILL the child whose command line contains it once the
     actor has logged `after_step`. Returns (exit code, launcher output)."""
@@ -106,7 +114,7 @@ def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step
             assert time.monotonic() < deadline, "the actor never reached the step to be killed at"
             time.sleep(0.2)
         victims = [child for child in psutil.Process(process.pid).children(recursive=True)
-                   if any(kill in part for part in child.cmdline())]
+                   if any(kill in part for part in _command_line(child))]
         assert victims, f"no child process runs {kill}"
         for victim in victims:
             os.kill(victim.pid, signal.SIGKILL)
