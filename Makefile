@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model test test-fast demo bench clean
+.PHONY: install real-model test test-fast test-faults demo bench clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: install real-model
 
 test-fast: install
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra -m "not slow and not distributed" $(PYTEST_ARGS) tests
+
+test-faults: install
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra -m faults $(PYTEST_ARGS) tests
 
 demo: install
 	OMP_NUM_THREADS=2 $(PY) examples/demo/run_demo.py --workdir results/demo
