@@ -1,34 +1,55 @@
 """Checkpoints on megatron-core `dist_checkpointing`: saved at one TP/PP layout, loadable at any.
 
 A checkpoint is a directory:
-    <dir>/                     dist_checkpointing files: "model" (+ "optimizer", "rng_state")
-    <dir>/aligner_meta.json    model architecture, parallel layout at save time, trainer state
-    <dir>/tokenizer/           the tokenizer files, so a checkpoint is self-contained
+    <dir>/                       dist_checkpointing files: "model" (+ "optimizer", "rng_state")
+    <dir>/aligner_meta.json      model architecture, parallel layout at save time, trainer state, run id
+    <dir>/tokenizer/             the tokenizer files, so a checkpoint is self-contained
+    <dir>/aligner_manifest.json  size and sha256 of every other file; `load` checks them first
 Training checkpoints live in `<save_dir>/step_<N>/`; a save is written to a temporary sibling
 and renamed only when complete, so a crash never leaves a half-written `step_<N>`.
+
+A training run has an id (`run_id` in the meta; a resumed run keeps the id of its checkpoint).
+`start_run` refuses a fresh run in a save_dir that already holds checkpoints, and pruning deletes
+only checkpoints that carry the run's own id, so one run never deletes or adopts another's.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 META_FILE = "aligner_meta.json"
+MANIFEST_FILE = "aligner_manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = "aligner-megatron-v1"
+CHECKSUM = "sha256"  # ~2 GB/s per core here (SHA-NI); files are split over ranks, and `sha256sum` can check by hand
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STAGING_SUFFIX = ".incomplete"
+# How a full disk shows through torch's writers: a bare OSError, or its text inside a worker failure
+# ("unexpected pos" is torch's zip writer noticing a short write).
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]", "unexpected pos")
+
+# Checkpoints whose files this process has checked against their manifest (all ranks agree on it).
+_verified: set[str] = set()
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+# ----------------------------------------------------------------------------- collectives
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -42,6 +63,44 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _broadcast(value: Any) -> Any:
+    """Rank 0's value, on every rank."""
+    if not dist.is_initialized() or _world() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _all_gather(value: Any) -> list:
+    if not dist.is_initialized() or _world() == 1:
+        return [value]
+    gathered: list = [None] * _world()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _on_rank0(work: Callable[[], Any]) -> Any:
+    """Run `work` on rank 0 only and return its result on every rank.
+
+    An exception on rank 0 is raised on every rank (the original there, a CheckpointError with its
+    message elsewhere), so no rank is left waiting in a collective for a rank that failed.
+    """
+    result, failure = None, None
+    if _rank() == 0:
+        try:
+            result = work()
+        except Exception as error:
+            failure = error
+    outcome = _broadcast((result, None if failure is None else str(failure)))
+    if failure is not None:
+        raise failure
+    if outcome[1] is not None:
+        raise CheckpointError(outcome[1])
+    return outcome[0]
+
+
+# ----------------------------------------------------------------------------- meta
 def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
     """Sharded state dict of the (possibly virtual-pipeline) model chunks, DDP wrappers unwrapped."""
     from megatron.core.utils import unwrap_model
@@ -80,6 +139,183 @@ def _parallel_layout() -> dict:
     return layout
 
 
+# ----------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, CHECKSUM).hexdigest()
+
+
+def _owners(sizes: Sequence[int], world: int) -> list[int]:
+    """The rank that reads each file: largest first to the least-loaded rank (about total/world bytes each)."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += sizes[index]
+    return owner
+
+
+def _listed_files(directory: Path) -> list[tuple[str, int]]:
+    """(path relative to directory, size) of every file under it but the manifest, sorted."""
+    files = []
+    for path in directory.rglob("*"):
+        relative = path.relative_to(directory).as_posix()
+        if path.is_file() and relative != MANIFEST_FILE:
+            files.append((relative, path.stat().st_size))
+    return sorted(files)
+
+
+def build_manifest(directory: str | os.PathLike) -> dict:
+    """{"checksum": "sha256", "files": {relative path: {"size", "sha256"}}} of every file in directory.
+
+    Collective when distributed: rank 0 lists the files, each rank hashes its share (split by size,
+    so a checkpoint is read once in total), every rank returns the whole manifest.
+    """
+    root = Path(directory)
+    files = _broadcast(_listed_files(root) if _rank() == 0 else None)
+    owners = _owners([size for _, size in files], _world())
+    mine = {name: _sha256(root / name) for (name, _), owner in zip(files, owners) if owner == _rank()}
+    digests = {name: digest for share in _all_gather(mine) for name, digest in share.items()}
+    return {"checksum": CHECKSUM, "files": {name: {"size": size, CHECKSUM: digests[name]} for name, size in files}}
+
+
+def _file_problem(root: Path, name: str, expected: dict) -> Optional[str]:
+    path = root / name
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size < expected["size"]:
+        return f"{name} is truncated to {size} of {expected['size']} bytes"
+    if size > expected["size"]:
+        return f"{name} has {size} bytes, {expected['size']} expected"
+    if _sha256(path) != expected[CHECKSUM]:
+        return f"{name} fails its {CHECKSUM} check (its bytes changed after the save)"
+    return None
+
+
+def verify(checkpoint_dir: str | os.PathLike) -> Optional[str]:
+    """None if every file of the checkpoint matches its manifest, else one line naming the damage.
+
+    A checkpoint without a manifest (written before manifests existed) is not checked. Collective
+    when distributed: each rank checks a share of the files (each file read once), all get the verdict.
+    """
+    root = Path(checkpoint_dir)
+
+    def read_manifest():
+        path = root / MANIFEST_FILE
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            return {"unreadable": str(error)}
+
+    manifest = _broadcast(read_manifest() if _rank() == 0 else None)
+    if manifest is None:
+        return None
+    if "unreadable" in manifest or manifest.get("checksum") != CHECKSUM:
+        return f"{root} is damaged: its {MANIFEST_FILE} is unreadable ({manifest.get('unreadable', 'unknown checksum')})"
+    files = sorted(manifest["files"].items())
+    owners = _owners([entry["size"] for _, entry in files], _world())
+    mine = [(index, problem) for index, ((name, entry), owner) in enumerate(zip(files, owners))
+            if owner == _rank() and (problem := _file_problem(root, name, entry)) is not None]
+    problems = [problem for _, problem in sorted(found for share in _all_gather(mine) for found in share)]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more damaged file{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    return f"{root} is damaged: {problems[0]}{more}"
+
+
+def _verify_once(checkpoint_dir: str | os.PathLike) -> None:
+    key = str(Path(checkpoint_dir).resolve())
+    if key in _verified:
+        return
+    problem = verify(checkpoint_dir)
+    if problem is not None:
+        raise CheckpointError(problem)
+    _verified.add(key)
+
+
+# ----------------------------------------------------------------------------- disk space
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes:,} bytes ({num_bytes / 2**20:,.1f} MiB)"
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _free_bytes(path: Path) -> int:
+    existing = Path(os.path.abspath(path))
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def _disk_full_message(path: Path, needed: int) -> str:
+    return (f"disk full while saving {path}: needs about {_size(needed)}, {_size(_free_bytes(path))} free on "
+            f"{_mount_point(path)}")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether an exception (or one it wraps, also inside torch's worker failures) is a full disk or quota."""
+    return any((isinstance(cause, OSError) and cause.errno in _DISK_FULL_ERRNOS)
+               or any(text in str(cause) for text in _DISK_FULL_TEXT) for cause in _causes(error))
+
+
+def _causes(error: BaseException):
+    """The exception and every one it wraps: causes, contexts, and torch's per-rank `failures`."""
+    seen, pending = set(), [error]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, tuple):  # torch's CheckpointException.failures: rank -> (exception, traceback)
+            current = current[0] if current else None
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        failures = getattr(current, "failures", None)
+        pending += [current.__cause__, current.__context__, *(failures.values() if isinstance(failures, dict) else ())]
+
+
+def _state_bytes(state: dict) -> int:
+    """Bytes of tensor data a save of this sharded state writes, summed over ranks (collective)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    local = sum(value.data.numel() * value.data.element_size() for value in nested_values(state)
+                if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor)
+                and is_main_replica(value.replica_id))
+    if not dist.is_initialized() or _world() == 1:
+        return local
+    from aligner.runtime.distributed import device
+
+    total = torch.tensor([local], dtype=torch.int64, device=device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def estimated_checkpoint_bytes(num_params: int, params_dtype: torch.dtype) -> int:
+    """Size of a training checkpoint before any exists, from the parameter count.
+
+    Per parameter: the weight in params_dtype, Adam's two fp32 moments, and for 16-bit weights the
+    fp32 main copy the mixed-precision optimizer keeps: 12 bytes (fp32) or 14 bytes (bf16/fp16).
+    """
+    weight = torch.empty((), dtype=params_dtype).element_size()
+    main_copy = 0 if params_dtype == torch.float32 else 4
+    return num_params * (weight + 4 + 4 + main_copy)
+
+
+def checkpoint_bytes(checkpoint_dir: str | os.PathLike) -> int:
+    return sum(path.stat().st_size for path in Path(checkpoint_dir).rglob("*") if path.is_file())
+
+
+# ----------------------------------------------------------------------------- save / load
 def save(
     checkpoint_dir: str | os.PathLike,
     model_chunks: Sequence[torch.nn.Module],
@@ -90,19 +326,22 @@ def save(
     trainer_state: Optional[dict] = None,
     tokenizer_dir: Optional[str | os.PathLike] = None,
     save_rng: bool = False,
+    run_id: Optional[str] = None,
 ) -> Path:
-    """Save atomically to `checkpoint_dir` (collective: every rank calls it)."""
+    """Save atomically to `checkpoint_dir` (collective: every rank calls it).
+
+    The manifest is written last, over the final files, before the rename makes the checkpoint
+    visible. A failed save removes its staging directory; a full disk (found before writing when
+    the free space is already too small) is a CheckpointError saying so.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from aligner.runtime import seeds
 
     final = Path(checkpoint_dir)
-    staging = final.with_name(final.name + ".incomplete")
-    if _rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    _barrier()
+    staging = final.with_name(final.name + _STAGING_SUFFIX)
+    _verified.discard(str(final.resolve()))
 
     model_state = model_sharded_state_dict(model_chunks)
     state: dict[str, Any] = {"model": model_state}
@@ -110,10 +349,15 @@ def save(
         state["optimizer"] = optimizer.sharded_state_dict(model_state)
     if save_rng:
         state["rng_state"] = ShardedObject("rng_state", seeds.rng_state(), (_world(),), (_rank(),), replica_id=0)
-    dist_checkpointing.save(state, str(staging))
-    _barrier()
+    needed = _state_bytes(state)
 
-    if _rank() == 0:
+    def prepare() -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        if _free_bytes(staging) < needed:
+            raise CheckpointError(_disk_full_message(final, needed))
+
+    def write_meta() -> None:
         meta = {
             "format": FORMAT,
             "model": model_config,
@@ -121,15 +365,36 @@ def save(
             "trainer_state": trainer_state or {},
             "has_optimizer": optimizer is not None,
             "has_rng_state": save_rng,
+            **({"run_id": run_id} if run_id is not None else {}),
             **(extra_meta or {}),
         }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, staging / TOKENIZER_DIR)
+
+    def publish(manifest: dict) -> None:
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-    _barrier()
+
+    try:
+        _on_rank0(prepare)
+        dist_checkpointing.save(state, str(staging))
+        _barrier()
+        _on_rank0(write_meta)
+        manifest = build_manifest(staging)
+        _on_rank0(lambda: publish(manifest))
+    except BaseException as error:  # also torch's CheckpointException, a BaseException, and interrupts
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, CheckpointError):
+            raise
+        if is_disk_full(error):
+            raise CheckpointError(_disk_full_message(final, needed)) from error
+        if isinstance(error, OSError):
+            raise CheckpointError(f"cannot save {final}: {error}") from error
+        raise
     return final
 
 
@@ -143,6 +408,7 @@ def load(
 ) -> dict:
     """Load model (and optionally optimizer and RNG) state into the given layout; returns the meta.
 
+    The files are checked against the checkpoint's manifest first (once per process and checkpoint).
     skip_prefixes: parameter names (per chunk) starting with these are not loaded and keep their
     current values, e.g. a reward head that an SFT checkpoint does not have.
     """
@@ -150,6 +416,7 @@ def load(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     meta = read_meta(checkpoint_dir)
+    _verify_once(checkpoint_dir)
     model_state = model_sharded_state_dict(model_chunks)
     if skip_prefixes:
         model_state = _without_prefixes(model_state, tuple(skip_prefixes), len(model_chunks) > 1)
@@ -165,6 +432,9 @@ def load(
     try:
         loaded = dist_checkpointing.load(request, str(checkpoint_dir))
     except (Exception, _torch_checkpoint_exception()) as error:  # torch's CheckpointException is a BaseException
+        damage = _read_failure(error)
+        if damage is not None:  # a checkpoint without a manifest whose files are damaged
+            raise CheckpointError(f"{checkpoint_dir} is damaged: {damage}") from error
         missing = sorted(set(re.findall(r"KeyError\('([^']+)'", repr(error))))[:5]
         detail = f"missing tensors {missing}" if missing else str(error).splitlines()[0][:500]
         raise CheckpointError(
@@ -192,6 +462,14 @@ def load(
     return meta
 
 
+def _read_failure(error: BaseException) -> Optional[str]:
+    """The file-level cause (a missing or short file) inside a dist_checkpointing load error, if any."""
+    for cause in _causes(error):
+        if isinstance(cause, (EOFError, OSError)):
+            return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+    return None
+
+
 def _torch_checkpoint_exception() -> type:
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -204,6 +482,7 @@ def _without_prefixes(state: dict, prefixes: tuple, per_chunk: bool) -> dict:
     return {key: value for key, value in state.items() if not key.startswith(prefixes)}
 
 
+# ----------------------------------------------------------------------------- a run's save_dir
 def step_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete training checkpoints under save_dir, oldest first."""
     root = Path(save_dir)
@@ -218,17 +497,109 @@ def step_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(save_dir: str | os.PathLike) -> Optional[Path]:
+    """The newest complete checkpoint under save_dir (unchecked; a resume uses `latest_intact_checkpoint`)."""
     found = step_checkpoints(save_dir)
     return found[-1][1] if found else None
+
+
+def latest_intact_checkpoint(save_dir: str | os.PathLike, log: Callable[[str], None]) -> Optional[Path]:
+    """The newest complete checkpoint under save_dir whose files match its manifest (collective).
+
+    A damaged newer one is reported through `log` (its path and what is wrong) and skipped; None
+    if save_dir holds no checkpoint; a CheckpointError if every one is damaged.
+    """
+    found = _broadcast(step_checkpoints(save_dir) if _rank() == 0 else None)
+    damaged = []
+    for _, path in reversed(found):
+        problem = verify(path)
+        if problem is None:
+            _verified.add(str(path.resolve()))
+            if damaged:
+                log(f"resuming from {path} instead: the newest intact checkpoint")
+            return path
+        log(f"warning: {problem}; not resuming from it")
+        damaged.append(problem)
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint to resume from in {save_dir}: {'; '.join(damaged)}; delete the "
+                              "damaged step_* directories to start over, or set checkpoint.resume=false with another "
+                              "checkpoint.save_dir")
+    return None
 
 
 def step_dir(save_dir: str | os.PathLike, step: int) -> Path:
     return Path(save_dir) / f"step_{step:08d}"
 
 
-def remove_old_checkpoints(save_dir: str | os.PathLike, keep_last: int) -> None:
-    """Keep the newest `keep_last` training checkpoints (rank 0 deletes; <= 0 keeps all)."""
+def remove_old_checkpoints(save_dir: str | os.PathLike, keep_last: int, *, run_id: str, saved: Path) -> None:
+    """After saving `saved`, keep it and the `keep_last - 1` newest older checkpoints of run `run_id`;
+    delete this run's older ones (rank 0 deletes; keep_last <= 0 keeps all).
+
+    Only checkpoints whose meta carries `run_id` are ever deleted. Newer ones of this run (left by
+    an attempt that a resume fell back from past a damaged checkpoint) are kept: a later save of
+    their step replaces them.
+    """
     if keep_last <= 0 or _rank() != 0:
         return
-    for _, path in step_checkpoints(save_dir)[:-keep_last]:
+    saved_step = int(_STEP_DIR.match(Path(saved).name).group(1))
+    own = [path for step, path in step_checkpoints(save_dir) if step < saved_step and _run_id_of(path) == run_id]
+    for path in own[:max(len(own) - (keep_last - 1), 0)]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_id_of(checkpoint_dir: Path) -> Optional[str]:
+    try:
+        return json.loads((checkpoint_dir / META_FILE).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RunStart:
+    """What `start_run` decided: the run's id and the checkpoint to resume from (None: a fresh start)."""
+
+    run_id: str
+    resume_checkpoint: Optional[Path]
+
+
+def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int,
+              log: Callable[[str], None]) -> RunStart:
+    """Start-up checks of a training run's checkpoint.save_dir, before the model is built (collective).
+
+    - resume=false into a save_dir that holds complete checkpoints is refused (nothing is deleted);
+    - save_dir must be writable, with free space for one more checkpoint (the newest existing
+      checkpoint's size, else `estimated_bytes`);
+    - partial saves an interrupted run left behind (step_*.incomplete) are removed;
+    - with resume, the newest intact checkpoint is chosen (`latest_intact_checkpoint`) and its run id kept.
+    """
+    root = Path(save_dir)
+
+    def check() -> None:
+        existing = step_checkpoints(root)
+        if existing and not resume:
+            held = existing[0][1].name if len(existing) == 1 else f"{existing[0][1].name} to {existing[-1][1].name}"
+            raise CheckpointError(
+                f"checkpoint.save_dir={root} already holds {len(existing)} checkpoint(s) of an earlier run ({held}) "
+                f"and checkpoint.resume=false would mix this run with them: set "
+                f"checkpoint.resume=true to continue that run, choose another checkpoint.save_dir, or delete "
+                f"those step_* directories to start over")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".write_test_") as probe:
+                probe.write(b"x")
+                probe.flush()
+        except OSError as error:
+            raise CheckpointError(f"checkpoint.save_dir={root} is not writable: {error}") from error
+        for partial in root.glob(f"step_*{_STAGING_SUFFIX}"):
+            shutil.rmtree(partial, ignore_errors=True)
+            log(f"removed {partial}, a partial save left by an interrupted run")
+        needed = checkpoint_bytes(existing[-1][1]) if existing else estimated_bytes
+        free = _free_bytes(root)
+        if free < needed:
+            raise CheckpointError(
+                f"checkpoint.save_dir={root}: too little free space for a checkpoint: needs about {_size(needed)}, "
+                f"{_size(free)} free on {_mount_point(root)}")
+
+    _on_rank0(check)
+    resume_checkpoint = latest_intact_checkpoint(root, log) if resume else None
+    run_id = _on_rank0(lambda: (_run_id_of(resume_checkpoint) if resume_checkpoint else None) or uuid.uuid4().hex)
+    return RunStart(run_id, resume_checkpoint)

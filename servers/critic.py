@@ -257,7 +257,7 @@ class Critic:
     """The critic's model, optimizer and schedule on this rank; every method is collective."""
 
     def __init__(self, cfg: CriticServerConfig, chunks: list, optimizer, scheduler, model_cfg, tokenizer_dir: str,
-                 reward_weights=None, reward_normalization=None):
+                 reward_weights=None, reward_normalization=None, *, run_id: str):
         from aligner.models.reward import RewardInference
 
         self.cfg = cfg
@@ -266,6 +266,7 @@ class Critic:
         self.scheduler = scheduler
         self.model_cfg = model_cfg
         self.tokenizer_dir = tokenizer_dir
+        self.run_id = run_id  # carried by its checkpoints; pruning deletes only those
         self.step = 0
         self.value_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size)
         self.reward_weights = reward_weights  # HostWeights of the reward model (combined mode) or None
@@ -380,10 +381,12 @@ class Critic:
                 checkpointing.step_dir(self.cfg.checkpoint.save_dir, step), self.chunks,
                 model_config=self.model_cfg.to_dict(), optimizer=self.optimizer,
                 trainer_state={**self.state_dict(), "caller_step": step}, tokenizer_dir=self.tokenizer_dir,
+                run_id=self.run_id,
                 # A reward-model checkpoint with one attribute: it loads as a critic or a reward model.
                 extra_meta={"reward": {"type": "value", "attributes": ["value"], "normalization": None},
                             "critic": {"init_from": self.cfg.critic.init_from}})
-        checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last)
+        checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last,
+                                             run_id=self.run_id, saved=path)
         return path
 
     def resume_from(self, checkpoint_dir) -> None:
@@ -452,7 +455,7 @@ def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
             normalization = RewardNormalization(**info.normalization)
 
     critic = Critic(cfg, built.chunks, built.optimizer, scheduler, built.model_cfg, built.tokenizer_dir,
-                    reward_weights, normalization)
+                    reward_weights, normalization, run_id=built.run_id)
     if cfg.combine_rm_and_critic:
         critic.reward_attributes = list(info.attributes)
     if built.resume_checkpoint is not None:

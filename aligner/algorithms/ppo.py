@@ -335,6 +335,7 @@ class PPOTrainer:
 
         self.order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle)
         self.step = 0
+        self.checkpoint_step: Optional[int] = None  # the step of the checkpoint last saved or resumed from
         self.optimizer_steps = 0
         self.critic_warmup_done = 0
         self.pending_critic_train: Optional[Future] = None
@@ -377,10 +378,7 @@ class PPOTrainer:
                 interval = self.cfg.checkpoint.save_interval
                 if interval > 0 and self.step % interval == 0 and self.step < max_steps:
                     self.save()
-            from aligner import checkpointing
-
-            if self.cfg.checkpoint.save_at_end and not checkpointing.step_dir(self.cfg.checkpoint.save_dir,
-                                                                                self.step).exists():
+            if self.cfg.checkpoint.save_at_end and self.checkpoint_step != self.step:  # not when resumed at the end
                 self.save()
         finally:
             self.router.close()
@@ -705,18 +703,22 @@ class PPOTrainer:
         path = checkpointing.save(
             checkpointing.step_dir(save_dir, self.step), self.chunks, model_config=self.model_cfg.to_dict(),
             optimizer=self.policy.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.policy.tokenizer_dir,
-            save_rng=True,
+            save_rng=True, run_id=self.policy.run_id,
         )
+        self.checkpoint_step = self.step
         if self.ema is not None:
             with self.ema.swapped_in(self.chunks):
-                checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
-                                   model_config=self.model_cfg.to_dict(), tokenizer_dir=self.policy.tokenizer_dir)
-            checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last)
+                ema_path = checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
+                                              model_config=self.model_cfg.to_dict(),
+                                              tokenizer_dir=self.policy.tokenizer_dir, run_id=self.policy.run_id)
+            checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last,
+                                                 run_id=self.policy.run_id, saved=ema_path)
         if dist.get_rank() == 0:
             critic_path = self.critic.save(self.step) if self.critic is not None else "none"  # REINFORCE has none
             self.metrics.write(f"saved checkpoint {path} (critic: {critic_path})")
         dist.barrier()
-        checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last)
+        checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last, run_id=self.policy.run_id,
+                                             saved=path)
         return path
 
     def resume_from(self, checkpoint_dir: Path) -> None:
@@ -724,6 +726,7 @@ class PPOTrainer:
 
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
         self.load_state_dict(meta["trainer_state"])
+        self.checkpoint_step = self.step
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
         self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")

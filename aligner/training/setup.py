@@ -151,6 +151,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
         val_loader=val_loader, metrics=MetricsLogger(cfg.logging, cfg.name, total_steps),
         checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
+        run_id=built.run_id,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
     )
@@ -218,7 +219,8 @@ class TrainingModel:
     tokenizer_dir: str
     data_parallel_size: int
     params_dtype: torch.dtype
-    resume_checkpoint: Optional[object]  # newest checkpoint in checkpoint.save_dir, to resume from
+    resume_checkpoint: Optional[object]  # newest intact checkpoint in checkpoint.save_dir, to resume from
+    run_id: str  # this run's id in its checkpoints (a resumed run keeps its checkpoint's)
 
 
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
@@ -257,9 +259,17 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
             f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}"
         )
 
+    from aligner.models.gpt import num_parameters, padded_vocab_size
+
+    # Before the model is built: a used save_dir, an unwritable or full disk fail at once.
+    stored_cfg = dataclasses.replace(model_cfg, vocab_size=padded_vocab_size(
+        model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size))
+    run = checkpointing.start_run(
+        save_dir, resume=resume, log=get_logger().info,  # rank 0 prints
+        estimated_bytes=checkpointing.estimated_checkpoint_bytes(num_parameters(stored_cfg), params_dtype))
+    latest = run.resume_checkpoint
     seeds.set_seed(seed)
     chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder)
-    latest = checkpointing.latest_checkpoint(save_dir) if resume else None
     if init_from and latest is None:
         checkpointing.load(init_from, chunks, skip_prefixes=skip_prefixes)
         get_logger().info(f"initialised from {init_from}")
@@ -267,7 +277,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     optimizer = build_optimizer(chunks, optim, params_dtype)
     attach_grad_hooks(chunks, optimizer)
     return TrainingModel(model_cfg, chunks, optimizer, loaded_tokenizer, tokenizer_dir, data_parallel_size,
-                         params_dtype, latest)
+                         params_dtype, latest, run.run_id)
 
 
 def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,

@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
-                 hidden_size: int, peak_tflops: float):
+                 hidden_size: int, peak_tflops: float, run_id: str):
         self.name = name
         self.trainer_cfg = trainer_cfg
         self.checkpoint_cfg = checkpoint_cfg
@@ -80,8 +80,10 @@ class Trainer:
         self.tokenizer_dir = tokenizer_dir
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
         self.peak_tflops = peak_tflops
+        self.run_id = run_id  # carried by this run's checkpoints; pruning deletes only those
         self.step = 0
         self.consumed_samples = 0
+        self.checkpoint_step: Optional[int] = None  # the step of the checkpoint last saved or resumed from
 
     @property
     def total_steps(self) -> int:
@@ -103,7 +105,7 @@ class Trainer:
             interval = self.checkpoint_cfg.save_interval
             if interval > 0 and self.step % interval == 0 and self.step < total:
                 self.save()
-        if self.checkpoint_cfg.save_at_end and not checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step).exists():
+        if self.checkpoint_cfg.save_at_end and self.checkpoint_step != self.step:  # not when resumed at the end
             self.save()
 
     def _run(self, microbatches: list[dict], forward_only: bool) -> dict[str, float]:
@@ -166,14 +168,18 @@ class Trainer:
             checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step), self.chunks,
             model_config=self.checkpoint_meta["model"], extra_meta={k: v for k, v in self.checkpoint_meta.items() if k != "model"},
             optimizer=self.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.tokenizer_dir, save_rng=True,
+            run_id=self.run_id,
         )
-        checkpointing.remove_old_checkpoints(self.checkpoint_cfg.save_dir, self.checkpoint_cfg.keep_last)
+        self.checkpoint_step = self.step
+        checkpointing.remove_old_checkpoints(self.checkpoint_cfg.save_dir, self.checkpoint_cfg.keep_last,
+                                             run_id=self.run_id, saved=path)
         self.metrics.write(f"saved checkpoint {path}")
         return path
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
         self.load_state_dict(meta["trainer_state"])
+        self.checkpoint_step = self.step
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
         self.metrics.write(
