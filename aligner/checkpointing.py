@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -283,21 +284,36 @@ def _causes(error: BaseException):
         pending += [current.__cause__, current.__context__, *(failures.values() if isinstance(failures, dict) else ())]
 
 
-def _state_bytes(state: dict) -> int:
-    """Bytes of tensor data a save of this sharded state writes, summed over ranks (collective)."""
+def _not_a_disk_full_report(record: logging.LogRecord) -> bool:
+    return not any(text in record.getMessage() for text in _DISK_FULL_TEXT)
+
+
+def _leave_disk_full_to_save() -> None:
+    """Megatron's writer processes log a full disk themselves before `save` reports it in one line."""
+    writer_logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if _not_a_disk_full_report not in writer_logger.filters:
+        writer_logger.addFilter(_not_a_disk_full_report)
+
+
+def _state_bytes(state: dict) -> tuple[int, int]:
+    """(bytes of tensor data, about the bytes of files) a save of this sharded state writes, summed over
+    ranks (collective). The tensor data is a floor; each stored tensor also gets a record header
+    (~2 KiB measured with torch's writer), which matters only for tiny models."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 
-    local = sum(value.data.numel() * value.data.element_size() for value in nested_values(state)
-                if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor)
-                and is_main_replica(value.replica_id))
-    if not dist.is_initialized() or _world() == 1:
-        return local
-    from aligner.runtime.distributed import device
+    stored = [value.data for value in nested_values(state)
+              if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor)
+              and is_main_replica(value.replica_id)]
+    totals = [sum(tensor.numel() * tensor.element_size() for tensor in stored), len(stored)]
+    if dist.is_initialized() and _world() > 1:
+        from aligner.runtime.distributed import device
 
-    total = torch.tensor([local], dtype=torch.int64, device=device())
-    dist.all_reduce(total)
-    return int(total.item())
+        reduced = torch.tensor(totals, dtype=torch.int64, device=device())
+        dist.all_reduce(reduced)
+        totals = [int(value) for value in reduced.tolist()]
+    tensor_bytes, num_tensors = totals
+    return tensor_bytes, tensor_bytes + 2048 * num_tensors
 
 
 def estimated_checkpoint_bytes(num_params: int, params_dtype: torch.dtype) -> int:
@@ -342,6 +358,7 @@ def save(
     final = Path(checkpoint_dir)
     staging = final.with_name(final.name + _STAGING_SUFFIX)
     _verified.discard(str(final.resolve()))
+    _leave_disk_full_to_save()
 
     model_state = model_sharded_state_dict(model_chunks)
     state: dict[str, Any] = {"model": model_state}
@@ -349,12 +366,12 @@ def save(
         state["optimizer"] = optimizer.sharded_state_dict(model_state)
     if save_rng:
         state["rng_state"] = ShardedObject("rng_state", seeds.rng_state(), (_world(),), (_rank(),), replica_id=0)
-    needed = _state_bytes(state)
+    tensor_bytes, needed = _state_bytes(state)
 
     def prepare() -> None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        if _free_bytes(staging) < needed:
+        if _free_bytes(staging) < tensor_bytes:  # cannot fit: refuse before writing anything
             raise CheckpointError(_disk_full_message(final, needed))
 
     def write_meta() -> None:

@@ -217,11 +217,14 @@ class Demo:
                   f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES]
         if self.args.sft_steps is not None:
             common.append(f"trainer.max_steps={self.args.sft_steps}")
-        init = self.work / "init"
+        init, sft_dir = self.work / "init", self.work / "sft"
+        # The demo owns its workdir: a re-run replaces the stage's earlier output, whose checkpoints a
+        # run with checkpoint.resume=false would refuse to share a save_dir with.
+        for stage_dir in (init, sft_dir):
+            shutil.rmtree(stage_dir, ignore_errors=True)
         run("init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, "trainer.max_steps=0",
                      f"checkpoint.save_dir={init}", f"logging.log_dir={init}", "checkpoint.resume=false"])
         self.table.append(("random init", self.greedy("init", init / "step_00000000")))
-        sft_dir = self.work / "sft"
         run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, f"model.init_from={init / 'step_00000000'}",
                     f"checkpoint.save_dir={sft_dir / 'checkpoints'}", f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
         self.table.append(("SFT", self.greedy("sft", self.sft_checkpoint)))
@@ -235,7 +238,9 @@ class Demo:
     # -- 5-6: reward models
     def reward_models(self) -> None:
         rm_steps = [] if self.args.rm_steps is None else [f"trainer.max_steps={self.args.rm_steps}"]
-        rm_dir = self.work / "reward_model"
+        rm_dir, attribute_dir = self.work / "reward_model", self.work / "attribute_reward_model"
+        for stage_dir in (rm_dir, attribute_dir):  # replaced on a re-run, as in sft()
+            shutil.rmtree(stage_dir, ignore_errors=True)
         run("reward model", [sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
                              f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                              f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES,
@@ -243,7 +248,6 @@ class Demo:
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
         self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} ({rm_result['pairs']} pairs)")
-        attribute_dir = self.work / "attribute_reward_model"
         run("attribute reward model", [
             sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
             "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
