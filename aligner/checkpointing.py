@@ -175,8 +175,19 @@ def build_manifest(directory: str | os.PathLike) -> dict:
     root = Path(directory)
     files = _broadcast(_listed_files(root) if _rank() == 0 else None)
     owners = _owners([size for _, size in files], _world())
-    mine = {name: _sha256(root / name) for (name, _), owner in zip(files, owners) if owner == _rank()}
-    digests = {name: digest for share in _all_gather(mine) for name, digest in share.items()}
+    mine: dict[str, str] = {}
+    failure = None
+    for (name, _), owner in zip(files, owners):
+        if owner == _rank() and failure is None:
+            try:
+                mine[name] = _sha256(root / name)
+            except OSError as error:  # reported on every rank below, so none waits in the gather
+                failure = f"cannot read {root / name} to checksum it: {error}"
+    shares = _all_gather((mine, failure))
+    failures = [failed for _, failed in shares if failed is not None]
+    if failures:
+        raise OSError(failures[0])
+    digests = {name: digest for share, _ in shares for name, digest in share.items()}
     return {"checksum": CHECKSUM, "files": {name: {"size": size, CHECKSUM: digests[name]} for name, size in files}}
 
 
@@ -184,13 +195,16 @@ def _file_problem(root: Path, name: str, expected: dict) -> Optional[str]:
     path = root / name
     if not path.is_file():
         return f"{name} is missing"
-    size = path.stat().st_size
-    if size < expected["size"]:
-        return f"{name} is truncated to {size} of {expected['size']} bytes"
-    if size > expected["size"]:
-        return f"{name} has {size} bytes, {expected['size']} expected"
-    if _sha256(path) != expected[CHECKSUM]:
-        return f"{name} fails its {CHECKSUM} check (its bytes changed after the save)"
+    try:
+        size = path.stat().st_size
+        if size < expected["size"]:
+            return f"{name} is truncated to {size} of {expected['size']} bytes"
+        if size > expected["size"]:
+            return f"{name} has {size} bytes, {expected['size']} expected"
+        if _sha256(path) != expected[CHECKSUM]:
+            return f"{name} fails its {CHECKSUM} check (its bytes changed after the save)"
+    except OSError as error:
+        return f"{name} cannot be read ({error})"
     return None
 
 

@@ -341,3 +341,42 @@ def test_an_unwritable_save_dir_is_refused_at_start_up(sft_data, tmp_path, kind)
     assert reason in lines[0]
     assert "parameters, layout" not in result.stdout  # before the model was built, long before training
     assert not (tmp_path / "logs" / "metrics.jsonl").exists() or not train_losses(tmp_path / "logs")
+
+
+# ----------------------------------------------------------------------------- two ranks
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_split_the_checksums_and_agree_on_the_fallback(sft_data, tmp_path):
+    """At DP=2 each rank hashes a share of the files; the manifest still matches every file, and a
+    damaged newest checkpoint is reported once and skipped by both ranks."""
+    from ..conftest import run_torchrun
+
+    args = [*sft_command(sft_data, tmp_path)[2:], "trainer.micro_batch_size=4"]
+    run_torchrun(SFT_SCRIPT, 2, *args, timeout=300)
+    expected = dict(train_losses(tmp_path))
+    save_dir = tmp_path / "ckpt"
+    assert [step for step, _ in checkpointing.step_checkpoints(save_dir)] == [9, 12]
+    for _, checkpoint in checkpointing.step_checkpoints(save_dir):
+        manifest = json.loads((checkpoint / checkpointing.MANIFEST_FILE).read_text())["files"]
+        digests = tree_digest(checkpoint)
+        assert set(manifest) == set(digests) - {checkpointing.MANIFEST_FILE}
+        assert all(entry["sha256"] == digests[name] for name, entry in manifest.items())
+    shard = _largest_shard(save_dir / "step_00000012")
+    os.truncate(shard, 1000)
+    output = run_torchrun(SFT_SCRIPT, 2, *args, timeout=300)
+    warnings = [line for line in output.splitlines() if "is damaged" in line]
+    assert len(warnings) == 1 and f"{shard.name} is truncated to 1000 of" in warnings[0], output[-3000:]
+    assert f"resuming from {save_dir / 'step_00000009'} instead" in output
+    resumed = train_losses(tmp_path)[len(expected):]
+    assert resumed == [(step, expected[step]) for step in (10, 11, 12)]
+
+
+def test_rerunning_a_finished_run_resumes_at_its_end_and_saves_nothing(sft_data, reference, tmp_path):
+    reference_dir, _ = reference
+    save_dir = _copy_checkpoints(reference_dir, tmp_path)
+    before = tree_digest(save_dir)
+    result = run_sft(sft_data, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"resumed from {save_dir / 'step_00000012'} at step 12" in result.stdout
+    assert "saved checkpoint" not in result.stdout
+    assert tree_digest(save_dir) == before
