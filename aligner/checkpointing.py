@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ META_FILE = "aligner_meta.json"
 MANIFEST_FILE = "aligner_manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = "aligner-megatron-v1"
-CHECKSUM = "sha256"  # ~2 GB/s per core here (SHA-NI); files are split over ranks, and `sha256sum` can check by hand
+CHECKSUM = "sha256"  # ~2 GB/s per core with SHA extensions, split over ranks; `sha256sum` checks a file by hand
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_SUFFIX = ".incomplete"
 # How a full disk shows through torch's writers: a bare OSError, or its text inside a worker failure
@@ -148,11 +149,12 @@ def _sha256(path: Path) -> str:
 
 def _owners(sizes: Sequence[int], world: int) -> list[int]:
     """The rank that reads each file: largest first to the least-loaded rank (about total/world bytes each)."""
-    load, owner = [0] * world, [0] * len(sizes)
+    loads = [(0, rank) for rank in range(world)]  # a heap of (bytes so far, rank)
+    owner = [0] * len(sizes)
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(loads)
         owner[index] = rank
-        load[rank] += sizes[index]
+        heapq.heappush(loads, (load + sizes[index], rank))
     return owner
 
 
@@ -217,20 +219,25 @@ def verify(checkpoint_dir: str | os.PathLike) -> Optional[str]:
     root = Path(checkpoint_dir)
 
     def read_manifest():
+        """The manifest's files, None without a manifest, or why it cannot be used."""
         path = root / MANIFEST_FILE
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            return {"unreadable": str(error)}
+            manifest = json.loads(path.read_text())
+            files = sorted(manifest["files"].items())
+            if manifest["checksum"] != CHECKSUM or not all(
+                    isinstance(entry["size"], int) and isinstance(entry[CHECKSUM], str) for _, entry in files):
+                raise ValueError(f"not a {CHECKSUM} manifest")
+            return files
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            return f"its {MANIFEST_FILE} is unreadable ({type(error).__name__}: {error})"
 
-    manifest = _broadcast(read_manifest() if _rank() == 0 else None)
-    if manifest is None:
+    files = _broadcast(read_manifest() if _rank() == 0 else None)
+    if files is None:
         return None
-    if "unreadable" in manifest or manifest.get("checksum") != CHECKSUM:
-        return f"{root} is damaged: its {MANIFEST_FILE} is unreadable ({manifest.get('unreadable', 'unknown checksum')})"
-    files = sorted(manifest["files"].items())
+    if isinstance(files, str):
+        return f"{root} is damaged: {files}"
     owners = _owners([entry["size"] for _, entry in files], _world())
     mine = [(index, problem) for index, ((name, entry), owner) in enumerate(zip(files, owners))
             if owner == _rank() and (problem := _file_problem(root, name, entry)) is not None]
@@ -446,8 +453,8 @@ def load(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    _verify_once(checkpoint_dir)  # first: a damaged meta file is named as damage
     meta = read_meta(checkpoint_dir)
-    _verify_once(checkpoint_dir)
     model_state = model_sharded_state_dict(model_chunks)
     if skip_prefixes:
         model_state = _without_prefixes(model_state, tuple(skip_prefixes), len(model_chunks) > 1)

@@ -303,3 +303,11 @@ def test_save_refuses_before_writing_when_the_disk_is_already_too_full(tmp_path,
                                                             r", 1,000 bytes \(0.0 MiB\) free on /"):
         _save(tmp_path, 3, model, cfg)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("manifest", ["{not json", '{"checksum": "md5", "files": {}}', '{"files": []}', "[]"])
+def test_an_unreadable_manifest_is_reported_as_damage(tmp_path, manifest):
+    cfg, model = _model(0)
+    checkpoint = _save(tmp_path, 1, model, cfg)
+    (checkpoint / checkpointing.MANIFEST_FILE).write_text(manifest)
+    assert checkpointing.verify(checkpoint).startswith(f"{checkpoint} is damaged: its aligner_manifest.json is unreadable (")
