@@ -244,7 +244,8 @@ def verify(checkpoint_dir: str | os.PathLike) -> Optional[str]:
     problems = [problem for _, problem in sorted(found for share in _all_gather(mine) for found in share)]
     if not problems:
         return None
-    more = f" (and {len(problems) - 1} more damaged file{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    others = len(problems) - 1
+    more = f" (and {others} more damaged file{'s' if others > 1 else ''})" if others else ""
     return f"{root} is damaged: {problems[0]}{more}"
 
 

@@ -5,7 +5,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 from collections import namedtuple
 from pathlib import Path
 
