@@ -46,6 +46,10 @@ class CheckpointConfig:
     # signal, else exit without the checkpoint (aligner/runtime/stopping.py)
     stop_grace_s: float = 600.0
 
+    def __post_init__(self):
+        if not self.stop_grace_s > 0:
+            raise ValueError(f"checkpoint.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
+
 
 class Objective(Protocol):
     """What an algorithm tells the trainer.
