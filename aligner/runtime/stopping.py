@@ -182,7 +182,6 @@ class StopCheck:
             return
         if not _state.signal_number:  # learnt from another rank: this rank's grace starts now
             _state.signal_number, _state.received_at = signal_number, time.monotonic()
-        _start_watchdog()
         name = signal_name(signal_number)
         if save is None:
             message = f"stopped at step {step} by {name} without a checkpoint ({unsaved_reason}); resume with the same command"
@@ -190,6 +189,7 @@ class StopCheck:
             message = (f"stopped at step {step} by {name} without a checkpoint: checkpoint.stop_grace_s={self.grace_s:g} s "
                        "had passed at the step boundary; resume with the same command (from the previous checkpoint)")
         else:
+            _start_watchdog()
             path = save()
             if _state.watchdog is not None:
                 _state.watchdog.cancel()
