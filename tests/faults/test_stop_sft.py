@@ -233,6 +233,7 @@ def test_no_process_outlives_a_trainer_that_has_saved(sft_data, tmp_path, sig):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sft_data, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={_free_port()}", *_command(sft_data, tmp_path, f"trainer.max_steps={MAX_STEPS}")[1:]]
@@ -250,7 +251,8 @@ def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sf
     finally:
         run.close()
     assert code != 0, stderr[-3000:]
-    assert "Traceback (most recent call last)" not in stderr.split("torch.distributed.elastic")[0]
+    # torchrun itself reports the workers' non-zero exit with a traceback of its own; the workers print none.
+    assert f'File "{REPO_ROOT}' not in stderr, stderr[-3000:]
     stopped_at = max(_losses(tmp_path))
     assert stopped_at < MAX_STEPS
     checkpoint = tmp_path / "ckpt" / f"step_{stopped_at:08d}"
