@@ -99,9 +99,13 @@ def run_main(main) -> None:
     from aligner.checkpointing import CheckpointError
     from aligner.clients import ClientError
     from aligner.data.jsonl import DataError
+    from aligner.runtime import stopping
 
+    stopping.install()
     try:
         main()
+    except KeyboardInterrupt as stop:  # SIGINT/SIGTERM: one line, exit 128 + signal (aligner/runtime/stopping.py)
+        stopping.exit_on_stop(stop)
     except (ConfigError, DataError, CheckpointError, ClientError, MissingExtraError, FileNotFoundError,
             FileExistsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -3,13 +3,20 @@
 A run is up to three processes: the reward-model server (unless the critic server also serves
 rewards, or the reward is a Python function), the critic server, and the actor (under torchrun
 when it has several processes). Servers start first; the actor starts once every server printed
-its ready line; when the actor ends (or the launcher is interrupted) the servers get SIGTERM, then
-SIGKILL if they have not exited after a grace period; whatever a process leaves in its process
-group (even after it was killed) is killed with it. Each process's output goes to
-`<log_dir>/<name>.log` and, prefixed with its name, to the launcher's stdout.
+its ready line; when the actor ends the servers get SIGTERM, then SIGKILL if they have not exited
+after a grace period; whatever a process leaves in its process group (even after it was killed)
+is killed with it. Each process's output goes to `<log_dir>/<name>.log` and, prefixed with its
+name, to the launcher's stdout.
+
+SIGTERM or SIGINT to the launcher is passed on in order: the actor first (it stops at its next
+step boundary and saves itself and the critic, within its checkpoint.stop_grace_s), then the
+servers; each is killed if it has not exited within its grace period, and the launcher exits
+128 + the signal number. A second signal kills every process at once. The children get SIGTERM
+from the kernel if the launcher itself dies (even by SIGKILL; Linux, aligner/runtime/processes.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -21,8 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from aligner.runtime import processes, stopping
+
 READY_MARKER = "server ready on"
-STOP_GRACE_S = 20.0
+STOP_GRACE_S = 20.0  # how long a server may take to exit after SIGTERM
+# The actor may take its checkpoint.stop_grace_s to save after SIGTERM (the trainers' default is
+# 600 s); the launcher waits that long plus this margin for it to exit.
+ACTOR_EXIT_MARGIN_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -44,9 +56,10 @@ class ManagedProcess:
     def start(self, env: dict) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Own process group: a Ctrl-C in the terminal reaches the launcher, which stops children in order.
+        # preexec: SIGTERM to the child if the launcher dies without stopping it (e.g. SIGKILL).
         self.process = subprocess.Popen([str(c) for c in self.command], stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=processes.preexec_die_with_parent())
         self._reader = threading.Thread(target=self._copy_output, daemon=True, name=f"{self.name}-output")
         self._reader.start()
 
@@ -93,6 +106,14 @@ class ManagedProcess:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
+    def kill(self) -> None:
+        """SIGKILL to the child's whole process group, now."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -100,25 +121,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def actor_command(script: Path, nproc: int, overrides: Sequence[str]) -> list:
+def actor_command(script: Path, nproc: int, overrides: Sequence[str], stop_grace_s: Optional[float] = None) -> list:
+    """The command of one process (nproc=1) or of torchrun with nproc workers; stop_grace_s: how long
+    torchrun lets its workers stop after it forwarded a SIGTERM (its default is 30 s)."""
     if nproc == 1:
         return [sys.executable, script, *overrides]
+    shutdown = [f"--shutdown-timeout={math.ceil(stop_grace_s)}"] if stop_grace_s is not None else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", script, *overrides]
+            f"--master_port={free_port()}", *shutdown, script, *overrides]
 
 
 def run_processes(servers: Sequence[ManagedProcess], actor: ManagedProcess, *, ready_timeout_s: float = 300.0,
-                  env: Optional[dict] = None) -> int:
-    """Start the servers, then the actor; return the actor's exit code after stopping the servers."""
+                  env: Optional[dict] = None, actor_stop_grace_s: float = STOP_GRACE_S) -> int:
+    """Start the servers, then the actor; return the actor's exit code after stopping the servers,
+    or 128 + the signal number when the launcher got SIGTERM/SIGINT (see the module docstring).
+
+    actor_stop_grace_s: how long the actor may take to exit after SIGTERM (give its
+    checkpoint.stop_grace_s plus a margin). Call from the main thread.
+    """
     env = dict(os.environ if env is None else env)
-    stop_requested = threading.Event()
-
-    def on_signal(signum, frame):  # SIGTERM from a scheduler: stop like Ctrl-C
-        stop_requested.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_signal)
     started: list[ManagedProcess] = []
+    stopping_children = threading.Event()
+
+    def on_signal(signum, frame):
+        if stopping_children.is_set():  # a second signal, or one while the children are being stopped
+            print(f"launcher: {stopping.signal_name(signum)} while stopping: killing every process now", flush=True)
+            for process in started:
+                process.kill()
+            os._exit(stopping.exit_code(signum))
+        stopping_children.set()
+        raise stopping.Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in stopping.HANDLED_SIGNALS}
     try:
         for server in servers:
             server.start(env)
@@ -130,10 +164,14 @@ def run_processes(servers: Sequence[ManagedProcess], actor: ManagedProcess, *, r
         while actor.running():
             time.sleep(0.5)
         return actor.process.returncode  # its output is drained by `stop` below
-    except KeyboardInterrupt:
-        print("launcher: interrupted; stopping every process", flush=True)
-        return 130
+    except KeyboardInterrupt as interrupt:
+        signum = getattr(interrupt, "signal_number", signal.SIGINT)
+        print(f"launcher: {stopping.signal_name(signum)}: stopping the actor (it saves a checkpoint), then the "
+              f"servers; {stopping.signal_name(signum)} again kills every process now", flush=True)
+        return stopping.exit_code(signum)
     finally:
-        for process in reversed(started):  # the actor first, so it cannot see its servers vanish mid-step
-            process.stop()
-        signal.signal(signal.SIGTERM, previous)
+        stopping_children.set()
+        for process in reversed(started):  # the actor first: it saves (and has the critic save) while they serve
+            process.stop(actor_stop_grace_s if process is actor else STOP_GRACE_S)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -268,6 +268,7 @@ class Critic:
         self.tokenizer_dir = tokenizer_dir
         self.run_id = run_id  # carried by its checkpoints; pruning deletes only those
         self.step = 0
+        self.saved_step = 0  # the critic step of the newest checkpoint (saved, or resumed from)
         self.value_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size)
         self.reward_weights = reward_weights  # HostWeights of the reward model (combined mode) or None
         self.reward_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size, reward_normalization)
@@ -387,6 +388,7 @@ class Critic:
                             "critic": {"init_from": self.cfg.critic.init_from}})
         checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last,
                                              run_id=self.run_id, saved=path)
+        self.saved_step = self.step
         return path
 
     def resume_from(self, checkpoint_dir) -> None:
@@ -400,6 +402,7 @@ class Critic:
                 f"{checkpoint_dir} is not a critic checkpoint (no critic_step in its trainer state); "
                 f"checkpoint.save_dir must be the critic's own directory")
         self.step = int(state["critic_step"])
+        self.saved_step = self.step
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -688,7 +691,8 @@ def _save_answer(path: str, error: str) -> dict[str, np.ndarray]:
 
 
 def serve_critic(cfg: CriticServerConfig) -> None:
-    """Build the critic on every rank of the job and serve it until SIGINT/SIGTERM."""
+    """Build the critic on every rank of the job and serve it until SIGINT/SIGTERM (then raise
+    `stopping.Interrupted`: the entry point exits 128 + the signal number)."""
     from pathlib import Path
 
     from aligner import checkpointing
@@ -708,6 +712,16 @@ def serve_critic(cfg: CriticServerConfig) -> None:
         server = CriticServer(cfg, critic, serving, Tokenizer(critic.tokenizer_dir), reward_tokenizer)
         ready = (f"critic server ready on {cfg.server.http_url} (models {server.model_names}, "
                  f"critic step {critic.step})")
-        serve(cfg.server, server.triton_models(data_parallel_size), serving, ready_message=ready)
+        try:
+            serve(cfg.server, server.triton_models(data_parallel_size), serving, ready_message=ready)
+        except KeyboardInterrupt:
+            if critic.step != critic.saved_step:
+                # Not saved here: a critic checkpoint must pair with the actor's checkpoint of the same
+                # PPO step, and only the actor knows that step (it asks for critic_save when it saves,
+                # also when it is stopped; launch_ppo.py stops the actor before the servers).
+                LOGGER.warning("stopping with %d critic steps that no checkpoint holds (critic step %d, newest "
+                               "checkpoint at critic step %d): the actor's next checkpoint request would have saved them",
+                               critic.step - critic.saved_step, critic.step, critic.saved_step)
+            raise
     finally:
         distributed.shutdown()

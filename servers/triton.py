@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from aligner.runtime import cpu_bridge
+from aligner.runtime import cpu_bridge, stopping
 
 LOGGER = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def _sigterm_as_keyboard_interrupt():
         return
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise stopping.Interrupted(signum)
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -405,10 +405,11 @@ def wait_models_ready(server: ServerConfig, model_names: Sequence[str], log_file
 
 def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
           ready_message: str = "", poll_s: float = 0.5) -> None:
-    """Serve `models` until SIGINT/SIGTERM or until Triton stops; returns after a clean shutdown.
+    """Serve `models` until SIGINT/SIGTERM or until Triton stops.
 
     With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
-    `ready_message` is printed (flushed) once Triton reports every model ready.
+    `ready_message` is printed (flushed) once Triton reports every model ready. A signal ends it with
+    `stopping.Interrupted` (entry points exit 128 + the signal number) after a clean shutdown.
     """
     if collective is not None and not collective.is_server:
         collective.follow()
@@ -423,6 +424,7 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     triton = Triton(config=triton_config(server, log_file))
     LOGGER.info("Triton's log: %s", log_file)
     stopped_cleanly = False
+    interrupt: Optional[KeyboardInterrupt] = None
     try:
         with _sigterm_as_keyboard_interrupt():
             try:
@@ -439,9 +441,10 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                 while triton.is_alive():
                     time.sleep(poll_s)
                 LOGGER.error("Triton stopped unexpectedly; %s", triton_log_tail(log_file))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as received:
                 LOGGER.info("interrupted; shutting down")
                 stopped_cleanly = True
+                interrupt = received
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
@@ -450,3 +453,5 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
             if stopped_cleanly:
                 log_file.unlink(missing_ok=True)
     sys.stdout.flush()
+    if interrupt is not None:
+        raise stopping.Interrupted(getattr(interrupt, "signal_number", signal.SIGINT))

@@ -335,10 +335,10 @@ class PPOTrainer:
 
         self.order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle)
         self.step = 0
-        self.checkpoint_step: Optional[int] = None  # the step of the checkpoint last saved or resumed from
         self.optimizer_steps = 0
         self.critic_warmup_done = 0
         self.pending_critic_train: Optional[Future] = None
+        self.saved: Optional[tuple[int, int]] = None  # (step, critic warm-up rounds) of the newest checkpoint of this run
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.mp_group = ps.get_model_parallel_group()
@@ -359,27 +359,33 @@ class PPOTrainer:
 
     # -- the loop
     def fit(self) -> None:
+        from aligner.runtime import stopping
+
         max_steps = self.cfg.trainer.max_steps
         try:
-            warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
-            while self.critic_warmup_done < warmup_steps and self.step == 0:
-                metrics = self.train_step(update_actor=False)
-                self.critic_warmup_done += 1
-                self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
-            while self.step < max_steps:
-                metrics = self.train_step()
-                self.step += 1
-                self.metrics.log(self.step, metrics)
-                self.metrics.advance(reward=metrics["reward_mean"], kl=metrics["kl"])
-                interval = self.cfg.trainer.val_check_interval
-                if self.validation_prompts is not None and interval > 0 and (
-                        self.step % interval == 0 or self.step == max_steps):
-                    self.metrics.log(self.step, self.validate(), prefix="validation")
-                interval = self.cfg.checkpoint.save_interval
-                if interval > 0 and self.step % interval == 0 and self.step < max_steps:
-                    self.save()
-            if self.cfg.checkpoint.save_at_end and self.checkpoint_step != self.step:  # not when resumed at the end
-                self.save()
+            with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
+                warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
+                while self.critic_warmup_done < warmup_steps and self.step == 0:
+                    stop.check(self.step, self.save_unless_saved)  # a warm-up round's state resumes too
+                    metrics = self.train_step(update_actor=False)
+                    self.critic_warmup_done += 1
+                    self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
+                while self.step < max_steps:
+                    stop.check(self.step, self.save_unless_saved)
+                    metrics = self.train_step()
+                    self.step += 1
+                    self.metrics.log(self.step, metrics)
+                    self.metrics.advance(reward=metrics["reward_mean"], kl=metrics["kl"])
+                    interval = self.cfg.trainer.val_check_interval
+                    if self.validation_prompts is not None and interval > 0 and (
+                            self.step % interval == 0 or self.step == max_steps):
+                        self.metrics.log(self.step, self.validate(), prefix="validation")
+                    interval = self.cfg.checkpoint.save_interval
+                    if interval > 0 and self.step % interval == 0 and self.step < max_steps:
+                        self.save()
+                if self.cfg.checkpoint.save_at_end:
+                    self.save_unless_saved()
+                stop.check(self.step, self.save_unless_saved)
         finally:
             self.router.close()
             for client in (self.reward_source, self.critic):
@@ -705,7 +711,6 @@ class PPOTrainer:
             optimizer=self.policy.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.policy.tokenizer_dir,
             save_rng=True, run_id=self.policy.run_id,
         )
-        self.checkpoint_step = self.step
         if self.ema is not None:
             with self.ema.swapped_in(self.chunks):
                 ema_path = checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
@@ -719,14 +724,23 @@ class PPOTrainer:
         dist.barrier()
         checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last, run_id=self.policy.run_id,
                                              saved=path)
+        self.saved = (self.step, self.critic_warmup_done)
         return path
+
+    def save_unless_saved(self) -> Path:
+        """The checkpoint of the current step (and warm-up round): saved now unless this run already wrote it."""
+        from aligner import checkpointing
+
+        if self.saved == (self.step, self.critic_warmup_done):
+            return checkpointing.step_dir(self.cfg.checkpoint.save_dir, self.step)
+        return self.save()
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         from aligner import checkpointing
 
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
         self.load_state_dict(meta["trainer_state"])
-        self.checkpoint_step = self.step
+        self.saved = (self.step, self.critic_warmup_done)
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
         self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")

@@ -12,6 +12,11 @@ SPIN's. When the model already reproduces a demonstration, chosen and rejected a
 sequence and the pair carries no gradient; the share of such pairs (`self_match`) is logged per
 iteration: it is how far SPIN has left to go on those prompts.
 
+A stop (SIGTERM/SIGINT, aligner/runtime/stopping.py) is acted on at the next step boundary: at an
+iteration end (or before the first step of an iteration) it writes a checkpoint there; in the
+middle of an iteration it exits without one, since a run cannot resume mid-iteration, and the
+iteration is repeated from the newest checkpoint by the resumed run.
+
 Checkpoints are written at iteration ends only (the first one on or after each multiple of
 `checkpoint.save_interval` steps, and the last), and a run resumes from the newest one at the next
 iteration. Nothing else needs saving: an iteration's self-play answers, reference and
@@ -235,6 +240,17 @@ class SPINRun:
         return [self.demonstrations[self.order[(start + i) % len(self.order)]] for i in range(needed)]
 
     def fit(self) -> None:
+        from aligner.runtime import stopping
+
+        with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
+            self._iterate(stop)
+        self.engine.free()
+
+    def _stop_mid_iteration_reason(self, iteration: int) -> str:
+        return (f"SPIN resumes only at iteration ends: iteration {iteration + 1} is repeated from the newest "
+                "checkpoint")
+
+    def _iterate(self, stop) -> None:
         from aligner.data.preference import PreferenceDataset, collate_preferences
         from aligner.models.weight_swap import HostWeights
         from aligner.training import setup
@@ -245,6 +261,7 @@ class SPINRun:
         for iteration, beta in enumerate(self.betas):
             if iteration < first_iteration:
                 continue
+            stop.check(trainer.step, trainer.save_unless_saved)  # an iteration end: resumable
             # The reference of this iteration is the model as it is now.
             pairs, self_match = self_play_pairs(self.engine, self.iteration_demonstrations(iteration),
                                                 self.sampling(iteration), cfg.spin.generation.batch_size,
@@ -265,6 +282,10 @@ class SPINRun:
                                   f"{self_match:.1%} of the model's responses equal the demonstration")
             trainer.metrics.log(trainer.step, {"self_match": self_match, "iteration": iteration + 1}, prefix="spin")
             for microbatches in loader.iterate(0, epochs=1):
+                if trainer.step % cfg.spin.steps_per_iteration:  # mid-iteration: nothing a run can resume from
+                    stop.check(trainer.step, None, unsaved_reason=self._stop_mid_iteration_reason(iteration))
+                else:
+                    stop.check(trainer.step, trainer.save_unless_saved)
                 metrics = trainer.train_step(microbatches)
                 trainer.step += 1
                 trainer.consumed_samples += cfg.trainer.global_batch_size
@@ -278,7 +299,7 @@ class SPINRun:
                     trainer.save()
             elif interval > 0 and trainer.step // interval > start // interval:
                 trainer.save()
-        self.engine.free()
+        stop.check(trainer.step, trainer.save_unless_saved)
 
 
 def build_spin_run(cfg: SPINConfig) -> SPINRun:

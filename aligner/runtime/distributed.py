@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from aligner.runtime import cpu_bridge
+from aligner.runtime import cpu_bridge, processes
 
 
 @dataclass
@@ -119,6 +119,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     from megatron.core import parallel_state
 
     cpu_bridge.apply()
+    processes.prepare()  # checkpoint writers and forked helpers never outlive this process
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)
     if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.models.forward import run_microbatches
+from aligner.runtime import stopping
 from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 
 
@@ -41,6 +42,13 @@ class CheckpointConfig:
     keep_last: int = 2
     save_at_end: bool = True
     resume: bool = True  # continue from the newest checkpoint in save_dir if there is one
+    # SIGTERM/SIGINT: stop at the next step boundary and save, within this many seconds of the
+    # signal, else exit without the checkpoint (aligner/runtime/stopping.py)
+    stop_grace_s: float = 600.0
+
+    def __post_init__(self):
+        if not self.stop_grace_s > 0:
+            raise ValueError(f"checkpoint.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
 
 
 class Objective(Protocol):
@@ -83,7 +91,7 @@ class Trainer:
         self.run_id = run_id  # carried by this run's checkpoints; pruning deletes only those
         self.step = 0
         self.consumed_samples = 0
-        self.checkpoint_step: Optional[int] = None  # the step of the checkpoint last saved or resumed from
+        self.saved_step: Optional[int] = None  # the step of the newest checkpoint this run wrote or resumed from
 
     @property
     def total_steps(self) -> int:
@@ -93,20 +101,23 @@ class Trainer:
     def fit(self) -> None:
         total = self.total_steps
         batches = self.train_loader.iterate(self.consumed_samples)
-        while self.step < total:
-            metrics = self.train_step(next(batches))
-            self.step += 1
-            self.consumed_samples += self.trainer_cfg.global_batch_size
-            self.metrics.log(self.step, metrics)
-            self.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
-            interval = self.trainer_cfg.val_check_interval
-            if self.val_loader is not None and interval > 0 and (self.step % interval == 0 or self.step == total):
-                self.metrics.log(self.step, self.validate(), prefix="validation")
-            interval = self.checkpoint_cfg.save_interval
-            if interval > 0 and self.step % interval == 0 and self.step < total:
-                self.save()
-        if self.checkpoint_cfg.save_at_end and self.checkpoint_step != self.step:  # not when resumed at the end
-            self.save()
+        with stopping.deferred(self.checkpoint_cfg.stop_grace_s) as stop:
+            while self.step < total:
+                stop.check(self.step, self.save_unless_saved)
+                metrics = self.train_step(next(batches))
+                self.step += 1
+                self.consumed_samples += self.trainer_cfg.global_batch_size
+                self.metrics.log(self.step, metrics)
+                self.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+                interval = self.trainer_cfg.val_check_interval
+                if self.val_loader is not None and interval > 0 and (self.step % interval == 0 or self.step == total):
+                    self.metrics.log(self.step, self.validate(), prefix="validation")
+                interval = self.checkpoint_cfg.save_interval
+                if interval > 0 and self.step % interval == 0 and self.step < total:
+                    self.save()
+            if self.checkpoint_cfg.save_at_end:
+                self.save_unless_saved()
+            stop.check(self.step, self.save_unless_saved)
 
     def _run(self, microbatches: list[dict], forward_only: bool) -> dict[str, float]:
         """One pass of megatron's pipeline schedule; returns the reports summed over micro batches and DP."""
@@ -170,16 +181,22 @@ class Trainer:
             optimizer=self.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.tokenizer_dir, save_rng=True,
             run_id=self.run_id,
         )
-        self.checkpoint_step = self.step
+        self.saved_step = self.step
         checkpointing.remove_old_checkpoints(self.checkpoint_cfg.save_dir, self.checkpoint_cfg.keep_last,
                                              run_id=self.run_id, saved=path)
         self.metrics.write(f"saved checkpoint {path}")
         return path
 
+    def save_unless_saved(self) -> Path:
+        """The checkpoint of the current step: saved now unless this run already wrote it."""
+        if self.saved_step == self.step:
+            return checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step)
+        return self.save()
+
     def resume_from(self, checkpoint_dir: Path) -> None:
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
         self.load_state_dict(meta["trainer_state"])
-        self.checkpoint_step = self.step
+        self.saved_step = self.step
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
         self.metrics.write(

@@ -11,7 +11,9 @@ Reward modes (--reward):
 The critic starts from --critic-checkpoint (default: the reward model). Extra settings go to each
 process with --critic-arg / --reward-arg / --actor-arg KEY=VALUE (repeatable). Logs: <log-dir>/*.log;
 the actor's checkpoints and metrics: <log-dir>/actor, the critic's: <log-dir>/critic. Re-running
-the same command resumes both from their newest checkpoints. On a Slurm cluster use
+the same command resumes both from their newest checkpoints. SIGTERM or Ctrl-C stops the actor at its
+next step boundary with a checkpoint (of the critic too), then the servers; a second one kills all.
+On a Slurm cluster use
 examples/nlp/gpt/slurm/ppo_heterogeneous.sbatch instead.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from aligner.launcher import ManagedProcess, actor_command, run_processes
+from aligner.launcher import ACTOR_EXIT_MARGIN_S, ManagedProcess, actor_command, run_processes
+from aligner.training.trainer import CheckpointConfig
 
 GPT_EXAMPLES = Path(__file__).resolve().parent
 
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--critic-port", type=int, default=5560)
     parser.add_argument("--reward-port", type=int, default=5555)
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
+    parser.add_argument("--stop-grace", type=float, default=CheckpointConfig.stop_grace_s,
+                        help="on SIGTERM/SIGINT: seconds the actor has to save a checkpoint (its checkpoint.stop_grace_s)")
     parser.add_argument("--actor-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--critic-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--reward-arg", action="append", default=[], metavar="KEY=VALUE")
@@ -50,7 +55,7 @@ def main() -> None:
     critic_args = [f"critic.init_from={critic_init}", f"server.port={args.critic_port}",
                    f"checkpoint.save_dir={log_dir / 'critic' / 'checkpoints'}"]
     actor_args = [f"critic.server.port={args.critic_port}", f"checkpoint.save_dir={log_dir / 'actor' / 'checkpoints'}",
-                  f"logging.log_dir={log_dir / 'actor'}"]
+                  f"logging.log_dir={log_dir / 'actor'}", f"checkpoint.stop_grace_s={args.stop_grace}"]
     servers = []
     if args.reward == "combined":
         critic_args += ["combine_rm_and_critic=true", f"reward_model_file={args.reward_checkpoint}"]
@@ -66,8 +71,10 @@ def main() -> None:
         GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, [*critic_args, *args.critic_arg]),
         log_dir / "critic_server.log"))
     actor = ManagedProcess("actor", actor_command(GPT_EXAMPLES / "train_gpt_ppo_actor.py", args.actor_nproc,
-                                                  [*actor_args, *args.actor_arg]), log_dir / "actor.log")
-    sys.exit(run_processes(servers, actor, ready_timeout_s=args.ready_timeout))
+                                                  [*actor_args, *args.actor_arg], stop_grace_s=args.stop_grace),
+                           log_dir / "actor.log")
+    sys.exit(run_processes(servers, actor, ready_timeout_s=args.ready_timeout,
+                           actor_stop_grace_s=args.stop_grace + ACTOR_EXIT_MARGIN_S))
 
 
 if __name__ == "__main__":
