@@ -108,14 +108,22 @@ def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
                                env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     if kill is not None:
+        # The victims are found once the actor has logged a step, and killed the moment it logs
+        # `after_step`: listing processes at that moment took long enough under load for the actor
+        # to finish its run first (a flaky failure in CI).
         deadline = time.monotonic() + 600
-        while not any(row["step"] >= after_step for row in _train_rows(log_dir)):
+        victims: list = []
+        while True:
+            rows = _train_rows(log_dir)
+            if not victims and rows:
+                victims = [child for child in psutil.Process(process.pid).children(recursive=True)
+                           if any(kill in part for part in _command_line(child))]
+                assert victims, f"no child process runs {kill}"
+            if victims and any(row["step"] >= after_step for row in rows):
+                break
             assert process.poll() is None, process.stdout.read()[-4000:]
             assert time.monotonic() < deadline, "the actor never reached the step to be killed at"
-            time.sleep(0.2)
-        victims = [child for child in psutil.Process(process.pid).children(recursive=True)
-                   if any(kill in part for part in _command_line(child))]
-        assert victims, f"no child process runs {kill}"
+            time.sleep(0.05)
         for victim in victims:
             os.kill(victim.pid, signal.SIGKILL)
     output, _ = process.communicate(timeout=900)
