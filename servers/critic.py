@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
+from aligner.config import at_least
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.setup import OptimConfig
 from servers.reward_model import ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig
@@ -101,17 +102,17 @@ class CriticSection:
 
 @dataclass
 class CriticTrainConfig:
-    global_batch_size: int = 64  # rows per optimizer step; a train request's rows must be a multiple
-    micro_batch_size: int = 4  # rows per forward/backward on each data-parallel rank
-    epochs_per_call: int = 1  # passes over each train request's batch
+    global_batch_size: int = at_least(1, 64)  # rows per optimizer step; a train request's rows must be a multiple
+    micro_batch_size: int = at_least(1, 4)  # rows per forward/backward on each data-parallel rank
+    epochs_per_call: int = at_least(1, 1)  # passes over each train request's batch
     clip_val: Optional[float] = 0.2  # value clipping around old_values; null: plain squared error
-    max_steps: int = 1000  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
+    max_steps: int = at_least(1, 1000)  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
 
 
 @dataclass
 class CriticCheckpointConfig:
     save_dir: str = "results/critic/checkpoints"  # critic_save writes here; a restart resumes from the newest
-    keep_last: int = 2  # newest checkpoints kept; <= 0 keeps all
+    keep_last: int = at_least(0, 2, "0: keep all")  # newest checkpoints kept
 
 
 @dataclass
@@ -408,13 +409,16 @@ def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
 
+    setup.require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
+    if cfg.combine_rm_and_critic:
+        setup.require_checkpoint_dir(cfg.reward_model_file, "reward_model_file")
     init_meta = checkpointing.read_meta(cfg.critic.init_from)
     # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.
     head_fits = len(init_meta.get("reward", {}).get("attributes", [])) == 1
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed,
         model=setup.ModelSection(init_from=cfg.critic.init_from), tokenizer=setup.TokenizerConfig(), optim=cfg.optim,
-        save_dir=cfg.checkpoint.save_dir, resume=True,
+        save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
         chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
                                                                            head_seed=cfg.seed, train_bias=True, **kw),
         skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,))

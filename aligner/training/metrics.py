@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from aligner.config import at_least
 from aligner.runtime.distributed import is_rank_zero
 
 
@@ -30,7 +31,7 @@ class LoggingConfig:
     """The `logging:` section."""
 
     log_dir: str = "results"
-    log_interval: int = 1
+    log_interval: int = at_least(1, 1)
     tensorboard: bool = True
     progress_bar: bool = True
     peak_tflops: Optional[float] = None  # per device, for the MFU estimate; None: measured (CPU) or table (GPU)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import checkpointing
+from aligner.config import at_least
 from aligner.models.forward import run_microbatches
 from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 
@@ -24,12 +25,13 @@ from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 class TrainerConfig:
     """The `trainer:` section."""
 
-    max_steps: int = 100
-    max_epochs: Optional[int] = None
-    global_batch_size: int = 32
-    micro_batch_size: int = 4
+    # 0: no training step (the initial weights are saved as step 0); with max_epochs set: no step limit
+    max_steps: int = at_least(0, 100, "0: no training step, or no step limit when max_epochs is set")
+    max_epochs: Optional[int] = at_least(1, None, "null: max_steps alone")
+    global_batch_size: int = at_least(1, 32)
+    micro_batch_size: int = at_least(1, 4)
     val_check_interval: int = 50  # steps; <= 0 disables
-    limit_val_samples: Optional[int] = None
+    limit_val_samples: Optional[int] = at_least(1, None, "null: the whole validation set")
 
 
 @dataclass
@@ -37,8 +39,8 @@ class CheckpointConfig:
     """The `checkpoint:` section."""
 
     save_dir: str = "results/checkpoints"
-    save_interval: int = 0  # steps; <= 0: only at the end
-    keep_last: int = 2
+    save_interval: int = at_least(0, 0, "0: only at the end")  # steps
+    keep_last: int = at_least(0, 2, "0: keep all")
     save_at_end: bool = True
     resume: bool = True  # continue from the newest checkpoint in save_dir if there is one
 

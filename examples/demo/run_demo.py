@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from aligner.checkpointing import latest_checkpoint
+from aligner.config import run_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -194,15 +195,23 @@ class Demo:
 
     @property
     def sft_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "sft" / "checkpoints")
+        return self._earlier_stage_checkpoint("sft", self.work / "sft" / "checkpoints")
 
     @property
     def rm_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "reward_model" / "checkpoints")
+        return self._earlier_stage_checkpoint("reward_models", self.work / "reward_model" / "checkpoints")
 
     @property
     def attribute_rm_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "attribute_reward_model" / "checkpoints")
+        return self._earlier_stage_checkpoint("reward_models", self.work / "attribute_reward_model" / "checkpoints")
+
+    @staticmethod
+    def _earlier_stage_checkpoint(stage: str, save_dir: Path) -> Path:
+        found = latest_checkpoint(save_dir)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint under {save_dir}: run the '{stage}' stage first "
+                                    f"(--stages {stage},...) with the same --workdir")
+        return found
 
     def greedy(self, name: str, checkpoint: Path, extra: tuple = ()) -> dict:
         result = evaluate(f"evaluate {name}", checkpoint, self.heldout, self.work / f"eval_{name}.json", extra=extra)
@@ -361,4 +370,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

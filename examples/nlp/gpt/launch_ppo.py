@@ -20,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from aligner.config import run_main
 from aligner.launcher import ManagedProcess, actor_command, run_processes
 
 GPT_EXAMPLES = Path(__file__).resolve().parent
@@ -71,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
