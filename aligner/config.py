@@ -35,6 +35,20 @@ class OutputError(OSError):
     names the path. Raised instead of the bare OSError so that the run ends with that one line."""
 
 
+def require_writable_dir(path: str | Path, key: str) -> None:
+    """Create the directory a setting names if needed and prove it takes a file; an OutputError
+    naming the setting and path otherwise (at start-up, before any work is done)."""
+    import tempfile
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".write_check_"):
+            pass
+    except OSError as error:
+        raise OutputError(f"{key}={path} is not writable ({error.strerror or error})") from None
+
+
 def at_least(minimum: float, default: Any, meaning: str = "") -> Any:
     """A schema field whose value (unless null) must be >= minimum; `meaning` explains the edge
     value in the error, e.g. "0: only at the end"."""
@@ -151,8 +165,12 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
 def run_training(schema: Type[T], yaml_name: str, build, after_fit=None) -> None:
     """The body of a training entry point: conf/<yaml_name> + command-line overrides -> schema ->
     build(cfg) -> fit(); after_fit(trainer, cfg) runs on success; the metrics are closed either way."""
+    from aligner.runtime.distributed import rank_and_world_from_env
+
     config_path, overrides = parse_command_line(CONF_DIR / yaml_name)
     cfg = load_config(schema, config_path, overrides)
+    if rank_and_world_from_env()[0] == 0:  # rank 0 writes the metrics; found before minutes of model building
+        require_writable_dir(cfg.logging.log_dir, "logging.log_dir")
     trainer = build(cfg)
     try:
         trainer.fit()

@@ -371,7 +371,15 @@ class Critic:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        return {"critic_step": self.step, "scheduler": self.scheduler.state_dict()}
+        from aligner.training import schedule
+
+        return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
+                schedule.STATE_KEY: self.schedule_settings()}
+
+    def schedule_settings(self) -> dict:
+        from aligner.training import schedule
+
+        return schedule.schedule_settings(self.cfg.optim, {"train.max_steps": self.cfg.train.max_steps})
 
     def save(self, step: int):
         from aligner import checkpointing
@@ -398,7 +406,11 @@ class Critic:
                 f"{checkpoint_dir} is not a critic checkpoint (no critic_step in its trainer state); "
                 f"checkpoint.save_dir must be the critic's own directory")
         self.step = int(state["critic_step"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        from aligner.training import schedule
+
+        changes = schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings())
+        if changes:
+            LOGGER.warning("critic %s", schedule.describe_changes(changes, self.step))
 
 
 def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:

@@ -687,17 +687,24 @@ class PPOTrainer:
 
     # -- checkpoints
     def state_dict(self) -> dict:
+        from aligner.training import schedule
+
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
-                "scheduler": self.policy.scheduler.state_dict()}
+                "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        """Continue from a checkpoint's trainer state under this run's schedule settings; returns
+        {key: (checkpoint value, current value)} of the settings that changed."""
+        from aligner.training import schedule
+
         self.step = state["step"]
         self.optimizer_steps = state["optimizer_steps"]
         self.kl_controller.load_state_dict(state["kl"])
         self.order.load_state_dict(state["prompts"])
         self.critic_warmup_done = state["critic_warmup_done"]
-        self.policy.scheduler.load_state_dict(state["scheduler"])
+        return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
+                                        self.policy.schedule_settings)
 
     def save(self) -> Path:
         from aligner import checkpointing
@@ -723,11 +730,16 @@ class PPOTrainer:
     def resume_from(self, checkpoint_dir: Path) -> None:
         from aligner import checkpointing
 
+        from aligner.training import schedule
+
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
-        self.load_state_dict(meta["trainer_state"])
+        changes = self.load_state_dict(meta["trainer_state"])
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
+        self.metrics.log_resume(self.step, checkpoint_dir, changes)
         self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")
+        if changes:
+            self.metrics.write(schedule.describe_changes(changes, self.step))
 
 
 # ----------------------------------------------------------------------------- building a run

@@ -288,9 +288,6 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     from aligner.training.metrics import get_logger
 
     spin = cfg.spin
-    if spin.num_iterations < 1 or spin.steps_per_iteration < 1:
-        raise ValueError(f"spin.num_iterations and spin.steps_per_iteration must be >= 1, got "
-                         f"{spin.num_iterations} and {spin.steps_per_iteration}")
     if spin.reference_logprobs not in REFERENCE_MODES:
         raise ValueError(f"spin.reference_logprobs must be one of {REFERENCE_MODES}, got {spin.reference_logprobs!r}")
     iteration_betas(spin)
@@ -310,6 +307,7 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     trainer = setup.build_trainer(
         cfg, built, DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
         total_steps=total_steps,
+        length_settings={"spin.num_iterations": spin.num_iterations, "spin.steps_per_iteration": spin.steps_per_iteration},
     )
     metrics = trainer.metrics
     if built.resume_checkpoint is not None:

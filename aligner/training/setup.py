@@ -145,12 +145,15 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dt
 
 def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_steps: int,
                   optimizer_steps: Optional[int] = None, train_loader=None, val_loader=None,
-                  checkpoint_meta: Optional[dict] = None):
+                  checkpoint_meta: Optional[dict] = None, length_settings: Optional[dict] = None):
     """The shared Trainer over a built model: an LR schedule over `optimizer_steps` (default
     total_steps), metrics and progress over `total_steps`, checkpoints that record the model config
-    (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller."""
+    (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller.
+    length_settings: the config keys that set the run's length (default trainer.max_steps), which a
+    resume reports when they changed."""
     from aligner.models.gpt import num_parameters
     from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
+    from aligner.training.schedule import schedule_settings
     from aligner.training.trainer import Trainer
 
     model_cfg = built.model_cfg
@@ -162,6 +165,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
+        schedule_settings=schedule_settings(cfg.optim, length_settings or {"trainer.max_steps": cfg.trainer.max_steps}),
     )
 
 

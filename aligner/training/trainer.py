@@ -18,6 +18,7 @@ import torch.distributed as dist
 from aligner import checkpointing
 from aligner.config import at_least
 from aligner.models.forward import run_microbatches
+from aligner.training import schedule
 from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 
 
@@ -67,7 +68,7 @@ class Trainer:
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
-                 hidden_size: int, peak_tflops: float):
+                 hidden_size: int, peak_tflops: float, schedule_settings: Optional[dict] = None):
         self.name = name
         self.trainer_cfg = trainer_cfg
         self.checkpoint_cfg = checkpoint_cfg
@@ -82,6 +83,8 @@ class Trainer:
         self.tokenizer_dir = tokenizer_dir
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
         self.peak_tflops = peak_tflops
+        # what the LR schedule was built from (aligner.training.schedule), saved to tell a resume what changed
+        self.schedule_settings = schedule_settings or {}
         self.step = 0
         self.consumed_samples = 0
 
@@ -156,12 +159,15 @@ class Trainer:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict()}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict(),
+                schedule.STATE_KEY: self.schedule_settings}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        """Continue from a checkpoint's trainer state under this run's schedule settings; returns
+        {key: (checkpoint value, current value)} of the settings that changed."""
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
-        self.scheduler.load_state_dict(state["scheduler"])
+        return schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings)
 
     def save(self) -> Path:
         path = checkpointing.save(
@@ -175,13 +181,16 @@ class Trainer:
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
-        self.load_state_dict(meta["trainer_state"])
+        changes = self.load_state_dict(meta["trainer_state"])
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
+        self.metrics.log_resume(self.step, checkpoint_dir, changes)
         self.metrics.write(
             f"resumed from {checkpoint_dir} at step {self.step} ({self.consumed_samples} samples consumed"
             f"{'' if meta['rng_restored'] else '; RNG not restored: the parallel layout changed'})"
         )
+        if changes:
+            self.metrics.write(schedule.describe_changes(changes, self.step))
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.training.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -237,8 +238,7 @@ class Demo:
         sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout, self.work / "eval_sft_sampled.json",
                            temperature=1.0)
         self.table.append(("SFT, sampled at T=1", sampled))
-        losses = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
-        train_losses = [row["loss"] for row in losses if row["split"] == "train"]
+        train_losses = [row["loss"] for row in read_metrics(sft_dir, "train")]
         self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models
