@@ -79,7 +79,7 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from aligner.config import at_least
+from aligner.config import at_least, require_checkpoint_dir
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.setup import OptimConfig
 from servers.reward_model import ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig
@@ -421,9 +421,9 @@ def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
 
-    setup.require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
+    require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
     if cfg.combine_rm_and_critic:
-        setup.require_checkpoint_dir(cfg.reward_model_file, "reward_model_file")
+        require_checkpoint_dir(cfg.reward_model_file, "reward_model_file")
     init_meta = checkpointing.read_meta(cfg.critic.init_from)
     # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.
     head_fits = len(init_meta.get("reward", {}).get("attributes", [])) == 1

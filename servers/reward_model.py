@@ -266,7 +266,7 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
     from servers.triton import check_ports_free, prepare_environment, serve
 
     cfg.validate()
-    from aligner.training.setup import require_checkpoint_dir
+    from aligner.config import require_checkpoint_dir
 
     require_checkpoint_dir(cfg.rm_model_file, "rm_model_file")
     if distributed.rank_and_world_from_env()[0] == 0:  # fail before loading a model if Triton cannot start

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from aligner.config import at_least, one_of
+from aligner.config import at_least, one_of, require_checkpoint_dir
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import distributed
 from aligner.runtime.distributed import ParallelConfig
@@ -234,21 +234,6 @@ class TrainingModel:
     resume_checkpoint: Optional[object]  # newest checkpoint in checkpoint.save_dir, to resume from
 
 
-def require_checkpoint_dir(path: str, key: str) -> None:
-    """Refuse a checkpoint path setting (`model.init_from`, `rm_model_file`, ...) that names no directory,
-    before anything is built."""
-    from pathlib import Path
-
-    from aligner import checkpointing
-
-    if not Path(path).exists():
-        raise checkpointing.CheckpointError(
-            f"{key}={path} does not exist; expected an aligner checkpoint directory (a step_<N> directory of "
-            "an earlier run, or one written by python -m aligner.hf import)")
-    if not Path(path).is_dir():
-        raise checkpointing.CheckpointError(f"{key}={path} is a file; expected an aligner checkpoint directory")
-
-
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
@@ -279,9 +264,9 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     if not Path(tokenizer_dir).is_dir():
         raise checkpointing.CheckpointError(f"{init_from_key}={init_from} holds no {checkpointing.TOKENIZER_DIR}/ "
                                             "directory; set tokenizer.path to the tokenizer to use")
+    loaded_tokenizer = Tokenizer(tokenizer_dir)
     data_parallel_size = distributed.initialize(parallel)
     params_dtype = distributed.resolve_precision(precision)
-    loaded_tokenizer = Tokenizer(tokenizer_dir)
     if init_from:
         model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
     else:

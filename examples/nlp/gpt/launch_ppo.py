@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from aligner.config import run_main
+from aligner.config import require_checkpoint_dir, run_main
 from aligner.launcher import ManagedProcess, actor_command, run_processes
 
 GPT_EXAMPLES = Path(__file__).resolve().parent
@@ -46,6 +46,9 @@ def main() -> None:
     critic_init = args.critic_checkpoint or args.reward_checkpoint
     if not critic_init:
         parser.error("give --critic-checkpoint (the critic's starting weights)")
+    for flag, path in (("--reward-checkpoint", args.reward_checkpoint), ("--critic-checkpoint", critic_init)):
+        if path:  # refused here, not after a server has started and failed
+            require_checkpoint_dir(path, flag)
     log_dir = Path(args.log_dir)
 
     critic_args = [f"critic.init_from={critic_init}", f"server.port={args.critic_port}",
