@@ -1,0 +1,44 @@
+"""A tiny SFT run through the real entry point, for the `errors` fault tests (log_dir faults, resumes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..conftest import REPO_ROOT
+
+SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
+
+
+def write_sft_inputs(root: Path) -> dict:
+    """Demo-task demonstrations and a character tokenizer under root; the overrides of a tiny SFT run."""
+    from aligner.demo import arithmetic
+    from aligner.demo.tokenizer import train_char_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    records = arithmetic.sft_records(128, seed=0)
+    (root / "sft.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    train_char_tokenizer([record["input"] + record["output"] for record in records], root / "tokenizer")
+    return {
+        "tokenizer.path": root / "tokenizer", "data.train": f"[{{path: {root / 'sft.jsonl'}}}]",
+        "data.split": "'100,0'", "data.max_seq_length": 16, "model.architecture.num_layers": 2,
+        "model.architecture.hidden_size": 32, "model.architecture.num_attention_heads": 4,
+        "model.architecture.num_query_groups": 2, "model.architecture.ffn_hidden_size": 64,
+        "trainer.global_batch_size": 16, "trainer.micro_batch_size": 16, "trainer.val_check_interval": 0,
+        "logging.progress_bar": "false", "logging.tensorboard": "false", "logging.peak_tflops": 1.0,
+        "checkpoint.save_dir": root / "checkpoints", "logging.log_dir": root / "logs",
+    }
+
+
+def run_sft(settings: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    """train_gpt_sft.py with `settings` as key=value overrides (the process is gone when this returns)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(SFT_SCRIPT), *(f"{key}={value}" for key, value in settings.items())]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]

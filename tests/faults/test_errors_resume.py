@@ -1,0 +1,84 @@
+"""Resuming with changed schedule settings, and after a crash left a partial metrics row.
+
+A resumed run applies its own optim.lr / min_lr / warmup_steps / decay_style and step count from
+the resume step on (aligner/training/schedule.py), says so in one line and in the resume marker
+row of metrics.jsonl; the learning rates it logs are checked against the schedule computed here
+in float64.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from aligner.training.metrics import METRICS_FILE, read_metrics
+
+from .errors_sft import error_lines, run_sft, write_sft_inputs
+
+
+def scheduled_lr(optimizer_steps: int, *, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
+    """The LR after `optimizer_steps` steps: linear warmup from 0, then cosine or linear decay to min_lr
+    at `total` steps (constant: lr after warmup)."""
+    if warmup > 0 and optimizer_steps <= warmup:
+        return lr * optimizer_steps / warmup
+    if style == "constant":
+        return lr
+    ratio = (optimizer_steps - warmup) / (total - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (lr - min_lr)
+
+
+def test_resume_after_a_crash_with_new_schedule_settings(tmp_path):
+    root = tmp_path / "run"
+    settings = write_sft_inputs(root)
+    first = {"optim.lr": 1e-3, "optim.min_lr": 1e-5, "optim.warmup_steps": 1, "optim.decay_style": "cosine"}
+    result = run_sft({**settings, **first, "trainer.max_steps": 4, "checkpoint.save_interval": 2})
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = root / "logs" / METRICS_FILE
+    first_rows = read_metrics(metrics, "train")
+    assert [row["step"] for row in first_rows] == [1, 2, 3, 4]
+    for row in first_rows:
+        assert row["lr"] == pytest.approx(scheduled_lr(row["step"] - 1, lr=1e-3, min_lr=1e-5, warmup=1, total=4,
+                                                       style="cosine"), rel=1e-12, abs=1e-15)
+
+    # A crash while step 4's metrics row was being written, before its checkpoint: half a row, no newline.
+    text = metrics.read_text()
+    last_row_start = text.rstrip("\n").rfind("\n") + 1
+    metrics.write_text(text[: last_row_start + (len(text) - last_row_start) // 2])
+    shutil.rmtree(root / "checkpoints" / "step_00000004")
+
+    second = {"optim.lr": 5e-3, "optim.min_lr": 1e-4, "optim.warmup_steps": 3, "optim.decay_style": "linear"}
+    result = run_sft({**settings, **second, "trainer.max_steps": 8})
+    assert result.returncode == 0 and not error_lines(result), result.stderr[-4000:]
+    assert "removed a partial last row" in result.stdout
+    assert ("resumed with changed settings: optim.lr 0.001 -> 0.005, optim.min_lr 1e-05 -> 0.0001, optim.warmup_steps "
+            "1 -> 3, optim.decay_style cosine -> linear, trainer.max_steps 4 -> 8; the new values apply from step 3 on"
+            ) in result.stdout
+
+    lines = metrics.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]  # every line parses: the partial row was cut off
+    marker = [row for row in rows if row["split"] == "resumed_from"]
+    assert marker == [{"step": 2, "split": "resumed_from", "checkpoint": str(root / "checkpoints" / "step_00000002"),
+                       "changed_settings": {"optim.lr": [1e-3, 5e-3], "optim.min_lr": [1e-5, 1e-4],
+                                            "optim.warmup_steps": [1, 3], "optim.decay_style": ["cosine", "linear"],
+                                            "trainer.max_steps": [4, 8]}}]
+    history = read_metrics(metrics, "train")
+    assert [row["step"] for row in history] == list(range(1, 9))
+    for row in history[2:]:  # steps 3..8 ran under the new schedule, from optimizer step 2 on
+        expected = scheduled_lr(row["step"] - 1, lr=5e-3, min_lr=1e-4, warmup=3, total=8, style="linear")
+        assert row["lr"] == pytest.approx(expected, rel=1e-12, abs=1e-15), row["step"]
+    # Step 3's loss is computed before its update: the resumed run reproduces the first attempt's exactly.
+    assert history[2]["loss"] == first_rows[2]["loss"]
+
+
+def test_resume_with_the_same_settings_says_nothing_about_settings(tmp_path):
+    root = tmp_path / "run"
+    settings = {**write_sft_inputs(root), "optim.lr": 1e-3, "optim.warmup_steps": 0}
+    assert run_sft({**settings, "trainer.max_steps": 2}).returncode == 0
+    result = run_sft({**settings, "trainer.max_steps": 2})  # resumes at the end: nothing left to run
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout and "changed settings" not in result.stdout
+    markers = read_metrics(root / "logs", include_markers=True)
+    assert [row for row in markers if row["split"] == "resumed_from"][0]["changed_settings"] == {}
