@@ -10,6 +10,12 @@ from pathlib import Path
 from ..conftest import REPO_ROOT
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
+REINFORCE_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_reinforce_actor.py"
+
+
+def ones_reward(prompt, response_text: str) -> float:
+    """A reward function for actor runs (reward.function=tests.faults.errors_sft:ones_reward)."""
+    return sum(character == "1" for character in response_text) / max(len(response_text), 1)
 
 
 def write_sft_inputs(root: Path) -> dict:
@@ -32,11 +38,12 @@ def write_sft_inputs(root: Path) -> dict:
     }
 
 
-def run_sft(settings: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    """train_gpt_sft.py with `settings` as key=value overrides (the process is gone when this returns)."""
+def run_sft(settings: dict, timeout: float = 240, script: Path = SFT_SCRIPT) -> subprocess.CompletedProcess:
+    """train_gpt_sft.py (or `script`) with `settings` as key=value overrides (the process is gone when
+    this returns)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(SFT_SCRIPT), *(f"{key}={value}" for key, value in settings.items())]
+    command = [sys.executable, str(script), *(f"{key}={value}" for key, value in settings.items())]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from aligner.training.metrics import METRICS_FILE, read_metrics
 
-from .errors_sft import error_lines, run_sft, write_sft_inputs
+from .errors_sft import REINFORCE_SCRIPT, error_lines, run_sft, write_sft_inputs
 
 
 def scheduled_lr(optimizer_steps: int, *, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
@@ -82,3 +82,44 @@ def test_resume_with_the_same_settings_says_nothing_about_settings(tmp_path):
     assert "resumed from" in result.stdout and "changed settings" not in result.stdout
     markers = read_metrics(root / "logs", include_markers=True)
     assert [row for row in markers if row["split"] == "resumed_from"][0]["changed_settings"] == {}
+
+
+@pytest.mark.slow
+def test_actor_resume_applies_new_schedule_settings(tmp_path):
+    """The PPO/REINFORCE actor (PPOTrainer.resume_from): one optimizer step per step here, so the
+    logged lr of step k is the schedule's value after k - 1 optimizer steps."""
+    from aligner.demo import arithmetic
+
+    inputs = write_sft_inputs(tmp_path / "sft")
+    result = run_sft({**inputs, "trainer.max_steps": 0})  # the random-init policy, saved as step 0
+    assert result.returncode == 0, result.stderr[-4000:]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.rl_prompts(32, seed=1)))
+    actor = {
+        "model.init_from": tmp_path / "sft" / "checkpoints" / "step_00000000", "data.prompts": prompts,
+        "data.max_prompt_length": 8, "generation.max_new_tokens": 4, "generation.micro_batch_size": 8,
+        "reinforce.prompts_per_step": 4, "reinforce.samples_per_prompt": 2, "trainer.global_batch_size": 8,
+        "trainer.micro_batch_size": 8, "trainer.val_check_interval": 0, "reward.source": "function",
+        "reward.function": "tests.faults.errors_sft:ones_reward", "kl.init_coef": 0.0,
+        "logging.progress_bar": "false", "logging.tensorboard": "false", "logging.peak_tflops": 1.0,
+        "checkpoint.save_dir": tmp_path / "actor" / "checkpoints", "logging.log_dir": tmp_path / "actor",
+    }
+    first = {"optim.lr": 1e-3, "optim.min_lr": 1e-5, "optim.warmup_steps": 0, "optim.decay_style": "cosine"}
+    result = run_sft({**actor, **first, "trainer.max_steps": 2}, script=REINFORCE_SCRIPT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    second = {"optim.lr": 4e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 1, "optim.decay_style": "linear"}
+    result = run_sft({**actor, **second, "trainer.max_steps": 5}, script=REINFORCE_SCRIPT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("resumed with changed settings: optim.lr 0.001 -> 0.004, optim.min_lr 1e-05 -> 0.0002, optim.warmup_steps "
+            "0 -> 1, optim.decay_style cosine -> linear, trainer.max_steps 2 -> 5; the new values apply from step 3 on"
+            ) in result.stdout
+    rows = read_metrics(tmp_path / "actor", "train", include_markers=True)
+    assert [(row["split"], row["step"]) for row in rows] == [
+        ("train", 1), ("train", 2), ("resumed_from", 2), ("train", 3), ("train", 4), ("train", 5)]
+    assert rows[2]["changed_settings"]["trainer.max_steps"] == [2, 5]
+    for row in rows[:2]:
+        assert row["lr"] == pytest.approx(scheduled_lr(row["step"] - 1, lr=1e-3, min_lr=1e-5, warmup=0, total=2,
+                                                       style="cosine"), rel=1e-12, abs=1e-15)
+    for row in rows[3:]:
+        assert row["lr"] == pytest.approx(scheduled_lr(row["step"] - 1, lr=4e-3, min_lr=2e-4, warmup=1, total=5,
+                                                       style="linear"), rel=1e-12, abs=1e-15), row["step"]
