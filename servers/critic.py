@@ -102,11 +102,11 @@ class CriticSection:
 
 @dataclass
 class CriticTrainConfig:
-    global_batch_size: int = at_least(1, 64)  # rows per optimizer step; a train request's rows must be a multiple
-    micro_batch_size: int = at_least(1, 4)  # rows per forward/backward on each data-parallel rank
-    epochs_per_call: int = at_least(1, 1)  # passes over each train request's batch
+    global_batch_size: int = 64  # rows per optimizer step; a train request's rows must be a multiple
+    micro_batch_size: int = 4  # rows per forward/backward on each data-parallel rank
+    epochs_per_call: int = 1  # passes over each train request's batch
     clip_val: Optional[float] = 0.2  # value clipping around old_values; null: plain squared error
-    max_steps: int = at_least(1, 1000)  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
+    max_steps: int = 1000  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
 
 
 @dataclass

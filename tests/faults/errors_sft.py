@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,3 +50,15 @@ def run_sft(settings: dict, timeout: float = 240, script: Path = SFT_SCRIPT) -> 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def scheduled_lr(optimizer_steps: int, *, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
+    """The LR after `optimizer_steps` steps: linear warmup from 0, then cosine or linear decay to min_lr
+    at `total` steps (constant: lr after warmup)."""
+    if warmup > 0 and optimizer_steps <= warmup:
+        return lr * optimizer_steps / warmup
+    if style == "constant":
+        return lr
+    ratio = (optimizer_steps - warmup) / (total - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (lr - min_lr)

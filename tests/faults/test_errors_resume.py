@@ -2,32 +2,19 @@
 
 A resumed run applies its own optim.lr / min_lr / warmup_steps / decay_style and step count from
 the resume step on (aligner/training/schedule.py), says so in one line and in the resume marker
-row of metrics.jsonl; the learning rates it logs are checked against the schedule computed here
-in float64.
+row of metrics.jsonl; the learning rates it logs are checked against the schedule computed in
+float64 (errors_sft.scheduled_lr).
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
 
 from aligner.training.metrics import METRICS_FILE, read_metrics
 
-from .errors_sft import REINFORCE_SCRIPT, error_lines, run_sft, write_sft_inputs
-
-
-def scheduled_lr(optimizer_steps: int, *, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
-    """The LR after `optimizer_steps` steps: linear warmup from 0, then cosine or linear decay to min_lr
-    at `total` steps (constant: lr after warmup)."""
-    if warmup > 0 and optimizer_steps <= warmup:
-        return lr * optimizer_steps / warmup
-    if style == "constant":
-        return lr
-    ratio = (optimizer_steps - warmup) / (total - warmup)
-    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return min_lr + coeff * (lr - min_lr)
+from .errors_sft import REINFORCE_SCRIPT, error_lines, run_sft, scheduled_lr, write_sft_inputs
 
 
 def test_resume_after_a_crash_with_new_schedule_settings(tmp_path):

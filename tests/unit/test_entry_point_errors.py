@@ -44,7 +44,6 @@ DATA = REPO_ROOT / "examples" / "nlp" / "data"
      r"trainer.max_steps=-1"),
     (SPINConfig, "gpt_spin.yaml", ["data.train=[{path: x.jsonl}]", "model.init_from=x"], "spin.steps_per_iteration=0",
      r"spin.steps_per_iteration=0"),
-    (CriticServerConfig, "gpt_ppo_critic.yaml", ["critic.init_from=x"], "train.max_steps=0", r"train.max_steps=0"),
     (CriticServerConfig, "gpt_ppo_critic.yaml", ["critic.init_from=x"], "checkpoint.keep_last=-2",
      r"checkpoint.keep_last=-2"),
 ])
