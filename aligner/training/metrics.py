@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,23 @@ def _drop_partial_last_line(path: Path) -> int:
         return size - keep
 
 
+def _quiet_tensorboard_writer_failures() -> None:
+    """TensorBoard's writer thread re-raises a failed write (a full disk), which prints a thread
+    traceback; the main thread gets the same error at its next write and ends the run with one line
+    (MetricsLogger._writing), so the thread's own report is left out. Idempotent."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        from_tensorboard = type(args.thread).__module__.startswith("tensorboard.")
+        if not (from_tensorboard and args.exc_type is not None and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.quiet_tensorboard = True
+    threading.excepthook = hook
+
+
 def get_logger(name: str = "aligner") -> logging.Logger:
     """A logger that prints on rank 0 and stays quiet elsewhere."""
     logger = logging.getLogger(name)
@@ -182,6 +200,7 @@ class MetricsLogger:
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_writer_failures()
             self.tensorboard = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
         if config.wandb.enabled:
             try:

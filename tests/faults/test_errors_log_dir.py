@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -70,30 +71,39 @@ def test_metrics_write_failing_with_enospc_ends_the_run_with_one_line(tmp_path):
                               "the run stops")
 
 
-def test_full_log_dir_stops_the_run_and_the_resume_drops_the_partial_row(tmp_path):
+@pytest.mark.parametrize("tensorboard", [False, True])
+def test_full_log_dir_stops_the_run_and_the_resume_drops_the_partial_row(tmp_path, tensorboard):
     settings = write_sft_inputs(tmp_path / "inputs")
     with tmpfs(tmp_path / "small", "size=64k") as mount:
         log_dir = mount / "logs"
         log_dir.mkdir()
-        # Fill the file system, then free one 4 kB page: room for about a dozen metrics rows.
+        # Fill the file system, then free one 4 kB page (room for about a dozen metrics rows), or
+        # four with TensorBoard's event file beside them.
         filler = mount / "filler"
         with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as handle:
             while True:
                 handle.write(b"\0" * 4096)
-        os.truncate(filler, (filler.stat().st_size // 4096 - 1) * 4096)
-        run = {**settings, "logging.log_dir": log_dir, "trainer.max_steps": 40, "checkpoint.save_interval": 2}
+        os.truncate(filler, (filler.stat().st_size // 4096 - (4 if tensorboard else 1)) * 4096)
+        run = {**settings, "logging.log_dir": log_dir, "trainer.max_steps": 40, "checkpoint.save_interval": 2,
+               "logging.tensorboard": str(tensorboard).lower()}
         result = run_sft(run)
-        _assert_one_error(result, f"error: {log_dir / METRICS_FILE}: cannot write metrics (No space left on device)")
+        # With TensorBoard on, its event file may be the write that fails first (its writer thread's
+        # traceback is not shown either).
+        failed = f"{log_dir / 'tensorboard'}|{log_dir / METRICS_FILE}" if tensorboard else str(log_dir / METRICS_FILE)
+        lines = error_lines(result)
+        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]
+        assert re.fullmatch(rf"error: ({failed}): cannot write metrics \(No space left on device\); the run stops, "
+                            "since every later metric would be lost", lines[0]), lines[0]
         # The kernel wrote what fitted of the failing row: a partial last row, as a crash leaves one.
         cut_short = not (log_dir / METRICS_FILE).read_bytes().endswith(b"\n")
-        assert cut_short
+        assert cut_short or tensorboard
         stopped_at = read_metrics(log_dir, "train")[-1]["step"]  # readers skip a partial last row
         assert 0 < stopped_at < 40
 
         filler.unlink()  # space again: the same command resumes from the newest checkpoint
         result = run_sft(run)
         assert result.returncode == 0 and not error_lines(result), result.stderr[-4000:]
-        assert "removed a partial last row" in result.stdout
+        assert ("removed a partial last row" in result.stdout) == cut_short
         rows = [json.loads(line) for line in (log_dir / METRICS_FILE).read_text().splitlines()]  # all parse again
         history = read_metrics(log_dir, "train")
     markers = [row for row in rows if row["split"] == "resumed_from"]
