@@ -63,7 +63,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def metrics_rows(log_dir: Path, *splits: str) -> list[dict]:
     """The rows a run wrote to log_dir/metrics.jsonl, in order; only those of `splits` if given
-    (`aligner.training.metrics.read_metrics`: no resume markers, re-run steps once)."""
+    (`aligner.training.metrics.read_metrics`: without resume marker rows or a partial last row)."""
     from aligner.training.metrics import read_metrics
 
     return read_metrics(log_dir, *splits)

@@ -6,8 +6,9 @@ Everything here acts on rank 0 only; other ranks get a logger whose methods do n
 appended across resumes. A resume first writes a marker row
 `{"step": N, "split": "resumed_from", "checkpoint": PATH, "changed_settings": {KEY: [OLD, NEW]}}`:
 rows after it with step > N re-run steps that rows before it already logged. A row cut short by a
-crash is removed when the file is next opened for appending. `read_metrics` reads the file as
-the run's history: one row per step and split (the newest attempt), no marker rows.
+crash is removed when the file is next opened for appending. `read_metrics` reads the file
+without marker rows, either as written or as the run's history (one row per step and split, from
+its newest attempt).
 """
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ METRICS_FILE = "metrics.jsonl"
 RESUMED_FROM = "resumed_from"  # the split of a resume's marker row
 
 
-def read_metrics(path: str | Path, *splits: str, include_markers: bool = False) -> list[dict]:
+def read_metrics(path: str | Path, *splits: str, newest_attempt: bool = False,
+                 include_markers: bool = False) -> list[dict]:
     """The rows of a metrics.jsonl (or of `<log_dir>/metrics.jsonl`), in order; those of `splits` if given.
 
     A last line without its newline that is not valid JSON (a write cut short by a crash) is
-    skipped. Rows that a resume re-ran are dropped (at a `resumed_from` marker for step N, earlier
-    rows with step > N), so each step appears once, from its newest attempt. include_markers:
-    keep the marker rows as well (they are dropped otherwise, whatever `splits` says).
+    skipped. newest_attempt: drop the rows that a resume re-ran (at a `resumed_from` marker for
+    step N, the earlier rows with step > N), so each step appears once, from its newest attempt.
+    include_markers: keep the marker rows as well (they are left out otherwise, whatever `splits` says).
     """
     from aligner.data.jsonl import DataError
 
@@ -76,7 +78,7 @@ def read_metrics(path: str | Path, *splits: str, include_markers: bool = False) 
             if number == len(lines):  # the unterminated last line: a crash cut this write short
                 break
             raise DataError(f"{path}:{number}: not valid JSON ({error.msg}); expected one metrics row per line") from None
-        if row.get("split") == RESUMED_FROM:
+        if newest_attempt and row.get("split") == RESUMED_FROM:
             rows = [kept for kept in rows if kept["step"] <= row["step"] or kept["split"] == RESUMED_FROM]
         rows.append(row)
     return [row for row in rows if (include_markers or row["split"] != RESUMED_FROM)

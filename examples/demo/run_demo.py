@@ -238,7 +238,7 @@ class Demo:
         sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout, self.work / "eval_sft_sampled.json",
                            temperature=1.0)
         self.table.append(("SFT, sampled at T=1", sampled))
-        train_losses = [row["loss"] for row in read_metrics(sft_dir, "train")]
+        train_losses = [row["loss"] for row in read_metrics(sft_dir, "train", newest_attempt=True)]
         self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models

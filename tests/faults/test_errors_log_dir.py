@@ -105,7 +105,7 @@ def test_full_log_dir_stops_the_run_and_the_resume_drops_the_partial_row(tmp_pat
         assert result.returncode == 0 and not error_lines(result), result.stderr[-4000:]
         assert ("removed a partial last row" in result.stdout) == cut_short
         rows = [json.loads(line) for line in (log_dir / METRICS_FILE).read_text().splitlines()]  # all parse again
-        history = read_metrics(log_dir, "train")
+        history = read_metrics(log_dir, "train", newest_attempt=True)
     markers = [row for row in rows if row["split"] == "resumed_from"]
     assert len(markers) == 1 and markers[0]["step"] <= stopped_at and markers[0]["step"] % 2 == 0
     assert [row["step"] for row in history] == list(range(1, 41))

@@ -51,7 +51,7 @@ def test_resume_after_a_crash_with_new_schedule_settings(tmp_path):
                        "changed_settings": {"optim.lr": [1e-3, 5e-3], "optim.min_lr": [1e-5, 1e-4],
                                             "optim.warmup_steps": [1, 3], "optim.decay_style": ["cosine", "linear"],
                                             "trainer.max_steps": [4, 8]}}]
-    history = read_metrics(metrics, "train")
+    history = read_metrics(metrics, "train", newest_attempt=True)
     assert [row["step"] for row in history] == list(range(1, 9))
     for row in history[2:]:  # steps 3..8 ran under the new schedule, from optimizer step 2 on
         expected = scheduled_lr(row["step"] - 1, lr=5e-3, min_lr=1e-4, warmup=3, total=8, style="linear")

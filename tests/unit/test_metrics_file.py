@@ -35,9 +35,13 @@ def test_a_resume_writes_a_marker_row_and_readers_see_each_step_once(tmp_path):
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     assert json.loads(lines[4]) == {"step": 2, "split": "resumed_from", "checkpoint": str(tmp_path / "ckpt" / "step_00000002"),
                                     "changed_settings": {"optim.lr": [1e-5, 5e-3]}}
-    assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path, "train")] == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
-    assert read_metrics(tmp_path, "validation") == []  # step 3's validation belonged to the attempt that was re-run
-    everything = read_metrics(tmp_path / METRICS_FILE, include_markers=True)
+    as_written = read_metrics(tmp_path, "train")
+    assert [(row["step"], row["loss"]) for row in as_written] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 3.5), (4, 4.5)]
+    history = read_metrics(tmp_path, "train", newest_attempt=True)
+    assert [(row["step"], row["loss"]) for row in history] == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
+    # step 3's validation belonged to the attempt that was re-run
+    assert read_metrics(tmp_path, "validation", newest_attempt=True) == []
+    everything = read_metrics(tmp_path / METRICS_FILE, newest_attempt=True, include_markers=True)
     assert [(row["split"], row["step"]) for row in everything] == [
         ("train", 1), ("train", 2), ("resumed_from", 2), ("train", 3), ("train", 4)]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import deque
 from pathlib import Path
 from typing import Optional
