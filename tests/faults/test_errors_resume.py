@@ -60,17 +60,6 @@ def test_resume_after_a_crash_with_new_schedule_settings(tmp_path):
     assert history[2]["loss"] == first_rows[2]["loss"]
 
 
-def test_resume_with_the_same_settings_says_nothing_about_settings(tmp_path):
-    root = tmp_path / "run"
-    settings = {**write_sft_inputs(root), "optim.lr": 1e-3, "optim.warmup_steps": 0}
-    assert run_sft({**settings, "trainer.max_steps": 2}).returncode == 0
-    result = run_sft({**settings, "trainer.max_steps": 2})  # resumes at the end: nothing left to run
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "resumed from" in result.stdout and "changed settings" not in result.stdout
-    markers = read_metrics(root / "logs", include_markers=True)
-    assert [row for row in markers if row["split"] == "resumed_from"][0]["changed_settings"] == {}
-
-
 @pytest.mark.slow
 def test_actor_resume_applies_new_schedule_settings(tmp_path):
     """The PPO/REINFORCE actor (PPOTrainer.resume_from): one optimizer step per step here, so the

@@ -57,7 +57,8 @@ def test_unchanged_settings_resume_the_same_schedule_and_report_nothing():
     state = _checkpoint_state(optim, total=50, steps_done=7)
     optimizer = ParamGroups(optim)
     scheduler = build_scheduler(optimizer, optim, 50)
-    assert schedule.resume_schedule(scheduler, optimizer, state, schedule.schedule_settings(optim, {"k": 50})) == {}
+    changes = schedule.resume_schedule(scheduler, optimizer, state, schedule.schedule_settings(optim, {"k": 50}))
+    assert changes == {} and schedule.describe_changes(changes, 7) is None  # no line is printed
     assert scheduler.num_steps == 7
     assert optimizer.param_groups[0]["lr"] == pytest.approx(
         scheduled_lr(7, lr=1e-3, min_lr=1e-5, warmup=3, total=50, style="cosine"), rel=1e-12)
