@@ -729,7 +729,6 @@ class PPOTrainer:
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         from aligner import checkpointing
-
         from aligner.training import schedule
 
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)

@@ -36,7 +36,7 @@ class OptimConfig:
     decay_style: str = one_of(DECAY_STYLES, "cosine")
     clip_grad: float = at_least(0.0, 1.0, "0: no clipping")
 
-    def check_fields(self):
+    def check_fields(self) -> Optional[tuple[str, str]]:
         if self.decay_style != "constant" and self.min_lr > self.lr:
             return "min_lr", f"the {self.decay_style} decay ends at min_lr, which must not exceed lr={self.lr}"
         return None
