@@ -11,6 +11,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from aligner.data.jsonl import DataError, read_json
+
 # Chat layout for tokenizers without a chat template: each segment is encoded
 # on its own, the assistant reply is followed by eos, e.g.
 #   <bos>System: {system}\nUser: {user}\nAssistant: {reply}<eos>User: ...
@@ -29,7 +31,11 @@ class Tokenizer:
                 f"tokenizer directory {path} does not exist; expected a local directory with "
                 "tokenizer files (tokenizer.json / tokenizer_config.json, e.g. written by save_pretrained)"
             )
-        self._init(AutoTokenizer.from_pretrained(str(path), local_files_only=True), source=str(path))
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as error:  # transformers and tokenizers raise many types for one damaged file
+            raise _unreadable_tokenizer(path, error) from error
+        self._init(hf_tokenizer, source=str(path))
 
     @classmethod
     def from_hf(cls, hf_tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
@@ -134,3 +140,12 @@ class Tokenizer:
     def save(self, directory: str | Path) -> None:
         """Write the tokenizer files so `Tokenizer(directory)` loads it back."""
         self.hf.save_pretrained(str(directory))
+
+
+def _unreadable_tokenizer(directory: Path, error: Exception) -> DataError:
+    """Which file of a tokenizer directory transformers could not read: a damaged JSON file by
+    name and line, else the directory with transformers' own first line."""
+    for path in sorted(directory.glob("*.json")):
+        read_json(path)  # raises DataError naming the file and line
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DataError(f"tokenizer directory {directory}: transformers cannot load it ({type(error).__name__}: {reason})")

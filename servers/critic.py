@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
+from aligner.config import at_least, require_checkpoint_dir
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.setup import OptimConfig
 from servers.reward_model import ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig
@@ -111,7 +112,7 @@ class CriticTrainConfig:
 @dataclass
 class CriticCheckpointConfig:
     save_dir: str = "results/critic/checkpoints"  # critic_save writes here; a restart resumes from the newest
-    keep_last: int = 2  # newest checkpoints kept; <= 0 keeps all
+    keep_last: int = at_least(0, 2, "0: keep all")  # newest checkpoints kept
 
 
 @dataclass
@@ -372,7 +373,15 @@ class Critic:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        return {"critic_step": self.step, "scheduler": self.scheduler.state_dict()}
+        from aligner.training import schedule
+
+        return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
+                schedule.STATE_KEY: self.schedule_settings()}
+
+    def schedule_settings(self) -> dict:
+        from aligner.training import schedule
+
+        return schedule.schedule_settings(self.cfg.optim, {"train.max_steps": self.cfg.train.max_steps})
 
     def save(self, step: int):
         from aligner import checkpointing
@@ -403,7 +412,11 @@ class Critic:
                 f"checkpoint.save_dir must be the critic's own directory")
         self.step = int(state["critic_step"])
         self.saved_step = self.step
-        self.scheduler.load_state_dict(state["scheduler"])
+        from aligner.training import schedule
+
+        changes = schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings())
+        if changes:
+            LOGGER.warning("critic %s", schedule.describe_changes(changes, self.step))
 
 
 def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
@@ -414,13 +427,16 @@ def build_critic(cfg: CriticServerConfig) -> tuple[Critic, int]:
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
 
+    require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
+    if cfg.combine_rm_and_critic:
+        require_checkpoint_dir(cfg.reward_model_file, "reward_model_file")
     init_meta = checkpointing.read_meta(cfg.critic.init_from)
     # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.
     head_fits = len(init_meta.get("reward", {}).get("attributes", [])) == 1
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed,
         model=setup.ModelSection(init_from=cfg.critic.init_from), tokenizer=setup.TokenizerConfig(), optim=cfg.optim,
-        save_dir=cfg.checkpoint.save_dir, resume=True,
+        save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
         chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
                                                                            head_seed=cfg.seed, train_bias=True, **kw),
         skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,))

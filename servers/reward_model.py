@@ -266,6 +266,9 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
     from servers.triton import check_ports_free, prepare_environment, serve
 
     cfg.validate()
+    from aligner.config import require_checkpoint_dir
+
+    require_checkpoint_dir(cfg.rm_model_file, "rm_model_file")
     if distributed.rank_and_world_from_env()[0] == 0:  # fail before loading a model if Triton cannot start
         prepare_environment()
         check_ports_free(cfg.server)

@@ -62,11 +62,11 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def metrics_rows(log_dir: Path, *splits: str) -> list[dict]:
-    """The rows a run wrote to log_dir/metrics.jsonl, in order; only those of `splits` if given."""
-    import json
+    """The rows a run wrote to log_dir/metrics.jsonl, in order; only those of `splits` if given
+    (`aligner.training.metrics.read_metrics`: without resume marker rows or a partial last row)."""
+    from aligner.training.metrics import read_metrics
 
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if not splits or row["split"] in splits]
+    return read_metrics(log_dir, *splits)
 
 
 def dotted_keys(config) -> set[str]:

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from aligner.config import at_least
 from aligner.rl import ppo_math as M
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
@@ -56,20 +57,20 @@ class RewardSection:
 class CriticSection:
     # model_name: the server's inference model; its train/save models are named critic_train/critic_save
     server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name="critic_infer"))
-    warmup_steps: int = 0  # rollout rounds in which only the critic trains, before the actor's first update
+    warmup_steps: int = at_least(0, 0)  # rollout rounds in which only the critic trains, before the actor's first update
 
 
 @dataclass
 class GenerationSection:
     engine: str = "native"  # native | trtllm (GPU clusters, optional extra)
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0  # stop tokens are masked until this many tokens (truncation after a minimum length)
+    max_new_tokens: int = at_least(1, 32)
+    min_new_tokens: int = at_least(0, 0)  # stop tokens are masked until this many tokens (truncation after a minimum length)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     fixed_length: bool = False  # keep sampling past the stop token (OpenAI's original setting)
     stop_strings: list = field(default_factory=list)
-    micro_batch_size: int = 16  # prompts per generate call and per router hand-out
+    micro_batch_size: int = at_least(1, 16)  # prompts per generate call and per router hand-out
     router: str = "dynamic"  # dynamic: a shared queue (slow ranks take fewer prompts) | static
     trtllm_work_dir: str = "results/trtllm"
 
@@ -85,8 +86,8 @@ class KLSection:
 
 @dataclass
 class PPOSection:
-    prompts_per_step: int = 64  # rollouts per step, over all data-parallel ranks
-    epochs: int = 1  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
+    prompts_per_step: int = at_least(1, 64)  # rollouts per step, over all data-parallel ranks
+    epochs: int = at_least(1, 1)  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
     clip_ratio: float = 0.2
     entropy_coef: float = 0.0  # entropy bonus
     gamma: float = 1.0
@@ -120,7 +121,7 @@ class EMASection:
 class PPODataSection:
     prompts: str = "???"  # JSONL, {"prompt": text or [{"role", "content"}, ...]} per line
     validation_prompts: Optional[str] = None
-    max_prompt_length: int = 64
+    max_prompt_length: int = at_least(1, 64)
     shuffle: bool = True
     chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
 
@@ -132,8 +133,8 @@ class PolicySection:
 
 @dataclass
 class PPOLoggingConfig(LoggingConfig):
-    samples_interval: int = 10  # steps between tables of sample generations (TensorBoard text); 0: off
-    num_samples: int = 4
+    samples_interval: int = at_least(0, 10, "0: off")  # steps between tables of sample generations (TensorBoard text)
+    num_samples: int = at_least(0, 4)
 
 
 @dataclass
@@ -690,17 +691,24 @@ class PPOTrainer:
 
     # -- checkpoints
     def state_dict(self) -> dict:
+        from aligner.training import schedule
+
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
-                "scheduler": self.policy.scheduler.state_dict()}
+                "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        """Continue from a checkpoint's trainer state under this run's schedule settings; returns
+        {key: (checkpoint value, current value)} of the settings that changed."""
+        from aligner.training import schedule
+
         self.step = state["step"]
         self.optimizer_steps = state["optimizer_steps"]
         self.kl_controller.load_state_dict(state["kl"])
         self.order.load_state_dict(state["prompts"])
         self.critic_warmup_done = state["critic_warmup_done"]
-        self.policy.scheduler.load_state_dict(state["scheduler"])
+        return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
+                                        self.policy.schedule_settings)
 
     def save(self) -> Path:
         from aligner import checkpointing
@@ -737,13 +745,17 @@ class PPOTrainer:
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         from aligner import checkpointing
+        from aligner.training import schedule
 
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
-        self.load_state_dict(meta["trainer_state"])
+        changes = self.load_state_dict(meta["trainer_state"])
         self.saved = (self.step, self.critic_warmup_done)
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
+        self.metrics.log_resume(self.step, checkpoint_dir, changes)
         self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")
+        if changes:
+            self.metrics.write(schedule.describe_changes(changes, self.step))
 
 
 # ----------------------------------------------------------------------------- building a run

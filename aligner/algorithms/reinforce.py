@@ -40,6 +40,7 @@ from aligner.algorithms.ppo import (
     RewardSection,
     check_actor_config,
 )
+from aligner.config import at_least
 from aligner.rl import ppo_math as M
 from aligner.rl import reinforce_math as R
 from aligner.training.setup import RunConfig
@@ -48,12 +49,12 @@ from aligner.training.setup import RunConfig
 # ----------------------------------------------------------------------------- config schema
 @dataclass
 class ReinforceSection:
-    prompts_per_step: int = 64  # distinct prompts per step over all data-parallel ranks
-    samples_per_prompt: int = 4  # k rollouts of each prompt (a group); rollouts per step = prompts_per_step * k
+    prompts_per_step: int = at_least(1, 64)  # distinct prompts per step over all data-parallel ranks
+    samples_per_prompt: int = at_least(1, 4)  # k rollouts of each prompt (a group); rollouts per step = prompts_per_step * k
     baseline: str = "rloo"  # rloo: mean of the other k-1 rewards | mean: group mean (GRPO) | none
     normalize_by_group_std: bool = False  # (r - baseline) / (group reward std + std_eps), GRPO-style
     std_eps: float = 1.0e-6
-    epochs: int = 1  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
+    epochs: int = at_least(1, 1)  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
     clip_ratio: float = 0.2  # PPO-style ratio clip; inactive with one epoch of one minibatch (ratio = 1)
     entropy_coef: float = 0.0
     loss_aggregation: str = "token_mean"  # token_mean | sequence_mean

@@ -36,6 +36,7 @@ import torch
 
 from aligner.algorithms.dpo import (REFERENCE_MODES, DPOObjective, DPOSection, SwappedReferenceLoader,
                                     precompute_reference_logprobs)
+from aligner.config import at_least
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
 
@@ -49,16 +50,16 @@ class SPINGenerationConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 64
-    batch_size: int = 256  # prompts per generate call (the KV cache's batch)
+    max_new_tokens: int = at_least(1, 64)
+    batch_size: int = at_least(1, 256)  # prompts per generate call (the KV cache's batch)
 
 
 @dataclass
 class SPINSection:
     """The `spin:` section."""
 
-    num_iterations: int = 1
-    steps_per_iteration: int = 100  # optimizer steps per iteration (global_batch_size pairs each)
+    num_iterations: int = at_least(1, 1)
+    steps_per_iteration: int = at_least(1, 100)  # optimizer steps per iteration (global_batch_size pairs each)
     kl_betas: list = field(default_factory=lambda: [0.1])  # beta per iteration; one value: every iteration
     sft_loss_weight: float = 0.0  # > 0: add this weight times the NLL of the demonstration
     preference_average_logprobs: bool = False
@@ -75,8 +76,8 @@ class DemonstrationFile:
 class SPINTrainerConfig:
     """The `trainer:` section: SPIN's length is spin.num_iterations x spin.steps_per_iteration."""
 
-    global_batch_size: int = 32  # pairs
-    micro_batch_size: int = 4  # pairs
+    global_batch_size: int = at_least(1, 32)  # pairs
+    micro_batch_size: int = at_least(1, 4)  # pairs
 
 
 @dataclass
@@ -84,9 +85,9 @@ class SPINDataConfig:
     """The `data:` section: SFT demonstrations (no validation: self-play has no held-out pairs)."""
 
     train: list[DemonstrationFile] = field(default_factory=list)  # all files are used, concatenated
-    max_seq_length: int = 512
+    max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: int = 8
+    pad_to_multiple_of: int = at_least(1, 8)
     chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
 
@@ -308,9 +309,6 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     from aligner.training.metrics import get_logger
 
     spin = cfg.spin
-    if spin.num_iterations < 1 or spin.steps_per_iteration < 1:
-        raise ValueError(f"spin.num_iterations and spin.steps_per_iteration must be >= 1, got "
-                         f"{spin.num_iterations} and {spin.steps_per_iteration}")
     if spin.reference_logprobs not in REFERENCE_MODES:
         raise ValueError(f"spin.reference_logprobs must be one of {REFERENCE_MODES}, got {spin.reference_logprobs!r}")
     iteration_betas(spin)
@@ -330,6 +328,7 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     trainer = setup.build_trainer(
         cfg, built, DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
         total_steps=total_steps,
+        length_settings={"spin.num_iterations": spin.num_iterations, "spin.steps_per_iteration": spin.steps_per_iteration},
     )
     metrics = trainer.metrics
     if built.resume_checkpoint is not None:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from aligner.config import run_main
 from aligner.demo.arithmetic import accuracy_by_carry
 
 
@@ -159,5 +160,5 @@ def main(argv=None) -> None:
         Path(args.output).write_text(json.dumps(result, indent=2))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # checkpoint loading (dist_checkpointing) spawns processes that re-import __main__
+    run_main(main)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import checkpointing
+from aligner.data.jsonl import read_json
 from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, infer_arch, megatron_to_hf
 from aligner.models.gpt import GPTConfig
 
@@ -43,13 +44,6 @@ TOKENIZER_PATTERNS = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-
-
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     directory = Path(hf_dir)
     if not directory.is_dir():
@@ -57,7 +51,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model directory")
-    return _read_json(path)
+    return read_json(path)
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -91,7 +85,7 @@ def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         if (directory / single).is_file():
             return dict(load(directory / single))
         if (directory / index).is_file():
-            weight_map = _read_json(directory / index).get("weight_map")
+            weight_map = read_json(directory / index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{directory / index}: no 'weight_map' object")
             state: dict[str, torch.Tensor] = {}
@@ -194,7 +188,7 @@ def import_hf(
     source = {
         "source_dir": str(hf_dir.resolve()),
         "dtype": _torch_dtype_name(hf_state),
-        "generation_config": _read_json(generation_config) if generation_config.is_file() else None,
+        "generation_config": read_json(generation_config) if generation_config.is_file() else None,
     }
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = Path(scratch) / "tokenizer"
@@ -270,7 +264,7 @@ def _write_imported_checkpoint(
 def read_hf_source(checkpoint_dir: str | os.PathLike) -> dict:
     """What `import_hf` recorded about the source model ({} for checkpoints not imported from HF)."""
     path = Path(checkpoint_dir) / HF_SOURCE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def _special_token_ids(checkpoint_dir: Path, source: dict) -> dict[str, Optional[int]]:

@@ -1,20 +1,31 @@
 """Metrics: a progress bar, a per-step metrics line, TensorBoard by default, W&B when configured.
 
 Everything here acts on rank 0 only; other ranks get a logger whose methods do nothing.
+
+`<log_dir>/metrics.jsonl` holds one JSON row per logged metric set, `{"step", "split", ...}`,
+appended across resumes. A resume first writes a marker row
+`{"step": N, "split": "resumed_from", "checkpoint": PATH, "changed_settings": {KEY: [OLD, NEW]}}`:
+rows after it with step > N re-run steps that rows before it already logged. A row cut short by a
+crash is removed when the file is next opened for appending. `read_metrics` reads the file
+without marker rows, either as written or as the run's history (one row per step and split, from
+its newest attempt).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
+from aligner.config import OutputError, at_least, require_writable_dir
 from aligner.runtime.distributed import is_rank_zero
 
 
@@ -30,11 +41,91 @@ class LoggingConfig:
     """The `logging:` section."""
 
     log_dir: str = "results"
-    log_interval: int = 1
+    log_interval: int = at_least(1, 1)
     tensorboard: bool = True
     progress_bar: bool = True
     peak_tflops: Optional[float] = None  # per device, for the MFU estimate; None: measured (CPU) or table (GPU)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+METRICS_FILE = "metrics.jsonl"
+RESUMED_FROM = "resumed_from"  # the split of a resume's marker row
+
+
+def read_metrics(path: str | Path, *splits: str, newest_attempt: bool = False,
+                 include_markers: bool = False) -> list[dict]:
+    """The rows of a metrics.jsonl (or of `<log_dir>/metrics.jsonl`), in order; those of `splits` if given.
+
+    A last line without its newline that is not valid JSON (a write cut short by a crash) is
+    skipped. newest_attempt: drop the rows that a resume re-ran (at a `resumed_from` marker for
+    step N, the earlier rows with step > N), so each step appears once, from its newest attempt.
+    include_markers: keep the marker rows as well (they are left out otherwise, whatever `splits` says).
+    """
+    from aligner.data.jsonl import DataError
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    rows: list[dict] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # the unterminated last line: a crash cut this write short
+                break
+            raise DataError(f"{path}:{number}: not valid JSON ({error.msg}); expected one metrics row per line") from None
+        if newest_attempt and row.get("split") == RESUMED_FROM:
+            rows = [kept for kept in rows if kept["step"] <= row["step"] or kept["split"] == RESUMED_FROM]
+        rows.append(row)
+    return [row for row in rows if (include_markers or row["split"] != RESUMED_FROM)
+            and (not splits or row["split"] in splits or (include_markers and row["split"] == RESUMED_FROM))]
+
+
+def _drop_partial_last_line(path: Path) -> int:
+    """Cut a last line that has no newline (a crash mid-write) off the file; returns the bytes removed."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, 2)
+        if size == 0:
+            return 0
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
+            return 0
+        # Scan back for the last complete line (rows are small: a few kB at most).
+        keep, position = 0, size
+        while position > 0:
+            start = max(position - 65536, 0)
+            handle.seek(start)
+            chunk = handle.read(position - start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            position = start
+        handle.truncate(keep)
+        return size - keep
+
+
+def _quiet_tensorboard_writer_failures() -> None:
+    """TensorBoard's writer thread re-raises a failed write (a full disk), which prints a thread
+    traceback; the main thread gets the same error at its next write and ends the run with one line
+    (MetricsLogger._writing), so the thread's own report is left out. Idempotent."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        from_tensorboard = type(args.thread).__module__.startswith("tensorboard.")
+        if not (from_tensorboard and args.exc_type is not None and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 def get_logger(name: str = "aligner") -> logging.Logger:
@@ -97,12 +188,21 @@ class MetricsLogger:
         if not self.enabled:
             return
         log_dir = Path(config.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        require_writable_dir(log_dir, "logging.log_dir")
         # Machine-readable copy of every logged metric (full precision), appended across resumes.
-        self.jsonl = open(log_dir / "metrics.jsonl", "a")
+        self.jsonl_path = log_dir / METRICS_FILE
+        try:
+            dropped = _drop_partial_last_line(self.jsonl_path)
+            self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        except OSError as error:
+            raise OutputError(f"{self.jsonl_path}: cannot open it for appending ({error.strerror or error})") from None
+        if dropped:
+            self.logger.warning(f"{self.jsonl_path}: removed a partial last row ({dropped} bytes) that an interrupted "
+                                "run left behind")
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_writer_failures()
             self.tensorboard = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
         if config.wandb.enabled:
             try:
@@ -117,23 +217,52 @@ class MetricsLogger:
             self.progress = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True,
                                  file=sys.stderr, disable=None)
 
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        """A full or failing disk under log_dir ends the run with one line naming the file (OutputError):
+        every later metric would be lost. The trainer's stop handling decides what else to save."""
+        try:
+            yield
+        except OSError as error:
+            if self.jsonl is not None:
+                jsonl, self.jsonl = self.jsonl, None
+                with contextlib.suppress(OSError):
+                    jsonl.close()  # a partial row it leaves is dropped when the file is next opened
+            raise OutputError(f"{path}: cannot write metrics ({error.strerror or error}); the run stops, since "
+                              "every later metric would be lost") from None
+
+    def _write_row(self, row: dict) -> None:
+        with self._writing(self.jsonl_path):
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+
     def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
-        self.jsonl.flush()
+        self._write_row({"step": step, "split": prefix, **metrics})
         if self.tensorboard is not None:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+            with self._writing(Path(self.tensorboard.log_dir)):
+                for key, value in metrics.items():
+                    self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{key}": value for key, value in metrics.items()}, step=step)
         if step % max(self.config.log_interval, 1) == 0 or prefix != "train":
             line = " ".join(f"{key}={_format(value)}" for key, value in metrics.items())
             self.write(f"{prefix} step {step}: {line}")
 
+    def log_resume(self, step: int, checkpoint: str | Path, changed_settings: Optional[dict] = None) -> None:
+        """The marker row of a resume from `checkpoint` at `step`: rows after it with a step > `step`
+        re-run steps that earlier rows logged. changed_settings: {key: [old, new]} of the schedule
+        settings that differ from the checkpoint's (see aligner.training.schedule)."""
+        if not self.enabled:
+            return
+        self._write_row({"step": step, "split": RESUMED_FROM, "checkpoint": str(checkpoint),
+                         "changed_settings": {key: list(pair) for key, pair in (changed_settings or {}).items()}})
+
     def log_text(self, step: int, tag: str, text: str) -> None:
         if self.enabled and self.tensorboard is not None:
-            self.tensorboard.add_text(tag, text, step)
+            with self._writing(Path(self.tensorboard.log_dir)):
+                self.tensorboard.add_text(tag, text, step)
 
     def advance(self, steps: int = 1, **postfix: float) -> None:
         if self.progress is not None:
@@ -152,11 +281,16 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.jsonl.close()
+        if self.jsonl is not None:
+            with self._writing(self.jsonl_path):
+                jsonl, self.jsonl = self.jsonl, None
+                jsonl.close()
         if self.progress is not None:
             self.progress.close()
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            tensorboard, self.tensorboard = self.tensorboard, None
+            with self._writing(Path(tensorboard.log_dir)):
+                tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 

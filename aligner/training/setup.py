@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from aligner.config import at_least, one_of, require_checkpoint_dir
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import distributed
 from aligner.runtime.distributed import ParallelConfig
@@ -19,18 +20,26 @@ from aligner.training.metrics import LoggingConfig
 from aligner.training.trainer import CheckpointConfig, TrainerConfig
 
 
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
 @dataclass
 class OptimConfig:
     """The `optim:` section."""
 
-    lr: float = 1e-4
-    min_lr: float = 1e-5
-    weight_decay: float = 0.01
+    lr: float = at_least(0.0, 1e-4)
+    min_lr: float = at_least(0.0, 1e-5)
+    weight_decay: float = at_least(0.0, 0.01)
     betas: list = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
-    warmup_steps: int = 0
-    decay_style: str = "cosine"  # cosine | linear | constant
-    clip_grad: float = 1.0
+    warmup_steps: int = at_least(0, 0)
+    decay_style: str = one_of(DECAY_STYLES, "cosine")
+    clip_grad: float = at_least(0.0, 1.0, "0: no clipping")
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if self.decay_style != "constant" and self.min_lr > self.lr:
+            return "min_lr", f"the {self.decay_style} decay ends at min_lr, which must not exceed lr={self.lr}"
+        return None
 
 
 def build_model_chunks(
@@ -136,12 +145,15 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dt
 
 def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_steps: int,
                   optimizer_steps: Optional[int] = None, train_loader=None, val_loader=None,
-                  checkpoint_meta: Optional[dict] = None):
+                  checkpoint_meta: Optional[dict] = None, length_settings: Optional[dict] = None):
     """The shared Trainer over a built model: an LR schedule over `optimizer_steps` (default
     total_steps), metrics and progress over `total_steps`, checkpoints that record the model config
-    (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller."""
+    (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller.
+    length_settings: the config keys that set the run's length (default trainer.max_steps), which a
+    resume reports when they changed."""
     from aligner.models.gpt import num_parameters
     from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
+    from aligner.training.schedule import schedule_settings
     from aligner.training.trainer import Trainer
 
     model_cfg = built.model_cfg
@@ -154,14 +166,15 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         run_id=built.run_id,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
+        schedule_settings=schedule_settings(cfg.optim, length_settings or {"trainer.max_steps": cfg.trainer.max_steps}),
     )
 
 
 def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if optim.decay_style not in ("cosine", "linear", "constant"):
-        raise ValueError(f"optim.decay_style must be cosine, linear or constant, got {optim.decay_style!r}")
+    if optim.decay_style not in DECAY_STYLES:
+        raise ValueError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got {optim.decay_style!r}")
     warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
     return OptimizerParamScheduler(
         optimizer,
@@ -226,12 +239,13 @@ class TrainingModel:
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
-                         model_overrides: Optional[dict] = None) -> TrainingModel:
+                         model_overrides: Optional[dict] = None, init_from_key: str = "model.init_from") -> TrainingModel:
     """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
 
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
     skip_prefixes names parameters that `init_from` does not provide (a fresh reward head);
-    model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO).
+    model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO);
+    init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages.
     """
     from pathlib import Path
 
@@ -240,13 +254,21 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
 
-    data_parallel_size = distributed.initialize(parallel)
-    params_dtype = distributed.resolve_precision(precision)
     init_from = model.init_from
+    if init_from:
+        require_checkpoint_dir(init_from, init_from_key)
+    if tokenizer.path and not Path(tokenizer.path).is_dir():
+        raise checkpointing.CheckpointError(f"tokenizer.path={tokenizer.path} is not a directory; expected an HF "
+                                            "tokenizer directory (tokenizer.json / tokenizer_config.json)")
     tokenizer_dir = tokenizer.path or (str(Path(init_from) / checkpointing.TOKENIZER_DIR) if init_from else None)
     if tokenizer_dir is None:
-        raise checkpointing.CheckpointError("set tokenizer.path (or model.init_from to a checkpoint that holds a tokenizer)")
+        raise checkpointing.CheckpointError(f"set tokenizer.path (or {init_from_key} to a checkpoint that holds a tokenizer)")
+    if not Path(tokenizer_dir).is_dir():
+        raise checkpointing.CheckpointError(f"{init_from_key}={init_from} holds no {checkpointing.TOKENIZER_DIR}/ "
+                                            "directory; set tokenizer.path to the tokenizer to use")
     loaded_tokenizer = Tokenizer(tokenizer_dir)
+    data_parallel_size = distributed.initialize(parallel)
+    params_dtype = distributed.resolve_precision(precision)
     if init_from:
         model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
     else:
@@ -352,9 +374,9 @@ class DataSection:
     train: list[DatasetEntry] = field(default_factory=list)
     validation: list[DatasetEntry] = field(default_factory=list)  # empty: carve `split` out of train
     split: str = "98,2"
-    max_seq_length: int = 512
+    max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: int = 8
+    pad_to_multiple_of: int = at_least(1, 8)
     # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
     # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
     chat_template: bool = True

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from aligner import checkpointing
+from aligner.config import at_least
 from aligner.models.forward import run_microbatches
 from aligner.runtime import stopping
+from aligner.training import schedule
 from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 
 
@@ -25,12 +27,13 @@ from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
 class TrainerConfig:
     """The `trainer:` section."""
 
-    max_steps: int = 100
-    max_epochs: Optional[int] = None
-    global_batch_size: int = 32
-    micro_batch_size: int = 4
+    # 0: no training step (the initial weights are saved as step 0); with max_epochs set: no step limit
+    max_steps: int = at_least(0, 100, "0: no training step, or no step limit when max_epochs is set")
+    max_epochs: Optional[int] = at_least(1, None, "null: max_steps alone")
+    global_batch_size: int = at_least(1, 32)
+    micro_batch_size: int = at_least(1, 4)
     val_check_interval: int = 50  # steps; <= 0 disables
-    limit_val_samples: Optional[int] = None
+    limit_val_samples: Optional[int] = at_least(1, None, "null: the whole validation set")
 
 
 @dataclass
@@ -38,17 +41,13 @@ class CheckpointConfig:
     """The `checkpoint:` section."""
 
     save_dir: str = "results/checkpoints"
-    save_interval: int = 0  # steps; <= 0: only at the end
-    keep_last: int = 2
+    save_interval: int = at_least(0, 0, "0: only at the end")  # steps
+    keep_last: int = at_least(0, 2, "0: keep all")
     save_at_end: bool = True
     resume: bool = True  # continue from the newest checkpoint in save_dir if there is one
     # SIGTERM/SIGINT: stop at the next step boundary and save, within this many seconds of the
     # signal, else exit without the checkpoint (aligner/runtime/stopping.py)
-    stop_grace_s: float = 600.0
-
-    def __post_init__(self):
-        if not self.stop_grace_s > 0:
-            raise ValueError(f"checkpoint.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
+    stop_grace_s: float = at_least(1.0, 600.0)
 
 
 class Objective(Protocol):
@@ -73,7 +72,7 @@ class Trainer:
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
-                 hidden_size: int, peak_tflops: float, run_id: str):
+                 hidden_size: int, peak_tflops: float, run_id: str, schedule_settings: Optional[dict] = None):
         self.name = name
         self.trainer_cfg = trainer_cfg
         self.checkpoint_cfg = checkpoint_cfg
@@ -89,6 +88,8 @@ class Trainer:
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
         self.peak_tflops = peak_tflops
         self.run_id = run_id  # carried by this run's checkpoints; pruning deletes only those
+        # what the LR schedule was built from (aligner.training.schedule), saved to tell a resume what changed
+        self.schedule_settings = schedule_settings or {}
         self.step = 0
         self.consumed_samples = 0
         self.saved_step: Optional[int] = None  # the step of the newest checkpoint this run wrote or resumed from
@@ -167,12 +168,15 @@ class Trainer:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict()}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict(),
+                schedule.STATE_KEY: self.schedule_settings}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        """Continue from a checkpoint's trainer state under this run's schedule settings; returns
+        {key: (checkpoint value, current value)} of the settings that changed."""
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
-        self.scheduler.load_state_dict(state["scheduler"])
+        return schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings)
 
     def save(self) -> Path:
         path = checkpointing.save(
@@ -195,14 +199,17 @@ class Trainer:
 
     def resume_from(self, checkpoint_dir: Path) -> None:
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
-        self.load_state_dict(meta["trainer_state"])
+        changes = self.load_state_dict(meta["trainer_state"])
         self.saved_step = self.step
         if self.metrics.progress is not None:
             self.metrics.progress.update(self.step)
+        self.metrics.log_resume(self.step, checkpoint_dir, changes)
         self.metrics.write(
             f"resumed from {checkpoint_dir} at step {self.step} ({self.consumed_samples} samples consumed"
             f"{'' if meta['rng_restored'] else '; RNG not restored: the parallel layout changed'})"
         )
+        if changes:
+            self.metrics.write(schedule.describe_changes(changes, self.step))
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:

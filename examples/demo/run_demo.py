@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 from aligner.checkpointing import latest_checkpoint
+from aligner.config import run_main
+from aligner.training.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -194,15 +196,23 @@ class Demo:
 
     @property
     def sft_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "sft" / "checkpoints")
+        return self._earlier_stage_checkpoint("sft", self.work / "sft" / "checkpoints")
 
     @property
     def rm_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "reward_model" / "checkpoints")
+        return self._earlier_stage_checkpoint("reward_models", self.work / "reward_model" / "checkpoints")
 
     @property
     def attribute_rm_checkpoint(self) -> Path:
-        return latest_checkpoint(self.work / "attribute_reward_model" / "checkpoints")
+        return self._earlier_stage_checkpoint("reward_models", self.work / "attribute_reward_model" / "checkpoints")
+
+    @staticmethod
+    def _earlier_stage_checkpoint(stage: str, save_dir: Path) -> Path:
+        found = latest_checkpoint(save_dir)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint under {save_dir}: run the '{stage}' stage first "
+                                    f"(--stages {stage},...) with the same --workdir")
+        return found
 
     def greedy(self, name: str, checkpoint: Path, extra: tuple = ()) -> dict:
         result = evaluate(f"evaluate {name}", checkpoint, self.heldout, self.work / f"eval_{name}.json", extra=extra)
@@ -231,8 +241,7 @@ class Demo:
         sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout, self.work / "eval_sft_sampled.json",
                            temperature=1.0)
         self.table.append(("SFT, sampled at T=1", sampled))
-        losses = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
-        train_losses = [row["loss"] for row in losses if row["split"] == "train"]
+        train_losses = [row["loss"] for row in read_metrics(sft_dir, "train", newest_attempt=True)]
         self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models
@@ -365,4 +374,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,6 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from aligner.config import require_checkpoint_dir, run_main
 from aligner.launcher import ACTOR_EXIT_MARGIN_S, ManagedProcess, actor_command, run_processes
 from aligner.training.trainer import CheckpointConfig
 
@@ -50,6 +51,9 @@ def main() -> None:
     critic_init = args.critic_checkpoint or args.reward_checkpoint
     if not critic_init:
         parser.error("give --critic-checkpoint (the critic's starting weights)")
+    for flag, path in (("--reward-checkpoint", args.reward_checkpoint), ("--critic-checkpoint", critic_init)):
+        if path:  # refused here, not after a server has started and failed
+            require_checkpoint_dir(path, flag)
     log_dir = Path(args.log_dir)
 
     critic_args = [f"critic.init_from={critic_init}", f"server.port={args.critic_port}",
@@ -78,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from aligner.config import OutputError, run_main
 from aligner.demo import arithmetic
 
 
@@ -82,13 +83,17 @@ def summarize(name: str, records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in build_files(args).items():
-        with open(args.out_dir / name, "w") as handle:
-            for record in records:
-                handle.write(json.dumps(record) + "\n")
+        path = args.out_dir / name
+        try:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as handle:
+                for record in records:
+                    handle.write(json.dumps(record) + "\n")
+        except OSError as error:
+            raise OutputError(f"{path}: cannot write it ({error.strerror or error})") from None
         print(summarize(name, records))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

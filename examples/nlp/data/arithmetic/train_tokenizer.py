@@ -9,10 +9,11 @@ HF tokenizer directory; see aligner/demo/tokenizer.py for its ids, decoding and 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Iterator
 
+from aligner.config import OutputError, run_main
+from aligner.data.jsonl import read_jsonl
 from aligner.demo.tokenizer import SPECIAL_TOKENS, train_char_tokenizer
 
 
@@ -37,10 +38,8 @@ def read_texts(data_dir: Path) -> list[str]:
         )
     texts = []
     for path in paths:
-        with open(path) as handle:
-            for line in handle:
-                if line.strip():
-                    texts.extend(string_values(json.loads(line)))
+        for _, record in read_jsonl(path):
+            texts.extend(string_values(record))
     return texts
 
 
@@ -51,7 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     texts = read_texts(args.data_dir)
-    train_char_tokenizer(texts, args.out_dir)
+    try:
+        train_char_tokenizer(texts, args.out_dir)
+    except OSError as error:
+        raise OutputError(f"--out-dir {args.out_dir}: cannot write the tokenizer ({error.strerror or error})") from None
 
     from transformers import AutoTokenizer
 
@@ -61,4 +63,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,15 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import deque
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
 
-from aligner.clients.reward import ClientError, RewardClient, ServerUnavailableError
-from aligner.data.jsonl import DataError, read_jsonl
+from aligner.clients.reward import RewardClient
+from aligner.config import OutputError, run_main
+from aligner.data.jsonl import read_jsonl
 from aligner.data.steerlm import ATTRIBUTES_KEY
 
 SCORES_KEY = "attribute_scores"  # --keep-scores: the unrounded predictions
@@ -172,32 +172,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> None:
+    """User errors raise (AnnotationError, DataError, ClientError, ...); run_main prints them as one line."""
     args = parse_args(argv)
+    attributes = [name.strip() for name in args.attributes.split(",") if name.strip()]
+    if not attributes:
+        raise AnnotationError("--attributes names no attribute")
+    scales = parse_scales(args.scale, attributes)
+    if args.batch_size < 1 or args.max_in_flight < 1:
+        raise AnnotationError("--batch-size and --max-in-flight must be >= 1")
+    records = list(read_jsonl(args.input))[: args.limit]
+    if not records:
+        raise AnnotationError(f"{args.input} holds no records to annotate")
     try:
-        attributes = [name.strip() for name in args.attributes.split(",") if name.strip()]
-        if not attributes:
-            raise AnnotationError("--attributes names no attribute")
-        scales = parse_scales(args.scale, attributes)
-        if args.batch_size < 1 or args.max_in_flight < 1:
-            raise AnnotationError("--batch-size and --max-in-flight must be >= 1")
-        records = list(read_jsonl(args.input))[: args.limit]
-        if not records:
-            raise AnnotationError(f"{args.input} holds no records to annotate")
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with RewardClient(args.host, args.port, args.model_name, timeout_s=args.request_timeout,
-                          ready_timeout_s=args.ready_timeout, max_workers=args.max_in_flight) as client:
-            client.wait_until_ready(timeout_s=args.ready_timeout)
-            added = annotate(records, args.input, args.output, client, attributes, scales,
-                             batch_size=args.batch_size, max_in_flight=args.max_in_flight,
-                             progress=not args.no_progress, keep_scores=args.keep_scores)
-    except (AnnotationError, DataError, ServerUnavailableError, ClientError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except OSError as error:
+        raise OutputError(f"--output {args.output}: cannot create its directory ({error.strerror})") from None
+    with RewardClient(args.host, args.port, args.model_name, timeout_s=args.request_timeout,
+                      ready_timeout_s=args.ready_timeout, max_workers=args.max_in_flight) as client:
+        client.wait_until_ready(timeout_s=args.ready_timeout)
+        added = annotate(records, args.input, args.output, client, attributes, scales,
+                         batch_size=args.batch_size, max_in_flight=args.max_in_flight,
+                         progress=not args.no_progress, keep_scores=args.keep_scores)
     print(f"annotated {added} records ({len(records) - added} already in {args.output}); "
           f"{len(records)} in {args.output}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

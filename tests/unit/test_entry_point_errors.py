@@ -1,0 +1,226 @@
+"""User errors at every entry point end with exactly one `error: ...` line naming the file or key, exit 2.
+
+Config value checks run in this process; the entry points run in subprocesses, so what prints
+the line is run_main, reached through each script's `if __name__ == "__main__"`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aligner.algorithms.ppo import PPOConfig
+from aligner.algorithms.sft import SFTConfig
+from aligner.algorithms.spin import SPINConfig
+from aligner.config import CONF_DIR, ConfigError, load_config
+from servers.critic import CriticServerConfig
+
+from ..conftest import REPO_ROOT, _free_port, write_jsonl
+
+SFT_REQUIRED = ["data.train=[{path: x.jsonl}]"]
+GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
+DATA = REPO_ROOT / "examples" / "nlp" / "data"
+
+
+@pytest.mark.parametrize("schema, yaml_name, required, override, message", [
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "trainer.max_steps=-5", r"trainer.max_steps=-5 is out of range: it must be >= 0"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "trainer.max_epochs=0", r"trainer.max_epochs=0 .* >= 1"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "trainer.global_batch_size=0", r"trainer.global_batch_size=0 .* >= 1"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "trainer.micro_batch_size=-4", r"trainer.micro_batch_size=-4 .* >= 1"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "checkpoint.keep_last=-1", r"checkpoint.keep_last=-1 .* >= 0 \(0: keep all\)"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "checkpoint.save_interval=-10", r"checkpoint.save_interval=-10 .* \(0: only at the end\)"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.warmup_steps=-1", r"optim.warmup_steps=-1"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.lr=-0.1", r"optim.lr=-0.1"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.min_lr=0.5", r"optim.min_lr=0.5: the cosine decay ends at min_lr"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.decay_style=cos", r"optim.decay_style='cos' is not one of cosine"),
+    (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "logging.log_interval=0", r"logging.log_interval=0"),
+    (PPOConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "ppo.epochs=0", r"ppo.epochs=0"),
+    (PPOConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "trainer.max_steps=-1",
+     r"trainer.max_steps=-1"),
+    (SPINConfig, "gpt_spin.yaml", ["data.train=[{path: x.jsonl}]", "model.init_from=x"], "spin.steps_per_iteration=0",
+     r"spin.steps_per_iteration=0"),
+    (CriticServerConfig, "gpt_ppo_critic.yaml", ["critic.init_from=x"], "checkpoint.keep_last=-2",
+     r"checkpoint.keep_last=-2"),
+])
+def test_values_that_make_no_sense_are_refused_at_load_with_the_key(schema, yaml_name, required, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(schema, CONF_DIR / yaml_name, [*required, override])
+
+
+def test_edge_values_that_mean_something_load():
+    """0 steps (save the initial weights), keep_last 0 (keep all), save_interval 0 (only at the end)."""
+    cfg = load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [*SFT_REQUIRED, "trainer.max_steps=0",
+                                                           "checkpoint.keep_last=0", "checkpoint.save_interval=0",
+                                                           "optim.decay_style=constant", "optim.min_lr=1.0"])
+    assert cfg.trainer.max_steps == 0 and cfg.checkpoint.keep_last == 0
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrainer:\n  max_steps: [1,\n  micro_batch_size: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:\d+: invalid YAML: .*flow sequence from line 3"):
+        load_config(SFTConfig, bad)
+    tabs = tmp_path / "tabs.yaml"
+    tabs.write_text("trainer:\n\tmax_steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{tabs}:2: invalid YAML"):
+        load_config(SFTConfig, tabs)
+    with pytest.raises(ConfigError, match=r"override 'trainer.max_steps=\[1,': the value is not valid YAML"):
+        load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [*SFT_REQUIRED, "trainer.max_steps=[1,"])
+
+
+# ----------------------------------------------------------------------------- entry points as subprocesses
+def _damaged_tokenizer(source: Path, target: Path, name: str) -> Path:
+    """A copy of a tokenizer directory with `name` cut in half (as a crash or full disk leaves it)."""
+    shutil.copytree(source, target)
+    text = (target / name).read_text()
+    (target / name).write_text(text[: len(text) // 2])
+    return target
+
+
+def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
+    """(name, train_gpt_sft.py arguments, the one stderr line's expected start)."""
+    a_file = root / "a_file"
+    a_file.write_text("not a directory")
+    bad_yaml = root / "bad.yaml"
+    bad_yaml.write_text("trainer:\n  max_steps: [1,\n")
+    bad_tokenizer = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer", "tokenizer.json")
+    bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
+    checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
+    _damaged_tokenizer(tokenizer_dir, checkpoint / "tokenizer", "tokenizer.json")
+    sft = ["data.train=[{path: x.jsonl}]", f"logging.log_dir={root / 'logs'}"]
+    return [
+        ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
+        ("yaml", [*sft, "--config", bad_yaml], f"error: {bad_yaml}:3: invalid YAML"),
+        ("init_from", [*sft, "model.init_from=/nonexistent"], "error: model.init_from=/nonexistent does not exist"),
+        ("tokenizer.json", [*sft, f"tokenizer.path={bad_tokenizer}"], f"error: {bad_tokenizer / 'tokenizer.json'}:"),
+        ("tokenizer_config.json", [*sft, f"tokenizer.path={bad_tokenizer_config}"],
+         f"error: {bad_tokenizer_config / 'tokenizer_config.json'}:"),
+        ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],
+         f"error: {checkpoint / 'tokenizer' / 'tokenizer.json'}:"),
+        ("log_dir", [sft[0], f"logging.log_dir={a_file / 'logs'}", "model.init_from=/nonexistent"],
+         f"error: logging.log_dir={a_file / 'logs'} is not writable"),
+    ]
+
+
+# The SFT entry point's main through run_main once per case in one interpreter (a process per case
+# costs seconds); the `if __name__` wiring of each script is the next test.
+_RUN_SFT_CASES = """
+import contextlib, io, json, sys
+from aligner.algorithms.sft import SFTConfig, build_sft_trainer
+from aligner.config import run_main, run_training
+results = []
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["train_gpt_sft.py", *args]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            run_main(lambda: run_training(SFTConfig, "gpt_sft.yaml", build_sft_trainer))
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+    results.append([status, stderr.getvalue()])
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _environment() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def _check_one_error_line(name: str, status: int, stderr: str, expected: str) -> str:
+    """'' if the outcome is exit 2 with exactly one `error:` line starting with `expected`, else what went wrong."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    if status != 2 or len(errors) != 1 or not errors[0].startswith(expected) or "Traceback" in stderr:
+        return f"{name}: exit {status}, expected {expected!r}\n{stderr[-3000:]}"
+    return ""
+
+
+def test_training_entry_point_user_errors_are_one_line(tmp_path, arithmetic_tokenizer_dir):
+    root = tmp_path / "cases"
+    root.mkdir()
+    cases = _sft_cases(root, arithmetic_tokenizer_dir)
+    result = subprocess.run([sys.executable, "-c", _RUN_SFT_CASES, json.dumps([[str(a) for a in args]
+                                                                            for _, args, _ in cases])],
+                            capture_output=True, text=True, timeout=300, env=_environment(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcomes = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    failures = [_check_one_error_line(name, status, stderr, expected)
+                for (name, _, expected), (status, stderr) in zip(cases, outcomes)]
+    assert not any(failures), "\n\n".join(failures)
+    # Refused before anything was built or written: no checkpoint directory, no metrics.
+    assert not (tmp_path / "results").exists() and not list(root.glob("**/metrics.jsonl"))
+
+
+def _script_cases(root: Path) -> list[tuple[str, list, str]]:
+    """(name, command, the one stderr line's expected start): one case per entry-point script."""
+    python = sys.executable
+    a_file = root / "a_file"
+    a_file.write_text("not a directory")
+    malformed = root / "jsonl"
+    malformed.mkdir()
+    (malformed / "data.jsonl").write_text('{"input": "1+1=", "output": "2"}\n{"input": "2+2=" "output"}\n')
+    free = str(_free_port())
+    return [
+        ("sft", [python, GPT / "train_gpt_sft.py", "data.train=[{path: x.jsonl}]", "trainer.max_steps=-5"],
+         "error: trainer.max_steps=-5 is out of range"),
+        ("ppo", [python, GPT / "train_gpt_ppo_actor.py", "model.init_from=/nonexistent", "data.prompts=p.jsonl",
+                 f"logging.log_dir={root / 'ppo_logs'}"], "error: model.init_from=/nonexistent does not exist"),
+        ("reward server", [python, GPT / "serve_reward_model.py", "rm_model_file=/nonexistent", f"server.port={free}"],
+         "error: rm_model_file=/nonexistent does not exist"),
+        ("critic server", [python, GPT / "serve_ppo_critic.py", "critic.init_from=/nonexistent", f"server.port={free}"],
+         "error: critic.init_from=/nonexistent does not exist"),
+        ("launch_ppo", [python, GPT / "launch_ppo.py", "--reward-checkpoint", "/nonexistent", "--log-dir", root / "launch"],
+         "error: --reward-checkpoint=/nonexistent does not exist"),
+        ("chat", [python, GPT / "chat.py", "checkpoint=/nonexistent"], "error: checkpoint /nonexistent is not a directory"),
+        ("make_data", [python, DATA / "arithmetic" / "make_data.py", "--out-dir", a_file / "data", "--num-sft", "10"],
+         f"error: {a_file / 'data' / 'sft_train.jsonl'}: cannot write it"),
+        ("train_tokenizer", [python, DATA / "arithmetic" / "train_tokenizer.py", "--data-dir", malformed, "--out-dir",
+                             root / "tok"], f"error: {malformed / 'data.jsonl'}:2: invalid JSON"),
+        ("annotate", [python, DATA / "steerlm" / "annotate.py", "--input", root / "missing.jsonl", "--output",
+                      root / "out.jsonl", "--attributes", "correctness"], f"error: {root / 'missing.jsonl'}:0: cannot open"),
+        ("evaluate", [python, "-m", "aligner.demo.evaluate", "--checkpoint", root / "nope", "--prompts",
+                      write_jsonl(root / "prompts.jsonl", [{"prompt": "1+1="}])], f"error: {root / 'nope'} is not an aligner"),
+        ("run_demo", [python, REPO_ROOT / "examples" / "demo" / "run_demo.py", "--workdir", root / "demo", "--stages", "dpo"],
+         f"error: no checkpoint under {root / 'demo' / 'sft' / 'checkpoints'}: run the 'sft' stage first"),
+        ("hf", [python, "-m", "aligner.hf", "import", "--hf-dir", root / "nope", "--output", root / "imported"],
+         f"error: HF model directory {root / 'nope'} does not exist"),
+    ]
+
+
+def test_every_entry_point_script_ends_a_user_error_with_one_line(tmp_path):
+    root = tmp_path / "cases"
+    root.mkdir()
+    running = [(name, subprocess.Popen([str(part) for part in command], cwd=tmp_path, env=_environment(), text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE), expected)
+               for name, command, expected in _script_cases(root)]
+    failures = []
+    for name, process, expected in running:  # all run at once: the wall time of the slowest
+        try:
+            _, stderr = process.communicate(timeout=240)
+        finally:
+            process.kill()
+        failures.append(_check_one_error_line(name, process.returncode, stderr, expected))
+    assert not any(failures), "\n\n".join(failures)
+    assert not (tmp_path / "results").exists()
+
+
+def test_read_json_names_file_and_line(tmp_path):
+    from aligner.data.jsonl import DataError, read_json
+
+    path = tmp_path / "meta.json"
+    path.write_text('{\n  "format": "x",\n  "model": nope\n}\n')
+    with pytest.raises(DataError, match=rf"^{path}:3: not valid JSON \(Expecting value at column 12\)$"):
+        read_json(path)
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(DataError, match=rf"^{path}: not valid JSON \(not UTF-8"):
+        read_json(path)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'missing.json'}: cannot read it"):
+        read_json(tmp_path / "missing.json")
+    path.write_text(json.dumps({"a": [1, 2]}))
+    assert read_json(path) == {"a": [1, 2]}
