@@ -5,6 +5,9 @@ Two pieces:
 * `serve(...)`: start PyTriton on a configurable host and ports with the environment it needs
   (see `prepare_environment`), bind models, print one "ready" line once Triton reports the
   models ready, run until SIGINT/SIGTERM or until Triton dies, then shut down within seconds.
+  If Triton's own process (`tritonserver`) dies, the server exits with status 1 and one line
+  saying so (`TritonDied`), so a supervisor restarts it; Triton's Python-backend processes that
+  the dead `tritonserver` leaves behind are ended too.
 * `CollectiveServing`: "rank 0 serves, the other ranks follow". A model sharded over a
   distributed job (TP/PP/DP) is computed by a collective function that *every* rank must call
   with the same inputs. Only rank 0 runs Triton; its inference callback calls `run(*tensors)`,
@@ -57,6 +60,14 @@ class TritonSetupError(ValueError):
     """The environment cannot run PyTriton (a ValueError so entry points report it in one line)."""
 
 
+class TritonDied(SystemExit):
+    """Triton stopped on its own while serving. A SystemExit with a message: the interpreter prints
+    the one line and exits with status 1 (not 0, so a supervisor restarts the server), no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
+
 @dataclass
 class ServerConfig:
     """The `server:` section of a server config. gRPC listens on port + 1, metrics on port + 2."""
@@ -67,6 +78,8 @@ class ServerConfig:
     max_queue_delay_microseconds: int = 2000  # how long Triton may hold a request to batch it with others
     preferred_batch_sizes: Optional[list[int]] = None  # null: the server's natural batch (see each server)
     max_batch_size: int = 64  # rows (sequences) per batch the model callback receives at most
+    # Bytes of one request's input tensors at most (the wire payload; texts count their UTF-8 bytes).
+    max_request_bytes: int = 32 << 20
 
     @property
     def grpc_port(self) -> int:
@@ -85,6 +98,8 @@ class ServerConfig:
             raise TritonSetupError(f"server.port must be in 1..65533 (gRPC uses port+1, metrics port+2), got {self.port}")
         if self.max_batch_size < 1:
             raise TritonSetupError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_request_bytes < 1:
+            raise TritonSetupError(f"server.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_queue_delay_microseconds < 0:
             raise TritonSetupError(
                 f"server.max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
@@ -403,12 +418,80 @@ def wait_models_ready(server: ServerConfig, model_names: Sequence[str], log_file
         client.close()
 
 
+class TritonProcesses:
+    """Triton's own process (`tritonserver`) and the processes it starts, watched while serving.
+
+    When `tritonserver` is killed, the Python-backend stub it started (and the stub's helpers) stay
+    alive, owned by PID 1; `end_leftovers` ends the ones seen while Triton ran.
+    """
+
+    def __init__(self, triton):
+        import psutil
+
+        self._triton = triton
+        found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
+        self.server_process = found[0] if found else None
+        self._seen: dict[int, "psutil.Process"] = {}
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """tritonserver's exit status (-N: killed by signal N), as PyTriton 0.7's process runner (`sh`)
+        recorded it; None where that private attribute is missing (the line then only says 'stopped')."""
+        running = getattr(getattr(self._triton, "_triton_server", None), "_tritonserver_running_cmd", None)
+        return getattr(getattr(running, "process", None), "exit_code", None)
+
+    def remember_descendants(self) -> None:
+        import psutil
+
+        if self.server_process is None:
+            return
+        try:
+            for process in self.server_process.children(recursive=True):
+                self._seen.setdefault(process.pid, process)
+        except psutil.Error:  # tritonserver just ended: keep what was seen
+            pass
+
+    def what_died(self) -> str:
+        if self.server_process is None or self.server_process.is_running():
+            return "Triton reported a model as no longer alive (its inference handler stopped)"
+        what = f"Triton's server process (tritonserver, pid {self.server_process.pid})"
+        code = self.exit_code
+        if code is None:
+            return f"{what} stopped"
+        if code < 0:
+            return f"{what} was killed by {_signal_name(-code)}"
+        return f"{what} exited with status {code}"
+
+    def end_leftovers(self, timeout_s: float = 3.0) -> None:
+        """Terminate (then kill) the processes Triton started that are still running."""
+        import psutil
+
+        alive = [process for process in self._seen.values() if process.is_running()]
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, still = psutil.wait_procs(alive, timeout=timeout_s)
+        for process in still:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        if alive:
+            LOGGER.debug("ended the processes Triton had started: %s", [process.pid for process in alive])
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
           ready_message: str = "", poll_s: float = 0.5) -> None:
-    """Serve `models` until SIGINT/SIGTERM or until Triton stops; returns after a clean shutdown.
+    """Serve `models` until SIGINT/SIGTERM; returns after a clean shutdown.
 
     With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
-    `ready_message` is printed (flushed) once Triton reports every model ready.
+    `ready_message` is printed (flushed) once Triton reports every model ready. If Triton stops on
+    its own, raises `TritonDied` (after the same shutdown) naming what died.
     """
     if collective is not None and not collective.is_server:
         collective.follow()
@@ -423,6 +506,7 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     triton = Triton(config=triton_config(server, log_file))
     LOGGER.info("Triton's log: %s", log_file)
     stopped_cleanly = False
+    processes: Optional[TritonProcesses] = None
     try:
         with _sigterm_as_keyboard_interrupt():
             try:
@@ -433,18 +517,23 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                                 outputs=model.outputs,
                                 config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
                 triton.run()  # starts Triton and waits (a bounded time) for the bound models
+                processes = TritonProcesses(triton)
                 wait_models_ready(server, [model.name for model in models], log_file)
                 if ready_message:
                     print(ready_message, flush=True)
                 while triton.is_alive():
+                    processes.remember_descendants()
                     time.sleep(poll_s)
-                LOGGER.error("Triton stopped unexpectedly; %s", triton_log_tail(log_file))
+                raise TritonDied(f"{processes.what_died()} while serving on {server.http_url}; the server stops "
+                                 f"(Triton's log: {log_file})")
             except KeyboardInterrupt:
                 LOGGER.info("interrupted; shutting down")
                 stopped_cleanly = True
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
+            if processes is not None:
+                processes.end_leftovers()
             if collective is not None:
                 collective.stop()
             if stopped_cleanly:
