@@ -42,6 +42,8 @@ class RequestTimeoutError(ClientError, TimeoutError):
 def server_message(text: str) -> str:
     """The useful part of an error text relayed by Triton (PyTriton adds prefixes and tracebacks)."""
     text = text.replace("Error occurred during inference request. Message: ", "", 1).strip()
+    if "batch-size must be <=" in text:  # Triton's own check of rows per request
+        return f"{text} (the server's server.max_batch_size: send fewer rows per request, or raise it on the server)"
     if "Traceback" not in text:
         return text
     # An exception raised in the model callback arrives as a formatted traceback; its last
