@@ -5,9 +5,9 @@ Two pieces:
 * `serve(...)`: start PyTriton on a configurable host and ports with the environment it needs
   (see `prepare_environment`), bind models, print one "ready" line once Triton reports the
   models ready, run until SIGINT/SIGTERM or until Triton dies, then shut down within seconds.
-  If Triton's own process (`tritonserver`) dies, the server exits with status 1 and one line
-  saying so (`TritonDied`), so a supervisor restarts it; Triton's Python-backend processes that
-  the dead `tritonserver` leaves behind are ended too.
+  If Triton's own process (`tritonserver`) or its Python-backend process dies, the server exits
+  with status 1 and one line saying so (`TritonDied`), so a supervisor restarts it; the processes
+  a dead `tritonserver` leaves behind are ended too.
 * `CollectiveServing`: "rank 0 serves, the other ranks follow". A model sharded over a
   distributed job (TP/PP/DP) is computed by a collective function that *every* rank must call
   with the same inputs. Only rank 0 runs Triton; its inference callback calls `run(*tensors)`,
@@ -50,6 +50,8 @@ EXIT_TIMEOUT_S = 3
 STOP_LOCK_TIMEOUT_S = 10.0
 # How long Triton may take to report the models ready after it started.
 MODEL_READY_TIMEOUT_S = 120.0
+# The process Triton's Python backend runs each model instance in (PyTriton's proxy to our callbacks).
+BACKEND_STUB_NAME = "triton_python_backend_stub"
 # Lines of Triton's own log shown when it fails.
 TRITON_LOG_TAIL_LINES = 30
 # Followers wait on the command channel while the server is idle; effectively forever.
@@ -422,7 +424,9 @@ class TritonProcesses:
     """Triton's own process (`tritonserver`) and the processes it starts, watched while serving.
 
     When `tritonserver` is killed, the Python-backend stub it started (and the stub's helpers) stay
-    alive, owned by PID 1; `end_leftovers` ends the ones seen while Triton ran.
+    alive, owned by PID 1; `end_leftovers` ends the ones seen while Triton ran. When a stub dies,
+    Triton stays up but answers every request for that model with an error and never restarts it:
+    `dead_backend` reports it, and the server stops as it does when Triton dies.
     """
 
     def __init__(self, triton):
@@ -431,7 +435,7 @@ class TritonProcesses:
         self._triton = triton
         found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
         self.server_process = found[0] if found else None
-        self._seen: dict[int, "psutil.Process"] = {}
+        self._seen: dict[int, tuple["psutil.Process", str]] = {}  # pid: (process, name; a dead one has none)
 
     @property
     def exit_code(self) -> Optional[int]:
@@ -447,12 +451,24 @@ class TritonProcesses:
             return
         try:
             for process in self.server_process.children(recursive=True):
-                self._seen.setdefault(process.pid, process)
+                if process.pid not in self._seen:
+                    self._seen[process.pid] = (process, process.name())
         except psutil.Error:  # tritonserver just ended: keep what was seen
             pass
 
+    def dead_backend(self) -> Optional["psutil.Process"]:
+        """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
+        for process, name in self._seen.values():
+            # Linux keeps 15 characters of a process name; psutil restores the rest only while it can read the command line
+            if name.startswith(BACKEND_STUB_NAME[:15]) and not _running(process):
+                return process
+        return None
+
     def what_died(self) -> str:
-        if self.server_process is None or self.server_process.is_running():
+        if self.server_process is None or _running(self.server_process):
+            stub = self.dead_backend()
+            if stub is not None:
+                return f"Triton's Python-backend process ({BACKEND_STUB_NAME}, pid {stub.pid}) died"
             return "Triton reported a model as no longer alive (its inference handler stopped)"
         what = f"Triton's server process (tritonserver, pid {self.server_process.pid})"
         code = self.exit_code
@@ -466,7 +482,7 @@ class TritonProcesses:
         """Terminate (then kill) the processes Triton started that are still running."""
         import psutil
 
-        alive = [process for process in self._seen.values() if process.is_running()]
+        alive = [process for process, _ in self._seen.values() if _running(process)]
         for process in alive:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
@@ -476,6 +492,15 @@ class TritonProcesses:
                 process.kill()
         if alive:
             LOGGER.debug("ended the processes Triton had started: %s", [process.pid for process in alive])
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_name(number: int) -> str:
@@ -523,6 +548,8 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                     print(ready_message, flush=True)
                 while triton.is_alive():
                     processes.remember_descendants()
+                    if processes.dead_backend() is not None:  # Triton would answer every request with an error
+                        break
                     time.sleep(poll_s)
                 raise TritonDied(f"{processes.what_died()} while serving on {server.http_url}; the server stops "
                                  f"(Triton's log: {log_file})")

@@ -1,10 +1,10 @@
 """Reward-server faults: Triton or the server killed under load, oversize requests, listening sockets.
 
 Guarantees checked here, each against the real entry point in a subprocess and the real client:
-* `tritonserver` (Triton's own process) SIGKILLed under load: every client request in flight or sent
-  after it fails with a ClientError well within the client's timeout; the server exits with status 1
-  and one `error: Triton's server process (tritonserver, pid N) was killed by SIGKILL ...` line; no
-  process Triton started stays behind.
+* `tritonserver` (Triton's own process) or its Python-backend process SIGKILLed under load: every
+  client request in flight or sent after it fails with a ClientError well within the client's
+  timeout; the server exits with status 1 and one line naming what died (`error: Triton's server
+  process (tritonserver, pid N) was killed by SIGKILL ...`); no process Triton started stays behind.
 * The Python server process SIGKILLed under load: the same for the clients; Triton and everything it
   started end with it (parent-death signal), so nothing stays behind.
 * A request over `server.max_request_bytes` (token ids or texts) gets one error naming the cap and
@@ -30,7 +30,7 @@ from aligner.clients import ClientError, server_message
 from aligner.clients.reward import RewardClient, RewardServerError
 
 from ..functional.test_reward_server import (  # noqa: F401 - reward_model is a fixture
-    ENTRY_POINT, ServerProcess, free_port_block, in_process_rewards, random_sequences, reward_model)
+    ENTRY_POINT, READY_TIMEOUT_S, ServerProcess, free_port_block, in_process_rewards, random_sequences, reward_model)
 
 SERVER_HOST = "127.0.0.2"  # a loopback address other than the default: sockets must follow the config
 CLIENT_TIMEOUT_S = 10.0
@@ -41,12 +41,19 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # conf/inference_rm.yaml
 
 
 def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1") -> ServerProcess:
-    port = free_port_block()
-    process = ServerProcess([sys.executable, str(ENTRY_POINT), f"rm_model_file={checkpoint}", f"server.host={host}",
-                             f"server.port={port}", "inference.micro_batch_size=3", *extra], log_path)
-    process.wait_ready()
-    process.port, process.host = port, host
-    return process
+    for _ in range(3):  # a port found free may be taken (as an ephemeral port) before the server binds it
+        port = free_port_block()
+        process = ServerProcess([sys.executable, str(ENTRY_POINT), f"rm_model_file={checkpoint}", f"server.host={host}",
+                                 f"server.port={port}", "inference.micro_batch_size=3", *extra], log_path)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while process.process.poll() is None and "server ready on" not in process.log() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        if process.process.returncode == 2 and "Address already in use" in process.log():
+            continue
+        process.wait_ready()
+        process.port, process.host = port, host
+        return process
+    pytest.fail(f"no free ports for the server:\n{process.log()[-2000:]}")
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -115,13 +122,16 @@ def pool(reward_model):
 
 
 def _kill_under_load(reward_model, pool, tmp_path, victim_name: str) -> tuple[ServerProcess, Load, float]:
-    """Start a server, load it, SIGKILL `victim_name` ('tritonserver', or 'server': the server's own process)."""
+    """Start a server, load it, SIGKILL `victim_name` (a process name in its tree, or 'server': the server's own)."""
     checkpoint, _ = reward_model
     sequences, reference = pool
     server = start_server(checkpoint, tmp_path / "server.log")
     tree = process_tree(server.process.pid)
     server.tree = tree
-    server.tritonserver_pid = next(process.pid for process in tree if process.name() == "tritonserver")
+    if victim_name == "server":
+        server.victim_pid = server.process.pid
+    else:
+        server.victim_pid = next(process.pid for process in tree if process.name() == victim_name)
     client = RewardClient("127.0.0.1", server.port, timeout_s=CLIENT_TIMEOUT_S, ready_timeout_s=CLIENT_TIMEOUT_S,
                           max_workers=LOAD_THREADS)
     load = Load(client, sequences, reference).start()
@@ -129,7 +139,7 @@ def _kill_under_load(reward_model, pool, tmp_path, victim_name: str) -> tuple[Se
     while load.answered < 20 and not load.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert load.answered >= 20 and not load.failures, (load.answered, load.failures)
-    victim = psutil.Process(server.tritonserver_pid) if victim_name == "tritonserver" else tree[0]
+    victim = psutil.Process(server.victim_pid)
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     load.join(CLIENT_TIMEOUT_S + 5)
@@ -145,18 +155,21 @@ def _assert_every_client_failed_in_time(load: Load) -> None:
     assert not load.wrong, load.wrong[:3]
 
 
-def test_tritonserver_killed_under_load_fails_clients_and_exits_nonzero(reward_model, pool, tmp_path):
-    server, load, _ = _kill_under_load(reward_model, pool, tmp_path, "tritonserver")
+@pytest.mark.parametrize("victim", ["tritonserver", "triton_python_backend_stub"])
+def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, pool, tmp_path, victim):
+    server, load, _ = _kill_under_load(reward_model, pool, tmp_path, victim)
     try:
         start = time.monotonic()
         code = server.process.wait(timeout=30)
-        print(f"\n{load.answered} answers before the kill; server exit {code} {time.monotonic() - start:.1f} s after "
-              f"the clients' errors; slowest client error {max(s for _, s in load.failures):.2f} s")
+        print(f"\n{victim}: {load.answered} answers before the kill; server exit {code} {time.monotonic() - start:.1f} s "
+              f"after the clients' errors; slowest client error {max(s for _, s in load.failures):.2f} s")
         _assert_every_client_failed_in_time(load)
         assert code == 1, server.log()[-3000:]
         last_line = server.log().strip().splitlines()[-1]
-        assert last_line.startswith(f"error: Triton's server process (tritonserver, pid {server.tritonserver_pid}) was "
-                                    "killed by SIGKILL"), last_line
+        expected = {"tritonserver": f"Triton's server process (tritonserver, pid {server.victim_pid}) was killed by SIGKILL",
+                    "triton_python_backend_stub": f"Triton's Python-backend process (triton_python_backend_stub, pid "
+                                                  f"{server.victim_pid}) died"}[victim]
+        assert last_line.startswith(f"error: {expected} while serving on http://127.0.0.1:{server.port}"), last_line
         assert "Traceback" not in server.log()
         assert wait_gone(server.tree) == []
     finally:
