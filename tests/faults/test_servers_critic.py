@@ -3,15 +3,18 @@
 A critic_train request with more rows than `server.max_train_rows`, or any request with more bytes
 than `server.max_request_bytes`, gets one error naming the cap and the key; nothing is trained (the
 next good train call is the critic's first step and equals the float64 reference), and the next good
-inference request equals the in-process values.
+inference request equals the in-process values. Last, `tritonserver` killed: the critic server exits
+with status 1 and one line, as the reward server does.
 """
 from __future__ import annotations
 
 import signal
+import time
 
 import numpy as np
 import pytest
 
+from aligner.clients import ClientError
 from aligner.clients.critic import CriticClient, CriticServerError
 
 from ..functional.test_critic_server import (  # noqa: F401 - references, pool and rollout are fixtures
@@ -71,3 +74,23 @@ def test_oversize_train_requests_are_refused_and_nothing_is_trained(client, refe
     assert metrics["value_loss"] == pytest.approx(loss, rel=1e-5)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     assert metrics["lr"] == pytest.approx(LR)
+
+
+def test_tritonserver_killed_ends_the_critic_server_with_status_1(client, capped_server, pool):
+    """Last in the module: it ends the module's server. Same code path as the reward server's
+    (servers.triton.serve), whose fault tests load it with many clients."""
+    import psutil
+
+    sequences, _, _ = pool
+    client.infer(sequences[:3])
+    tritonserver = next(process for process in psutil.Process(capped_server.process.pid).children(recursive=True)
+                        if process.name() == "tritonserver")
+    tritonserver.send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ClientError):
+        client.infer(sequences[:3])
+    assert time.monotonic() - start < client.timeout_s
+    assert capped_server.process.wait(timeout=30) == 1
+    last_line = capped_server.log().strip().splitlines()[-1]
+    assert last_line.startswith(f"error: Triton's server process (tritonserver, pid {tritonserver.pid}) was killed "
+                                "by SIGKILL"), last_line

@@ -17,6 +17,7 @@ Guarantees checked here, each against the real entry point in a subprocess and t
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -170,7 +171,8 @@ def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, 
                     "triton_python_backend_stub": f"Triton's Python-backend process (triton_python_backend_stub, pid "
                                                   f"{server.victim_pid}) died"}[victim]
         assert last_line.startswith(f"error: {expected} while serving on http://127.0.0.1:{server.port}"), last_line
-        assert "Traceback" not in server.log()
+        # PyTriton may log its own traceback when a response finds the backend gone; none is ours
+        assert not re.search(r'File ".*/(servers|aligner)/', server.log()), server.log()[-3000:]
         assert wait_gone(server.tree) == []
     finally:
         server.kill()
