@@ -435,6 +435,7 @@ class TritonProcesses:
         self._triton = triton
         found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
         self.server_process = found[0] if found else None
+        self._shared_memory: set[str] = set()  # /dev/shm files Triton's processes map
         self._seen: dict[int, tuple["psutil.Process", str]] = {}  # pid: (process, name; a dead one has none)
 
     @property
@@ -455,6 +456,8 @@ class TritonProcesses:
                     self._seen[process.pid] = (process, process.name())
         except psutil.Error:  # tritonserver just ended: keep what was seen
             pass
+        for process in [self.server_process, *(process for process, _ in self._seen.values())]:
+            self._shared_memory |= _mapped_shared_memory(process.pid)
 
     def dead_backend(self) -> Optional["psutil.Process"]:
         """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
@@ -479,8 +482,11 @@ class TritonProcesses:
         return f"{what} exited with status {code}"
 
     def end_leftovers(self, timeout_s: float = 3.0) -> None:
-        """Terminate (then kill) the processes Triton started that are still running."""
+        """Terminate (then kill) the processes Triton started that are still running, and remove the
+        shared memory they mapped (the Python backend's regions, PyTriton's tensor stores: several
+        hundred MB after large requests), which only a clean Triton stop removes."""
         import psutil
+
 
         alive = [process for process, _ in self._seen.values() if _running(process)]
         for process in alive:
@@ -490,8 +496,23 @@ class TritonProcesses:
         for process in still:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+        psutil.wait_procs(still, timeout=timeout_s)
+        ours = _mapped_shared_memory(os.getpid())  # PyTriton's stop has released what this process shares
+        for path in self._shared_memory - ours:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if alive:
             LOGGER.debug("ended the processes Triton had started: %s", [process.pid for process in alive])
+
+
+def _mapped_shared_memory(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps (empty once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return {line.split(maxsplit=5)[5].strip() for line in maps
+                    if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+    except (OSError, IndexError):
+        return set()
 
 
 def _running(process) -> bool:
@@ -559,7 +580,7 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
-            if processes is not None:
+            if processes is not None and not stopped_cleanly:  # a clean stop ends them through Triton
                 processes.end_leftovers()
             if collective is not None:
                 collective.stop()

@@ -4,9 +4,10 @@ Guarantees checked here, each against the real entry point in a subprocess and t
 * `tritonserver` (Triton's own process) or its Python-backend process SIGKILLed under load: every
   client request in flight or sent after it fails with a ClientError well within the client's
   timeout; the server exits with status 1 and one line naming what died (`error: Triton's server
-  process (tritonserver, pid N) was killed by SIGKILL ...`); no process Triton started stays behind.
+  process (tritonserver, pid N) was killed by SIGKILL ...`); no process Triton started stays behind,
+  nor any of the shared memory (/dev/shm) they mapped.
 * The Python server process SIGKILLed under load: the same for the clients; Triton and everything it
-  started end with it (parent-death signal), so nothing stays behind.
+  started end with it (parent-death signal), so nothing stays behind (processes, shared memory).
 * A request over `server.max_request_bytes` (token ids or texts) gets one error naming the cap and
   the key, without being tokenized (the server's private memory does not grow with it, the answer
   comes at once); a request with more rows than `server.max_batch_size` is refused by Triton before
@@ -17,6 +18,7 @@ Guarantees checked here, each against the real entry point in a subprocess and t
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -76,6 +78,17 @@ def wait_gone(processes: list[psutil.Process], timeout_s: float = GONE_WITHIN_S)
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def mapped_shared_memory(processes: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files the processes map (Triton's backend regions, PyTriton's tensor stores)."""
+    paths = set()
+    for process in processes:
+        try:
+            paths |= {mapping.path for mapping in process.memory_maps(grouped=True) if mapping.path.startswith("/dev/shm/")}
+        except psutil.Error:
+            pass
+    return paths
 
 
 class Load:
@@ -140,6 +153,8 @@ def _kill_under_load(reward_model, pool, tmp_path, victim_name: str) -> tuple[Se
     while load.answered < 20 and not load.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert load.answered >= 20 and not load.failures, (load.answered, load.failures)
+    server.shared_memory = mapped_shared_memory(tree)
+    assert server.shared_memory, "Triton and PyTriton pass requests through shared memory"
     victim = psutil.Process(server.victim_pid)
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
@@ -174,6 +189,7 @@ def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, 
         # PyTriton may log its own traceback when a response finds the backend gone; none is ours
         assert not re.search(r'File ".*/(servers|aligner)/', server.log()), server.log()[-3000:]
         assert wait_gone(server.tree) == []
+        assert [path for path in server.shared_memory if os.path.exists(path)] == []
     finally:
         server.kill()
 
@@ -186,6 +202,10 @@ def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(rewar
         _assert_every_client_failed_in_time(load)
         assert code == -signal.SIGKILL
         assert wait_gone(server.tree) == []  # tritonserver, its Python backend and PyTriton's helpers
+        deadline = time.monotonic() + 5  # the resource trackers remove what they tracked as they exit
+        while any(os.path.exists(path) for path in server.shared_memory) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [path for path in server.shared_memory if os.path.exists(path)] == []
     finally:
         server.kill()
 
