@@ -462,7 +462,7 @@ class TritonProcesses:
     def dead_backend(self) -> Optional["psutil.Process"]:
         """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
         for process, name in self._seen.values():
-            # Linux keeps 15 characters of a process name; psutil restores the rest only while it can read the command line
+            # Linux keeps 15 characters of a name; psutil restores the rest only while it can read the command line
             if name.startswith(BACKEND_STUB_NAME[:15]) and not _running(process):
                 return process
         return None
@@ -486,7 +486,6 @@ class TritonProcesses:
         shared memory they mapped (the Python backend's regions, PyTriton's tensor stores: several
         hundred MB after large requests), which only a clean Triton stop removes."""
         import psutil
-
 
         alive = [process for process, _ in self._seen.values() if _running(process)]
         for process in alive:
