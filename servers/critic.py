@@ -29,7 +29,8 @@ critic_infer  (dynamic batching, like the reward-model server)
        error             bytes [B, 1]       empty if the row was computed, else why it was rejected
        rewards           float32 [B, 1]     combined mode only: the reward model's (normalised) reward
   Rows are validated one by one exactly as the reward-model server does (ids outside the
-  vocabulary, empty or too long sequences, lengths beyond the tokens sent, missing inputs); the
+  vocabulary, empty or too long sequences, lengths beyond the tokens sent, missing inputs, a
+  request over `server.max_request_bytes`); the
   client pads widths to powers of two so concurrent requests batch together, and the server cuts
   the padding to the longest row rounded up to `pad_sequence_length_to_multiple`.
 
@@ -42,6 +43,8 @@ critic_train  (no batching: one request is one rollout batch, sent as Triton bat
        old_values        float32 [1, B, T]    the critic's values at rollout time, same layout
   out  value_loss, clip_fraction, explained_variance, grad_norm, lr, critic_step: float32 [1, 1] each
        error             bytes [1, 1]         empty, or why the batch was rejected (nothing trained)
+  A batch of more than `server.max_train_rows` rows or `server.max_request_bytes` bytes is rejected
+  before anything is checked or trained.
   Training: `train.epochs_per_call` passes over the batch, in optimizer steps of
   `train.global_batch_size` rows (B must be a multiple of it), each split over the data-parallel
   ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
@@ -82,7 +85,8 @@ from omegaconf import MISSING
 from aligner.config import at_least, require_checkpoint_dir
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.setup import OptimConfig
-from servers.reward_model import ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig
+from servers.reward_model import (ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig,
+                                  request_over_size_cap)
 from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonSetupError
 
 LOGGER = logging.getLogger(__name__)
@@ -123,6 +127,8 @@ class CriticServingConfig(ServerConfig):
     train_model_name: str = "critic_train"
     save_model_name: str = "critic_save"
     reward_model_name: str = "reward_model"  # combined mode: the reward-model server's model
+    max_request_bytes: int = 256 << 20  # a critic_train request is a whole rollout batch
+    max_train_rows: int = 8192  # rows (sequences) of one critic_train request at most
 
 
 @dataclass
@@ -155,6 +161,9 @@ class CriticServerConfig:
                 raise TritonSetupError(f"{name} must be >= 1, got {value}")
         if self.train.clip_val is not None and not self.train.clip_val > 0:
             raise TritonSetupError(f"train.clip_val must be > 0 (or null to disable value clipping), got {self.train.clip_val}")
+        if self.server.max_train_rows < self.train.global_batch_size:
+            raise TritonSetupError(f"server.max_train_rows ({self.server.max_train_rows}) must be at least "
+                                   f"train.global_batch_size ({self.train.global_batch_size})")
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise TritonSetupError(f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "
                                    f"train.micro_batch_size ({self.train.micro_batch_size})")
@@ -519,7 +528,8 @@ class CriticServer:
             view = LoadedRewardModel(inference, tok, critic.model_cfg, RewardModelInfo(attributes=attributes),
                                      critic.chunks)
             return RewardModelServer(view, _OpChannel(serving, op),
-                                     pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple)
+                                     pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple,
+                                     max_request_bytes=cfg.server.max_request_bytes)
 
         # The reward-model server's row decoding and validation, reused for critic_infer's rows.
         self.rows = reward_server(critic.value_inference, tokenizer, Op.VALUES, ["value"])
@@ -627,10 +637,18 @@ class CriticServer:
     def decode_train(self, request: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
         """Check a train request; (tokens [B, S], sequence_lengths [B], prompt_lengths [B], returns [B, T],
         old_values [B, T]) cut to the longest row and response, or TrainRequestError saying what is wrong."""
+        oversize = request_over_size_cap(request, self.cfg.server.max_request_bytes)
+        if oversize:
+            raise TrainRequestError(oversize)
         missing = [name for name in TRAIN_INPUTS if name not in request]
         if missing:
             raise TrainRequestError(f"missing input {', '.join(missing)}; a train request carries {list(TRAIN_INPUTS)}")
         tokens, lengths, prompts, returns, old_values = (request[name] for name in TRAIN_INPUTS)
+        rows, max_rows = (tokens.shape[1] if tokens.ndim > 1 else 0), self.cfg.server.max_train_rows
+        if rows > max_rows:
+            raise TrainRequestError(f"a train batch of {rows} rows is more than the server accepts ({max_rows} rows, "
+                                    f"server.max_train_rows): split the rollout batch, or restart the server with a "
+                                    f"larger server.max_train_rows")
         if tokens.shape[0] != 1:
             raise TrainRequestError(f"one train request is one rollout batch (Triton batch size 1); got {tokens.shape[0]}")
         tokens, lengths, prompts, returns, old_values = (x[0] for x in (tokens, lengths, prompts, returns, old_values))

@@ -46,9 +46,13 @@ other rows and requests of the batch are scored normally; `RewardClient` raises
 `RewardServerError` with the message. Rejected: token ids < 0 or >= the model's vocabulary,
 an empty sequence (length 0), a sequence longer than max_position_embeddings or than the tokens
 sent, more than one kind of input or none, texts that are not UTF-8, conversations that are not
-JSON or not a valid prompt and response (e.g. a prompt ending with an assistant turn). Triton
-itself rejects a wrong dtype (e.g. int32 tokens), an unknown input name or too many rows before
-the callback runs, with an error for that request only. An exception while the model runs (a bug,
+JSON or not a valid prompt and response (e.g. a prompt ending with an assistant turn), and a
+request whose input tensors carry more than `server.max_request_bytes` bytes (every row gets the
+same error, naming the key; nothing is tokenized or computed). Triton itself rejects a wrong dtype
+(e.g. int32 tokens), an unknown input name or more rows than `server.max_batch_size` before the
+callback runs, with an error for that request only. Triton 2.5x (PyTriton 0.7) has no request-size
+limit of its own: an oversize request is still received and copied to the callback before it is
+refused, and Triton's shared-memory pools keep the size of the largest request they have carried. An exception while the model runs (a bug,
 out of memory) fails that merged batch; the server keeps serving the next one.
 """
 from __future__ import annotations
@@ -109,8 +113,9 @@ class RewardModelServer:
     """Decodes reward requests, scores the valid rows collectively, encodes one answer per request."""
 
     def __init__(self, loaded, serving: CollectiveServing, *, pad_sequence_length_to_multiple: int = 8,
-                 append_eos: bool = True, chat_template: bool = True):
-        """loaded: `aligner.models.reward.LoadedRewardModel`; serving runs its `inference.infer`."""
+                 append_eos: bool = True, chat_template: bool = True, max_request_bytes: Optional[int] = None):
+        """loaded: `aligner.models.reward.LoadedRewardModel`; serving runs its `inference.infer`;
+        max_request_bytes: `server.max_request_bytes` (None: no cap)."""
         from aligner.data.reward import RewardTokenLayout
 
         self.loaded = loaded
@@ -119,6 +124,7 @@ class RewardModelServer:
         self.vocab_size = loaded.model_cfg.vocab_size
         self.max_length = loaded.model_cfg.max_position_embeddings
         self.pad_to_multiple = pad_sequence_length_to_multiple
+        self.max_request_bytes = max_request_bytes
         self.layout = RewardTokenLayout(loaded.tokenizer, append_eos, chat_template)  # the one reward training uses
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
 
@@ -179,6 +185,9 @@ class RewardModelServer:
         """Per row of one request: (token ids, "") or (None, why the row is rejected). Never raises."""
         rows = _batch_size(request)
         try:
+            oversize = request_over_size_cap(request, self.max_request_bytes)
+            if oversize:
+                return self._reject_all(rows, oversize)
             return self._decode(request, rows)
         except Exception as error:  # a request shape nobody anticipated: reject it, keep the batch
             LOGGER.exception("could not decode a request")
@@ -254,6 +263,29 @@ class RewardModelServer:
         return [(None, message)] * rows
 
 
+def request_bytes(request: Mapping[str, np.ndarray]) -> int:
+    """Bytes of a request's input tensors as sent: numbers' nbytes, byte strings' lengths."""
+    total = 0
+    for array in request.values():
+        if array.dtype == object:
+            total += sum(len(item) for item in array.reshape(-1))
+        else:
+            total += array.nbytes
+    return total
+
+
+def request_over_size_cap(request: Mapping[str, np.ndarray], max_request_bytes: Optional[int]) -> str:
+    """Why a request is over `server.max_request_bytes`, or "" if it is not (or there is no cap)."""
+    if max_request_bytes is None:
+        return ""
+    size = request_bytes(request)
+    if size <= max_request_bytes:
+        return ""
+    return (f"the request carries {size} bytes, more than the server accepts ({max_request_bytes} bytes, "
+            f"server.max_request_bytes): send fewer or shorter sequences per request, or restart the server "
+            f"with a larger server.max_request_bytes")
+
+
 def _batch_size(request: Mapping[str, np.ndarray]) -> int:
     # Triton guarantees every input of a request has the same leading batch dimension (>= 1).
     return next(iter(request.values())).shape[0] if len(request) else 1
@@ -278,7 +310,8 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
                                    normalize=cfg.normalize_rewards)
         serving = CollectiveServing(lambda tokens, lengths: loaded.inference.infer(tokens, lengths))
         server = RewardModelServer(loaded, serving, pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple,
-                                   append_eos=cfg.append_eos, chat_template=cfg.chat_template)
+                                   append_eos=cfg.append_eos, chat_template=cfg.chat_template,
+                                   max_request_bytes=cfg.server.max_request_bytes)
         ready = (f"reward model server ready on {cfg.server.http_url} (model '{cfg.server.model_name}', "
                  f"attributes {server.attributes})")
         serve(cfg.server, [server.triton_model(cfg.server, data_parallel_size)], serving, ready_message=ready)

@@ -5,6 +5,9 @@ Two pieces:
 * `serve(...)`: start PyTriton on a configurable host and ports with the environment it needs
   (see `prepare_environment`), bind models, print one "ready" line once Triton reports the
   models ready, run until SIGINT/SIGTERM or until Triton dies, then shut down within seconds.
+  If Triton's own process (`tritonserver`) or its Python-backend process dies, the server exits
+  with status 1 and one line saying so (`TritonDied`), so a supervisor restarts it; the processes
+  a dead `tritonserver` leaves behind are ended too.
 * `CollectiveServing`: "rank 0 serves, the other ranks follow". A model sharded over a
   distributed job (TP/PP/DP) is computed by a collective function that *every* rank must call
   with the same inputs. Only rank 0 runs Triton; its inference callback calls `run(*tensors)`,
@@ -47,6 +50,8 @@ EXIT_TIMEOUT_S = 3
 STOP_LOCK_TIMEOUT_S = 10.0
 # How long Triton may take to report the models ready after it started.
 MODEL_READY_TIMEOUT_S = 120.0
+# The process Triton's Python backend runs each model instance in (PyTriton's proxy to our callbacks).
+BACKEND_STUB_NAME = "triton_python_backend_stub"
 # Lines of Triton's own log shown when it fails.
 TRITON_LOG_TAIL_LINES = 30
 # Followers wait on the command channel while the server is idle; effectively forever.
@@ -55,6 +60,14 @@ COMMAND_CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 
 class TritonSetupError(ValueError):
     """The environment cannot run PyTriton (a ValueError so entry points report it in one line)."""
+
+
+class TritonDied(SystemExit):
+    """Triton stopped on its own while serving. A SystemExit with a message: the interpreter prints
+    the one line and exits with status 1 (not 0, so a supervisor restarts the server), no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
 
 
 @dataclass
@@ -67,6 +80,8 @@ class ServerConfig:
     max_queue_delay_microseconds: int = 2000  # how long Triton may hold a request to batch it with others
     preferred_batch_sizes: Optional[list[int]] = None  # null: the server's natural batch (see each server)
     max_batch_size: int = 64  # rows (sequences) per batch the model callback receives at most
+    # Bytes of one request's input tensors at most (the wire payload; texts count their UTF-8 bytes).
+    max_request_bytes: int = 32 << 20
 
     @property
     def grpc_port(self) -> int:
@@ -85,6 +100,8 @@ class ServerConfig:
             raise TritonSetupError(f"server.port must be in 1..65533 (gRPC uses port+1, metrics port+2), got {self.port}")
         if self.max_batch_size < 1:
             raise TritonSetupError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_request_bytes < 1:
+            raise TritonSetupError(f"server.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_queue_delay_microseconds < 0:
             raise TritonSetupError(
                 f"server.max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
@@ -403,13 +420,124 @@ def wait_models_ready(server: ServerConfig, model_names: Sequence[str], log_file
         client.close()
 
 
+class TritonProcesses:
+    """Triton's own process (`tritonserver`) and the processes it starts, watched while serving.
+
+    When `tritonserver` is killed, the Python-backend stub it started (and the stub's helpers) stay
+    alive, owned by PID 1; `end_leftovers` ends the ones seen while Triton ran. When a stub dies,
+    Triton stays up but answers every request for that model with an error and never restarts it:
+    `dead_backend` reports it, and the server stops as it does when Triton dies.
+    """
+
+    def __init__(self, triton):
+        import psutil
+
+        self._triton = triton
+        found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
+        self.server_process = found[0] if found else None
+        self._shared_memory: set[str] = set()  # /dev/shm files Triton's processes map
+        self._seen: dict[int, tuple["psutil.Process", str]] = {}  # pid: (process, name; a dead one has none)
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """tritonserver's exit status (-N: killed by signal N), as PyTriton 0.7's process runner (`sh`)
+        recorded it; None where that private attribute is missing (the line then only says 'stopped')."""
+        running = getattr(getattr(self._triton, "_triton_server", None), "_tritonserver_running_cmd", None)
+        return getattr(getattr(running, "process", None), "exit_code", None)
+
+    def remember_descendants(self) -> None:
+        import psutil
+
+        if self.server_process is None:
+            return
+        try:
+            for process in self.server_process.children(recursive=True):
+                if process.pid not in self._seen:
+                    self._seen[process.pid] = (process, process.name())
+        except psutil.Error:  # tritonserver just ended: keep what was seen
+            pass
+        for process in [self.server_process, *(process for process, _ in self._seen.values())]:
+            self._shared_memory |= _mapped_shared_memory(process.pid)
+
+    def dead_backend(self) -> Optional["psutil.Process"]:
+        """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
+        for process, name in self._seen.values():
+            # Linux keeps 15 characters of a name; psutil restores the rest only while it can read the command line
+            if name.startswith(BACKEND_STUB_NAME[:15]) and not _running(process):
+                return process
+        return None
+
+    def what_died(self) -> str:
+        if self.server_process is None or _running(self.server_process):
+            stub = self.dead_backend()
+            if stub is not None:
+                return f"Triton's Python-backend process ({BACKEND_STUB_NAME}, pid {stub.pid}) died"
+            return "Triton reported a model as no longer alive (its inference handler stopped)"
+        what = f"Triton's server process (tritonserver, pid {self.server_process.pid})"
+        code = self.exit_code
+        if code is None:
+            return f"{what} stopped"
+        if code < 0:
+            return f"{what} was killed by {_signal_name(-code)}"
+        return f"{what} exited with status {code}"
+
+    def end_leftovers(self, timeout_s: float = 3.0) -> None:
+        """Terminate (then kill) the processes Triton started that are still running, and remove the
+        shared memory they mapped (the Python backend's regions, PyTriton's tensor stores: several
+        hundred MB after large requests), which only a clean Triton stop removes."""
+        import psutil
+
+        alive = [process for process, _ in self._seen.values() if _running(process)]
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, still = psutil.wait_procs(alive, timeout=timeout_s)
+        for process in still:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(still, timeout=timeout_s)
+        ours = _mapped_shared_memory(os.getpid())  # PyTriton's stop has released what this process shares
+        for path in self._shared_memory - ours:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if alive:
+            LOGGER.debug("ended the processes Triton had started: %s", [process.pid for process in alive])
+
+
+def _mapped_shared_memory(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps (empty once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return {line.split(maxsplit=5)[5].strip() for line in maps
+                    if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+    except (OSError, IndexError):
+        return set()
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
           ready_message: str = "", poll_s: float = 0.5) -> None:
     """Serve `models` until SIGINT/SIGTERM or until Triton stops.
 
     With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
     `ready_message` is printed (flushed) once Triton reports every model ready. A signal ends it with
-    `stopping.Interrupted` (entry points exit 128 + the signal number) after a clean shutdown.
+    `stopping.Interrupted` (entry points exit 128 + the signal number) after a clean shutdown; if
+    Triton stops on its own, raises `TritonDied` (after the same shutdown) naming what died.
     """
     if collective is not None and not collective.is_server:
         collective.follow()
@@ -425,6 +553,7 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     LOGGER.info("Triton's log: %s", log_file)
     stopped_cleanly = False
     interrupt: Optional[KeyboardInterrupt] = None
+    processes: Optional[TritonProcesses] = None
     try:
         with _sigterm_as_keyboard_interrupt():
             try:
@@ -435,12 +564,17 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                                 outputs=model.outputs,
                                 config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
                 triton.run()  # starts Triton and waits (a bounded time) for the bound models
+                processes = TritonProcesses(triton)
                 wait_models_ready(server, [model.name for model in models], log_file)
                 if ready_message:
                     print(ready_message, flush=True)
                 while triton.is_alive():
+                    processes.remember_descendants()
+                    if processes.dead_backend() is not None:  # Triton would answer every request with an error
+                        break
                     time.sleep(poll_s)
-                LOGGER.error("Triton stopped unexpectedly; %s", triton_log_tail(log_file))
+                raise TritonDied(f"{processes.what_died()} while serving on {server.http_url}; the server stops "
+                                 f"(Triton's log: {log_file})")
             except KeyboardInterrupt as received:
                 LOGGER.info("interrupted; shutting down")
                 stopped_cleanly = True
@@ -448,6 +582,8 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
+            if processes is not None and not stopped_cleanly:  # a clean stop ends them through Triton
+                processes.end_leftovers()
             if collective is not None:
                 collective.stop()
             if stopped_cleanly:

@@ -42,12 +42,30 @@ class RequestTimeoutError(ClientError, TimeoutError):
 def server_message(text: str) -> str:
     """The useful part of an error text relayed by Triton (PyTriton adds prefixes and tracebacks)."""
     text = text.replace("Error occurred during inference request. Message: ", "", 1).strip()
+    if "batch-size must be <=" in text:  # Triton's own check of rows per request
+        return f"{text} (the server's server.max_batch_size: send fewer rows per request, or raise it on the server)"
     if "Traceback" not in text:
         return text
     # An exception raised in the model callback arrives as a formatted traceback; its last
     # "SomeError: message" line is what went wrong.
     raised = re.findall(r"^(?:\w+\.)*(\w*(?:Error|Exception)): (.+)$", text, flags=re.MULTILINE)
     return f"{raised[-1][0]}: {raised[-1][1]}" if raised else text
+
+
+def rejected_rows_message(server: str, errors: list[str]) -> str:
+    """One line for a response with per-row errors ("" marks a row that was computed), or "" if none.
+
+    A request refused as a whole (e.g. over the server's size cap) carries the same error on every
+    row: it is said once.
+    """
+    rejected = [(row, message) for row, message in enumerate(errors) if message]
+    if not rejected:
+        return ""
+    if len(rejected) > 1 and len(rejected) == len(errors) and len({message for _, message in rejected}) == 1:
+        return f"the {server} rejected all {len(errors)} sequences: {rejected[0][1]}"
+    shown = "; ".join(f"sequence {row}: {message}" for row, message in rejected[:5])
+    more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
+    return f"the {server} rejected {len(rejected)} of {len(errors)} sequences: {shown}{more}"
 
 
 class ModelServerClient:

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
-                             ServerUnavailableError)
+                             ServerUnavailableError, rejected_rows_message)
 from aligner.clients.reward import padded_width
 
 __all__ = ["CriticClient", "CriticInference", "CriticServerError", "ServerUnavailableError", "RequestTimeoutError",
@@ -172,13 +172,11 @@ def _settle(answer: Future, sent: Future, decode) -> None:
     try:
         outputs = sent.result()
         errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
-        rejected = [(row, message) for row, message in enumerate(errors) if message]
+        rejected = [message for message in errors if message]
         if rejected and "values" in outputs:
-            shown = "; ".join(f"sequence {row}: {message}" for row, message in rejected[:5])
-            more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
-            raise CriticServerError(f"the critic server rejected {len(rejected)} of {len(errors)} sequences: {shown}{more}")
+            raise CriticServerError(rejected_rows_message("critic server", errors))
         if rejected:
-            raise CriticServerError(f"the critic server rejected the request: {rejected[0][1]}")
+            raise CriticServerError(f"the critic server rejected the request: {rejected[0]}")
         answer.set_result(decode(outputs))
     except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller's future
         answer.set_exception(error)

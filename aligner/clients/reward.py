@@ -19,7 +19,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
-                             ServerUnavailableError)
+                             ServerUnavailableError, rejected_rows_message)
 
 __all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "ClientError"]
 
@@ -120,10 +120,9 @@ def _settle(answer: Future, sent: Future) -> None:
     try:
         outputs = sent.result()
         errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
-        rejected = [f"sequence {row}: {message}" for row, message in enumerate(errors) if message]
+        rejected = rejected_rows_message("server", errors)
         if rejected:
-            shown = "; ".join(rejected[:5]) + (f"; and {len(rejected) - 5} more" if len(rejected) > 5 else "")
-            raise RewardServerError(f"the server rejected {len(rejected)} of {len(errors)} sequences: {shown}")
+            raise RewardServerError(rejected)
         answer.set_result(np.asarray(outputs["rewards"], dtype=np.float32))
     except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller's future
         answer.set_exception(error)

@@ -128,20 +128,20 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
         if world == 1 and "MASTER_PORT" not in os.environ:
             # A lone process picks its own free port, without writing it into os.environ, where
             # child processes would inherit it and collide with it.
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            host, port = "127.0.0.1", 0
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            init_method = "env://"
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if not cpu_bridge.needed():
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend=backend(),
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        keep_gloo_on_loopback(host)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rendezvous = {"init_method": "env://"}  # torchrun's agent hosts the store; every rank is its client
+        else:
+            rendezvous = {"store": rendezvous_store(host, port, rank, world, timeout)}
+        dist.init_process_group(backend=backend(), rank=rank, world_size=world, timeout=timeout, **rendezvous)
         _register_shutdown_at_exit()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -199,12 +199,62 @@ def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _free_port() -> int:
+def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's TCPStore at host:port, hosted by rank 0 on a socket bound to `host` only.
+
+    torch's TCPStore server listens on every interface whatever host it is given; handed a socket
+    (`master_listen_fd`), it listens where that socket is bound. port 0 (rank 0 of a lone process):
+    a free port.
+    """
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"MASTER_ADDR={host!r} does not resolve ({error.strerror}); set it to this "
+                         "machine's address (127.0.0.1 for a job on one machine)") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is fine
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as error:
+        listener.close()
+        raise ValueError(f"cannot listen on {host}:{port} for the job's rendezvous (MASTER_ADDR:MASTER_PORT): "
+                         f"{error.strerror}; another job may use that port, choose another MASTER_PORT") from None
+    bound_port = listener.getsockname()[1]
+    # The store owns the descriptor from here on (detach: the socket object must not close it).
+    return dist.TCPStore(host, bound_port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def keep_gloo_on_loopback(master_addr: str) -> None:
+    """gloo listens on the address this machine's hostname resolves to, which may face the network;
+    a job whose rendezvous is on loopback runs on one machine, so its gloo sockets stay on loopback
+    too (GLOO_SOCKET_IFNAME, unless the user set it)."""
+    import ipaddress
+    import socket
+
+    if backend() != "gloo" or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        resolved = ipaddress.ip_address(socket.getaddrinfo(master_addr, None)[0][4][0])
+    except (socket.gaierror, ValueError):
+        return  # rendezvous_store reports an address that does not resolve
+    if not resolved.is_loopback:
+        return
+    import psutil
+
+    for interface, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            try:
+                candidate = ipaddress.ip_address(address.address.split("%")[0])
+            except ValueError:  # a link-layer address
+                continue
+            if candidate.is_loopback and candidate.version == resolved.version:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+                return
 
 
 def resolve_precision(name: str) -> "torch.dtype":
