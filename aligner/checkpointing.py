@@ -120,9 +120,15 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict:
             f"{checkpoint_dir} is not an aligner checkpoint (no {META_FILE}); expected a directory "
             f"written by aligner (a training step_<N> directory or an HF import)"
         )
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    from aligner.data.jsonl import DataError, read_json
+
+    try:
+        meta = read_json(path)
+    except DataError as error:  # e.g. cut short by a full disk: `path:line: not valid JSON (...)`
+        raise CheckpointError(str(error)) from None
+    found = meta.get("format") if isinstance(meta, dict) else f"a JSON {type(meta).__name__}"
+    if found != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {found!r}, expected {FORMAT!r}")
     return meta
 
 

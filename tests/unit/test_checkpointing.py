@@ -68,6 +68,13 @@ def test_incomplete_and_foreign_directories_are_ignored_or_rejected(tmp_path):
     (tmp_path / "step_00000010" / checkpointing.META_FILE).write_text(json.dumps({"format": "other"}))
     with pytest.raises(checkpointing.CheckpointError, match="unknown checkpoint format"):
         checkpointing.read_meta(tmp_path / "step_00000010")
+    meta_file = tmp_path / "step_00000010" / checkpointing.META_FILE
+    meta_file.write_text('{\n  "format": "aligner-megatron-v1",\n  "model": {"num_l')  # cut short by a full disk
+    with pytest.raises(checkpointing.CheckpointError, match=f"^{meta_file}:3: not valid JSON"):
+        checkpointing.read_meta(tmp_path / "step_00000010")
+    meta_file.write_text("[1, 2]")
+    with pytest.raises(checkpointing.CheckpointError, match="unknown checkpoint format 'a JSON list'"):
+        checkpointing.read_meta(tmp_path / "step_00000010")
     with pytest.raises(checkpointing.CheckpointError, match="no optimizer state"):
         checkpointing.load(checkpointing.step_dir(tmp_path, 5), [model], optimizer=object())
 
