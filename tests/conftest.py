@@ -69,6 +69,27 @@ def metrics_rows(log_dir: Path, *splits: str) -> list[dict]:
     return read_metrics(log_dir, *splits)
 
 
+def processes_alive(processes, timeout_s: float) -> list[str]:
+    """The psutil processes still running (zombies count as gone) after waiting up to timeout_s
+    for them to end, each as 'name[pid]: command line'; [] once all have ended."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for process in processes:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{process.name()}[{process.pid}]: {' '.join(process.cmdline())[:120]}")
+            except psutil.Error:  # ended while being looked at
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 def dotted_keys(config) -> set[str]:
     """Every key of a (nested) config as dotted paths, e.g. {"trainer", "trainer.max_steps"}.
 

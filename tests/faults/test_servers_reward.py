@@ -32,6 +32,7 @@ import pytest
 from aligner.clients import ClientError, server_message
 from aligner.clients.reward import RewardClient, RewardServerError
 
+from ..conftest import processes_alive
 from ..functional.test_reward_server import (  # noqa: F401 - reward_model is a fixture
     ENTRY_POINT, READY_TIMEOUT_S, ServerProcess, free_port_block, in_process_rewards, random_sequences, reward_model)
 
@@ -62,22 +63,6 @@ def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1") -> 
 def process_tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
-
-
-def wait_gone(processes: list[psutil.Process], timeout_s: float = GONE_WITHIN_S) -> list[str]:
-    """The processes still running (not zombies) after up to timeout_s, as 'name[pid]'."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for process in processes:
-            try:
-                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{process.name()}[{process.pid}]")
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
 
 
 def mapped_shared_memory(processes: list[psutil.Process]) -> set[str]:
@@ -188,7 +173,7 @@ def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, 
         assert last_line.startswith(f"error: {expected} while serving on http://127.0.0.1:{server.port}"), last_line
         # PyTriton may log its own traceback when a response finds the backend gone; none is ours
         assert not re.search(r'File ".*/(servers|aligner)/', server.log()), server.log()[-3000:]
-        assert wait_gone(server.tree) == []
+        assert processes_alive(server.tree, GONE_WITHIN_S) == []
         assert [path for path in server.shared_memory if os.path.exists(path)] == []
     finally:
         server.kill()
@@ -201,7 +186,7 @@ def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(rewar
         print(f"\n{load.answered} answers before the kill; slowest client error {max(s for _, s in load.failures):.2f} s")
         _assert_every_client_failed_in_time(load)
         assert code == -signal.SIGKILL
-        assert wait_gone(server.tree) == []  # tritonserver, its Python backend and PyTriton's helpers
+        assert processes_alive(server.tree, GONE_WITHIN_S) == []  # tritonserver, its Python backend and PyTriton's helpers
         deadline = time.monotonic() + 5  # the resource trackers remove what they tracked as they exit
         while any(os.path.exists(path) for path in server.shared_memory) and time.monotonic() < deadline:
             time.sleep(0.2)

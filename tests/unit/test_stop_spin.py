@@ -14,17 +14,7 @@ from aligner.runtime import stopping
 
 from ..conftest import write_jsonl
 from .test_spin import _tiny_spin_config
-
-
-@pytest.fixture
-def handlers():
-    previous = {sig: signal.getsignal(sig) for sig in stopping.HANDLED_SIGNALS}
-    stopping.install()
-    stopping.reset()
-    yield
-    stopping.reset()
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+from .test_stopping import handlers  # noqa: F401 - a fixture
 
 
 def _signal_during_step(run, step: int) -> None:
