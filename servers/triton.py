@@ -478,7 +478,7 @@ class TritonProcesses:
         if code is None:
             return f"{what} stopped"
         if code < 0:
-            return f"{what} was killed by {_signal_name(-code)}"
+            return f"{what} was killed by {stopping.signal_name(-code)}"
         return f"{what} exited with status {code}"
 
     def end_leftovers(self, timeout_s: float = 3.0) -> None:
@@ -521,13 +521,6 @@ def _running(process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,

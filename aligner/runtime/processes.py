@@ -100,7 +100,7 @@ def no_persistent_checkpoint_writers() -> None:
     """Make megatron's checkpoint saves start no process that outlives the save (see the module doc).
 
     Raises if megatron-core's writer no longer has the function this replaces: an upgrade must
-    re-check which processes a save leaves (tests/faults/test_stop_orphans.py counts them).
+    re-check which processes a save leaves (tests/unit/test_stopping.py and tests/faults/test_stop_sft.py count them).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
