@@ -92,7 +92,7 @@ def _on_rank0(work: Callable[[], Any]) -> Any:
     if _rank() == 0:
         try:
             result = work()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - raised below on every rank, so none waits for rank 0
             failure = error
     outcome = _broadcast((result, None if failure is None else str(failure)))
     if failure is not None:

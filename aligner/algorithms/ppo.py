@@ -457,7 +457,7 @@ class PPOTrainer:
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
         given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
-        pending = []  # (micro-batch indices, rollout, reward future, values future)
+        pending = []  # (micro-batch indices, reward future, values future)
 
         def send_scoring(micro_indices, rollout):
             if not self.is_replica_leader:
@@ -470,7 +470,7 @@ class PPOTrainer:
             if self.reward_source is not None:
                 rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
                                                          responses)
-            pending.append((micro_indices, rollout, rewards, values))
+            pending.append((micro_indices, rewards, values))
 
         tick = time.perf_counter()
         self.engine.refit(self.chunks)
@@ -482,7 +482,7 @@ class PPOTrainer:
         timings["time_generation"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        for micro_indices, rollout, rewards, values in pending:
+        for micro_indices, rewards, values in pending:
             inferred = values.result() if values is not None else None
             scores = rewards.result() if rewards is not None else inferred.rewards
             if scores is None:
@@ -629,10 +629,12 @@ class PPOTrainer:
             return []
         if self._ptx_batches is None:
             self._ptx_batches = self.ptx_loader.iterate(0)
+
+        def pad(tensor, value):  # to the PPO sequence length: one length per pipeline schedule
+            return torch.nn.functional.pad(tensor, (0, self.seq_length - tensor.shape[1]), value=value)
+
         padded = []
-        for mb in next(self._ptx_batches):  # to the PPO sequence length: one length per pipeline schedule
-            extra = self.seq_length - mb["tokens"].shape[1]
-            pad = lambda tensor, value: torch.nn.functional.pad(tensor, (0, extra), value=value)  # noqa: E731
+        for mb in next(self._ptx_batches):
             padded.append({"kind": "ptx", "tokens": pad(mb["tokens"], self.tokenizer.pad_id),
                            "labels": pad(mb["labels"], self.tokenizer.pad_id), "loss_mask": pad(mb["loss_mask"], 0.0),
                            "position_ids": pad(mb["position_ids"], 0), "attention_mask": None,

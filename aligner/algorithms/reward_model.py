@@ -6,7 +6,6 @@ trainer runs, reward normalisation, and `build_reward_model_trainer`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -34,8 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aligner.algorithms.dpo import (REFERENCE_MODES, DPOObjective, DPOSection, SwappedReferenceLoader,
-                                    precompute_reference_logprobs)
+from aligner.algorithms.dpo import (
+    REFERENCE_MODES,
+    DPOObjective,
+    DPOSection,
+    SwappedReferenceLoader,
+    precompute_reference_logprobs,
+)
 from aligner.config import at_least
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer

@@ -30,8 +30,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from aligner.data.conversation import (ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt,
-                                       template_errors)
+from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, read_jsonl
 from aligner.tokenizer import Tokenizer
 

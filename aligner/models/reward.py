@@ -257,7 +257,6 @@ def load_reward_model(checkpoint_dir, *, micro_batch_size: int, normalize: bool 
     from megatron.core import parallel_state as ps
 
     from aligner import checkpointing
-    from aligner.models.gpt import transformer_config
     from aligner.runtime import distributed, seeds
     from aligner.runtime.distributed import ParallelConfig
     from aligner.tokenizer import Tokenizer

@@ -184,12 +184,13 @@ def apply() -> bool:
     with _lock:
         if _applied:
             return True
+        import importlib
+
         import megatron.core
         import megatron.core.utils as mcore_utils
-        from megatron.core.tensor_parallel import random as mcore_random
-        from megatron.core.pipeline_parallel import schedules
         from megatron.core.distributed import distributed_data_parallel as mcore_ddp
-        import importlib
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.tensor_parallel import random as mcore_random
 
         mcore_finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
         from megatron.core import dist_checkpointing
@@ -198,15 +199,16 @@ def apply() -> bool:
         if version != SUPPORTED_MEGATRON_CORE:
             warnings.warn(
                 f"aligner's CPU bridge was written for megatron-core {SUPPORTED_MEGATRON_CORE}, "
-                f"found {version}; run tests/unit/test_cpu_bridge.py to see what changed."
+                f"found {version}; run tests/unit/test_cpu_bridge.py to see what changed.",
+                stacklevel=2,
             )
 
         # 1. Attention scratch buffers.
         mcore_utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
 
         # Causal mask that local attention builds when it is given none.
-        import megatron.core.transformer.utils as mcore_transformer_utils
         import megatron.core.fusions.fused_softmax as mcore_fused_softmax
+        import megatron.core.transformer.utils as mcore_transformer_utils
 
         mcore_transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
         mcore_fused_softmax.get_default_causal_mask = _cpu_default_causal_mask

@@ -19,7 +19,6 @@ from aligner.runtime.distributed import ParallelConfig
 from aligner.training.metrics import LoggingConfig
 from aligner.training.trainer import CheckpointConfig, TrainerConfig
 
-
 DECAY_STYLES = ("cosine", "linear", "constant")
 
 

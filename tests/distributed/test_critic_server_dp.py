@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from aligner.clients.critic import CriticClient
-from tests.functional.test_critic_server import (float64_reference, pool, references, rollout,  # noqa: F401 - fixtures
-                                                 start_server)
+from tests.functional.test_critic_server import float64_reference, pool, references, rollout, start_server  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -26,7 +25,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
-def test_two_rank_critic_matches_single_process(references, pool, rollout, layout):
+def test_two_rank_critic_matches_single_process(references, pool, rollout, layout):  # noqa: F811 - a fixture imported above
     sequences, reference_values, _ = pool
     loss, grad_norm, _ = float64_reference(references, rollout)
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..conftest import REPO_ROOT
+
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_parity.py"
-from ..conftest import REPO_ROOT
 VOCAB = 100  # not a multiple of 128: exercises vocabulary padding
 SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
 TOLERANCE = 1e-4

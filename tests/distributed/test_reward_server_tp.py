@@ -15,8 +15,14 @@ import numpy as np
 import pytest
 
 from aligner.clients.reward import RewardClient
-from tests.functional.test_reward_server import (ENTRY_POINT, ServerProcess, free_port_block, in_process_rewards,
-                                                 make_reward_checkpoint, random_sequences)
+from tests.functional.test_reward_server import (
+    ENTRY_POINT,
+    ServerProcess,
+    free_port_block,
+    in_process_rewards,
+    make_reward_checkpoint,
+    random_sequences,
+)
 
 pytestmark = pytest.mark.distributed
 

@@ -160,8 +160,9 @@ def test_kill_9_at_random_points_and_mid_save_then_resume_gives_identical_losses
         steps_before_kill = rng.randint(0, 4)  # 0: during start-up or the resume load
         process = _start(sft_data, run_dir)
         try:
-            _wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-                      and len(train_losses(run_dir)) >= rows_before + steps_before_kill, process)
+            rows_wanted = rows_before + steps_before_kill
+            _wait_for(lambda: (run_dir / "metrics.jsonl").exists()  # noqa: B023 - called in this iteration only
+                      and len(train_losses(run_dir)) >= rows_wanted, process)  # noqa: B023
             time.sleep(rng.uniform(0.0, 0.2))
         finally:
             _kill_group(process)

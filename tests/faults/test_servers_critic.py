@@ -17,15 +17,14 @@ import pytest
 from aligner.clients import ClientError
 from aligner.clients.critic import CriticClient, CriticServerError
 
-from ..functional.test_critic_server import (  # noqa: F401 - references, pool and rollout are fixtures
-    LR, float64_reference, pool, references, rollout, start_server)
+from ..functional.test_critic_server import LR, float64_reference, pool, references, rollout, start_server  # noqa: F401 - fixtures
 
 MAX_TRAIN_ROWS = 8  # the rollout fixture's batch: two of them are one request too many
 MAX_REQUEST_BYTES = 256 << 10
 
 
 @pytest.fixture(scope="module")
-def capped_server(references):
+def capped_server(references):  # noqa: F811 - a fixture imported above
     process = start_server(references, "capped.log", f"server.max_train_rows={MAX_TRAIN_ROWS}",
                            f"server.max_request_bytes={MAX_REQUEST_BYTES}",
                            f"checkpoint.save_dir={references['root'] / 'capped_checkpoints'}")
@@ -41,7 +40,7 @@ def client(capped_server):
         yield critic
 
 
-def test_oversize_inference_request_is_refused_and_the_next_request_is_right(client, pool):
+def test_oversize_inference_request_is_refused_and_the_next_request_is_right(client, pool):  # noqa: F811 - a fixture imported above
     """Runs before the train test: the served values are still the initial critic's."""
     sequences, reference, _ = pool
     tokens = np.ones((16, 4096), dtype=np.int64)  # 512 KiB of (valid, mostly padding) token ids
@@ -56,7 +55,7 @@ def test_oversize_inference_request_is_refused_and_the_next_request_is_right(cli
     assert np.abs(values - reference[2:5, :values.shape[1]]).max() < 1e-5
 
 
-def test_oversize_train_requests_are_refused_and_nothing_is_trained(client, references, rollout):
+def test_oversize_train_requests_are_refused_and_nothing_is_trained(client, references, rollout):  # noqa: F811 - a fixture imported above
     sequences, prompts, returns, old_values = (rollout["sequences"], rollout["prompt_lengths"], rollout["returns"],
                                                rollout["old_values"])
     doubled = (sequences * 2, prompts * 2, np.concatenate([returns] * 2), np.concatenate([old_values] * 2))
@@ -76,7 +75,7 @@ def test_oversize_train_requests_are_refused_and_nothing_is_trained(client, refe
     assert metrics["lr"] == pytest.approx(LR)
 
 
-def test_tritonserver_killed_ends_the_critic_server_with_status_1(client, capped_server, pool):
+def test_tritonserver_killed_ends_the_critic_server_with_status_1(client, capped_server, pool):  # noqa: F811 - a fixture imported above
     """Last in the module: it ends the module's server. Same code path as the reward server's
     (servers.triton.serve), whose fault tests load it with many clients."""
     import psutil

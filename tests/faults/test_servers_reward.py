@@ -34,7 +34,14 @@ from aligner.clients.reward import RewardClient, RewardServerError
 
 from ..conftest import processes_alive
 from ..functional.test_reward_server import (  # noqa: F401 - reward_model is a fixture
-    ENTRY_POINT, READY_TIMEOUT_S, ServerProcess, free_port_block, in_process_rewards, random_sequences, reward_model)
+    ENTRY_POINT,
+    READY_TIMEOUT_S,
+    ServerProcess,
+    free_port_block,
+    in_process_rewards,
+    random_sequences,
+    reward_model,
+)
 
 SERVER_HOST = "127.0.0.2"  # a loopback address other than the default: sockets must follow the config
 CLIENT_TIMEOUT_S = 10.0
@@ -114,13 +121,13 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def pool(reward_model):
+def pool(reward_model):  # noqa: F811 - a fixture imported above
     _, loaded = reward_model
     sequences = random_sequences(24, loaded.model_cfg.vocab_size, seed=5)
     return sequences, in_process_rewards(loaded.inference, sequences)
 
 
-def _kill_under_load(reward_model, pool, tmp_path, victim_name: str) -> tuple[ServerProcess, Load, float]:
+def _kill_under_load(reward_model, pool, tmp_path, victim_name: str) -> tuple[ServerProcess, Load, float]:  # noqa: F811 - a fixture imported above
     """Start a server, load it, SIGKILL `victim_name` (a process name in its tree, or 'server': the server's own)."""
     checkpoint, _ = reward_model
     sequences, reference = pool
@@ -167,7 +174,7 @@ def _shared_memory_left(server, timeout_s: float = 10.0) -> list[str]:
 
 
 @pytest.mark.parametrize("victim", ["tritonserver", "triton_python_backend_stub"])
-def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, pool, tmp_path, victim):
+def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, pool, tmp_path, victim):  # noqa: F811 - a fixture imported above
     server, load, _ = _kill_under_load(reward_model, pool, tmp_path, victim)
     try:
         start = time.monotonic()
@@ -189,7 +196,7 @@ def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, 
         server.kill()
 
 
-def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(reward_model, pool, tmp_path):
+def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(reward_model, pool, tmp_path):  # noqa: F811 - a fixture imported above
     server, load, _ = _kill_under_load(reward_model, pool, tmp_path, "server")
     try:
         code = server.process.wait(timeout=30)
@@ -207,7 +214,7 @@ def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(rewar
 
 
 @pytest.fixture(scope="module")
-def capped_server(reward_model, tmp_path_factory):
+def capped_server(reward_model, tmp_path_factory):  # noqa: F811 - a fixture imported above
     checkpoint, _ = reward_model
     server = start_server(checkpoint, tmp_path_factory.mktemp("capped") / "server.log", host=SERVER_HOST)
     yield server

@@ -17,6 +17,7 @@ import torch
 from aligner.config import CONF_DIR, load_config
 
 from ..conftest import REPO_ROOT, dotted_keys
+
 ENTRY_POINT = REPO_ROOT / "examples" / "nlp" / "gpt" / "chat.py"
 CHAT_YAML = CONF_DIR / "chat.yaml"
 MAX_NEW_TOKENS = 8

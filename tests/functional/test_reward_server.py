@@ -25,6 +25,7 @@ from aligner.clients.reward import RewardClient, RewardServerError, ServerUnavai
 from aligner.config import CONF_DIR, ConfigError, load_config
 
 from ..conftest import REPO_ROOT, dotted_keys
+
 ENTRY_POINT = REPO_ROOT / "examples" / "nlp" / "gpt" / "serve_reward_model.py"
 RM_YAML = CONF_DIR / "inference_rm.yaml"
 ATTRIBUTES = ["helpfulness", "correctness"]

@@ -1,9 +1,11 @@
 """Unit tests that need megatron's parallel state run in this one process (TP=PP=DP=1, gloo)."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from aligner.runtime import distributed, seeds
+from aligner.runtime import distributed, seeds, stopping
 
 
 @pytest.fixture(scope="module")
@@ -12,3 +14,15 @@ def single_process():
     seeds.set_seed(0)
     yield
     distributed.shutdown()
+
+
+@pytest.fixture
+def handlers():
+    """aligner's stop handlers installed and reset; the previous signal handlers restored afterwards."""
+    previous = {sig: signal.getsignal(sig) for sig in stopping.HANDLED_SIGNALS}
+    stopping.install()
+    stopping.reset()
+    yield
+    stopping.reset()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

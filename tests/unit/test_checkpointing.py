@@ -16,7 +16,6 @@ from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime import seeds
 
-
 pytestmark = pytest.mark.usefixtures("single_process")
 
 

@@ -15,7 +15,6 @@ from aligner.demo.tokenizer import CHAT_TEMPLATE, train_char_tokenizer
 
 from ..conftest import REPO_ROOT
 
-
 # --- answers and the forgotten carry ------------------------------------------------------------
 
 

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from aligner.algorithms.dpo import (DPOConfig, DPOObjective, DPOSection, SwappedReferenceLoader, build_dpo_trainer,
-                                    precompute_reference_logprobs)
+from aligner.algorithms.dpo import (
+    DPOConfig,
+    DPOObjective,
+    DPOSection,
+    SwappedReferenceLoader,
+    build_dpo_trainer,
+    precompute_reference_logprobs,
+)
 from aligner.config import CONF_DIR, load_config
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
@@ -160,7 +166,7 @@ def test_loss_is_log2_and_rewards_zero_when_policy_is_the_reference(tmp_path, to
                                   pairs_per_forward=5)  # other batch shapes than the loss's
     batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
     logits = model(batch["tokens"], batch["position_ids"], None)
-    for loss_kind, beta in [("dpo", 0.01), ("dpo", 0.1), ("dpo", 1.0), ("dpo", 10.0)]:
+    for beta in [0.01, 0.1, 1.0, 10.0]:
         for average in (False, True):
             objective = DPOObjective(DPOSection(beta=beta, preference_average_logprobs=average), cfg.vocab_size)
             loss_sum, pairs, report = objective.loss(batch, logits)

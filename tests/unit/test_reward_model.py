@@ -7,12 +7,20 @@ import pytest
 import torch
 
 from aligner import checkpointing
-from aligner.algorithms.reward_model import (RankingObjective, RegressionObjective, bradley_terry_loss,
-                                             masked_regression_loss)
+from aligner.algorithms.reward_model import (
+    RankingObjective,
+    RegressionObjective,
+    bradley_terry_loss,
+    masked_regression_loss,
+)
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-from aligner.models.reward import (HEAD_STATE_PREFIX, RewardInference, RewardNormalization, build_reward_model,
-                                   scores_at_last_token)
-
+from aligner.models.reward import (
+    HEAD_STATE_PREFIX,
+    RewardInference,
+    RewardNormalization,
+    build_reward_model,
+    scores_at_last_token,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

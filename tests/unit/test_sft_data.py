@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError, read_jsonl, require_list, require_str
-from aligner.data.sft import PackedSFTDataset, SFTDataset, collate_sft
 from aligner.data.sampler import DistributedBatchSampler
+from aligner.data.sft import PackedSFTDataset, SFTDataset, collate_sft
 from aligner.tokenizer import Tokenizer
 
 from ..conftest import CHAT_KINDS, SAMPLE_ANSWERS, SAMPLE_PROMPTS

@@ -6,7 +6,6 @@ import torch
 
 from aligner.models.gpt import GPTConfig, build_gpt_model, num_parameters, padded_vocab_size, transformer_config
 
-
 pytestmark = pytest.mark.usefixtures("single_process")
 
 

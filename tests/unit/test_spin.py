@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from aligner.algorithms.dpo import DPOObjective, precompute_reference_logprobs
-from aligner.algorithms.spin import (SPINConfig, SPINSection, build_spin_run, dpo_section, iteration_betas,
-                                     load_demonstrations, self_play_pairs)
+from aligner.algorithms.spin import (
+    SPINConfig,
+    SPINSection,
+    build_spin_run,
+    dpo_section,
+    iteration_betas,
+    load_demonstrations,
+    self_play_pairs,
+)
 from aligner.config import CONF_DIR, load_config
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset, collate_preferences

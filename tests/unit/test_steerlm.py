@@ -7,9 +7,18 @@ import json
 import pytest
 
 from aligner.data.jsonl import DataError
-from aligner.data.steerlm import (AttributeConditioning, SteerLMConfig, check_values, condition_messages,
-                                  condition_prompt, conditioning_from_meta, parse_attributes,
-                                  parse_requested_values, render_attributes, split_conditioned_prompt)
+from aligner.data.steerlm import (
+    AttributeConditioning,
+    SteerLMConfig,
+    check_values,
+    condition_messages,
+    condition_prompt,
+    conditioning_from_meta,
+    parse_attributes,
+    parse_requested_values,
+    render_attributes,
+    split_conditioned_prompt,
+)
 
 from ..conftest import REPO_ROOT
 

@@ -14,7 +14,6 @@ from aligner.runtime import stopping
 
 from ..conftest import write_jsonl
 from .test_spin import _tiny_spin_config
-from .test_stopping import handlers  # noqa: F401 - a fixture
 
 
 def _signal_during_step(run, step: int) -> None:

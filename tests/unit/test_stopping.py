@@ -18,17 +18,6 @@ from aligner.runtime import processes, stopping
 from ..conftest import REPO_ROOT
 
 
-@pytest.fixture
-def handlers():
-    previous = {sig: signal.getsignal(sig) for sig in stopping.HANDLED_SIGNALS}
-    stopping.install()
-    stopping.reset()
-    yield
-    stopping.reset()
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
 def _run_child(code: str, timeout_s: float = 60, capture: bool = True) -> subprocess.CompletedProcess:
     """capture=False: output to /dev/null (a grandchild that outlives the child would hold the pipes open)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -19,8 +19,8 @@ from aligner.generation.engine import SamplingParams
 from aligner.generation.trtllm import (
     INSTALL_HINT,
     TensorRTLLMEngine,
-    merge_megatron_tp_shards,
     megatron_to_trtllm_checkpoint,
+    merge_megatron_tp_shards,
     rollout_from_outputs,
     sampling_to_trtllm,
     save_trtllm_checkpoint,
