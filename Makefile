@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model test test-fast test-faults demo bench clean
+.PHONY: install real-model lint test test-fast test-faults demo bench clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +20,16 @@ install: $(STAMP)
 real-model: install
 	$(PY) examples/nlp/data/fetch_real_model.py
 
-test: install real-model
+# ruff's rules and limits are in pyproject.toml ([tool.ruff]); `make test` runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install real-model lint
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
 
+# The single-process unit tests (tests/unit); `make test` runs every tier.
 test-fast: install
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra -m "not slow and not distributed" $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit
 
 test-faults: install
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra -m faults $(PYTEST_ARGS) tests

@@ -277,7 +277,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
         model_cfg = dataclasses.replace(model_cfg, **model_overrides)
     if loaded_tokenizer.vocab_size > model_cfg.vocab_size:
         raise checkpointing.CheckpointError(
-            f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}"
+            f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is "
+            f"{model_cfg.vocab_size}"
         )
 
     from aligner.models.gpt import num_parameters, padded_vocab_size

@@ -181,7 +181,8 @@ class Trainer:
     def save(self) -> Path:
         path = checkpointing.save(
             checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step), self.chunks,
-            model_config=self.checkpoint_meta["model"], extra_meta={k: v for k, v in self.checkpoint_meta.items() if k != "model"},
+            model_config=self.checkpoint_meta["model"],
+            extra_meta={k: v for k, v in self.checkpoint_meta.items() if k != "model"},
             optimizer=self.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.tokenizer_dir, save_rng=True,
             run_id=self.run_id,
         )

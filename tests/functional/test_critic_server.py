@@ -332,7 +332,8 @@ def test_training_lowers_the_value_loss(client, rollout):
     mse_before = _served_mse(client, rollout)
     losses = [client.train(*args)["value_loss"] for _ in range(TRAIN_CALLS)]
     mse_after = _served_mse(client, rollout)
-    print(f"\nvalue loss over calls 2..{TRAIN_CALLS + 1}: {[round(x, 4) for x in losses]}; served MSE {mse_before:.4f} -> {mse_after:.4f}")
+    print(f"\nvalue loss over calls 2..{TRAIN_CALLS + 1}: {[round(x, 4) for x in losses]}; "
+          f"served MSE {mse_before:.4f} -> {mse_after:.4f}")
     assert losses[-1] < 0.8 * losses[0]
     assert mse_after < 0.8 * mse_before
 

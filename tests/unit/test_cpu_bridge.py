@@ -159,7 +159,8 @@ def test_alltoall_moe_dispatcher_is_refused_without_cuda_and_allgather_is_used()
 
     moe = GPTConfig(vocab_size=VOCAB, num_moe_experts=4)
     assert transformer_config(moe).moe_token_dispatcher_type == "allgather"  # the default
-    with pytest.raises(ValueError, match="moe_token_dispatcher_type=alltoall needs CUDA.*use moe_token_dispatcher_type=allgather"):
+    with pytest.raises(ValueError,
+                       match="moe_token_dispatcher_type=alltoall needs CUDA.*use moe_token_dispatcher_type=allgather"):
         transformer_config(GPTConfig(vocab_size=VOCAB, num_moe_experts=4, moe_token_dispatcher_type="alltoall"))
 
 

@@ -33,7 +33,8 @@ def run_hf_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
     env.setdefault("PYTHONWARNINGS", "ignore")
     command = [sys.executable, "-m", "aligner.hf", *args]
     if prelude:
-        code = f"{prelude}\nimport runpy, sys\nsys.argv = ['aligner.hf', *{list(args)!r}]\nrunpy.run_module('aligner.hf', run_name='__main__')"
+        code = (f"{prelude}\nimport runpy, sys\nsys.argv = ['aligner.hf', *{list(args)!r}]\n"
+                "runpy.run_module('aligner.hf', run_name='__main__')")
         command = [sys.executable, "-c", code]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
 
@@ -117,10 +118,12 @@ def _user_error_cases(root):
         ("missing_dir", ["import", "--hf-dir", str(root / "nope"), "--output", out], f"{root / 'nope'} does not exist"),
         ("missing_config", ["import", "--hf-dir", str(root / "no_config"), "--output", out], "has no config.json"),
         ("bad_json", ["import", "--hf-dir", str(bad_json), "--output", out], f"{bad_json / 'config.json'}:1: not valid JSON"),
-        ("unsupported_arch", ["import", "--hf-dir", str(unsupported), "--output", out], f"{unsupported / 'config.json'}: model_type='bert' is not supported"),
+        ("unsupported_arch", ["import", "--hf-dir", str(unsupported), "--output", out],
+         f"{unsupported / 'config.json'}: model_type='bert' is not supported"),
         ("truncated_safetensors", ["import", "--hf-dir", str(truncated), "--output", out],
          f"{truncated / 'model.safetensors'}: damaged or truncated safetensors file"),
-        ("missing_gguf", ["import", "--gguf", str(root / "nope.gguf"), "--output", out], f"GGUF file {root / 'nope.gguf'} does not exist"),
+        ("missing_gguf", ["import", "--gguf", str(root / "nope.gguf"), "--output", out],
+         f"GGUF file {root / 'nope.gguf'} does not exist"),
         ("garbage_gguf", ["import", "--gguf", str(garbage), "--output", out], f"{garbage}: not a readable GGUF file"),
         ("truncated_gguf", ["import", "--gguf", str(cut), "--output", out], f"{cut}: not a readable GGUF file"),
         ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(root)], "is not empty"),

@@ -183,7 +183,8 @@ def test_config_mapping():
     assert (cfg.add_qkv_bias, cfg.add_bias_linear, cfg.tie_embeddings) == (True, False, True)
     assert (cfg.norm_epsilon, cfg.rotary_base, cfg.vocab_size, cfg.head_dim) == (1e-6, 1e6, VOCAB, 8)
 
-    cfg, arch = gpt_config_from_hf(hf_config("gpt2", activation_function="gelu_new", n_inner=None), make_vocab_size_divisible_by=64)
+    cfg, arch = gpt_config_from_hf(hf_config("gpt2", activation_function="gelu_new", n_inner=None),
+                                   make_vocab_size_divisible_by=64)
     assert arch == "gpt2"
     assert (cfg.normalization, cfg.activation, cfg.position_embedding_type) == ("LayerNorm", "gelu_tanh", "learned_absolute")
     assert (cfg.add_qkv_bias, cfg.add_bias_linear, cfg.tie_embeddings) == (True, True, True)

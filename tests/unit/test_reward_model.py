@@ -114,7 +114,8 @@ def test_lm_checkpoint_initialises_the_body_and_leaves_the_head_fresh(tmp_path):
     assert body and all(torch.equal(lm_state[k], rm_state[k]) for k in body)
     assert torch.equal(reward_model.output_layer.weight, fresh_head)
     # Without skipping, the LM checkpoint has no reward head: a clear failure, not a silent init.
-    with pytest.raises(checkpointing.CheckpointError, match=r"lm: cannot load it into this model \(missing tensors \['reward_head"):
+    with pytest.raises(checkpointing.CheckpointError,
+                       match=r"lm: cannot load it into this model \(missing tensors \['reward_head"):
         checkpointing.load(tmp_path / "lm", [build_reward_model(cfg, transformer_config(cfg))])
 
 

@@ -265,8 +265,8 @@ def _spans(mask: list[int]) -> list[tuple[int, int]]:
 def test_input_output_is_a_one_turn_conversation(tmp_path, chat_tokenizers, kind):
     tokenizer = chat_tokenizers[kind]
     prompt, answer = SAMPLE_PROMPTS["text"], SAMPLE_ANSWERS["text"]
-    path = write_jsonl(tmp_path / "data.jsonl", [{"input": prompt, "output": answer},
-                                                 {"messages": SAMPLE_PROMPTS["user"] + [{"role": "assistant", "content": answer}]}])
+    conversation = SAMPLE_PROMPTS["user"] + [{"role": "assistant", "content": answer}]
+    path = write_jsonl(tmp_path / "data.jsonl", [{"input": prompt, "output": answer}, {"messages": conversation}])
     dataset = SFTDataset(path, tokenizer, 256)
     tokens, mask = dataset[0]["tokens"].tolist(), dataset[0]["loss_mask"].tolist()
     if kind == "plain":  # NeMo-Aligner's layout: [bos] + input, output + [eos]

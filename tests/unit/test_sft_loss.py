@@ -32,8 +32,9 @@ def test_response_token_loss_matches_float64_reference():
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_parameter_count_matches_the_built_model(style):
-    cfg = getattr(GPTConfig, style)(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2 if style == "llama" else None,
-                                    ffn_hidden_size=96, vocab_size=128, make_vocab_size_divisible_by=128, max_position_embeddings=32)
+    cfg = getattr(GPTConfig, style)(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                    num_query_groups=2 if style == "llama" else None, ffn_hidden_size=96, vocab_size=128,
+                                    make_vocab_size_divisible_by=128, max_position_embeddings=32)
     model = build_gpt_model(cfg, transformer_config(cfg))
     built = sum(p.numel() for p in model.parameters())
     assert num_parameters(cfg) == built

@@ -3,14 +3,13 @@
 TensorRT-LLM itself cannot be installed on these machines; what is checked here is everything it
 would be fed. Per-rank q/k/v, MLP and head shards are checked against an independent path: the
 megatron -> HF export (`megatron_to_hf`) followed by TRT-LLM's own recipe (split q, k, v per rank
-and concatenate). The distributed test runs this file under torchrun (2 processes, TP=2) to check
-the refit path (`local_rank_weights`, from megatron's real TP shards) against the full conversion.
+and concatenate). The refit path from megatron's real TP=2 shards is checked under torchrun in
+tests/distributed/test_trtllm_refit.py.
 """
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -323,50 +322,3 @@ def test_rollout_from_generate_outputs():
     assert torch.allclose(rollout.logprobs[0], torch.tensor([-0.1, -0.2, -0.3, 0.0]))
     assert rollout.logprobs[1, 2:].tolist() == [0.0, 0.0]
     assert rollout.prompt_tokens == prompts
-
-
-# ----------------------------------------------------------------------------- refit path, TP=2
-@pytest.mark.distributed
-def test_local_rank_weights_from_megatron_tp_shards(torchrun, tmp_path):
-    output = torchrun(Path(__file__), 2, str(tmp_path), timeout=600)
-    line = next(line for line in output.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
-    for arch in ("llama", "gpt2"):
-        assert result[arch]["names_equal"] == [True, True], result
-        assert result[arch]["max_diff"] == [0.0, 0.0], result
-
-
-def _worker(work: Path) -> None:
-    """Rank r's weights from its TP=2 megatron shard == rank r of the full conversion (same weights)."""
-    import torch.distributed as dist
-
-    from aligner import checkpointing
-    from aligner.generation.trtllm import local_rank_weights
-    from aligner.models.gpt import build_gpt_model, transformer_config
-    from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
-    from aligner.runtime.seeds import set_seed
-
-    result = {}
-    for arch, cfg in (("llama", llama_cfg(make_vocab_size_divisible_by=16)), ("gpt2", gpt2_cfg())):
-        initialize(ParallelConfig(tensor_model_parallel_size=2))
-        set_seed(11)
-        model = build_gpt_model(cfg, transformer_config(cfg, tensor_parallel_size=2))
-        local = local_rank_weights([model], cfg, arch)
-        checkpointing.save(work / arch, [model], model_config=cfg.to_dict())
-        initialize(ParallelConfig())  # TP=1 x DP=2: the full model from the checkpoint saved at TP=2
-        full_model = build_gpt_model(cfg, transformer_config(cfg))
-        checkpointing.load(work / arch, [full_model])
-        _, expected = megatron_to_trtllm_checkpoint(full_model.state_dict(), cfg, 2, arch)
-        mine = expected[dist.get_rank()]
-        names_equal = set(mine) == set(local)
-        diff = max((mine[n] - local[n]).abs().max().item() for n in mine) if names_equal else -1.0
-        gathered = [None, None]
-        dist.all_gather_object(gathered, (names_equal, diff))
-        result[arch] = {"names_equal": [g[0] for g in gathered], "max_diff": [g[1] for g in gathered]}
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    shutdown()
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))

@@ -7,4 +7,5 @@ from aligner.algorithms.reward_model import RewardModelConfig, build_reward_mode
 from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(lambda: run_training(RewardModelConfig, "training_rm.yaml", build_reward_model_trainer, after_fit=finish_reward_model))
+    run_main(lambda: run_training(RewardModelConfig, "training_rm.yaml", build_reward_model_trainer,
+                                  after_fit=finish_reward_model))
