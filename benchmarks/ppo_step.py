@@ -2,7 +2,7 @@
 
 The actor is built by `build_ppo_trainer` exactly as train_gpt_ppo_actor.py builds it, with two
 in-process stand-ins for the servers: the demo's rule reward (`aligner.demo.arithmetic:score_response`)
-and `NullCritic` (values 0, no critic training), so the numbers are the actor's own work:
+and `ZeroCritic` (values 0, no critic training), so the numbers are the actor's own work:
 generation, actor + reference logprobs, advantages, and the PPO minibatch updates. Server time
 (reward model, critic) is not included; it overlaps generation in a real run.
 
@@ -21,9 +21,31 @@ import statistics
 import tempfile
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+
+
+class ZeroCritic:
+    """Stands in for the critic server: values 0 everywhere (GAE advantages are then discounted
+    returns), no training, so the step's time is the actor's own."""
+
+    @staticmethod
+    def _done(value) -> Future:
+        future: Future = Future()
+        future.set_result(value)
+        return future
+
+    def infer_async(self, sequences) -> Future:
+        return self._done(SimpleNamespace(values=[torch.zeros(len(s)) for s in sequences], rewards=None))
+
+    def train_async(self, sequences, prompt_lengths, returns, old_values) -> Future:
+        return self._done({"rows": float(len(sequences))})
+
+    def save(self, step: int) -> str:
+        return "(no critic)"
 
 
 def _write_inputs(root: Path, num_prompts: int) -> tuple[Path, Path]:
@@ -61,7 +83,7 @@ def main() -> None:
     from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
     from aligner.algorithms.sft import SFTObjective
     from aligner.config import CONF_DIR, load_config
-    from aligner.rl.rollouts import NullCritic, RuleRewardSource
+    from aligner.rl.rollouts import RuleRewardSource
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -74,7 +96,7 @@ def main() -> None:
             f"checkpoint.save_dir={root / 'ckpt'}", f"logging.log_dir={root / 'logs'}", "logging.progress_bar=false",
             "logging.tensorboard=false", "logging.samples_interval=0", "logging.peak_tflops=1.0",
         ])
-        trainer = build_ppo_trainer(cfg, critic=NullCritic(),
+        trainer = build_ppo_trainer(cfg, critic=ZeroCritic(),
                                     reward_source=RuleRewardSource("aligner.demo.arithmetic:score_response"))
         sft = SFTObjective(trainer.model_cfg.vocab_size)
 

@@ -17,10 +17,11 @@ import torch
 
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
-from aligner.rl.rollouts import NullCritic, PromptDataset, RuleRewardSource
+from aligner.rl.rollouts import PromptDataset, RuleRewardSource
 
 from ..chat_tokenizers import build_chat_tokenizer
 from ..conftest import write_jsonl
+from ..null_critic import NullCritic
 
 KINDS = ("smollm2", "llama3", "plain")
 TEMPLATED = ("smollm2", "llama3")
