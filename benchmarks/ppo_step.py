@@ -110,10 +110,12 @@ def main() -> None:
             for row, (p, n) in enumerate(zip(batch.prompt_lengths.tolist(), batch.response_lengths.tolist())):
                 loss_mask[row, p - 1:p - 1 + n] = 1.0
             positions = torch.arange(seq).unsqueeze(0).expand(cfg.trainer.micro_batch_size, -1)
+            lengths = batch.prompt_lengths + batch.response_lengths  # real tokens per row (tokens/s, MFU)
             for _ in range(cfg.ppo.epochs):
                 for minibatch in torch.arange(len(batch.indices)).split(cfg.trainer.global_batch_size):
                     trainer.policy.train_step([{"tokens": batch.tokens[m], "labels": labels[m], "loss_mask": loss_mask[m],
-                                                "position_ids": positions, "attention_mask": None}
+                                                "position_ids": positions, "attention_mask": None,
+                                                "lengths": lengths[m]}
                                                for m in minibatch.split(cfg.trainer.micro_batch_size)])
             trainer.policy.objective = trainer.objective
             return time.perf_counter() - start
