@@ -37,13 +37,6 @@ class Tokenizer:
             raise _unreadable_tokenizer(path, error) from error
         self._init(hf_tokenizer, source=str(path))
 
-    @classmethod
-    def from_hf(cls, hf_tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-        """Wrap an already loaded HF tokenizer."""
-        tokenizer = cls.__new__(cls)
-        tokenizer._init(hf_tokenizer, source=type(hf_tokenizer).__name__)
-        return tokenizer
-
     def _init(self, hf_tokenizer: PreTrainedTokenizerBase, source: str) -> None:
         self.hf = hf_tokenizer
         if hf_tokenizer.eos_token_id is None:

@@ -103,20 +103,3 @@ def optional_str(record: dict, key: str, path: str | Path, line: int, default: s
     return require_str(record, key, path, line, allow_empty=True)
 
 
-def require_list(record: dict, key: str, path: str | Path, line: int, allow_empty: bool = False) -> list:
-    """Return record[key], checking that it is a list (non-empty unless allow_empty)."""
-    value = require_key(record, key, path, line)
-    if not isinstance(value, list):
-        raise DataError(
-            f"{_where(path, line)}key {key!r} is a {type(value).__name__}; expected a list"
-        )
-    if not allow_empty and not value:
-        raise DataError(f"{_where(path, line)}key {key!r} is an empty list; expected at least one item")
-    return value
-
-
-def require_dict(value: Any, what: str, path: str | Path, line: int) -> dict:
-    """Check that a nested value (e.g. one turn of a conversation) is a JSON object."""
-    if not isinstance(value, dict):
-        raise DataError(f"{_where(path, line)}{what} is a {type(value).__name__}; expected a JSON object")
-    return value

@@ -153,10 +153,6 @@ class PreferenceDataset(Dataset):
         dataset.stats = stats
         return dataset
 
-    @property
-    def has_rewards(self) -> bool:
-        return self.pairs[0].rewards is not None
-
     def __len__(self) -> int:
         return len(self.pairs)
 

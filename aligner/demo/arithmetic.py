@@ -24,7 +24,6 @@ import re
 from typing import Sequence
 
 MAX_OPERAND = 99
-NUM_PROBLEMS = (MAX_OPERAND + 1) ** 2
 HELDOUT_FRACTION = 0.2
 # Fixed, independent of any data seed: every stage and every seed agrees on which problems are
 # held out, so held-out evaluation always uses problems no stage trained on.

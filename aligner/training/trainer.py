@@ -69,7 +69,7 @@ class Objective(Protocol):
 class Trainer:
     """fit / train_step / validate / save / resume over megatron model chunks wrapped in DDP."""
 
-    def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective,
+    def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective: Objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
                  hidden_size: int, peak_tflops: float, run_id: str, schedule_settings: Optional[dict] = None):
