@@ -63,6 +63,7 @@ import torch
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.hf.layout import _unpack_qkv, check_exportable, infer_arch
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.seeds import TRTLLM_SEED_RANGE, derive_seed
 
 INSTALL_HINT = (
     "the TensorRT-LLM generation engine needs the tensorrt_llm package: pip install 'aligner[trtllm]' on a CUDA "
@@ -397,7 +398,7 @@ def stop_words_array(stop_token_ids: Sequence[int], batch_size: int):
 
 def row_seed(seed: int, row: int) -> int:
     """The random seed of one prompt: a rollout row is reproducible whatever batch it is in."""
-    return (seed * 1_000_003 + row) % (2**63 - 1)
+    return derive_seed(seed, row, modulus=TRTLLM_SEED_RANGE)
 
 
 def sampling_to_trtllm(sampling: SamplingParams, *, eos_id: int, pad_id: int, rows: Sequence[int]) -> dict:
