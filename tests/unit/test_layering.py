@@ -1,4 +1,5 @@
-"""Dependencies point one way: servers import the library, the library never imports the servers.
+"""Dependencies point one way: entry points and servers -> algorithms -> training -> (rl, generation,
+models, data, clients) -> runtime. The library never imports the servers.
 
 Read from the source (an AST walk), so imports inside functions count too.
 """
@@ -34,6 +35,34 @@ def servers_imports(directory: Path) -> list[str]:
 def test_the_library_imports_nothing_from_servers():
     assert LIBRARY.is_dir()
     assert servers_imports(LIBRARY) == []
+
+
+# package of aligner -> aligner packages it must not import
+UPWARD = {
+    "generation": {"algorithms", "training"},
+    "rl": {"algorithms", "training"},
+    "data": {"algorithms", "training"},
+    "hf": {"algorithms", "training"},
+    "models": {"algorithms", "training", "generation", "rl"},
+    "runtime": "everything",  # the bottom layer imports no other part of the library
+    "clients": "everything",  # the clients stand alone: users import them without the training stack
+}
+
+
+def aligner_package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "aligner" and len(parts) > 1 else ""
+
+
+def test_lower_layers_do_not_import_upper_ones():
+    wrong = []
+    for package, forbidden in UPWARD.items():
+        for path in sorted((LIBRARY / package).rglob("*.py")):
+            for line, module in imported_modules(path):
+                target = aligner_package(module)
+                if target and target != package and (forbidden == "everything" or target in forbidden):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert wrong == []
 
 
 def test_the_check_sees_imports_at_any_depth(tmp_path):
