@@ -9,7 +9,8 @@ from a reward-model checkpoint (`critic.init_from`; a policy checkpoint gives a 
 `checkpoint.save_dir` already holds a critic checkpoint, resumed from the newest one (model,
 optimizer, LR schedule, critic step), so a restarted server continues the run. Rank 0 runs Triton;
 every rank of the TP/PP/DP job computes (see `servers.triton.CollectiveServing`). The client is
-`aligner.clients.critic.CriticClient`.
+`aligner.clients.critic.CriticClient`; the names and packing rules both sides share are in
+`aligner.clients.protocol`.
 
 Every call (inference, training, saving, the reward pass) runs as one collective call under
 CollectiveServing's lock: an inference that arrives during training waits for it, and training
@@ -82,21 +83,18 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
+from aligner.clients.protocol import (CRITIC_INFER_MODEL, CRITIC_SAVE_MODEL, CRITIC_TRAIN_INPUTS, CRITIC_TRAIN_METRICS,
+                                      CRITIC_TRAIN_MODEL, ERROR, LENGTHS, OLD_VALUES, PAD_ID, PATH, PROMPT_LENGTHS,
+                                      RETURNS, REWARD_MODEL, REWARDS, STEP, TOKENS, VALUES, encode_errors, packed_width,
+                                      request_over_size_cap, token_outside_vocabulary)
 from aligner.config import at_least, require_checkpoint_dir
+from aligner.generation.logprobs import response_mask, response_values
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.setup import OptimConfig
-from servers.reward_model import (ERROR, LENGTHS, PAD_ID, REWARDS, TOKENS, RewardInferenceConfig,
-                                  request_over_size_cap)
+from servers.reward_model import RewardInferenceConfig
 from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonSetupError
 
 LOGGER = logging.getLogger(__name__)
-
-VALUES = "values"
-PROMPT_LENGTHS, RETURNS, OLD_VALUES = "prompt_lengths", "returns", "old_values"
-STEP, PATH = "step", "path"
-TRAIN_METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "critic_step")
-TRAIN_INPUTS = (TOKENS, LENGTHS, PROMPT_LENGTHS, RETURNS, OLD_VALUES)
-
 
 # ----------------------------------------------------------------------------- config schema
 @dataclass
@@ -123,10 +121,10 @@ class CriticCheckpointConfig:
 class CriticServingConfig(ServerConfig):
     """`server:` plus the names of the critic's Triton models (model_name is critic_infer's)."""
 
-    model_name: str = "critic_infer"
-    train_model_name: str = "critic_train"
-    save_model_name: str = "critic_save"
-    reward_model_name: str = "reward_model"  # combined mode: the reward-model server's model
+    model_name: str = CRITIC_INFER_MODEL
+    train_model_name: str = CRITIC_TRAIN_MODEL
+    save_model_name: str = CRITIC_SAVE_MODEL
+    reward_model_name: str = REWARD_MODEL  # combined mode: the reward-model server's model
     max_request_bytes: int = 256 << 20  # a critic_train request is a whole rollout batch
     max_train_rows: int = 8192  # rows (sequences) of one critic_train request at most
 
@@ -191,25 +189,6 @@ class CriticServerConfig:
             raise TritonSetupError(
                 f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of train.micro_batch_size "
                 f"x data-parallel size = {self.train.micro_batch_size} x {data_parallel_size}")
-
-
-# ----------------------------------------------------------------------------- value math
-def response_values(token_values: torch.Tensor, prompt_lengths: torch.Tensor, response_width: int) -> torch.Tensor:
-    """Values of the response tokens, [batch, response_width], from values at every column [batch, seq].
-
-    Response token j of a row sits at column prompt_length + j; the state it is chosen in is the
-    prefix up to column prompt_length - 1 + j, the same column the actor reads its logprob from.
-    Columns past the sequence are clamped (callers mask them out).
-    """
-    steps = torch.arange(response_width, device=token_values.device)
-    columns = (prompt_lengths.to(token_values.device).unsqueeze(1) - 1 + steps).clamp(0, token_values.shape[1] - 1)
-    return token_values.gather(1, columns)
-
-
-def response_mask(response_lengths: torch.Tensor, response_width: int) -> torch.Tensor:
-    """[batch, response_width] bool: True for the response's own tokens."""
-    steps = torch.arange(response_width, device=response_lengths.device)
-    return steps.unsqueeze(0) < response_lengths.unsqueeze(1)
 
 
 # ----------------------------------------------------------------------------- optimizer offloading
@@ -559,7 +538,7 @@ class CriticServer:
                                 Tensor(name=PROMPT_LENGTHS, dtype=np.int64, shape=(-1,), optional=True),
                                 Tensor(name=RETURNS, dtype=np.float32, shape=(-1, -1), optional=True),
                                 Tensor(name=OLD_VALUES, dtype=np.float32, shape=(-1, -1), optional=True)],
-                        outputs=[*(Tensor(name=name, dtype=np.float32, shape=(1,)) for name in TRAIN_METRICS),
+                        outputs=[*(Tensor(name=name, dtype=np.float32, shape=(1,)) for name in CRITIC_TRAIN_METRICS),
                                  Tensor(name=ERROR, dtype=bytes, shape=(1,))],
                         max_batch_size=1, max_queue_delay_microseconds=0),
             TritonModel(name=server.save_model_name, infer_fn=self.save,
@@ -605,8 +584,7 @@ class CriticServer:
                     rewards[request_index][row] = computed_rewards[index].float().numpy()
         answers = []
         for request_values, request_rewards, rows in zip(values, rewards, decoded):
-            answer = {VALUES: request_values,
-                      ERROR: np.array([[error.encode()] for _, error in rows], dtype=object).reshape(-1, 1)}
+            answer = {VALUES: request_values, ERROR: encode_errors([error for _, error in rows])}
             if self.combined:
                 answer[REWARDS] = request_rewards
             answers.append(answer)
@@ -622,7 +600,7 @@ class CriticServer:
         try:
             tokens, lengths, prompt_lengths, returns, old_values = self.decode_train(request)
         except TrainRequestError as error:
-            return _train_answer({name: float("nan") for name in TRAIN_METRICS}, str(error))
+            return _train_answer({name: float("nan") for name in CRITIC_TRAIN_METRICS}, str(error))
         mask = response_mask(lengths - prompt_lengths, returns.shape[1])
         variance_explained = float(explained_variance(old_values.double(), returns.double(), mask))
         try:
@@ -640,10 +618,11 @@ class CriticServer:
         oversize = request_over_size_cap(request, self.cfg.server.max_request_bytes)
         if oversize:
             raise TrainRequestError(oversize)
-        missing = [name for name in TRAIN_INPUTS if name not in request]
+        missing = [name for name in CRITIC_TRAIN_INPUTS if name not in request]
         if missing:
-            raise TrainRequestError(f"missing input {', '.join(missing)}; a train request carries {list(TRAIN_INPUTS)}")
-        tokens, lengths, prompts, returns, old_values = (request[name] for name in TRAIN_INPUTS)
+            raise TrainRequestError(f"missing input {', '.join(missing)}; a train request carries "
+                                    f"{list(CRITIC_TRAIN_INPUTS)}")
+        tokens, lengths, prompts, returns, old_values = (request[name] for name in CRITIC_TRAIN_INPUTS)
         rows, max_rows = (tokens.shape[1] if tokens.ndim > 1 else 0), self.cfg.server.max_train_rows
         if rows > max_rows:
             raise TrainRequestError(f"a train batch of {rows} rows is more than the server accepts ({max_rows} rows, "
@@ -676,19 +655,15 @@ class CriticServer:
             if length - prompt > response_width:
                 raise TrainRequestError(f"{where} its response has {length - prompt} tokens but {RETURNS} has only "
                                         f"{response_width} columns")
-            ids = tokens[row, :length]
-            outside = (ids < 0) | (ids >= self.vocab_size)
-            if outside.any():
-                position = int(np.argmax(outside))
-                raise TrainRequestError(f"{where} token id {int(ids[position])} at position {position} is outside "
-                                        f"the vocabulary [0, {self.vocab_size})")
+            outside = token_outside_vocabulary(tokens[row, :length], self.vocab_size)
+            if outside:
+                raise TrainRequestError(f"{where} {outside}")
             for name, array in ((RETURNS, returns), (OLD_VALUES, old_values)):
                 if not np.isfinite(array[row, :length - prompt]).all():
                     raise TrainRequestError(f"{where} {name} has a non-finite value within the response")
         longest, longest_response = int(lengths.max()), int((lengths - prompts).max())
-        packed_width = min(-(-longest // self.cfg.pad_sequence_length_to_multiple) * self.cfg.pad_sequence_length_to_multiple,
-                           self.max_length)
-        packed = np.full((rows, packed_width), PAD_ID, dtype=np.int64)  # the sender's padding may be anything
+        packed_columns = packed_width(longest, self.cfg.pad_sequence_length_to_multiple, self.max_length)
+        packed = np.full((rows, packed_columns), PAD_ID, dtype=np.int64)  # the sender's padding may be anything
         for row in range(rows):
             packed[row, :lengths[row]] = tokens[row, :lengths[row]]
         as_tensor = lambda array, dtype: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)  # noqa: E731
@@ -715,13 +690,13 @@ class CriticServer:
 
 
 def _train_answer(metrics: Mapping[str, float], error: str) -> dict[str, np.ndarray]:
-    answer = {name: np.array([[metrics[name]]], dtype=np.float32) for name in TRAIN_METRICS}
-    answer[ERROR] = np.array([[error.encode()]], dtype=object)
+    answer = {name: np.array([[metrics[name]]], dtype=np.float32) for name in CRITIC_TRAIN_METRICS}
+    answer[ERROR] = encode_errors([error])
     return answer
 
 
 def _save_answer(path: str, error: str) -> dict[str, np.ndarray]:
-    return {PATH: np.array([[path.encode()]], dtype=object), ERROR: np.array([[error.encode()]], dtype=object)}
+    return {PATH: np.array([[path.encode()]], dtype=object), ERROR: encode_errors([error])}
 
 
 def serve_critic(cfg: CriticServerConfig) -> None:

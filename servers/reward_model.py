@@ -6,7 +6,8 @@
 Rank 0 runs Triton; every rank computes (see `servers.triton.CollectiveServing`). The rewards are
 exactly what `RewardInference.infer` returns in process (the trainers call the same code): the
 score at the last token of each sequence, normalised with the checkpoint's statistics unless
-`normalize_rewards=false`. The client is `aligner.clients.reward.RewardClient`.
+`normalize_rewards=false`. The client is `aligner.clients.reward.RewardClient`; the names and
+packing rules both sides share are in `aligner.clients.protocol`.
 
 Requests (Triton model `server.model_name`, default "reward_model"; every tensor has a leading
 batch dimension, one row per sequence). Send ONE of:
@@ -66,15 +67,13 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
+from aligner.clients.protocol import (CONVERSATIONS, ERROR, LENGTHS, PAD_ID, REWARD_MODEL, REWARDS, SENTENCES, TOKENS,
+                                      encode_errors, packed_width, request_over_size_cap, token_outside_vocabulary)
 from aligner.runtime.distributed import ParallelConfig
 from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonSetupError
 
 LOGGER = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "reward_model"
-TOKENS, LENGTHS, SENTENCES, CONVERSATIONS = "tokens", "sequence_lengths", "sentences", "conversations"
-REWARDS, ERROR = "rewards", "error"
-PAD_ID = 0  # any in-vocabulary id: padding after a row's last token never reaches its reward
 
 
 @dataclass
@@ -89,7 +88,7 @@ class RewardServerConfig:
     rm_model_file: str = MISSING  # reward-model checkpoint directory
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     inference: RewardInferenceConfig = field(default_factory=RewardInferenceConfig)
-    server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name=DEFAULT_MODEL_NAME))
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name=REWARD_MODEL))
     normalize_rewards: bool = True  # apply the checkpoint's reward normalisation
     pad_sequence_length_to_multiple: int = 8
     append_eos: bool = True  # `sentences`/`conversations` input: end with eos, as reward training does
@@ -166,14 +165,12 @@ class RewardModelServer:
                                    f"{tokens.shape[1]} tokens: {type(error).__name__}: {error}") from None
             for (request_index, row, _), score in zip(valid, scores):
                 rewards[request_index][row] = score
-        return [{REWARDS: request_rewards,
-                 ERROR: np.array([[error.encode()] for _, error in rows], dtype=object).reshape(-1, 1)}
+        return [{REWARDS: request_rewards, ERROR: encode_errors([error for _, error in rows])}
                 for request_rewards, rows in zip(rewards, decoded)]
 
     def pack(self, sequences: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad to the longest row rounded up to the multiple (capped at the model's max length)."""
-        longest = max(len(ids) for ids in sequences)
-        width = min(-(-longest // self.pad_to_multiple) * self.pad_to_multiple, self.max_length)
+        width = packed_width(max(len(ids) for ids in sequences), self.pad_to_multiple, self.max_length)
         tokens = torch.full((len(sequences), width), PAD_ID, dtype=torch.int64)  # [rows, width]
         for row, ids in enumerate(sequences):
             tokens[row, :len(ids)] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
@@ -251,39 +248,12 @@ class RewardModelServer:
         if length > self.max_length:
             return None, (f"{length} tokens is longer than the model's max_position_embeddings "
                           f"({self.max_length})")
-        outside = (ids < 0) | (ids >= self.vocab_size)
-        if outside.any():
-            position = int(np.argmax(outside))
-            return None, (f"token id {int(ids[position])} at position {position} is outside the "
-                          f"vocabulary [0, {self.vocab_size})")
-        return ids, ""
+        outside = token_outside_vocabulary(ids, self.vocab_size)
+        return (None, outside) if outside else (ids, "")
 
     @staticmethod
     def _reject_all(rows: int, message: str) -> list[tuple[None, str]]:
         return [(None, message)] * rows
-
-
-def request_bytes(request: Mapping[str, np.ndarray]) -> int:
-    """Bytes of a request's input tensors as sent: numbers' nbytes, byte strings' lengths."""
-    total = 0
-    for array in request.values():
-        if array.dtype == object:
-            total += sum(len(item) for item in array.reshape(-1))
-        else:
-            total += array.nbytes
-    return total
-
-
-def request_over_size_cap(request: Mapping[str, np.ndarray], max_request_bytes: Optional[int]) -> str:
-    """Why a request is over `server.max_request_bytes`, or "" if it is not (or there is no cap)."""
-    if max_request_bytes is None:
-        return ""
-    size = request_bytes(request)
-    if size <= max_request_bytes:
-        return ""
-    return (f"the request carries {size} bytes, more than the server accepts ({max_request_bytes} bytes, "
-            f"server.max_request_bytes): send fewer or shorter sequences per request, or restart the server "
-            f"with a larger server.max_request_bytes")
 
 
 def _batch_size(request: Mapping[str, np.ndarray]) -> int:

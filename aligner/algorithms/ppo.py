@@ -27,8 +27,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import at_least
 from aligner.rl import ppo_math as M
+from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
 
@@ -38,7 +40,7 @@ from aligner.training.setup import RunConfig
 class ServerAddress:
     host: str = "127.0.0.1"
     port: int = 5555
-    model_name: str = "reward_model"
+    model_name: str = REWARD_MODEL
     timeout_s: float = 300.0  # one request, queueing included
     ready_timeout_s: float = 120.0  # how long the first request waits for the server to come up
 
@@ -56,7 +58,7 @@ class RewardSection:
 @dataclass
 class CriticSection:
     # model_name: the server's inference model; its train/save models are named critic_train/critic_save
-    server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name="critic_infer"))
+    server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name=CRITIC_INFER_MODEL))
     warmup_steps: int = at_least(0, 0)  # rollout rounds in which only the critic trains, before the actor's first update
 
 
@@ -254,7 +256,7 @@ class PPOObjective:
             return scaled, one, {"ptx_loss_sum": loss_sum.detach(), "ptx_tokens": tokens.detach().float()}
         from megatron.core import parallel_state as ps
 
-        from aligner.generation.logprobs import response_logprobs
+        from aligner.generation.logprobs import response_columns, response_logprobs
         from aligner.models.gpt import mask_padded_vocab
 
         mask = batch["mask"]
@@ -264,8 +266,7 @@ class PPOObjective:
         per_token, ratio, clipped = M.clipped_surrogate(logprobs, batch["old_logprobs"], batch["advantages"],
                                                         self.clip_ratio)
         # Entropy of the sampling distribution at each response position (vocab-parallel, never gathered).
-        columns = (batch["prompt_lengths"].unsqueeze(1) - 1 + torch.arange(width, device=mask.device)).clamp(
-            max=logits.shape[1] - 1)
+        columns = response_columns(batch["prompt_lengths"].to(mask.device), width, logits.shape[1] - 1)
         response_logits = logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         response_logits = mask_padded_vocab(response_logits.float(), self.vocab_size) / self.temperature
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -399,7 +400,8 @@ class PPOTrainer:
 
     def step_seed(self) -> int:
         """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
-        return (self.cfg.seed * 1_000_003 + self.step * 7_919 + self.critic_warmup_done) % 2**32
+        return derive_seed(self.cfg.seed, self.step, self.critic_warmup_done, weights=(7_919, 1),
+                           modulus=SAMPLER_SEED_RANGE)
 
     def train_step(self, update_actor: bool = True) -> dict[str, float]:
         """One step (update_actor=False: a critic warm-up round). Without a critic (REINFORCE) the
@@ -596,7 +598,8 @@ class PPOTrainer:
         positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
         minibatch_metrics, first = [], None
         for epoch in range(ppo.epochs):
-            generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step * 131 + epoch * 17 + self.dp_rank)
+            generator = torch.Generator().manual_seed(derive_seed(
+                self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
             order = torch.randperm(rows, generator=generator)
             for start in range(0, rows, minibatch_rows):
                 ids = order[start:start + minibatch_rows]

@@ -43,6 +43,7 @@ from aligner.algorithms.ppo import (
 from aligner.config import at_least
 from aligner.rl import ppo_math as M
 from aligner.rl import reinforce_math as R
+from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.setup import RunConfig
 
 
@@ -121,7 +122,7 @@ class ReinforceTrainer(PPOTrainer):
         return self.group_indices(self.order.take(self.cfg.reinforce.prompts_per_step))
 
     def step_seed(self) -> int:
-        return (self.cfg.seed * 1_000_003 + self.step) % 2**32
+        return derive_seed(self.cfg.seed, self.step, modulus=SAMPLER_SEED_RANGE)
 
     def advantages(self, batch, old_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> dict:
         """Scores -> KL-penalised sequence rewards -> group baseline -> per-token advantages [B, T]."""

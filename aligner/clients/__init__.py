@@ -1,4 +1,4 @@
-"""Clients of the model servers in `servers/` (reward model now, PPO critic later).
+"""Clients of the model servers in `servers/` (reward model, PPO critic).
 
 `ModelServerClient` is the shared part: futures over one Triton model, many requests in flight,
 readiness waits that end within their timeout, and PyTriton's exceptions turned into these:
@@ -7,7 +7,9 @@ readiness waits that end within their timeout, and PyTriton's exceptions turned 
   ServerError             the server answered with an error (a rejected request, a failure while running)
   RequestTimeoutError     the server accepted the request but did not answer within timeout_s
 
-All derive from ClientError. The reward client is `aligner.clients.reward.RewardClient`.
+All derive from ClientError. The clients are `aligner.clients.reward.RewardClient` and
+`aligner.clients.critic.CriticClient`; the wire protocol they share with the servers is
+`aligner.clients.protocol`.
 """
 from __future__ import annotations
 

@@ -25,13 +25,12 @@ import numpy as np
 
 from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
                              ServerUnavailableError, rejected_rows_message)
-from aligner.clients.reward import padded_width
+from aligner.clients.protocol import (CRITIC_INFER_MODEL, CRITIC_SAVE_MODEL, CRITIC_TRAIN_METRICS, CRITIC_TRAIN_MODEL,
+                                      LENGTHS, OLD_VALUES, PATH, PROMPT_LENGTHS, RETURNS, REWARDS, STEP, TOKENS,
+                                      VALUES, decode_errors, padded_width, right_padded)
 
 __all__ = ["CriticClient", "CriticInference", "CriticServerError", "ServerUnavailableError", "RequestTimeoutError",
            "ClientError"]
-
-TRAIN_METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "critic_step")
-
 
 class CriticServerError(ServerError):
     """The critic server rejected a request (the message says which row and why) or failed on it."""
@@ -68,8 +67,8 @@ class CriticClient(ModelServerClient):
     server_kind = "critic"
     error_class = CriticServerError
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 5560, *, infer_model: str = "critic_infer",
-                 train_model: str = "critic_train", save_model: str = "critic_save", timeout_s: float = 60.0,
+    def __init__(self, host: str = "127.0.0.1", port: int = 5560, *, infer_model: str = CRITIC_INFER_MODEL,
+                 train_model: str = CRITIC_TRAIN_MODEL, save_model: str = CRITIC_SAVE_MODEL, timeout_s: float = 60.0,
                  train_timeout_s: float = 1800.0, ready_timeout_s: float = 30.0, max_workers: int = 8):
         super().__init__(host, port, infer_model, timeout_s=timeout_s, ready_timeout_s=ready_timeout_s,
                          max_workers=max_workers)
@@ -94,10 +93,10 @@ class CriticClient(ModelServerClient):
         if not sequences:
             raise ValueError("infer_async needs at least one sequence")
         longest = max(len(ids) for ids in sequences)
-        tokens = _right_padded(sequences, padded_width(longest))  # widths in power-of-two buckets batch together
+        tokens = right_padded(sequences, padded_width(longest))  # widths in power-of-two buckets batch together
         lengths = np.array([[len(ids)] for ids in sequences], dtype=np.int64)  # [B, 1]
         answer: Future = Future()
-        self.submit({"tokens": tokens, "sequence_lengths": lengths}).add_done_callback(
+        self.submit({TOKENS: tokens, LENGTHS: lengths}).add_done_callback(
             lambda sent: _settle(answer, sent, lambda outputs: _inference(outputs, longest)))
         return answer
 
@@ -122,15 +121,15 @@ class CriticClient(ModelServerClient):
             raise ValueError(f"train_async: {len(sequences)} sequences need {len(sequences)} prompt lengths and "
                              f"returns/old_values of shape [{len(sequences)}, T]; got {len(prompt_lengths)} and "
                              f"{list(returns.shape)}/{list(old_values.shape)}")
-        tokens = _right_padded(sequences, max(len(ids) for ids in sequences))
-        inputs = {"tokens": tokens[None],
-                  "sequence_lengths": np.array([[len(ids) for ids in sequences]], dtype=np.int64),
-                  "prompt_lengths": np.asarray(prompt_lengths, dtype=np.int64).reshape(1, -1),
-                  "returns": returns[None], "old_values": old_values[None]}
+        tokens = right_padded(sequences, max(len(ids) for ids in sequences))
+        inputs = {TOKENS: tokens[None],
+                  LENGTHS: np.array([[len(ids) for ids in sequences]], dtype=np.int64),
+                  PROMPT_LENGTHS: np.asarray(prompt_lengths, dtype=np.int64).reshape(1, -1),
+                  RETURNS: returns[None], OLD_VALUES: old_values[None]}
         answer: Future = Future()
         self._train.submit(inputs).add_done_callback(
             lambda sent: _settle(answer, sent, lambda outputs: {name: float(outputs[name].reshape(-1)[0])
-                                                                for name in TRAIN_METRICS}))
+                                                                for name in CRITIC_TRAIN_METRICS}))
         return answer
 
     def train(self, token_lists, prompt_lengths, returns, old_values) -> dict[str, float]:
@@ -139,10 +138,10 @@ class CriticClient(ModelServerClient):
     # -- checkpoints
     def save(self, step: int) -> str:
         """Save the critic as checkpoint.save_dir/step_<step>; returns the checkpoint's path."""
-        sent = self._save.submit({"step": np.array([[int(step)]], dtype=np.int64)})
+        sent = self._save.submit({STEP: np.array([[int(step)]], dtype=np.int64)})
         answer: Future = Future()
         sent.add_done_callback(lambda done: _settle(answer, done, lambda outputs: bytes(
-            outputs["path"].reshape(-1)[0]).decode("utf-8")))
+            outputs[PATH].reshape(-1)[0]).decode("utf-8")))
         return answer.result()
 
     def close(self) -> None:
@@ -151,19 +150,9 @@ class CriticClient(ModelServerClient):
         self._save.close()
 
 
-def _right_padded(sequences: list[np.ndarray], width: int) -> np.ndarray:
-    dtype = np.result_type(*[ids.dtype for ids in sequences if ids.size] or [np.int64])
-    if dtype.kind in "iub":  # integer ids travel as int64; anything else is sent as is and rejected
-        dtype = np.dtype(np.int64)
-    tokens = np.zeros((len(sequences), width), dtype=dtype)  # [B, width]
-    for row, ids in enumerate(sequences):
-        tokens[row, :len(ids)] = ids
-    return tokens
-
-
 def _inference(outputs: dict, longest: int) -> CriticInference:
-    rewards = outputs.get("rewards")
-    return CriticInference(values=np.asarray(outputs["values"][:, :longest], dtype=np.float32),
+    rewards = outputs.get(REWARDS)
+    return CriticInference(values=np.asarray(outputs[VALUES][:, :longest], dtype=np.float32),
                            rewards=None if rewards is None else np.asarray(rewards, dtype=np.float32).reshape(-1))
 
 
@@ -171,9 +160,9 @@ def _settle(answer: Future, sent: Future, decode) -> None:
     """The server's outputs decoded, or its per-row / per-request errors as CriticServerError."""
     try:
         outputs = sent.result()
-        errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
+        errors = decode_errors(outputs)
         rejected = [message for message in errors if message]
-        if rejected and "values" in outputs:
+        if rejected and VALUES in outputs:
             raise CriticServerError(rejected_rows_message("critic server", errors))
         if rejected:
             raise CriticServerError(f"the critic server rejected the request: {rejected[0]}")

@@ -20,26 +20,13 @@ import numpy as np
 
 from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
                              ServerUnavailableError, rejected_rows_message)
+from aligner.clients.protocol import (CONVERSATIONS, LENGTHS, REWARD_MODEL, REWARDS, SENTENCES, TOKENS, decode_errors,
+                                      padded_width, right_padded)
 
 __all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "ClientError"]
 
-MIN_WIDTH = 8
-
-
 class RewardServerError(ServerError):
     """The reward server rejected a request (the message says which sequence and why) or failed on it."""
-
-
-def padded_width(longest: int) -> int:
-    """Token columns sent for a request: the next power of two (at least MIN_WIDTH).
-
-    Triton batches only requests of the same width together; a few widths keep concurrent
-    requests batchable, and the server cuts the padding off again before running the model.
-    """
-    width = MIN_WIDTH
-    while width < longest:
-        width *= 2
-    return width
 
 
 class RewardClient(ModelServerClient):
@@ -48,7 +35,7 @@ class RewardClient(ModelServerClient):
     server_kind = "reward model"
     error_class = RewardServerError
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 5555, model_name: str = "reward_model", *,
+    def __init__(self, host: str = "127.0.0.1", port: int = 5555, model_name: str = REWARD_MODEL, *,
                  timeout_s: float = 60.0, ready_timeout_s: float = 30.0, max_workers: int = 8):
         super().__init__(host, port, model_name, timeout_s=timeout_s, ready_timeout_s=ready_timeout_s,
                          max_workers=max_workers)
@@ -62,15 +49,9 @@ class RewardClient(ModelServerClient):
         sequences = [np.asarray(tokens).reshape(-1) for tokens in token_lists]
         if not sequences:
             raise ValueError("infer_async needs at least one sequence")
-        width = padded_width(max(len(tokens) for tokens in sequences))
-        dtype = np.result_type(*[tokens.dtype for tokens in sequences if tokens.size] or [np.int64])
-        if dtype.kind in "iub":  # integer ids travel as int64; anything else is sent as is and rejected
-            dtype = np.dtype(np.int64)
-        tokens = np.zeros((len(sequences), width), dtype=dtype)  # [B, width], right-padded
-        for row, ids in enumerate(sequences):
-            tokens[row, :len(ids)] = ids
+        tokens = right_padded(sequences, padded_width(max(len(ids) for ids in sequences)))  # [B, width]
         lengths = np.array([[len(ids)] for ids in sequences], dtype=np.int64)  # [B, 1]
-        return self.infer_tensors_async({"tokens": tokens, "sequence_lengths": lengths})
+        return self.infer_tensors_async({TOKENS: tokens, LENGTHS: lengths})
 
     def infer(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """Blocking `infer_async`: [B, A] float32."""
@@ -83,7 +64,7 @@ class RewardClient(ModelServerClient):
         if not texts:
             raise ValueError("infer_text_async needs at least one text")
         sentences = np.array([[text.encode("utf-8")] for text in texts], dtype=object)  # [B, 1]
-        return self.infer_tensors_async({"sentences": sentences})
+        return self.infer_tensors_async({SENTENCES: sentences})
 
     def infer_text(self, texts: Sequence[str]) -> np.ndarray:
         return self.infer_text_async(texts).result()
@@ -102,7 +83,7 @@ class RewardClient(ModelServerClient):
                              f"got {len(prompts)} prompts and {len(responses)} responses")
         rows = [[json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False).encode("utf-8")]
                 for prompt, response in zip(prompts, responses)]
-        return self.infer_tensors_async({"conversations": np.array(rows, dtype=object)})  # [B, 1]
+        return self.infer_tensors_async({CONVERSATIONS: np.array(rows, dtype=object)})  # [B, 1]
 
     def infer_conversations(self, prompts: Sequence[Union[str, list]],
                             responses: Sequence[Union[str, dict]]) -> np.ndarray:
@@ -119,10 +100,9 @@ def _settle(answer: Future, sent: Future) -> None:
     """Turn the server's outputs into rewards, or its per-sequence errors into RewardServerError."""
     try:
         outputs = sent.result()
-        errors = [bytes(message).decode("utf-8", "replace") for message in outputs["error"].reshape(-1)]
-        rejected = rejected_rows_message("server", errors)
+        rejected = rejected_rows_message("server", decode_errors(outputs))
         if rejected:
             raise RewardServerError(rejected)
-        answer.set_result(np.asarray(outputs["rewards"], dtype=np.float32))
+        answer.set_result(np.asarray(outputs[REWARDS], dtype=np.float32))
     except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller's future
         answer.set_exception(error)

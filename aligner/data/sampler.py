@@ -12,6 +12,8 @@ from typing import Iterator
 
 import torch
 
+from aligner.runtime.seeds import epoch_seed
+
 
 class DistributedBatchSampler:
     """Yields this rank's micro batches (lists of dataset indices), epoch after epoch.
@@ -83,7 +85,7 @@ class DistributedBatchSampler:
         if not self.shuffle:
             return list(range(self.dataset_length))
         # One generator per epoch so an epoch's order does not depend on how we got there.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self.dataset_length, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

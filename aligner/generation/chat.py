@@ -133,7 +133,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner.models.gpt import GPTConfig
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
-    from aligner.training.setup import build_model_chunks
+    from aligner.models.gpt import build_model_chunks
 
     checkpoint = Path(cfg.checkpoint)
     gguf = is_gguf_file(checkpoint)

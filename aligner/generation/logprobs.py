@@ -16,6 +16,10 @@ The logprob of response token j of row b is log_softmax(logits / temperature) at
 logits being those at the previous column, over the real vocabulary (padded rows masked); entries
 after a response's end are 0. Outputs are [batch, response_width], aligned with
 Rollout.response_tokens.
+
+That column, prompt_length - 1 + j (`response_columns`), is also where the critic's value of the
+state token j is chosen in sits, and `response_mask` says which of the response_width entries are
+real tokens: every caller (logprobs, entropy, values, the critic's loss) takes them from here.
 """
 from __future__ import annotations
 
@@ -39,6 +43,27 @@ def pack_sequences(prompts: Sequence[Sequence[int]], response_tokens: torch.Tens
         tokens[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         tokens[row, len(prompt): len(prompt) + length] = response_tokens[row, :length]
     return tokens, torch.tensor([len(p) for p in prompts])
+
+
+def response_columns(prompt_lengths: torch.Tensor, response_width: int, last_column: int) -> torch.Tensor:
+    """[batch, response_width] long: the column whose logits predict response token j (and whose value is
+    the state it is chosen in), prompt_length - 1 + j, clamped to [0, last_column] (entries past a
+    response's end are clamped, for the caller to mask out)."""
+    steps = torch.arange(response_width, device=prompt_lengths.device)
+    return (prompt_lengths.unsqueeze(1) - 1 + steps).clamp(0, last_column)
+
+
+def response_mask(response_lengths: torch.Tensor, response_width: int) -> torch.Tensor:
+    """[batch, response_width] bool: True on each response's own tokens (j < response_length)."""
+    steps = torch.arange(response_width, device=response_lengths.device)
+    return steps.unsqueeze(0) < response_lengths.unsqueeze(1)
+
+
+def response_values(token_values: torch.Tensor, prompt_lengths: torch.Tensor, response_width: int) -> torch.Tensor:
+    """Values of the response tokens [batch, response_width] from values at every column [batch, seq]:
+    response token j's value is the value of the prefix before it (`response_columns`)."""
+    columns = response_columns(prompt_lengths.to(token_values.device), response_width, token_values.shape[1] - 1)
+    return token_values.gather(1, columns)
 
 
 def response_logprobs(
@@ -68,9 +93,8 @@ def response_logprobs(
         scaled = scaled / temperature
     # Next-token logprobs of every column: column c predicts tokens[:, c + 1].
     token_logprobs = -vocab_parallel_cross_entropy(scaled[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    steps = torch.arange(width, device=tokens.device)
-    columns = (prompt_lengths.to(tokens.device).unsqueeze(1) - 1 + steps).clamp(max=seq - 2)
-    inside = steps.unsqueeze(0) < response_lengths.to(tokens.device).unsqueeze(1)
+    columns = response_columns(prompt_lengths.to(tokens.device), width, seq - 2)
+    inside = response_mask(response_lengths.to(tokens.device), width)
     return torch.where(inside, token_logprobs.gather(1, columns), torch.zeros((), device=tokens.device))
 
 

@@ -78,6 +78,7 @@ import torch.nn.functional as F
 from aligner.generation import cuda_graphs as graphs
 from aligner.generation import sampling as S
 from aligner.generation.engine import Rollout, SamplingParams
+from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
 
 
@@ -125,6 +126,13 @@ def _linear(module) -> _Linear:
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
     return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1))
+
+
+def _optional_submodule(module: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # absent, or not a module (megatron leaves some optional parts None)
+        return None
 
 
 def _norm(module) -> _Norm:
@@ -243,24 +251,24 @@ class NativeEngine:
         chunks = self._chunks
         segments, cache_offset = [], 0
         for virtual_stage, chunk in enumerate(chunks):
-            layers = [self._layer_weights(layer) for layer in chunk.decoder.layers]
+            layers = [self._layer_weights(layer) for layer in chunk.get_submodule(param_names.LAYERS)]
             segment = _Segment(order=virtual_stage * self._pp_size + self._pp_rank, layers=layers,
                                cache_offset=cache_offset)
             cache_offset += len(layers)
             if chunk.pre_process:
-                segment.word_embeddings = chunk.embedding.word_embeddings.weight
+                segment.word_embeddings = chunk.get_submodule(param_names.WORD_EMBEDDINGS).weight
                 if self.cfg.position_embedding_type == "learned_absolute":
-                    segment.position_embeddings = chunk.embedding.position_embeddings.weight
+                    segment.position_embeddings = chunk.get_submodule(param_names.POSITION_EMBEDDINGS).weight
             if chunk.post_process:
-                segment.final_norm = _norm(chunk.decoder.final_layernorm)
+                segment.final_norm = _norm(chunk.get_submodule(param_names.FINAL_NORM))
                 segment.output_weight = (chunk.shared_embedding_or_output_weight() if self.cfg.tie_embeddings
-                                         else chunk.output_layer.weight)
+                                         else chunk.get_submodule(param_names.OUTPUT_LAYER).weight)
             segments.append(segment)
         self._segments = segments
         self._num_local_layers = cache_offset
         self._moe_modules = [layer.moe for segment in segments for layer in segment.layers if layer.moe is not None]
         reference = segments[-1].output_weight if segments[-1].output_weight is not None else \
-            chunks[0].decoder.layers[0].self_attention.linear_qkv.weight
+            chunks[0].get_submodule(param_names.layer(0) + param_names.QKV).weight
         dtype, device = reference.dtype, reference.device
         if (dtype, device) != (getattr(self, "_dtype", None), getattr(self, "_device", None)):
             self._dtype, self._device = dtype, device
@@ -334,16 +342,17 @@ class NativeEngine:
     def _layer_weights(self, layer) -> _Layer:
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        attention, mlp = layer.self_attention, layer.mlp
+        submodule = layer.get_submodule
+        mlp = submodule(param_names.MLP)
         is_moe = isinstance(mlp, MoELayer)
-        q_norm, k_norm = (getattr(attention, name, None) for name in ("q_layernorm", "k_layernorm"))
+        q_norm, k_norm = (_optional_submodule(layer, name) for name in (param_names.Q_NORM, param_names.K_NORM))
         return _Layer(
-            input_norm=_norm(layer.input_layernorm),
-            qkv=_linear(attention.linear_qkv),
-            proj=_linear(attention.linear_proj),
-            mlp_norm=_norm(layer.pre_mlp_layernorm),
-            fc1=None if is_moe else _linear(mlp.linear_fc1),
-            fc2=None if is_moe else _linear(mlp.linear_fc2),
+            input_norm=_norm(submodule(param_names.INPUT_NORM)),
+            qkv=_linear(submodule(param_names.QKV)),
+            proj=_linear(submodule(param_names.ATTENTION_OUT)),
+            mlp_norm=_norm(submodule(param_names.PRE_MLP_NORM)),
+            fc1=None if is_moe else _linear(submodule(param_names.FC1)),
+            fc2=None if is_moe else _linear(submodule(param_names.FC2)),
             q_norm=_norm(q_norm) if isinstance(getattr(q_norm, "weight", None), torch.Tensor) else None,
             k_norm=_norm(k_norm) if isinstance(getattr(k_norm, "weight", None), torch.Tensor) else None,
             moe=mlp if is_moe else None,

@@ -5,7 +5,7 @@
     mine = rebalance_rollouts(work.results, len(prompts))      # [(index, rollout)], equal share per rank
 
 `DynamicRouter`: global rank 0 serves a queue of micro-batches of prompt indices
-(`servers.router.WorkQueueServer`); every data-parallel replica takes the next micro-batch,
+(`aligner.generation.work_queue.WorkQueueServer`); every data-parallel replica takes the next micro-batch,
 generates it, and comes back for more until the queue is empty. A slow replica therefore takes
 fewer prompts instead of holding the others up. `StaticRouter` deals the micro-batches out
 round-robin instead (the fixed split, for comparison and for runs that want no server).
@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from servers.router import RouterError, WorkQueueClient, WorkQueueServer
+from aligner.generation.work_queue import RouterError, WorkQueueClient, WorkQueueServer
 
 T = TypeVar("T")
 GenerateFn = Callable[[list[int]], Sequence[Any]]  # micro-batch of item indices -> one result per index

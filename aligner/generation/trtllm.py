@@ -61,8 +61,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from aligner.generation.engine import Rollout, SamplingParams
-from aligner.hf.layout import _unpack_qkv, check_exportable, infer_arch
+from aligner.hf.layout import check_exportable, infer_arch, unpack_qkv
+from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.seeds import TRTLLM_SEED_RANGE, derive_seed
 
 INSTALL_HINT = (
     "the TensorRT-LLM generation engine needs the tensorrt_llm package: pip install 'aligner[trtllm]' on a CUDA "
@@ -74,13 +76,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "gp
 # GPTConfig.activation -> TRT-LLM hidden_act. TRT-LLM's "gelu" is the tanh approximation.
 _HIDDEN_ACT = {"swiglu": "silu", "gelu_tanh": "gelu", "relu": "relu"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Transformer-engine layer specs fuse the pre-attention/pre-MLP norms into the next linear layer.
-_TE_NORM_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 
 
 def require_tensorrt_llm():
@@ -121,7 +116,7 @@ def _normalize_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     for name, tensor in state.items():
         if name.endswith("_extra_state") or tensor is None:
             continue
-        for te_suffix, local_suffix in _TE_NORM_NAMES.items():
+        for te_suffix, local_suffix in param_names.TE_FUSED_NORMS.items():
             if name.endswith(te_suffix):
                 name = name[: -len(te_suffix)] + local_suffix
                 break
@@ -129,20 +124,22 @@ def _normalize_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+_ROW_PARALLEL = (param_names.weight(param_names.ATTENTION_OUT), param_names.weight(param_names.FC2))
+_FC1 = (param_names.weight(param_names.FC1), param_names.bias(param_names.FC1))
+_COLUMN_PARALLEL = (param_names.weight(param_names.QKV), param_names.bias(param_names.QKV), *_FC1,
+                    param_names.weight(param_names.WORD_EMBEDDINGS), param_names.weight(param_names.OUTPUT_LAYER))
+
+
 def _is_row_parallel(name: str) -> bool:
-    return name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"))
+    return name.endswith(_ROW_PARALLEL)
 
 
 def _is_column_parallel(name: str) -> bool:
-    return name.endswith((
-        "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-        "embedding.word_embeddings.weight", "output_layer.weight",
-    ))
+    return name.endswith(_COLUMN_PARALLEL)
 
 
 def _is_glu_fc1(name: str, cfg: GPTConfig) -> bool:
-    return cfg.activation == "swiglu" and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+    return cfg.activation == "swiglu" and name.endswith(_FC1)
 
 
 def split_megatron_tp(full: Mapping[str, torch.Tensor], cfg: GPTConfig, tp_size: int) -> list[dict[str, torch.Tensor]]:
@@ -199,25 +196,26 @@ def _rank_weights(shard: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str, 
 
     put("transformer.vocab_embedding.weight", embedding[:vocab])
     if arch == "gpt2":
-        put("transformer.position_embedding.weight", take("embedding.position_embeddings.weight"))
+        put("transformer.position_embedding.weight", take(param_names.weight(param_names.POSITION_EMBEDDINGS)))
     biases = arch == "gpt2"
     for i in range(cfg.num_layers):
-        mg, trt = f"decoder.layers.{i}.", f"transformer.layers.{i}."
-        for mg_norm, trt_norm in (("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_layernorm")):
+        mg, trt = param_names.layer(i), f"transformer.layers.{i}."
+        norms = ((param_names.INPUT_NORM, "input_layernorm"), (param_names.PRE_MLP_NORM, "post_layernorm"))
+        for mg_norm, trt_norm in norms:
             put(f"{trt}{trt_norm}.weight", take(f"{mg}{mg_norm}.weight"))
             if biases:
                 put(f"{trt}{trt_norm}.bias", take(f"{mg}{mg_norm}.bias"))
         # Rank r's shard of the grouped layout holds whole query groups: unpacking it with the
         # per-rank head counts gives exactly rank r's q, k and v heads.
-        q, k, v = _unpack_qkv(take(f"{mg}self_attention.linear_qkv.weight"), local)
+        q, k, v = unpack_qkv(take(f"{mg}{param_names.QKV}.weight"), local)
         put(f"{trt}attention.qkv.weight", torch.cat([q, k, v]))
         if biases:
-            q, k, v = _unpack_qkv(take(f"{mg}self_attention.linear_qkv.bias"), local)
+            q, k, v = unpack_qkv(take(f"{mg}{param_names.QKV}.bias"), local)
             put(f"{trt}attention.qkv.bias", torch.cat([q, k, v]))
-        put(f"{trt}attention.dense.weight", take(f"{mg}self_attention.linear_proj.weight"))
+        put(f"{trt}attention.dense.weight", take(f"{mg}{param_names.ATTENTION_OUT}.weight"))
         if biases:
-            put(f"{trt}attention.dense.bias", take(f"{mg}self_attention.linear_proj.bias"))
-        fc1 = take(f"{mg}mlp.linear_fc1.weight")
+            put(f"{trt}attention.dense.bias", take(f"{mg}{param_names.ATTENTION_OUT}.bias"))
+        fc1 = take(f"{mg}{param_names.FC1}.weight")
         if cfg.activation == "swiglu":
             gate, up = fc1.chunk(2, dim=0)  # the activation is applied to TRT-LLM's `fc`, multiplied by `gate`
             put(f"{trt}mlp.fc.weight", gate)
@@ -225,13 +223,13 @@ def _rank_weights(shard: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str, 
         else:
             put(f"{trt}mlp.fc.weight", fc1)
             if biases:
-                put(f"{trt}mlp.fc.bias", take(f"{mg}mlp.linear_fc1.bias"))
-        put(f"{trt}mlp.proj.weight", take(f"{mg}mlp.linear_fc2.weight"))
+                put(f"{trt}mlp.fc.bias", take(f"{mg}{param_names.FC1}.bias"))
+        put(f"{trt}mlp.proj.weight", take(f"{mg}{param_names.FC2}.weight"))
         if biases:
-            put(f"{trt}mlp.proj.bias", take(f"{mg}mlp.linear_fc2.bias"))
-    put("transformer.ln_f.weight", take("decoder.final_layernorm.weight"))
+            put(f"{trt}mlp.proj.bias", take(f"{mg}{param_names.FC2}.bias"))
+    put("transformer.ln_f.weight", take(param_names.weight(param_names.FINAL_NORM)))
     if biases:
-        put("transformer.ln_f.bias", take("decoder.final_layernorm.bias"))
+        put("transformer.ln_f.bias", take(param_names.bias(param_names.FINAL_NORM)))
 
     head = embedding if cfg.tie_embeddings or output_layer is None else output_layer
     if not cfg.tie_embeddings and output_layer is None:
@@ -305,10 +303,10 @@ def megatron_to_trtllm_checkpoint(
         shards = [_normalize_names(shard) for shard in megatron_state]
         if len(shards) != tp_size:
             shards = split_megatron_tp(merge_megatron_tp_shards(shards, cfg), cfg, tp_size)
-    embedding = _gather_vocab(shards, "embedding.word_embeddings.weight")
+    embedding = _gather_vocab(shards, param_names.weight(param_names.WORD_EMBEDDINGS))
     if embedding is None:
         raise ValueError("megatron state dict has no embedding.word_embeddings.weight")
-    output_layer = _gather_vocab(shards, "output_layer.weight")
+    output_layer = _gather_vocab(shards, param_names.weight(param_names.OUTPUT_LAYER))
     weights = [
         _rank_weights(shard, cfg, arch, rank, tp_size, embedding, output_layer, _DTYPES[dtype])
         for rank, shard in enumerate(shards)
@@ -380,8 +378,8 @@ def local_rank_weights(model_chunks: Sequence[torch.nn.Module], cfg: GPTConfig, 
         dist.all_gather(pieces, local, group=ps.get_tensor_model_parallel_group())
         return torch.cat(pieces)
 
-    embedding = gather("embedding.word_embeddings.weight")
-    output_layer = None if cfg.tie_embeddings else gather("output_layer.weight")
+    embedding = gather(param_names.weight(param_names.WORD_EMBEDDINGS))
+    output_layer = None if cfg.tie_embeddings else gather(param_names.weight(param_names.OUTPUT_LAYER))
     return _rank_weights(shard, cfg, arch, tp_rank, tp_size, embedding, output_layer, _DTYPES[dtype])
 
 
@@ -397,7 +395,7 @@ def stop_words_array(stop_token_ids: Sequence[int], batch_size: int):
 
 def row_seed(seed: int, row: int) -> int:
     """The random seed of one prompt: a rollout row is reproducible whatever batch it is in."""
-    return (seed * 1_000_003 + row) % (2**63 - 1)
+    return derive_seed(seed, row, modulus=TRTLLM_SEED_RANGE)
 
 
 def sampling_to_trtllm(sampling: SamplingParams, *, eos_id: int, pad_id: int, rows: Sequence[int]) -> dict:

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig, padded_vocab_size
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2")
@@ -430,12 +431,12 @@ _DENSE_MLP_NAMES = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
 
 def _mlp_name_pairs(cfg: GPTConfig, arch: str, layer: int) -> list[tuple[str, str, str, str]]:
     """(HF prefix, megatron prefix, ...) per SwiGLU block of a layer: (hf, mg, gate, up, down) names."""
-    hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    hf, mg = f"model.layers.{layer}.", param_names.layer(layer)
     if not cfg.is_moe:
         prefix, (gate, up, down) = _DENSE_MLP_NAMES
-        return [(hf + prefix, mg + "mlp.", gate, up, down)]
+        return [(hf + prefix, f"{mg}{param_names.MLP}.", gate, up, down)]
     _, expert, (gate, up, down) = _MOE_NAMES[arch]
-    return [(hf + expert.format(e), f"{mg}mlp.experts.local_experts.{e}.", gate, up, down)
+    return [(hf + expert.format(e), mg + param_names.expert(e), gate, up, down)
             for e in range(cfg.num_moe_experts)]
 
 
@@ -466,7 +467,7 @@ class _Tensors:
             )
 
 
-def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     """HF q [nq*hd, ...], k/v [ng*hd, ...] -> megatron's grouped [ng * (nq/ng + 2) * hd, ...]."""
     groups, head_dim = cfg.query_groups, cfg.head_dim
     per_group = cfg.num_attention_heads // groups
@@ -482,7 +483,7 @@ def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig)
     return packed.reshape(groups * (per_group + 2) * head_dim, *rest)
 
 
-def _unpack_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, head_dim = cfg.query_groups, cfg.head_dim
     per_group = cfg.num_attention_heads // groups
     rest = qkv.shape[1:]
@@ -532,57 +533,62 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
 
     if arch == "gpt2":
         embed = source.take("transformer.wte.weight", (vocab, hidden))
-        out["embedding.word_embeddings.weight"] = _pad_vocab(embed, padded)
-        out["embedding.position_embeddings.weight"] = source.take(
+        out[param_names.weight(param_names.WORD_EMBEDDINGS)] = _pad_vocab(embed, padded)
+        out[param_names.weight(param_names.POSITION_EMBEDDINGS)] = source.take(
             "transformer.wpe.weight", (cfg.max_position_embeddings, hidden)
         )
         for i in range(cfg.num_layers):
-            hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
-            for hf_norm, mg_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            hf, mg = f"transformer.h.{i}.", param_names.layer(i)
+            for hf_norm, mg_norm in (("ln_1", param_names.INPUT_NORM), ("ln_2", param_names.PRE_MLP_NORM)):
                 for kind in ("weight", "bias"):
                     out[f"{mg}{mg_norm}.{kind}"] = source.take(f"{hf}{hf_norm}.{kind}", (hidden,))
             # Conv1D stores [in, out]; c_attn's output is [q | k | v], each heads-contiguous.
             q, k, v = source.take(f"{hf}attn.c_attn.weight", (hidden, 3 * hidden)).t().chunk(3, dim=0)
-            out[f"{mg}self_attention.linear_qkv.weight"] = _pack_qkv(q, k, v, cfg)
+            out[f"{mg}{param_names.QKV}.weight"] = pack_qkv(q, k, v, cfg)
             q, k, v = source.take(f"{hf}attn.c_attn.bias", (3 * hidden,)).chunk(3)
-            out[f"{mg}self_attention.linear_qkv.bias"] = _pack_qkv(q, k, v, cfg)
-            out[f"{mg}self_attention.linear_proj.weight"] = source.take(f"{hf}attn.c_proj.weight", (hidden, hidden)).t()
-            out[f"{mg}self_attention.linear_proj.bias"] = source.take(f"{hf}attn.c_proj.bias", (hidden,))
-            out[f"{mg}mlp.linear_fc1.weight"] = source.take(f"{hf}mlp.c_fc.weight", (hidden, ffn)).t()
-            out[f"{mg}mlp.linear_fc1.bias"] = source.take(f"{hf}mlp.c_fc.bias", (ffn,))
-            out[f"{mg}mlp.linear_fc2.weight"] = source.take(f"{hf}mlp.c_proj.weight", (ffn, hidden)).t()
-            out[f"{mg}mlp.linear_fc2.bias"] = source.take(f"{hf}mlp.c_proj.bias", (hidden,))
-        out["decoder.final_layernorm.weight"] = source.take("transformer.ln_f.weight", (hidden,))
-        out["decoder.final_layernorm.bias"] = source.take("transformer.ln_f.bias", (hidden,))
+            out[f"{mg}{param_names.QKV}.bias"] = pack_qkv(q, k, v, cfg)
+            out[f"{mg}{param_names.ATTENTION_OUT}.weight"] = source.take(f"{hf}attn.c_proj.weight",
+                                                                          (hidden, hidden)).t()
+            out[f"{mg}{param_names.ATTENTION_OUT}.bias"] = source.take(f"{hf}attn.c_proj.bias", (hidden,))
+            out[f"{mg}{param_names.FC1}.weight"] = source.take(f"{hf}mlp.c_fc.weight", (hidden, ffn)).t()
+            out[f"{mg}{param_names.FC1}.bias"] = source.take(f"{hf}mlp.c_fc.bias", (ffn,))
+            out[f"{mg}{param_names.FC2}.weight"] = source.take(f"{hf}mlp.c_proj.weight", (ffn, hidden)).t()
+            out[f"{mg}{param_names.FC2}.bias"] = source.take(f"{hf}mlp.c_proj.bias", (hidden,))
+        out[param_names.weight(param_names.FINAL_NORM)] = source.take("transformer.ln_f.weight", (hidden,))
+        out[param_names.bias(param_names.FINAL_NORM)] = source.take("transformer.ln_f.bias", (hidden,))
     else:
         embed = source.take("model.embed_tokens.weight", (vocab, hidden))
-        out["embedding.word_embeddings.weight"] = _pad_vocab(embed, padded)
+        out[param_names.weight(param_names.WORD_EMBEDDINGS)] = _pad_vocab(embed, padded)
         for i in range(cfg.num_layers):
-            hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-            out[f"{mg}input_layernorm.weight"] = source.take(f"{hf}input_layernorm.weight", (hidden,))
+            hf, mg = f"model.layers.{i}.", param_names.layer(i)
+            out[f"{mg}{param_names.INPUT_NORM}.weight"] = source.take(f"{hf}input_layernorm.weight", (hidden,))
             q = source.take(f"{hf}self_attn.q_proj.weight", (q_size, hidden))
             k = source.take(f"{hf}self_attn.k_proj.weight", (kv_size, hidden))
             v = source.take(f"{hf}self_attn.v_proj.weight", (kv_size, hidden))
-            out[f"{mg}self_attention.linear_qkv.weight"] = _pack_qkv(q, k, v, cfg)
+            out[f"{mg}{param_names.QKV}.weight"] = pack_qkv(q, k, v, cfg)
             if cfg.add_qkv_bias:
                 q = source.take(f"{hf}self_attn.q_proj.bias", (q_size,))
                 k = source.take(f"{hf}self_attn.k_proj.bias", (kv_size,))
                 v = source.take(f"{hf}self_attn.v_proj.bias", (kv_size,))
-                out[f"{mg}self_attention.linear_qkv.bias"] = _pack_qkv(q, k, v, cfg)
+                out[f"{mg}{param_names.QKV}.bias"] = pack_qkv(q, k, v, cfg)
             if cfg.qk_layernorm:
-                for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-                    out[f"{mg}self_attention.{mg_norm}.weight"] = source.take(
+                for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
+                    out[f"{mg}{mg_norm}.weight"] = source.take(
                         f"{hf}self_attn.{hf_norm}.weight", (cfg.head_dim,))
-            out[f"{mg}self_attention.linear_proj.weight"] = source.take(f"{hf}self_attn.o_proj.weight", (hidden, q_size))
-            out[f"{mg}pre_mlp_layernorm.weight"] = source.take(f"{hf}post_attention_layernorm.weight", (hidden,))
+            out[f"{mg}{param_names.ATTENTION_OUT}.weight"] = source.take(f"{hf}self_attn.o_proj.weight",
+                                                                          (hidden, q_size))
+            out[f"{mg}{param_names.PRE_MLP_NORM}.weight"] = source.take(f"{hf}post_attention_layernorm.weight",
+                                                                         (hidden,))
             if cfg.is_moe:
-                out[f"{mg}mlp.router.weight"] = source.take(hf + _MOE_NAMES[arch][0], (cfg.num_moe_experts, hidden))
+                out[f"{mg}{param_names.ROUTER}.weight"] = source.take(hf + _MOE_NAMES[arch][0],
+                                                                       (cfg.num_moe_experts, hidden))
             for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
                 gate = source.take(f"{hf_mlp}{gate_name}.weight", (mlp_ffn, hidden))
                 up = source.take(f"{hf_mlp}{up_name}.weight", (mlp_ffn, hidden))
-                out[f"{mg_mlp}linear_fc1.weight"] = torch.cat([gate, up])
-                out[f"{mg_mlp}linear_fc2.weight"] = source.take(f"{hf_mlp}{down_name}.weight", (hidden, mlp_ffn))
-        out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (hidden,))
+                out[f"{mg_mlp}{param_names.LINEAR_FC1}.weight"] = torch.cat([gate, up])
+                out[f"{mg_mlp}{param_names.LINEAR_FC2}.weight"] = source.take(f"{hf_mlp}{down_name}.weight",
+                                                                               (hidden, mlp_ffn))
+        out[param_names.weight(param_names.FINAL_NORM)] = source.take("model.norm.weight", (hidden,))
 
     if cfg.tie_embeddings:
         # Some checkpoints store the tied head anyway; accept it only if it really is the embedding.
@@ -598,7 +604,8 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
                 f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
                 "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
             )
-        out["output_layer.weight"] = _pad_vocab(source.take("lm_head.weight", (vocab, hidden)), padded)
+        head = source.take("lm_head.weight", (vocab, hidden))
+        out[param_names.weight(param_names.OUTPUT_LAYER)] = _pad_vocab(head, padded)
     source.finish()
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
@@ -622,59 +629,64 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConf
     mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
     out: dict[str, torch.Tensor] = {}
 
-    embed = source.take("embedding.word_embeddings.weight", (padded, hidden))[:vocab]
+    embed = source.take(param_names.weight(param_names.WORD_EMBEDDINGS), (padded, hidden))[:vocab]
     if arch == "gpt2":
         out["transformer.wte.weight"] = embed
         out["transformer.wpe.weight"] = source.take(
-            "embedding.position_embeddings.weight", (cfg.max_position_embeddings, hidden)
+            param_names.weight(param_names.POSITION_EMBEDDINGS), (cfg.max_position_embeddings, hidden)
         )
         for i in range(cfg.num_layers):
-            hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
-            for hf_norm, mg_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            hf, mg = f"transformer.h.{i}.", param_names.layer(i)
+            for hf_norm, mg_norm in (("ln_1", param_names.INPUT_NORM), ("ln_2", param_names.PRE_MLP_NORM)):
                 for kind in ("weight", "bias"):
                     out[f"{hf}{hf_norm}.{kind}"] = source.take(f"{mg}{mg_norm}.{kind}", (hidden,))
-            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.weight", (qkv_size, hidden)), cfg)
+            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.weight", (qkv_size, hidden)), cfg)
             out[f"{hf}attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.bias", (qkv_size,)), cfg)
+            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.bias", (qkv_size,)), cfg)
             out[f"{hf}attn.c_attn.bias"] = torch.cat([q, k, v])
-            out[f"{hf}attn.c_proj.weight"] = source.take(f"{mg}self_attention.linear_proj.weight", (hidden, hidden)).t()
-            out[f"{hf}attn.c_proj.bias"] = source.take(f"{mg}self_attention.linear_proj.bias", (hidden,))
-            out[f"{hf}mlp.c_fc.weight"] = source.take(f"{mg}mlp.linear_fc1.weight", (fc1_size, hidden)).t()
-            out[f"{hf}mlp.c_fc.bias"] = source.take(f"{mg}mlp.linear_fc1.bias", (fc1_size,))
-            out[f"{hf}mlp.c_proj.weight"] = source.take(f"{mg}mlp.linear_fc2.weight", (hidden, ffn)).t()
-            out[f"{hf}mlp.c_proj.bias"] = source.take(f"{mg}mlp.linear_fc2.bias", (hidden,))
-        out["transformer.ln_f.weight"] = source.take("decoder.final_layernorm.weight", (hidden,))
-        out["transformer.ln_f.bias"] = source.take("decoder.final_layernorm.bias", (hidden,))
+            out[f"{hf}attn.c_proj.weight"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.weight",
+                                                         (hidden, hidden)).t()
+            out[f"{hf}attn.c_proj.bias"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.bias", (hidden,))
+            out[f"{hf}mlp.c_fc.weight"] = source.take(f"{mg}{param_names.FC1}.weight", (fc1_size, hidden)).t()
+            out[f"{hf}mlp.c_fc.bias"] = source.take(f"{mg}{param_names.FC1}.bias", (fc1_size,))
+            out[f"{hf}mlp.c_proj.weight"] = source.take(f"{mg}{param_names.FC2}.weight", (hidden, ffn)).t()
+            out[f"{hf}mlp.c_proj.bias"] = source.take(f"{mg}{param_names.FC2}.bias", (hidden,))
+        out["transformer.ln_f.weight"] = source.take(param_names.weight(param_names.FINAL_NORM), (hidden,))
+        out["transformer.ln_f.bias"] = source.take(param_names.bias(param_names.FINAL_NORM), (hidden,))
     else:
         out["model.embed_tokens.weight"] = embed
         for i in range(cfg.num_layers):
-            hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-            out[f"{hf}input_layernorm.weight"] = source.take(f"{mg}input_layernorm.weight", (hidden,))
-            q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.weight", (qkv_size, hidden)), cfg)
+            hf, mg = f"model.layers.{i}.", param_names.layer(i)
+            out[f"{hf}input_layernorm.weight"] = source.take(f"{mg}{param_names.INPUT_NORM}.weight", (hidden,))
+            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.weight", (qkv_size, hidden)), cfg)
             out[f"{hf}self_attn.q_proj.weight"], out[f"{hf}self_attn.k_proj.weight"] = q, k
             out[f"{hf}self_attn.v_proj.weight"] = v
             if cfg.add_qkv_bias:
-                q, k, v = _unpack_qkv(source.take(f"{mg}self_attention.linear_qkv.bias", (qkv_size,)), cfg)
+                q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.bias", (qkv_size,)), cfg)
                 out[f"{hf}self_attn.q_proj.bias"], out[f"{hf}self_attn.k_proj.bias"] = q, k
                 out[f"{hf}self_attn.v_proj.bias"] = v
             if cfg.qk_layernorm:
-                for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+                for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
                     out[f"{hf}self_attn.{hf_norm}.weight"] = source.take(
-                        f"{mg}self_attention.{mg_norm}.weight", (cfg.head_dim,))
-            out[f"{hf}self_attn.o_proj.weight"] = source.take(f"{mg}self_attention.linear_proj.weight", (hidden, q_size))
-            out[f"{hf}post_attention_layernorm.weight"] = source.take(f"{mg}pre_mlp_layernorm.weight", (hidden,))
+                        f"{mg}{mg_norm}.weight", (cfg.head_dim,))
+            out[f"{hf}self_attn.o_proj.weight"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.weight",
+                                                              (hidden, q_size))
+            out[f"{hf}post_attention_layernorm.weight"] = source.take(f"{mg}{param_names.PRE_MLP_NORM}.weight",
+                                                                      (hidden,))
             if cfg.is_moe:
-                out[hf + _MOE_NAMES[arch][0]] = source.take(f"{mg}mlp.router.weight", (cfg.num_moe_experts, hidden))
+                out[hf + _MOE_NAMES[arch][0]] = source.take(f"{mg}{param_names.ROUTER}.weight",
+                                                            (cfg.num_moe_experts, hidden))
             for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
-                gate, up = source.take(f"{mg_mlp}linear_fc1.weight", (2 * mlp_ffn, hidden)).chunk(2)
+                gate, up = source.take(f"{mg_mlp}{param_names.LINEAR_FC1}.weight", (2 * mlp_ffn, hidden)).chunk(2)
                 out[f"{hf_mlp}{gate_name}.weight"], out[f"{hf_mlp}{up_name}.weight"] = gate, up
-                out[f"{hf_mlp}{down_name}.weight"] = source.take(f"{mg_mlp}linear_fc2.weight", (hidden, mlp_ffn))
-        out["model.norm.weight"] = source.take("decoder.final_layernorm.weight", (hidden,))
+                out[f"{hf_mlp}{down_name}.weight"] = source.take(f"{mg_mlp}{param_names.LINEAR_FC2}.weight",
+                                                                 (hidden, mlp_ffn))
+        out["model.norm.weight"] = source.take(param_names.weight(param_names.FINAL_NORM), (hidden,))
 
     if cfg.tie_embeddings:
-        source.pop_if_present("output_layer.weight")  # a copy of the embedding on the last stage
+        source.pop_if_present(param_names.weight(param_names.OUTPUT_LAYER))  # a copy of the embedding on the last stage
     else:
-        out["lm_head.weight"] = source.take("output_layer.weight", (padded, hidden))[:vocab]
+        out["lm_head.weight"] = source.take(param_names.weight(param_names.OUTPUT_LAYER), (padded, hidden))[:vocab]
     source.finish()
     # Views of one megatron tensor (q/k/v, gate/up) would share storage, which safetensors refuses.
     return {name: tensor.contiguous().clone() for name, tensor in out.items()}

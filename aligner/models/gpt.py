@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from aligner.runtime import cpu_bridge
+from aligner.runtime import cpu_bridge, distributed
+from aligner.runtime.distributed import ParallelConfig
 
 
 @dataclass
@@ -332,6 +333,45 @@ def build_gpt_model(
         rope_scaling_factor=cfg.llama3_rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+
+
+def build_model_chunks(
+    model_cfg: GPTConfig,
+    parallel: ParallelConfig,
+    params_dtype: torch.dtype,
+    chunk_builder: Callable = build_gpt_model,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (one, or one per virtual pipeline stage), before DDP wrapping.
+
+    chunk_builder(model_cfg, config, **kwargs) builds one chunk: `build_gpt_model` (the policy) by
+    default, e.g. `aligner.models.reward.build_reward_model` for a reward model or critic.
+    """
+    config = transformer_config(
+        model_cfg,
+        tensor_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        params_dtype=params_dtype,
+        sequence_parallel=parallel.sequence_parallel,
+        expert_parallel_size=parallel.expert_model_parallel_size,
+    )
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    if vpp:
+        if model_cfg.num_layers % (parallel.pipeline_model_parallel_size * vpp):
+            raise ValueError(
+                f"model.num_layers={model_cfg.num_layers} must divide evenly into pipeline stages x "
+                f"virtual stages = {parallel.pipeline_model_parallel_size} x {vpp}"
+            )
+        chunks = [chunk_builder(model_cfg, config, vp_stage=stage) for stage in range(vpp)]
+    else:
+        if model_cfg.num_layers % parallel.pipeline_model_parallel_size:
+            raise ValueError(
+                f"model.num_layers={model_cfg.num_layers} is not divisible by "
+                f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}"
+            )
+        chunks = [chunk_builder(model_cfg, config)]
+    device = distributed.device()
+    return [chunk.to(device) for chunk in chunks]
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

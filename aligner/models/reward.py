@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.models.forward import run_microbatches
-from aligner.models.gpt import GPTConfig, build_gpt_model
+from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
 
 # The head sits where megatron expects the output layer (module name `output_layer`, parameters
 # `weight`/`bias`) but is stored under its own checkpoint key, so an LM checkpoint's vocabulary
@@ -260,7 +260,6 @@ def load_reward_model(checkpoint_dir, *, micro_batch_size: int, normalize: bool 
     from aligner.runtime import distributed, seeds
     from aligner.runtime.distributed import ParallelConfig
     from aligner.tokenizer import Tokenizer
-    from aligner.training.setup import build_model_chunks
 
     meta = checkpointing.read_meta(checkpoint_dir)
     info = RewardModelInfo.from_meta(meta, checkpoint_dir)

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from aligner.generation.engine import Rollout, SamplingParams
+from aligner.runtime.seeds import epoch_seed
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -84,7 +85,7 @@ class PromptOrder:
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(self.num_prompts))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(epoch_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def take(self, count: int) -> list[int]:
@@ -166,7 +167,7 @@ class RolloutBatch:
     def from_rows(cls, indexed_rows: Sequence[tuple[int, dict]], pad_id: int, seq_length: Optional[int] = None,
                   response_width: Optional[int] = None) -> "RolloutBatch":
         """seq_length / response_width: fixed widths (a pipeline schedule needs one sequence length)."""
-        from aligner.generation.logprobs import pack_sequences
+        from aligner.generation.logprobs import pack_sequences, response_mask
 
         indices = [index for index, _ in indexed_rows]
         rows = [row for _, row in indexed_rows]
@@ -182,7 +183,7 @@ class RolloutBatch:
             if tokens.shape[1] > seq_length:
                 raise ValueError(f"a rollout of {tokens.shape[1]} tokens exceeds the fixed length {seq_length}")
             tokens = torch.nn.functional.pad(tokens, (0, seq_length - tokens.shape[1]), value=pad_id)
-        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        mask = response_mask(lengths, width)
         ended = torch.tensor([row["ended_with_stop"] for row in rows], dtype=torch.bool)
         return cls(indices, tokens, prompt_lengths, lengths, mask, logprobs, ended, rows)
 
@@ -199,9 +200,10 @@ class RolloutBatch:
 
 
 def values_at_response(values: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
-    """Per-token values of one sequence [width] -> [response_length]: response token j's value is the
-    value of the prefix before it, at column prompt_length - 1 + j (the logprob alignment)."""
-    return values[prompt_length - 1: prompt_length - 1 + response_length]
+    """Per-token values of one sequence [width] -> [response_length] (`logprobs.response_values` of one row)."""
+    from aligner.generation.logprobs import response_values
+
+    return response_values(values.unsqueeze(0), torch.tensor([prompt_length]), response_length)[0]
 
 
 def full_sequences(rollout: Rollout) -> list[list[int]]:

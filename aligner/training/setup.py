@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from aligner.config import at_least, one_of, require_checkpoint_dir
-from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
 from aligner.runtime import distributed
 from aligner.runtime.distributed import ParallelConfig
 from aligner.training.metrics import LoggingConfig
@@ -39,41 +39,6 @@ class OptimConfig:
         if self.decay_style != "constant" and self.min_lr > self.lr:
             return "min_lr", f"the {self.decay_style} decay ends at min_lr, which must not exceed lr={self.lr}"
         return None
-
-
-def build_model_chunks(
-    model_cfg: GPTConfig,
-    parallel: ParallelConfig,
-    params_dtype: torch.dtype,
-    chunk_builder: Callable = build_gpt_model,
-) -> list[torch.nn.Module]:
-    """This rank's model chunks (one, or one per virtual pipeline stage), before DDP wrapping."""
-    config = transformer_config(
-        model_cfg,
-        tensor_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        params_dtype=params_dtype,
-        sequence_parallel=parallel.sequence_parallel,
-        expert_parallel_size=parallel.expert_model_parallel_size,
-    )
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    if vpp:
-        if model_cfg.num_layers % (parallel.pipeline_model_parallel_size * vpp):
-            raise ValueError(
-                f"model.num_layers={model_cfg.num_layers} must divide evenly into pipeline stages x "
-                f"virtual stages = {parallel.pipeline_model_parallel_size} x {vpp}"
-            )
-        chunks = [chunk_builder(model_cfg, config, vp_stage=stage) for stage in range(vpp)]
-    else:
-        if model_cfg.num_layers % parallel.pipeline_model_parallel_size:
-            raise ValueError(
-                f"model.num_layers={model_cfg.num_layers} is not divisible by "
-                f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}"
-            )
-        chunks = [chunk_builder(model_cfg, config)]
-    device = distributed.device()
-    return [chunk.to(device) for chunk in chunks]
 
 
 def check_trainable(config) -> None:

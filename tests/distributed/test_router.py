@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from servers.router import RouterError, WorkQueue, WorkQueueClient, WorkQueueServer
+from aligner.generation.work_queue import RouterError, WorkQueue, WorkQueueClient, WorkQueueServer
 
 NUM_PROMPTS = 64
 MICRO_BATCH_SIZE = 2

@@ -279,7 +279,7 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
     from aligner.models.gpt import transformer_config
     from aligner.models.reward import build_reward_model
     from aligner.rl.ppo_math import value_loss
-    from servers.critic import response_mask, response_values
+    from aligner.generation.logprobs import response_mask, response_values
 
     model_cfg = references["critic"].model_cfg
     model = build_reward_model(model_cfg, transformer_config(model_cfg), num_attributes=1)
@@ -301,7 +301,7 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
 
 def test_first_train_call_equals_the_float64_reference(client, references, rollout):
     from aligner.rl.ppo_math import explained_variance
-    from servers.critic import response_mask
+    from aligner.generation.logprobs import response_mask
 
     loss, grad_norm, clip_fraction = float64_reference(references, rollout)
     metrics = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"], rollout["old_values"])

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from servers.critic import move_optimizer_state, optimizer_state_on_device, response_mask, response_values
+from aligner.generation.logprobs import response_mask, response_values
+from aligner.rl.rollouts import values_at_response
+from servers.critic import move_optimizer_state, optimizer_state_on_device
 
 
 def test_response_values_read_the_column_before_each_response_token():
@@ -22,6 +24,11 @@ def test_response_values_read_the_column_before_each_response_token():
             if mask[row, j]:
                 assert values[row, j] == token_values[row, int(prompt_lengths[row]) - 1 + j]
     assert values.shape == (3, width) and mask.dtype == torch.bool
+    # The actor's one-row reading of the critic's answer is the same column.
+    for row in range(3):
+        length = int(response_lengths[row])
+        assert torch.equal(values_at_response(token_values[row], int(prompt_lengths[row]), length),
+                           values[row, :length])
 
 
 def test_optimizer_state_moves_to_host_and_back_without_changing_training():

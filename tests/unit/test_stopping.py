@@ -224,7 +224,7 @@ def test_megatron_checkpoint_saves_keep_no_process(tmp_path):
         from aligner.models.gpt import GPTConfig
         from aligner.runtime import distributed
         from aligner.runtime.distributed import ParallelConfig
-        from aligner.training.setup import build_model_chunks
+        from aligner.models.gpt import build_model_chunks
         import torch
 
         if __name__ == "__main__":

@@ -20,7 +20,7 @@ from aligner.generation import sampling as S
 from aligner.generation.engine import SamplingParams
 from aligner.generation.logprobs import pack_sequences, sequence_logprobs
 from aligner.generation.native import NativeEngine
-from aligner.models.gpt import GPTConfig
+from aligner.models.gpt import GPTConfig, build_model_chunks
 from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
 from aligner.runtime.seeds import set_seed
 from aligner.training import setup
@@ -61,7 +61,7 @@ def prompts() -> list[list[int]]:
 
 def random_model(cfg: GPTConfig, seed: int) -> torch.nn.Module:
     """TP=1 model whose every tensor carries signal (identical on every rank: same seed)."""
-    model = setup.build_model_chunks(cfg, ParallelConfig(), torch.float32)[0].eval()
+    model = build_model_chunks(cfg, ParallelConfig(), torch.float32)[0].eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -156,7 +156,7 @@ def main() -> None:
         initialize(parallel)
         set_seed(0)
         for name in names:
-            chunks = setup.build_model_chunks(CONFIGS[name], parallel, torch.float32)
+            chunks = build_model_chunks(CONFIGS[name], parallel, torch.float32)
             checkpointing.load(work / name, chunks)
             if layout == "tp2" and not CONFIGS[name].is_moe:  # what a trainer hands the engine: DDP-wrapped chunks
                 chunks = setup.wrap_for_training(chunks)

@@ -1,4 +1,4 @@
-"""Rollout router, transport side: a work queue of prompt micro-batches served by global rank 0.
+"""Rollout router's work queue: prompt micro-batches handed out over TCP by global rank 0.
 
 Data-parallel generation with a static split waits for the slowest rank: a rank on a slow GPU,
 or one that drew long responses, holds every other rank at the next collective. Handing out the
@@ -7,7 +7,8 @@ while a slow one is still busy, so the work follows the speed (NeMo-Aligner's ba
 
 `WorkQueueServer` runs in a background thread of global rank 0 and answers one question over a
 TCP socket: "the next micro-batch of round E, please". The routing logic that uses it (rounds,
-model-parallel groups, timeouts) is `aligner.generation.router_client.DynamicRouter`.
+model-parallel groups, timeouts) is `aligner.generation.router_client.DynamicRouter`. It runs inside
+the training job (not as a separate server process), so it lives in the library.
 
 Protocol: one JSON object per line, one answer line per request line, on a kept-open connection.
     request  {"op": "next", "round": E, "worker": W}   W: the asking data-parallel rank (for the log)
