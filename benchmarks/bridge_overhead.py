@@ -114,9 +114,10 @@ def _training_step_fn(model_cfg, parallel, vocab_size: int) -> Callable[[], None
     import torch.nn.functional as F
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from aligner.models.gpt import build_model_chunks
     from aligner.training import setup
 
-    chunks = setup.wrap_for_training(setup.build_model_chunks(model_cfg, parallel, torch.float32))
+    chunks = setup.wrap_for_training(build_model_chunks(model_cfg, parallel, torch.float32))
     optimizer = setup.build_optimizer(chunks, setup.OptimConfig(lr=1e-4, clip_grad=1.0), torch.float32)
     setup.attach_grad_hooks(chunks, optimizer)
     generator = torch.Generator().manual_seed(1)

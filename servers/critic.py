@@ -83,10 +83,29 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from aligner.clients.protocol import (CRITIC_INFER_MODEL, CRITIC_SAVE_MODEL, CRITIC_TRAIN_INPUTS, CRITIC_TRAIN_METRICS,
-                                      CRITIC_TRAIN_MODEL, ERROR, LENGTHS, OLD_VALUES, PAD_ID, PATH, PROMPT_LENGTHS,
-                                      RETURNS, REWARD_MODEL, REWARDS, STEP, TOKENS, VALUES, encode_errors, packed_width,
-                                      request_over_size_cap, token_outside_vocabulary)
+from aligner.clients.protocol import (
+    CRITIC_INFER_MODEL,
+    CRITIC_SAVE_MODEL,
+    CRITIC_TRAIN_INPUTS,
+    CRITIC_TRAIN_METRICS,
+    CRITIC_TRAIN_MODEL,
+    ERROR,
+    LENGTHS,
+    OLD_VALUES,
+    PAD_ID,
+    PATH,
+    PROMPT_LENGTHS,
+    RETURNS,
+    REWARD_MODEL,
+    REWARDS,
+    STEP,
+    TOKENS,
+    VALUES,
+    encode_errors,
+    packed_width,
+    request_over_size_cap,
+    token_outside_vocabulary,
+)
 from aligner.config import at_least, require_checkpoint_dir
 from aligner.generation.logprobs import response_mask, response_values
 from aligner.runtime.distributed import ParallelConfig

@@ -1,7 +1,8 @@
 """Reward-model server: a PyTriton transport over `aligner.models.reward.RewardInference`.
 
     python examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT [key=value ...]
-    torchrun --nproc_per_node N examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT parallel.tensor_model_parallel_size=2
+    torchrun --nproc_per_node N examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT \
+        parallel.tensor_model_parallel_size=2
 
 Rank 0 runs Triton; every rank computes (see `servers.triton.CollectiveServing`). The rewards are
 exactly what `RewardInference.infer` returns in process (the trainers call the same code): the
@@ -53,8 +54,9 @@ same error, naming the key; nothing is tokenized or computed). Triton itself rej
 (e.g. int32 tokens), an unknown input name or more rows than `server.max_batch_size` before the
 callback runs, with an error for that request only. Triton 2.5x (PyTriton 0.7) has no request-size
 limit of its own: an oversize request is still received and copied to the callback before it is
-refused, and Triton's shared-memory pools keep the size of the largest request they have carried. An exception while the model runs (a bug,
-out of memory) fails that merged batch; the server keeps serving the next one.
+refused, and Triton's shared-memory pools keep the size of the largest request they have carried.
+An exception while the model runs (a bug, out of memory) fails that merged batch; the server keeps
+serving the next one.
 """
 from __future__ import annotations
 
@@ -67,8 +69,20 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from aligner.clients.protocol import (CONVERSATIONS, ERROR, LENGTHS, PAD_ID, REWARD_MODEL, REWARDS, SENTENCES, TOKENS,
-                                      encode_errors, packed_width, request_over_size_cap, token_outside_vocabulary)
+from aligner.clients.protocol import (
+    CONVERSATIONS,
+    ERROR,
+    LENGTHS,
+    PAD_ID,
+    REWARD_MODEL,
+    REWARDS,
+    SENTENCES,
+    TOKENS,
+    encode_errors,
+    packed_width,
+    request_over_size_cap,
+    token_outside_vocabulary,
+)
 from aligner.runtime.distributed import ParallelConfig
 from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonSetupError
 

@@ -459,7 +459,7 @@ class TritonProcesses:
         for process in [self.server_process, *(process for process, _ in self._seen.values())]:
             self._shared_memory |= _mapped_shared_memory(process.pid)
 
-    def dead_backend(self) -> Optional["psutil.Process"]:
+    def dead_backend(self):  # -> Optional[psutil.Process]
         """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
         for process, name in self._seen.values():
             # Linux keeps 15 characters of a name; psutil restores the rest only while it can read the command line

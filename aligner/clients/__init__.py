@@ -134,7 +134,7 @@ class ModelServerClient:
         try:
             client = tritonclient.http.InferenceServerClient(
                 f"{self.host}:{self.port}", connection_timeout=timeout_s, network_timeout=timeout_s)
-        except Exception as error:  # e.g. a host name that does not resolve
+        except Exception as error:  # noqa: BLE001 - e.g. a host name that does not resolve: reported as not ready
             return f"{type(error).__name__}: {error}"
         try:
             if not client.is_server_live():
@@ -143,7 +143,7 @@ class ModelServerClient:
                 return (f"the server is up but model '{self.model_name}' is not ready (still loading, or the "
                         f"server serves another model name)")
             return None
-        except Exception as error:  # connection refused, timeouts, HTTP errors: not ready
+        except Exception as error:  # noqa: BLE001 - connection refused, timeouts, HTTP errors: not ready
             return f"{type(error).__name__}: {error}".strip()
         finally:
             client.close()
@@ -168,8 +168,8 @@ class ModelServerClient:
         step = max(1, self._max_batch_size)
         if rows <= step:
             return self._call(lambda client: client.infer_batch(**inputs))
-        parts = [self._call(lambda client: client.infer_batch(**{name: array[start:start + step]
-                                                                 for name, array in inputs.items()}))
+        parts = [self._call(lambda client, start=start: client.infer_batch(
+                     **{name: array[start:start + step] for name, array in inputs.items()}))
                  for start in range(0, rows, step)]
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
@@ -178,8 +178,12 @@ class ModelServerClient:
             self.wait_until_ready(self.ready_timeout_s)
 
     def _call(self, action: Callable):
-        from pytriton.client.exceptions import (PyTritonClientError, PyTritonClientInferenceServerError,
-                                                PyTritonClientModelUnavailableError, PyTritonClientTimeoutError)
+        from pytriton.client.exceptions import (
+            PyTritonClientError,
+            PyTritonClientInferenceServerError,
+            PyTritonClientModelUnavailableError,
+            PyTritonClientTimeoutError,
+        )
 
         client = self._thread_client()
         try:
@@ -250,7 +254,7 @@ class ModelServerClient:
         for client in clients:
             try:
                 client.close()
-            except Exception:  # closing a connection to a server that is already gone
+            except Exception:  # noqa: BLE001 - closing a connection to a server that is already gone
                 pass
 
     def __enter__(self):

@@ -23,11 +23,32 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
-                             ServerUnavailableError, rejected_rows_message)
-from aligner.clients.protocol import (CRITIC_INFER_MODEL, CRITIC_SAVE_MODEL, CRITIC_TRAIN_METRICS, CRITIC_TRAIN_MODEL,
-                                      LENGTHS, OLD_VALUES, PATH, PROMPT_LENGTHS, RETURNS, REWARDS, STEP, TOKENS,
-                                      VALUES, decode_errors, padded_width, right_padded)
+from aligner.clients import (
+    ClientError,
+    ModelServerClient,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    rejected_rows_message,
+)
+from aligner.clients.protocol import (
+    CRITIC_INFER_MODEL,
+    CRITIC_SAVE_MODEL,
+    CRITIC_TRAIN_METRICS,
+    CRITIC_TRAIN_MODEL,
+    LENGTHS,
+    OLD_VALUES,
+    PATH,
+    PROMPT_LENGTHS,
+    RETURNS,
+    REWARDS,
+    STEP,
+    TOKENS,
+    VALUES,
+    decode_errors,
+    padded_width,
+    right_padded,
+)
 
 __all__ = ["CriticClient", "CriticInference", "CriticServerError", "ServerUnavailableError", "RequestTimeoutError",
            "ClientError"]

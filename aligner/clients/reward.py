@@ -18,10 +18,25 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from aligner.clients import (ClientError, ModelServerClient, RequestTimeoutError, ServerError,
-                             ServerUnavailableError, rejected_rows_message)
-from aligner.clients.protocol import (CONVERSATIONS, LENGTHS, REWARD_MODEL, REWARDS, SENTENCES, TOKENS, decode_errors,
-                                      padded_width, right_padded)
+from aligner.clients import (
+    ClientError,
+    ModelServerClient,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    rejected_rows_message,
+)
+from aligner.clients.protocol import (
+    CONVERSATIONS,
+    LENGTHS,
+    REWARD_MODEL,
+    REWARDS,
+    SENTENCES,
+    TOKENS,
+    decode_errors,
+    padded_width,
+    right_padded,
+)
 
 __all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "ClientError"]
 

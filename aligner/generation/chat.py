@@ -130,10 +130,9 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner.generation.native import NativeEngine
     from aligner.hf.convert import import_gguf, import_hf, read_hf_source
     from aligner.hf.gguf import is_gguf_file
-    from aligner.models.gpt import GPTConfig
+    from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
-    from aligner.models.gpt import build_model_chunks
 
     checkpoint = Path(cfg.checkpoint)
     gguf = is_gguf_file(checkpoint)
@@ -307,9 +306,8 @@ def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: st
 
 def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
     """Batch mode: one output line per input record; returns the number of records answered."""
-    from aligner.data.jsonl import read_jsonl
-
     from aligner.data.conversation import ChatEncoder
+    from aligner.data.jsonl import read_jsonl
 
     encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
     sampling = cfg.sampling_params(model.stop_token_ids)

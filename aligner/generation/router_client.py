@@ -212,24 +212,6 @@ def rebalance_rollouts(local: Mapping[int, T], num_items: int, *, data_parallel_
 
 
 # ----------------------------------------------------------------------------- Rollout rows
-def rollout_rows(rollout, indices: Sequence[int]) -> list:
-    """Split a batch `Rollout` (rows in the order of `indices`) into one single-row Rollout per index."""
-    from aligner.generation.engine import Rollout
-
-    if len(indices) != len(rollout.prompt_tokens):
-        raise ValueError(f"{len(indices)} indices for a rollout of {len(rollout.prompt_tokens)} rows")
-    return [
-        Rollout(
-            prompt_tokens=[rollout.prompt_tokens[row]],
-            response_tokens=rollout.response_tokens[row:row + 1].clone(),
-            logprobs=rollout.logprobs[row:row + 1].clone(),
-            response_lengths=rollout.response_lengths[row:row + 1].clone(),
-            ended_with_stop=rollout.ended_with_stop[row:row + 1].clone(),
-        )
-        for row in range(len(indices))
-    ]
-
-
 def concat_rollouts(rollouts: Sequence, pad_id: int):
     """One batch `Rollout` from several, response columns right-padded to the widest (pad_id, logprob 0)."""
     from aligner.generation.engine import Rollout

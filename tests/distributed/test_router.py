@@ -100,21 +100,16 @@ def test_single_process_routers_and_rebalance():
         StaticRouter(micro_batch_size=2).route(2, lambda indices: ["only one"])
 
 
-def test_rollout_rows_round_trip():
+def test_concat_rollouts_pads_to_the_widest():
     import torch
 
     from aligner.generation.engine import Rollout
-    from aligner.generation.router_client import concat_rollouts, rollout_rows
+    from aligner.generation.router_client import concat_rollouts
 
-    rollout = Rollout(
-        prompt_tokens=[[1, 2], [3]],
-        response_tokens=torch.tensor([[5, 6, 0], [7, 0, 0]]),
-        logprobs=torch.tensor([[-0.1, -0.2, 0.0], [-0.3, 0.0, 0.0]]),
-        response_lengths=torch.tensor([2, 1]),
-        ended_with_stop=torch.tensor([True, False]),
-    )
-    rows = rollout_rows(rollout, [10, 11])
-    assert rows[1].prompt_tokens == [[3]] and rows[1].response_tokens.tolist() == [[7, 0, 0]]
+    rows = [Rollout([[1, 2]], torch.tensor([[5, 6, 0]]), torch.tensor([[-0.1, -0.2, 0.0]]), torch.tensor([2]),
+                    torch.tensor([True])),
+            Rollout([[3]], torch.tensor([[7, 0, 0]]), torch.tensor([[-0.3, 0.0, 0.0]]), torch.tensor([1]),
+                    torch.tensor([False]))]
     narrow = Rollout([[4]], torch.tensor([[9]]), torch.tensor([[-1.0]]), torch.tensor([1]), torch.tensor([True]))
     merged = concat_rollouts([rows[1], narrow, rows[0]], pad_id=0)
     assert merged.prompt_tokens == [[3], [4], [1, 2]]

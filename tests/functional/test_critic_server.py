@@ -276,10 +276,10 @@ def test_bad_train_requests_are_rejected_without_training(client, rollout):
 def float64_reference(references, rollout) -> tuple[float, float, float]:
     """(value loss, gradient norm, clip fraction) of the critic's initial weights on the rollout, in float64."""
     from aligner import checkpointing
+    from aligner.generation.logprobs import response_mask, response_values
     from aligner.models.gpt import transformer_config
     from aligner.models.reward import build_reward_model
     from aligner.rl.ppo_math import value_loss
-    from aligner.generation.logprobs import response_mask, response_values
 
     model_cfg = references["critic"].model_cfg
     model = build_reward_model(model_cfg, transformer_config(model_cfg), num_attributes=1)
@@ -300,8 +300,8 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
 
 
 def test_first_train_call_equals_the_float64_reference(client, references, rollout):
-    from aligner.rl.ppo_math import explained_variance
     from aligner.generation.logprobs import response_mask
+    from aligner.rl.ppo_math import explained_variance
 
     loss, grad_norm, clip_fraction = float64_reference(references, rollout)
     metrics = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"], rollout["old_values"])
