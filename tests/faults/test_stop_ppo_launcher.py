@@ -15,16 +15,20 @@ from .test_stop_sft import Run
 pytestmark = [pytest.mark.slow]
 
 
+def _wait_for_the_first_step(run, log_dir, launcher_dir) -> None:
+    deadline = time.monotonic() + 600
+    while not any(row["step"] >= 1 for row in _train_rows(log_dir)):
+        assert run.process.poll() is None, (launcher_dir / "stdout.txt").read_text()[-4000:]
+        assert time.monotonic() < deadline, "the actor never logged a step"
+        time.sleep(0.2)
+
+
 def test_sigterm_to_the_launcher_stops_everything_with_a_checkpoint(models, tmp_path):  # noqa: F811
     log_dir = tmp_path / "ppo"
     command = _launch_command(models, log_dir, _free_port_block(), max_steps=200)
     run = Run(command, tmp_path / "launcher")
     try:
-        deadline = time.monotonic() + 600
-        while not any(row["step"] >= 1 for row in _train_rows(log_dir)):
-            assert run.process.poll() is None, (tmp_path / "launcher" / "stdout.txt").read_text()[-4000:]
-            assert time.monotonic() < deadline, "the actor never logged a step"
-            time.sleep(0.2)
+        _wait_for_the_first_step(run, log_dir, tmp_path / "launcher")
         children = psutil.Process(run.process.pid).children()
         assert len(children) == 2  # the critic server and the actor
         os.kill(run.process.pid, signal.SIGTERM)
@@ -51,11 +55,7 @@ def test_sigkill_of_the_launcher_leaves_no_process(models, tmp_path):  # noqa: F
     log_dir = tmp_path / "ppo"
     run = Run(_launch_command(models, log_dir, _free_port_block(), max_steps=200), tmp_path / "launcher")
     try:
-        deadline = time.monotonic() + 600
-        while not any(row["step"] >= 1 for row in _train_rows(log_dir)):
-            assert run.process.poll() is None, (tmp_path / "launcher" / "stdout.txt").read_text()[-4000:]
-            assert time.monotonic() < deadline, "the actor never logged a step"
-            time.sleep(0.2)
+        _wait_for_the_first_step(run, log_dir, tmp_path / "launcher")
         os.kill(run.process.pid, signal.SIGKILL)
         run.wait()
         assert not run.left_behind(timeout_s=120), "processes of the PPO run outlived the launcher"
