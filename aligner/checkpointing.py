@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from aligner.config import OutputError, require_writable_dir
 
 META_FILE = "aligner_meta.json"
 MANIFEST_FILE = "aligner_manifest.json"
@@ -628,12 +629,9 @@ def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int
                 f"checkpoint.resume=true to continue that run, choose another checkpoint.save_dir, or delete "
                 f"those step_* directories to start over")
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=root, prefix=".write_test_") as probe:
-                probe.write(b"x")
-                probe.flush()
-        except OSError as error:
-            raise CheckpointError(f"checkpoint.save_dir={root} is not writable: {error}") from error
+            require_writable_dir(root, "checkpoint.save_dir")
+        except OutputError as error:
+            raise CheckpointError(str(error)) from None
         for partial in root.glob(f"step_*{_STAGING_SUFFIX}"):
             shutil.rmtree(partial, ignore_errors=True)
             log(f"removed {partial}, a partial save left by an interrupted run")
