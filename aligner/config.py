@@ -70,14 +70,44 @@ def one_of(choices: Sequence[str], default: str) -> Any:
     return dataclasses.field(default=default, metadata={"choices": tuple(choices)})
 
 
+def apply_renamed_keys(node, renames: Sequence[tuple[str, str]], where: str) -> list[str]:
+    """Move the values of deprecated dotted keys in an omegaconf node to their new names, in place;
+    returns one 'deprecated' line per key moved. Both names set is an error (which one would win?)."""
+    lines = []
+    for old, new in renames:
+        value = OmegaConf.select(node, old, default=_ABSENT)
+        if value is _ABSENT:
+            continue
+        if OmegaConf.select(node, new, default=_ABSENT) is not _ABSENT:
+            raise ConfigError(f"{where}: {old} is the old name of {new}; set only {new}")
+        parent, _, leaf = old.rpartition(".")
+        container = OmegaConf.select(node, parent) if parent else node
+        del container[leaf]
+        if parent and len(container) == 0:  # an old section left empty goes too
+            grand, _, section = parent.rpartition(".")
+            del (OmegaConf.select(node, grand) if grand else node)[section]
+        OmegaConf.update(node, new, value, force_add=True)
+        lines.append(f"deprecated: {where} sets {old}; it is now {new} (the old name goes in the next release)")
+    return lines
+
+
+_ABSENT = object()
+
+
 def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str] = ()) -> T:
-    """Build a `schema` instance from a yaml file plus `key=value` overrides (dotted keys)."""
+    """Build a `schema` instance from a yaml file plus `key=value` overrides (dotted keys).
+
+    A schema may list `RENAMED_KEYS` (a class attribute of (old dotted key, new dotted key) pairs): old names
+    still load, with a 'deprecated' line on stderr.
+    """
     yaml_path = Path(yaml_path)
     if not yaml_path.is_file():
         raise ConfigError(f"config file {yaml_path} does not exist")
+    renames = getattr(schema, "RENAMED_KEYS", ())
     base = OmegaConf.structured(schema)
     try:
         from_file = OmegaConf.load(yaml_path)
+        notes = apply_renamed_keys(from_file, renames, str(yaml_path))
         merged = OmegaConf.merge(base, from_file)
     except OmegaConfBaseException as error:
         raise ConfigError(f"{yaml_path}: {_describe(error)}") from None
@@ -93,11 +123,15 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
             raise ConfigError(f"command-line override {item!r}: the value is not valid YAML "
                               f"({getattr(error, 'problem', None) or error})") from None
     try:
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        from_command_line = OmegaConf.from_dotlist(list(overrides))
+        notes += apply_renamed_keys(from_command_line, renames, "the command line")
+        merged = OmegaConf.merge(merged, from_command_line)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(f"command-line override: {_describe(error)}") from None
     check_values(config)
+    for note in notes:
+        print(note, file=sys.stderr)
     return config
 
 

@@ -1,6 +1,9 @@
 """Config loading: schema-checked yaml, key=value overrides, unknown keys are errors."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import pytest
 
 from aligner.algorithms.dpo import DPOConfig
@@ -67,3 +70,27 @@ def test_command_line_parsing():
     assert str(path) == "x.yaml" and overrides == ["a=1", "b.c=2"]
     path, overrides = parse_command_line("default.yaml", ["--config=y.yaml"])
     assert str(path) == "y.yaml" and overrides == []
+
+
+# ----------------------------------------------------------------------------- renamed keys
+@dataclass
+class _Rollout:
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 1
+
+@dataclass
+class _RenamedSchema:
+    RENAMED_KEYS: ClassVar[tuple] = (("ppo.prompts_per_step", "rollout.prompts_per_step"), ("rm_model_file", "init_from"))
+    rollout: _Rollout = field(default_factory=_Rollout)
+    init_from: str = "x"
+
+def test_renamed_keys_load_under_their_new_names_with_a_deprecation_line(tmp_path, capsys):
+    y = tmp_path / "a.yaml"
+    y.write_text("ppo:\n  prompts_per_step: 7\nrm_model_file: r\n")
+    cfg = load_config(_RenamedSchema, y, ["ppo.prompts_per_step=9"])
+    assert cfg.rollout.prompts_per_step == 9 and cfg.init_from == "r"
+    err = capsys.readouterr().err
+    assert err.count("deprecated") == 3, err
+    y.write_text("rollout:\n  prompts_per_step: 7\nppo:\n  prompts_per_step: 3\n")
+    with pytest.raises(ConfigError, match="old name of rollout.prompts_per_step"):
+        load_config(_RenamedSchema, y)
