@@ -1,6 +1,6 @@
 """Tokens/s of one PPO actor step on the demo-sized model, and where its time goes, in one process.
 
-The actor is built by `build_ppo_trainer` exactly as train_gpt_ppo_actor.py builds it, with two
+The actor is built by `build_rl_actor` exactly as train_gpt_ppo_actor.py builds it, with two
 in-process stand-ins for the servers: the demo's rule reward (`aligner.demo.arithmetic:score_response`)
 and `ZeroCritic` (values 0, no critic training), so the numbers are the actor's own work:
 generation, actor + reference logprobs, advantages, and the PPO minibatch updates. Server time
@@ -80,7 +80,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
+    from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
     from aligner.algorithms.sft import SFTObjective
     from aligner.config import CONF_DIR, load_config
     from aligner.rl.rollouts import RuleRewardSource
@@ -88,15 +88,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         policy, prompts = _write_inputs(root, args.prompts)
-        cfg = load_config(PPOConfig, CONF_DIR / "gpt_ppo_actor.yaml", [
+        cfg = load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", [
             f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
             f"generation.max_new_tokens={args.max_new_tokens}", "generation.micro_batch_size=64",
-            f"ppo.prompts_per_step={args.prompts}", f"trainer.global_batch_size={args.prompts // 2}",
-            "trainer.micro_batch_size=32", "ppo.epochs=2", "optim.lr=1e-5", "generation.router=static",
+            f"rollout.prompts_per_step={args.prompts}", f"trainer.global_batch_size={args.prompts // 2}",
+            "trainer.micro_batch_size=32", "loss.epochs=2", "optim.lr=1e-5", "generation.router=static",
             f"checkpoint.save_dir={root / 'ckpt'}", f"logging.log_dir={root / 'logs'}", "logging.progress_bar=false",
             "logging.tensorboard=false", "logging.samples_interval=0", "logging.peak_tflops=1.0",
         ])
-        trainer = build_ppo_trainer(cfg, critic=ZeroCritic(),
+        trainer = build_rl_actor(cfg, critic=ZeroCritic(),
                                     reward_source=RuleRewardSource("aligner.demo.arithmetic:score_response"))
         sft = SFTObjective(trainer.model_cfg.vocab_size)
 
@@ -111,7 +111,7 @@ def main() -> None:
                 loss_mask[row, p - 1:p - 1 + n] = 1.0
             positions = torch.arange(seq).unsqueeze(0).expand(cfg.trainer.micro_batch_size, -1)
             lengths = batch.prompt_lengths + batch.response_lengths  # real tokens per row (tokens/s, MFU)
-            for _ in range(cfg.ppo.epochs):
+            for _ in range(cfg.loss.epochs):
                 for minibatch in torch.arange(len(batch.indices)).split(cfg.trainer.global_batch_size):
                     trainer.policy.train_step([{"tokens": batch.tokens[m], "labels": labels[m], "loss_mask": loss_mask[m],
                                                 "position_ids": positions, "attention_mask": None,

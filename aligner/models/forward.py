@@ -1,6 +1,7 @@
 """Forward passes through megatron-core's pipeline schedule (any TP/PP layout)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -9,9 +10,9 @@ import torch.distributed as dist
 
 def run_microbatches(
     model_chunks: Sequence[torch.nn.Module],
-    microbatches: list[dict],
-    forward_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
-    loss_fn: Callable[[dict, torch.Tensor], tuple],
+    microbatches: list,
+    forward_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+    loss_fn: Callable[[object, torch.Tensor], tuple],
     *,
     forward_only: bool,
     seq_length: int,
@@ -28,12 +29,11 @@ def run_microbatches(
     from aligner.runtime.distributed import device
 
     target = device()
-    batches: Iterator[dict] = iter(microbatches)
+    batches: Iterator = iter(microbatches)
 
     def forward_step(data_iterator, model):
         # Batches are built on the CPU; the model may live on a GPU (a no-op on CPU).
-        batch = {key: value.to(target, non_blocking=True) if isinstance(value, torch.Tensor) else value
-                 for key, value in next(data_iterator).items()}
+        batch = batch_to_device(next(data_iterator), target)
         output = forward_fn(model, batch)
         return output, lambda out: loss_fn(batch, out)
 
@@ -49,6 +49,16 @@ def run_microbatches(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def batch_to_device(batch, target):
+    """A micro batch (a dict, or a dataclass record) with its tensors on `target`."""
+    if dataclasses.is_dataclass(batch):
+        return dataclasses.replace(batch, **{spec.name: getattr(batch, spec.name).to(target, non_blocking=True)
+                                             for spec in dataclasses.fields(batch)
+                                             if isinstance(getattr(batch, spec.name), torch.Tensor)})
+    return {key: value.to(target, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()}
 
 
 def gather_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -120,15 +120,15 @@ class Trainer:
                 self.save_unless_saved()
             stop.check(self.step, self.save_unless_saved)
 
-    def _run(self, microbatches: list[dict], forward_only: bool) -> dict[str, float]:
+    def _run(self, microbatches: list, forward_only: bool) -> dict[str, float]:
         """One pass of megatron's pipeline schedule; returns the reports summed over micro batches and DP."""
         reports = run_microbatches(
             self.chunks, microbatches, self.objective.forward, self.objective.loss, forward_only=forward_only,
-            seq_length=microbatches[0]["tokens"].shape[1], micro_batch_size=microbatches[0]["tokens"].shape[0],
+            seq_length=batch_tokens(microbatches[0]).shape[1], micro_batch_size=batch_tokens(microbatches[0]).shape[0],
         )
         return reduce_reports(reports)
 
-    def train_step(self, microbatches: list[dict]) -> dict[str, float]:
+    def train_step(self, microbatches: list) -> dict[str, float]:
         start = time.perf_counter()
         for chunk in self.chunks:
             chunk.train()
@@ -144,7 +144,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens_per_second = global_token_count(microbatches) / elapsed
         flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
-                                                      microbatches[0]["tokens"].shape[1])
+                                                      batch_tokens(microbatches[0]).shape[1])
         world = dist.get_world_size() if dist.is_initialized() else 1
         return {
             **self.objective.summarize(totals),
@@ -254,14 +254,23 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     return {key: result[key] for key in keys}
 
 
-def real_token_count(batch: dict) -> int:
+def batch_tokens(batch) -> torch.Tensor:
+    """The token ids [B, S] of a micro batch: a dict's "tokens", or a record's `tokens`."""
+    return batch["tokens"] if isinstance(batch, dict) else batch.tokens
+
+
+def real_token_count(batch) -> int:
     """Real (not padding) tokens in a micro batch's `tokens`, from the lengths the batch carries.
 
+    A record (the RL actor's micro batches) says so itself, in `real_tokens`.
+
     Never by comparing tokens with the pad id: where pad == eos (SmolLM2, Qwen) that drops every
-    real eos token. Batches say how long their rows are in one of two ways:
-      lengths [B]: real tokens of each row of `tokens` (SFT and PTX, reward models);
-      prompt_lengths + response_lengths [B]: DPO, SPIN, PPO/REINFORCE rollouts.
+    real eos token. Dict batches say how long their rows are in one of two ways:
+      lengths [B]: real tokens of each row of `tokens` (SFT, reward models);
+      prompt_lengths + response_lengths [B]: DPO, SPIN.
     """
+    if not isinstance(batch, dict):
+        return batch.real_tokens
     if "lengths" in batch:
         return int(batch["lengths"].sum())
     if "prompt_lengths" in batch and "response_lengths" in batch:
@@ -270,7 +279,7 @@ def real_token_count(batch: dict) -> int:
                    "`lengths` or `prompt_lengths` + `response_lengths`")
 
 
-def global_token_count(microbatches: list[dict]) -> float:
+def global_token_count(microbatches: list) -> float:
     """Real input tokens of the global batch (for tokens/s and MFU)."""
     from megatron.core import parallel_state as ps
 

@@ -11,7 +11,8 @@ Stages, each the same command a user would run (`--stages` re-runs a subset on e
   spin           SPIN on correct demonstrations
   steerlm        annotate demonstrations with the served attribute model, attribute-conditioned SFT,
                  then ask for the top and a low correctness
-  reinforce      REINFORCE with the RLOO baseline, 4 samples per prompt, rewarded by the task's checker
+  group_rl       RLOO, GRPO, Dr. GRPO, DAPO and GSPO: the same actor with each one's settings, 4 samples
+                 per prompt, rewarded by the task's checker
 The SFT model learns the demonstrators' habit: right without a carry, mostly wrong with one. The
 summary table shows how far each alignment method closes that gap on held-out problems.
 """
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from aligner.algorithms.rl_actor import ALGORITHMS
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
 from aligner.training.metrics import read_metrics
@@ -71,8 +73,8 @@ PPO_ACTOR_OVERRIDES = [
     "data.max_prompt_length=8",
     "generation.max_new_tokens=6",
     "generation.micro_batch_size=64",
-    "ppo.prompts_per_step=128",
-    "ppo.epochs=4",
+    "rollout.prompts_per_step=128",
+    "loss.epochs=4",
     "trainer.global_batch_size=128",
     "trainer.micro_batch_size=64",
     "trainer.max_steps=40",
@@ -91,13 +93,14 @@ PPO_CRITIC_OVERRIDES = [
     "inference.micro_batch_size=64",
 ]
 
-# REINFORCE/RLOO: 10 steps of 64 prompts x 4 samples, no KL.
-REINFORCE_OVERRIDES = [
+# The group methods: 10 steps of 64 prompts x 4 samples, no KL, each with its preset of
+# aligner.algorithms.rl_actor.ALGORITHMS (plus the extra settings listed in GROUP_RL_RUNS).
+GROUP_RL_OVERRIDES = [
     "data.max_prompt_length=8",
     "generation.max_new_tokens=6",
     "generation.micro_batch_size=128",
-    "reinforce.prompts_per_step=64",
-    "reinforce.samples_per_prompt=4",
+    "rollout.prompts_per_step=64",
+    "rollout.samples_per_prompt=4",
     "trainer.global_batch_size=256",
     "trainer.micro_batch_size=128",
     "optim.lr=1e-4",
@@ -106,6 +109,15 @@ REINFORCE_OVERRIDES = [
     "trainer.val_check_interval=0",
     "checkpoint.save_interval=0",
     "checkpoint.resume=false",
+]
+
+GROUP_RL_RUNS = [  # (ALGORITHMS key, table row, extra settings)
+    ("rloo", "RLOO", ()),
+    ("grpo", "GRPO", ()),
+    ("dr_grpo", "Dr. GRPO", ()),
+    # overlong shaping: the longest right answer is 4 tokens (198 + eos); 5 tokens cost 0.5, 6 cost 1
+    ("dapo", "DAPO", ("reward.overlong_buffer=2",)),
+    ("gspo", "GSPO", ()),
 ]
 
 # DPO from the SFT checkpoint; the NLL term on the chosen answer keeps the right answers likely
@@ -299,15 +311,17 @@ class Demo:
                      f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
 
-    # -- 11: REINFORCE / RLOO (no critic; k samples per prompt)
-    def reinforce(self) -> None:
-        out = self.work / "reinforce"
-        shutil.rmtree(out, ignore_errors=True)
-        run("reinforce (rloo)", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
-                                 f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
-                                 "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                                 *REINFORCE_OVERRIDES, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.table.append(("REINFORCE (RLOO)", self.greedy("reinforce", latest_checkpoint(out / "checkpoints"))))
+    # -- 11: the group methods (no critic; k samples per prompt), each the same actor with its preset
+    def group_rl(self) -> None:
+        for algorithm, label, extra in GROUP_RL_RUNS:
+            out = self.work / algorithm
+            shutil.rmtree(out, ignore_errors=True)
+            run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
+                        f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
+                        "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
+                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra, f"checkpoint.save_dir={out / 'checkpoints'}",
+                        f"logging.log_dir={out}"])
+            self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
 
     # -- 10: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
     def steerlm(self) -> None:
@@ -348,7 +362,7 @@ class Demo:
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
 
-STAGES = ("sft", "reward_models", "ppo", "dpo", "spin", "steerlm", "reinforce")
+STAGES = ("sft", "reward_models", "ppo", "dpo", "spin", "steerlm", "group_rl")
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ def test_first_minibatch_ratio_is_one(setup, tp, pp, dp):
     run_torchrun(SCRIPT, tp * pp * dp, str(output), f"model.init_from={policy}", f"data.prompts={prompts}",
                  f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
                  "data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=4",
-                 "ppo.prompts_per_step=16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-                 "ppo.epochs=2", "optim.lr=1e-2", "logging.progress_bar=false", "logging.tensorboard=false",
+                 "rollout.prompts_per_step=16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+                 "loss.epochs=2", "optim.lr=1e-2", "logging.progress_bar=false", "logging.tensorboard=false",
                  "logging.peak_tflops=1.0", f"checkpoint.save_dir={root / f'ckpt_{tp}{pp}{dp}'}",
                  f"logging.log_dir={root / f'logs_{tp}{pp}{dp}'}", "checkpoint.resume=false")
     metrics = json.loads(output.read_text())

@@ -62,7 +62,7 @@ def test_resume_after_a_crash_with_new_schedule_settings(tmp_path):
 
 @pytest.mark.slow
 def test_actor_resume_applies_new_schedule_settings(tmp_path):
-    """The PPO/REINFORCE actor (PPOTrainer.resume_from): one optimizer step per step here, so the
+    """The PPO/REINFORCE actor (RLActor.resume_from): one optimizer step per step here, so the
     logged lr of step k is the schedule's value after k - 1 optimizer steps."""
     from aligner.demo import arithmetic
 
@@ -74,7 +74,7 @@ def test_actor_resume_applies_new_schedule_settings(tmp_path):
     actor = {
         "model.init_from": tmp_path / "sft" / "checkpoints" / "step_00000000", "data.prompts": prompts,
         "data.max_prompt_length": 8, "generation.max_new_tokens": 4, "generation.micro_batch_size": 8,
-        "reinforce.prompts_per_step": 4, "reinforce.samples_per_prompt": 2, "trainer.global_batch_size": 8,
+        "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "trainer.global_batch_size": 8,
         "trainer.micro_batch_size": 8, "trainer.val_check_interval": 0, "reward.source": "function",
         "reward.function": "tests.faults.errors_sft:ones_reward", "kl.init_coef": 0.0,
         "logging.progress_bar": "false", "logging.tensorboard": "false", "logging.peak_tflops": 1.0,

@@ -76,7 +76,7 @@ def models(tmp_path_factory):
 def _launch_command(models, log_dir: Path, port: int, max_steps: int) -> list:
     root, sft, rm = models
     actor = [f"model.init_from={sft}", f"data.prompts={root / 'prompts.jsonl'}", "data.max_prompt_length=8",
-             "generation.max_new_tokens=5", "generation.micro_batch_size=8", "ppo.prompts_per_step=16",
+             "generation.max_new_tokens=5", "generation.micro_batch_size=8", "rollout.prompts_per_step=16",
              "trainer.global_batch_size=8", "trainer.micro_batch_size=8", f"trainer.max_steps={max_steps}",
              "checkpoint.save_interval=2", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
              "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=60",

@@ -7,8 +7,7 @@ from typing import ClassVar
 import pytest
 
 from aligner.algorithms.dpo import DPOConfig
-from aligner.algorithms.ppo import PPOConfig
-from aligner.algorithms.reinforce import ReinforceConfig
+from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
@@ -32,8 +31,8 @@ def test_shipped_yaml_loads_and_overrides_apply():
     (SFTConfig, "gpt_sft.yaml", ("data.train=[{path: x.jsonl}]",)),
     (RewardModelConfig, "training_rm.yaml", ("data.train=[{path: x.jsonl}]",)),
     (CriticServerConfig, "gpt_ppo_critic.yaml", ("critic.init_from=/checkpoint",)),
-    (PPOConfig, "gpt_ppo_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
-    (ReinforceConfig, "gpt_reinforce_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
+    (RLActorConfig, "gpt_ppo_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
+    (RLActorConfig, "gpt_reinforce_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
     (DPOConfig, "gpt_dpo.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
     (SPINConfig, "gpt_spin.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
 ])

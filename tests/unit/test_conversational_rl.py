@@ -238,8 +238,7 @@ def _tiny_policy(root, tokenizer_dir, tokenizer):
 def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_path, actor, chat_template):
     """A step on multi-turn ChatML prompts: the reward source and critic get prompt_tokens + the engine's
     ids, the training micro batches hold the same rows, and the reward function gets the messages."""
-    from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
-    from aligner.algorithms.reinforce import ReinforceConfig, build_reinforce_trainer
+    from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
     from aligner.config import CONF_DIR, load_config
 
     tokenizer = build_chat_tokenizer(tmp_path / "tokenizer", "smollm2")
@@ -254,21 +253,21 @@ def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_
               f"logging.log_dir={tmp_path / 'logs'}", "checkpoint.resume=false"]
     reward, critic = RecordingRewardSource(), RecordingCritic()
     if actor == "ppo":
-        cfg = load_config(PPOConfig, CONF_DIR / "gpt_ppo_actor.yaml", common + ["ppo.prompts_per_step=4"])
-        trainer = build_ppo_trainer(cfg, critic=critic, reward_source=reward)
+        cfg = load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", common + ["rollout.prompts_per_step=4"])
+        trainer = build_rl_actor(cfg, critic=critic, reward_source=reward)
     else:
-        cfg = load_config(ReinforceConfig, CONF_DIR / "gpt_reinforce_actor.yaml",
-                          common + ["reinforce.prompts_per_step=2", "reinforce.samples_per_prompt=2"])
-        trainer = build_reinforce_trainer(cfg, reward_source=reward)
+        cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml",
+                          common + ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"])
+        trainer = build_rl_actor(cfg, reward_source=reward)
     trainer.engine = engine = SpellingEngine(trainer.engine, spelled, tokenizer.pad_id)
     trained_rows = []
     train_step = trainer.policy.train_step
 
     def recording_train_step(microbatches):
         for mb in microbatches:
-            for row in range(mb["tokens"].shape[0]):
-                p, n = int(mb["prompt_lengths"][row]), int(mb["response_lengths"][row])
-                trained_rows.append((mb["tokens"][row, :p].tolist(), mb["tokens"][row, p:p + n].tolist()))
+            for row in range(mb.tokens.shape[0]):
+                p, n = int(mb.prompt_lengths[row]), int(mb.response_lengths[row])
+                trained_rows.append((mb.tokens[row, :p].tolist(), mb.tokens[row, p:p + n].tolist()))
         return train_step(microbatches)
 
     trainer.policy.train_step = recording_train_step

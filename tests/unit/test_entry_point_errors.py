@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from aligner.algorithms.ppo import PPOConfig
+from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
@@ -40,8 +40,8 @@ DATA = REPO_ROOT / "examples" / "nlp" / "data"
     (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.min_lr=0.5", r"optim.min_lr=0.5: the cosine decay ends at min_lr"),
     (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "optim.decay_style=cos", r"optim.decay_style='cos' is not one of cosine"),
     (SFTConfig, "gpt_sft.yaml", SFT_REQUIRED, "logging.log_interval=0", r"logging.log_interval=0"),
-    (PPOConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "ppo.epochs=0", r"ppo.epochs=0"),
-    (PPOConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "trainer.max_steps=-1",
+    (RLActorConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "loss.epochs=0", r"loss.epochs=0"),
+    (RLActorConfig, "gpt_ppo_actor.yaml", ["model.init_from=x", "data.prompts=p.jsonl"], "trainer.max_steps=-1",
      r"trainer.max_steps=-1"),
     (SPINConfig, "gpt_spin.yaml", ["data.train=[{path: x.jsonl}]", "model.init_from=x"], "spin.steps_per_iteration=0",
      r"spin.steps_per_iteration=0"),

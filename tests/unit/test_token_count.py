@@ -62,11 +62,15 @@ def test_rollout_micro_batch_counts_its_eos_tokens():
             (1, {"prompt": [BOS, 4], "response": tensor([8, 9, 10]), "logprobs": torch.full((3,), -1.0),
                  "ended_with_stop": False})]
     batch = RolloutBatch.from_rows(rows, PAD, seq_length=16)
-    # The keys PPO/REINFORCE micro batches take from a RolloutBatch (aligner/algorithms/ppo.py).
-    microbatch = {"tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths,
-                  "response_lengths": batch.response_lengths}
+    # The RL actor's micro batch record, as it is built from a RolloutBatch (aligner/algorithms/rl_actor.py).
+    from aligner.algorithms.rl_actor import PolicyMicrobatch
+
+    microbatch = PolicyMicrobatch(tokens=batch.tokens, position_ids=batch.tokens, prompt_lengths=batch.prompt_lengths,
+                                  response_lengths=batch.response_lengths, mask=batch.mask,
+                                  old_logprobs=batch.engine_logprobs, advantages=batch.engine_logprobs,
+                                  importance_weights=None, loss_scale=1.0)
     assert real_token_count(microbatch) == 5 + 5
-    assert pad_compared_count(microbatch) == 10 - 1
+    assert pad_compared_count({"tokens": batch.tokens}) == 10 - 1
 
 
 def test_a_batch_without_lengths_is_an_internal_error():
@@ -77,12 +81,12 @@ def test_a_batch_without_lengths_is_an_internal_error():
 def test_ptx_micro_batches_keep_the_lengths_when_padded_to_the_ppo_length():
     from types import SimpleNamespace
 
-    from aligner.algorithms.ppo import PPOTrainer
+    from aligner.algorithms.rl_actor import RLActor
 
     sequences = [[BOS, 5, EOS], [BOS, 6, 7, 8, EOS]]
     examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
     loader = SimpleNamespace(iterate=lambda consumed: iter([[collate_sft(examples, PAD)]]))
     actor = SimpleNamespace(ptx_loader=loader, _ptx_batches=None, seq_length=12, tokenizer=SimpleNamespace(pad_id=PAD))
-    (microbatch,) = PPOTrainer.ptx_microbatches(actor)
-    assert microbatch["tokens"].shape == (2, 12)
+    (microbatch,) = RLActor.ptx_microbatches(actor)
+    assert microbatch.tokens.shape == (2, 12)
     assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only

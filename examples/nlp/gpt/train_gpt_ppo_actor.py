@@ -3,11 +3,12 @@
     torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_ppo_actor.py model.init_from=SFT_CHECKPOINT \
         data.prompts=prompts.jsonl [key=value ...]
 
-The critic server (serve_ppo_critic.py) and the reward source must be up (see conf/gpt_ppo_actor.yaml);
-examples/nlp/gpt/launch_ppo.py starts everything on one machine.
+The RL actor with conf/gpt_ppo_actor.yaml (advantage.estimator=gae: the critic server's values).
+The critic server (serve_ppo_critic.py) and the reward source must be up; examples/nlp/gpt/launch_ppo.py
+starts everything on one machine.
 """
-from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
+from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(lambda: run_training(PPOConfig, "gpt_ppo_actor.yaml", build_ppo_trainer))
+    run_main(lambda: run_training(RLActorConfig, "gpt_ppo_actor.yaml", build_rl_actor))

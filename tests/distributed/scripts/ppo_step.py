@@ -1,4 +1,4 @@
-"""One PPO step through `build_ppo_trainer` at the layout given on the command line; rank 0 writes the
+"""One PPO step through `build_rl_actor` at the layout given on the command line; rank 0 writes the
 step's metrics as JSON. The reward (digits in the response) and a critic that predicts 0 everywhere run
 in process: this checks the actor's own computation (rollout, logprobs, minibatch updates), not the servers.
 
@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from aligner.algorithms.ppo import PPOConfig, build_ppo_trainer
+from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 from aligner.config import CONF_DIR, load_config
 from tests.null_critic import NullCritic, done
 
@@ -22,8 +22,8 @@ class DigitReward:
 
 def main() -> None:
     output, overrides = sys.argv[1], sys.argv[2:]
-    cfg = load_config(PPOConfig, CONF_DIR / "gpt_ppo_actor.yaml", overrides)
-    trainer = build_ppo_trainer(cfg, critic=NullCritic(), reward_source=DigitReward())
+    cfg = load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", overrides)
+    trainer = build_rl_actor(cfg, critic=NullCritic(), reward_source=DigitReward())
     metrics = trainer.train_step()
     trainer.router.close()
     if dist.get_rank() == 0:

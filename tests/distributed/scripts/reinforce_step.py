@@ -1,8 +1,9 @@
-"""REINFORCE/RLOO through `build_reinforce_trainer` at the layout given on the command line, with an
-in-process reward (the fraction of the response's characters that are the digit "1").
+"""The group-baseline RL actor (`build_rl_actor` on conf/gpt_reinforce_actor.yaml) at the layout given on
+the command line, with an in-process reward (the fraction of the response's characters that are the digit "1").
 
     torchrun --nproc_per_node N reinforce_step.py step OUTPUT_JSON key=value ...   # one step; rank 0 writes
-        every rollout's prompt index, response, score and advantage, gathered over data-parallel ranks
+        the step's metrics and every rollout's prompt, response, score, reward and advantage, gathered over
+        data-parallel ranks
     torchrun --nproc_per_node N reinforce_step.py fit OUTPUT_JSON key=value ...    # trainer.fit(); rank 0 writes
         the per-step metrics
 """
@@ -13,7 +14,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from aligner.algorithms.reinforce import ReinforceConfig, build_reinforce_trainer
+from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 from aligner.config import CONF_DIR, load_config
 
 
@@ -30,8 +31,8 @@ class OnesReward:
 
 def main() -> None:
     mode, output, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-    cfg = load_config(ReinforceConfig, CONF_DIR / "gpt_reinforce_actor.yaml", overrides)
-    trainer = build_reinforce_trainer(cfg, reward_source=OnesReward())
+    cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml", overrides)
+    trainer = build_rl_actor(cfg, reward_source=OnesReward())
     if mode == "fit":
         steps = []
         log = trainer.metrics.log
@@ -41,17 +42,17 @@ def main() -> None:
         result = steps
     else:
         captured = {}
-        advantages = trainer.advantages
+        make_experience = trainer.make_experience
 
         def capture(batch, old_logprobs, reference_logprobs):
-            experience = advantages(batch, old_logprobs, reference_logprobs)
+            experience = make_experience(batch, old_logprobs, reference_logprobs)
             captured.update({index: {"prompt": batch.rows[b]["prompt"], "response": batch.rows[b]["response"].tolist(),
-                                     "score": batch.rows[b]["score"], "advantage": float(experience["advantages"][b, 0]),
-                                     "reward": float(experience["rewards"][b])}
+                                     "score": batch.rows[b]["score"], "advantage": float(experience.advantages[b, 0]),
+                                     "reward": float(experience.sequence_rewards[b])}
                              for b, index in enumerate(batch.indices)})
             return experience
 
-        trainer.advantages = capture
+        trainer.make_experience = capture
         metrics = trainer.train_step()
         trainer.router.close()
         parts = [None] * dist.get_world_size()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from aligner.algorithms.ppo import PPOConfig, tf_adam_epsilon, update_ema
+from aligner.algorithms.rl_actor import RLActorConfig, tf_adam_epsilon, update_ema
 from aligner.config import CONF_DIR, load_config
 from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, values_at_response
 
@@ -105,7 +105,7 @@ def test_load_function_errors_say_what_is_wrong():
 def test_bad_settings_are_refused_with_the_key_named():
     yaml_path = CONF_DIR / "gpt_ppo_actor.yaml"
     required = ["model.init_from=x", "data.prompts=p.jsonl"]
-    cfg = load_config(PPOConfig, yaml_path, required)
+    cfg = load_config(RLActorConfig, yaml_path, required)
     cfg.validate(data_parallel_size=2)
     bad = {
         "ppo.prompts_per_step=63": "multiple of the data-parallel size",
@@ -122,4 +122,53 @@ def test_bad_settings_are_refused_with_the_key_named():
     for override, message in bad.items():
         extra = ["ppo.recompute_old_logprobs=false"] if "scale_logits" in override else []
         with pytest.raises(ValueError, match=message):
-            load_config(PPOConfig, yaml_path, [*required, override, *extra]).validate(data_parallel_size=2)
+            load_config(RLActorConfig, yaml_path, [*required, override, *extra]).validate(data_parallel_size=2)
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+def _dynamic_sampling_actor(prompts_per_step: int, k: int, max_rounds: int, score):
+    """An RLActor whose generation is replaced by `score(prompt index, sample) -> float` (no model)."""
+    from aligner.algorithms.rl_actor import RLActor
+
+    actor = RLActor.__new__(RLActor)
+    actor.cfg = load_config(RLActorConfig, GROUP_YAML, [
+        *REQUIRED, *FUNCTION_REWARD, f"rollout.prompts_per_step={prompts_per_step}",
+        f"rollout.samples_per_prompt={k}", "rollout.dynamic_sampling=true", f"rollout.max_sampling_rounds={max_rounds}"])
+    actor.order = PromptOrder(1000, seed=0, shuffle=False)
+    actor.dp_size, actor.dp_rank, actor.step, actor.critic_warmup_done, actor.critic = 1, 0, 0, 0, None
+    actor.rounds = []
+
+    def generate_and_score(indices, timings, *, seed, with_values):
+        actor.rounds.append((list(indices), seed))
+        rows = {position: {"prompt_index": index, "score": score(index, position % k)}
+                for position, index in enumerate(indices)}
+        return rows, float(len(indices))
+
+    actor.generate_and_score = generate_and_score
+    actor.to_batch = lambda mine: mine
+    return actor
+
+
+def test_dynamic_sampling_keeps_informative_groups_until_the_batch_is_full():
+    # Prompts divisible by 3 get the same score for all samples: those groups teach nothing.
+    actor = _dynamic_sampling_actor(4, 2, 5, lambda index, sample: 1.0 if index % 3 == 0 else float(sample))
+    mine, metrics = actor.collect_informative_batch({})
+    prompts = [row["prompt_index"] for _, row in mine]
+    assert prompts == [1, 1, 2, 2, 4, 4, 5, 5]  # prompts 0 and 3 dropped; round 2 (prompts 4..7) filled the batch
+    assert [position for position, _ in mine] == list(range(8))  # positions are the new batch's, groups adjacent
+    assert len(actor.rounds) == 2 and actor.rounds[0][0] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert actor.rounds[0][1] == actor.step_seed() and actor.rounds[1][1] != actor.rounds[0][1]
+    assert metrics["dynamic_sampling_rounds"] == 2 and metrics["dynamic_sampling_filled_groups"] == 0
+    assert metrics["dynamic_sampling_kept_fraction"] == pytest.approx(5 / 8)  # 1, 2 | 4, 5, 7 of 8 groups
+    assert actor.order.consumed == 8
+
+
+def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups():
+    # Only prompt 1 ever gets different scores: the cap ends sampling with the batch still short.
+    actor = _dynamic_sampling_actor(4, 2, 3, lambda index, sample: float(sample) if index == 1 else 0.5)
+    mine, metrics = actor.collect_informative_batch({})
+    assert len(actor.rounds) == 3 and actor.order.consumed == 12
+    assert metrics["dynamic_sampling_rounds"] == 3 and metrics["dynamic_sampling_filled_groups"] == 3
+    prompts = [row["prompt_index"] for _, row in mine]
+    assert prompts[:2] == [1, 1] and prompts[2:] == [9, 9, 10, 10, 11, 11]  # the newest uniform groups fill it
+    assert metrics["dynamic_sampling_kept_fraction"] == pytest.approx(1 / 12)

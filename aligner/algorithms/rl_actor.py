@@ -1,0 +1,1158 @@
+"""The RL actor: rollout -> score -> advantages -> policy update, one trainer for PPO and the GRPO family.
+
+An algorithm is a choice of registered pure functions, not a class:
+
+  PPO           advantage.estimator=gae (needs the critic server) + loss.policy_loss=ppo_clip
+  RLOO          advantage.estimator=rloo, rollout.samples_per_prompt=k
+  GRPO          advantage.estimator=grpo (group mean / group std)
+  Dr. GRPO      advantage.estimator=dr_grpo + loss.aggregation=constant_sum
+  REINFORCE++   advantage.estimator=reinforce_plus_plus (batch-level whitening)
+  DAPO          grpo + loss.clip_high=0.28 + loss.aggregation=token_mean + rollout.dynamic_sampling=true
+                + reward.overlong_buffer
+  GSPO / CISPO  loss.policy_loss=gspo | cispo
+
+The estimators are in `aligner.rl.advantages`, the losses and their aggregation in
+`aligner.rl.policy_losses`, the train/inference mismatch and its correction in `aligner.rl.mismatch`;
+the trainer calls exactly those functions. Reads top to bottom: the config schema, the typed
+records of a step, the objective megatron's schedule runs on each micro batch, and `RLActor`,
+whose `train_step` is one step:
+
+  1. refit the generation engine (free for the native engine: it reads the training weights)
+  2. generate k samples of each of the step's prompts through the router; right after each
+     generation micro-batch, send the reward (and, with a critic, value) requests as futures;
+     with dynamic sampling, groups whose samples all scored the same are dropped and more prompts
+     are drawn until the batch is full (or the round cap is reached)
+  3. actor logprobs, then reference logprobs with the reference weights swapped in from host memory;
+     the mismatch between the engine's logprobs and the trainer's is measured (and optionally corrected)
+  4. scores -> shaped scores -> the estimator's advantages (GAE with the critic's values, or a group/batch baseline)
+  5. with a critic: send it its training batch (it trains while the actor does)
+  6. policy epochs over minibatches through megatron's schedule (any TP/PP/DP)
+  7. KL controller, EMA, metrics, checkpoint (the critic saves at the same step)
+
+Groups never straddle data-parallel ranks: rank r trains on rollouts [r*N/D, (r+1)*N/D) and the
+config requires prompts_per_step to be a multiple of D, so group baselines need no communication.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
+from aligner.config import ConfigError, at_least, one_of
+from aligner.rl import advantages, mismatch, policy_losses, ppo_math
+from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
+from aligner.training.metrics import LoggingConfig
+from aligner.training.setup import RunConfig
+
+# The settings that make each algorithm on conf/gpt_reinforce_actor.yaml (PPO is conf/gpt_ppo_actor.yaml:
+# advantage.estimator=gae with the critic server). The demo runs these; README's table shows them.
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "rloo": ("advantage.estimator=rloo",),
+    "grpo": ("advantage.estimator=grpo", "advantage.group_std=true"),
+    "dr_grpo": ("advantage.estimator=dr_grpo", "loss.aggregation=constant_sum"),
+    "reinforce_plus_plus": ("advantage.estimator=reinforce_plus_plus",),
+    "dapo": ("advantage.estimator=grpo", "loss.clip_ratio=0.2", "loss.clip_high=0.28", "loss.aggregation=token_mean",
+             "rollout.dynamic_sampling=true"),
+    "gspo": ("advantage.estimator=grpo", "loss.policy_loss=gspo", "loss.clip_ratio=3e-4", "loss.clip_high=4e-4",
+             "loss.aggregation=sequence_mean_token_mean"),
+    "cispo": ("advantage.estimator=grpo", "loss.policy_loss=cispo", "loss.clip_ratio=1.0", "loss.clip_high=4.0"),
+}
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class ServerAddress:
+    host: str = "127.0.0.1"
+    port: int = 5555
+    model_name: str = REWARD_MODEL
+    timeout_s: float = 300.0  # one request, queueing included
+    ready_timeout_s: float = 120.0  # how long the first request waits for the server to come up
+
+
+@dataclass
+class RewardSection:
+    # server: a reward-model server | combined: the critic server in combined mode (rewards come back with
+    # the values, one request) | function: a Python function
+    source: str = one_of(("server", "combined", "function"), "server")
+    server: ServerAddress = field(default_factory=ServerAddress)
+    function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
+    attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
+    # Score shaping, in this order:
+    missing_stop_penalty: Optional[float] = None  # score of a response that never stopped; null: off
+    normalization_mean: Optional[float] = None  # scores -> (score - mean) / std; null: off
+    normalization_std: float = 1.0
+    clip: Optional[float] = None  # scores clamped to [-clip, clip]; null: off
+    overlong_buffer: Optional[int] = None  # DAPO: the last this many tokens before max_new_tokens cost up to
+    overlong_penalty: float = 1.0  # ... this much, linearly (soft overlong punishment); null buffer: off
+
+    def __post_init__(self):
+        if self.source == "critic":  # the combined mode's old name on the actor's side
+            print("deprecated: reward.source=critic is now reward.source=combined (the old name goes in the next "
+                  "release)", file=sys.stderr)
+            self.source = "combined"
+
+
+@dataclass
+class CriticSection:
+    # model_name: the server's inference model; its train/save models are named critic_train/critic_save
+    server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name=CRITIC_INFER_MODEL))
+    warmup_steps: int = at_least(0, 0)  # rollout rounds in which only the critic trains, before the actor's first update
+
+
+@dataclass
+class GenerationSection:
+    engine: str = one_of(("native", "trtllm"), "native")  # trtllm: GPU clusters, optional extra
+    max_new_tokens: int = at_least(1, 32)
+    min_new_tokens: int = at_least(0, 0)  # stop tokens are masked until this many tokens (truncation after a minimum length)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    fixed_length: bool = False  # keep sampling past the stop token (OpenAI's original setting)
+    stop_strings: list = field(default_factory=list)
+    micro_batch_size: int = at_least(1, 16)  # rollouts per generate call and per router hand-out
+    router: str = one_of(("dynamic", "static"), "dynamic")  # dynamic: a shared queue (slow ranks take fewer)
+    trtllm_work_dir: str = "results/trtllm"
+
+
+@dataclass
+class KLSection:
+    estimator: str = one_of(ppo_math.KL_ESTIMATORS, "k1")  # per-token KL penalty in the reward
+    adaptive: bool = False  # Ziegler et al.'s controller; false: fixed coefficient init_coef
+    init_coef: float = 0.05
+    target: float = 6.0  # adaptive: KL per sequence to steer towards
+    horizon: float = 10000.0  # adaptive: samples over which the error is corrected
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = at_least(1, 64)  # distinct prompts per step over all data-parallel ranks
+    samples_per_prompt: int = at_least(1, 1)  # k samples of each prompt (a group); rollouts per step = prompts x k
+    dynamic_sampling: bool = False  # DAPO: drop groups whose k scores are equal, draw more prompts until full
+    max_sampling_rounds: int = at_least(1, 4)  # dynamic sampling: generation rounds per step at most
+
+
+@dataclass
+class AdvantageSection:
+    estimator: str = one_of(tuple(advantages.ADVANTAGE_ESTIMATORS), "gae")
+    gamma: float = 1.0  # gae, reinforce_plus_plus
+    lam: float = 0.95  # gae
+    whiten_advantages: bool = True  # gae: masked, with the statistics of the global batch (across DP)
+    whiten_rewards: bool = False  # gae: per-token rewards scaled to unit variance (mean kept)
+    group_std: bool = True  # grpo: divide by the group's reward std
+    std_eps: float = 1.0e-6
+
+
+@dataclass
+class LossSection:
+    policy_loss: str = one_of(tuple(policy_losses.POLICY_LOSSES), "ppo_clip")
+    clip_ratio: float = 0.2  # ratio clip: [1 - clip_ratio, 1 + clip_high]
+    clip_high: Optional[float] = None  # upper clip (DAPO's clip-higher, e.g. 0.28); null: clip_ratio
+    aggregation: str = one_of(policy_losses.AGGREGATIONS, "token_mean")
+    constant_normalizer: Optional[int] = None  # constant_sum: tokens per response it divides by; null: max_new_tokens
+    entropy_coef: float = 0.0  # entropy bonus
+    epochs: int = at_least(1, 1)  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
+    importance_sampling: str = one_of(("none",) + mismatch.TIS_LEVELS, "none")  # truncated IS against the engine
+    importance_sampling_cap: float = 2.0
+    scale_logits_by_temperature: bool = True  # logprobs of logits / sampling temperature
+    recompute_old_logprobs: bool = True  # false: use the engine's logprobs as the rollout policy's
+    disable_dropout: bool = True
+    adam_epsilon_style: str = one_of(("torch", "tf"), "torch")  # tf: epsilon outside the bias correction
+
+
+@dataclass
+class PTXSection:
+    data: Optional[str] = None  # SFT-format JSONL for the pretraining/next-token loss mixture; null: off
+    coef: float = 0.0
+    max_seq_length: int = 512
+
+
+@dataclass
+class EMASection:
+    decay: Optional[float] = None  # e.g. 0.992; an EMA copy of the actor saved beside it; null: off
+
+
+@dataclass
+class RLDataSection:
+    prompts: str = "???"  # JSONL, {"prompt": text or [{"role", "content"}, ...]} per line
+    validation_prompts: Optional[str] = None
+    max_prompt_length: int = at_least(1, 64)
+    shuffle: bool = True
+    chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
+
+
+@dataclass
+class PolicySection:
+    init_from: str = "???"  # the starting policy (an SFT checkpoint); also the reference policy
+
+
+@dataclass
+class RLLoggingConfig(LoggingConfig):
+    samples_interval: int = at_least(0, 10, "0: off")  # steps between tables of sample generations (TensorBoard text)
+    num_samples: int = at_least(0, 4)
+
+
+def _renamed_update_keys(section: str) -> tuple:
+    """The old `ppo.*` / `reinforce.*` keys and where they live now."""
+    moved = {
+        "prompts_per_step": "rollout.prompts_per_step", "samples_per_prompt": "rollout.samples_per_prompt",
+        "epochs": "loss.epochs", "clip_ratio": "loss.clip_ratio", "entropy_coef": "loss.entropy_coef",
+        "loss_aggregation": "loss.aggregation", "scale_logits_by_temperature": "loss.scale_logits_by_temperature",
+        "recompute_old_logprobs": "loss.recompute_old_logprobs", "disable_dropout": "loss.disable_dropout",
+        "adam_epsilon_style": "loss.adam_epsilon_style", "gamma": "advantage.gamma", "lam": "advantage.lam",
+        "whiten_advantages": "advantage.whiten_advantages", "whiten_rewards": "advantage.whiten_rewards",
+        "reward_normalization_mean": "reward.normalization_mean",
+        "reward_normalization_std": "reward.normalization_std", "reward_clip": "reward.clip",
+        "missing_stop_penalty": "reward.missing_stop_penalty", "baseline": "advantage.estimator",
+        "normalize_by_group_std": "advantage.group_std", "std_eps": "advantage.std_eps",
+    }
+    return tuple((f"{section}.{old}", new) for old, new in moved.items())
+
+
+@dataclass
+class RLActorConfig(RunConfig):
+    """conf/gpt_ppo_actor.yaml, conf/gpt_reinforce_actor.yaml. trainer.global_batch_size = responses per
+    minibatch (optimizer step); trainer.max_steps = rollout rounds; trainer.limit_val_samples = validation prompts."""
+
+    RENAMED_KEYS: ClassVar[tuple] = _renamed_update_keys("ppo") + _renamed_update_keys("reinforce")
+
+    name: str = "gpt_rl_actor"
+    model: PolicySection = field(default_factory=PolicySection)
+    data: RLDataSection = field(default_factory=RLDataSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    loss: LossSection = field(default_factory=LossSection)
+    kl: KLSection = field(default_factory=KLSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    ptx: PTXSection = field(default_factory=PTXSection)
+    ema: EMASection = field(default_factory=EMASection)
+    logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        return advantages.ADVANTAGE_ESTIMATORS[self.advantage.estimator].needs_values
+
+    @property
+    def clip_high(self) -> float:
+        return self.loss.clip_ratio if self.loss.clip_high is None else self.loss.clip_high
+
+    @property
+    def constant_normalizer(self) -> float:
+        value = self.loss.constant_normalizer
+        return float(self.generation.max_new_tokens if value is None else value)
+
+    def validate(self, data_parallel_size: int) -> None:
+        """Checks across sections (single values are checked when the config loads)."""
+        rollout, loss, gen, trainer = self.rollout, self.loss, self.generation, self.trainer
+        estimator = advantages.ADVANTAGE_ESTIMATORS[self.advantage.estimator]
+        k = rollout.samples_per_prompt
+        if k < estimator.min_group_size:
+            raise ConfigError(f"rollout.samples_per_prompt={k}: advantage.estimator={estimator.name} needs at least "
+                              f"{estimator.min_group_size} samples per prompt")
+        if rollout.dynamic_sampling and k < 2:
+            raise ConfigError("rollout.dynamic_sampling drops groups whose samples scored alike: it needs "
+                              "rollout.samples_per_prompt >= 2")
+        if trainer.max_epochs is not None:
+            raise ConfigError("RL actors count rollout steps: set trainer.max_steps and leave trainer.max_epochs null")
+        if rollout.prompts_per_step % data_parallel_size:
+            raise ConfigError(f"rollout.prompts_per_step={rollout.prompts_per_step} must be a multiple of the "
+                              f"data-parallel size {data_parallel_size} (each rank trains on whole prompt groups)")
+        per_rank = self.rollouts_per_step // data_parallel_size
+        minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
+        if remainder or minibatch_per_rank == 0 or per_rank % minibatch_per_rank:
+            raise ConfigError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) must be "
+                              f"a multiple of the data-parallel size {data_parallel_size} and divide the "
+                              f"{self.rollouts_per_step} rollouts per step (rollout.prompts_per_step x "
+                              "rollout.samples_per_prompt)")
+        if minibatch_per_rank % trainer.micro_batch_size:
+            raise ConfigError(f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the per-rank "
+                              f"minibatch {minibatch_per_rank}")
+        if not loss.clip_ratio > 0 or not self.clip_high > 0:
+            raise ConfigError(f"loss.clip_ratio={loss.clip_ratio} and loss.clip_high={loss.clip_high} must be > 0")
+        if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
+            raise ConfigError("the engine's logprobs are temperature-scaled: with loss.scale_logits_by_temperature=false "
+                              "set loss.recompute_old_logprobs=true")
+        if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
+            raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
+                              "loss.recompute_old_logprobs=true")
+        if gen.temperature <= 0:
+            raise ConfigError("the actor samples its rollouts: generation.temperature must be > 0")
+        if self.reward.source == "function" and not self.reward.function:
+            raise ConfigError("reward.source=function needs reward.function='package.module:function'")
+        if self.reward.source == "combined" and not self.uses_critic:
+            raise ConfigError(f"reward.source=combined takes the rewards from the critic server, but "
+                              f"advantage.estimator={estimator.name} uses no critic: use reward.source=server")
+        buffer = self.reward.overlong_buffer
+        if buffer is not None and not 0 < buffer <= gen.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer={buffer} must lie in 1..generation.max_new_tokens "
+                              f"({gen.max_new_tokens})")
+        if self.ptx.data is not None and self.ptx.coef <= 0:
+            raise ConfigError("ptx.data is set but ptx.coef is not > 0")
+        if self.ema.decay is not None and not 0 < self.ema.decay < 1:
+            raise ConfigError(f"ema.decay must lie in (0, 1), got {self.ema.decay}")
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def tf_adam_epsilon(epsilon: float, beta2: float, step: int) -> float:
+    """PyTorch-Adam epsilon that reproduces TF's Adam at optimizer step `step` (1-based).
+
+    TF adds epsilon to sqrt(v) before the bias correction: lr * m_hat / (sqrt(v_hat) + eps / sqrt(1 - beta2^t)).
+    """
+    return epsilon / math.sqrt(1.0 - beta2 ** step)
+
+
+def update_ema(ema: dict, params: dict, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * params, in place (host tensors)."""
+    for name, value in params.items():
+        ema[name].mul_(decay).add_(value.detach().to(ema[name].device, ema[name].dtype), alpha=1.0 - decay)
+
+
+def group_indices(prompt_indices: list[int], samples_per_prompt: int) -> list[int]:
+    """Each prompt samples_per_prompt times, adjacent: rollout j is a sample of prompt_indices[j // k]."""
+    return [index for index in prompt_indices for _ in range(samples_per_prompt)]
+
+
+# ----------------------------------------------------------------------------- records of a step
+@dataclass
+class Experience:
+    """This rank's rollouts of a step with everything the update needs ([B, T] over response tokens)."""
+
+    batch: object  # aligner.rl.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
+    old_logprobs: torch.Tensor  # [B, T] the rollout policy's (recomputed by the trainer, or the engine's)
+    advantages: torch.Tensor  # [B, T]
+    importance_weights: Optional[torch.Tensor]  # [B, T] truncated IS weights (engine -> trainer), or None
+    returns: Optional[torch.Tensor]  # [B, T] the critic's targets (gae), or None
+    values: Optional[torch.Tensor]  # [B, T] the critic's values at rollout time, or None
+    scores: torch.Tensor  # [B] shaped scores
+    sequence_rewards: torch.Tensor  # [B] score - kl_coef * summed KL: what the estimator credited
+    metrics: dict
+
+
+@dataclass
+class PolicyMicrobatch:
+    """One micro batch of the policy loss; loss_scale turns its aggregated sum into its share of the
+    minibatch loss (see `PolicyObjective`)."""
+
+    tokens: torch.Tensor  # [b, S]
+    position_ids: torch.Tensor  # [b, S]
+    prompt_lengths: torch.Tensor  # [b]
+    response_lengths: torch.Tensor  # [b]
+    mask: torch.Tensor  # [b, T] bool
+    old_logprobs: torch.Tensor  # [b, T]
+    advantages: torch.Tensor  # [b, T]
+    importance_weights: Optional[torch.Tensor]  # [b, T] or None
+    loss_scale: float
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.prompt_lengths.sum() + self.response_lengths.sum())
+
+
+@dataclass
+class PTXMicrobatch:
+    """One micro batch of the next-token (PTX) loss mixed into the policy update."""
+
+    tokens: torch.Tensor  # [b, S]
+    labels: torch.Tensor  # [b, S]
+    loss_mask: torch.Tensor  # [b, S]
+    position_ids: torch.Tensor  # [b, S]
+    lengths: torch.Tensor  # [b]
+    loss_scale: float
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+# ----------------------------------------------------------------------------- the objective
+class PolicyObjective:
+    """Loss of one micro batch: the registered policy loss aggregated - entropy bonus (+ the PTX loss).
+
+    Megatron divides the summed loss by the summed counts of the whole minibatch. Every micro batch
+    returns count 1 and its aggregated loss times its `loss_scale` = (micro batches in the minibatch)
+    / (the minibatch's normaliser of its kind, over all ranks): so the minibatch loss is exactly
+    sum(policy terms) / N_policy + coef * sum(PTX terms) / N_ptx at any layout.
+    """
+
+    def __init__(self, vocab_size: int, temperature: float, loss: LossSection, clip_high: float,
+                 constant_normalizer: float, ptx_coef: float):
+        self.vocab_size = vocab_size
+        self.temperature = temperature
+        self.policy_loss = loss.policy_loss
+        self.clip_low, self.clip_high = loss.clip_ratio, clip_high
+        self.aggregation = loss.aggregation
+        self.constant_normalizer = constant_normalizer
+        self.entropy_coef = loss.entropy_coef
+        self.ptx_coef = ptx_coef
+
+    def normalizer(self, mask: torch.Tensor) -> float:
+        """What the aggregation divides a batch's summed loss by, for rows `mask` [b, T]."""
+        return float(policy_losses.aggregate_loss(torch.zeros(mask.shape), mask, self.aggregation, self.constant_normalizer)[1])
+
+    def forward(self, model, batch):
+        return model(batch.tokens, batch.position_ids, None)
+
+    def loss(self, batch, logits):
+        one = torch.tensor(1, dtype=torch.int)
+        if isinstance(batch, PTXMicrobatch):
+            from aligner.algorithms.sft import response_token_loss
+
+            loss_sum, tokens = response_token_loss(logits, batch.labels, batch.loss_mask, self.vocab_size)
+            return loss_sum * batch.loss_scale, one, {"ptx_loss_sum": loss_sum.detach(),
+                                                      "ptx_tokens": tokens.detach().float()}
+        from megatron.core import parallel_state as ps
+
+        from aligner.generation.logprobs import response_columns, response_logprobs
+        from aligner.models.gpt import mask_padded_vocab
+
+        mask = batch.mask
+        width = mask.shape[1]
+        logprobs = response_logprobs(logits, batch.tokens, batch.prompt_lengths, batch.response_lengths,
+                                     vocab_size=self.vocab_size, temperature=self.temperature, response_width=width)
+        terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
+                                    clip_low=self.clip_low, clip_high=self.clip_high,
+                                    weights=batch.importance_weights)
+        # Entropy of the sampling distribution at each response position (vocab-parallel, never gathered).
+        columns = response_columns(batch.prompt_lengths.to(mask.device), width, logits.shape[1] - 1)
+        response_logits = logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        response_logits = mask_padded_vocab(response_logits.float(), self.vocab_size) / self.temperature
+        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        with torch.set_grad_enabled(self.entropy_coef != 0 and torch.is_grad_enabled()):
+            entropy = ppo_math.entropy_from_logits(response_logits, mask, group=group)
+        policy_sum, count = policy_losses.aggregate_loss(terms.per_token, mask, self.aggregation, self.constant_normalizer)
+        entropy_sum, _ = policy_losses.aggregate_loss(entropy, mask, self.aggregation, self.constant_normalizer)
+        objective_sum = policy_sum - self.entropy_coef * entropy_sum
+        with torch.no_grad():
+            valid = mask.bool()
+            ratio = terms.ratio.detach()
+            log_ratio = ppo_math.zero_off_mask(logprobs.detach() - batch.old_logprobs, mask)
+            report = {
+                "policy_loss_sum": policy_sum.detach(), "count": count.detach().float(),
+                "entropy_sum": entropy_sum.detach(), "tokens": valid.sum().float(),
+                "clipped_tokens": (terms.clipped & valid).sum().float(),
+                "approx_kl_sum": (0.5 * log_ratio.pow(2))[valid].sum(),
+                "ratio_sum": ratio[valid].sum(),
+                "ratio_max": torch.where(valid, ratio, -math.inf).max(),
+                "ratio_min": torch.where(valid, ratio, math.inf).min(),
+            }
+        return objective_sum * batch.loss_scale, one, report
+
+    def summarize(self, totals):
+        tokens, count = max(totals.get("tokens", 0.0), 1.0), max(totals.get("count", 0.0), 1.0)
+        metrics = {
+            "policy_loss": totals["policy_loss_sum"] / count, "entropy": totals["entropy_sum"] / count,
+            "clip_fraction": totals["clipped_tokens"] / tokens, "approx_kl": totals["approx_kl_sum"] / tokens,
+            "ratio_mean": totals["ratio_sum"] / tokens, "ratio_max": totals["ratio_max"],
+            "ratio_min": totals["ratio_min"],
+        }
+        if "ptx_tokens" in totals:
+            metrics["ptx_loss"] = totals["ptx_loss_sum"] / max(totals["ptx_tokens"], 1.0)
+        metrics["loss"] = metrics["policy_loss"] - self.entropy_coef * metrics["entropy"] + (
+            self.ptx_coef * metrics.get("ptx_loss", 0.0))
+        return metrics
+
+
+# ----------------------------------------------------------------------------- the trainer
+class RLActor:
+    """fit / train_step / validate / save / resume of the RL actor (collective over the job).
+
+    critic: a critic client when the advantage estimator needs values (PPO's GAE), else None.
+    """
+
+    def __init__(self, cfg: RLActorConfig, *, policy, reference, engine, router, reward_source, critic, prompts,
+                 validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None):
+        from megatron.core import parallel_state as ps
+
+        from aligner.rl.rollouts import PromptOrder
+
+        self.cfg = cfg
+        self.policy = policy  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, train_step
+        self.chunks = policy.chunks
+        self.objective: PolicyObjective = policy.objective
+        self.reference = reference  # HostWeights of the initial policy
+        self.engine = engine
+        self.router = router
+        self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
+        self.critic = critic
+        self.prompts = prompts
+        self.validation_prompts = validation_prompts
+        self.ptx_loader = ptx_loader
+        self.tokenizer = tokenizer
+        self.model_cfg = model_cfg
+        self.metrics = metrics
+        self.ema = ema  # HostWeights, or None
+        self.advantage_settings = advantages.AdvantageSettings(
+            gamma=cfg.advantage.gamma, lam=cfg.advantage.lam, whiten_advantages=cfg.advantage.whiten_advantages,
+            whiten_rewards=cfg.advantage.whiten_rewards, group_std=cfg.advantage.group_std,
+            std_eps=cfg.advantage.std_eps)
+        if cfg.kl.adaptive:
+            self.kl_controller = ppo_math.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
+        else:
+            self.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
+        self.order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle)
+        self.step = 0
+        self.optimizer_steps = 0
+        self.critic_warmup_done = 0
+        self.pending_critic_train: Optional[Future] = None
+        self.saved: Optional[tuple[int, int]] = None  # (step, critic warm-up rounds) of the newest checkpoint of this run
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.mp_group = ps.get_model_parallel_group()
+        self.is_replica_leader = dist.get_rank(self.mp_group) == 0  # talks to the servers for its replica
+        self.response_width = cfg.generation.max_new_tokens
+        self.seq_length = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
+        self.temperature = cfg.generation.temperature if cfg.loss.scale_logits_by_temperature else 1.0
+        self._ptx_batches = None
+
+    # -- sampling settings
+    def sampling(self, greedy: bool = False, seed: int = 0):
+        from aligner.generation.engine import SamplingParams
+
+        gen = self.cfg.generation
+        return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
+                              stop_strings=list(gen.stop_strings), fixed_length=gen.fixed_length, seed=seed)
+
+    # -- the loop
+    def fit(self) -> None:
+        from aligner.runtime import stopping
+
+        max_steps = self.cfg.trainer.max_steps
+        try:
+            with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
+                warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
+                while self.critic_warmup_done < warmup_steps and self.step == 0:
+                    stop.check(self.step, self.save_unless_saved)  # a warm-up round's state resumes too
+                    metrics = self.train_step(update_actor=False)
+                    self.critic_warmup_done += 1
+                    self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
+                while self.step < max_steps:
+                    stop.check(self.step, self.save_unless_saved)
+                    metrics = self.train_step()
+                    self.step += 1
+                    self.metrics.log(self.step, metrics)
+                    self.metrics.advance(reward=metrics["reward_mean"], kl=metrics["kl"])
+                    interval = self.cfg.trainer.val_check_interval
+                    if self.validation_prompts is not None and interval > 0 and (
+                            self.step % interval == 0 or self.step == max_steps):
+                        self.metrics.log(self.step, self.validate(), prefix="validation")
+                    interval = self.cfg.checkpoint.save_interval
+                    if interval > 0 and self.step % interval == 0 and self.step < max_steps:
+                        self.save()
+                if self.cfg.checkpoint.save_at_end:
+                    self.save_unless_saved()
+                stop.check(self.step, self.save_unless_saved)
+        finally:
+            self.router.close()
+            for client in (self.reward_source, self.critic):
+                if hasattr(client, "close"):
+                    client.close()
+
+    def step_seed(self) -> int:
+        """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
+        return derive_seed(self.cfg.seed, self.step, self.critic_warmup_done, weights=(7_919, 1),
+                           modulus=SAMPLER_SEED_RANGE)
+
+    def train_step(self, update_actor: bool = True) -> dict[str, float]:
+        """One step (update_actor=False: a critic warm-up round)."""
+        start = time.perf_counter()
+        timings: dict[str, float] = {}
+        batch, rollout_metrics = self.collect_batch(timings)
+
+        # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1)
+        # and of the reference policy (its weights swapped in from host memory, then out again).
+        tick = time.perf_counter()
+        old_logprobs = self.logprobs(batch) if self.cfg.loss.recompute_old_logprobs else batch.engine_logprobs
+        with self.reference.swapped_in(self.chunks):
+            reference_logprobs = self.logprobs(batch)
+        timings["time_logprobs"] = time.perf_counter() - tick
+
+        experience = self.make_experience(batch, old_logprobs, reference_logprobs)
+        if self.critic is not None:
+            tick = time.perf_counter()
+            self.send_critic_train(experience)  # the critic trains while the actor does
+            timings["time_critic_send"] = time.perf_counter() - tick
+
+        metrics = {**rollout_metrics, **experience.metrics}
+        if update_actor:
+            tick = time.perf_counter()
+            metrics.update(self.update_policy(experience))
+            timings["time_train"] = time.perf_counter() - tick
+            if self.ema is not None:
+                from aligner.models.weight_swap import named_parameters
+
+                update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
+            self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
+        metrics["kl_coef"] = self.kl_controller.value
+        if self.critic is not None:
+            tick = time.perf_counter()
+            metrics.update(self._finish_critic_train())
+            timings["time_critic_wait"] = time.perf_counter() - tick
+        timings["step_time"] = time.perf_counter() - start
+        metrics.update(timings)
+        metrics["rollout_tokens_per_second"] = rollout_metrics["generated_tokens"] / max(timings["time_generation"],
+                                                                                         1e-9)
+        if self._should_log_samples():
+            self.log_samples(batch)
+        return metrics
+
+    # -- 1-2: rollouts and their scores
+    def collect_batch(self, timings: dict):
+        """This rank's RolloutBatch of the step (k samples per prompt, scored) and the rollout metrics."""
+        from aligner.generation.router_client import rebalance_rollouts
+
+        rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+        timings["time_generation"] = timings["time_scoring_wait"] = 0.0
+        if not rollout.dynamic_sampling:
+            indices = group_indices(self.order.take(rollout.prompts_per_step), k)
+            local, generated = self.generate_and_score(indices, timings, seed=self.step_seed(),
+                                                       with_values=self.critic is not None)
+            mine = rebalance_rollouts(local, len(indices), data_parallel_group=self.dp_group)
+            return self.to_batch(mine), {"generated_tokens": generated}
+        return self.collect_informative_batch(timings)
+
+    def collect_informative_batch(self, timings: dict):
+        """DAPO's dynamic sampling: generate rounds of prompts_per_step prompts x k, keep the groups whose
+        k scores differ (the others have advantage 0 and teach nothing), until prompts_per_step groups
+        are kept or rollout.max_sampling_rounds rounds ran; a batch still short is filled with the most
+        recent uniform groups (counted in `dynamic_sampling_filled_groups`)."""
+        rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+        needed = rollout.prompts_per_step
+        kept: list[list[dict]] = []
+        uniform: list[list[dict]] = []
+        generated, rounds = 0.0, 0
+        while len(kept) < needed and rounds < rollout.max_sampling_rounds:
+            indices = group_indices(self.order.take(needed), k)
+            seed = self.step_seed() if rounds == 0 else derive_seed(self.step_seed(), rounds,
+                                                                    modulus=SAMPLER_SEED_RANGE)
+            local, round_tokens = self.generate_and_score(indices, timings, seed=seed,
+                                                          with_values=self.critic is not None)
+            generated += round_tokens
+            rows = self._all_rows(local, len(indices))
+            scores = torch.tensor([row["score"] for row in rows], dtype=torch.float64)
+            informative = advantages.informative_groups(scores, k).tolist()
+            for group, keep in enumerate(informative):
+                (kept if keep else uniform).append(rows[group * k:(group + 1) * k])
+            rounds += 1
+        filled = max(needed - len(kept), 0)
+        groups = kept[:needed] + uniform[len(uniform) - filled:]  # the newest uniform groups when short
+        share = needed // self.dp_size
+        mine = [(position, row) for group in range(self.dp_rank * share, (self.dp_rank + 1) * share)
+                for position, row in enumerate(groups[group], start=group * k)]
+        metrics = {"generated_tokens": generated, "dynamic_sampling_rounds": float(rounds),
+                   "dynamic_sampling_kept_fraction": len(kept) / (rounds * needed),
+                   "dynamic_sampling_filled_groups": float(filled)}
+        return self.to_batch(mine), metrics
+
+    def _all_rows(self, local: dict[int, dict], count: int) -> list[dict]:
+        """Every rank's rows of a round, in rollout order, on every rank."""
+        parts = [local]
+        if self.dp_size > 1:
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, local, group=self.dp_group)
+        merged = {position: row for part in parts for position, row in part.items()}
+        return [merged[position] for position in range(count)]
+
+    def to_batch(self, mine: list[tuple[int, dict]]):
+        from aligner.rl.rollouts import RolloutBatch
+
+        return RolloutBatch.from_rows(mine, self.tokenizer.pad_id, seq_length=self.seq_length,
+                                      response_width=self.response_width)
+
+    def generate_and_score(self, indices: list[int], timings: dict, *, seed: int, greedy: bool = False,
+                           prompts=None, with_values: bool = True) -> tuple[dict[int, dict], float]:
+        """Generate the prompts `indices` through the router and score them; returns (this replica's rows
+        by position in `indices`, response tokens generated over all ranks). Collective."""
+        from aligner.rl.rollouts import collect_rollouts, full_sequences, values_at_response
+
+        prompts = self.prompts if prompts is None else prompts
+        step_prompts = [prompts.tokens[i] for i in indices]
+        given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
+        pending = []  # (micro-batch positions, reward future, values future)
+
+        def send_scoring(micro_indices, rollout):
+            if not self.is_replica_leader:
+                return
+            sequences = full_sequences(rollout)
+            responses = [self.response_text(rollout.response_tokens[row, :int(rollout.response_lengths[row])])
+                         for row in range(len(micro_indices))]
+            values = self.critic.infer_async(sequences) if (with_values or self.reward_source is None) else None
+            rewards = None  # combined critic server: the rewards arrive with the values
+            if self.reward_source is not None:
+                rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
+                                                         responses)
+            pending.append((micro_indices, rewards, values))
+
+        tick = time.perf_counter()
+        self.engine.refit(self.chunks)
+        local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
+        for position, row in local.items():
+            row["given_prompt"] = given_prompts[position]
+        if hasattr(self.engine, "free") and self.cfg.generation.engine != "native":
+            self.engine.free()  # the KV cache of the native engine is small and kept for the next step
+        timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        for micro_indices, rewards, values in pending:
+            inferred = values.result() if values is not None else None
+            scores = rewards.result() if rewards is not None else inferred.rewards
+            if scores is None:
+                raise ConfigError("reward.source=combined, but the critic server sent no rewards: start it in combined "
+                                  "mode (with the reward model's checkpoint)")
+            value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
+            for j, position in enumerate(micro_indices):
+                row = local[position]
+                row["score"] = float(scores[j])
+                if value_rows is not None:
+                    row["values"] = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
+                                                       len(row["prompt"]), len(row["response"]))
+        timings["time_scoring_wait"] = timings.get("time_scoring_wait", 0.0) + time.perf_counter() - tick
+        if dist.get_world_size(self.mp_group) > 1:  # the replica's other ranks get the scores too
+            holder = [local]
+            dist.broadcast_object_list(holder, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
+            local = holder[0]
+        generated = torch.tensor([float(sum(len(row["response"]) for row in local.values()))])
+        dist.all_reduce(generated, group=self.dp_group)
+        return local, float(generated.item())
+
+    def response_text(self, response_tokens: torch.Tensor) -> str:
+        """What reward functions and sample tables read; the tokens themselves go on unchanged."""
+        ids = [t for t in response_tokens.tolist() if t != self.tokenizer.eos_id]
+        return self.tokenizer.decode(ids)
+
+    # -- 3: logprobs
+    def logprobs(self, batch) -> torch.Tensor:
+        from aligner.generation.logprobs import sequence_logprobs
+
+        return sequence_logprobs(self.chunks, batch.tokens, batch.prompt_lengths, batch.response_lengths,
+                                 vocab_size=self.model_cfg.vocab_size, temperature=self.temperature,
+                                 response_width=self.response_width,
+                                 micro_batch_size=self.cfg.trainer.micro_batch_size).cpu()
+
+    # -- 4: scores -> shaped scores -> advantages
+    def shaped_scores(self, batch) -> torch.Tensor:
+        reward = self.cfg.reward
+        scores = batch.row_tensor("score")
+        if reward.missing_stop_penalty is not None:
+            scores = ppo_math.apply_missing_stop_penalty(scores, batch.ended_with_stop, reward.missing_stop_penalty)
+        if reward.overlong_buffer is not None:
+            scores = scores + ppo_math.overlong_penalty(batch.response_lengths, self.cfg.generation.max_new_tokens,
+                                                 reward.overlong_buffer, reward.overlong_penalty)
+        if reward.normalization_mean is not None:
+            scores = ppo_math.normalize_scores(scores, reward.normalization_mean, reward.normalization_std)
+        if reward.clip is not None:
+            scores = ppo_math.clip_scores(scores, reward.clip)
+        return scores
+
+    def make_experience(self, batch, old_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> Experience:
+        cfg, mask, group = self.cfg, batch.mask, self.dp_group
+        k = cfg.rollout.samples_per_prompt
+        # Group estimators need this rank's rows to be whole groups, in order.
+        assert len(batch.indices) % k == 0 and batch.indices[0] % k == 0, batch.indices
+        raw_scores = batch.row_tensor("score")
+        scores = self.shaped_scores(batch)
+        kl = ppo_math.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
+        values = batch.token_tensor("values") if self.critic is not None else None
+        estimated = advantages.compute_advantages(cfg.advantage.estimator, advantages.AdvantageInputs(
+            scores=scores, kl=kl, kl_coef=self.kl_controller.value, mask=mask, group_size=k, values=values,
+            group=group), self.advantage_settings)
+
+        # Sequence-level statistics over the global batch. A group whose k scores are all equal
+        # teaches a group estimator nothing: their fraction says how much of the step was useful.
+        lengths = batch.response_lengths.float()
+        uniform_groups = (~advantages.informative_groups(raw_scores, k)).double().sum() if k > 1 else torch.zeros((),
+                                                                                                       dtype=torch.float64)
+        sums = torch.cat([torch.stack([raw_scores, raw_scores.pow(2), kl.sum(dim=1), lengths,
+                                       batch.ended_with_stop.float(), torch.ones_like(lengths),
+                                       estimated.sequence_rewards.float()], dim=1).double().sum(0),
+                          uniform_groups.reshape(1)])
+        dist.all_reduce(sums, group=group)
+        total, total_sq, kl_sum, length_sum, stopped, count, reward_sum, uniform = sums.tolist()
+        mean = total / count
+        metrics = {
+            "reward_mean": mean, "reward_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
+            "kl": kl_sum / count, "response_length": length_sum / count, "stopped_fraction": stopped / count,
+            "penalized_reward_mean": reward_sum / count,
+        }
+        if k > 1:
+            metrics["uniform_group_fraction"] = uniform / (count / k)
+        if values is not None:
+            metrics.update({
+                "values_mean": float(ppo_math.masked_mean(values, mask, group=group)),
+                "returns_mean": float(ppo_math.masked_mean(estimated.returns, mask, group=group)),
+                "explained_variance": float(ppo_math.explained_variance(values, estimated.returns, mask, group=group)),
+            })
+        weights = None
+        if cfg.loss.recompute_old_logprobs:  # the engine's logprobs against the trainer's for the same tokens
+            metrics.update(mismatch.mismatch_metrics(old_logprobs, batch.engine_logprobs, mask, group=group))
+            if cfg.loss.importance_sampling != "none":
+                weights = mismatch.truncated_importance_weights(old_logprobs, batch.engine_logprobs, mask,
+                                                                cfg.loss.importance_sampling,
+                                                                cfg.loss.importance_sampling_cap)
+        return Experience(batch=batch, old_logprobs=old_logprobs, advantages=estimated.advantages,
+                          importance_weights=weights, returns=estimated.returns, values=values, scores=scores,
+                          sequence_rewards=estimated.sequence_rewards, metrics=metrics)
+
+    # -- 5: the critic trains on this step's returns (asynchronously)
+    def send_critic_train(self, experience: Experience) -> None:
+        """Gather the global batch to rank 0, which sends one critic_train request and keeps the future."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() != 0 or ps.get_pipeline_model_parallel_rank() != 0:
+            return
+        batch = experience.batch
+        part = {"sequences": [row["prompt"] + row["response"].tolist() for row in batch.rows],
+                "prompt_lengths": batch.prompt_lengths.tolist(), "returns": experience.returns,
+                "old_values": experience.values}
+        parts = [part]
+        if self.dp_size > 1:
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, part, group=self.dp_group)
+        if dist.get_rank() == 0:
+            self.pending_critic_train = self.critic.train_async(
+                [s for p in parts for s in p["sequences"]], [n for p in parts for n in p["prompt_lengths"]],
+                torch.cat([p["returns"] for p in parts]).numpy(), torch.cat([p["old_values"] for p in parts]).numpy())
+
+    def _finish_critic_train(self) -> dict[str, float]:
+        """Wait for the pending critic_train request (rank 0); its metrics, on every rank."""
+        metrics = {}
+        if self.pending_critic_train is not None:
+            metrics = {f"critic_{key.removeprefix('critic_')}": float(value)
+                       for key, value in self.pending_critic_train.result().items()}
+            self.pending_critic_train = None
+        holder = [metrics]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    # -- 6: policy epochs over minibatches
+    def update_policy(self, experience: Experience) -> dict[str, float]:
+        loss, trainer = self.cfg.loss, self.cfg.trainer
+        batch = experience.batch
+        rows = batch.tokens.shape[0]
+        minibatch_rows = trainer.global_batch_size // self.dp_size
+        micro = trainer.micro_batch_size
+        positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
+        minibatch_metrics, first = [], None
+        for epoch in range(loss.epochs):
+            generator = torch.Generator().manual_seed(derive_seed(
+                self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
+            order = torch.randperm(rows, generator=generator)
+            for start in range(0, rows, minibatch_rows):
+                ids = order[start:start + minibatch_rows]
+                weights = experience.importance_weights
+                microbatches = [PolicyMicrobatch(
+                    tokens=batch.tokens[part], position_ids=positions, prompt_lengths=batch.prompt_lengths[part],
+                    response_lengths=batch.response_lengths[part], mask=batch.mask[part],
+                    old_logprobs=experience.old_logprobs[part], advantages=experience.advantages[part],
+                    importance_weights=None if weights is None else weights[part], loss_scale=1.0,
+                ) for part in ids.split(micro)]
+                microbatches = self.scale_losses(microbatches + self.ptx_microbatches())
+                if loss.adam_epsilon_style == "tf":
+                    # TF's Adam epsilon, as the torch optimizer's, for this optimizer step.
+                    eps = tf_adam_epsilon(self.cfg.optim.eps, self.cfg.optim.betas[1], self.optimizer_steps + 1)
+                    for param_group in self.policy.optimizer.param_groups:
+                        param_group["eps"] = eps
+                result = self.policy.train_step(microbatches)
+                self.optimizer_steps += 1
+                first = first or result
+                minibatch_metrics.append(result)
+        per_step = ("step_time", "time_forward_backward", "time_optimizer", "consumed_samples", "tokens_per_second",
+                    "mfu", "ratio_max", "ratio_min")  # timings are measured for the whole step instead
+        averaged = {key: sum(m[key] for m in minibatch_metrics) / len(minibatch_metrics)
+                    for key in minibatch_metrics[0] if key not in per_step}
+        averaged["ratio_max"] = max(m["ratio_max"] for m in minibatch_metrics)
+        averaged["ratio_min"] = min(m["ratio_min"] for m in minibatch_metrics)
+        # The first minibatch runs on the rollout policy's own weights: its ratio must be exactly 1.
+        averaged.update({"first_ratio_mean": first["ratio_mean"], "first_ratio_max": first["ratio_max"],
+                         "first_ratio_min": first["ratio_min"], "first_approx_kl": first["approx_kl"]})
+        return averaged
+
+    def scale_losses(self, microbatches: list) -> list:
+        """Each micro batch with its loss_scale: (micro batches in the minibatch over all ranks) / (the
+        minibatch's normaliser of its kind over all ranks), times the PTX coefficient for PTX batches."""
+        from dataclasses import replace
+
+        policy_count, ptx_count = 0.0, 0.0
+        for mb in microbatches:
+            if isinstance(mb, PTXMicrobatch):
+                ptx_count += float(mb.loss_mask.sum())
+            else:
+                policy_count += self.objective.normalizer(mb.mask)
+        totals = torch.tensor([policy_count, ptx_count, float(len(microbatches))], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.dp_group)
+        policy_total, ptx_total, microbatch_total = totals.tolist()
+        policy_scale = microbatch_total / max(policy_total, 1.0)
+        ptx_scale = microbatch_total * self.objective.ptx_coef / max(ptx_total, 1.0)
+        return [replace(mb, loss_scale=ptx_scale if isinstance(mb, PTXMicrobatch) else policy_scale)
+                for mb in microbatches]
+
+    def ptx_microbatches(self) -> list[PTXMicrobatch]:
+        if self.ptx_loader is None:
+            return []
+        if self._ptx_batches is None:
+            self._ptx_batches = self.ptx_loader.iterate(0)
+
+        def pad(tensor, value):  # to the policy batches' sequence length: one length per pipeline schedule
+            return torch.nn.functional.pad(tensor, (0, self.seq_length - tensor.shape[1]), value=value)
+
+        return [PTXMicrobatch(tokens=pad(mb["tokens"], self.tokenizer.pad_id),
+                              labels=pad(mb["labels"], self.tokenizer.pad_id), loss_mask=pad(mb["loss_mask"], 0.0),
+                              position_ids=pad(mb["position_ids"], 0), lengths=mb["lengths"], loss_scale=1.0)
+                for mb in next(self._ptx_batches)]
+
+    # -- validation and samples
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Greedy rollouts on held-out prompts: mean reward and response length."""
+        limit = self.cfg.trainer.limit_val_samples or len(self.validation_prompts)
+        count = min(limit, len(self.validation_prompts)) // self.dp_size * self.dp_size
+        timings: dict = {}
+        local, _ = self.generate_and_score(list(range(count)), timings, seed=0, greedy=True,
+                                           prompts=self.validation_prompts, with_values=False)
+        rows = list(local.values())
+        sums = torch.tensor([sum(row["score"] for row in rows), float(sum(len(row["response"]) for row in rows)),
+                             float(len(rows))], dtype=torch.float64)
+        dist.all_reduce(sums, group=self.dp_group)
+        return {"reward_mean": sums[0].item() / sums[2].item(), "response_length": sums[1].item() / sums[2].item(),
+                "time": timings["time_generation"] + timings["time_scoring_wait"]}
+
+    def _should_log_samples(self) -> bool:
+        interval = self.cfg.logging.samples_interval
+        return interval > 0 and (self.step % interval == 0)
+
+    def log_samples(self, batch) -> None:
+        from aligner.data.conversation import prompt_text
+
+        rows = []
+        for b in range(min(self.cfg.logging.num_samples, len(batch.indices))):
+            prompt = prompt_text(batch.rows[b]["given_prompt"])
+            response = self.response_text(batch.rows[b]["response"])
+            rows.append(f"| {prompt!r} | {response!r} | {batch.rows[b]['score']:.3f} |")
+        table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
+        self.metrics.log_text(self.step + 1, "samples", table)
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        from aligner.training import schedule
+
+        return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
+                "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
+                "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
+
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        """Continue from a checkpoint's trainer state under this run's schedule settings; returns
+        {key: (checkpoint value, current value)} of the settings that changed."""
+        from aligner.training import schedule
+
+        self.step = state["step"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.kl_controller.load_state_dict(state["kl"])
+        self.order.load_state_dict(state["prompts"])
+        self.critic_warmup_done = state["critic_warmup_done"]
+        return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
+                                        self.policy.schedule_settings)
+
+    def save(self) -> Path:
+        from aligner import checkpointing
+
+        save_dir = self.cfg.checkpoint.save_dir
+        path = checkpointing.save(
+            checkpointing.step_dir(save_dir, self.step), self.chunks, model_config=self.model_cfg.to_dict(),
+            optimizer=self.policy.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.policy.tokenizer_dir,
+            save_rng=True, run_id=self.policy.run_id,
+        )
+        if self.ema is not None:
+            with self.ema.swapped_in(self.chunks):
+                ema_path = checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
+                                              model_config=self.model_cfg.to_dict(),
+                                              tokenizer_dir=self.policy.tokenizer_dir, run_id=self.policy.run_id)
+            checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last,
+                                                 run_id=self.policy.run_id, saved=ema_path)
+        if dist.get_rank() == 0:
+            saved_with = f" (critic: {self.critic.save(self.step)})" if self.critic is not None else ""
+            self.metrics.write(f"saved checkpoint {path}{saved_with}")
+        dist.barrier()
+        checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last, run_id=self.policy.run_id,
+                                             saved=path)
+        self.saved = (self.step, self.critic_warmup_done)
+        return path
+
+    def save_unless_saved(self) -> Path:
+        """The checkpoint of the current step (and warm-up round): saved now unless this run already wrote it."""
+        from aligner import checkpointing
+
+        if self.saved == (self.step, self.critic_warmup_done):
+            return checkpointing.step_dir(self.cfg.checkpoint.save_dir, self.step)
+        return self.save()
+
+    def resume_from(self, checkpoint_dir: Path) -> None:
+        from aligner import checkpointing
+        from aligner.training import schedule
+
+        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
+        changes = self.load_state_dict(meta["trainer_state"])
+        self.saved = (self.step, self.critic_warmup_done)
+        if self.metrics.progress is not None:
+            self.metrics.progress.update(self.step)
+        self.metrics.log_resume(self.step, checkpoint_dir, changes)
+        self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")
+        if changes:
+            self.metrics.write(schedule.describe_changes(changes, self.step))
+
+
+# ----------------------------------------------------------------------------- building a run
+def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RLActor:
+    """Runtime, policy + reference weights, prompts, engine, router, reward source, critic client (when
+    the estimator needs values), PTX data, EMA copy, optimizer and schedule; resumed from the newest
+    checkpoint in checkpoint.save_dir if there is one.
+
+    critic / reward_source: objects with the client interfaces (`CriticClient`, `score_async`);
+    None builds them from the config (tests pass in-process ones).
+    """
+    from aligner import checkpointing
+    from aligner.models.gpt import num_parameters
+    from aligner.models.weight_swap import HostWeights
+    from aligner.rl.rollouts import PromptDataset
+    from aligner.training import setup
+
+    loss = cfg.loss
+    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
+    built = setup.build_training_model(
+        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
+    )
+    cfg.validate(built.data_parallel_size)
+    chunks, model_cfg, tokenizer, resume = built.chunks, built.model_cfg, built.tokenizer, built.resume_checkpoint
+    # The reference policy is the starting policy, also when resuming (the chunks then hold random
+    # init until the resume load, so the starting weights are loaded first, copied, then replaced).
+    if resume is not None:
+        checkpointing.load(cfg.model.init_from, chunks)
+    reference = HostWeights.snapshot(chunks)
+    ema = None
+    if cfg.ema.decay is not None:
+        if resume is not None:
+            ema_checkpoint = Path(cfg.checkpoint.save_dir) / "ema" / resume.name
+            if not ema_checkpoint.exists():
+                raise checkpointing.CheckpointError(f"resuming {resume} with ema.decay set, but its EMA copy "
+                                                    f"{ema_checkpoint} is missing")
+            checkpointing.load(ema_checkpoint, chunks)
+        ema = HostWeights.snapshot(chunks)  # the starting policy, or the saved EMA when resuming
+
+    prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)
+    validation = None
+    if cfg.data.validation_prompts:
+        validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length,
+                                   cfg.data.chat_template)
+    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
+    if reward_source is None and cfg.reward.source != "combined":
+        reward_source = build_reward_source(cfg.reward)
+    if critic is None and cfg.uses_critic:
+        critic = build_critic_client(cfg.critic)
+    ptx_loader = build_ptx_loader(cfg, tokenizer)
+
+    trainer_cfg = cfg.trainer
+    minibatches_per_step = cfg.rollouts_per_step // trainer_cfg.global_batch_size
+    objective = PolicyObjective(model_cfg.vocab_size,
+                                cfg.generation.temperature if loss.scale_logits_by_temperature else 1.0, loss,
+                                cfg.clip_high, cfg.constant_normalizer, cfg.ptx.coef if cfg.ptx.data else 0.0)
+    # Steps are rollout rounds; the LR schedule counts optimizer steps (epochs x minibatches per step).
+    policy = setup.build_trainer(cfg, built, objective, total_steps=trainer_cfg.max_steps,
+                                 optimizer_steps=trainer_cfg.max_steps * loss.epochs * minibatches_per_step)
+    trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
+                      reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,
+                      validation_prompts=validation, ptx_loader=ptx_loader, tokenizer=tokenizer, model_cfg=model_cfg,
+                      metrics=policy.metrics, ema=ema)
+    if resume is not None:
+        trainer.resume_from(resume)
+    rollout = cfg.rollout
+    policy.metrics.write(
+        f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "
+        f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+        f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "
+        f"{cfg.data.max_prompt_length} tokens skipped); reference policy {cfg.model.init_from} on host memory "
+        f"({reference.num_bytes / 2**20:.1f} MiB); {rollout.prompts_per_step} prompts x {rollout.samples_per_prompt} "
+        f"samples per step{' (dynamic sampling)' if rollout.dynamic_sampling else ''}; advantages "
+        f"{cfg.advantage.estimator}{' with the critic server' if cfg.uses_critic else ''}, loss {loss.policy_loss} "
+        f"({loss.aggregation}); {loss.epochs} epoch(s) of {minibatches_per_step} minibatch(es)")
+    return trainer
+
+
+def build_ptx_loader(cfg: RLActorConfig, tokenizer):
+    """The PTX data's loader (SFT-format micro batches), or None when ptx.data is null."""
+    if cfg.ptx.data is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    from aligner.data.sft import SFTDataset
+    from aligner.training import setup
+
+    seq_length = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
+    if cfg.ptx.max_seq_length > seq_length + 1:
+        raise ConfigError(f"ptx.max_seq_length={cfg.ptx.max_seq_length} must be at most data.max_prompt_length + "
+                          f"generation.max_new_tokens + 1 = {seq_length + 1}: PTX and policy micro batches share one "
+                          "sequence length in the pipeline schedule")
+    ptx_set = SFTDataset(cfg.ptx.data, tokenizer, cfg.ptx.max_seq_length, use_template=cfg.data.chat_template)
+    return setup.build_loader(ptx_set, trainer_cfg=cfg.trainer, data_parallel_size=ps.get_data_parallel_world_size(),
+                              seed=cfg.seed, shuffle=True, pad_id=tokenizer.pad_id, pad_to_multiple_of=1)
+
+
+def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer, max_prompt_length: int):
+    """The generation engine on this replica and the router that hands it prompts (collective)."""
+    from megatron.core import parallel_state as ps
+
+    from aligner.generation.router_client import DynamicRouter, StaticRouter
+
+    seq_length = max_prompt_length + gen.max_new_tokens
+    if gen.engine == "native":
+        from aligner.generation.native import NativeEngine
+
+        engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                              max_batch_size=gen.micro_batch_size, max_sequence_length=seq_length,
+                              decode=tokenizer.decode)
+    else:
+        from aligner.generation.trtllm import TensorRTLLMEngine
+
+        engine = TensorRTLLMEngine(model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                                   work_dir=Path(gen.trtllm_work_dir) / f"replica_{ps.get_data_parallel_rank()}",
+                                   max_batch_size=gen.micro_batch_size, max_input_len=max_prompt_length,
+                                   max_sequence_length=seq_length)
+    if gen.router == "dynamic":
+        router = DynamicRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group(),
+                               model_parallel_group=ps.get_model_parallel_group())
+    else:
+        router = StaticRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
+    return engine, router
+
+
+def build_reward_source(section: RewardSection):
+    """What scores responses (source server or function; combined: the critic server sends them)."""
+    from aligner.rl.rollouts import RewardServerSource, RuleRewardSource
+
+    if section.source == "function":
+        return RuleRewardSource(section.function)
+    from aligner.clients.reward import RewardClient
+
+    server = section.server
+    return RewardServerSource(RewardClient(server.host, server.port, server.model_name, timeout_s=server.timeout_s,
+                                           ready_timeout_s=server.ready_timeout_s), section.attribute_index)
+
+
+def build_critic_client(section: CriticSection):
+    from aligner.clients.critic import CriticClient
+
+    server = section.server
+    return CriticClient(server.host, server.port, infer_model=server.model_name, timeout_s=server.timeout_s,
+                        ready_timeout_s=server.ready_timeout_s)
