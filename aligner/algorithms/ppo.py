@@ -277,7 +277,7 @@ class PPOObjective:
         objective_sum = policy_sum - self.entropy_coef * entropy_sum
         scaled = objective_sum * (scale / self.normalizers["ppo"])
         with torch.no_grad():
-            log_ratio = M._masked(logprobs - batch["old_logprobs"], mask)
+            log_ratio = M.zero_off_mask(logprobs - batch["old_logprobs"], mask)
             valid = mask.bool()
             report = {
                 "policy_loss_sum": policy_sum.detach(), "count": count.detach().float(),
