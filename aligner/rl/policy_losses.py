@@ -28,9 +28,10 @@ class PolicyLossTerms:
     clipped: torch.Tensor  # [B, T] bool: tokens whose gradient the clip switched off (or whose weight was capped)
 
 
-# fn(logprobs, old_logprobs, advantages, mask, clip_low, clip_high) -> (per_token, ratio, clipped), inputs
-# already zeroed off the mask.
-PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# fn(logprobs, old_logprobs, advantages, mask, clip_low, clip_high) -> (per_token, ratio, clipped), all [B, T];
+# policy_loss_terms hands it inputs already zeroed off the mask (old_logprobs and advantages detached).
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
@@ -82,7 +83,8 @@ def _clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
 
 
 @register_policy_loss("ppo_clip")
-def ppo_clip(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate on the per-token ratio r = exp(logprob - old_logprob)."""
     ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
     per_token, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high)
@@ -90,7 +92,8 @@ def ppo_clip(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
 
 
 @register_policy_loss("gspo")
-def gspo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+         clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025): the clipped surrogate on the length-normalised sequence ratio.
 
     s_i = exp(mean over i's tokens of (logprob - old_logprob)). Per token s_i,t = sg(s_i) *
@@ -106,7 +109,8 @@ def gspo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
 
 
 @register_policy_loss("cispo")
-def cispo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+          clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logprob.
 
     The clip bounds the importance weight instead of dropping the token, so every token keeps a
