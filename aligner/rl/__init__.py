@@ -1,16 +1,42 @@
-"""Reinforcement-learning building blocks shared by the RL trainers (PPO first).
+"""Reinforcement-learning building blocks shared by the RL trainers, as pure functions on tensors.
 
-`ppo_math` holds the math as pure functions on tensors; the public names are re-exported here.
+ppo_math: masked statistics, reward shaping, KL, GAE, the value loss and entropy;
+advantages: the registered advantage estimators; policy_losses: the registered policy losses and
+the loss aggregations; mismatch: train/inference mismatch metrics and truncated importance sampling.
+The public names are re-exported here.
 """
-from aligner.rl.ppo_math import (
+from aligner.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageInputs,
+    Advantages,
+    AdvantageSettings,
+    compute_advantages,
+    discounted_returns,
+    group_mean_baseline,
+    group_std,
+    groups,
+    informative_groups,
+    leave_one_out_baseline,
+    register_advantage_estimator,
+    sequence_rewards,
+    token_advantages,
+)
+from aligner.rl.mismatch import TIS_LEVELS, mismatch_metrics, truncated_importance_weights
+from aligner.rl.policy_losses import (
     AGGREGATIONS,
+    POLICY_LOSSES,
+    PolicyLossTerms,
+    aggregate_loss,
+    policy_loss_terms,
+    register_policy_loss,
+)
+from aligner.rl.ppo_math import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
-    aggregate_loss,
     apply_missing_stop_penalty,
     clip_scores,
-    clipped_surrogate,
     clipped_value_error,
     entropy_from_logits,
     entropy_from_partial_sums,
@@ -26,16 +52,27 @@ from aligner.rl.ppo_math import (
     masked_whiten,
     moments_from_sums,
     normalize_scores,
-    policy_loss,
+    overlong_penalty,
     response_lengths,
     token_rewards,
     value_loss,
+    zero_off_mask,
 )
 
 __all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "aggregate_loss",
-    "apply_missing_stop_penalty", "clip_scores", "clipped_surrogate", "clipped_value_error", "entropy_from_logits",
-    "entropy_from_partial_sums", "entropy_partial_sums", "explained_variance", "gae_advantages", "kl_penalty",
-    "masked_mean", "masked_moment_sums", "masked_moments", "masked_sum", "masked_var", "masked_whiten",
-    "moments_from_sums", "normalize_scores", "policy_loss", "response_lengths", "token_rewards", "value_loss",
+    # advantages
+    "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageInputs", "AdvantageSettings", "Advantages",
+    "compute_advantages", "discounted_returns", "group_mean_baseline", "group_std", "groups", "informative_groups",
+    "leave_one_out_baseline", "register_advantage_estimator", "sequence_rewards", "token_advantages",
+    # policy losses
+    "AGGREGATIONS", "POLICY_LOSSES", "PolicyLossTerms", "aggregate_loss", "policy_loss_terms",
+    "register_policy_loss",
+    # mismatch
+    "TIS_LEVELS", "mismatch_metrics", "truncated_importance_weights",
+    # ppo_math
+    "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
+    "clipped_value_error", "entropy_from_logits", "entropy_from_partial_sums", "entropy_partial_sums",
+    "explained_variance", "gae_advantages", "kl_penalty", "masked_mean", "masked_moment_sums", "masked_moments",
+    "masked_sum", "masked_var", "masked_whiten", "moments_from_sums", "normalize_scores", "overlong_penalty",
+    "response_lengths", "token_rewards", "value_loss", "zero_off_mask",
 ]

@@ -1,8 +1,9 @@
 """The PPO math: pure functions on tensors, nothing here touches a model or a config.
 
 Reads in the order a PPO step uses it: masked statistics (local or over the data-parallel group),
-scores -> per-token rewards (stop penalty, normalisation, clipping, the per-token KL penalty),
-KL estimators and controllers, GAE, and the losses.
+scores -> per-token rewards (stop penalty, overlong penalty, normalisation, clipping, the per-token
+KL penalty), KL estimators and controllers, GAE, the critic's value loss and the entropy. The
+advantage estimators are in `aligner.rl.advantages`, the policy losses in `aligner.rl.policy_losses`.
 
 Conventions. Per-token tensors are [batch, T] over response positions; responses are right-padded,
 so `mask` [batch, T] (bool or 0/1) is 1 on the first `length` columns of each row and 0 after.
@@ -12,7 +13,6 @@ checks that raise a ValueError on an empty mask (and the controllers' float upda
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -21,7 +21,6 @@ import torch.distributed as dist
 Number = Union[float, torch.Tensor]
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
-AGGREGATIONS = ("token_mean", "sequence_mean")
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -31,7 +30,7 @@ def _bool_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return mask.bool()
 
 
-def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def zero_off_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """values with off-mask entries set to 0 (`where`, not a product: padding may hold inf/nan)."""
     return torch.where(_bool_mask(mask, values), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
@@ -50,7 +49,7 @@ def response_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Sum of values on the mask: a scalar, or per slice along `dim`."""
-    masked = _masked(values, mask)
+    masked = zero_off_mask(values, mask)
     return masked.sum() if dim is None else masked.sum(dim=dim)
 
 
@@ -84,7 +83,7 @@ def masked_moment_sums(values: torch.Tensor, mask: torch.Tensor, center: Number 
     keeps the variance exact; from raw sums, sum_sq - n mean^2 cancels away the digits when the
     mean is large next to the spread, even in float64.
     """
-    masked = _masked(values.detach().double() - torch.as_tensor(center, dtype=torch.float64), mask)
+    masked = zero_off_mask(values.detach().double() - torch.as_tensor(center, dtype=torch.float64), mask)
     return torch.stack([mask.bool().sum().double(), masked.sum(), masked.pow(2).sum()])
 
 
@@ -139,7 +138,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     whitened = (values.detach() - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return _masked(whitened, mask)
+    return zero_off_mask(whitened, mask)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -182,6 +181,22 @@ def clip_scores(scores: torch.Tensor, limit: float) -> torch.Tensor:
     return scores.clamp(-limit, limit)
 
 
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment [batch] (float32) to add to the scores: 0 up to max_length - buffer tokens,
+    then falling linearly to -penalty at max_length (and staying there beyond).
+
+    Truncated responses are cut mid-thought; a graded penalty near the limit teaches the policy to
+    finish in time without punishing a long correct answer as hard as a truncated one.
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"overlong_penalty: buffer must satisfy 0 < buffer <= max_length, got buffer={buffer}, "
+                         f"max_length={max_length}")
+    if not penalty >= 0:
+        raise ValueError(f"overlong_penalty: penalty must be >= 0 (it is subtracted from the score), got {penalty}")
+    excess = (response_lengths.to(torch.float64) - (max_length - buffer)).clamp(0.0, float(buffer))
+    return (-penalty * excess / buffer).to(torch.float32)
+
+
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: Number) -> torch.Tensor:
     """Per-token rewards [batch, T]: -kl_coef * kl on every response token, plus the score on the last one.
 
@@ -195,7 +210,7 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
         empty = (lengths == 0).nonzero().flatten().tolist()
         raise ValueError(f"token_rewards: responses {empty[:8]} are empty; drop them before scoring (the "
                          "stop token counts as a response token, so this is a prompt that filled the context)")
-    rewards = _masked(-kl_coef * kl, mask)  # [batch, T]
+    rewards = zero_off_mask(-kl_coef * kl, mask)  # [batch, T]
     rows = torch.arange(len(lengths), device=kl.device)
     # The reward model scores the whole response, so its score belongs to the last action.
     return rewards.index_put((rows, lengths - 1), scores.to(rewards.dtype), accumulate=True)
@@ -223,7 +238,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         kl = torch.expm1(log_ratio) - log_ratio  # expm1: exact near r = 1, where most tokens are
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-    return kl if mask is None else _masked(kl, mask)
+    return kl if mask is None else zero_off_mask(kl, mask)
 
 
 class FixedKLController:
@@ -288,7 +303,7 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     response_lengths(mask)  # the masking below assumes right padding
     dtype = torch.promote_types(values.dtype, torch.float32)  # bf16 would drift over a long response
     mask = _bool_mask(mask, values)
-    rewards, values = _masked(rewards.to(dtype), mask), _masked(values.to(dtype), mask)
+    rewards, values = zero_off_mask(rewards.to(dtype), mask), zero_off_mask(values.to(dtype), mask)
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])  # [batch]; 0 past the end: the episode is over
     next_advantage = torch.zeros_like(values[:, 0])
@@ -298,78 +313,18 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
         next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
         advantages[:, t] = next_advantage
         next_value = values[:, t]
-    return advantages, _masked(advantages + values, mask)
+    return advantages, zero_off_mask(advantages + values, mask)
 
 
 # ----------------------------------------------------------------------------- losses
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor,
-                   aggregation: str = "token_mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_sum, count) whose ratio is the batch loss; sums of both over micro batches and ranks give the global one.
-
-    token_mean: every response token weighs the same (sum over tokens, count = tokens).
-    sequence_mean: mean over each response's tokens, then over responses (count = responses);
-        responses with no tokens are left out.
-    This (sum, count) pair is what the shared trainer's objectives return to megatron.
-    """
-    masked = _masked(per_token, mask)
-    mask = mask.bool()
-    if aggregation == "token_mean":
-        return masked.sum(), mask.sum()
-    if aggregation == "sequence_mean":
-        tokens = mask.sum(dim=-1)  # [batch]
-        per_sequence = masked.sum(dim=-1) / tokens.clamp(min=1).to(masked.dtype)  # [batch]; 0 for empty rows
-        return per_sequence.sum(), (tokens > 0).sum()
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-
-
 def _mean_loss(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    # Imported here: policy_losses builds on this module's masked helpers.
+    from aligner.rl.policy_losses import aggregate_loss
+
     loss_sum, count = aggregate_loss(per_token, mask, aggregation)
     if int(count) == 0:
         raise ValueError("the loss mask is empty: no response token to train on in this batch")
     return loss_sum / count.to(loss_sum.dtype)
-
-
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO policy loss max(-A r, -A clip(r, 1 - eps, 1 + eps)): (loss, ratio, clipped), all [batch, T].
-
-    clipped (bool) marks tokens where the clipped term was the larger one, i.e. gets no gradient.
-    """
-    if not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
-    ratio = torch.exp(logprobs - old_logprobs)  # [batch, T]
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
-
-
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float, aggregation: str = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-surrogate PPO policy loss over the mask, and detached statistics (token means over the mask).
-
-    logprobs: current policy [batch, T] (with gradient); old_logprobs: the rollout policy's;
-    advantages: [batch, T], usually whitened. Stats: clip_fraction (share of tokens the clip
-    switched off), approx_kl (mean 0.5 (log r)^2, as OpenAI logs), approx_kl_k3 (mean (r - 1) - log r),
-    ratio_mean / ratio_max / ratio_min. Raises ValueError if the mask is empty.
-    """
-    # Zero the padding of every input (not only of the loss): a nan/inf there would otherwise turn
-    # into a nan gradient through the masked-out branch.
-    logprobs, old_logprobs, advantages = (_masked(x, mask) for x in (logprobs, old_logprobs, advantages))
-    per_token, ratio, clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
-    loss = _mean_loss(per_token, mask, aggregation)
-    with torch.no_grad():
-        mask = _bool_mask(mask, ratio)
-        ratio = ratio.detach()
-        # The rollout policy sampled the tokens, so KL(old || new) takes old as the sampling policy.
-        stats = {
-            "clip_fraction": masked_mean(clipped.to(ratio.dtype), mask),
-            "approx_kl": masked_mean(kl_penalty(old_logprobs.detach(), logprobs.detach(), "k2"), mask),
-            "approx_kl_k3": masked_mean(kl_penalty(old_logprobs.detach(), logprobs.detach(), "k3"), mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "ratio_max": torch.where(mask, ratio, -math.inf).max(),
-            "ratio_min": torch.where(mask, ratio, math.inf).min(),
-        }
-    return loss, stats
 
 
 def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -397,7 +352,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values: current critic [batch, T] (with gradient); old_values: the rollout's; returns: GAE targets.
     Raises ValueError if the mask is empty.
     """
-    values, old_values, returns = (_masked(x, mask) for x in (values, old_values, returns))  # as in policy_loss
+    values, old_values, returns = (zero_off_mask(x, mask) for x in (values, old_values, returns))  # nan padding: no nan gradient
     per_token, clipped = clipped_value_error(values, old_values, returns, clip_value)
     loss = _mean_loss(per_token, mask, aggregation)
     with torch.no_grad():
@@ -455,4 +410,4 @@ def entropy_from_logits(logits: torch.Tensor, mask: Optional[torch.Tensor] = Non
     if group is not None:
         sum_exp, sum_exp_logit = _SumOverGroup.apply(torch.stack([sum_exp, sum_exp_logit]), group).unbind()
     entropy = entropy_from_partial_sums(sum_exp, sum_exp_logit, row_max)
-    return entropy if mask is None else _masked(entropy, mask)
+    return entropy if mask is None else zero_off_mask(entropy, mask)

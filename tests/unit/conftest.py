@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+import torch.distributed as dist
 
 from aligner.runtime import distributed, seeds, stopping
 
@@ -26,3 +27,14 @@ def handlers():
     stopping.reset()
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture(scope="module")
+def world_group():
+    """A one-process gloo group: runs the all-reduce code paths (a reduction over one rank is the identity)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
