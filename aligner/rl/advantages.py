@@ -204,15 +204,14 @@ def rloo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     return _sequence_estimate(inputs, lambda r: r - leave_one_out_baseline(r, inputs.group_size))
 
 
-@register_advantage_estimator("grpo")
+# The group-mean estimators need 2 samples per prompt: the mean of one sample is the sample itself.
+@register_advantage_estimator("grpo", min_group_size=2)
 def grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     """GRPO (Shao et al. 2024): r_i minus the group mean, divided by (group std + eps) when settings.group_std.
 
     A group whose samples all scored the same gets advantage 0 whatever eps is.
     """
     k = inputs.group_size
-    if settings.group_std and k < 2:
-        raise ValueError(f"advantage estimator 'grpo' with group_std needs at least 2 samples per prompt, got {k}")
 
     def centre(rewards: torch.Tensor) -> torch.Tensor:
         centred = rewards - group_mean_baseline(rewards, k)
@@ -220,7 +219,7 @@ def grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     return _sequence_estimate(inputs, centre)
 
 
-@register_advantage_estimator("dr_grpo")
+@register_advantage_estimator("dr_grpo", min_group_size=2)
 def dr_grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     """Dr. GRPO (Liu et al. 2025): r_i minus the group mean, no std division (pair it with `constant_sum`)."""
     return _sequence_estimate(inputs, lambda r: r - group_mean_baseline(r, inputs.group_size))

@@ -137,13 +137,11 @@ def test_a_uniform_group_has_no_advantage(name):
     assert float(advantages[:2].abs().max()) > 0.0
 
 
-def test_grpo_with_one_sample_per_prompt():
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_refuse_one_sample_per_prompt(name):
     inputs = make_inputs(seed=22, group_size=1)
-    with pytest.raises(ValueError, match="'grpo' with group_std needs at least 2 samples per prompt, got 1"):
-        A.compute_advantages("grpo", inputs, A.AdvantageSettings(group_std=True))
-    # Without the std a group of one is its own mean: advantage 0.
-    advantages = A.compute_advantages("grpo", inputs, A.AdvantageSettings(group_std=False)).advantages
-    assert float(advantages.abs().max()) == 0.0
+    with pytest.raises(ValueError, match=f"'{name}' needs at least 2 samples per prompt, got 1"):
+        A.compute_advantages(name, inputs, A.AdvantageSettings(group_std=True))
 
 
 # ----------------------------------------------------------------------------- gae and REINFORCE++

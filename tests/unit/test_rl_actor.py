@@ -1,5 +1,7 @@
-"""PPO actor pieces that need no server: TF-style Adam epsilon, EMA, prompt order, rollout batches,
-report reduction, config checks (the float64 tests of the PPO math are in test_rl_math.py)."""
+"""RL actor pieces that need no model: the config schemas of both yamls and their checks, the algorithm
+presets, renamed keys, rollout grouping, dynamic sampling, TF-style Adam epsilon, EMA, prompt order, rollout
+batches, report reduction, micro-batch seeds (the float64 tests of the math are in test_rl_math.py,
+test_advantages.py, test_policy_losses.py and test_mismatch.py; end-to-end runs in tests/distributed)."""
 from __future__ import annotations
 
 import math
@@ -7,9 +9,16 @@ import math
 import pytest
 import torch
 
-from aligner.algorithms.rl_actor import RLActorConfig, tf_adam_epsilon, update_ema
-from aligner.config import CONF_DIR, load_config
-from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, values_at_response
+from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
+from aligner.config import CONF_DIR, ConfigError, load_config
+from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, micro_batch_seed, values_at_response
+
+from ..conftest import dotted_keys
+
+PPO_YAML = CONF_DIR / "gpt_ppo_actor.yaml"
+GROUP_YAML = CONF_DIR / "gpt_reinforce_actor.yaml"
+REQUIRED = ["model.init_from=x", "data.prompts=p.jsonl"]
+FUNCTION_REWARD = ["reward.source=function", "reward.function=m:f"]
 
 
 def _tf_adam_reference(param: float, grads: list[float], lr: float, beta1: float, beta2: float, eps: float) -> float:
@@ -102,28 +111,73 @@ def test_load_function_errors_say_what_is_wrong():
         load_function("aligner.demo.arithmetic:nope")
 
 
+@pytest.mark.parametrize("yaml_path", [PPO_YAML, GROUP_YAML])
+def test_shipped_yamls_document_every_key(yaml_path):
+    from omegaconf import OmegaConf
+
+    assert dotted_keys(OmegaConf.structured(RLActorConfig)) - dotted_keys(OmegaConf.load(yaml_path)) == set()
+
+
 def test_bad_settings_are_refused_with_the_key_named():
-    yaml_path = CONF_DIR / "gpt_ppo_actor.yaml"
-    required = ["model.init_from=x", "data.prompts=p.jsonl"]
-    cfg = load_config(RLActorConfig, yaml_path, required)
+    cfg = load_config(RLActorConfig, PPO_YAML, REQUIRED)
     cfg.validate(data_parallel_size=2)
+    assert cfg.uses_critic and cfg.rollouts_per_step == 64
     bad = {
-        "ppo.prompts_per_step=63": "multiple of the data-parallel size",
-        "trainer.global_batch_size=48": r"divide the 64 rollouts per step \(ppo.prompts_per_step\)",
+        "rollout.prompts_per_step=63": "multiple of the data-parallel size",
+        "trainer.global_batch_size=48": r"divide the 64 rollouts per step \(rollout.prompts_per_step x",
         "trainer.micro_batch_size=5": "must divide the per-rank minibatch",
-        "kl.estimator=k9": "kl.estimator",
-        "ppo.loss_aggregation=sum": "loss_aggregation",
+        "trainer.max_epochs=1": "trainer.max_steps",
         "reward.source=function": "reward.function",
         "generation.temperature=0": "temperature must be > 0",
-        "trainer.max_epochs=1": "trainer.max_steps",
-        "ppo.scale_logits_by_temperature=false": "recompute_old_logprobs",
+        "loss.scale_logits_by_temperature=false": "recompute_old_logprobs",
+        "loss.importance_sampling=token": "loss.recompute_old_logprobs=true",
+        "reward.overlong_buffer=40": "reward.overlong_buffer=40 must lie in 1..generation.max_new_tokens",
         "ptx.data=x.jsonl": "ptx.coef",
+        "advantage.estimator=grpo": "needs at least 2 samples per prompt",
+        "rollout.dynamic_sampling=true": "samples_per_prompt >= 2",
     }
     for override, message in bad.items():
-        extra = ["ppo.recompute_old_logprobs=false"] if "scale_logits" in override else []
-        with pytest.raises(ValueError, match=message):
-            load_config(RLActorConfig, yaml_path, [*required, override, *extra]).validate(data_parallel_size=2)
+        extra = ["loss.recompute_old_logprobs=false"] if override.startswith(("loss.scale", "loss.importance")) else []
+        with pytest.raises(ConfigError, match=message):
+            load_config(RLActorConfig, PPO_YAML, [*REQUIRED, override, *extra]).validate(data_parallel_size=2)
+    # Choice fields fail when the config loads, before anything is built.
+    for override in ("kl.estimator=k9", "loss.aggregation=sum", "advantage.estimator=ppo", "loss.policy_loss=dpo",
+                     "reward.source=critic_server", "generation.router=fast", "loss.importance_sampling=off"):
+        with pytest.raises(ConfigError, match=override.split("=")[0]):
+            load_config(RLActorConfig, PPO_YAML, [*REQUIRED, override])
+    with pytest.raises(ConfigError, match="uses no critic"):
+        load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, "reward.source=combined"]).validate(data_parallel_size=1)
 
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_preset_is_a_valid_config_of_the_group_yaml(algorithm):
+    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, *ALGORITHMS[algorithm]])
+    cfg.validate(data_parallel_size=2)
+    assert not cfg.uses_critic and cfg.rollout.samples_per_prompt == 4
+
+
+def test_old_ppo_and_reinforce_keys_still_load_with_a_deprecation_line(capsys):
+    cfg = load_config(RLActorConfig, PPO_YAML, [*REQUIRED, "ppo.prompts_per_step=32", "ppo.epochs=3",
+                                                "ppo.reward_clip=5.0", "ppo.loss_aggregation=sequence_mean_token_sum",
+                                                "reward.source=critic"])
+    assert (cfg.rollout.prompts_per_step, cfg.loss.epochs, cfg.reward.clip) == (32, 3, 5.0)
+    assert cfg.loss.aggregation == "sequence_mean_token_sum" and cfg.reward.source == "combined"
+    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, "reinforce.samples_per_prompt=8",
+                                                  "reinforce.baseline=grpo"])
+    assert cfg.rollout.samples_per_prompt == 8 and cfg.advantage.estimator == "grpo"
+    err = capsys.readouterr().err
+    assert err.count("deprecated:") == 7 and "ppo.epochs; it is now loss.epochs" in err
+
+
+def test_each_prompt_is_repeated_k_times_adjacent():
+    assert group_indices([7, 2], 3) == [7, 7, 7, 2, 2, 2]
+    assert group_indices([7, 2], 1) == [7, 2]
+
+
+def test_micro_batch_seeds_differ_per_micro_batch_and_are_valid_engine_seeds():
+    seeds = {micro_batch_seed(seed, first) for seed in (0, 1, 2**32 - 1) for first in range(0, 4096, 16)}
+    assert len(seeds) == 3 * 256 and all(0 <= s < 2**32 for s in seeds)
+    assert micro_batch_seed(5, 32) == micro_batch_seed(5, 32)  # deterministic: any replica draws the same
 
 # ----------------------------------------------------------------------------- dynamic sampling
 def _dynamic_sampling_actor(prompts_per_step: int, k: int, max_rounds: int, score):
