@@ -3,6 +3,7 @@ also when a child was killed and could not clean up after itself."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -86,11 +87,18 @@ def test_actor_rollouts_per_step_reads_the_actor_config():
     assert rollouts == 48 and key in {"ppo.prompts_per_step", "rollout.prompts_per_step x rollout.samples_per_prompt"}
 
 
+def _rollouts_key() -> str:
+    """The actor key(s) the launcher names for the rollouts per step."""
+    from aligner.launcher import actor_rollouts_per_step
+
+    return re.escape(actor_rollouts_per_step(_configs(actor_overrides=["ppo.prompts_per_step=64"])[1])[1])
+
+
 @pytest.mark.parametrize("critic_overrides, actor_overrides, critic_dp, message", [
     (["train.global_batch_size=48", "train.micro_batch_size=4"], ["ppo.prompts_per_step=64"], None,
-     r"the critic's train.global_batch_size=48 must divide the actor's 64 rollouts per step \(ppo.prompts_per_step\)"),
+     r"the critic's train.global_batch_size=48 must divide the actor's 64 rollouts per step \({key}\)"),
     (["train.global_batch_size=16", "server.max_train_rows=32"], ["ppo.prompts_per_step=64"], None,
-     r"the actor's 64 rollouts per step \(ppo.prompts_per_step\) are more than the critic's server.max_train_rows=32"),
+     r"the actor's 64 rollouts per step \({key}\) are more than the critic's server.max_train_rows=32"),
     (["train.global_batch_size=16", "server.max_request_bytes=100000"],
      ["ppo.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"], None,
      # 64 rows x (8 x 160 token columns + 8 x 60 response columns + 16) bytes
@@ -104,7 +112,7 @@ def test_critic_that_would_reject_the_actors_batch_is_refused(critic_overrides, 
     from aligner.launcher import check_critic_fits_actor
 
     critic, actor = _configs(critic_overrides, actor_overrides)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message.replace("{key}", _rollouts_key())):
         check_critic_fits_actor(critic, actor, critic_dp)
 
 
@@ -134,7 +142,7 @@ def test_launch_ppo_refuses_a_batch_mismatch_before_starting_anything(tmp_path):
          "--actor-arg=ppo.prompts_per_step=64"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: the critic's train.global_batch_size=24 must divide the actor's 64 rollouts per step "
-        "(ppo.prompts_per_step): each critic_train request is one step's rollouts")
+    assert re.fullmatch(r"error: the critic's train.global_batch_size=24 must divide the actor's 64 rollouts per step "
+                        rf"\({_rollouts_key()}\): each critic_train request is one step's rollouts",
+                        result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not log_dir.exists()
