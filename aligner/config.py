@@ -50,7 +50,7 @@ def require_writable_dir(path: str | Path, key: str) -> None:
 
 
 def require_checkpoint_dir(path: str | Path, key: str) -> None:
-    """Refuse a setting that should name a checkpoint directory (`model.init_from`, `rm_model_file`, ...)
+    """Refuse a setting that should name a checkpoint directory (`model.init_from`, `critic.init_from`, ...)
     but names nothing or a file, before anything is built."""
     if not Path(path).exists():
         raise ConfigError(f"{key}={path} does not exist; expected an aligner checkpoint directory (a step_<N> "
@@ -91,6 +91,20 @@ def apply_renamed_keys(node, renames: Sequence[tuple[str, str]], where: str) -> 
     return lines
 
 
+def drop_retired_keys(node, retired: Sequence[tuple[str, str]], where: str) -> list[str]:
+    """Remove keys that are no longer settings from an omegaconf node, in place; returns one
+    'deprecated' line per key removed, saying what replaces it."""
+    lines = []
+    for old, instead in retired:
+        if OmegaConf.select(node, old, default=_ABSENT) is _ABSENT:
+            continue
+        parent, _, leaf = old.rpartition(".")
+        del (OmegaConf.select(node, parent) if parent else node)[leaf]
+        lines.append(f"deprecated: {where} sets {old}, which is no longer a setting ({instead}); it is ignored "
+                     "(and refused from the next release)")
+    return lines
+
+
 _ABSENT = object()
 
 
@@ -98,16 +112,18 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     """Build a `schema` instance from a yaml file plus `key=value` overrides (dotted keys).
 
     A schema may list `RENAMED_KEYS` (a class attribute of (old dotted key, new dotted key) pairs): old names
-    still load, with a 'deprecated' line on stderr.
+    still load, with a 'deprecated' line on stderr; and `RETIRED_KEYS` ((old dotted key, what replaces it)
+    pairs): keys that are no longer settings, dropped with a 'deprecated' line.
     """
     yaml_path = Path(yaml_path)
     if not yaml_path.is_file():
         raise ConfigError(f"config file {yaml_path} does not exist")
     renames = getattr(schema, "RENAMED_KEYS", ())
+    retired = getattr(schema, "RETIRED_KEYS", ())
     base = OmegaConf.structured(schema)
     try:
         from_file = OmegaConf.load(yaml_path)
-        notes = apply_renamed_keys(from_file, renames, str(yaml_path))
+        notes = apply_renamed_keys(from_file, renames, str(yaml_path)) + drop_retired_keys(from_file, retired, str(yaml_path))
         merged = OmegaConf.merge(base, from_file)
     except OmegaConfBaseException as error:
         raise ConfigError(f"{yaml_path}: {_describe(error)}") from None
@@ -125,6 +141,7 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     try:
         from_command_line = OmegaConf.from_dotlist(list(overrides))
         notes += apply_renamed_keys(from_command_line, renames, "the command line")
+        notes += drop_retired_keys(from_command_line, retired, "the command line")
         merged = OmegaConf.merge(merged, from_command_line)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:

@@ -115,6 +115,44 @@ class ManagedProcess:
                 pass
 
 
+def actor_rollouts_per_step(actor_cfg) -> tuple[int, str]:
+    """(rollouts the PPO actor generates per step, the actor setting that says so). One critic_train
+    request carries exactly these rollouts."""
+    return actor_cfg.ppo.prompts_per_step, "ppo.prompts_per_step"
+
+
+def check_critic_fits_actor(critic_cfg, actor_cfg, critic_data_parallel_size: Optional[int] = None) -> None:
+    """Refuse, before anything starts, a critic server that would reject the actor's first critic_train
+    request (a ConfigError naming the critic's and the actor's keys).
+
+    critic_cfg: the critic server's config (servers/critic.py); actor_cfg: the PPO actor's config;
+    critic_data_parallel_size: the critic job's data-parallel size, if known.
+    """
+    from aligner.config import ConfigError
+
+    rollouts, rollouts_key = actor_rollouts_per_step(actor_cfg)
+    train, server = critic_cfg.train, critic_cfg.server
+    if rollouts % train.global_batch_size:
+        raise ConfigError(f"the critic's train.global_batch_size={train.global_batch_size} must divide the actor's "
+                          f"{rollouts} rollouts per step ({rollouts_key}): each critic_train request is one step's "
+                          f"rollouts")
+    if rollouts > server.max_train_rows:
+        raise ConfigError(f"the actor's {rollouts} rollouts per step ({rollouts_key}) are more than the critic's "
+                          f"server.max_train_rows={server.max_train_rows} rows of one critic_train request")
+    # The largest request the actor can send: token ids (8 bytes) of the longest prompt + response,
+    # returns and old values (4 bytes each) per response token, two lengths per row.
+    longest_response = actor_cfg.generation.max_new_tokens
+    longest_row = actor_cfg.data.max_prompt_length + longest_response
+    largest_request = rollouts * (8 * longest_row + 8 * longest_response + 16)
+    if largest_request > server.max_request_bytes:
+        raise ConfigError(
+            f"a critic_train request of the actor's {rollouts} rollouts ({rollouts_key}) of up to "
+            f"data.max_prompt_length + generation.max_new_tokens = {longest_row} tokens can carry {largest_request} "
+            f"bytes, more than the critic's server.max_request_bytes={server.max_request_bytes}")
+    if critic_data_parallel_size is not None:
+        critic_cfg.validate_layout(critic_data_parallel_size)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

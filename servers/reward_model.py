@@ -1,7 +1,7 @@
 """Reward-model server: a PyTriton transport over `aligner.models.reward.RewardInference`.
 
-    python examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT [key=value ...]
-    torchrun --nproc_per_node N examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT \
+    python examples/nlp/gpt/serve_reward_model.py init_from=CHECKPOINT [key=value ...]
+    torchrun --nproc_per_node N examples/nlp/gpt/serve_reward_model.py init_from=CHECKPOINT \
         parallel.tensor_model_parallel_size=2
 
 Rank 0 runs Triton; every rank computes (see `servers.triton.CollectiveServing`). The rewards are
@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,42 +83,36 @@ from aligner.clients.protocol import (
     request_over_size_cap,
     token_outside_vocabulary,
 )
+from aligner.config import ConfigError, at_least, require_checkpoint_dir
+from aligner.models.reward import RewardInferenceConfig
 from aligner.runtime.distributed import ParallelConfig
-from servers.triton import CollectiveServing, ServerConfig, TritonModel, TritonSetupError
+from servers.triton import CollectiveServing, ServerConfig, TritonModel
 
 LOGGER = logging.getLogger(__name__)
-
-
-
-@dataclass
-class RewardInferenceConfig:
-    micro_batch_size: int = 4  # rows per forward pass on each data-parallel rank
 
 
 @dataclass
 class RewardServerConfig:
     """Schema of conf/inference_rm.yaml (examples/nlp/gpt/serve_reward_model.py)."""
 
-    rm_model_file: str = MISSING  # reward-model checkpoint directory
+    RENAMED_KEYS: ClassVar[tuple] = (("rm_model_file", "init_from"),)
+
+    init_from: str = MISSING  # reward-model checkpoint directory
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     inference: RewardInferenceConfig = field(default_factory=RewardInferenceConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name=REWARD_MODEL))
     normalize_rewards: bool = True  # apply the checkpoint's reward normalisation
-    pad_sequence_length_to_multiple: int = 8
+    pad_sequence_length_to_multiple: int = at_least(1, 8)
     append_eos: bool = True  # `sentences`/`conversations` input: end with eos, as reward training does
     chat_template: bool = True  # `conversations` input: the chat template, as the reward model's data.chat_template
 
     def validate(self) -> None:
-        if self.inference.micro_batch_size < 1:
-            raise TritonSetupError(f"inference.micro_batch_size must be >= 1, got {self.inference.micro_batch_size}")
-        if self.pad_sequence_length_to_multiple < 1:
-            raise TritonSetupError(
-                f"pad_sequence_length_to_multiple must be >= 1, got {self.pad_sequence_length_to_multiple}")
+        """Checks across sections (the schema checks single values when the config loads)."""
         if self.parallel.virtual_pipeline_model_parallel_size:
-            raise TritonSetupError("the reward server does not use a virtual pipeline; set "
-                                   "parallel.virtual_pipeline_model_parallel_size=null")
+            raise ConfigError("the reward server does not use a virtual pipeline; set "
+                              "parallel.virtual_pipeline_model_parallel_size=null")
         if self.parallel.sequence_parallel:
-            raise TritonSetupError("the reward server does not use sequence parallelism; set parallel.sequence_parallel=false")
+            raise ConfigError("the reward server does not use sequence parallelism; set parallel.sequence_parallel=false")
         self.server.validate()
 
 
@@ -282,15 +276,13 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
     from servers.triton import check_ports_free, prepare_environment, serve
 
     cfg.validate()
-    from aligner.config import require_checkpoint_dir
-
-    require_checkpoint_dir(cfg.rm_model_file, "rm_model_file")
+    require_checkpoint_dir(cfg.init_from, "init_from")
     if distributed.rank_and_world_from_env()[0] == 0:  # fail before loading a model if Triton cannot start
         prepare_environment()
         check_ports_free(cfg.server)
     data_parallel_size = distributed.initialize(cfg.parallel)
     try:
-        loaded = load_reward_model(cfg.rm_model_file, micro_batch_size=cfg.inference.micro_batch_size,
+        loaded = load_reward_model(cfg.init_from, micro_batch_size=cfg.inference.micro_batch_size,
                                    normalize=cfg.normalize_rewards)
         serving = CollectiveServing(lambda tokens, lengths: loaded.inference.infer(tokens, lengths))
         server = RewardModelServer(loaded, serving, pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple,

@@ -56,7 +56,7 @@ class RewardClient(ModelServerClient):
                          max_workers=max_workers)
 
     def start_hint(self) -> str:
-        return ("Start it with: python examples/nlp/gpt/serve_reward_model.py rm_model_file=<checkpoint> "
+        return ("Start it with: python examples/nlp/gpt/serve_reward_model.py init_from=<checkpoint> "
                 f"server.host={self.host} server.port={self.port} server.model_name={self.model_name}")
 
     def infer_async(self, token_lists: Sequence[Sequence[int]]) -> Future:

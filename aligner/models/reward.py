@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from aligner.config import at_least
 from aligner.models.forward import run_microbatches
 from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
 
@@ -101,6 +102,13 @@ def scores_within_length(scores: torch.Tensor, lengths: torch.Tensor) -> torch.T
     columns = torch.arange(scores.shape[1], device=scores.device)
     inside = columns.unsqueeze(0) < lengths.to(scores.device).unsqueeze(1)  # [batch, seq]
     return scores * inside.unsqueeze(-1).to(scores.dtype)
+
+
+@dataclass
+class RewardInferenceConfig:
+    """The `inference:` section of the servers that run `RewardInference` (reward model, critic)."""
+
+    micro_batch_size: int = at_least(1, 4)  # rows per forward pass on each data-parallel rank
 
 
 @dataclass

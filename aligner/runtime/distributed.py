@@ -257,14 +257,17 @@ def keep_gloo_on_loopback(master_addr: str) -> None:
                 return
 
 
+_PRECISION_DTYPES = {"fp32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16}
+PRECISIONS = ("auto", *_PRECISION_DTYPES)  # the values of a config's `precision` key
+
+
 def resolve_precision(name: str) -> "torch.dtype":
     """`auto` is fp32 on CPU (bf16 matmuls are slow there) and bf16 mixed precision on GPU."""
     if name == "auto":
         return torch.float32 if cpu_bridge.needed() else torch.bfloat16
-    dtypes = {"fp32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16}
-    if name not in dtypes:
+    if name not in _PRECISION_DTYPES:
         raise ValueError(f"precision must be auto, fp32 or bf16, got {name!r}")
-    return dtypes[name]
+    return _PRECISION_DTYPES[name]
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def test_tp2_server_matches_tp1_and_stops_cleanly(tp1_reference, tmp_path):
     port = free_port_block()
     server = ServerProcess(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-         "--master_addr=127.0.0.1", str(ENTRY_POINT), f"rm_model_file={checkpoint}",
+         "--master_addr=127.0.0.1", str(ENTRY_POINT), f"init_from={checkpoint}",
          "parallel.tensor_model_parallel_size=2", "inference.micro_batch_size=2", f"server.port={port}"],
         tmp_path / "server.log", new_session=True)
     try:

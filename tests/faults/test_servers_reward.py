@@ -54,7 +54,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # conf/inference_rm.yaml
 def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1") -> ServerProcess:
     for _ in range(3):  # a port found free may be taken (as an ephemeral port) before the server binds it
         port = free_port_block()
-        process = ServerProcess([sys.executable, str(ENTRY_POINT), f"rm_model_file={checkpoint}", f"server.host={host}",
+        process = ServerProcess([sys.executable, str(ENTRY_POINT), f"init_from={checkpoint}", f"server.host={host}",
                                  f"server.port={port}", "inference.micro_batch_size=3", *extra], log_path)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while process.process.poll() is None and "server ready on" not in process.log() and time.monotonic() < deadline:

@@ -102,8 +102,8 @@ def start_server(references, log_name: str, *extra: str, launcher: tuple = (sys.
 
 @pytest.fixture(scope="module")
 def server(references):
-    process = start_server(references, "combined.log", "combine_rm_and_critic=true",
-                           f"reward_model_file={references['reward_file']}", "offload_optimizer_to_cpu=true")
+    process = start_server(references, "combined.log", f"combined.reward_model_init_from={references['reward_file']}",
+                           "offload_optimizer_to_cpu=true")
     yield process
     if process.process.poll() is None:
         process.stop(signal.SIGTERM)
@@ -156,7 +156,6 @@ def test_shipped_yaml_has_every_schema_key_and_validates():
     from omegaconf import OmegaConf
 
     from servers.critic import CriticServerConfig
-    from servers.triton import TritonSetupError
 
     schema = dotted_keys(OmegaConf.structured(CriticServerConfig))
     assert schema - dotted_keys(OmegaConf.load(CRITIC_YAML)) == set(), "keys missing from the yaml"
@@ -164,22 +163,57 @@ def test_shipped_yaml_has_every_schema_key_and_validates():
     cfg.validate()
     assert (cfg.server.model_name, cfg.server.train_model_name, cfg.server.save_model_name) == (
         "critic_infer", "critic_train", "critic_save")
+    assert not cfg.combined.enabled
     with pytest.raises(ConfigError, match="critic.init_from"):
         load_config(CriticServerConfig, CRITIC_YAML, [])
     with pytest.raises(ConfigError, match="train.epochs"):
         load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "train.epochs=2"])
-    bad = {"combine_rm_and_critic=true": "needs reward_model_file",
-           "reward_model_file=/rm": "only used with combine_rm_and_critic",
-           "train.clip_val=0": "train.clip_val must be > 0",
-           "train.micro_batch_size=5": "multiple of train.micro_batch_size",
-           "train.epochs_per_call=0": "train.epochs_per_call must be >= 1",
-           "server.train_model_name=critic_infer": "model names must differ",
-           "parallel.sequence_parallel=true": "sequence parallelism"}
-    for override, message in bad.items():
-        with pytest.raises(TritonSetupError, match=message):
+    refused_at_load = {"train.clip_val=0": "train.clip_val=0.0: must be > 0",
+                       "train.micro_batch_size=5": "train.global_batch_size=64: must be a multiple of train.micro_batch_size=5",
+                       "train.epochs_per_call=0": "train.epochs_per_call=0 is out of range: it must be >= 1",
+                       "inference.micro_batch_size=0": "inference.micro_batch_size=0 is out of range",
+                       "pad_sequence_length_to_multiple=0": "pad_sequence_length_to_multiple=0 is out of range",
+                       "precision=fp16": "precision='fp16' is not one of auto, fp32",
+                       "optim.decay_style=cos": "optim.decay_style='cos' is not one of"}
+    for override, message in refused_at_load.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", override])
+    refused_by_validate = {"server.train_model_name=critic_infer": "model names must differ",
+                           "server.max_train_rows=8": "server.max_train_rows \\(8\\) must be at least train.global_batch_size",
+                           "parallel.sequence_parallel=true": "sequence parallelism"}
+    for override, message in refused_by_validate.items():
+        with pytest.raises(ConfigError, match=message):
             load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", override]).validate()
-    with pytest.raises(TritonSetupError, match="data-parallel size = 4 x 4"):
+    with pytest.raises(ConfigError, match="data-parallel size = 4 x 4"):
         load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "train.global_batch_size=8"]).validate_layout(4)
+
+
+def test_combined_mode_is_one_setting_and_the_old_spelling_still_loads(tmp_path, capsys):
+    """Setting the reward model's checkpoint is combined mode; the old keys load under the new names
+    (from a yaml and from the command line) with a deprecation line each."""
+    from servers.critic import CriticServerConfig
+
+    cfg = load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "combined.reward_model_init_from=/rm"])
+    cfg.validate()
+    assert cfg.combined.enabled and cfg.combined.reward_model_init_from == "/rm" and cfg.combined.normalize_rewards
+    assert "deprecated" not in capsys.readouterr().err
+    old_command_line = ["critic.init_from=/c", "combine_rm_and_critic=true", "reward_model_file=/rm",
+                        "normalize_rewards=false"]
+    cfg = load_config(CriticServerConfig, CRITIC_YAML, old_command_line)
+    assert cfg.combined.reward_model_init_from == "/rm" and cfg.combined.enabled and not cfg.combined.normalize_rewards
+    err = capsys.readouterr().err
+    assert "sets reward_model_file; it is now combined.reward_model_init_from" in err
+    assert "sets normalize_rewards; it is now combined.normalize_rewards" in err
+    assert "sets combine_rm_and_critic, which is no longer a setting (combined mode is on exactly when " \
+           "combined.reward_model_init_from is set)" in err
+    old_yaml = tmp_path / "old_critic.yaml"  # the shipped yaml's combined-mode lines before the rename
+    old_yaml.write_text("combine_rm_and_critic: false\nreward_model_file: null\nnormalize_rewards: true\n")
+    cfg = load_config(CriticServerConfig, old_yaml, ["critic.init_from=/c"])
+    assert not cfg.combined.enabled and cfg.combined.normalize_rewards
+    assert f"deprecated: {old_yaml} sets combine_rm_and_critic" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="reward_model_file is the old name of combined.reward_model_init_from"):
+        load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "reward_model_file=/a",
+                                                      "combined.reward_model_init_from=/b"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def server(reward_model, tmp_path_factory):
     checkpoint, _ = reward_model
     port = free_port_block()
     log = tmp_path_factory.mktemp("reward_server_log") / "server.log"
-    process = ServerProcess([sys.executable, str(ENTRY_POINT), f"rm_model_file={checkpoint}", f"server.port={port}",
+    process = ServerProcess([sys.executable, str(ENTRY_POINT), f"init_from={checkpoint}", f"server.port={port}",
                              f"inference.micro_batch_size={MICRO_BATCH_SIZE}", "server.max_batch_size=16",
                              "server.max_queue_delay_microseconds=5000"], log)
     ready_line = process.wait_ready()
@@ -214,19 +214,30 @@ def test_shipped_yaml_has_every_schema_key_and_loads():
 
     schema = dotted_keys(OmegaConf.structured(RewardServerConfig))
     assert schema - dotted_keys(OmegaConf.load(RM_YAML)) == set(), "keys missing from the yaml"
-    cfg = load_config(RewardServerConfig, RM_YAML, ["rm_model_file=/ckpt", "server.port=7000"])
+    cfg = load_config(RewardServerConfig, RM_YAML, ["init_from=/ckpt", "server.port=7000"])
+    assert cfg.init_from == "/ckpt"
     assert cfg.server.model_name == "reward_model" and cfg.server.host == "127.0.0.1"
     assert (cfg.server.port, cfg.server.grpc_port, cfg.server.metrics_port) == (7000, 7001, 7002)
     assert cfg.server.preferred_batch_sizes is None and cfg.normalize_rewards and cfg.pad_sequence_length_to_multiple == 8
     with pytest.raises(ConfigError, match="server.prot"):
-        load_config(RewardServerConfig, RM_YAML, ["rm_model_file=/ckpt", "server.prot=7000"])
-    with pytest.raises(ConfigError, match="rm_model_file"):
+        load_config(RewardServerConfig, RM_YAML, ["init_from=/ckpt", "server.prot=7000"])
+    with pytest.raises(ConfigError, match="init_from"):
         load_config(RewardServerConfig, RM_YAML, [])
+    with pytest.raises(ConfigError, match=r"pad_sequence_length_to_multiple=0 is out of range"):
+        load_config(RewardServerConfig, RM_YAML, ["init_from=/ckpt", "pad_sequence_length_to_multiple=0"])
+
+
+def test_old_checkpoint_key_still_loads_with_a_deprecation_line(capsys):
+    from servers.reward_model import RewardServerConfig
+
+    cfg = load_config(RewardServerConfig, RM_YAML, ["rm_model_file=/old"])
+    assert cfg.init_from == "/old"
+    assert "deprecated: the command line sets rm_model_file; it is now init_from" in capsys.readouterr().err
 
 
 def test_entry_point_rejects_unknown_key_with_its_name():
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(ENTRY_POINT), "rm_model_file=/nowhere", "server.prot=7000"],
+    result = subprocess.run([sys.executable, str(ENTRY_POINT), "init_from=/nowhere", "server.prot=7000"],
                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "server.prot" in result.stderr and "Traceback" not in result.stderr
@@ -453,7 +464,7 @@ def test_unreachable_server_fails_fast_naming_host_and_port():
         with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{port}") as raised:
             unreachable.wait_until_ready(timeout_s=2)
         assert 1.9 <= time.monotonic() - start < 4.0
-        assert "serve_reward_model.py rm_model_file=" in str(raised.value)
+        assert "serve_reward_model.py init_from=" in str(raised.value)
 
         start = time.monotonic()
         with pytest.raises(ServerUnavailableError, match=f"127.0.0.1:{port}"):

@@ -51,7 +51,7 @@ def served(tmp_path_factory):
         checkpoint = make_reward_checkpoint(root)
         loaded = load_reward_model(checkpoint, micro_batch_size=4)
         port = free_port_block()
-        server = ServerProcess([sys.executable, str(ENTRY_POINT), f"rm_model_file={checkpoint}", f"server.port={port}",
+        server = ServerProcess([sys.executable, str(ENTRY_POINT), f"init_from={checkpoint}", f"server.port={port}",
                                 "inference.micro_batch_size=4", "server.max_batch_size=16"], root / "server.log")
         server.wait_ready()
         yield checkpoint, port, loaded
@@ -167,7 +167,7 @@ def test_no_server_is_a_clear_error_naming_it(sft_file, tmp_path):
     result = _run([ANNOTATE, "--input", sft_file, "--output", tmp_path / "x.jsonl", "--attributes", "correctness",
                    "--port", port, "--ready-timeout", "1"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"127.0.0.1:{port}" in result.stderr and "serve_reward_model.py rm_model_file=" in result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "serve_reward_model.py init_from=" in result.stderr
 
 
 # ----------------------------------------------------------------------------- conditioned SFT

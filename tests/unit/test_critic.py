@@ -1,11 +1,12 @@
-"""The critic server's pure parts: value alignment with the actor's logprobs, optimizer offloading."""
+"""The critic (aligner/algorithms/critic.py): value alignment with the actor's logprobs, optimizer offloading."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from aligner.algorithms.critic import move_optimizer_state, optimizer_state_on_device
 from aligner.generation.logprobs import response_mask, response_values
 from aligner.rl.rollouts import values_at_response
-from servers.critic import move_optimizer_state, optimizer_state_on_device
 
 
 def test_response_values_read_the_column_before_each_response_token():
@@ -80,3 +81,116 @@ def test_token_scores_equal_a_direct_forward_of_each_unpadded_row(single_process
             assert (scores[row, length:] == 0).all()
     rewards = inference.infer(tokens, lengths)
     assert torch.equal(rewards, scores[torch.arange(5), lengths - 1])
+
+
+# ----------------------------------------------------------------------------- the library critic in process
+ROWS, GLOBAL_BATCH, MICRO_BATCH, CLIP_VAL = 4, 4, 2, 0.2
+
+
+def _critic_config(init_from, save_dir, *, offload: bool):
+    from aligner.algorithms.critic import CriticCheckpointConfig, CriticConfig, CriticSection, CriticTrainConfig
+    from aligner.models.reward import RewardInferenceConfig
+    from aligner.training.setup import OptimConfig
+
+    return CriticConfig(critic=CriticSection(init_from=str(init_from)), inference=RewardInferenceConfig(micro_batch_size=3),
+                        train=CriticTrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                                                clip_val=CLIP_VAL),
+                        optim=OptimConfig(lr=1e-3, min_lr=0.0, weight_decay=0.0, decay_style="constant", clip_grad=1000.0),
+                        checkpoint=CriticCheckpointConfig(save_dir=str(save_dir)), offload_optimizer_to_cpu=offload)
+
+
+def _float64_value_loss(init_from, batch) -> tuple[float, float, float]:
+    """(value loss, gradient norm, clip fraction) of the checkpoint's weights on the batch, in float64."""
+    from aligner import checkpointing
+    from aligner.models.gpt import GPTConfig, transformer_config
+    from aligner.models.reward import build_reward_model
+    from aligner.rl.ppo_math import value_loss
+
+    model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
+    model = build_reward_model(model_cfg, transformer_config(model_cfg), num_attributes=1)
+    checkpointing.load(init_from, [model])
+    model = model.double()
+    positions = torch.arange(batch.tokens.shape[1]).expand(batch.rows, -1)
+    token_values = model(batch.tokens, positions, None)[..., 0]  # [B, S] float64
+    width = batch.returns.shape[1]
+    values = response_values(token_values, batch.prompt_lengths, width)
+    loss, stats = value_loss(values, batch.old_values.double(), batch.returns.double(),
+                             response_mask(batch.response_lengths, width), CLIP_VAL)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return float(loss), float(grad_norm), float(stats["clip_fraction"])
+
+
+def test_library_critic_infers_trains_offloads_and_resumes(tmp_path):
+    """aligner.algorithms.critic without a server: values equal the init checkpoint's model; the first
+    train call's loss, gradient norm and clip fraction equal a float64 value_loss of the initial
+    weights; training with the Adam state offloaded equals training without; save + rebuild resumes."""
+    import dataclasses
+
+    import numpy as np
+
+    from aligner.algorithms.critic import CriticTrainBatch, CriticTrainMetrics, build_critic, move_optimizer_state
+    from aligner.clients.protocol import CRITIC_TRAIN_METRICS
+    from aligner.demo.tokenizer import train_char_tokenizer
+    from aligner.models.reward import load_reward_model
+    from aligner.rl.ppo_math import explained_variance
+    from aligner.runtime import distributed
+    from tests.functional.test_critic_server import make_one_attribute_checkpoint, right_padded
+
+    assert tuple(spec.name for spec in dataclasses.fields(CriticTrainMetrics)) == CRITIC_TRAIN_METRICS
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        train_char_tokenizer(["0123456789+= abcdefghij"], tmp_path / "tokenizer")
+        init_from = make_one_attribute_checkpoint(tmp_path / "init", tmp_path / "tokenizer", seed=5)
+        critic, data_parallel_size = build_critic(_critic_config(init_from, tmp_path / "offloaded", offload=True))
+        assert data_parallel_size == 1 and critic.step == 0 and not critic.combined
+
+        generator = torch.Generator().manual_seed(0)
+        prompt_lengths, response_lengths = torch.tensor([3, 1, 6, 2]), torch.tensor([5, 7, 2, 4])
+        sequences = [torch.randint(0, critic.model_cfg.vocab_size, (int(p + r),), generator=generator).tolist()
+                     for p, r in zip(prompt_lengths, response_lengths)]
+        tokens, lengths = right_padded(sequences)
+        values = critic.values(tokens, lengths)  # [B, S]
+        reference = load_reward_model(init_from, micro_batch_size=2).inference
+        assert (values - reference.token_scores(tokens, lengths)[..., 0]).abs().max() < 1e-5
+
+        width = int(response_lengths.max()) + 2  # wider than any response: the extra columns are ignored
+        old_values = response_values(values, prompt_lengths, width) + 0.5 * torch.randn(ROWS, width, generator=generator)
+        returns = old_values + torch.randn(ROWS, width, generator=generator)
+        batch = CriticTrainBatch(tokens, lengths, prompt_lengths, returns.float(), old_values.float())
+        assert torch.equal(batch.response_lengths, response_lengths)
+        loss, grad_norm, clip_fraction = _float64_value_loss(init_from, batch)
+        assert 0.0 < clip_fraction < 1.0  # both branches of the clipped loss are exercised
+
+        metrics = critic.train(batch)
+        print(f"\nlibrary critic: loss {metrics.value_loss:.7f} vs float64 {loss:.7f}, "
+              f"grad norm {metrics.grad_norm:.6f} vs {grad_norm:.6f}")
+        assert metrics.value_loss == pytest.approx(loss, rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(grad_norm, rel=1e-4)
+        assert metrics.clip_fraction == pytest.approx(clip_fraction, abs=1e-6)
+        mask = response_mask(response_lengths, width)
+        assert metrics.explained_variance == pytest.approx(
+            float(explained_variance(old_values.double(), returns.double(), mask)), abs=1e-6)
+        assert (metrics.lr, metrics.critic_step, critic.step) == (pytest.approx(1e-3), 1.0, 1)
+        assert not torch.equal(critic.values(tokens, lengths), values)  # the update reached the weights
+        with pytest.raises(ValueError, match="not a multiple of train.global_batch_size"):
+            critic.train(CriticTrainBatch(*(tensor[:3] for tensor in batch.tensors())))
+
+        # Offloaded (the Adam moments live on the host between calls) trains exactly as kept on the device.
+        critic.train(batch)
+        kept = build_critic(_critic_config(init_from, tmp_path / "kept", offload=False))[0]
+        for _ in range(2):
+            kept.train(batch)
+        assert torch.equal(critic.values(tokens, lengths), kept.values(tokens, lengths))
+        parameters = sum(1 for chunk in critic.chunks for p in chunk.parameters() if p.requires_grad)
+        assert move_optimizer_state(critic.optimizer, to_host=True) == 2 * parameters  # exp_avg, exp_avg_sq each
+
+        # Saved and rebuilt from the same save_dir: the critic resumes where it was.
+        path = critic.save(7)
+        assert path.name == "step_00000007" and critic.saved_step == 2
+        resumed = build_critic(_critic_config(init_from, tmp_path / "offloaded", offload=True))[0]
+        assert resumed.step == 2
+        assert np.array_equal(resumed.values(tokens, lengths).numpy(), critic.values(tokens, lengths).numpy())
+        assert resumed.train(batch).value_loss == pytest.approx(critic.train(batch).value_loss, rel=1e-6)
+    finally:
+        distributed.shutdown()

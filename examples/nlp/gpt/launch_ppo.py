@@ -9,7 +9,10 @@ Reward modes (--reward):
   server    a separate reward-model server (serve_reward_model.py) on --reward-port
   function  no reward server: pass --actor-arg reward.function=package.module:function
 The critic starts from --critic-checkpoint (default: the reward model). Extra settings go to each
-process with --critic-arg / --reward-arg / --actor-arg KEY=VALUE (repeatable). Logs: <log-dir>/*.log;
+process with --critic-arg / --reward-arg / --actor-arg KEY=VALUE (repeatable). Before anything
+starts, the critic's and the actor's configs are loaded and checked against each other (the critic's
+train.global_batch_size must divide the actor's rollouts per step, and its request caps must take
+one step's rollouts). Logs: <log-dir>/*.log;
 the actor's checkpoints and metrics: <log-dir>/actor, the critic's: <log-dir>/critic. Re-running
 the same command resumes both from their newest checkpoints. SIGTERM or Ctrl-C stops the actor at its
 next step boundary with a checkpoint (of the critic too), then the servers; a second one kills all.
@@ -22,8 +25,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from aligner.config import require_checkpoint_dir, run_main
-from aligner.launcher import ACTOR_EXIT_MARGIN_S, ManagedProcess, actor_command, run_processes
+from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line, require_checkpoint_dir, run_main
+from aligner.launcher import (
+    ACTOR_EXIT_MARGIN_S,
+    ManagedProcess,
+    actor_command,
+    check_critic_fits_actor,
+    run_processes,
+)
 from aligner.training.trainer import CheckpointConfig
 
 GPT_EXAMPLES = Path(__file__).resolve().parent
@@ -62,23 +71,45 @@ def main() -> None:
                   f"logging.log_dir={log_dir / 'actor'}", f"checkpoint.stop_grace_s={args.stop_grace}"]
     servers = []
     if args.reward == "combined":
-        critic_args += ["combine_rm_and_critic=true", f"reward_model_file={args.reward_checkpoint}"]
-        actor_args += ["reward.source=critic"]
+        critic_args += [f"combined.reward_model_init_from={args.reward_checkpoint}"]
+        actor_args += ["reward.source=combined"]
     elif args.reward == "server":
         servers.append(ManagedProcess("reward_server", [
-            *actor_command(GPT_EXAMPLES / "serve_reward_model.py", 1, []), f"rm_model_file={args.reward_checkpoint}",
+            *actor_command(GPT_EXAMPLES / "serve_reward_model.py", 1, []), f"init_from={args.reward_checkpoint}",
             f"server.port={args.reward_port}", *args.reward_arg], log_dir / "reward_server.log"))
         actor_args += ["reward.source=server", f"reward.server.port={args.reward_port}"]
     else:
         actor_args += ["reward.source=function"]
+    critic_args, actor_args = [*critic_args, *args.critic_arg], [*actor_args, *args.actor_arg]
+    check_configs(critic_args, actor_args, args.critic_nproc)
     servers.append(ManagedProcess("critic_server", actor_command(
-        GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, [*critic_args, *args.critic_arg]),
+        GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, critic_args),
         log_dir / "critic_server.log"))
     actor = ManagedProcess("actor", actor_command(GPT_EXAMPLES / "train_gpt_ppo_actor.py", args.actor_nproc,
-                                                  [*actor_args, *args.actor_arg], stop_grace_s=args.stop_grace),
+                                                  actor_args, stop_grace_s=args.stop_grace),
                            log_dir / "actor.log")
     sys.exit(run_processes(servers, actor, ready_timeout_s=args.ready_timeout,
                            actor_stop_grace_s=args.stop_grace + ACTOR_EXIT_MARGIN_S))
+
+
+def check_configs(critic_args: list[str], actor_args: list[str], critic_nproc: int) -> None:
+    """Load the critic's and the actor's configs as their entry points will, and refuse a critic that
+    would reject the actor's first critic_train request (before any process starts)."""
+    from aligner.algorithms.ppo import PPOConfig
+    from servers.critic import CriticServerConfig
+
+    configs = []
+    for name, schema, yaml_name, command_line in (("critic server", CriticServerConfig, "gpt_ppo_critic.yaml", critic_args),
+                                                  ("actor", PPOConfig, "gpt_ppo_actor.yaml", actor_args)):
+        try:
+            configs.append(load_config(schema, *parse_command_line(CONF_DIR / yaml_name, command_line)))
+        except ConfigError as error:
+            raise ConfigError(f"the {name}'s config: {error}") from None
+    critic_cfg, actor_cfg = configs
+    critic_cfg.validate()
+    model_parallel = critic_cfg.parallel.model_parallel_size
+    critic_data_parallel = critic_nproc // model_parallel if critic_nproc % model_parallel == 0 else None
+    check_critic_fits_actor(critic_cfg, actor_cfg, critic_data_parallel)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
     python examples/nlp/gpt/serve_ppo_critic.py critic.init_from=RM_CHECKPOINT [key=value ...]
     python examples/nlp/gpt/serve_ppo_critic.py critic.init_from=RM_CHECKPOINT \
-        combine_rm_and_critic=true reward_model_file=RM_CHECKPOINT      # one server for critic and reward model
+        combined.reward_model_init_from=RM_CHECKPOINT   # combined mode: one server for critic and reward model
     torchrun --nproc_per_node 2 examples/nlp/gpt/serve_ppo_critic.py critic.init_from=... \
         parallel.tensor_model_parallel_size=2
 
 Prints "critic server ready on http://HOST:PORT ..." once it answers; stop it with Ctrl-C or
 SIGTERM. A restart with the same checkpoint.save_dir resumes from the newest critic checkpoint.
-Requests, responses and errors: see servers/critic.py.
+Requests, responses and errors: see servers/critic.py; the critic itself: aligner/algorithms/critic.py.
 """
 import logging
 

@@ -1,7 +1,7 @@
 """Serve a reward model over HTTP/gRPC with PyTriton (client: aligner.clients.reward.RewardClient).
 
-    python examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT [key=value ...]
-    torchrun --nproc_per_node 2 examples/nlp/gpt/serve_reward_model.py rm_model_file=CHECKPOINT \
+    python examples/nlp/gpt/serve_reward_model.py init_from=CHECKPOINT [key=value ...]
+    torchrun --nproc_per_node 2 examples/nlp/gpt/serve_reward_model.py init_from=CHECKPOINT \
         parallel.tensor_model_parallel_size=2
 
 Prints "reward model server ready on http://HOST:PORT ..." once it answers; stop it with Ctrl-C or

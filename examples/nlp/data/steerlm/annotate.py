@@ -1,6 +1,6 @@
 """Annotate SFT records with attribute values from a served attribute-prediction (regression) reward model.
 
-    python examples/nlp/gpt/serve_reward_model.py rm_model_file=ATTRIBUTE_RM normalize_rewards=false &
+    python examples/nlp/gpt/serve_reward_model.py init_from=ATTRIBUTE_RM normalize_rewards=false &
     python examples/nlp/data/steerlm/annotate.py --input sft.jsonl --output sft_annotated.jsonl \
         --attributes correctness --scale 0:4 --port 5555
 

@@ -1,0 +1,438 @@
+"""The PPO critic: a value model trained on the actor's returns (served by servers/critic.py).
+
+The critic is the reward-model architecture (GPT body + one scalar head, bias trained) initialised
+from a reward-model checkpoint (`critic.init_from`; a policy checkpoint gives a fresh head), or,
+when `checkpoint.save_dir` already holds a critic checkpoint, resumed from the newest one (model,
+optimizer, LR schedule, critic step), so a restarted server continues the run.
+
+Combined mode (`combined.reward_model_init_from` set): the same devices also hold a reward model.
+Its weights stay in (pinned, on GPU) host memory and are swapped into the critic's model for each
+reward pass and swapped out again (`aligner.models.weight_swap.HostWeights`).
+
+Training (`Critic.train`, one call per rollout batch): `train.epochs_per_call` passes over the
+batch, in optimizer steps of `train.global_batch_size` rows, each split over the data-parallel
+ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
+The loss is `aligner.rl.ppo_math.value_loss` (clipped with `train.clip_val`), the token mean over
+the response tokens of the optimizer step; the values of response token j are read at the column
+the actor reads its logprob from (`aligner.generation.logprobs.response_values`).
+
+Reads top to bottom: config schema, optimizer-state offloading, the train batch and its metrics,
+`Critic` (values, rewards, training, checkpoints) and `build_critic`. Every method of `Critic`
+is collective: every rank of the job calls it with the same arguments.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from omegaconf import MISSING
+
+from aligner.config import ConfigError, at_least, one_of, require_checkpoint_dir
+from aligner.generation.logprobs import response_mask, response_values
+from aligner.models.reward import RewardInference, RewardInferenceConfig
+from aligner.rl.ppo_math import explained_variance, value_loss
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.training.setup import OptimConfig
+
+LOGGER = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class CriticSection:
+    init_from: str = MISSING  # reward-model checkpoint (or a policy checkpoint: the value head starts fresh)
+
+
+@dataclass
+class CombinedSection:
+    """Combined mode: the critic's devices also serve a reward model (one set of devices, two models)."""
+
+    reward_model_init_from: Optional[str] = None  # the reward model's checkpoint; set: combined mode, null: critic only
+    normalize_rewards: bool = True  # apply the reward model's stored normalisation
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.reward_model_init_from)
+
+
+@dataclass
+class CriticTrainConfig:
+    global_batch_size: int = at_least(1, 64)  # rows per optimizer step; a train batch's rows must be a multiple
+    micro_batch_size: int = at_least(1, 4)  # rows per forward/backward on each data-parallel rank
+    epochs_per_call: int = at_least(1, 1)  # passes over each train batch
+    clip_val: Optional[float] = 0.2  # value clipping around old_values; null: plain squared error
+    max_steps: int = at_least(1, 1000)  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if self.clip_val is not None and not self.clip_val > 0:
+            return "clip_val", "must be > 0 (or null to disable value clipping)"
+        if self.global_batch_size % self.micro_batch_size:
+            return "global_batch_size", f"must be a multiple of train.micro_batch_size={self.micro_batch_size}"
+        return None
+
+
+@dataclass
+class CriticCheckpointConfig:
+    save_dir: str = "results/critic/checkpoints"  # save() writes step_<N> here; a restart resumes from the newest
+    keep_last: int = at_least(0, 2, "0: keep all")  # newest checkpoints kept
+
+
+@dataclass
+class CriticConfig:
+    """The critic's settings (the critic server's schema adds its `server:` section)."""
+
+    critic: CriticSection = field(default_factory=CriticSection)
+    combined: CombinedSection = field(default_factory=CombinedSection)
+    seed: int = 1234
+    precision: str = one_of(PRECISIONS, "auto")  # auto: fp32 on CPU, bf16 mixed precision on GPU
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    inference: RewardInferenceConfig = field(default_factory=RewardInferenceConfig)
+    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, decay_style="constant"))
+    checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
+    offload_optimizer_to_cpu: bool = False  # keep the Adam state in host memory between train calls
+
+    def validate(self) -> None:
+        """Checks across sections (the schema checks single values when the config loads)."""
+        if self.parallel.virtual_pipeline_model_parallel_size:
+            raise ConfigError("the critic does not use a virtual pipeline; set "
+                              "parallel.virtual_pipeline_model_parallel_size=null")
+        if self.parallel.sequence_parallel:
+            raise ConfigError("the critic does not use sequence parallelism; set parallel.sequence_parallel=false")
+
+    def validate_layout(self, data_parallel_size: int) -> None:
+        """Checks that need the data-parallel size (known once the job has started, or to a launcher)."""
+        rows_per_pass = self.train.micro_batch_size * data_parallel_size
+        if self.train.global_batch_size % rows_per_pass:
+            raise ConfigError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of train.micro_batch_size "
+                f"x data-parallel size = {self.train.micro_batch_size} x {data_parallel_size}")
+
+
+# ----------------------------------------------------------------------------- optimizer offloading
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a megatron optimizer (chained or not)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(part, "optimizer", part) for part in parts]
+
+
+def move_optimizer_state(optimizer, to_host: bool) -> int:
+    """Move the optimizer's per-parameter state tensors (Adam's moments) to host memory, or back next
+    to their parameters; returns how many tensors it handled. A no-op copy-free move on CPU.
+
+    Scalar entries (Adam's `step`) stay where they are: torch's Adam keeps them on the CPU.
+    """
+    from aligner.runtime.distributed import host_copy
+
+    handled = 0
+    for inner in _inner_optimizers(optimizer):
+        for param, state in inner.state.items():
+            for key, value in state.items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                target = torch.device("cpu") if to_host else param.device
+                if value.device != target:
+                    state[key] = host_copy(value) if to_host else value.to(target, non_blocking=True)
+                handled += 1
+    return handled
+
+
+@contextlib.contextmanager
+def optimizer_state_on_device(optimizer, offload: bool) -> Iterator[None]:
+    """With offload: the optimizer state comes to the device for the block and goes back to host memory after."""
+    if not offload:
+        yield
+        return
+    move_optimizer_state(optimizer, to_host=False)
+    try:
+        yield
+    finally:
+        move_optimizer_state(optimizer, to_host=True)
+
+
+# ----------------------------------------------------------------------------- the train batch and its metrics
+@dataclass
+class CriticTrainBatch:
+    """One rollout batch to train on, the same on every rank (the server checked it)."""
+
+    tokens: torch.Tensor  # int64 [B, S]: prompt + response per row, right-padded
+    sequence_lengths: torch.Tensor  # int64 [B]: prompt + response length per row
+    prompt_lengths: torch.Tensor  # int64 [B]: >= 1, < sequence length
+    returns: torch.Tensor  # float32 [B, T]: value targets per response token (entries past a response are ignored)
+    old_values: torch.Tensor  # float32 [B, T]: the critic's values at rollout time, same layout
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.sequence_lengths - self.prompt_lengths
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order: `CriticTrainBatch(*batch.tensors())` rebuilds it (e.g. on another rank)."""
+        return tuple(getattr(self, spec.name) for spec in dataclasses.fields(self))
+
+
+@dataclass
+class CriticTrainMetrics:
+    """What one training call reports (the names of the critic server's critic_train outputs)."""
+
+    value_loss: float  # mean over the call's optimizer steps (one step: the loss before the update)
+    clip_fraction: float  # mean over the call's optimizer steps
+    explained_variance: float  # old_values against returns: the critic before the call
+    grad_norm: float  # mean over the call's optimizer steps
+    lr: float  # the last step's rate
+    critic_step: float  # optimizer steps since the critic was created
+
+
+# ----------------------------------------------------------------------------- the critic (every rank)
+class Critic:
+    """The critic's model, optimizer and schedule on this rank, and the reward model's weights in
+    combined mode; every method is collective."""
+
+    def __init__(self, cfg: CriticConfig, chunks: list, optimizer, scheduler, model_cfg, tokenizer_dir: str, *,
+                 run_id: str, reward_weights=None, reward_normalization=None,
+                 reward_attributes: tuple = ("reward",)):
+        self.cfg = cfg
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.model_cfg = model_cfg
+        self.tokenizer_dir = tokenizer_dir
+        self.run_id = run_id  # carried by its checkpoints; pruning deletes only those
+        self.step = 0
+        self.saved_step = 0  # the critic step of the newest checkpoint (saved, or resumed from)
+        self.value_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size)
+        self.reward_weights = reward_weights  # HostWeights of the reward model (combined mode) or None
+        self.reward_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size, reward_normalization)
+        self.reward_attributes = list(reward_attributes)  # the reward model's attribute name (combined mode)
+
+    @property
+    def combined(self) -> bool:
+        return self.reward_weights is not None
+
+    @property
+    def reward_tokenizer_dir(self) -> Optional[Path]:
+        from aligner import checkpointing
+
+        init_from = self.cfg.combined.reward_model_init_from
+        return Path(init_from) / checkpointing.TOKENIZER_DIR if self.combined else None
+
+    # -- inference
+    def values(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] right-padded, lengths [B] -> values [B, S]: column c is the value of the prefix
+        tokens[:c + 1]; 0 from each row's length on."""
+        return self.value_inference.token_scores(tokens, lengths)[..., 0]
+
+    def rewards(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, 1] reward-model rewards (combined mode), computed with the reward weights swapped in."""
+        if not self.combined:
+            raise RuntimeError("this critic has no reward model (combined.reward_model_init_from is not set)")
+        with self.reward_weights.swapped_in(self.chunks):
+            return self.reward_inference.infer(tokens, lengths)
+
+    def values_and_rewards(self, tokens: torch.Tensor, lengths: torch.Tensor):
+        """(values [B, S], rewards [B, 1] in combined mode, else None)."""
+        values = self.values(tokens, lengths)
+        return values, (self.rewards(tokens, lengths) if self.combined else None)
+
+    # -- training
+    def train(self, batch: CriticTrainBatch) -> CriticTrainMetrics:
+        """epochs_per_call passes over the batch in optimizer steps of train.global_batch_size rows
+        (batch.rows must be a multiple of it)."""
+        from megatron.core import parallel_state as ps
+
+        train = self.cfg.train
+        if batch.rows == 0 or batch.rows % train.global_batch_size:
+            raise ValueError(f"a train batch of {batch.rows} rows is not a multiple of train.global_batch_size "
+                             f"({train.global_batch_size})")
+        mask = response_mask(batch.response_lengths, batch.returns.shape[1])
+        variance_explained = float(explained_variance(batch.old_values.double(), batch.returns.double(), mask))
+        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rows_per_rank = train.global_batch_size // dp_size
+        micro = train.micro_batch_size
+        per_step = []
+        with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
+            for _ in range(train.epochs_per_call):
+                for start in range(0, batch.rows, train.global_batch_size):
+                    first = start + dp_rank * rows_per_rank
+                    microbatches = [CriticTrainBatch(*(tensor[row:row + micro] for tensor in batch.tensors()))
+                                    for row in range(first, first + rows_per_rank, micro)]
+                    per_step.append(self._optimizer_step(microbatches))
+        return CriticTrainMetrics(
+            value_loss=float(np.mean([step["value_loss"] for step in per_step])),
+            clip_fraction=float(np.mean([step["clip_fraction"] for step in per_step])),
+            explained_variance=variance_explained,
+            grad_norm=float(np.mean([step["grad_norm"] for step in per_step])),
+            lr=per_step[-1]["lr"], critic_step=float(self.step))
+
+    def _optimizer_step(self, microbatches: list[CriticTrainBatch]) -> dict[str, float]:
+        from aligner.models.forward import run_microbatches
+        from aligner.training.trainer import reduce_reports
+
+        clip_val = self.cfg.train.clip_val
+        seq_length, micro_batch_size = microbatches[0].tokens.shape[1], microbatches[0].rows
+
+        def forward(model, fields: dict):
+            tokens = fields["tokens"]
+            return model(tokens, torch.arange(seq_length, device=tokens.device).expand(micro_batch_size, -1), None)
+
+        def loss(fields: dict, scores):
+            batch = CriticTrainBatch(**fields)  # the schedule hands each micro batch over as a dict, on the device
+            width = batch.returns.shape[1]
+            values = response_values(scores[..., 0].float(), batch.prompt_lengths, width)  # [mb, T]
+            mask = response_mask(batch.response_lengths, width)
+            mean_loss, stats = value_loss(values, batch.old_values, batch.returns, mask, clip_val)
+            tokens = mask.sum()
+            # Megatron's per-token loss mode divides by the token count of the whole optimizer step
+            # (all micro batches and data-parallel ranks): hand it the sum, so the step's loss is
+            # value_loss's token mean over the step's global batch.
+            loss_sum = mean_loss * tokens
+            report = {"loss_sum": loss_sum.detach(), "tokens": tokens.float(),
+                      "clipped": stats["clip_fraction"] * tokens}
+            return loss_sum, tokens.to(torch.int), report
+
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
+        reports = run_microbatches(self.chunks, [vars(batch) for batch in microbatches], forward, loss, forward_only=False,
+                                   seq_length=seq_length, micro_batch_size=micro_batch_size)
+        totals = reduce_reports(reports)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"critic step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        tokens = max(totals["tokens"], 1.0)
+        return {"value_loss": totals["loss_sum"] / tokens, "clip_fraction": totals["clipped"] / tokens,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        from aligner.training import schedule
+
+        return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
+                schedule.STATE_KEY: self.schedule_settings()}
+
+    def schedule_settings(self) -> dict:
+        from aligner.training import schedule
+
+        return schedule.schedule_settings(self.cfg.optim, {"train.max_steps": self.cfg.train.max_steps})
+
+    def save(self, step: int) -> Path:
+        """checkpoint.save_dir/step_<step>: model, optimizer, LR schedule and critic step (step: the
+        caller's, so the actor's and the critic's checkpoints pair up); prunes to checkpoint.keep_last."""
+        from aligner import checkpointing
+
+        with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
+            path = checkpointing.save(
+                checkpointing.step_dir(self.cfg.checkpoint.save_dir, step), self.chunks,
+                model_config=self.model_cfg.to_dict(), optimizer=self.optimizer,
+                trainer_state={**self.state_dict(), "caller_step": step}, tokenizer_dir=self.tokenizer_dir,
+                run_id=self.run_id,
+                # A reward-model checkpoint with one attribute: it loads as a critic or a reward model.
+                extra_meta={"reward": {"type": "value", "attributes": ["value"], "normalization": None},
+                            "critic": {"init_from": self.cfg.critic.init_from}})
+        checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last,
+                                             run_id=self.run_id, saved=path)
+        self.saved_step = self.step
+        return path
+
+    def resume_from(self, checkpoint_dir) -> None:
+        from aligner import checkpointing
+        from aligner.training import schedule
+
+        with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
+            meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer)
+        state = meta.get("trainer_state", {})
+        if "critic_step" not in state:
+            raise checkpointing.CheckpointError(
+                f"{checkpoint_dir} is not a critic checkpoint (no critic_step in its trainer state); "
+                f"checkpoint.save_dir must be the critic's own directory")
+        self.step = int(state["critic_step"])
+        self.saved_step = self.step
+        changes = schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings())
+        if changes:
+            LOGGER.warning("critic %s", schedule.describe_changes(changes, self.step))
+
+
+def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
+    """Every rank: start the job, build the critic (critic.init_from, or resumed from
+    checkpoint.save_dir), load the reward model's weights in combined mode. Returns (critic,
+    data-parallel size)."""
+    from aligner import checkpointing
+    from aligner.models.reward import (
+        HEAD_STATE_PREFIX,
+        RewardModelInfo,
+        RewardNormalization,
+        build_reward_model,
+        fold_normalization_into_head,
+    )
+    from aligner.models.weight_swap import HostWeights
+    from aligner.training import setup
+
+    cfg.validate()
+    require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
+    reward_init = cfg.combined.reward_model_init_from
+    if cfg.combined.enabled:
+        require_checkpoint_dir(reward_init, "combined.reward_model_init_from")
+    init_meta = checkpointing.read_meta(cfg.critic.init_from)
+    # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.
+    head_fits = len(init_meta.get("reward", {}).get("attributes", [])) == 1
+    built = setup.build_training_model(
+        parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed,
+        model=setup.ModelSection(init_from=cfg.critic.init_from), tokenizer=setup.TokenizerConfig(), optim=cfg.optim,
+        save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
+        chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
+                                                                           head_seed=cfg.seed, train_bias=True, **kw),
+        skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,))
+    cfg.validate_layout(built.data_parallel_size)
+    scheduler = setup.build_scheduler(built.optimizer, cfg.optim, cfg.train.max_steps)
+    init_normalization = init_meta.get("reward", {}).get("normalization")
+    if head_fits and init_normalization and built.resume_checkpoint is None:
+        # Values start in the units of the normalised rewards the actor trains on (not off by the
+        # reward model's raw offset, which value clipping would take many steps to walk back).
+        fold_normalization_into_head(built.chunks, RewardNormalization(**init_normalization))
+        built.optimizer.reload_model_params()  # mixed precision: the fp32 main copy follows
+
+    reward_weights, normalization, attributes = None, None, ("reward",)
+    if cfg.combined.enabled:
+        reward_meta = checkpointing.read_meta(reward_init)
+        info = RewardModelInfo.from_meta(reward_meta, reward_init)
+        if len(info.attributes) != 1:
+            raise checkpointing.CheckpointError(
+                f"combined.reward_model_init_from={reward_init}: combined mode needs a one-attribute reward model "
+                f"(it shares the critic's one-output head shape); this one predicts {info.attributes}")
+        if reward_meta["model"] != built.model_cfg.to_dict():
+            differing = sorted(key for key, value in reward_meta["model"].items()
+                               if built.model_cfg.to_dict().get(key) != value)
+            raise checkpointing.CheckpointError(
+                f"combined.reward_model_init_from={reward_init}: combined mode needs the reward model and the critic "
+                f"to share one architecture; they differ in {differing}")
+        # Load the reward model through the live chunks, keep its weights on the host, put the critic back.
+        critic_weights = HostWeights.snapshot(built.chunks)
+        checkpointing.load(reward_init, built.chunks)
+        reward_weights = HostWeights.snapshot(built.chunks)
+        critic_weights.exchange(built.chunks)
+        if cfg.combined.normalize_rewards and info.normalization:
+            normalization = RewardNormalization(**info.normalization)
+        attributes = tuple(info.attributes)
+
+    critic = Critic(cfg, built.chunks, built.optimizer, scheduler, built.model_cfg, built.tokenizer_dir,
+                    run_id=built.run_id, reward_weights=reward_weights, reward_normalization=normalization,
+                    reward_attributes=attributes)
+    if built.resume_checkpoint is not None:
+        critic.resume_from(built.resume_checkpoint)
+        LOGGER.info("resumed the critic from %s at critic step %d", built.resume_checkpoint, critic.step)
+    if cfg.offload_optimizer_to_cpu:
+        move_optimizer_state(critic.optimizer, to_host=True)
+    return critic, built.data_parallel_size
