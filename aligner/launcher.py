@@ -116,9 +116,9 @@ class ManagedProcess:
 
 
 def actor_rollouts_per_step(actor_cfg) -> tuple[int, str]:
-    """(rollouts the PPO actor generates per step, the actor setting that says so). One critic_train
+    """(rollouts the PPO actor generates per step, the actor settings that say so). One critic_train
     request carries exactly these rollouts."""
-    return actor_cfg.ppo.prompts_per_step, "ppo.prompts_per_step"
+    return actor_cfg.rollouts_per_step, "rollout.prompts_per_step x rollout.samples_per_prompt"
 
 
 def check_critic_fits_actor(critic_cfg, actor_cfg, critic_data_parallel_size: Optional[int] = None) -> None:

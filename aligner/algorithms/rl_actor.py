@@ -711,7 +711,7 @@ class RLActor:
             scores = rewards.result() if rewards is not None else inferred.rewards
             if scores is None:
                 raise ConfigError("reward.source=combined, but the critic server sent no rewards: start it in combined "
-                                  "mode (with the reward model's checkpoint)")
+                                  "mode (combined.reward_model_init_from=<reward-model checkpoint>)")
             value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
             for j, position in enumerate(micro_indices):
                 row = local[position]

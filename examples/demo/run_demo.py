@@ -331,7 +331,7 @@ class Demo:
         annotated = out / "sft_annotated.jsonl"
         with open(out / "server.log", "w") as server_log:
             server = subprocess.Popen(
-                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"), f"rm_model_file={self.attribute_rm_checkpoint}",
+                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"), f"init_from={self.attribute_rm_checkpoint}",
                  "normalize_rewards=false", f"server.port={STEERLM_SERVER_PORT}", "inference.micro_batch_size=256",
                  "server.max_batch_size=256"], cwd=REPO_ROOT, stdout=server_log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -7,8 +7,8 @@ from typing import ClassVar
 import pytest
 
 from aligner.algorithms.dpo import DPOConfig
-from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.reward_model import RewardModelConfig
+from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line

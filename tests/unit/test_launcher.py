@@ -71,40 +71,40 @@ ACTOR_REQUIRED = ["model.init_from=/sft", "data.prompts=p.jsonl"]
 
 
 def _configs(critic_overrides=(), actor_overrides=()):
-    from aligner.algorithms.ppo import PPOConfig
+    from aligner.algorithms.rl_actor import RLActorConfig
     from aligner.config import CONF_DIR, load_config
     from servers.critic import CriticServerConfig
 
     return (load_config(CriticServerConfig, CONF_DIR / "gpt_ppo_critic.yaml", ["critic.init_from=/rm", *critic_overrides]),
-            load_config(PPOConfig, CONF_DIR / "gpt_ppo_actor.yaml", [*ACTOR_REQUIRED, *actor_overrides]))
+            load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", [*ACTOR_REQUIRED, *actor_overrides]))
 
 
 def test_actor_rollouts_per_step_reads_the_actor_config():
     from aligner.launcher import actor_rollouts_per_step
 
-    _, actor = _configs(actor_overrides=["ppo.prompts_per_step=48"])
+    _, actor = _configs(actor_overrides=["rollout.prompts_per_step=48"])
     rollouts, key = actor_rollouts_per_step(actor)
-    assert rollouts == 48 and key in {"ppo.prompts_per_step", "rollout.prompts_per_step x rollout.samples_per_prompt"}
+    assert rollouts == 48 and key == "rollout.prompts_per_step x rollout.samples_per_prompt"
 
 
 def _rollouts_key() -> str:
     """The actor key(s) the launcher names for the rollouts per step."""
     from aligner.launcher import actor_rollouts_per_step
 
-    return re.escape(actor_rollouts_per_step(_configs(actor_overrides=["ppo.prompts_per_step=64"])[1])[1])
+    return re.escape(actor_rollouts_per_step(_configs(actor_overrides=["rollout.prompts_per_step=64"])[1])[1])
 
 
 @pytest.mark.parametrize("critic_overrides, actor_overrides, critic_dp, message", [
-    (["train.global_batch_size=48", "train.micro_batch_size=4"], ["ppo.prompts_per_step=64"], None,
+    (["train.global_batch_size=48", "train.micro_batch_size=4"], ["rollout.prompts_per_step=64"], None,
      r"the critic's train.global_batch_size=48 must divide the actor's 64 rollouts per step \({key}\)"),
-    (["train.global_batch_size=16", "server.max_train_rows=32"], ["ppo.prompts_per_step=64"], None,
+    (["train.global_batch_size=16", "server.max_train_rows=32"], ["rollout.prompts_per_step=64"], None,
      r"the actor's 64 rollouts per step \({key}\) are more than the critic's server.max_train_rows=32"),
     (["train.global_batch_size=16", "server.max_request_bytes=100000"],
-     ["ppo.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"], None,
+     ["rollout.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"], None,
      # 64 rows x (8 x 160 token columns + 8 x 60 response columns + 16) bytes
      r"up to data.max_prompt_length \+ generation.max_new_tokens = 160 tokens can carry 113664 bytes, more than the "
      r"critic's server.max_request_bytes=100000"),
-    (["train.global_batch_size=16", "train.micro_batch_size=4"], ["ppo.prompts_per_step=64"], 8,
+    (["train.global_batch_size=16", "train.micro_batch_size=4"], ["rollout.prompts_per_step=64"], 8,
      r"train.global_batch_size \(16\) must be a multiple of train.micro_batch_size x data-parallel size = 4 x 8"),
 ])
 def test_critic_that_would_reject_the_actors_batch_is_refused(critic_overrides, actor_overrides, critic_dp, message):
@@ -121,7 +121,7 @@ def test_critic_that_fits_the_actor_passes():
 
     critic, actor = _configs(["train.global_batch_size=16", "train.micro_batch_size=4", "server.max_train_rows=64",
                               "server.max_request_bytes=113664"],
-                             ["ppo.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"])
+                             ["rollout.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"])
     check_critic_fits_actor(critic, actor, critic_data_parallel_size=4)
     check_critic_fits_actor(critic, actor)
 
@@ -139,7 +139,7 @@ def test_launch_ppo_refuses_a_batch_mismatch_before_starting_anything(tmp_path):
         [sys.executable, str(REPO_ROOT / "examples" / "nlp" / "gpt" / "launch_ppo.py"), "--reward-checkpoint",
          str(checkpoint), "--log-dir", str(log_dir), "--critic-arg=train.global_batch_size=24",
          "--critic-arg=train.micro_batch_size=4", *[f"--actor-arg={item}" for item in ACTOR_REQUIRED],
-         "--actor-arg=ppo.prompts_per_step=64"],
+         "--actor-arg=rollout.prompts_per_step=64"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert re.fullmatch(r"error: the critic's train.global_batch_size=24 must divide the actor's 64 rollouts per step "

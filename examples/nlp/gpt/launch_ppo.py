@@ -95,12 +95,12 @@ def main() -> None:
 def check_configs(critic_args: list[str], actor_args: list[str], critic_nproc: int) -> None:
     """Load the critic's and the actor's configs as their entry points will, and refuse a critic that
     would reject the actor's first critic_train request (before any process starts)."""
-    from aligner.algorithms.ppo import PPOConfig
+    from aligner.algorithms.rl_actor import RLActorConfig
     from servers.critic import CriticServerConfig
 
     configs = []
     for name, schema, yaml_name, command_line in (("critic server", CriticServerConfig, "gpt_ppo_critic.yaml", critic_args),
-                                                  ("actor", PPOConfig, "gpt_ppo_actor.yaml", actor_args)):
+                                                  ("actor", RLActorConfig, "gpt_ppo_actor.yaml", actor_args)):
         try:
             configs.append(load_config(schema, *parse_command_line(CONF_DIR / yaml_name, command_line)))
         except ConfigError as error:
