@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, TextIO
 import torch.distributed as dist
 from omegaconf import MISSING
 
+from aligner.config import one_of
 from aligner.generation.engine import SamplingParams
-from aligner.runtime.distributed import ParallelConfig
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from aligner.data.conversation import ChatEncoder
@@ -64,7 +66,7 @@ class ChatConfig:
 
     checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
-    precision: str = "auto"
+    precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: ChatSamplingConfig = field(default_factory=ChatSamplingConfig)
     system_prompt: Optional[str] = None  # interactive mode: a system message opening each conversation
@@ -78,12 +80,12 @@ class ChatConfig:
 
     def validate(self) -> None:
         if (self.prompts_file is None) != (self.output_file is None):
-            raise ValueError("batch mode needs both prompts_file and output_file (neither for interactive chat)")
+            raise ConfigError("batch mode needs both prompts_file and output_file (neither for interactive chat)")
         for name in ("batch_size", "stream_chunk_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sampling.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}")
+            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}")
 
     def sampling_params(self, stop_token_ids: list[int]) -> SamplingParams:
         s = self.sampling
@@ -137,7 +139,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     checkpoint = Path(cfg.checkpoint)
     gguf = is_gguf_file(checkpoint)
     if not checkpoint.is_dir() and not gguf:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
     distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
     if gguf:
@@ -147,7 +149,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)
     if data_parallel != 1:
-        raise ValueError(
+        raise ConfigError(
             f"chat runs one model replica: launch tensor_model_parallel_size x pipeline_model_parallel_size "
             f"processes, not {dist.get_world_size()}"
         )
@@ -155,7 +157,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint)["model"])
     tokenizer = Tokenizer(cfg.tokenizer_path or checkpoint / checkpointing.TOKENIZER_DIR)
     if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
     chunks = build_model_chunks(model_cfg, cfg.parallel, distributed.resolve_precision(cfg.precision))
     checkpointing.load(checkpoint, chunks)
     for chunk in chunks:

@@ -26,8 +26,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from aligner.data.jsonl import DataError
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig, padded_vocab_size
+from aligner.runtime.errors import ConfigError
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
@@ -101,7 +103,7 @@ def _rope(arch: str, config: dict) -> tuple[float, Optional[float]]:
                 raise _unsupported(arch, f"{field}.{key}", value,
                                    f"megatron-core's llama3 RoPE scaling fixes {key}={fixed:g}")
         if "factor" not in params:
-            raise ValueError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
+            raise ConfigError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
         llama3_factor = float(params["factor"])
         if llama3_factor < 1.0:
             raise _unsupported(arch, f"{field}.factor", llama3_factor, "llama3 scaling needs factor >= 1")
@@ -139,7 +141,7 @@ def gpt_config_from_hf(hf_config: Any, *, make_vocab_size_divisible_by: int = 12
     config = _as_dict(hf_config)
     arch = config.get("model_type")
     if arch not in ARCHS:
-        raise ValueError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     if arch == "gpt2":
         cfg = _gpt2_config(config)
     else:
@@ -158,7 +160,7 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
         raise _unsupported(arch, "mlp_bias", True, "the Llama-style MLP here has no biases")
     window = _sliding_window_active(arch, config)
     if window:
-        raise ValueError(
+        raise ConfigError(
             f"{arch} config: {window}: sliding-window attention is not implemented; full attention matches "
             "only for sequences no longer than the window (set max_position_embeddings <= sliding_window "
             "in config.json if you only use such sequences)"
@@ -293,7 +295,7 @@ def infer_arch(cfg: GPTConfig) -> str:
 def check_exportable(cfg: GPTConfig, arch: str) -> None:
     """Raise ValueError (naming the model field) if `arch` cannot represent `cfg` exactly."""
     if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     if arch == "gpt2":
         expected = dict(
             normalization="LayerNorm",
@@ -304,11 +306,11 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             is_moe=False,
         )
         if cfg.activation not in _GPT2_ACTIVATION_NAMES:
-            raise ValueError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
+            raise ConfigError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
         if cfg.query_groups != cfg.num_attention_heads:
-            raise ValueError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
+            raise ConfigError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-            raise ValueError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
+            raise ConfigError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
     else:
         expected = dict(
             normalization="RMSNorm",
@@ -327,12 +329,12 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             name = "num_moe_experts" if field == "is_moe" else field
             shown = getattr(cfg, name) if field == "is_moe" else getattr(cfg, field)
             needs = ("an MoE model" if value else "a dense model") if field == "is_moe" else repr(value)
-            raise ValueError(
+            raise ConfigError(
                 f"model.{name}={shown!r} cannot be exported as {arch} (which needs {needs}); "
                 f"pick another --arch (inferred from the model it would be {infer_arch(cfg)!r})"
             )
     if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
-        raise ValueError(f"model.rotary_base={cfg.rotary_base} is not an integer")
+        raise ConfigError(f"model.rotary_base={cfg.rotary_base} is not an integer")
 
 
 def hf_config_from_gpt(
@@ -449,10 +451,10 @@ class _Tensors:
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.tensors:
-            raise ValueError(f"{self.what} has no tensor {name!r} (expected shape {list(shape)})")
+            raise DataError(f"{self.what} has no tensor {name!r} (expected shape {list(shape)})")
         tensor = self.tensors.pop(name)
         if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{self.what}: {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+            raise DataError(f"{self.what}: {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
         return tensor
 
     def pop_if_present(self, name: str) -> Optional[torch.Tensor]:
@@ -461,7 +463,7 @@ class _Tensors:
     def finish(self) -> None:
         if self.tensors:
             names = sorted(self.tensors)
-            raise ValueError(
+            raise DataError(
                 f"{self.what} has {len(names)} tensors the converter does not map, e.g. {names[:8]}; "
                 "the checkpoint has parts this architecture does not (wrong model_type or an unsupported variant)"
             )
@@ -518,7 +520,7 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
     Every HF tensor must be consumed: leftovers raise ValueError.
     """
     if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     state = {
         name: tensor
         for name, tensor in _strip_prefix(hf_state_dict, arch).items()
@@ -594,13 +596,13 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
         # Some checkpoints store the tied head anyway; accept it only if it really is the embedding.
         head = source.pop_if_present("lm_head.weight")
         if head is not None and not torch.equal(head, embed):
-            raise ValueError(
+            raise ConfigError(
                 f"{arch} config: tie_word_embeddings=True but the checkpoint's lm_head.weight differs from the "
                 "input embedding; set tie_word_embeddings=false in config.json if the head is separate"
             )
     else:
         if "lm_head.weight" not in source.tensors:
-            raise ValueError(
+            raise ConfigError(
                 f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
                 "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
             )
