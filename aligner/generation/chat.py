@@ -33,7 +33,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Iterator, Optional, TextIO
 
 import torch.distributed as dist
 from omegaconf import MISSING
@@ -64,7 +64,9 @@ class ChatSamplingConfig:
 class ChatConfig:
     """Schema of conf/chat.yaml (examples/nlp/gpt/chat.py)."""
 
-    checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
+    RENAMED_KEYS: ClassVar[tuple] = (("checkpoint", "init_from"),)
+
+    init_from: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
     precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -136,11 +138,11 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
 
-    checkpoint = Path(cfg.checkpoint)
+    checkpoint = Path(cfg.init_from)
     gguf = is_gguf_file(checkpoint)
     if not checkpoint.is_dir() and not gguf:
         raise ConfigError(
-            f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
+            f"init_from={checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
     distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
     if gguf:
         checkpoint = import_gguf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
@@ -264,7 +266,7 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
     sampling = cfg.sampling_params(model.stop_token_ids)
     opening = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages = list(opening)
-    write(f"chat with {cfg.checkpoint} ({COMMANDS_HELP})\n")
+    write(f"chat with {cfg.init_from} ({COMMANDS_HELP})\n")
     replies = 0
     for line in _read_lines(stream, out):
         if line is None or line.strip() in ("/exit", "/quit"):

@@ -243,7 +243,7 @@ def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
     from aligner.config import CONF_DIR, ConfigError, load_config
 
     with pytest.raises(ConfigError, match="dpo.reference_logprobs='never' is not one of precompute, swap"):
-        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", ["dpo.reference_logprobs=never"])
+        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", ["data.train=[{path: x.jsonl}]", "dpo.reference_logprobs=never"])
 
 
 # ----------------------------------------------------------------------------- a tiny run
