@@ -41,7 +41,6 @@ from aligner.algorithms.dpo import (
     SwappedReferenceLoader,
     precompute_reference_logprobs,
 )
-from aligner.checkpointing import CheckpointError
 from aligner.config import at_least, one_of
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
@@ -339,9 +338,9 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
         if trainer.step % spin.steps_per_iteration:
-            raise CheckpointError(f"{built.resume_checkpoint}: step {trainer.step} is not at the end of a SPIN iteration "
-                                  f"(spin.steps_per_iteration={spin.steps_per_iteration}); SPIN resumes only from its "
-                                  "iteration-end checkpoints. Use another checkpoint.save_dir or checkpoint.resume=false")
+            raise ConfigError(f"{built.resume_checkpoint}: step {trainer.step} is not at the end of a SPIN iteration "
+                              f"(spin.steps_per_iteration={spin.steps_per_iteration}); SPIN resumes only from its "
+                              "iteration-end checkpoints. Use another checkpoint.save_dir or checkpoint.resume=false")
     metrics.write(
         f"{cfg.name}: {spin.num_iterations} iterations x {spin.steps_per_iteration} steps of "
         f"{cfg.trainer.global_batch_size} pairs, betas {iteration_betas(spin)}, "
