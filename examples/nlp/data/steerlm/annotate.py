@@ -35,9 +35,9 @@ from tqdm import tqdm
 
 from aligner.clients.reward import RewardClient
 from aligner.config import OutputError, run_main
-from aligner.runtime.errors import UserError
 from aligner.data.jsonl import read_jsonl
 from aligner.data.steerlm import ATTRIBUTES_KEY
+from aligner.runtime.errors import UserError
 
 SCORES_KEY = "attribute_scores"  # --keep-scores: the unrounded predictions
 
