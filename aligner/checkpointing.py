@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.config import OutputError, require_writable_dir
+from aligner.runtime.errors import UserError
 
 META_FILE = "aligner_meta.json"
 MANIFEST_FILE = "aligner_manifest.json"
@@ -48,8 +49,8 @@ _DISK_FULL_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded
 _verified: set[str] = set()
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint to load is missing, incomplete or damaged, or one cannot be saved."""
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -16,21 +16,19 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from aligner.runtime.errors import ConfigError, UserError
+
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
 
-class ConfigError(ValueError):
-    pass
-
-
-class MissingExtraError(ImportError):
+class MissingExtraError(UserError, ImportError):
     """An optional dependency is not installed; the message says which extra to install."""
 
 
-class OutputError(OSError):
+class OutputError(UserError, OSError):
     """A file or directory the run writes cannot be written (not writable, disk full); the message
     names the path. Raised instead of the bare OSError so that the run ends with that one line."""
 
@@ -242,11 +240,10 @@ def run_training(schema: Type[T], yaml_name: str, build, after_fit=None) -> None
 
 
 def run_main(main) -> None:
-    """Run an entry point; user errors (config, data, checkpoint) end with one clear line, exit 2."""
-    from aligner.checkpointing import CheckpointError
-    from aligner.clients import ClientError
-    from aligner.data.jsonl import DataError
-    from aligner.launcher import LaunchError
+    """Run an entry point; user errors (a `UserError`: config, data, checkpoint, output, launch, a missing
+    extra; or a `ClientError`: a server that cannot be reached) end with one clear line, exit 2. Any
+    other exception is a bug: it keeps its traceback (exit 1)."""
+    from aligner.clients import ClientError  # the clients stand alone, so theirs is not a UserError
     from aligner.runtime import stopping
 
     stopping.install()
@@ -254,8 +251,7 @@ def run_main(main) -> None:
         main()
     except KeyboardInterrupt as stop:  # SIGINT/SIGTERM: one line, exit 128 + signal (aligner/runtime/stopping.py)
         stopping.exit_on_stop(stop)
-    except (ConfigError, DataError, CheckpointError, ClientError, MissingExtraError, OutputError,
-            LaunchError, FileNotFoundError, FileExistsError, ValueError) as error:
+    except (UserError, ClientError) as error:
         print(f"error: {error}", file=sys.stderr)
         from aligner.runtime import distributed
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from aligner.runtime import processes, stopping
+from aligner.runtime.errors import UserError
 
 READY_MARKER = "server ready on"
 STOP_GRACE_S = 20.0  # how long a server may take to exit after SIGTERM
@@ -37,8 +38,8 @@ STOP_GRACE_S = 20.0  # how long a server may take to exit after SIGTERM
 ACTOR_EXIT_MARGIN_S = 30.0
 
 
-class LaunchError(RuntimeError):
-    pass
+class LaunchError(UserError, RuntimeError):
+    """A launch argument is wrong, or a process of the job failed in a way the message explains."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from aligner.data.jsonl import DataError, read_json
+from aligner.runtime.errors import ConfigError
 
 # Chat layout for tokenizers without a chat template: each segment is encoded
 # on its own, the assistant reply is followed by eos, e.g.
@@ -27,7 +28,7 @@ class Tokenizer:
     def __init__(self, directory: str | Path):
         path = Path(directory)
         if not path.is_dir():
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"tokenizer directory {path} does not exist; expected a local directory with "
                 "tokenizer files (tokenizer.json / tokenizer_config.json, e.g. written by save_pretrained)"
             )
@@ -41,7 +42,7 @@ class Tokenizer:
         self.hf = hf_tokenizer
         if hf_tokenizer.eos_token_id is None:
             # Every response we train on or generate ends with eos; without one nothing stops.
-            raise ValueError(f"tokenizer {source} has no eos token; set eos_token in its tokenizer_config.json")
+            raise DataError(f"tokenizer {source} has no eos token; set eos_token in its tokenizer_config.json")
         self.eos_id: int = hf_tokenizer.eos_token_id
         self.bos_id: int | None = hf_tokenizer.bos_token_id
         self.pad_id: int = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_id
@@ -90,7 +91,7 @@ class Tokenizer:
             before = self.render_chat(messages[:index], add_generation_prompt=True)
             through = self.render_chat(messages[: index + 1])
             if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-                raise ValueError(
+                raise ConfigError(
                     "the chat template does not render a conversation as the concatenation of its turns "
                     f"(assistant turn {index} renders differently on its own), so assistant tokens cannot "
                     "be located; use a template that renders earlier turns unchanged"
@@ -121,7 +122,7 @@ class Tokenizer:
             elif role == "assistant":
                 prompt, reply = self.encode(PLAIN_ASSISTANT_HEADER), self.encode(content) + [self.eos_id]
             else:
-                raise ValueError(f"unknown chat role {role!r}; expected system, user or assistant")
+                raise DataError(f"unknown chat role {role!r}; expected system, user or assistant")
             tokens += prompt + reply
             loss_mask += [0] * len(prompt) + [1] * len(reply)
         if add_generation_prompt:

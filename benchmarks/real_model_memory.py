@@ -86,7 +86,7 @@ def main() -> None:
              "trainer.val_check_interval=0", "trainer.max_steps=3", "optim.warmup_steps=0"]
     commands = {
         "import": [python, "-m", "aligner.hf", "import", "--hf-dir", args.hf_dir, "--output", str(checkpoint)],
-        "chat": [python, str(gpt / "chat.py"), f"checkpoint={checkpoint}", f"prompts_file={data['chat']}",
+        "chat": [python, str(gpt / "chat.py"), f"init_from={checkpoint}", f"prompts_file={data['chat']}",
                  f"output_file={work / 'chat_out.jsonl'}", "batch_size=16", "sampling.max_new_tokens=64"],
         "sft": [python, str(gpt / "train_gpt_sft.py"), f"model.init_from={checkpoint}",
                 f"data.train=[{{path: {data['sft']}, weight: 1.0}}]", "data.max_seq_length=256",

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.runtime import cpu_bridge, stopping
+from aligner.runtime.errors import UserError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ TRITON_LOG_TAIL_LINES = 30
 COMMAND_CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 
 
-class TritonSetupError(ValueError):
-    """The environment cannot run PyTriton (a ValueError so entry points report it in one line)."""
+class TritonSetupError(UserError, ValueError):
+    """The environment or a server setting cannot run PyTriton (a user error: entry points report it in one line)."""
 
 
 class TritonDied(SystemExit):

@@ -19,7 +19,10 @@ from typing import Iterator, Optional
 import torch
 
 from aligner.algorithms.reward_model import pair_report, summarize_pairs
+from aligner.config import one_of
+from aligner.data.jsonl import DataError
 from aligner.rl import dpo_math
+from aligner.runtime.errors import ConfigError
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -32,13 +35,13 @@ class DPOSection:
     """The `dpo:` section."""
 
     beta: float = 0.1  # KL coefficient: implicit reward = beta * (log pi - log pi_ref)
-    preference_loss: str = "dpo"  # dpo | ipo | rpo_sq | rpo_fwd_kl | rpo_bwd_kl
+    preference_loss: str = one_of(dpo_math.PREFERENCE_LOSSES, "dpo")
     label_smoothing: float = 0.0  # dpo only: conservative DPO's label noise rate, in [0, 0.5)
     gt_reward_scale: float = 1.0  # rpo_*: eta, the target logit is eta * (r_chosen - r_rejected)
     sft_loss_weight: float = 0.0  # > 0: add weight * NLL of the chosen response
     preference_average_logprobs: bool = False  # preference loss on per-token mean logprobs (else sums)
     sft_average_logprobs: bool = True  # SFT term on per-token mean NLL (else summed)
-    reference_logprobs: str = "precompute"  # precompute | swap
+    reference_logprobs: str = one_of(REFERENCE_MODES, "precompute")
 
 
 @dataclass
@@ -51,18 +54,14 @@ class DPOConfig(RunConfig):
 
 
 def check_dpo_section(dpo: DPOSection) -> None:
-    if dpo.preference_loss not in dpo_math.PREFERENCE_LOSSES:
-        raise ValueError(f"dpo.preference_loss must be one of {dpo_math.PREFERENCE_LOSSES}, got {dpo.preference_loss!r}")
-    if dpo.reference_logprobs not in REFERENCE_MODES:
-        raise ValueError(f"dpo.reference_logprobs must be one of {REFERENCE_MODES}, got {dpo.reference_logprobs!r}")
     if dpo.beta <= 0:
-        raise ValueError(f"dpo.beta must be > 0, got {dpo.beta}")
+        raise ConfigError(f"dpo.beta must be > 0, got {dpo.beta}")
     if not 0.0 <= dpo.label_smoothing < 0.5:
-        raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
+        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
     if dpo.label_smoothing and dpo.preference_loss != "dpo":
-        raise ValueError(f"dpo.label_smoothing applies to preference_loss=dpo only (got {dpo.preference_loss})")
+        raise ConfigError(f"dpo.label_smoothing applies to preference_loss=dpo only (got {dpo.preference_loss})")
     if dpo.sft_loss_weight < 0:
-        raise ValueError(f"dpo.sft_loss_weight must be >= 0, got {dpo.sft_loss_weight}")
+        raise ConfigError(f"dpo.sft_loss_weight must be >= 0, got {dpo.sft_loss_weight}")
 
 
 # ----------------------------------------------------------------------------- objective
@@ -100,8 +99,8 @@ class DPOObjective:
         target = None
         if dpo.preference_loss in dpo_math.RPO_LOSSES:
             if "rewards" not in batch:
-                raise ValueError(f"dpo.preference_loss={dpo.preference_loss} needs 'chosen_reward' and "
-                                 "'rejected_reward' in every data record")
+                raise DataError(f"dpo.preference_loss={dpo.preference_loss} needs 'chosen_reward' and "
+                                "'rejected_reward' in every data record")
             given = batch["rewards"].to(policy.dtype)
             target = dpo.gt_reward_scale * (given[0::2] - given[1::2])
         preference = dpo_math.preference_loss(margin, kind=dpo.preference_loss, beta=self.beta,

@@ -6,10 +6,13 @@ trainer runs, reward normalisation, and `build_reward_model_trainer`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from aligner.config import one_of
+from aligner.models.reward import REWARD_TYPES
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -17,10 +20,15 @@ from aligner.training.trainer import Trainer
 # ----------------------------------------------------------------------------- config schema
 @dataclass
 class RewardSection:
-    type: str = "binary_ranking"  # binary_ranking | regression
+    type: str = one_of(REWARD_TYPES, "binary_ranking")
     attributes: list = field(default_factory=lambda: ["reward"])  # regression: one output per attribute
     normalize: bool = True  # store mean/std of rewards on a reference set so served rewards are normalised
     normalization_samples: int = 1024  # reference-set size (from validation data, else training data)
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if self.type == "binary_ranking" and len(self.attributes) != 1:
+            return "attributes", "reward.type=binary_ranking predicts one reward"
+        return None
 
 
 @dataclass
@@ -159,10 +167,6 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     from aligner.training.metrics import get_logger
 
     reward = cfg.reward
-    if reward.type not in ("binary_ranking", "regression"):
-        raise ValueError(f"reward.type must be binary_ranking or regression, got {reward.type!r}")
-    if reward.type == "binary_ranking" and len(reward.attributes) != 1:
-        raise ValueError(f"reward.type=binary_ranking predicts one reward; reward.attributes={reward.attributes}")
     num_attributes = len(reward.attributes)
 
     def chunk_builder(model_cfg, config, **kwargs):

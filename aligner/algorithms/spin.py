@@ -41,7 +41,8 @@ from aligner.algorithms.dpo import (
     SwappedReferenceLoader,
     precompute_reference_logprobs,
 )
-from aligner.config import at_least
+from aligner.config import at_least, one_of
+from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
 
@@ -68,7 +69,7 @@ class SPINSection:
     kl_betas: list = field(default_factory=lambda: [0.1])  # beta per iteration; one value: every iteration
     sft_loss_weight: float = 0.0  # > 0: add this weight times the NLL of the demonstration
     preference_average_logprobs: bool = False
-    reference_logprobs: str = "swap"  # swap (snapshot of the iteration's start) | precompute
+    reference_logprobs: str = one_of(REFERENCE_MODES, "swap")  # swap: a snapshot of the iteration's start
     generation: SPINGenerationConfig = field(default_factory=SPINGenerationConfig)
 
 
@@ -112,10 +113,10 @@ def iteration_betas(spin: SPINSection) -> list[float]:
     if len(betas) == 1:
         betas = betas * spin.num_iterations
     if len(betas) != spin.num_iterations:
-        raise ValueError(f"spin.kl_betas has {len(betas)} values for spin.num_iterations={spin.num_iterations}; "
-                         "give one per iteration, or a single value for all")
+        raise ConfigError(f"spin.kl_betas has {len(betas)} values for spin.num_iterations={spin.num_iterations}; "
+                          "give one per iteration, or a single value for all")
     if any(beta <= 0 for beta in betas):
-        raise ValueError(f"spin.kl_betas must be > 0, got {betas}")
+        raise ConfigError(f"spin.kl_betas must be > 0, got {betas}")
     return betas
 
 
@@ -314,11 +315,9 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     from aligner.training.metrics import get_logger
 
     spin = cfg.spin
-    if spin.reference_logprobs not in REFERENCE_MODES:
-        raise ValueError(f"spin.reference_logprobs must be one of {REFERENCE_MODES}, got {spin.reference_logprobs!r}")
     iteration_betas(spin)
     if not cfg.data.train:
-        raise ValueError("data.train is empty: give the SFT demonstrations as {path} entries")
+        raise ConfigError("data.train is empty: give the SFT demonstrations as {path} entries")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
@@ -339,9 +338,9 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
         if trainer.step % spin.steps_per_iteration:
-            raise ValueError(f"{built.resume_checkpoint}: step {trainer.step} is not at the end of a SPIN iteration "
-                             f"(spin.steps_per_iteration={spin.steps_per_iteration}); SPIN resumes only from its "
-                             "iteration-end checkpoints. Use another checkpoint.save_dir or checkpoint.resume=false")
+            raise ConfigError(f"{built.resume_checkpoint}: step {trainer.step} is not at the end of a SPIN iteration "
+                              f"(spin.steps_per_iteration={spin.steps_per_iteration}); SPIN resumes only from its "
+                              "iteration-end checkpoints. Use another checkpoint.save_dir or checkpoint.resume=false")
     metrics.write(
         f"{cfg.name}: {spin.num_iterations} iterations x {spin.steps_per_iteration} steps of "
         f"{cfg.trainer.global_batch_size} pairs, betas {iteration_betas(spin)}, "

@@ -12,6 +12,9 @@ from typing import Sequence
 import torch
 from torch.utils.data import Dataset
 
+from aligner.data.jsonl import DataError
+from aligner.runtime.errors import ConfigError
+
 
 def _parse_weights(spec: str | Sequence[float], what: str) -> list[float]:
     try:
@@ -20,7 +23,7 @@ def _parse_weights(spec: str | Sequence[float], what: str) -> list[float]:
     except (TypeError, ValueError):
         weights = []
     if not weights or any(not weight >= 0 for weight in weights) or sum(weights) <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"invalid {what} {spec!r}; expected non-negative numbers with a positive sum, "
             'e.g. "95,5" or [0.9, 0.1]'
         )
@@ -41,7 +44,7 @@ def split_indices(num_items: int, split: str | Sequence[float], seed: int) -> tu
     """Shuffle range(num_items) by seed and cut it into (train, validation) by a two-part ratio."""
     fractions = _parse_weights(split, "split")
     if len(fractions) != 2:
-        raise ValueError(f"invalid split {split!r}; expected two weights (train, validation), e.g. \"95,5\"")
+        raise ConfigError(f"invalid split {split!r}; expected two weights (train, validation), e.g. \"95,5\"")
     train_count, _ = _largest_remainder(num_items, fractions)
     order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed)).tolist()
     return order[:train_count], order[train_count:]
@@ -72,14 +75,14 @@ class BlendedDataset(Dataset):
 
     def __init__(self, datasets: Sequence[Dataset], weights: Sequence[float], num_samples: int, seed: int):
         if len(datasets) != len(weights):
-            raise ValueError(f"got {len(datasets)} data sets but {len(weights)} weights; give one weight per data set")
+            raise ConfigError(f"got {len(datasets)} data sets but {len(weights)} weights; give one weight per data set")
         self.datasets = list(datasets)
         self.counts = _largest_remainder(num_samples, _parse_weights(weights, "blend weights"))
         generator = torch.Generator().manual_seed(seed)
         self.samples: list[tuple[int, int]] = []  # (data set, index in it)
         for dataset_index, (dataset, count) in enumerate(zip(self.datasets, self.counts)):
             if count and not len(dataset):
-                raise ValueError(f"data set {dataset_index} is empty but its weight asks for {count} samples")
+                raise DataError(f"data set {dataset_index} is empty but its weight asks for {count} samples")
             chosen: list[int] = []
             while len(chosen) < count:
                 chosen += torch.randperm(len(dataset), generator=generator).tolist()

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Union
 from jinja2.exceptions import TemplateError
 
 from aligner.data.jsonl import DataError, require_key
+from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
@@ -150,8 +151,8 @@ class ChatEncoder:
                 or not all(loss_mask[len(prompt_tokens):end]):
             # encode_chat checks this for templates that re-render earlier turns; an empty reply
             # without an end-of-turn token is the other way to get here.
-            raise ValueError("the chat template does not render the answer as a continuation of the prompt's "
-                             "generation prompt, so the answer's tokens cannot be cut out")
+            raise ConfigError("the chat template does not render the answer as a continuation of the prompt's "
+                              "generation prompt, so the answer's tokens cannot be cut out")
         return prompt_tokens, tokens[len(prompt_tokens):end]
 
     def conversation_tokens(self, messages: Messages) -> tuple[list[int], list[int]]:

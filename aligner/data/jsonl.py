@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from aligner.runtime.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data file is missing, unreadable or holds a malformed record."""
 
 

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, read_jsonl
+from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 KEY_LAYOUTS = (("chosen_response", "rejected_response"), ("chosen", "rejected"))
@@ -122,8 +123,8 @@ class PreferenceDataset(Dataset):
                    use_template: bool = True) -> "PreferenceDataset":
         """use_template: render with the tokenizer's chat template (`data.chat_template`)."""
         if max_seq_length < 2:
-            raise ValueError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
-                             f"got {max_seq_length}")
+            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
+                              f"got {max_seq_length}")
         encoder = ChatEncoder(tokenizer, use_template=use_template)
         pairs, stats, with_rewards = [], PreferenceStats(), None
         for line, record in read_jsonl(path):
@@ -198,5 +199,5 @@ def collate_preferences(items: list[dict], pad_id: int, pad_to_multiple_of: int 
         if all(present):
             batch[key] = torch.stack([item[key] for item in items]).reshape(-1).float()
         elif any(present):
-            raise ValueError(f"some pairs in the batch have {key!r} and some do not")
+            raise DataError(f"some pairs in the batch have {key!r} and some do not")
     return batch

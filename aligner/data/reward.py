@@ -39,6 +39,7 @@ from aligner.data.jsonl import DataError, read_jsonl, require_str
 from aligner.data.preference import parse_pair
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
+from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -82,7 +83,7 @@ def _progress(items: list, path: str | Path) -> Iterable:
 
 def _check_max_seq_length(max_seq_length: int) -> None:
     if max_seq_length < 1:
-        raise ValueError(
+        raise ConfigError(
             f"max_seq_length must be at least 1 (the reward is read at the last token), got {max_seq_length}"
         )
 
@@ -272,14 +273,14 @@ def parse_label(value: Any, attributes: list[str], path: str | Path, line: int) 
 
 def _check_attributes(attributes: list[str]) -> None:
     if not attributes:
-        raise ValueError("attributes is empty; expected the attribute names to predict, e.g. ['helpfulness']")
+        raise ConfigError("attributes is empty; expected the attribute names to predict, e.g. ['helpfulness']")
     for name in attributes:
         if not isinstance(name, str) or not name.strip() or name != name.strip() or any(c in name for c in ",:"):
-            raise ValueError(
+            raise ConfigError(
                 f"attribute name {name!r} is not usable in a label; expected a non-empty name without ',' or ':'"
             )
     if len(set(attributes)) != len(attributes):
-        raise ValueError(f"attributes {attributes} name an attribute twice; each must be a distinct output column")
+        raise ConfigError(f"attributes {attributes} name an attribute twice; each must be a distinct output column")
 
 
 def regression_sample_tokens(record: dict, encode: RewardTokenLayout, path: str | Path, line: int) -> list[int]:
@@ -300,20 +301,20 @@ def request_sample_tokens(payload: bytes, encode: RewardTokenLayout) -> list[int
     try:
         record = json.loads(bytes(payload).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"not UTF-8 JSON ({error})") from None
+        raise DataError(f"not UTF-8 JSON ({error})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"a JSON {type(record).__name__}; expected an object "
-                         '{"prompt": text or messages, "response": text or an assistant message}')
+        raise DataError(f"a JSON {type(record).__name__}; expected an object "
+                        '{"prompt": text or messages, "response": text or an assistant message}')
     unknown = sorted(set(record) - set(REQUEST_KEYS))
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected only 'prompt' and 'response'")
+        raise DataError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected only 'prompt' and 'response'")
     where = "request"
     try:
         prompt, response = parse_prompt(record, "prompt", where, 0), parse_answer(record, "response", where, 0)
         with template_errors(where, 0):
             return encode.sample(prompt, response)
     except DataError as error:
-        raise ValueError(str(error).removeprefix(f"{where}:0: ")) from None
+        raise DataError(str(error).removeprefix(f"{where}:0: ")) from None
 
 
 class RegressionDataset(Dataset):

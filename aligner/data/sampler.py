@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import epoch_seed
 
 
@@ -39,26 +40,26 @@ class DistributedBatchSampler:
     ):
         samples_per_step = micro_batch_size * data_parallel_size
         if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"batch sizes must be positive (global_batch_size={global_batch_size}, "
                 f"micro_batch_size={micro_batch_size}, data_parallel_size={data_parallel_size})"
             )
         if global_batch_size % samples_per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size={global_batch_size} is not divisible by micro_batch_size * data_parallel_size"
                 f" = {micro_batch_size} * {data_parallel_size} = {samples_per_step}; change one of them"
             )
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank={data_parallel_rank} is outside [0, {data_parallel_size})")
+            raise ConfigError(f"data_parallel_rank={data_parallel_rank} is outside [0, {data_parallel_size})")
         if not drop_last:
-            raise ValueError("drop_last=False is not supported: every step must see a full global batch")
+            raise ConfigError("drop_last=False is not supported: every step must see a full global batch")
         if dataset_length < global_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the dataset has {dataset_length} samples, fewer than one global batch "
                 f"(global_batch_size={global_batch_size}); use a smaller global batch or more data"
             )
         if consumed_samples % global_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"consumed_samples={consumed_samples} is not a multiple of global_batch_size={global_batch_size}; "
                 "resume with the global batch size the checkpoint was trained with"
             )

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from aligner.data.conversation import ChatEncoder, Messages, Prompt, parse_messages, template_errors
 from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_str
 from aligner.runtime.distributed import is_rank_zero
+from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 CONVERSATION_KEYS = ("conversations", "messages")  # NeMo-Aligner's and TRL's key for a list of turns
@@ -117,7 +118,7 @@ class SFTDataset(Dataset):
     def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
                  prepare_record: Optional[Callable[[dict, str | Path, int], dict]] = None, use_template: bool = True):
         if max_seq_length < 2:
-            raise ValueError(f"max_seq_length must be at least 2 (an input and a label), got {max_seq_length}")
+            raise ConfigError(f"max_seq_length must be at least 2 (an input and a label), got {max_seq_length}")
         self.path = path
         self.max_seq_length = max_seq_length
         self.stats = SFTStats()
@@ -169,7 +170,7 @@ class PackedSFTDataset(Dataset):
         lengths = [len(dataset[index]["tokens"]) for index in range(len(dataset))]
         too_long = [index for index, length in enumerate(lengths) if length > max_seq_length]
         if too_long:
-            raise ValueError(
+            raise ConfigError(
                 f"{len(too_long)} examples (e.g. index {too_long[0]}, {lengths[too_long[0]]} tokens) are longer "
                 f"than the pack size {max_seq_length}; build the dataset with max_seq_length <= the pack size"
             )

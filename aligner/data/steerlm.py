@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from aligner import config
+from aligner.config import one_of
 from aligner.data.jsonl import DataError
+from aligner.runtime.errors import ConfigError
 
 FORMATS = ("named", "values")
 ATTRIBUTES_KEY = "attributes"  # the annotated record's key holding its attribute values
@@ -41,20 +44,19 @@ class SteerLMConfig:
     """`data.steerlm` of conf/gpt_sft.yaml: attribute-conditioned SFT when `attributes` is non-empty."""
 
     attributes: list[str] = field(default_factory=list)  # names, in rendering order; empty: plain SFT
-    format: str = "named"  # named: "correctness:4,helpfulness:3" | values: "4 3"
+    format: str = one_of(FORMATS, "named")  # named: "correctness:4,helpfulness:3" | values: "4 3"
 
     @property
     def enabled(self) -> bool:
         return bool(self.attributes)
 
     def validate(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"steerlm format {self.format!r} is not one of {FORMATS}")
+        config.check_values(self, "data.steerlm.")  # the format again: a checkpoint's meta skips load_config
         for name in self.attributes:
             if not isinstance(name, str) or not name.strip() or name != name.strip() or any(c in name for c in ",: \n"):
-                raise ValueError(f"steerlm attribute name {name!r} must be non-empty, without ',', ':', spaces or newlines")
+                raise ConfigError(f"steerlm attribute name {name!r} must be non-empty, without ',', ':', spaces or newlines")
         if len(set(self.attributes)) != len(self.attributes):
-            raise ValueError(f"steerlm attributes {self.attributes} name an attribute twice")
+            raise ConfigError(f"steerlm attributes {self.attributes} name an attribute twice")
 
     def to_dict(self) -> dict:
         return {"attributes": list(self.attributes), "format": self.format}
@@ -71,15 +73,15 @@ def check_values(values: Mapping[str, Any], cfg: SteerLMConfig, where: str = "")
     if unknown or missing:
         parts = ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else []) + (
             [f"missing {', '.join(map(repr, missing))}"] if missing else [])
-        raise ValueError(f"{where}attribute values {dict(values)} do not match the conditioned attributes "
-                         f"{cfg.attributes}: {'; '.join(parts)}")
+        raise DataError(f"{where}attribute values {dict(values)} do not match the conditioned attributes "
+                        f"{cfg.attributes}: {'; '.join(parts)}")
     checked = {}
     for name in cfg.attributes:
         value = values[name]
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not is_number or value != int(value) or value < 0:
-            raise ValueError(f"{where}attribute {name!r} has value {value!r}; expected a non-negative integer "
-                             "(annotate.py rounds predicted scores onto the attribute's integer scale)")
+            raise DataError(f"{where}attribute {name!r} has value {value!r}; expected a non-negative integer "
+                            "(annotate.py rounds predicted scores onto the attribute's integer scale)")
         checked[name] = int(value)
     return checked
 
@@ -97,18 +99,18 @@ def parse_attributes(line: str, cfg: SteerLMConfig) -> dict[str, int]:
     if cfg.format == "named":
         items = [item.partition(":") for item in line.split(",")]
         if any(not colon for _, colon, _ in items):
-            raise ValueError(f"attribute line {line!r} is not 'name:value,...'")
+            raise DataError(f"attribute line {line!r} is not 'name:value,...'")
         raw = {name: text for name, _, text in items}
         if len(raw) != len(items):
-            raise ValueError(f"attribute line {line!r} names an attribute twice")
+            raise DataError(f"attribute line {line!r} names an attribute twice")
     else:
         texts = line.split(" ")
         if len(texts) != len(cfg.attributes):
-            raise ValueError(f"attribute line {line!r} has {len(texts)} values, expected {len(cfg.attributes)} "
-                             f"({' '.join(cfg.attributes)})")
+            raise DataError(f"attribute line {line!r} has {len(texts)} values, expected {len(cfg.attributes)} "
+                            f"({' '.join(cfg.attributes)})")
         raw = dict(zip(cfg.attributes, texts))
     if not all(text.isascii() and text.isdigit() for text in raw.values()):
-        raise ValueError(f"attribute line {line!r} has a value that is not a non-negative integer")
+        raise DataError(f"attribute line {line!r} has a value that is not a non-negative integer")
     return check_values({name: int(text) for name, text in raw.items()}, cfg)
 
 
@@ -121,7 +123,7 @@ def split_conditioned_prompt(text: str, cfg: SteerLMConfig) -> tuple[dict[str, i
     """(attribute values, prompt) of a conditioned prompt: the inverse of condition_prompt."""
     line, newline, prompt = text.partition("\n")
     if not newline:
-        raise ValueError(f"{text!r} has no attribute line (expected '<attributes>\\n<prompt>')")
+        raise DataError(f"{text!r} has no attribute line (expected '<attributes>\\n<prompt>')")
     return parse_attributes(line, cfg), prompt
 
 
@@ -146,7 +148,7 @@ class AttributeConditioning:
     def __init__(self, cfg: SteerLMConfig, tokenizer=None):
         cfg.validate()
         if not cfg.enabled:
-            raise ValueError("AttributeConditioning needs at least one attribute name")
+            raise ConfigError("AttributeConditioning needs at least one attribute name")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self._spelled: set[str] = set()
@@ -215,8 +217,8 @@ def steering_for_checkpoint(checkpoint_dir: str | Path, values: Optional[Mapping
         return None
     cfg = conditioning_from_meta(checkpointing.read_meta(checkpoint_dir))
     if cfg is None:
-        raise ValueError(f"attribute values {dict(values)} were asked for, but {checkpoint_dir} was not trained with "
-                         "attribute conditioning (no 'steerlm' section in its meta); train it with data.steerlm.attributes")
+        raise ConfigError(f"attribute values {dict(values)} were asked for, but {checkpoint_dir} was not trained with "
+                          "attribute conditioning (no 'steerlm' section in its meta); train it with data.steerlm.attributes")
     check_values(values, cfg, where=f"{checkpoint_dir}: ")
     return cfg
 
@@ -227,9 +229,9 @@ def parse_requested_values(text: str) -> dict[str, int]:
     for item in text.split(","):
         name, equals, value = item.strip().partition("=")
         if not equals or not name.strip() or not value.strip().isdigit():
-            raise ValueError(f"attribute request {text!r}: item {item.strip()!r} is not name=<non-negative integer>, "
-                             "e.g. correctness=4,helpfulness=2")
+            raise ConfigError(f"attribute request {text!r}: item {item.strip()!r} is not name=<non-negative integer>, "
+                              "e.g. correctness=4,helpfulness=2")
         if name.strip() in values:
-            raise ValueError(f"attribute request {text!r} names {name.strip()!r} twice")
+            raise ConfigError(f"attribute request {text!r} names {name.strip()!r} twice")
         values[name.strip()] = int(value)
     return values

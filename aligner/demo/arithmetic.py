@@ -23,6 +23,8 @@ import random
 import re
 from typing import Sequence
 
+from aligner.runtime.errors import ConfigError
+
 MAX_OPERAND = 99
 HELDOUT_FRACTION = 0.2
 # Fixed, independent of any data seed: every stage and every seed agrees on which problems are
@@ -125,7 +127,7 @@ def _split() -> dict[str, tuple[Problem, ...]]:
 def problems(split: str) -> tuple[Problem, ...]:
     """All problems of a split, sorted: ``"train"`` (8,000) or ``"heldout"`` (2,000)."""
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        raise ConfigError(f"unknown split {split!r}; expected one of {SPLITS}")
     return _split()[split]
 
 
@@ -133,7 +135,7 @@ def _draw(split: str, n: int, rng: random.Random) -> list[Problem]:
     """n problems of a split, in random order: without replacement until the split is used up,
     then again over a fresh shuffle (so every problem appears once before any appears twice)."""
     if n < 0:
-        raise ValueError(f"number of records must be >= 0, got {n}")
+        raise ConfigError(f"number of records must be >= 0, got {n}")
     pool = list(problems(split))
     drawn: list[Problem] = []
     while len(drawn) < n:
@@ -231,7 +233,7 @@ def sft_records(
     ``split="heldout"`` for a validation set whose loss measures generalisation to unseen problems.
     """
     if not 0.0 <= p_forget_carry <= 1.0:
-        raise ValueError(f"p_forget_carry must be a probability in [0, 1], got {p_forget_carry}")
+        raise ConfigError(f"p_forget_carry must be a probability in [0, 1], got {p_forget_carry}")
     rng = _rng(f"sft:{split}", seed)
     return [
         {"input": format_prompt(a, b), "output": demonstrate(a, b, rng, p_forget_carry)}
@@ -259,7 +261,7 @@ def heldout_prompts(n: int | None = None, seed: int = 0) -> list[dict]:
     if n is None:
         n = pool_size
     if n > pool_size:
-        raise ValueError(f"asked for {n} held-out prompts but only {pool_size} held-out problems exist")
+        raise ConfigError(f"asked for {n} held-out prompts but only {pool_size} held-out problems exist")
     return [
         {"prompt": format_prompt(a, b), "answer": correct_answer(a, b)}
         for a, b in _draw("heldout", n, _rng("heldout", seed))

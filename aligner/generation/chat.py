@@ -33,13 +33,15 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Iterator, Optional, TextIO
 
 import torch.distributed as dist
 from omegaconf import MISSING
 
+from aligner.config import one_of
 from aligner.generation.engine import SamplingParams
-from aligner.runtime.distributed import ParallelConfig
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from aligner.data.conversation import ChatEncoder
@@ -62,9 +64,11 @@ class ChatSamplingConfig:
 class ChatConfig:
     """Schema of conf/chat.yaml (examples/nlp/gpt/chat.py)."""
 
-    checkpoint: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
+    RENAMED_KEYS: ClassVar[tuple] = (("checkpoint", "init_from"),)
+
+    init_from: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
-    precision: str = "auto"
+    precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: ChatSamplingConfig = field(default_factory=ChatSamplingConfig)
     system_prompt: Optional[str] = None  # interactive mode: a system message opening each conversation
@@ -78,12 +82,12 @@ class ChatConfig:
 
     def validate(self) -> None:
         if (self.prompts_file is None) != (self.output_file is None):
-            raise ValueError("batch mode needs both prompts_file and output_file (neither for interactive chat)")
+            raise ConfigError("batch mode needs both prompts_file and output_file (neither for interactive chat)")
         for name in ("batch_size", "stream_chunk_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sampling.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}")
+            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}")
 
     def sampling_params(self, stop_token_ids: list[int]) -> SamplingParams:
         s = self.sampling
@@ -134,11 +138,11 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
 
-    checkpoint = Path(cfg.checkpoint)
+    checkpoint = Path(cfg.init_from)
     gguf = is_gguf_file(checkpoint)
     if not checkpoint.is_dir() and not gguf:
-        raise FileNotFoundError(
-            f"checkpoint {checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
+        raise ConfigError(
+            f"init_from={checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
     distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
     if gguf:
         checkpoint = import_gguf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
@@ -147,7 +151,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)
     if data_parallel != 1:
-        raise ValueError(
+        raise ConfigError(
             f"chat runs one model replica: launch tensor_model_parallel_size x pipeline_model_parallel_size "
             f"processes, not {dist.get_world_size()}"
         )
@@ -155,7 +159,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint)["model"])
     tokenizer = Tokenizer(cfg.tokenizer_path or checkpoint / checkpointing.TOKENIZER_DIR)
     if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
     chunks = build_model_chunks(model_cfg, cfg.parallel, distributed.resolve_precision(cfg.precision))
     checkpointing.load(checkpoint, chunks)
     for chunk in chunks:
@@ -262,7 +266,7 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
     sampling = cfg.sampling_params(model.stop_token_ids)
     opening = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages = list(opening)
-    write(f"chat with {cfg.checkpoint} ({COMMANDS_HELP})\n")
+    write(f"chat with {cfg.init_from} ({COMMANDS_HELP})\n")
     replies = 0
     for line in _read_lines(stream, out):
         if line is None or line.strip() in ("/exit", "/quit"):

@@ -16,11 +16,13 @@ from typing import Callable, Optional
 
 import torch
 
+from aligner.runtime.errors import ConfigError
+
 
 def check_supported(device: torch.device) -> None:
     """Refuse cuda_graphs for weights that are not on a CUDA device (no silent fallback)."""
     if device.type != "cuda":
-        raise ValueError(
+        raise ConfigError(
             f"cuda_graphs=True needs the model on a CUDA device, but its weights are on {device}; build the "
             "engine with cuda_graphs=False (static_decode=True runs the same static decode step without a graph)"
         )

@@ -77,6 +77,7 @@ from aligner.generation import sampling as S
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.errors import ConfigError
 
 
 class _Linear(NamedTuple):
@@ -173,16 +174,16 @@ class NativeEngine:
         from megatron.core import parallel_state as ps
 
         if model_cfg.transformer_impl != "local":
-            raise NotImplementedError(
+            raise ConfigError(
                 "NativeEngine reads the weights of megatron's local layer spec; model.transformer_impl="
                 f"{model_cfg.transformer_impl!r} is not supported yet (build the model with transformer_impl=local)"
             )
         if max_batch_size < 1 or max_sequence_length < 2:
-            raise ValueError(f"need max_batch_size >= 1 and max_sequence_length >= 2, got "
-                             f"{max_batch_size} and {max_sequence_length}")
+            raise ConfigError(f"need max_batch_size >= 1 and max_sequence_length >= 2, got "
+                              f"{max_batch_size} and {max_sequence_length}")
         learned_positions = model_cfg.position_embedding_type == "learned_absolute"
         if learned_positions and max_sequence_length > model_cfg.max_position_embeddings:
-            raise ValueError(
+            raise ConfigError(
                 f"max_sequence_length={max_sequence_length} exceeds the model's learned positions "
                 f"(model.max_position_embeddings={model_cfg.max_position_embeddings})"
             )
@@ -209,8 +210,8 @@ class NativeEngine:
         self.refit(model_chunks)
         if cuda_graphs:
             if self._pp_size > 1:
-                raise NotImplementedError("cuda_graphs=True supports one pipeline stage only (the graph would have "
-                                          "to span point-to-point sends); use PP=1 or cuda_graphs=False")
+                raise ConfigError("cuda_graphs=True supports one pipeline stage only (the graph would have "
+                                  "to span point-to-point sends); use PP=1 or cuda_graphs=False")
             graphs.check_supported(self._device)
 
     # ------------------------------------------------------------------ GenerationEngine
@@ -235,13 +236,13 @@ class NativeEngine:
         if expert_parallel > 1:
             # The MoE layer exchanges tokens with the other expert-parallel (data-parallel) ranks at
             # every step, but each data-parallel rank generates its own prompts for its own number of steps.
-            raise NotImplementedError(
+            raise ConfigError(
                 f"NativeEngine does not generate with expert_model_parallel_size={expert_parallel}: every MoE "
                 "step would need the other data-parallel ranks in lockstep; use expert_model_parallel_size=1"
             )
         if self._cuda_graphs:
-            raise ValueError("cuda_graphs=True cannot capture an MoE model's decode step (tokens per expert change "
-                             "from step to step); use cuda_graphs=False")
+            raise ConfigError("cuda_graphs=True cannot capture an MoE model's decode step (tokens per expert change "
+                              "from step to step); use cuda_graphs=False")
 
     def _bind(self) -> None:
         """Collect the current parameter tensors of the chunks (cheap: no data is touched)."""
@@ -422,13 +423,13 @@ class NativeEngine:
 
     def _check_request(self, prompts: list, sampling: SamplingParams) -> None:
         if sampling.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
         if not sampling.is_greedy and sampling.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {sampling.temperature}")
         if sampling.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: off), got {sampling.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0: off), got {sampling.top_k}")
         if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {sampling.top_p}")
         if sampling.stop_strings and self.decode is None:
             raise ValueError("stop_strings need a tokenizer: build NativeEngine(..., decode=tokenizer.decode)")
         if not prompts:
@@ -440,7 +441,7 @@ class NativeEngine:
                 raise ValueError(f"prompt {index} has token ids outside [0, vocab_size={self.cfg.vocab_size})")
         longest = max(len(p) for p in prompts)
         if longest + sampling.max_new_tokens > self.max_sequence_length:
-            raise ValueError(
+            raise ConfigError(
                 f"longest prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
                 f"engine's max_sequence_length={self.max_sequence_length}; shorten prompts or build the engine "
                 f"with a larger max_sequence_length"

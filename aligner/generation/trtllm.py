@@ -40,10 +40,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from aligner.config import MissingExtraError
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.hf.layout import check_exportable, infer_arch, unpack_qkv
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import TRTLLM_SEED_RANGE, derive_seed
 
 INSTALL_HINT = (
@@ -63,7 +65,7 @@ def require_tensorrt_llm():
     try:
         import tensorrt_llm
     except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
+        raise MissingExtraError(INSTALL_HINT) from error
     return tensorrt_llm
 
 
@@ -71,19 +73,19 @@ def require_tensorrt_llm():
 def _check_supported(cfg: GPTConfig, arch: Optional[str]) -> str:
     arch = arch or infer_arch(cfg)
     if arch not in ARCHITECTURES:
-        raise ValueError(
+        raise ConfigError(
             f"the TensorRT-LLM engine supports Llama-style (arch llama/mistral) and GPT-2-style (gpt2) models, got "
             f"arch={arch!r} (a q/k/v bias without other biases, as in qwen2, has no TensorRT-LLM Llama equivalent); "
             "use generation.engine=native for this model"
         )
     check_exportable(cfg, "gpt2" if arch == "gpt2" else "llama")
     if cfg.llama3_rope_scaling_factor is not None:
-        raise ValueError(
+        raise ConfigError(
             f"model.llama3_rope_scaling_factor={cfg.llama3_rope_scaling_factor} (Llama 3.x RoPE scaling) is not "
             "mapped to TensorRT-LLM here; use generation.engine=native for this model"
         )
     if cfg.activation not in _HIDDEN_ACT:
-        raise ValueError(
+        raise ConfigError(
             f"model.activation={cfg.activation!r} has no exact TensorRT-LLM equivalent (its gelu is the tanh "
             "approximation, i.e. gelu_tanh); use generation.engine=native for this model"
         )
@@ -230,7 +232,7 @@ def trtllm_config(cfg: GPTConfig, tp_size: int, arch: Optional[str] = None, dtyp
     """The TRT-LLM checkpoint config.json for this model at TP=tp_size (pipeline parallel 1)."""
     arch = _check_supported(cfg, arch)
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     config: dict[str, Any] = {
         "architecture": ARCHITECTURES[arch],
         "dtype": dtype,
@@ -346,7 +348,7 @@ def local_rank_weights(model_chunks: Sequence[torch.nn.Module], cfg: GPTConfig, 
     arch = "gpt2" if trtllm_config(cfg, 1, arch, dtype)["architecture"] == "GPTForCausalLM" else "llama"
     chunks = unwrap_model(list(model_chunks))
     if len(chunks) != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("TensorRT-LLM weights are taken from one model chunk holding all layers (pipeline parallel size 1)")
+        raise ConfigError("TensorRT-LLM weights are taken from one model chunk holding all layers (pipeline parallel size 1)")
     tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     shard = _normalize_names(chunks[0].state_dict())
 
@@ -388,27 +390,27 @@ def sampling_to_trtllm(sampling: SamplingParams, *, eos_id: int, pad_id: int, ro
     (its SamplingConfig defaults to top_k=1, i.e. greedy): every option is set explicitly.
     """
     if sampling.stop_strings:
-        raise ValueError(
+        raise ConfigError(
             f"sampling.stop_strings={sampling.stop_strings!r} is not supported by the TensorRT-LLM engine: its runtime "
             "matches token sequences, not decoded text; use stop_token_ids, or generation.engine=native"
         )
     if sampling.fixed_length:
-        raise ValueError(
+        raise ConfigError(
             "sampling.fixed_length=true (sampling on past a stop token) is not supported by the TensorRT-LLM engine: "
             "its runtime ends a sequence at end_id; use generation.engine=native"
         )
     if sampling.max_new_tokens < 1:
-        raise ValueError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
     if not 0 <= sampling.min_new_tokens <= sampling.max_new_tokens:
-        raise ValueError(
+        raise ConfigError(
             f"sampling.min_new_tokens must be in 0..max_new_tokens={sampling.max_new_tokens}, got {sampling.min_new_tokens}"
         )
     if sampling.temperature < 0:
-        raise ValueError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
+        raise ConfigError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
     if sampling.top_k < 0:
-        raise ValueError(f"sampling.top_k must be >= 0 (0: off), got {sampling.top_k}")
+        raise ConfigError(f"sampling.top_k must be >= 0 (0: off), got {sampling.top_k}")
     if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1] (1: off), got {sampling.top_p}")
+        raise ConfigError(f"sampling.top_p must be in (0, 1] (1: off), got {sampling.top_p}")
     stop_ids = list(sampling.stop_token_ids) or [eos_id]
     options: dict[str, Any] = {
         "end_id": stop_ids[0],
@@ -431,8 +433,8 @@ def sampling_to_trtllm(sampling: SamplingParams, *, eos_id: int, pad_id: int, ro
 
 
 def rollout_from_outputs(prompts: Sequence[Sequence[int]], output_ids: torch.Tensor, sequence_lengths: torch.Tensor,
-                         log_probs: Optional[torch.Tensor], *, max_new_tokens: int, stop_token_ids: Sequence[int],
-                         pad_id: int) -> Rollout:
+                          log_probs: Optional[torch.Tensor], *, max_new_tokens: int, stop_token_ids: Sequence[int],
+                          pad_id: int) -> Rollout:
     """A `Rollout` from ModelRunner.generate's dict (beam 0).
 
     output_ids: [batch, beams, >= prompt + new] prompt then generated tokens; sequence_lengths:
@@ -493,9 +495,9 @@ class TensorRTLLMEngine:
         from aligner.runtime import cpu_bridge
 
         if cpu_bridge.needed():
-            raise RuntimeError("the TensorRT-LLM engine needs a CUDA GPU; use generation.engine=native on CPU")
+            raise ConfigError("the TensorRT-LLM engine needs a CUDA GPU; use generation.engine=native on CPU")
         if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise ValueError(
+            raise ConfigError(
                 "the TensorRT-LLM engine runs at pipeline_model_parallel_size=1 (one TRT-LLM rank per tensor-parallel "
                 "rank); use generation.engine=native with pipeline parallelism"
             )

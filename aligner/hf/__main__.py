@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from aligner.config import run_main
 from aligner.hf.layout import ARCHS
+from aligner.runtime.errors import ConfigError
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -54,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"imported {args.gguf} -> {path}")
     elif args.command == "import":
         if args.dtype is not None:
-            raise ValueError("--dtype applies to --gguf only; an HF directory keeps its weights' own dtype")
+            raise ConfigError("--dtype applies to --gguf only; an HF directory keeps its weights' own dtype")
         path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         print(f"imported {args.hf_dir} -> {path}")
     else:

@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 
 from aligner import checkpointing
-from aligner.data.jsonl import read_json
+from aligner.config import OutputError
+from aligner.data.jsonl import DataError, read_json
 from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, infer_arch, megatron_to_hf
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.errors import ConfigError
 
 HF_SOURCE_FILE = "hf_source.json"
 # Tokenizer files copied along with the weights (whatever of these the directory has).
@@ -47,10 +49,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     directory = Path(hf_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"HF model directory {directory} does not exist")
+        raise ConfigError(f"HF model directory {directory} does not exist")
     path = directory / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model directory")
+        raise ConfigError(f"{hf_dir} has no config.json; expected a Hugging Face model directory")
     return read_json(path)
 
 
@@ -61,7 +63,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except SafetensorError as error:
-        raise ValueError(f"{path}: damaged or truncated safetensors file ({error})") from None
+        raise DataError(f"{path}: damaged or truncated safetensors file ({error})") from None
 
 
 def _load_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -72,7 +74,7 @@ def _load_pytorch_bin(path: Path) -> dict[str, torch.Tensor]:
         # weights_only: a .bin is a pickle; refuse anything but tensors.
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{path}: damaged, truncated or not a tensors-only pytorch file ({error})") from None
+        raise DataError(f"{path}: damaged, truncated or not a tensors-only pytorch file ({error})") from None
 
 
 def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -87,14 +89,14 @@ def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         if (directory / index).is_file():
             weight_map = read_json(directory / index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{directory / index}: no 'weight_map' object")
+                raise DataError(f"{directory / index}: no 'weight_map' object")
             state: dict[str, torch.Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if not (directory / shard).is_file():
-                    raise FileNotFoundError(f"{directory / index} names shard {shard}, which is missing")
+                    raise DataError(f"{directory / index} names shard {shard}, which is missing")
                 state.update(load(directory / shard))
             return state
-    raise FileNotFoundError(
+    raise ConfigError(
         f"{directory} has no weights: expected model.safetensors, model.safetensors.index.json (+ shards), "
         "pytorch_model.bin or pytorch_model.bin.index.json"
     )
@@ -166,7 +168,7 @@ def _model_config(hf_config: dict, source: Path, make_vocab_size_divisible_by: i
     try:
         return gpt_config_from_hf(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     except ValueError as error:
-        raise ValueError(f"{source}: {error}") from None
+        raise ConfigError(f"{source}: {error}") from None
 
 
 def import_hf(
@@ -298,14 +300,14 @@ def export_hf(
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         # Never mix with (or delete) an existing model's files: stale shards would be loaded too.
-        raise FileExistsError(f"export output directory {output_dir} is not empty; choose a new directory")
+        raise OutputError(f"export output directory {output_dir} is not empty; choose a new directory")
     meta = checkpointing.read_meta(checkpoint_dir)
     cfg = GPTConfig.from_dict(meta["model"])
     source = read_hf_source(checkpoint_dir)
     arch = arch or source.get("arch") or infer_arch(cfg)
     dtype = dtype or source.get("dtype") or "float32"
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported for export; choose one of {sorted(_DTYPES)}")
+        raise ConfigError(f"dtype={dtype!r} is not supported for export; choose one of {sorted(_DTYPES)}")
     hf_config = hf_config_from_gpt(cfg, arch, dtype=dtype, **_special_token_ids(checkpoint_dir, source))
 
     with _single_model_parallel_group():

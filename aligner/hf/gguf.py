@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from aligner.config import MissingExtraError
+from aligner.data.jsonl import DataError
+from aligner.runtime.errors import ConfigError
 
 INSTALL_HINT = "reading GGUF files needs the gguf package: pip install 'aligner[gguf]'"
 # float32 keeps the values exactly as the gguf package dequantises them (every block format decodes
@@ -25,7 +27,7 @@ _PARSE_ERRORS = (ValueError, struct.error, OSError, KeyError, IndexError, Unicod
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype GGUF weights are dequantised to, by name (float32 | bfloat16)."""
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported for GGUF weights; choose one of {sorted(DTYPES)}")
+        raise ConfigError(f"dtype={name!r} is not supported for GGUF weights; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -46,12 +48,12 @@ def read_gguf_config(path: str | os.PathLike):
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
+        raise ConfigError(f"GGUF file {path} does not exist")
     _require_gguf_package()
     try:
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except _PARSE_ERRORS as error:
-        raise ValueError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+        raise DataError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
 
 
 def read_gguf_tokenizer(path: str | os.PathLike):
@@ -62,7 +64,7 @@ def read_gguf_tokenizer(path: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except _PARSE_ERRORS as error:
-        raise ValueError(f"{path}: cannot read the tokenizer ({type(error).__name__}: {error})") from None
+        raise DataError(f"{path}: cannot read the tokenizer ({type(error).__name__}: {error})") from None
 
 
 def read_gguf_state_dict(path: str | os.PathLike, config, dtype: str = "float32") -> dict[str, torch.Tensor]:
@@ -86,7 +88,7 @@ def read_gguf_state_dict(path: str | os.PathLike, config, dtype: str = "float32"
     try:
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_of)["tensors"]
     except _PARSE_ERRORS as error:
-        raise ValueError(f"{path}: cannot read the weights ({type(error).__name__}: {error})") from None
+        raise DataError(f"{path}: cannot read the weights ({type(error).__name__}: {error})") from None
     for name in tensors:  # one tensor at a time, so only one extra copy is alive
         tensors[name] = tensors[name].to(target_dtype)
     return tensors

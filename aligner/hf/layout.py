@@ -22,12 +22,15 @@ rows map over unpermuted; the parity tests check this numerically against `trans
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 
+from aligner.data.jsonl import DataError
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig, padded_vocab_size
+from aligner.runtime.errors import ConfigError
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
@@ -101,7 +104,7 @@ def _rope(arch: str, config: dict) -> tuple[float, Optional[float]]:
                 raise _unsupported(arch, f"{field}.{key}", value,
                                    f"megatron-core's llama3 RoPE scaling fixes {key}={fixed:g}")
         if "factor" not in params:
-            raise ValueError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
+            raise ConfigError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
         llama3_factor = float(params["factor"])
         if llama3_factor < 1.0:
             raise _unsupported(arch, f"{field}.factor", llama3_factor, "llama3 scaling needs factor >= 1")
@@ -139,7 +142,7 @@ def gpt_config_from_hf(hf_config: Any, *, make_vocab_size_divisible_by: int = 12
     config = _as_dict(hf_config)
     arch = config.get("model_type")
     if arch not in ARCHS:
-        raise ValueError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     if arch == "gpt2":
         cfg = _gpt2_config(config)
     else:
@@ -158,7 +161,7 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
         raise _unsupported(arch, "mlp_bias", True, "the Llama-style MLP here has no biases")
     window = _sliding_window_active(arch, config)
     if window:
-        raise ValueError(
+        raise ConfigError(
             f"{arch} config: {window}: sliding-window attention is not implemented; full attention matches "
             "only for sequences no longer than the window (set max_position_embeddings <= sliding_window "
             "in config.json if you only use such sequences)"
@@ -293,7 +296,7 @@ def infer_arch(cfg: GPTConfig) -> str:
 def check_exportable(cfg: GPTConfig, arch: str) -> None:
     """Raise ValueError (naming the model field) if `arch` cannot represent `cfg` exactly."""
     if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     if arch == "gpt2":
         expected = dict(
             normalization="LayerNorm",
@@ -304,11 +307,11 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             is_moe=False,
         )
         if cfg.activation not in _GPT2_ACTIVATION_NAMES:
-            raise ValueError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
+            raise ConfigError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
         if cfg.query_groups != cfg.num_attention_heads:
-            raise ValueError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
+            raise ConfigError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-            raise ValueError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
+            raise ConfigError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
     else:
         expected = dict(
             normalization="RMSNorm",
@@ -327,12 +330,12 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             name = "num_moe_experts" if field == "is_moe" else field
             shown = getattr(cfg, name) if field == "is_moe" else getattr(cfg, field)
             needs = ("an MoE model" if value else "a dense model") if field == "is_moe" else repr(value)
-            raise ValueError(
+            raise ConfigError(
                 f"model.{name}={shown!r} cannot be exported as {arch} (which needs {needs}); "
                 f"pick another --arch (inferred from the model it would be {infer_arch(cfg)!r})"
             )
     if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
-        raise ValueError(f"model.rotary_base={cfg.rotary_base} is not an integer")
+        raise ConfigError(f"model.rotary_base={cfg.rotary_base} is not an integer")
 
 
 def hf_config_from_gpt(
@@ -449,10 +452,10 @@ class _Tensors:
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.tensors:
-            raise ValueError(f"{self.what} has no tensor {name!r} (expected shape {list(shape)})")
+            raise DataError(f"{self.what} has no tensor {name!r} (expected shape {list(shape)})")
         tensor = self.tensors.pop(name)
         if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{self.what}: {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+            raise DataError(f"{self.what}: {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
         return tensor
 
     def pop_if_present(self, name: str) -> Optional[torch.Tensor]:
@@ -461,7 +464,7 @@ class _Tensors:
     def finish(self) -> None:
         if self.tensors:
             names = sorted(self.tensors)
-            raise ValueError(
+            raise DataError(
                 f"{self.what} has {len(names)} tensors the converter does not map, e.g. {names[:8]}; "
                 "the checkpoint has parts this architecture does not (wrong model_type or an unsupported variant)"
             )
@@ -511,101 +514,141 @@ def _strip_prefix(state_dict: Mapping[str, torch.Tensor], arch: str) -> dict:
     return dict(state_dict)
 
 
+@dataclass(frozen=True)
+class _WeightPair:
+    """One megatron tensor and the HF tensor(s) it is made of; `kind` says how (both directions)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    kind: str = "copy"  # a key of _TO_MEGATRON / _TO_HF
+
+
+def _weight_table(cfg: GPTConfig, arch: str) -> list[_WeightPair]:
+    """Every weight of `arch` as (megatron name, HF names, HF shapes, kind): the one table import and export
+    both read. A tied output layer is not in it (HF stores none, or a copy of the embedding)."""
+    hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    weight, bias = param_names.weight, param_names.bias
+    pairs: list[_WeightPair] = []
+
+    def pair(megatron: str, hf: str | tuple[str, ...], *shapes: tuple[int, ...], kind: str = "copy") -> None:
+        pairs.append(_WeightPair(megatron, (hf,) if isinstance(hf, str) else hf, shapes, kind))
+
+    if arch == "gpt2":
+        pair(weight(param_names.WORD_EMBEDDINGS), "transformer.wte.weight", (vocab, hidden), kind="vocab")
+        pair(weight(param_names.POSITION_EMBEDDINGS), "transformer.wpe.weight", (cfg.max_position_embeddings, hidden))
+        for i in range(cfg.num_layers):
+            hf, mg = f"transformer.h.{i}.", param_names.layer(i)
+            for hf_norm, mg_norm in (("ln_1", param_names.INPUT_NORM), ("ln_2", param_names.PRE_MLP_NORM)):
+                for kind in ("weight", "bias"):
+                    pair(f"{mg}{mg_norm}.{kind}", f"{hf}{hf_norm}.{kind}", (hidden,))
+            # Conv1D stores [in, out]; c_attn's output is [q | k | v], each heads-contiguous.
+            pair(f"{mg}{param_names.QKV}.weight", f"{hf}attn.c_attn.weight", (hidden, 3 * hidden), kind="conv1d_qkv")
+            pair(f"{mg}{param_names.QKV}.bias", f"{hf}attn.c_attn.bias", (3 * hidden,), kind="fused_qkv")
+            pair(f"{mg}{param_names.ATTENTION_OUT}.weight", f"{hf}attn.c_proj.weight", (hidden, hidden), kind="transpose")
+            pair(f"{mg}{param_names.ATTENTION_OUT}.bias", f"{hf}attn.c_proj.bias", (hidden,))
+            pair(f"{mg}{param_names.FC1}.weight", f"{hf}mlp.c_fc.weight", (hidden, ffn), kind="transpose")
+            pair(f"{mg}{param_names.FC1}.bias", f"{hf}mlp.c_fc.bias", (ffn,))
+            pair(f"{mg}{param_names.FC2}.weight", f"{hf}mlp.c_proj.weight", (ffn, hidden), kind="transpose")
+            pair(f"{mg}{param_names.FC2}.bias", f"{hf}mlp.c_proj.bias", (hidden,))
+        pair(weight(param_names.FINAL_NORM), "transformer.ln_f.weight", (hidden,))
+        pair(bias(param_names.FINAL_NORM), "transformer.ln_f.bias", (hidden,))
+    else:
+        mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
+        pair(weight(param_names.WORD_EMBEDDINGS), "model.embed_tokens.weight", (vocab, hidden), kind="vocab")
+        for i in range(cfg.num_layers):
+            hf, mg = f"model.layers.{i}.", param_names.layer(i)
+            attention = f"{hf}self_attn."
+            pair(f"{mg}{param_names.INPUT_NORM}.weight", f"{hf}input_layernorm.weight", (hidden,))
+            pair(f"{mg}{param_names.QKV}.weight", tuple(f"{attention}{x}_proj.weight" for x in "qkv"),
+                 (q_size, hidden), (kv_size, hidden), (kv_size, hidden), kind="qkv")
+            if cfg.add_qkv_bias:
+                pair(f"{mg}{param_names.QKV}.bias", tuple(f"{attention}{x}_proj.bias" for x in "qkv"),
+                     (q_size,), (kv_size,), (kv_size,), kind="qkv")
+            if cfg.qk_layernorm:
+                for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
+                    pair(f"{mg}{mg_norm}.weight", f"{attention}{hf_norm}.weight", (cfg.head_dim,))
+            pair(f"{mg}{param_names.ATTENTION_OUT}.weight", f"{attention}o_proj.weight", (hidden, q_size))
+            pair(f"{mg}{param_names.PRE_MLP_NORM}.weight", f"{hf}post_attention_layernorm.weight", (hidden,))
+            if cfg.is_moe:
+                pair(f"{mg}{param_names.ROUTER}.weight", hf + _MOE_NAMES[arch][0], (cfg.num_moe_experts, hidden))
+            for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
+                pair(f"{mg_mlp}{param_names.LINEAR_FC1}.weight", (f"{hf_mlp}{gate_name}.weight", f"{hf_mlp}{up_name}.weight"),
+                     (mlp_ffn, hidden), (mlp_ffn, hidden), kind="gate_up")
+                pair(f"{mg_mlp}{param_names.LINEAR_FC2}.weight", f"{hf_mlp}{down_name}.weight", (hidden, mlp_ffn))
+        pair(weight(param_names.FINAL_NORM), "model.norm.weight", (hidden,))
+    if not cfg.tie_embeddings:
+        pair(weight(param_names.OUTPUT_LAYER), "lm_head.weight", (vocab, hidden), kind="vocab")
+    return pairs
+
+
+# kind -> (HF tensors -> the megatron tensor), given the config and the padded vocabulary size
+_TO_MEGATRON = {
+    "copy": lambda hf, cfg, padded: hf[0],
+    "transpose": lambda hf, cfg, padded: hf[0].t(),
+    "vocab": lambda hf, cfg, padded: _pad_vocab(hf[0], padded),  # padding rows are zero
+    "qkv": lambda hf, cfg, padded: pack_qkv(*hf, cfg),
+    "fused_qkv": lambda hf, cfg, padded: pack_qkv(*hf[0].chunk(3), cfg),
+    "conv1d_qkv": lambda hf, cfg, padded: pack_qkv(*hf[0].t().chunk(3, dim=0), cfg),
+    "gate_up": lambda hf, cfg, padded: torch.cat(hf),
+}
+# kind -> (the megatron tensor -> HF tensors), the inverse of _TO_MEGATRON
+_TO_HF = {
+    "copy": lambda tensor, cfg: (tensor,),
+    "transpose": lambda tensor, cfg: (tensor.t(),),
+    "vocab": lambda tensor, cfg: (tensor[: cfg.vocab_size],),  # padding rows dropped
+    "qkv": lambda tensor, cfg: unpack_qkv(tensor, cfg),
+    "fused_qkv": lambda tensor, cfg: (torch.cat(unpack_qkv(tensor, cfg)),),
+    "conv1d_qkv": lambda tensor, cfg: (torch.cat(unpack_qkv(tensor, cfg)).t(),),
+    "gate_up": lambda tensor, cfg: tuple(tensor.chunk(2)),
+}
+
+
+def _megatron_shape(pair: _WeightPair, padded: int) -> tuple[int, ...]:
+    """The shape of the megatron tensor `pair.kind` makes of HF tensors of `pair.hf_shapes`."""
+    first = pair.hf_shapes[0]
+    if pair.kind == "vocab":
+        return (padded, *first[1:])
+    if pair.kind in ("transpose", "conv1d_qkv"):
+        return tuple(reversed(first))
+    if pair.kind in ("qkv", "gate_up"):  # concatenated along the first dimension
+        return (sum(shape[0] for shape in pair.hf_shapes), *first[1:])
+    return first
+
+
 def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
     """Full TP=1 megatron GPTModel state dict (without `_extra_state`) from a full HF state dict.
 
     The vocabulary is zero-padded to `padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)`.
-    Every HF tensor must be consumed: leftovers raise ValueError.
+    Every HF tensor must be consumed: leftovers raise DataError.
     """
     if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
+        raise ConfigError(f"arch={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     state = {
         name: tensor
         for name, tensor in _strip_prefix(hf_state_dict, arch).items()
         if not name.endswith(_IGNORED_SUFFIXES[arch])
     }
-    source = _Tensors(state, f"HF {arch} state dict")
-    hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
-    padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by)
-    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
-    mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
-    out: dict[str, torch.Tensor] = {}
-
-    if arch == "gpt2":
-        embed = source.take("transformer.wte.weight", (vocab, hidden))
-        out[param_names.weight(param_names.WORD_EMBEDDINGS)] = _pad_vocab(embed, padded)
-        out[param_names.weight(param_names.POSITION_EMBEDDINGS)] = source.take(
-            "transformer.wpe.weight", (cfg.max_position_embeddings, hidden)
+    if not cfg.tie_embeddings and "lm_head.weight" not in state:
+        raise ConfigError(
+            f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
+            "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
         )
-        for i in range(cfg.num_layers):
-            hf, mg = f"transformer.h.{i}.", param_names.layer(i)
-            for hf_norm, mg_norm in (("ln_1", param_names.INPUT_NORM), ("ln_2", param_names.PRE_MLP_NORM)):
-                for kind in ("weight", "bias"):
-                    out[f"{mg}{mg_norm}.{kind}"] = source.take(f"{hf}{hf_norm}.{kind}", (hidden,))
-            # Conv1D stores [in, out]; c_attn's output is [q | k | v], each heads-contiguous.
-            q, k, v = source.take(f"{hf}attn.c_attn.weight", (hidden, 3 * hidden)).t().chunk(3, dim=0)
-            out[f"{mg}{param_names.QKV}.weight"] = pack_qkv(q, k, v, cfg)
-            q, k, v = source.take(f"{hf}attn.c_attn.bias", (3 * hidden,)).chunk(3)
-            out[f"{mg}{param_names.QKV}.bias"] = pack_qkv(q, k, v, cfg)
-            out[f"{mg}{param_names.ATTENTION_OUT}.weight"] = source.take(f"{hf}attn.c_proj.weight",
-                                                                          (hidden, hidden)).t()
-            out[f"{mg}{param_names.ATTENTION_OUT}.bias"] = source.take(f"{hf}attn.c_proj.bias", (hidden,))
-            out[f"{mg}{param_names.FC1}.weight"] = source.take(f"{hf}mlp.c_fc.weight", (hidden, ffn)).t()
-            out[f"{mg}{param_names.FC1}.bias"] = source.take(f"{hf}mlp.c_fc.bias", (ffn,))
-            out[f"{mg}{param_names.FC2}.weight"] = source.take(f"{hf}mlp.c_proj.weight", (ffn, hidden)).t()
-            out[f"{mg}{param_names.FC2}.bias"] = source.take(f"{hf}mlp.c_proj.bias", (hidden,))
-        out[param_names.weight(param_names.FINAL_NORM)] = source.take("transformer.ln_f.weight", (hidden,))
-        out[param_names.bias(param_names.FINAL_NORM)] = source.take("transformer.ln_f.bias", (hidden,))
-    else:
-        embed = source.take("model.embed_tokens.weight", (vocab, hidden))
-        out[param_names.weight(param_names.WORD_EMBEDDINGS)] = _pad_vocab(embed, padded)
-        for i in range(cfg.num_layers):
-            hf, mg = f"model.layers.{i}.", param_names.layer(i)
-            out[f"{mg}{param_names.INPUT_NORM}.weight"] = source.take(f"{hf}input_layernorm.weight", (hidden,))
-            q = source.take(f"{hf}self_attn.q_proj.weight", (q_size, hidden))
-            k = source.take(f"{hf}self_attn.k_proj.weight", (kv_size, hidden))
-            v = source.take(f"{hf}self_attn.v_proj.weight", (kv_size, hidden))
-            out[f"{mg}{param_names.QKV}.weight"] = pack_qkv(q, k, v, cfg)
-            if cfg.add_qkv_bias:
-                q = source.take(f"{hf}self_attn.q_proj.bias", (q_size,))
-                k = source.take(f"{hf}self_attn.k_proj.bias", (kv_size,))
-                v = source.take(f"{hf}self_attn.v_proj.bias", (kv_size,))
-                out[f"{mg}{param_names.QKV}.bias"] = pack_qkv(q, k, v, cfg)
-            if cfg.qk_layernorm:
-                for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
-                    out[f"{mg}{mg_norm}.weight"] = source.take(
-                        f"{hf}self_attn.{hf_norm}.weight", (cfg.head_dim,))
-            out[f"{mg}{param_names.ATTENTION_OUT}.weight"] = source.take(f"{hf}self_attn.o_proj.weight",
-                                                                          (hidden, q_size))
-            out[f"{mg}{param_names.PRE_MLP_NORM}.weight"] = source.take(f"{hf}post_attention_layernorm.weight",
-                                                                         (hidden,))
-            if cfg.is_moe:
-                out[f"{mg}{param_names.ROUTER}.weight"] = source.take(hf + _MOE_NAMES[arch][0],
-                                                                       (cfg.num_moe_experts, hidden))
-            for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
-                gate = source.take(f"{hf_mlp}{gate_name}.weight", (mlp_ffn, hidden))
-                up = source.take(f"{hf_mlp}{up_name}.weight", (mlp_ffn, hidden))
-                out[f"{mg_mlp}{param_names.LINEAR_FC1}.weight"] = torch.cat([gate, up])
-                out[f"{mg_mlp}{param_names.LINEAR_FC2}.weight"] = source.take(f"{hf_mlp}{down_name}.weight",
-                                                                               (hidden, mlp_ffn))
-        out[param_names.weight(param_names.FINAL_NORM)] = source.take("model.norm.weight", (hidden,))
-
+    source = _Tensors(state, f"HF {arch} state dict")
+    padded = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    out = {pair.megatron: _TO_MEGATRON[pair.kind]([source.take(name, shape) for name, shape in zip(pair.hf, pair.hf_shapes)],
+                                                  cfg, padded)
+           for pair in _weight_table(cfg, arch)}
     if cfg.tie_embeddings:
         # Some checkpoints store the tied head anyway; accept it only if it really is the embedding.
         head = source.pop_if_present("lm_head.weight")
+        embed = out[param_names.weight(param_names.WORD_EMBEDDINGS)][: cfg.vocab_size]
         if head is not None and not torch.equal(head, embed):
-            raise ValueError(
+            raise ConfigError(
                 f"{arch} config: tie_word_embeddings=True but the checkpoint's lm_head.weight differs from the "
                 "input embedding; set tie_word_embeddings=false in config.json if the head is separate"
             )
-    else:
-        if "lm_head.weight" not in source.tensors:
-            raise ValueError(
-                f"{arch} config: tie_word_embeddings=False but the checkpoint has no lm_head.weight "
-                "(a base model without LM head, or a config that should say tie_word_embeddings=true)"
-            )
-        head = source.take("lm_head.weight", (vocab, hidden))
-        out[param_names.weight(param_names.OUTPUT_LAYER)] = _pad_vocab(head, padded)
     source.finish()
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
@@ -621,72 +664,12 @@ def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConf
         {name: t for name, t in megatron_state_dict.items() if not name.endswith("_extra_state")},
         "megatron state dict",
     )
-    hidden, vocab, ffn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
-    padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by)
-    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
-    qkv_size = q_size + 2 * kv_size
-    fc1_size = 2 * ffn if cfg.activation == "swiglu" else ffn
-    mlp_ffn = cfg.expert_ffn_size if cfg.is_moe else ffn
+    padded = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
     out: dict[str, torch.Tensor] = {}
-
-    embed = source.take(param_names.weight(param_names.WORD_EMBEDDINGS), (padded, hidden))[:vocab]
-    if arch == "gpt2":
-        out["transformer.wte.weight"] = embed
-        out["transformer.wpe.weight"] = source.take(
-            param_names.weight(param_names.POSITION_EMBEDDINGS), (cfg.max_position_embeddings, hidden)
-        )
-        for i in range(cfg.num_layers):
-            hf, mg = f"transformer.h.{i}.", param_names.layer(i)
-            for hf_norm, mg_norm in (("ln_1", param_names.INPUT_NORM), ("ln_2", param_names.PRE_MLP_NORM)):
-                for kind in ("weight", "bias"):
-                    out[f"{hf}{hf_norm}.{kind}"] = source.take(f"{mg}{mg_norm}.{kind}", (hidden,))
-            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.weight", (qkv_size, hidden)), cfg)
-            out[f"{hf}attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.bias", (qkv_size,)), cfg)
-            out[f"{hf}attn.c_attn.bias"] = torch.cat([q, k, v])
-            out[f"{hf}attn.c_proj.weight"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.weight",
-                                                         (hidden, hidden)).t()
-            out[f"{hf}attn.c_proj.bias"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.bias", (hidden,))
-            out[f"{hf}mlp.c_fc.weight"] = source.take(f"{mg}{param_names.FC1}.weight", (fc1_size, hidden)).t()
-            out[f"{hf}mlp.c_fc.bias"] = source.take(f"{mg}{param_names.FC1}.bias", (fc1_size,))
-            out[f"{hf}mlp.c_proj.weight"] = source.take(f"{mg}{param_names.FC2}.weight", (hidden, ffn)).t()
-            out[f"{hf}mlp.c_proj.bias"] = source.take(f"{mg}{param_names.FC2}.bias", (hidden,))
-        out["transformer.ln_f.weight"] = source.take(param_names.weight(param_names.FINAL_NORM), (hidden,))
-        out["transformer.ln_f.bias"] = source.take(param_names.bias(param_names.FINAL_NORM), (hidden,))
-    else:
-        out["model.embed_tokens.weight"] = embed
-        for i in range(cfg.num_layers):
-            hf, mg = f"model.layers.{i}.", param_names.layer(i)
-            out[f"{hf}input_layernorm.weight"] = source.take(f"{mg}{param_names.INPUT_NORM}.weight", (hidden,))
-            q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.weight", (qkv_size, hidden)), cfg)
-            out[f"{hf}self_attn.q_proj.weight"], out[f"{hf}self_attn.k_proj.weight"] = q, k
-            out[f"{hf}self_attn.v_proj.weight"] = v
-            if cfg.add_qkv_bias:
-                q, k, v = unpack_qkv(source.take(f"{mg}{param_names.QKV}.bias", (qkv_size,)), cfg)
-                out[f"{hf}self_attn.q_proj.bias"], out[f"{hf}self_attn.k_proj.bias"] = q, k
-                out[f"{hf}self_attn.v_proj.bias"] = v
-            if cfg.qk_layernorm:
-                for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
-                    out[f"{hf}self_attn.{hf_norm}.weight"] = source.take(
-                        f"{mg}{mg_norm}.weight", (cfg.head_dim,))
-            out[f"{hf}self_attn.o_proj.weight"] = source.take(f"{mg}{param_names.ATTENTION_OUT}.weight",
-                                                              (hidden, q_size))
-            out[f"{hf}post_attention_layernorm.weight"] = source.take(f"{mg}{param_names.PRE_MLP_NORM}.weight",
-                                                                      (hidden,))
-            if cfg.is_moe:
-                out[hf + _MOE_NAMES[arch][0]] = source.take(f"{mg}{param_names.ROUTER}.weight",
-                                                            (cfg.num_moe_experts, hidden))
-            for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
-                gate, up = source.take(f"{mg_mlp}{param_names.LINEAR_FC1}.weight", (2 * mlp_ffn, hidden)).chunk(2)
-                out[f"{hf_mlp}{gate_name}.weight"], out[f"{hf_mlp}{up_name}.weight"] = gate, up
-                out[f"{hf_mlp}{down_name}.weight"] = source.take(f"{mg_mlp}{param_names.LINEAR_FC2}.weight",
-                                                                 (hidden, mlp_ffn))
-        out["model.norm.weight"] = source.take(param_names.weight(param_names.FINAL_NORM), (hidden,))
-
+    for pair in _weight_table(cfg, arch):
+        out.update(zip(pair.hf, _TO_HF[pair.kind](source.take(pair.megatron, _megatron_shape(pair, padded)), cfg)))
     if cfg.tie_embeddings:
         source.pop_if_present(param_names.weight(param_names.OUTPUT_LAYER))  # a copy of the embedding on the last stage
-    else:
-        out["lm_head.weight"] = source.take(param_names.weight(param_names.OUTPUT_LAYER), (padded, hidden))[:vocab]
     source.finish()
     # Views of one megatron tensor (q/k/v, gate/up) would share storage, which safetensors refuses.
     return {name: tensor.contiguous().clone() for name, tensor in out.items()}

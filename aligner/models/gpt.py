@@ -20,8 +20,22 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from aligner.config import MissingExtraError, check_values, one_of
 from aligner.runtime import cpu_bridge, distributed
 from aligner.runtime.distributed import ParallelConfig
+from aligner.runtime.errors import ConfigError
+
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
+
+_ACTIVATIONS = {
+    "swiglu": F.silu,  # gated: silu(x W_gate) * (x W_up)
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 @dataclass
@@ -37,10 +51,10 @@ class GPTConfig:
     vocab_size: Optional[int] = None  # None: taken from the tokenizer
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 512
-    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    normalization: str = one_of(NORMALIZATIONS, "RMSNorm")
     norm_epsilon: float = 1e-5
-    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh | relu
-    position_embedding_type: str = "rope"  # rope | learned_absolute
+    activation: str = one_of(tuple(_ACTIVATIONS), "swiglu")
+    position_embedding_type: str = one_of(POSITION_EMBEDDINGS, "rope")
     rotary_base: float = 10000.0
     # Llama 3.x RoPE scaling (HF rope_type "llama3") by this factor, with megatron's fixed
     # low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192; None: plain RoPE.
@@ -54,14 +68,14 @@ class GPTConfig:
     # False: softmax over the top-k logits (= top-k of the full softmax, renormalised).
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0: no aux loss, training sees only the task loss
-    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (megatron's; alltoall needs CUDA)
+    moe_token_dispatcher_type: str = one_of(MOE_TOKEN_DISPATCHERS, "allgather")  # megatron's; alltoall needs CUDA
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
-    transformer_impl: str = "local"  # local | transformer_engine
+    transformer_impl: str = one_of(TRANSFORMER_IMPLS, "local")
 
     @classmethod
     def llama(cls, **overrides: Any) -> "GPTConfig":
@@ -85,7 +99,7 @@ class GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
+            raise ConfigError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -113,68 +127,49 @@ class GPTConfig:
 
     def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
         if self.vocab_size is None:
-            raise ValueError("model.vocab_size is not set (it is normally taken from the tokenizer)")
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"model.normalization must be RMSNorm or LayerNorm, got {self.normalization!r}")
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
-        if self.position_embedding_type not in ("rope", "learned_absolute"):
-            raise ValueError(
-                f"model.position_embedding_type must be rope or learned_absolute, got {self.position_embedding_type!r}"
-            )
+            raise ConfigError("model.vocab_size is not set (it is normally taken from the tokenizer)")
+        check_values(self, "model.")  # the choices again: a config from a checkpoint or an HF model skips load_config
         if self.num_attention_heads % self.query_groups:
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"model.num_query_groups ({self.query_groups})"
             )
         for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.query_groups)):
             if value % tensor_parallel_size:
-                raise ValueError(
+                raise ConfigError(
                     f"model.{name}={value} is not divisible by tensor_model_parallel_size={tensor_parallel_size}"
                 )
         if self.ffn_size % tensor_parallel_size:
-            raise ValueError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by TP={tensor_parallel_size}")
+            raise ConfigError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by TP={tensor_parallel_size}")
         if self.llama3_rope_scaling_factor is not None and self.position_embedding_type != "rope":
-            raise ValueError("model.llama3_rope_scaling_factor needs model.position_embedding_type=rope")
+            raise ConfigError("model.llama3_rope_scaling_factor needs model.position_embedding_type=rope")
         self._validate_moe(tensor_parallel_size, expert_parallel_size)
 
     def _validate_moe(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         if not self.is_moe:
             if expert_parallel_size > 1:
-                raise ValueError(f"expert_model_parallel_size={expert_parallel_size} needs an MoE model "
-                                 "(model.num_moe_experts is not set)")
+                raise ConfigError(f"expert_model_parallel_size={expert_parallel_size} needs an MoE model "
+                                  "(model.num_moe_experts is not set)")
             return
         if self.num_moe_experts < 1:
-            raise ValueError(f"model.num_moe_experts must be >= 1, got {self.num_moe_experts}")
+            raise ConfigError(f"model.num_moe_experts must be >= 1, got {self.num_moe_experts}")
         if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} must be in [1, num_moe_experts="
-                             f"{self.num_moe_experts}]")
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk} must be in [1, num_moe_experts="
+                              f"{self.num_moe_experts}]")
         if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
             # A softmax over one logit is always 1 (megatron refuses it: the router would get no gradient).
-            raise ValueError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true")
+            raise ConfigError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true")
         if self.num_moe_experts % expert_parallel_size:
-            raise ValueError(f"model.num_moe_experts={self.num_moe_experts} is not divisible by "
-                             f"expert_model_parallel_size={expert_parallel_size}")
+            raise ConfigError(f"model.num_moe_experts={self.num_moe_experts} is not divisible by "
+                              f"expert_model_parallel_size={expert_parallel_size}")
         if self.expert_ffn_size % tensor_parallel_size:
-            raise ValueError(f"model.moe_ffn_hidden_size={self.expert_ffn_size} is not divisible by "
-                             f"TP={tensor_parallel_size}")
+            raise ConfigError(f"model.moe_ffn_hidden_size={self.expert_ffn_size} is not divisible by "
+                              f"TP={tensor_parallel_size}")
         if self.add_bias_linear:
-            raise ValueError("model.add_bias_linear=true is not supported with MoE (megatron's experts have no biases)")
-        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
-            raise ValueError(f"model.moe_token_dispatcher_type must be one of {list(MOE_TOKEN_DISPATCHERS)}, "
-                             f"got {self.moe_token_dispatcher_type!r}")
+            raise ConfigError("model.add_bias_linear=true is not supported with MoE (megatron's experts have no biases)")
         if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+            raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
-
-MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
-
-_ACTIVATIONS = {
-    "swiglu": F.silu,  # gated: silu(x W_gate) * (x W_up)
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
@@ -186,7 +181,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     """
     padded = int(math.ceil(vocab_size / divisible_by) * divisible_by)
     if padded % tensor_parallel_size:
-        raise ValueError(
+        raise ConfigError(
             f"padded vocabulary {padded} (vocab {vocab_size} rounded to model.make_vocab_size_divisible_by="
             f"{divisible_by}) is not divisible by tensor_model_parallel_size={tensor_parallel_size}; "
             f"set make_vocab_size_divisible_by to a multiple of {tensor_parallel_size}"
@@ -274,15 +269,13 @@ def layer_spec(cfg: GPTConfig):
         try:
             import transformer_engine  # noqa: F401
         except ImportError as error:
-            raise ImportError(
+            raise MissingExtraError(
                 "model.transformer_impl=transformer_engine needs the transformer-engine package "
                 "(pip install 'aligner[gpu]' on a CUDA machine); use transformer_impl=local otherwise"
             ) from error
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
         )
-    if cfg.transformer_impl != "local":
-        raise ValueError(f"model.transformer_impl must be local or transformer_engine, got {cfg.transformer_impl!r}")
     return gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization
     )
@@ -358,14 +351,14 @@ def build_model_chunks(
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp:
         if model_cfg.num_layers % (parallel.pipeline_model_parallel_size * vpp):
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_layers={model_cfg.num_layers} must divide evenly into pipeline stages x "
                 f"virtual stages = {parallel.pipeline_model_parallel_size} x {vpp}"
             )
         chunks = [chunk_builder(model_cfg, config, vp_stage=stage) for stage in range(vpp)]
     else:
         if model_cfg.num_layers % parallel.pipeline_model_parallel_size:
-            raise ValueError(
+            raise ConfigError(
                 f"model.num_layers={model_cfg.num_layers} is not divisible by "
                 f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}"
             )

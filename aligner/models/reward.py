@@ -225,11 +225,14 @@ class RewardInference:
         return local[:rows].cpu()
 
 
+REWARD_TYPES = ("binary_ranking", "regression")  # Bradley-Terry pairs | one regressed score per attribute
+
+
 @dataclass
 class RewardModelInfo:
     """The `reward` section of a reward-model checkpoint's meta."""
 
-    type: str = "binary_ranking"  # binary_ranking | regression
+    type: str = "binary_ranking"  # one of REWARD_TYPES
     attributes: list = field(default_factory=lambda: ["reward"])
     normalization: Optional[dict] = None  # {"mean": [...], "std": [...]} per attribute, or None
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from aligner.generation.engine import Rollout, SamplingParams
+from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import epoch_seed
 
 
@@ -261,12 +262,12 @@ def load_function(path: str) -> Callable:
     """"package.module:function" -> the function, with an error that says what is wrong."""
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+        raise ConfigError(f"reward function {path!r} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({error})") from None
+        raise ConfigError(f"reward function {path!r}: cannot import {module_name!r} ({error})") from None
     function = getattr(module, attribute, None)
     if not callable(function):
-        raise ValueError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
+        raise ConfigError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
     return function

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from aligner.runtime.errors import ConfigError
+
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
 _applied = False
@@ -86,7 +88,7 @@ def check_moe_token_dispatcher(dispatcher: str) -> None:
     (all-gather, reduce-scatter), which gloo has, also across expert-parallel ranks.
     """
     if needed() and dispatcher == "alltoall":
-        raise ValueError(
+        raise ConfigError(
             "model.moe_token_dispatcher_type=alltoall needs CUDA (megatron-core's alltoall dispatcher "
             "synchronises on CUDA streams); use moe_token_dispatcher_type=allgather on CPU"
         )

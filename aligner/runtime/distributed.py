@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.runtime import cpu_bridge, processes
+from aligner.runtime.errors import ConfigError
 
 
 @dataclass
@@ -38,7 +39,7 @@ class ParallelConfig:
 
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
-            raise ValueError(
+            raise ConfigError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size "
                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
                 f"({self.pipeline_model_parallel_size}) = {self.model_parallel_size}; launch "
@@ -47,7 +48,7 @@ class ParallelConfig:
         data_parallel = world_size // self.model_parallel_size
         expert = self.expert_model_parallel_size
         if expert < 1 or data_parallel % expert:
-            raise ValueError(
+            raise ConfigError(
                 f"expert_model_parallel_size={expert} must divide the data-parallel size {data_parallel} "
                 f"(world size {world_size} / (TP x PP) = {self.model_parallel_size}); experts are split "
                 "over data-parallel ranks"
@@ -123,7 +124,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)
     if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:
-        raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
+        raise ConfigError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
     if not dist.is_initialized():
         if world == 1 and "MASTER_PORT" not in os.environ:
             # A lone process picks its own free port, without writing it into os.environ, where
@@ -213,8 +214,8 @@ def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datet
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as error:
-        raise ValueError(f"MASTER_ADDR={host!r} does not resolve ({error.strerror}); set it to this "
-                         "machine's address (127.0.0.1 for a job on one machine)") from None
+        raise ConfigError(f"MASTER_ADDR={host!r} does not resolve ({error.strerror}); set it to this "
+                          "machine's address (127.0.0.1 for a job on one machine)") from None
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is fine
@@ -222,8 +223,8 @@ def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datet
         listener.listen(socket.SOMAXCONN)
     except OSError as error:
         listener.close()
-        raise ValueError(f"cannot listen on {host}:{port} for the job's rendezvous (MASTER_ADDR:MASTER_PORT): "
-                         f"{error.strerror}; another job may use that port, choose another MASTER_PORT") from None
+        raise ConfigError(f"cannot listen on {host}:{port} for the job's rendezvous (MASTER_ADDR:MASTER_PORT): "
+                          f"{error.strerror}; another job may use that port, choose another MASTER_PORT") from None
     bound_port = listener.getsockname()[1]
     # The store owns the descriptor from here on (detach: the socket object must not close it).
     return dist.TCPStore(host, bound_port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
@@ -258,15 +259,15 @@ def keep_gloo_on_loopback(master_addr: str) -> None:
 
 
 _PRECISION_DTYPES = {"fp32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16}
-PRECISIONS = ("auto", *_PRECISION_DTYPES)  # the values of a config's `precision` key
+PRECISIONS = ("auto", *_PRECISION_DTYPES)  # the `precision` setting's values
 
 
 def resolve_precision(name: str) -> "torch.dtype":
     """`auto` is fp32 on CPU (bf16 matmuls are slow there) and bf16 mixed precision on GPU."""
     if name == "auto":
         return torch.float32 if cpu_bridge.needed() else torch.bfloat16
-    if name not in _PRECISION_DTYPES:
-        raise ValueError(f"precision must be auto, fp32 or bf16, got {name!r}")
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
     return _PRECISION_DTYPES[name]
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from aligner.runtime.errors import ConfigError
+
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_WINDOW_S = 1.0
 
@@ -205,7 +207,7 @@ def deferred(grace_s: float) -> Iterator[StopCheck]:
     arrived before entry is acted on at the first check.
     """
     if grace_s <= 0:
-        raise ValueError(f"checkpoint.stop_grace_s must be > 0, got {grace_s}")
+        raise ConfigError(f"checkpoint.stop_grace_s must be > 0, got {grace_s}")
     check = StopCheck(grace_s)
     previous = (_state.deferred, _state.grace_s)
     _state.deferred, _state.grace_s = True, grace_s

@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from aligner.config import OutputError, at_least, require_writable_dir
+from aligner.config import MissingExtraError, OutputError, at_least, require_writable_dir
 from aligner.runtime.distributed import is_rank_zero
 
 
@@ -208,7 +208,7 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as error:
-                raise ImportError("logging.wandb.enabled=true needs the wandb package (pip install wandb)") from error
+                raise MissingExtraError("logging.wandb.enabled=true needs the wandb package (pip install wandb)") from error
             self.wandb = wandb.init(project=config.wandb.project, name=config.wandb.name or run_name, config=full_config)
         if config.progress_bar:
             from tqdm import tqdm

@@ -15,7 +15,8 @@ import torch
 from aligner.config import at_least, one_of, require_checkpoint_dir
 from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
 from aligner.runtime import distributed
-from aligner.runtime.distributed import ParallelConfig
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.runtime.errors import ConfigError
 from aligner.training.metrics import LoggingConfig
 from aligner.training.trainer import CheckpointConfig, TrainerConfig
 
@@ -49,7 +50,7 @@ def check_trainable(config) -> None:
     only the transformer-engine spec could. Inference (generation, served models) runs at TP>1.
     """
     if config.num_moe_experts is not None and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        raise ValueError(
+        raise ConfigError(
             f"an MoE model (model.num_moe_experts={config.num_moe_experts}) trains at tensor_model_parallel_size="
             f"{config.tensor_model_parallel_size} only with parallel.sequence_parallel=true (megatron-core's rule), "
             "which the local layer spec (model.transformer_impl=local) does not support; train MoE models at "
@@ -137,8 +138,6 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
 def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if optim.decay_style not in DECAY_STYLES:
-        raise ValueError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got {optim.decay_style!r}")
     warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
     return OptimizerParamScheduler(
         optimizer,
@@ -292,7 +291,7 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
     from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
 
     if not train:
-        raise ValueError("data.train is empty: give at least one {path, weight} entry")
+        raise ConfigError("data.train is empty: give at least one {path, weight} entry")
     train_sets, val_sets = [], [load_dataset(entry) for entry in validation]
     for entry in train:
         dataset = load_dataset(entry)
@@ -353,7 +352,7 @@ class RunConfig:
 
     name: str = "run"
     seed: int = 1234
-    precision: str = "auto"
+    precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

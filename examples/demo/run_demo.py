@@ -30,6 +30,7 @@ from pathlib import Path
 from aligner.algorithms.rl_actor import ALGORITHMS
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.runtime.errors import ConfigError
 from aligner.training.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -222,8 +223,8 @@ class Demo:
     def _earlier_stage_checkpoint(stage: str, save_dir: Path) -> Path:
         found = latest_checkpoint(save_dir)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint under {save_dir}: run the '{stage}' stage first "
-                                    f"(--stages {stage},...) with the same --workdir")
+            raise ConfigError(f"no checkpoint under {save_dir}: run the '{stage}' stage first "
+                              f"(--stages {stage},...) with the same --workdir")
         return found
 
     def greedy(self, name: str, checkpoint: Path, extra: tuple = ()) -> dict:

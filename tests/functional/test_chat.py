@@ -83,7 +83,7 @@ def test_batch_mode_answers_every_prompt_like_greedy_reference(checkpoint, tmp_p
     ]
     prompts_file, output_file = tmp_path / "prompts.jsonl", tmp_path / "out" / "answers.jsonl"
     prompts_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = run_chat(f"checkpoint={path}", f"prompts_file={prompts_file}", f"output_file={output_file}",
+    result = run_chat(f"init_from={path}", f"prompts_file={prompts_file}", f"output_file={output_file}",
                       f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "batch_size=2")
     assert f"wrote 5 responses to {output_file}" in result.stdout
     answers = [json.loads(line) for line in output_file.read_text().splitlines()]
@@ -106,7 +106,7 @@ def test_batch_mode_answers_every_prompt_like_greedy_reference(checkpoint, tmp_p
 def test_interactive_multi_turn_streams_and_exits(checkpoint):
     path, tokenizer, reference = checkpoint
     stdin = "12+7=\n3+4=\n/reset\n3+4=\n/exit\n"
-    result = run_chat(f"checkpoint={path}", f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "stream_chunk_tokens=3",
+    result = run_chat(f"init_from={path}", f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "stream_chunk_tokens=3",
                       stdin=stdin)
     first = [{"role": "user", "content": "12+7="}]
     (reply1,) = reference([tokenizer.encode_chat(first, add_generation_prompt=True)[0]])
@@ -120,7 +120,7 @@ def test_interactive_multi_turn_streams_and_exits(checkpoint):
 
 def test_interactive_ends_cleanly_at_end_of_input(checkpoint):
     path, _, _ = checkpoint
-    result = run_chat(f"checkpoint={path}", "sampling.max_new_tokens=2", stdin="12+7=\n")
+    result = run_chat(f"init_from={path}", "sampling.max_new_tokens=2", stdin="12+7=\n")
     assert result.stdout.count("assistant> ") == 1
 
 
@@ -144,7 +144,7 @@ def test_hf_model_directory_is_imported_and_matches_transformers(tmp_path):
     prompts = ["12+7=", "3+4=", "45+45="]
     prompts_file, output_file = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    run_chat(f"checkpoint={hf_dir}", f"prompts_file={prompts_file}", f"output_file={output_file}",
+    run_chat(f"init_from={hf_dir}", f"prompts_file={prompts_file}", f"output_file={output_file}",
              f"sampling.max_new_tokens={MAX_NEW_TOKENS}")
     answers = [json.loads(line)["response"] for line in output_file.read_text().splitlines()]
 
@@ -167,19 +167,19 @@ def test_shipped_yaml_has_every_schema_key_and_validates(tmp_path):
 
 
     assert dotted_keys(OmegaConf.structured(ChatConfig)) == dotted_keys(OmegaConf.load(CHAT_YAML))
-    cfg = load_config(ChatConfig, CHAT_YAML, ["checkpoint=x", "sampling.temperature=0.7", "sampling.top_k=5"])
+    cfg = load_config(ChatConfig, CHAT_YAML, ["init_from=x", "sampling.temperature=0.7", "sampling.top_k=5"])
     params = cfg.sampling_params([2, 9])
     assert (params.temperature, params.top_k, params.greedy, params.stop_token_ids) == (0.7, 5, False, [2, 9])
-    assert load_config(ChatConfig, CHAT_YAML, ["checkpoint=x"]).sampling_params([2]).is_greedy  # greedy default
+    assert load_config(ChatConfig, CHAT_YAML, ["init_from=x"]).sampling_params([2]).is_greedy  # greedy default
     with pytest.raises(ValueError, match="both prompts_file and output_file"):
-        load_config(ChatConfig, CHAT_YAML, ["checkpoint=x", "prompts_file=a.jsonl"]).validate()
+        load_config(ChatConfig, CHAT_YAML, ["init_from=x", "prompts_file=a.jsonl"]).validate()
     with pytest.raises(ValueError, match="stream_chunk_tokens"):
-        load_config(ChatConfig, CHAT_YAML, ["checkpoint=x", "stream_chunk_tokens=0"]).validate()
+        load_config(ChatConfig, CHAT_YAML, ["init_from=x", "stream_chunk_tokens=0"]).validate()
 
 
 def test_missing_checkpoint_is_one_clear_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, str(ENTRY_POINT), f"checkpoint={tmp_path / 'nope'}"], capture_output=True,
+    result = subprocess.run([sys.executable, str(ENTRY_POINT), f"init_from={tmp_path / 'nope'}"], capture_output=True,
                             text=True, timeout=120, env=env, cwd=REPO_ROOT)
     assert result.returncode == 2
     assert "is not a directory" in result.stderr

@@ -69,7 +69,7 @@ def test_chat_answers_without_noise_and_still_reports_a_bad_record(sft_run):
     root, _ = sft_run
     checkpoint = root / "sft" / "step_00000002"
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": "12+7="}, {"prompt": "3+4="}])
-    result = run(GPT / "chat.py", f"checkpoint={checkpoint}", f"prompts_file={prompts}",
+    result = run(GPT / "chat.py", f"init_from={checkpoint}", f"prompts_file={prompts}",
                  f"output_file={root / 'answers.jsonl'}", "sampling.max_new_tokens=4")
     assert result.returncode == 0, result.stderr[-4000:]
     assert noise_lines(result.stdout + result.stderr) == [] and result.stderr == ""
@@ -77,7 +77,7 @@ def test_chat_answers_without_noise_and_still_reports_a_bad_record(sft_run):
 
     bad = root / "bad_prompts.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"question": "2+2="}) + "\n")
-    result = run(GPT / "chat.py", f"checkpoint={checkpoint}", f"prompts_file={bad}",
+    result = run(GPT / "chat.py", f"init_from={checkpoint}", f"prompts_file={bad}",
                  f"output_file={root / 'bad_answers.jsonl'}", "sampling.max_new_tokens=4")
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: {bad}:2: record has neither 'prompt' nor 'messages' "

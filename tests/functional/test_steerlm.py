@@ -227,7 +227,7 @@ def test_steered_evaluation_and_chat_render_the_request_alike(steerlm_run, tmp_p
     assert evaluation["num_carry"] + evaluation["num_no_carry"] == 8
     # chat.py (KV-cached engine) answers the same steered prompts as evaluate's full-forward decoding.
     answers = tmp_path / "answers.jsonl"
-    chat = _run([REPO_ROOT / "examples" / "nlp" / "gpt" / "chat.py", f"checkpoint={checkpoint}",
+    chat = _run([REPO_ROOT / "examples" / "nlp" / "gpt" / "chat.py", f"init_from={checkpoint}",
                  f"prompts_file={prompts}", f"output_file={answers}", "sampling.max_new_tokens=6",
                  "steer={correctness: 4}"])
     assert chat.returncode == 0, chat.stderr[-4000:]

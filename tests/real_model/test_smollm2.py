@@ -68,11 +68,11 @@ def test_import_logits_match_transformers_on_the_same_dequantised_weights(smollm
 
 
 def test_chat_on_the_gguf_file_answers_like_transformers_generate(smollm2_gguf, smollm2_reference, tmp_path):
-    """chat.py checkpoint=FILE.gguf (imported on the fly), batch mode on the native engine, greedy."""
+    """chat.py init_from=FILE.gguf (imported on the fly), batch mode on the native engine, greedy."""
     _, hf_tokenizer, hf_model, _ = smollm2_reference
     prompts_file = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": messages} for messages in CONVERSATIONS])
     output_file = tmp_path / "answers.jsonl"
-    run_python(GPT_EXAMPLES / "chat.py", f"checkpoint={smollm2_gguf}", f"prompts_file={prompts_file}",
+    run_python(GPT_EXAMPLES / "chat.py", f"init_from={smollm2_gguf}", f"prompts_file={prompts_file}",
                f"output_file={output_file}", f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "max_sequence_length=256",
                "batch_size=4")
     answers = [json.loads(line)["response"] for line in output_file.read_text().splitlines()]

@@ -93,3 +93,73 @@ def test_renamed_keys_load_under_their_new_names_with_a_deprecation_line(tmp_pat
     y.write_text("rollout:\n  prompts_per_step: 7\nppo:\n  prompts_per_step: 3\n")
     with pytest.raises(ConfigError, match="old name of rollout.prompts_per_step"):
         load_config(_RenamedSchema, y)
+
+
+def choice_fields(node, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: choices} of every `one_of` field of a schema instance, nested sections included."""
+    import dataclasses
+
+    found = {}
+    for spec in dataclasses.fields(node):
+        key, value = prefix + spec.name, getattr(node, spec.name)
+        if "choices" in spec.metadata:
+            found[key] = spec.metadata["choices"]
+        if dataclasses.is_dataclass(value):
+            found.update(choice_fields(value, key + "."))
+    return found
+
+
+def _entry_point_schemas():
+    from aligner.generation.chat import ChatConfig
+    from servers.reward_model import RewardServerConfig
+
+    return [  # every entry point's yaml but the RL actors' and the critic's
+        (SFTConfig, "gpt_sft.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (DPOConfig, "gpt_dpo.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (SPINConfig, "gpt_spin.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (RewardModelConfig, "training_rm.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (ChatConfig, "chat.yaml", ["init_from=/checkpoint"]),
+        (RewardServerConfig, "inference_rm.yaml", ["rm_model_file=/checkpoint"]),
+    ]
+
+
+def test_the_entry_point_list_covers_conf():
+    covered = {yaml_name for _, yaml_name, _ in _entry_point_schemas()}
+    owned_elsewhere = {"gpt_ppo_actor.yaml", "gpt_reinforce_actor.yaml", "gpt_ppo_critic.yaml"}
+    assert covered | owned_elsewhere == {path.name for path in CONF_DIR.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("schema, yaml_name, required", _entry_point_schemas(),
+                         ids=lambda value: getattr(value, "__name__", None))
+def test_every_choice_field_refuses_a_bogus_value_when_the_config_loads(schema, yaml_name, required):
+    """A typo in a choice field fails in load_config (before any model is built), naming the dotted key."""
+    import re
+
+    load_config(schema, CONF_DIR / yaml_name, required)  # the shipped values are valid
+    choices = choice_fields(schema())
+    assert {"precision", "model.architecture.activation"} & set(choices) or yaml_name == "inference_rm.yaml"
+    for key, allowed in choices.items():
+        assert "bogus_choice" not in allowed
+        refusal = rf"^{re.escape(key)}='bogus_choice' is not one of {re.escape(', '.join(allowed))}$"
+        with pytest.raises(ConfigError, match=refusal):
+            load_config(schema, CONF_DIR / yaml_name, [*required, f"{key}=bogus_choice"])
+
+
+def test_chat_checkpoint_is_now_init_from(tmp_path, capsys):
+    """chat.py's old `checkpoint=` still loads (with a deprecation line) as `init_from`, which the loader reads."""
+    import contextlib
+
+    from aligner.generation.chat import ChatConfig, load_chat_model
+
+    chat_yaml = CONF_DIR / "chat.yaml"
+    cfg = load_config(ChatConfig, chat_yaml, [f"checkpoint={tmp_path / 'old_name'}"])
+    assert cfg.init_from == str(tmp_path / "old_name") and not hasattr(cfg, "checkpoint")
+    assert "deprecated: the command line sets checkpoint; it is now init_from" in capsys.readouterr().err
+    old_yaml = tmp_path / "old_chat.yaml"
+    old_yaml.write_text(chat_yaml.read_text().replace("init_from: ???", "checkpoint: /from/the/file"))
+    assert load_config(ChatConfig, old_yaml).init_from == "/from/the/file"
+    assert f"deprecated: {old_yaml} sets checkpoint; it is now init_from" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="checkpoint is the old name of init_from; set only init_from"):
+        load_config(ChatConfig, chat_yaml, ["checkpoint=/a", "init_from=/b"])
+    with contextlib.ExitStack() as stack, pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} is not"):
+        load_chat_model(cfg, stack)

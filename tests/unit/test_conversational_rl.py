@@ -441,7 +441,7 @@ def test_interactive_chat_honours_chat_template(tokenizers, chat_template):
 
     tokenizer = tokenizers["llama3"]
     engine = _PromptRecordingEngine(tokenizer.eos_id, tokenizer.pad_id)
-    cfg = ChatConfig(checkpoint="x", system_prompt="Answer briefly.", chat_template=chat_template)
+    cfg = ChatConfig(init_from="x", system_prompt="Answer briefly.", chat_template=chat_template)
     assert chat_interactive(_chat_model(tokenizer, engine), cfg, io.StringIO("hello world\n"), io.StringIO()) == 1
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "hello world"}]
     if chat_template:

@@ -239,8 +239,11 @@ def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
     logits = model(batch["tokens"], batch["position_ids"], None)
     with pytest.raises(ValueError, match="rpo_sq needs 'chosen_reward' and 'rejected_reward'"):
         DPOObjective(DPOSection(preference_loss="rpo_sq"), cfg.vocab_size).loss(batch, logits)
-    with pytest.raises(ValueError, match="dpo.reference_logprobs must be one of"):
-        DPOObjective(DPOSection(reference_logprobs="never"), cfg.vocab_size)
+    from aligner.algorithms.dpo import DPOConfig
+    from aligner.config import CONF_DIR, ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="dpo.reference_logprobs='never' is not one of precompute, swap"):
+        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", ["data.train=[{path: x.jsonl}]", "dpo.reference_logprobs=never"])
 
 
 # ----------------------------------------------------------------------------- a tiny run

@@ -178,7 +178,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
          "error: critic.init_from=/nonexistent does not exist"),
         ("launch_ppo", [python, GPT / "launch_ppo.py", "--reward-checkpoint", "/nonexistent", "--log-dir", root / "launch"],
          "error: --reward-checkpoint=/nonexistent does not exist"),
-        ("chat", [python, GPT / "chat.py", "checkpoint=/nonexistent"], "error: checkpoint /nonexistent is not a directory"),
+        ("chat", [python, GPT / "chat.py", "init_from=/nonexistent"], "error: init_from=/nonexistent is not a directory"),
         ("make_data", [python, DATA / "arithmetic" / "make_data.py", "--out-dir", a_file / "data", "--num-sft", "10"],
          f"error: {a_file / 'data' / 'sft_train.jsonl'}: cannot write it"),
         ("train_tokenizer", [python, DATA / "arithmetic" / "train_tokenizer.py", "--data-dir", malformed, "--out-dir",
@@ -225,3 +225,57 @@ def test_read_json_names_file_and_line(tmp_path):
         read_json(tmp_path / "missing.json")
     path.write_text(json.dumps({"a": [1, 2]}))
     assert read_json(path) == {"a": [1, 2]}
+
+
+# ----------------------------------------------------------------------------- user errors vs bugs in run_main
+_RAISE_IN_RUN_MAIN = """
+import contextlib, io, json, sys
+from aligner.checkpointing import CheckpointError
+from aligner.clients import ClientError, ServerUnavailableError
+from aligner.config import ConfigError, MissingExtraError, OutputError, run_main
+from aligner.data.jsonl import DataError
+from aligner.launcher import LaunchError
+from aligner.runtime.errors import UserError
+types = {kind.__name__: kind for kind in (ConfigError, DataError, CheckpointError, OutputError, MissingExtraError,
+                                          LaunchError, ClientError, ServerUnavailableError, UserError)}
+results = {}
+for name, kind in types.items():
+    def main():
+        raise kind(f"what the user must fix ({name})")
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            run_main(main)
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+    results[name] = [status, stderr.getvalue()]
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_each_user_error_type_ends_with_one_line_and_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, "-c", _RAISE_IN_RUN_MAIN], capture_output=True, text=True, timeout=120,
+                            env=_environment(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcomes = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    assert len(outcomes) == 9
+    failures = [_check_one_error_line(name, status, stderr, f"error: what the user must fix ({name})")
+                for name, (status, stderr) in outcomes.items()]
+    assert not any(failures), "\n\n".join(failures)
+    assert all(stderr.strip().count("\n") == 0 for _, stderr in outcomes.values())
+
+
+@pytest.mark.parametrize("internal", ["ValueError", "RuntimeError", "KeyError", "FileNotFoundError", "AssertionError"])
+def test_an_internal_error_inside_run_main_keeps_its_traceback(tmp_path, internal):
+    """A bug (an invariant that failed) is not a user error: Python's traceback, exit 1, no 'error:' line."""
+    script = ("from aligner.config import run_main\n"
+              "def check_shapes():\n"
+              f"    raise {internal}('rows 3 != columns 4')\n"
+              "run_main(check_shapes)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env=_environment(), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert "Traceback (most recent call last)" in result.stderr and "in check_shapes" in result.stderr
+    assert f"{internal}: " in result.stderr.splitlines()[-1] and "rows 3 != columns 4" in result.stderr
+    assert not any(line.startswith("error:") for line in result.stderr.splitlines())

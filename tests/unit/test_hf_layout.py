@@ -307,22 +307,24 @@ def test_reading_hf_directories(tmp_path):
 
     from safetensors.torch import save_file
 
+    from aligner.config import ConfigError, OutputError
+    from aligner.data.jsonl import DataError
     from aligner.hf.convert import export_hf, read_hf_config, read_hf_state_dict
 
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no config.json"):
         read_hf_config(tmp_path)
-    with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):
+    with pytest.raises(ConfigError, match="model.safetensors.index.json"):
         read_hf_state_dict(tmp_path)
     save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors, which is missing"):
+    with pytest.raises(DataError, match="model-00002-of-00002.safetensors, which is missing"):
         read_hf_state_dict(tmp_path)
     save_file({"b": torch.zeros(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     state = read_hf_state_dict(tmp_path)
     assert sorted(state) == ["a", "b"] and torch.equal(state["b"], torch.zeros(3))
     # Export never writes into (or clears) a directory that already holds files.
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(OutputError, match="not empty"):
         export_hf(tmp_path / "no_checkpoint", tmp_path)
 
 

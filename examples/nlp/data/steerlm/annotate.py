@@ -37,13 +37,14 @@ from aligner.clients.reward import RewardClient
 from aligner.config import OutputError, run_main
 from aligner.data.jsonl import read_jsonl
 from aligner.data.steerlm import ATTRIBUTES_KEY
+from aligner.runtime.errors import UserError
 
 SCORES_KEY = "attribute_scores"  # --keep-scores: the unrounded predictions
 
 DEFAULT_SCALE = (0, 4)  # HelpSteer's 0..4 and the demo's correctness grades
 
 
-class AnnotationError(ValueError):
+class AnnotationError(UserError, ValueError):
     """Bad arguments or an output file that does not belong to the input."""
 
 
