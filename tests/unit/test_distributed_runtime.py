@@ -26,9 +26,9 @@ PROBE = textwrap.dedent("""
     if sys.argv[1] == "raise":
         raise RuntimeError("the run failed")
     if sys.argv[1] == "user_error":  # an entry point's clear one-line error, exit code 2
-        from aligner.config import run_main
+        from aligner.config import ConfigError, run_main
         def main():
-            raise ValueError("a bad setting")
+            raise ConfigError("a bad setting")
         run_main(main)
 """)
 
