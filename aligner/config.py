@@ -121,7 +121,8 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     base = OmegaConf.structured(schema)
     try:
         from_file = OmegaConf.load(yaml_path)
-        notes = apply_renamed_keys(from_file, renames, str(yaml_path)) + drop_retired_keys(from_file, retired, str(yaml_path))
+        notes = (apply_renamed_keys(from_file, renames, str(yaml_path))
+                 + drop_retired_keys(from_file, retired, str(yaml_path)))
         merged = OmegaConf.merge(base, from_file)
     except OmegaConfBaseException as error:
         raise ConfigError(f"{yaml_path}: {_describe(error)}") from None
@@ -165,7 +166,8 @@ def check_values(node: Any, prefix: str = "") -> None:
         minimum = spec.metadata.get("minimum")
         if minimum is not None and value is not None and value < minimum:
             meaning = spec.metadata.get("meaning")
-            raise ConfigError(f"{key}={value} is out of range: it must be >= {minimum}{f' ({meaning})' if meaning else ''}")
+            raise ConfigError(f"{key}={value} is out of range: it must be >= "
+                              f"{minimum}{f' ({meaning})' if meaning else ''}")
         choices = spec.metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -204,7 +206,8 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
         item = argv[index]
         if item in ("-h", "--help"):
             print(f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
-                  f"default config: {config_path}\nkeys: see the yaml; nested keys are dotted, e.g. trainer.max_steps=10")
+                  f"default config: {config_path}\n"
+                  "keys: see the yaml; nested keys are dotted, e.g. trainer.max_steps=10")
             raise SystemExit(0)
         if item == "--config":
             if index + 1 >= len(argv):

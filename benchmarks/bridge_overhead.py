@@ -187,8 +187,8 @@ def main() -> None:
 
     print(f"CPU bridge mode overhead: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up")
-    print(f"model: GPTModel {model_cfg.num_layers} layers x {model_cfg.hidden_size} wide, vocab {model_cfg.vocab_size}, "
-          f"local spec, fp32, torch.no_grad, no KV cache")
+    print(f"model: GPTModel {model_cfg.num_layers} layers x {model_cfg.hidden_size} wide, "
+          f"vocab {model_cfg.vocab_size}, local spec, fp32, torch.no_grad, no KV cache")
 
     per_call_by_case = {}
     for name, seq in (("decode ", 1), ("prefill", PREFILL_TOKENS)):
@@ -203,7 +203,8 @@ def main() -> None:
         calls = _count_bridge_calls(lambda: _in_scope(forward))
         per_call = timing.extra / calls
         per_call_by_case[name.strip()] = per_call
-        print(f"{name} [{BATCH}, {seq:>2}]  plain {timing.plain * 1e3:7.2f} ms   in scope {timing.scoped * 1e3:7.2f} ms   "
+        print(f"{name} [{BATCH}, {seq:>2}]  plain {timing.plain * 1e3:7.2f} ms   "
+              f"in scope {timing.scoped * 1e3:7.2f} ms   "
               f"ratio {timing.ratio:.3f}   ({calls} torch calls, {per_call * 1e6:+.2f} us/call)")
 
     small_a, small_b = torch.ones(4), torch.ones(4)

@@ -249,7 +249,8 @@ def main() -> None:
     print(f"floor         {decode_step_flops(cfg, args.batch, context) / 1e6:.1f} MFLOP per decode step at "
           f"{rate / 1e9:.0f} GFLOP/s (1024^3 fp32 matmul, this run) = {floor * 1e3:.3f} ms; native is "
           f"{statistics.median(native_step) / floor:.2f}x the floor, HF {statistics.median(hf_step) / floor:.2f}x")
-    print(f"memory        {step_bytes / 1e6:.1f} MB read per decode step (weights + KV cache) at {bandwidth / 1e9:.1f} GB/s "
+    print(f"memory        {step_bytes / 1e6:.1f} MB read per decode step (weights + KV cache) "
+          f"at {bandwidth / 1e9:.1f} GB/s "
           f"(sum over a {'>= 1 GiB' if device.type == 'cuda' else 'same-size'} buffer, this run) = "
           f"{step_bytes / bandwidth * 1e3:.3f} ms; native moves "
           f"{step_bytes / statistics.median(native_step) / 1e9:.1f} GB/s = "

@@ -113,9 +113,9 @@ def main() -> None:
             lengths = batch.prompt_lengths + batch.response_lengths  # real tokens per row (tokens/s, MFU)
             for _ in range(cfg.loss.epochs):
                 for minibatch in torch.arange(len(batch.indices)).split(cfg.trainer.global_batch_size):
-                    trainer.policy.train_step([{"tokens": batch.tokens[m], "labels": labels[m], "loss_mask": loss_mask[m],
-                                                "position_ids": positions, "attention_mask": None,
-                                                "lengths": lengths[m]}
+                    trainer.policy.train_step([{"tokens": batch.tokens[m], "labels": labels[m],
+                                                "loss_mask": loss_mask[m], "position_ids": positions,
+                                                "attention_mask": None, "lengths": lengths[m]}
                                                for m in minibatch.split(cfg.trainer.micro_batch_size)])
             trainer.policy.objective = trainer.objective
             return time.perf_counter() - start
@@ -146,7 +146,8 @@ def main() -> None:
     ratio = statistics.median(m["step_time"] / b for m, b, _ in rows)
     print(f"PPO actor step, {args.prompts} rollouts x <= {args.max_new_tokens} new tokens, 4-layer 128-wide model, "
           f"2 epochs x 2 minibatches, {torch.get_num_threads()} thread(s), {args.repeats} repeats (medians)")
-    print(f"  step            {step * 1e3:8.1f} ms   {tokens / step:8.0f} tokens/s (prompt + response tokens trained on)")
+    print(f"  step            {step * 1e3:8.1f} ms   {tokens / step:8.0f} tokens/s "
+          "(prompt + response tokens trained on)")
     print(f"  rollout         {median('rollout_tokens_per_second'):8.0f} generated tokens/s")
     for key in ("time_generation", "time_scoring_wait", "time_logprobs", "time_train", "time_critic_send"):
         print(f"  {key:<16}{median(key) * 1e3:8.1f} ms   {median(key) / step:6.1%} of the step")

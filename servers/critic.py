@@ -207,7 +207,8 @@ class CriticServer:
 
         # The reward-model server's row decoding and validation, reused for critic_infer's rows.
         self.rows = reward_server(critic.value_inference, tokenizer, Op.VALUES, ["value"])
-        self.reward_server = (reward_server(critic.reward_inference, reward_tokenizer, Op.REWARDS, critic.reward_attributes)
+        self.reward_server = (reward_server(critic.reward_inference, reward_tokenizer, Op.REWARDS,
+                                            critic.reward_attributes)
                               if self.combined else None)
 
     def triton_models(self, data_parallel_size: int) -> list[TritonModel]:
@@ -216,7 +217,8 @@ class CriticServer:
         server = self.cfg.server
         preferred = server.preferred_batch_sizes or [
             min(self.cfg.inference.micro_batch_size * data_parallel_size, server.max_batch_size)]
-        infer_outputs = [Tensor(name=VALUES, dtype=np.float32, shape=(-1,)), Tensor(name=ERROR, dtype=bytes, shape=(1,))]
+        infer_outputs = [Tensor(name=VALUES, dtype=np.float32, shape=(-1,)),
+                         Tensor(name=ERROR, dtype=bytes, shape=(1,))]
         if self.combined:
             infer_outputs.append(Tensor(name=REWARDS, dtype=np.float32, shape=(1,)))
         models = [
@@ -238,12 +240,13 @@ class CriticServer:
                         max_batch_size=1, max_queue_delay_microseconds=0),
             TritonModel(name=server.save_model_name, infer_fn=self.save,
                         inputs=[Tensor(name=STEP, dtype=np.int64, shape=(1,))],
-                        outputs=[Tensor(name=PATH, dtype=bytes, shape=(1,)), Tensor(name=ERROR, dtype=bytes, shape=(1,))],
+                        outputs=[Tensor(name=PATH, dtype=bytes, shape=(1,)),
+                                 Tensor(name=ERROR, dtype=bytes, shape=(1,))],
                         max_batch_size=1, max_queue_delay_microseconds=0),
         ]
         if self.combined:
-            models.append(self.reward_server.triton_model(dataclasses.replace(server, model_name=server.reward_model_name),
-                                                          data_parallel_size))
+            models.append(self.reward_server.triton_model(
+                dataclasses.replace(server, model_name=server.reward_model_name), data_parallel_size))
         return models
 
     @property
@@ -320,7 +323,8 @@ class CriticServer:
                                     f"server.max_train_rows): split the rollout batch, or restart the server with a "
                                     f"larger server.max_train_rows")
         if tokens.shape[0] != 1:
-            raise TrainRequestError(f"one train request is one rollout batch (Triton batch size 1); got {tokens.shape[0]}")
+            raise TrainRequestError("one train request is one rollout batch (Triton batch size 1); "
+                                    f"got {tokens.shape[0]}")
         tokens, lengths, prompts, returns, old_values = (x[0] for x in (tokens, lengths, prompts, returns, old_values))
         rows = tokens.shape[0]
         if lengths.shape != (rows,) or prompts.shape != (rows,):
@@ -359,7 +363,8 @@ class CriticServer:
             packed[row, :lengths[row]] = tokens[row, :lengths[row]]
         as_tensor = lambda array, dtype: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)  # noqa: E731
         return CriticTrainBatch(as_tensor(packed, torch.int64), as_tensor(lengths, torch.int64),
-                                as_tensor(prompts, torch.int64), as_tensor(returns[:, :longest_response], torch.float32),
+                                as_tensor(prompts, torch.int64),
+                                as_tensor(returns[:, :longest_response], torch.float32),
                                 as_tensor(old_values[:, :longest_response], torch.float32))
 
     # -- critic_save
@@ -374,7 +379,8 @@ class CriticServer:
                 path = _OpChannel(self.serving, Op.SAVE).run(torch.tensor([step], dtype=torch.int64))
             except Exception as error:
                 LOGGER.exception("saving the critic failed")
-                raise RuntimeError(f"saving the critic at step {step} failed: {type(error).__name__}: {error}") from None
+                raise RuntimeError(f"saving the critic at step {step} failed: "
+                                   f"{type(error).__name__}: {error}") from None
             LOGGER.info("saved the critic to %s", path)
             answers.append(_save_answer(str(path), ""))
         return answers
@@ -416,7 +422,8 @@ def serve_critic(cfg: CriticServerConfig) -> None:
                 # PPO step, and only the actor knows that step (it asks for critic_save when it saves,
                 # also when it is stopped; launch_ppo.py stops the actor before the servers).
                 LOGGER.warning("stopping with %d critic steps that no checkpoint holds (critic step %d, newest "
-                               "checkpoint at critic step %d): the actor's next checkpoint request would have saved them",
+                               "checkpoint at critic step %d): the actor's next checkpoint request "
+                               "would have saved them",
                                critic.step - critic.saved_step, critic.step, critic.saved_step)
             raise
     finally:

@@ -112,7 +112,8 @@ class RewardServerConfig:
             raise ConfigError("the reward server does not use a virtual pipeline; set "
                               "parallel.virtual_pipeline_model_parallel_size=null")
         if self.parallel.sequence_parallel:
-            raise ConfigError("the reward server does not use sequence parallelism; set parallel.sequence_parallel=false")
+            raise ConfigError("the reward server does not use sequence parallelism; "
+                              "set parallel.sequence_parallel=false")
         self.server.validate()
 
 
@@ -217,7 +218,8 @@ class RewardModelServer:
                 f"got {sorted(names) or 'nothing'}")
         tokens, lengths = request[TOKENS], request[LENGTHS]
         if tokens.dtype.kind not in "iu" or lengths.dtype.kind not in "iu":
-            return self._reject_all(rows, f"{TOKENS} and {LENGTHS} must be int64, got {tokens.dtype} and {lengths.dtype}")
+            return self._reject_all(rows, f"{TOKENS} and {LENGTHS} must be int64, "
+                                          f"got {tokens.dtype} and {lengths.dtype}")
         if tokens.ndim != 2 or lengths.shape != (tokens.shape[0], 1):
             return self._reject_all(rows, f"{TOKENS} must be [batch, width] and {LENGTHS} [batch, 1]; got shapes "
                                     f"{list(tokens.shape)} and {list(lengths.shape)}")

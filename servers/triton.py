@@ -98,7 +98,8 @@ class ServerConfig:
 
     def validate(self) -> None:
         if not 0 < self.port < 65534:
-            raise TritonSetupError(f"server.port must be in 1..65533 (gRPC uses port+1, metrics port+2), got {self.port}")
+            raise TritonSetupError("server.port must be in 1..65533 (gRPC uses port+1, metrics port+2), "
+                                   f"got {self.port}")
         if self.max_batch_size < 1:
             raise TritonSetupError(f"server.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_request_bytes < 1:

@@ -67,7 +67,8 @@ class CriticTrainConfig:
     micro_batch_size: int = at_least(1, 4)  # rows per forward/backward on each data-parallel rank
     epochs_per_call: int = at_least(1, 1)  # passes over each train batch
     clip_val: Optional[float] = 0.2  # value clipping around old_values; null: plain squared error
-    max_steps: int = at_least(1, 1000)  # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
+    # optimizer steps the LR schedule spans (after them the LR stays at optim.min_lr)
+    max_steps: int = at_least(1, 1000)
 
     def check_fields(self) -> Optional[tuple[str, str]]:
         if self.clip_val is not None and not self.clip_val > 0:
@@ -111,8 +112,8 @@ class CriticConfig:
         rows_per_pass = self.train.micro_batch_size * data_parallel_size
         if self.train.global_batch_size % rows_per_pass:
             raise ConfigError(
-                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of train.micro_batch_size "
-                f"x data-parallel size = {self.train.micro_batch_size} x {data_parallel_size}")
+                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size x data-parallel size = {self.train.micro_batch_size} x {data_parallel_size}")
 
 
 # ----------------------------------------------------------------------------- optimizer offloading
@@ -304,8 +305,8 @@ class Critic:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-        reports = run_microbatches(self.chunks, [vars(batch) for batch in microbatches], forward, loss, forward_only=False,
-                                   seq_length=seq_length, micro_batch_size=micro_batch_size)
+        reports = run_microbatches(self.chunks, [vars(batch) for batch in microbatches], forward, loss,
+                                   forward_only=False, seq_length=seq_length, micro_batch_size=micro_batch_size)
         totals = reduce_reports(reports)
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:

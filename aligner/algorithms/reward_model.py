@@ -216,7 +216,8 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     metrics.write(
         f"{cfg.name}: {reward.type} over {reward.attributes}, {num_parameters(model_cfg) / 1e6:.2f}M parameters, "
         f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
-        f"DP={built.data_parallel_size}, {len(train_set)} train examples, {total_steps} steps of {trainer_cfg.global_batch_size}"
+        f"DP={built.data_parallel_size}, {len(train_set)} train examples, "
+        f"{total_steps} steps of {trainer_cfg.global_batch_size}"
     )
     return trainer
 

@@ -104,14 +104,16 @@ class RewardSection:
 class CriticSection:
     # model_name: the server's inference model; its train/save models are named critic_train/critic_save
     server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name=CRITIC_INFER_MODEL))
-    warmup_steps: int = at_least(0, 0)  # rollout rounds in which only the critic trains, before the actor's first update
+    # rollout rounds in which only the critic trains, before the actor's first update
+    warmup_steps: int = at_least(0, 0)
 
 
 @dataclass
 class GenerationSection:
     engine: str = one_of(("native", "trtllm"), "native")  # trtllm: GPU clusters, optional extra
     max_new_tokens: int = at_least(1, 32)
-    min_new_tokens: int = at_least(0, 0)  # stop tokens are masked until this many tokens (truncation after a minimum length)
+    # stop tokens are masked until this many tokens (truncation after a minimum length)
+    min_new_tokens: int = at_least(0, 0)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -273,8 +275,8 @@ class RLActorConfig(RunConfig):
         per_rank = self.rollouts_per_step // data_parallel_size
         minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
         if remainder or minibatch_per_rank == 0 or per_rank % minibatch_per_rank:
-            raise ConfigError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) must be "
-                              f"a multiple of the data-parallel size {data_parallel_size} and divide the "
+            raise ConfigError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) "
+                              f"must be a multiple of the data-parallel size {data_parallel_size} and divide the "
                               f"{self.rollouts_per_step} rollouts per step (rollout.prompts_per_step x "
                               "rollout.samples_per_prompt)")
         if minibatch_per_rank % trainer.micro_batch_size:
@@ -283,8 +285,8 @@ class RLActorConfig(RunConfig):
         if not loss.clip_ratio > 0 or not self.clip_high > 0:
             raise ConfigError(f"loss.clip_ratio={loss.clip_ratio} and loss.clip_high={loss.clip_high} must be > 0")
         if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
-            raise ConfigError("the engine's logprobs are temperature-scaled: with loss.scale_logits_by_temperature=false "
-                              "set loss.recompute_old_logprobs=true")
+            raise ConfigError("the engine's logprobs are temperature-scaled: "
+                              "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
         if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
             raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
                               "loss.recompute_old_logprobs=true")
@@ -400,7 +402,8 @@ class PolicyObjective:
 
     def normalizer(self, mask: torch.Tensor) -> float:
         """What the aggregation divides a batch's summed loss by, for rows `mask` [b, T]."""
-        return float(policy_losses.aggregate_loss(torch.zeros(mask.shape), mask, self.aggregation, self.constant_normalizer)[1])
+        return float(policy_losses.aggregate_loss(torch.zeros(mask.shape), mask, self.aggregation,
+                                                  self.constant_normalizer)[1])
 
     def forward(self, model, batch):
         return model(batch.tokens, batch.position_ids, None)
@@ -432,7 +435,8 @@ class PolicyObjective:
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         with torch.set_grad_enabled(self.entropy_coef != 0 and torch.is_grad_enabled()):
             entropy = ppo_math.entropy_from_logits(response_logits, mask, group=group)
-        policy_sum, count = policy_losses.aggregate_loss(terms.per_token, mask, self.aggregation, self.constant_normalizer)
+        policy_sum, count = policy_losses.aggregate_loss(terms.per_token, mask, self.aggregation,
+                                                         self.constant_normalizer)
         entropy_sum, _ = policy_losses.aggregate_loss(entropy, mask, self.aggregation, self.constant_normalizer)
         objective_sum = policy_sum - self.entropy_coef * entropy_sum
         with torch.no_grad():
@@ -507,7 +511,8 @@ class RLActor:
         self.optimizer_steps = 0
         self.critic_warmup_done = 0
         self.pending_critic_train: Optional[Future] = None
-        self.saved: Optional[tuple[int, int]] = None  # (step, critic warm-up rounds) of the newest checkpoint of this run
+        # (step, critic warm-up rounds) of the newest checkpoint of this run
+        self.saved: Optional[tuple[int, int]] = None
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.mp_group = ps.get_model_parallel_group()

@@ -113,9 +113,11 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
     metrics.write(
-        f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout TP={cfg.parallel.tensor_model_parallel_size} "
-        f"PP={cfg.parallel.pipeline_model_parallel_size} DP={built.data_parallel_size}, {len(train_set)} train samples, "
-        f"{total_steps} steps of {trainer_cfg.global_batch_size} ({train_loader.num_microbatches} micro batches per rank), "
+        f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, "
+        f"layout TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+        f"DP={built.data_parallel_size}, {len(train_set)} train samples, "
+        f"{total_steps} steps of {trainer_cfg.global_batch_size} "
+        f"({train_loader.num_microbatches} micro batches per rank), "
         f"precision {built.params_dtype}"
     )
     return trainer

@@ -279,8 +279,9 @@ class SPINRun:
                                               pad_id=built.tokenizer.pad_id,
                                               pairs_per_forward=cfg.trainer.micro_batch_size)
             loader = setup.build_loader(dataset, trainer_cfg=cfg.trainer, data_parallel_size=built.data_parallel_size,
-                                        seed=cfg.seed + iteration, shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id,
-                                        pad_to_multiple_of=cfg.data.pad_to_multiple_of, collate_fn=collate_preferences)
+                                        seed=cfg.seed + iteration, shuffle=cfg.data.shuffle,
+                                        pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+                                        collate_fn=collate_preferences)
             if cfg.spin.reference_logprobs == "swap":
                 loader = SwappedReferenceLoader(loader, built.chunks, HostWeights.snapshot(built.chunks), vocab_size)
             trainer.objective = DPOObjective(dpo_section(cfg.spin, beta), vocab_size)
@@ -332,7 +333,8 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     trainer = setup.build_trainer(
         cfg, built, DPOObjective(dpo_section(spin, iteration_betas(spin)[0]), model_cfg.vocab_size),
         total_steps=total_steps,
-        length_settings={"spin.num_iterations": spin.num_iterations, "spin.steps_per_iteration": spin.steps_per_iteration},
+        length_settings={"spin.num_iterations": spin.num_iterations,
+                         "spin.steps_per_iteration": spin.steps_per_iteration},
     )
     metrics = trainer.metrics
     if built.resume_checkpoint is not None:

@@ -54,7 +54,8 @@ class SteerLMConfig:
         config.check_values(self, "data.steerlm.")  # the format again: a checkpoint's meta skips load_config
         for name in self.attributes:
             if not isinstance(name, str) or not name.strip() or name != name.strip() or any(c in name for c in ",: \n"):
-                raise ConfigError(f"steerlm attribute name {name!r} must be non-empty, without ',', ':', spaces or newlines")
+                raise ConfigError(f"steerlm attribute name {name!r} must be non-empty, "
+                                  "without ',', ':', spaces or newlines")
         if len(set(self.attributes)) != len(self.attributes):
             raise ConfigError(f"steerlm attributes {self.attributes} name an attribute twice")
 
@@ -218,7 +219,8 @@ def steering_for_checkpoint(checkpoint_dir: str | Path, values: Optional[Mapping
     cfg = conditioning_from_meta(checkpointing.read_meta(checkpoint_dir))
     if cfg is None:
         raise ConfigError(f"attribute values {dict(values)} were asked for, but {checkpoint_dir} was not trained with "
-                          "attribute conditioning (no 'steerlm' section in its meta); train it with data.steerlm.attributes")
+                          "attribute conditioning (no 'steerlm' section in its meta); "
+                          "train it with data.steerlm.attributes")
     check_values(values, cfg, where=f"{checkpoint_dir}: ")
     return cfg
 

@@ -31,8 +31,10 @@ def evaluate_arithmetic(model_chunks, tokenizer, prompts_path: str | Path, *, te
     encoded = [bos + tokenizer.encode(prompt) for prompt in model_prompts]
     vocab_size = model_chunks[0].vocab_size if hasattr(model_chunks[0], "vocab_size") else None
     outputs = generate_full_forward(
-        model_chunks, encoded, vocab_size=tokenizer.vocab_size if vocab_size is None else min(vocab_size, tokenizer.vocab_size),
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+        model_chunks, encoded,
+        vocab_size=tokenizer.vocab_size if vocab_size is None else min(vocab_size, tokenizer.vocab_size),
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, max_new_tokens=max_new_tokens, temperature=temperature,
+        seed=seed,
     )
     responses = [tokenizer.decode([t for t in output if t != tokenizer.eos_id]) for output in outputs]
     result = accuracy_by_carry(prompts, responses)
@@ -91,7 +93,8 @@ def reward_model_accuracy(checkpoint_dir: str | Path, comparisons_path: str | Pa
             "margin": float((chosen - rejected).mean())}
 
 
-def reward_model_correlation(checkpoint_dir: str | Path, attributes_path: str | Path, max_seq_length: int = 512) -> dict:
+def reward_model_correlation(checkpoint_dir: str | Path, attributes_path: str | Path,
+                             max_seq_length: int = 512) -> dict:
     """Pearson correlation between predicted and labelled attribute values, per attribute."""
     from aligner.data.reward import RegressionDataset
     from aligner.models.reward import load_reward_model

@@ -348,7 +348,8 @@ def local_rank_weights(model_chunks: Sequence[torch.nn.Module], cfg: GPTConfig, 
     arch = "gpt2" if trtllm_config(cfg, 1, arch, dtype)["architecture"] == "GPTForCausalLM" else "llama"
     chunks = unwrap_model(list(model_chunks))
     if len(chunks) != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
-        raise ConfigError("TensorRT-LLM weights are taken from one model chunk holding all layers (pipeline parallel size 1)")
+        raise ConfigError("TensorRT-LLM weights are taken from one model chunk holding all layers "
+                          "(pipeline parallel size 1)")
     tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     shard = _normalize_names(chunks[0].state_dict())
 
@@ -403,7 +404,8 @@ def sampling_to_trtllm(sampling: SamplingParams, *, eos_id: int, pad_id: int, ro
         raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
     if not 0 <= sampling.min_new_tokens <= sampling.max_new_tokens:
         raise ConfigError(
-            f"sampling.min_new_tokens must be in 0..max_new_tokens={sampling.max_new_tokens}, got {sampling.min_new_tokens}"
+            f"sampling.min_new_tokens must be in 0..max_new_tokens={sampling.max_new_tokens}, "
+            f"got {sampling.min_new_tokens}"
         )
     if sampling.temperature < 0:
         raise ConfigError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
@@ -503,7 +505,8 @@ class TensorRTLLMEngine:
             )
         self.model_cfg = model_cfg
         self.pad_id, self.eos_id = pad_id, eos_id
-        self.max_batch_size, self.max_input_len, self.max_sequence_length = max_batch_size, max_input_len, max_sequence_length
+        self.max_batch_size, self.max_input_len, self.max_sequence_length = (max_batch_size, max_input_len,
+                                                                              max_sequence_length)
         self.dtype = dtype
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -586,7 +589,8 @@ class TensorRTLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         if self._runner is None:
-            raise RuntimeError("the TensorRT-LLM engine has no weights loaded: call refit(model_chunks) before generate")
+            raise RuntimeError("the TensorRT-LLM engine has no weights loaded: "
+                               "call refit(model_chunks) before generate")
         stop_ids = list(sampling.stop_token_ids) or [self.eos_id]
         parts = []
         for start in range(0, len(prompts), self.max_batch_size):

@@ -311,7 +311,8 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
         if cfg.query_groups != cfg.num_attention_heads:
             raise ConfigError(f"model.num_query_groups={cfg.query_groups} cannot be exported as gpt2 (no GQA)")
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-            raise ConfigError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 (head_dim = n_embd/n_head)")
+            raise ConfigError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 "
+                              "(head_dim = n_embd/n_head)")
     else:
         expected = dict(
             normalization="RMSNorm",
@@ -546,7 +547,8 @@ def _weight_table(cfg: GPTConfig, arch: str) -> list[_WeightPair]:
             # Conv1D stores [in, out]; c_attn's output is [q | k | v], each heads-contiguous.
             pair(f"{mg}{param_names.QKV}.weight", f"{hf}attn.c_attn.weight", (hidden, 3 * hidden), kind="conv1d_qkv")
             pair(f"{mg}{param_names.QKV}.bias", f"{hf}attn.c_attn.bias", (3 * hidden,), kind="fused_qkv")
-            pair(f"{mg}{param_names.ATTENTION_OUT}.weight", f"{hf}attn.c_proj.weight", (hidden, hidden), kind="transpose")
+            pair(f"{mg}{param_names.ATTENTION_OUT}.weight", f"{hf}attn.c_proj.weight", (hidden, hidden),
+                 kind="transpose")
             pair(f"{mg}{param_names.ATTENTION_OUT}.bias", f"{hf}attn.c_proj.bias", (hidden,))
             pair(f"{mg}{param_names.FC1}.weight", f"{hf}mlp.c_fc.weight", (hidden, ffn), kind="transpose")
             pair(f"{mg}{param_names.FC1}.bias", f"{hf}mlp.c_fc.bias", (ffn,))
@@ -574,7 +576,8 @@ def _weight_table(cfg: GPTConfig, arch: str) -> list[_WeightPair]:
             if cfg.is_moe:
                 pair(f"{mg}{param_names.ROUTER}.weight", hf + _MOE_NAMES[arch][0], (cfg.num_moe_experts, hidden))
             for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):
-                pair(f"{mg_mlp}{param_names.LINEAR_FC1}.weight", (f"{hf_mlp}{gate_name}.weight", f"{hf_mlp}{up_name}.weight"),
+                pair(f"{mg_mlp}{param_names.LINEAR_FC1}.weight",
+                     (f"{hf_mlp}{gate_name}.weight", f"{hf_mlp}{up_name}.weight"),
                      (mlp_ffn, hidden), (mlp_ffn, hidden), kind="gate_up")
                 pair(f"{mg_mlp}{param_names.LINEAR_FC2}.weight", f"{hf_mlp}{down_name}.weight", (hidden, mlp_ffn))
         pair(weight(param_names.FINAL_NORM), "model.norm.weight", (hidden,))
@@ -637,8 +640,8 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
         )
     source = _Tensors(state, f"HF {arch} state dict")
     padded = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    out = {pair.megatron: _TO_MEGATRON[pair.kind]([source.take(name, shape) for name, shape in zip(pair.hf, pair.hf_shapes)],
-                                                  cfg, padded)
+    out = {pair.megatron: _TO_MEGATRON[pair.kind](
+               [source.take(name, shape) for name, shape in zip(pair.hf, pair.hf_shapes)], cfg, padded)
            for pair in _weight_table(cfg, arch)}
     if cfg.tie_embeddings:
         # Some checkpoints store the tied head anyway; accept it only if it really is the embedding.
@@ -653,7 +656,8 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, ar
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
+def megatron_to_hf(megatron_state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig,
+                   arch: str) -> dict[str, torch.Tensor]:
     """Full HF state dict (as `save_pretrained` writes it) from a full TP=1 megatron state dict.
 
     `_extra_state` entries are ignored; padding vocabulary rows are dropped; a tied head is not

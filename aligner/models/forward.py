@@ -123,5 +123,6 @@ def forward_logits(
     else:
         result = torch.empty(batch_size, seq_length, vocab_size, device=device())
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
     return result.cpu()

@@ -166,7 +166,8 @@ class GPTConfig:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.expert_ffn_size} is not divisible by "
                               f"TP={tensor_parallel_size}")
         if self.add_bias_linear:
-            raise ConfigError("model.add_bias_linear=true is not supported with MoE (megatron's experts have no biases)")
+            raise ConfigError("model.add_bias_linear=true is not supported with MoE "
+                              "(megatron's experts have no biases)")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
@@ -388,7 +389,8 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def num_parameters(cfg: GPTConfig) -> int:
     """Parameter count of the full (unsharded, unpadded-vocab) model, for FLOP estimates."""
-    hidden, heads, groups, head_dim, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.ffn_size
+    hidden, heads, groups, head_dim, ffn = (cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups,
+                                            cfg.head_dim, cfg.ffn_size)
     norm = hidden * (2 if cfg.normalization == "LayerNorm" else 1)
     attention = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
     mlp = hidden * ffn * (2 if cfg.activation == "swiglu" else 1) + ffn * hidden

@@ -40,7 +40,8 @@ class RewardHead(torch.nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)  # same head on every rank, whatever the layout
         std = 1.0 / math.sqrt(hidden_size + 1)
-        self.weight = torch.nn.Parameter((torch.randn(num_attributes, hidden_size, generator=generator) * std).to(dtype))
+        self.weight = torch.nn.Parameter(
+            (torch.randn(num_attributes, hidden_size, generator=generator) * std).to(dtype))
         # A ranking loss sees only reward differences: the bias's true gradient is exactly zero, and
         # Adam would turn the float noise left in it into lr-sized random steps. Frozen there.
         self.bias = torch.nn.Parameter(torch.zeros(num_attributes, dtype=dtype), requires_grad=train_bias)
@@ -221,7 +222,8 @@ class RewardInference:
         local = torch.cat(captured) if captured else torch.zeros(padded, *row_shape)
         local = local.to(device())
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
         return local[:rows].cpu()
 
 

@@ -53,7 +53,8 @@ class HostWeights:
         if [name for name, _ in named] != list(self.tensors):
             missing = sorted(set(self.tensors) - {name for name, _ in named})[:5]
             extra = sorted({name for name, _ in named} - set(self.tensors))[:5]
-            raise ValueError(f"these weights belong to a different model layout (missing {missing}, unexpected {extra})")
+            raise ValueError("these weights belong to a different model layout "
+                             f"(missing {missing}, unexpected {extra})")
         for name, param in named:
             stored = self.tensors[name]
             if stored.shape != param.shape:

@@ -352,7 +352,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values: current critic [batch, T] (with gradient); old_values: the rollout's; returns: GAE targets.
     Raises ValueError if the mask is empty.
     """
-    values, old_values, returns = (zero_off_mask(x, mask) for x in (values, old_values, returns))  # nan padding: no nan gradient
+    # nan padding: no nan gradient
+    values, old_values, returns = (zero_off_mask(x, mask) for x in (values, old_values, returns))
     per_token, clipped = clipped_value_error(values, old_values, returns, clip_value)
     loss = _mean_loss(per_token, mask, aggregation)
     with torch.no_grad():

@@ -209,7 +209,8 @@ def values_at_response(values: torch.Tensor, prompt_length: int, response_length
 
 def full_sequences(rollout: Rollout) -> list[list[int]]:
     """prompt + response ids of every row of a Rollout."""
-    return [list(rollout.prompt_tokens[row]) + rollout.response_tokens[row, :int(rollout.response_lengths[row])].tolist()
+    return [list(rollout.prompt_tokens[row])
+            + rollout.response_tokens[row, :int(rollout.response_lengths[row])].tolist()
             for row in range(len(rollout.prompt_tokens))]
 
 

@@ -186,10 +186,12 @@ class StopCheck:
             _state.signal_number, _state.received_at = signal_number, time.monotonic()
         name = signal_name(signal_number)
         if save is None:
-            message = f"stopped at step {step} by {name} without a checkpoint ({unsaved_reason}); resume with the same command"
+            message = (f"stopped at step {step} by {name} without a checkpoint ({unsaved_reason}); "
+                       "resume with the same command")
         elif time.monotonic() - _state.received_at >= self.grace_s:
-            message = (f"stopped at step {step} by {name} without a checkpoint: checkpoint.stop_grace_s={self.grace_s:g} s "
-                       "had passed at the step boundary; resume with the same command (from the previous checkpoint)")
+            message = (f"stopped at step {step} by {name} without a checkpoint: "
+                       f"checkpoint.stop_grace_s={self.grace_s:g} s had passed at the step boundary; "
+                       "resume with the same command (from the previous checkpoint)")
         else:
             _start_watchdog()
             path = save()
@@ -232,5 +234,6 @@ def exit_on_stop(stop: KeyboardInterrupt) -> None:
     if not isinstance(stop, Stopped):
         distributed.exiting_on_error()
     if _is_rank_zero():
-        _write_line(stop.message if isinstance(stop, Stopped) else f"interrupted by {signal_name(signal_number)}; exiting")
+        _write_line(stop.message if isinstance(stop, Stopped)
+                    else f"interrupted by {signal_name(signal_number)}; exiting")
     raise SystemExit(exit_code(signal_number)) from None

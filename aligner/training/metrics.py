@@ -77,7 +77,8 @@ def read_metrics(path: str | Path, *splits: str, newest_attempt: bool = False,
         except json.JSONDecodeError as error:
             if number == len(lines):  # the unterminated last line: a crash cut this write short
                 break
-            raise DataError(f"{path}:{number}: not valid JSON ({error.msg}); expected one metrics row per line") from None
+            raise DataError(f"{path}:{number}: not valid JSON ({error.msg}); "
+                            "expected one metrics row per line") from None
         if newest_attempt and row.get("split") == RESUMED_FROM:
             rows = [kept for kept in rows if kept["step"] <= row["step"] or kept["split"] == RESUMED_FROM]
         rows.append(row)
@@ -208,8 +209,10 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as error:
-                raise MissingExtraError("logging.wandb.enabled=true needs the wandb package (pip install wandb)") from error
-            self.wandb = wandb.init(project=config.wandb.project, name=config.wandb.name or run_name, config=full_config)
+                raise MissingExtraError("logging.wandb.enabled=true needs the wandb package "
+                                        "(pip install wandb)") from error
+            self.wandb = wandb.init(project=config.wandb.project, name=config.wandb.name or run_name,
+                                    config=full_config)
         if config.progress_bar:
             from tqdm import tqdm
 

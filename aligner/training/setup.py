@@ -202,7 +202,8 @@ class TrainingModel:
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
-                         model_overrides: Optional[dict] = None, init_from_key: str = "model.init_from") -> TrainingModel:
+                         model_overrides: Optional[dict] = None,
+                         init_from_key: str = "model.init_from") -> TrainingModel:
     """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
 
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
@@ -225,7 +226,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
                                             "tokenizer directory (tokenizer.json / tokenizer_config.json)")
     tokenizer_dir = tokenizer.path or (str(Path(init_from) / checkpointing.TOKENIZER_DIR) if init_from else None)
     if tokenizer_dir is None:
-        raise checkpointing.CheckpointError(f"set tokenizer.path (or {init_from_key} to a checkpoint that holds a tokenizer)")
+        raise checkpointing.CheckpointError("set tokenizer.path "
+                                            f"(or {init_from_key} to a checkpoint that holds a tokenizer)")
     if not Path(tokenizer_dir).is_dir():
         raise checkpointing.CheckpointError(f"{init_from_key}={init_from} holds no {checkpointing.TOKENIZER_DIR}/ "
                                             "directory; set tokenizer.path to the tokenizer to use")
@@ -327,7 +329,8 @@ def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, s
     if val_set is not None and len(val_set) >= trainer_cfg.global_batch_size:
         val_loader = loader(val_set, False)
     elif val_set is not None:
-        get_logger().warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: validation is off")
+        get_logger().warning(f"validation set ({len(val_set)} samples) is smaller than one global batch: "
+                             "validation is off")
     return loader(train_set, shuffle), val_loader
 
 

@@ -224,7 +224,8 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
 
     from aligner.runtime.distributed import device
 
-    keys = sorted(set().union(*reports)) if reports else []  # micro batches of different kinds may report different keys
+    # micro batches of different kinds may report different keys
+    keys = sorted(set().union(*reports)) if reports else []
     if ps.get_pipeline_model_parallel_world_size() > 1:
         holder = [keys]
         dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),

@@ -248,14 +248,16 @@ class Demo:
         run("init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, "trainer.max_steps=0",
                      f"checkpoint.save_dir={init}", f"logging.log_dir={init}", "checkpoint.resume=false"])
         self.table.append(("random init", self.greedy("init", init / "step_00000000")))
-        run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, f"model.init_from={init / 'step_00000000'}",
-                    f"checkpoint.save_dir={sft_dir / 'checkpoints'}", f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
+        run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common,
+                    f"model.init_from={init / 'step_00000000'}", f"checkpoint.save_dir={sft_dir / 'checkpoints'}",
+                    f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
         self.table.append(("SFT", self.greedy("sft", self.sft_checkpoint)))
-        sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout, self.work / "eval_sft_sampled.json",
-                           temperature=1.0)
+        sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout,
+                           self.work / "eval_sft_sampled.json", temperature=1.0)
         self.table.append(("SFT, sampled at T=1", sampled))
         train_losses = [row["loss"] for row in read_metrics(sft_dir, "train", newest_attempt=True)]
-        self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> {train_losses[-1]:.3f} at step {len(train_losses)}")
+        self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> "
+                          f"{train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models
     def reward_models(self) -> None:
@@ -263,13 +265,15 @@ class Demo:
         rm_dir, attribute_dir = self.work / "reward_model", self.work / "attribute_reward_model"
         for stage_dir in (rm_dir, attribute_dir):  # replaced on a re-run, as in sft()
             shutil.rmtree(stage_dir, ignore_errors=True)
-        run("reward model", [sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
+        run("reward model", [sys.executable, GPT_EXAMPLES / "train_reward_model.py",
+                             f"model.init_from={self.sft_checkpoint}",
                              f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                              f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES,
                              *rm_steps, f"checkpoint.save_dir={rm_dir / 'checkpoints'}", f"logging.log_dir={rm_dir}"])
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
-        self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} ({rm_result['pairs']} pairs)")
+        self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} "
+                          f"({rm_result['pairs']} pairs)")
         run("attribute reward model", [
             sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
             "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
@@ -289,7 +293,8 @@ class Demo:
         actor = [f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                  "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES]
         run("ppo", [sys.executable, GPT_EXAMPLES / "launch_ppo.py", "--reward", "function",
-                    "--critic-checkpoint", self.rm_checkpoint, "--log-dir", ppo_dir, "--critic-port", str(PPO_CRITIC_PORT),
+                    "--critic-checkpoint", self.rm_checkpoint, "--log-dir", ppo_dir,
+                    "--critic-port", str(PPO_CRITIC_PORT),
                     *[f"--actor-arg={arg}" for arg in actor], *[f"--critic-arg={arg}" for arg in PPO_CRITIC_OVERRIDES]])
         self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
 
@@ -320,8 +325,8 @@ class Demo:
             run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
                         f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra, f"checkpoint.save_dir={out / 'checkpoints'}",
-                        f"logging.log_dir={out}"])
+                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra,
+                        f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
             self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
 
     # -- 10: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
@@ -332,14 +337,16 @@ class Demo:
         annotated = out / "sft_annotated.jsonl"
         with open(out / "server.log", "w") as server_log:
             server = subprocess.Popen(
-                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"), f"init_from={self.attribute_rm_checkpoint}",
+                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"),
+                 f"init_from={self.attribute_rm_checkpoint}",
                  "normalize_rewards=false", f"server.port={STEERLM_SERVER_PORT}", "inference.micro_batch_size=256",
                  "server.max_batch_size=256"], cwd=REPO_ROOT, stdout=server_log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
             try:
                 run("steerlm annotate", [sys.executable, STEERLM_SCRIPTS / "annotate.py", "--input",
-                                         self.data / "sft_train.jsonl", "--output", annotated, "--attributes", "correctness",
-                                         "--scale", "0:4", "--port", str(STEERLM_SERVER_PORT), "--limit", "10000",
+                                         self.data / "sft_train.jsonl", "--output", annotated,
+                                         "--attributes", "correctness", "--scale", "0:4",
+                                         "--port", str(STEERLM_SERVER_PORT), "--limit", "10000",
                                          "--batch-size", "256", "--max-in-flight", "4", "--ready-timeout", "180"])
             finally:
                 server.terminate()
@@ -349,8 +356,10 @@ class Demo:
                             "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES,
                             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         checkpoint = latest_checkpoint(out / "checkpoints")
-        self.table.append(("SteerLM, correctness=4", self.greedy("steerlm_top", checkpoint, ("--steer", "correctness=4"))))
-        self.table.append(("SteerLM, correctness=1", self.greedy("steerlm_low", checkpoint, ("--steer", "correctness=1"))))
+        self.table.append(("SteerLM, correctness=4",
+                           self.greedy("steerlm_top", checkpoint, ("--steer", "correctness=4"))))
+        self.table.append(("SteerLM, correctness=1",
+                           self.greedy("steerlm_low", checkpoint, ("--steer", "correctness=1"))))
 
     def summary(self, started: float) -> None:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
@@ -372,7 +381,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT step count (quick runs)")
     parser.add_argument("--rm-steps", type=int, default=None, help="override the reward-model step counts (quick runs)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma-separated subset of {','.join(STAGES)} (later stages reuse earlier ones' artefacts)")
+                        help=f"comma-separated subset of {','.join(STAGES)} "
+                             "(later stages reuse earlier ones' artefacts)")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))

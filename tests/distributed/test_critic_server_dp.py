@@ -32,8 +32,9 @@ def test_two_rank_critic_matches_single_process(references, pool, rollout, layou
                 "--master_addr=127.0.0.1")
     split = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
              "pp2": ["parallel.pipeline_model_parallel_size=2"]}[layout]
-    server = start_server(references, f"{layout}.log", f"checkpoint.save_dir={references['root'] / f'{layout}_checkpoints'}",
-                          *split, launcher=torchrun)
+    server = start_server(references, f"{layout}.log",
+                          f"checkpoint.save_dir={references['root'] / f'{layout}_checkpoints'}", *split,
+                          launcher=torchrun)
     try:
         with CriticClient("127.0.0.1", server.port, timeout_s=120, train_timeout_s=300) as client:
             values = client.infer(sequences).values

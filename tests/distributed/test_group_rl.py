@@ -79,8 +79,8 @@ def test_reward_rises_over_a_short_run(setup):
     assert steps[-1]["kl"] > 0  # the policy moved away from the reference
 
 
-@pytest.mark.parametrize("tp, pp, dp, policy_loss", [(2, 1, 1, "ppo_clip"), (1, 2, 1, "ppo_clip"), (1, 1, 2, "ppo_clip"),
-                                                     (1, 1, 2, "gspo")])
+@pytest.mark.parametrize("tp, pp, dp, policy_loss", [(2, 1, 1, "ppo_clip"), (1, 2, 1, "ppo_clip"),
+                                                     (1, 1, 2, "ppo_clip"), (1, 1, 2, "gspo")])
 def test_grpo_first_minibatch_ratio_is_one_and_the_engine_matches_the_trainer(setup, tp, pp, dp, policy_loss):
     root, policy, prompts = setup
     name = f"grpo_{tp}{pp}{dp}_{policy_loss}"

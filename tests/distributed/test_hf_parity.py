@@ -50,10 +50,11 @@ def hf_config(family: str):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, **SPECIAL,
     )
     if family == "llama":
-        return transformers.LlamaConfig(**llama_family, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        return transformers.LlamaConfig(**llama_family,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     if family == "llama3_tied":
-        return transformers.LlamaConfig(**dict(llama_family, max_position_embeddings=16384), rope_parameters=LLAMA3_ROPE,
-                                        tie_word_embeddings=True)
+        return transformers.LlamaConfig(**dict(llama_family, max_position_embeddings=16384),
+                                        rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)
     if family == "qwen2":
         return transformers.Qwen2Config(**llama_family, tie_word_embeddings=True)
     if family == "qwen3":

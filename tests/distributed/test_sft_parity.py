@@ -70,7 +70,8 @@ def _losses_per_layout(root: Path, name: str, run_args: list[str], layouts) -> d
     for tp, pp, dp, *vpp in layouts:
         log_dir = root / f"{name}_{tp}{pp}{dp}{''.join(map(str, vpp))}"
         run_torchrun(SFT_SCRIPT, tp * pp * dp, *run_args, *_layout_args(tp, pp, *vpp), "trainer.max_steps=3",
-                     "checkpoint.save_at_end=false", f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
+                     "checkpoint.save_at_end=false", f"checkpoint.save_dir={log_dir / 'ckpt'}",
+                     f"logging.log_dir={log_dir}")
         losses[(tp, pp, dp, *vpp)] = _train_losses(log_dir)
     return losses
 
@@ -133,7 +134,8 @@ def test_resume_continues_the_run_exactly(sft_setup):
     run_args = [*common, f"model.init_from={init}", "trainer.max_steps=4", "checkpoint.save_interval=2",
                 "checkpoint.keep_last=0"]
     uninterrupted = root / "resume_a"
-    _run_python(SFT_SCRIPT, *run_args, f"checkpoint.save_dir={uninterrupted / 'ckpt'}", f"logging.log_dir={uninterrupted}")
+    _run_python(SFT_SCRIPT, *run_args, f"checkpoint.save_dir={uninterrupted / 'ckpt'}",
+                f"logging.log_dir={uninterrupted}")
     expected = _train_losses(uninterrupted)
     assert (uninterrupted / "ckpt" / "step_00000002").is_dir() and (uninterrupted / "ckpt" / "step_00000004").is_dir()
 

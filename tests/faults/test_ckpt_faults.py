@@ -42,7 +42,8 @@ def sft_data(tmp_path_factory) -> Path:
 
 def sft_command(data: Path, run_dir: Path, *overrides: str, save_dir: Path | None = None) -> list[str]:
     return [
-        sys.executable, str(SFT_SCRIPT), f"tokenizer.path={data / 'tokenizer'}", f"data.train=[{{path: {data / 'sft.jsonl'}}}]",
+        sys.executable, str(SFT_SCRIPT), f"tokenizer.path={data / 'tokenizer'}",
+        f"data.train=[{{path: {data / 'sft.jsonl'}}}]",
         "data.split='100,0'", "data.max_seq_length=16", "model.architecture.num_layers=2",
         "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
         "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
@@ -241,7 +242,8 @@ def test_resume_false_into_a_used_save_dir_is_refused_and_nothing_is_deleted(sft
 # ----------------------------------------------------------------------------- full and read-only disks
 def _mount_tmpfs(target: Path, options: str) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                            capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {result.stderr.strip()}")
 

@@ -77,7 +77,8 @@ def mapped_shared_memory(processes: list[psutil.Process]) -> set[str]:
     paths = set()
     for process in processes:
         try:
-            paths |= {mapping.path for mapping in process.memory_maps(grouped=True) if mapping.path.startswith("/dev/shm/")}
+            paths |= {mapping.path for mapping in process.memory_maps(grouped=True)
+                      if mapping.path.startswith("/dev/shm/")}
         except psutil.Error:
             pass
     return paths
@@ -92,7 +93,8 @@ class Load:
         self.wrong: list[str] = []
         self.failures: list[tuple[BaseException, float]] = []  # (error, seconds the failing request took)
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(index,), daemon=True) for index in range(LOAD_THREADS)]
+        self._threads = [threading.Thread(target=self._run, args=(index,), daemon=True)
+                         for index in range(LOAD_THREADS)]
 
     def start(self) -> "Load":
         for thread in self._threads:
@@ -179,12 +181,14 @@ def test_triton_killed_under_load_fails_clients_and_exits_nonzero(reward_model, 
     try:
         start = time.monotonic()
         code = server.process.wait(timeout=30)
-        print(f"\n{victim}: {load.answered} answers before the kill; server exit {code} {time.monotonic() - start:.1f} s "
-              f"after the clients' errors; slowest client error {max(s for _, s in load.failures):.2f} s")
+        print(f"\n{victim}: {load.answered} answers before the kill; "
+              f"server exit {code} {time.monotonic() - start:.1f} s after the clients' errors; "
+              f"slowest client error {max(s for _, s in load.failures):.2f} s")
         _assert_every_client_failed_in_time(load)
         assert code == 1, server.log()[-3000:]
         last_line = server.log().strip().splitlines()[-1]
-        expected = {"tritonserver": f"Triton's server process (tritonserver, pid {server.victim_pid}) was killed by SIGKILL",
+        expected = {"tritonserver": f"Triton's server process (tritonserver, pid {server.victim_pid}) "
+                                    "was killed by SIGKILL",
                     "triton_python_backend_stub": f"Triton's Python-backend process (triton_python_backend_stub, pid "
                                                   f"{server.victim_pid}) died"}[victim]
         assert last_line.startswith(f"error: {expected} while serving on http://127.0.0.1:{server.port}"), last_line
@@ -205,10 +209,12 @@ def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(rewar
     server, load, _ = _kill_under_load(reward_model, pool, tmp_path, "server")
     try:
         code = server.process.wait(timeout=30)
-        print(f"\n{load.answered} answers before the kill; slowest client error {max(s for _, s in load.failures):.2f} s")
+        print(f"\n{load.answered} answers before the kill; "
+              f"slowest client error {max(s for _, s in load.failures):.2f} s")
         _assert_every_client_failed_in_time(load)
         assert code == -signal.SIGKILL
-        assert processes_alive(server.tree, GONE_WITHIN_S) == []  # tritonserver, its Python backend and PyTriton's helpers
+        # tritonserver, its Python backend and PyTriton's helpers
+        assert processes_alive(server.tree, GONE_WITHIN_S) == []
         assert _shared_memory_left(server) == []
     finally:
         server.kill()

@@ -40,8 +40,8 @@ def test_sigterm_to_the_launcher_stops_everything_with_a_checkpoint(models, tmp_
     assert code == 143, output[-4000:]
     stopped_at = max(row["step"] for row in _train_rows(log_dir))
     actor_checkpoint = log_dir / "actor" / "checkpoints" / f"step_{stopped_at:08d}"
-    assert f"[actor] stopped at step {stopped_at} by SIGTERM; checkpoint {actor_checkpoint}; resume with the same command" \
-        in output, output[-4000:]
+    assert (f"[actor] stopped at step {stopped_at} by SIGTERM; checkpoint {actor_checkpoint}; "
+            "resume with the same command") in output, output[-4000:]
     assert (actor_checkpoint / "aligner_meta.json").is_file()
     # The actor had the critic save at the same step before the launcher stopped the server.
     assert (log_dir / "critic" / "checkpoints" / f"step_{stopped_at:08d}" / "aligner_meta.json").is_file()

@@ -75,7 +75,8 @@ def references(tmp_path_factory):
     try:
         train_char_tokenizer(["0123456789+= abcdefghij"], root / "tokenizer")
         critic_init = make_one_attribute_checkpoint(root / "critic_init", root / "tokenizer", seed=11)
-        reward_file = make_one_attribute_checkpoint(root / "reward", root / "tokenizer", seed=22, normalization=NORMALIZATION)
+        reward_file = make_one_attribute_checkpoint(root / "reward", root / "tokenizer", seed=22,
+                                                    normalization=NORMALIZATION)
         critic = load_reward_model(critic_init, micro_batch_size=INFER_MICRO_BATCH)
         reward = load_reward_model(reward_file, micro_batch_size=INFER_MICRO_BATCH)
         yield {"root": root, "critic_init": critic_init, "reward_file": reward_file, "critic": critic, "reward": reward,
@@ -169,7 +170,8 @@ def test_shipped_yaml_has_every_schema_key_and_validates():
     with pytest.raises(ConfigError, match="train.epochs"):
         load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "train.epochs=2"])
     refused_at_load = {"train.clip_val=0": "train.clip_val=0.0: must be > 0",
-                       "train.micro_batch_size=5": "train.global_batch_size=64: must be a multiple of train.micro_batch_size=5",
+                       "train.micro_batch_size=5":
+                           "train.global_batch_size=64: must be a multiple of train.micro_batch_size=5",
                        "train.epochs_per_call=0": "train.epochs_per_call=0 is out of range: it must be >= 1",
                        "inference.micro_batch_size=0": "inference.micro_batch_size=0 is out of range",
                        "pad_sequence_length_to_multiple=0": "pad_sequence_length_to_multiple=0 is out of range",
@@ -179,13 +181,15 @@ def test_shipped_yaml_has_every_schema_key_and_validates():
         with pytest.raises(ConfigError, match=message):
             load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", override])
     refused_by_validate = {"server.train_model_name=critic_infer": "model names must differ",
-                           "server.max_train_rows=8": "server.max_train_rows \\(8\\) must be at least train.global_batch_size",
+                           "server.max_train_rows=8":
+                               "server.max_train_rows \\(8\\) must be at least train.global_batch_size",
                            "parallel.sequence_parallel=true": "sequence parallelism"}
     for override, message in refused_by_validate.items():
         with pytest.raises(ConfigError, match=message):
             load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", override]).validate()
     with pytest.raises(ConfigError, match="data-parallel size = 4 x 4"):
-        load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/c", "train.global_batch_size=8"]).validate_layout(4)
+        load_config(CriticServerConfig, CRITIC_YAML,
+                    ["critic.init_from=/c", "train.global_batch_size=8"]).validate_layout(4)
 
 
 def test_combined_mode_is_one_setting_and_the_old_spelling_still_loads(tmp_path, capsys):

@@ -63,7 +63,8 @@ def models(tmp_path_factory):
             "model.architecture.ffn_hidden_size=64"]
     quiet = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
              "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
-    _run(GPT / "train_gpt_sft.py", f"tokenizer.path={root / 'tokenizer'}", f"data.train=[{{path: {root / 'sft.jsonl'}}}]",
+    _run(GPT / "train_gpt_sft.py", f"tokenizer.path={root / 'tokenizer'}",
+         f"data.train=[{{path: {root / 'sft.jsonl'}}}]",
          *tiny, *quiet, "trainer.max_steps=30", "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
          "optim.lr=3e-3", f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
     sft = root / "sft" / "step_00000030"
@@ -81,7 +82,8 @@ def _launch_command(models, log_dir: Path, port: int, max_steps: int) -> list:
              "checkpoint.save_interval=2", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
              "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=60",
              "critic.server.timeout_s=60", "reward.server.timeout_s=60"]
-    critic = ["train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3", "inference.micro_batch_size=8"]
+    critic = ["train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3",
+              "inference.micro_batch_size=8"]
     return [sys.executable, str(GPT / "launch_ppo.py"), "--reward-checkpoint", str(rm), "--log-dir", str(log_dir),
             "--critic-port", str(port), "--ready-timeout", "240",
             *[f"--actor-arg={a}" for a in actor], *[f"--critic-arg={a}" for a in critic]]

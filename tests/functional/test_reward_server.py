@@ -126,7 +126,8 @@ class ServerProcess:
         self.kill()
         pytest.fail(f"server not ready after {timeout_s} s:\n{self.log()[-6000:]}")
 
-    def stop(self, sig: int = signal.SIGTERM, *, group: bool = False, timeout_s: float = STOP_TIMEOUT_S) -> tuple[int, float]:
+    def stop(self, sig: int = signal.SIGTERM, *, group: bool = False,
+             timeout_s: float = STOP_TIMEOUT_S) -> tuple[int, float]:
         """Send `sig`; (exit code, seconds until exit). Kills and fails if it does not exit in time."""
         start = time.monotonic()
         if self.process.poll() is None:
@@ -218,7 +219,8 @@ def test_shipped_yaml_has_every_schema_key_and_loads():
     assert cfg.init_from == "/ckpt"
     assert cfg.server.model_name == "reward_model" and cfg.server.host == "127.0.0.1"
     assert (cfg.server.port, cfg.server.grpc_port, cfg.server.metrics_port) == (7000, 7001, 7002)
-    assert cfg.server.preferred_batch_sizes is None and cfg.normalize_rewards and cfg.pad_sequence_length_to_multiple == 8
+    assert (cfg.server.preferred_batch_sizes is None and cfg.normalize_rewards
+            and cfg.pad_sequence_length_to_multiple == 8)
     with pytest.raises(ConfigError, match="server.prot"):
         load_config(RewardServerConfig, RM_YAML, ["init_from=/ckpt", "server.prot=7000"])
     with pytest.raises(ConfigError, match="init_from"):
@@ -296,7 +298,8 @@ def test_served_rewards_equal_in_process_whatever_the_batching(client, pool):
         groups.append((start, min(start + size, len(sequences))))
         start += size
     futures = [client.infer_async(sequences[a:b]) for a, b in groups]
-    differences += [np.abs(future.result(timeout=120) - reference[a:b]).max() for (a, b), future in zip(groups, futures)]
+    differences += [np.abs(future.result(timeout=120) - reference[a:b]).max()
+                    for (a, b), future in zip(groups, futures)]
     print(f"\nserved vs in-process: max abs diff {max(differences):.2e} (rewards up to {np.abs(reference).max():.2f})")
     assert max(differences) < 1e-6
 

@@ -36,7 +36,8 @@ MAX_NEW_TOKENS = 24
 # Loss differences between layouts come from fp32 reductions split across ranks: ~6e-7 relative at
 # step 1 (forward only). Adam's first updates are ~lr * sign(gradient), so gradient entries near zero,
 # whose sign the summation order decides, differ by ~2 lr: the step-2/3 differences grow with lr
-# (measured 9e-6 at lr=1e-4, 2e-6 at the lr=1e-5 used below). A wrong gradient or a missing all-reduce changes them by > 1e-3.
+# (measured 9e-6 at lr=1e-4, 2e-6 at the lr=1e-5 used below). A wrong gradient or a missing all-reduce
+# changes them by > 1e-3.
 LOSS_RELATIVE_TOLERANCE = 1e-5
 
 

@@ -90,9 +90,11 @@ def test_pruning_deletes_only_this_runs_older_checkpoints(tmp_path):
         checkpointing.remove_old_checkpoints(tmp_path, keep_last=2, run_id="mine", saved=saved)
         assert saved.is_dir()  # never the checkpoint just written, whatever sorts after it
     assert [step for step, _ in checkpointing.step_checkpoints(tmp_path)] == [3, 4, 6, 7, 30, 40]
-    checkpointing.remove_old_checkpoints(tmp_path, keep_last=1, run_id="mine", saved=checkpointing.step_dir(tmp_path, 7))
+    checkpointing.remove_old_checkpoints(tmp_path, keep_last=1, run_id="mine",
+                                         saved=checkpointing.step_dir(tmp_path, 7))
     assert [step for step, _ in checkpointing.step_checkpoints(tmp_path)] == [3, 4, 7, 30, 40]
-    checkpointing.remove_old_checkpoints(tmp_path, keep_last=0, run_id="mine", saved=checkpointing.step_dir(tmp_path, 30))
+    checkpointing.remove_old_checkpoints(tmp_path, keep_last=0, run_id="mine",
+                                         saved=checkpointing.step_dir(tmp_path, 30))
     assert [step for step, _ in checkpointing.step_checkpoints(tmp_path)] == [3, 4, 7, 30, 40]
 
 
@@ -161,7 +163,8 @@ def test_checkpoints_without_manifest_load_unchecked(tmp_path):
 def test_a_real_kind_mismatch_keeps_the_kind_message(tmp_path):
     cfg, model = _model(0)
     checkpoint = _save(tmp_path, 1, model, cfg)
-    wider = GPTConfig.gpt2(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=50, max_position_embeddings=16)
+    wider = GPTConfig.gpt2(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=50,
+                           max_position_embeddings=16)
     with pytest.raises(checkpointing.CheckpointError, match="right kind of checkpoint"):
         checkpointing.load(checkpoint, [build_gpt_model(wider, transformer_config(wider))])
 
@@ -205,8 +208,8 @@ def test_start_run_refuses_a_used_save_dir_without_resume_and_deletes_nothing(tm
         checkpointing.start_run(tmp_path, resume=False, estimated_bytes=1, log=print)
     message = str(raised.value)
     assert "\n" not in message
-    for part in (f"checkpoint.save_dir={tmp_path}", "step_00000007", "checkpoint.resume=true", "another checkpoint.save_dir",
-                 "delete"):
+    for part in (f"checkpoint.save_dir={tmp_path}", "step_00000007", "checkpoint.resume=true",
+                 "another checkpoint.save_dir", "delete"):
         assert part in message
     assert sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*")) == before
 
@@ -243,7 +246,8 @@ def test_start_run_refuses_too_little_free_space(tmp_path, monkeypatch):
     existing = _save(tmp_path / "used", 1, model, cfg)
     size = checkpointing.checkpoint_bytes(existing)
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - size + 1, size - 1))
-    with pytest.raises(checkpointing.CheckpointError, match=rf"needs about {size:,} bytes"):  # the newest checkpoint's size
+    # the newest checkpoint's size
+    with pytest.raises(checkpointing.CheckpointError, match=rf"needs about {size:,} bytes"):
         checkpointing.start_run(tmp_path / "used", resume=True, estimated_bytes=1, log=print)
 
 
@@ -315,4 +319,5 @@ def test_an_unreadable_manifest_is_reported_as_damage(tmp_path, manifest):
     cfg, model = _model(0)
     checkpoint = _save(tmp_path, 1, model, cfg)
     (checkpoint / checkpointing.MANIFEST_FILE).write_text(manifest)
-    assert checkpointing.verify(checkpoint).startswith(f"{checkpoint} is damaged: its aligner_manifest.json is unreadable (")
+    assert checkpointing.verify(checkpoint).startswith(
+        f"{checkpoint} is damaged: its aligner_manifest.json is unreadable (")

@@ -20,7 +20,8 @@ SFT_YAML = CONF_DIR / "gpt_sft.yaml"
 
 
 def test_shipped_yaml_loads_and_overrides_apply():
-    cfg = load_config(SFTConfig, SFT_YAML, ["trainer.max_steps=7", "optim.lr=0.5", "data.train=[{path: a.jsonl, weight: 2}]"])
+    cfg = load_config(SFTConfig, SFT_YAML,
+                      ["trainer.max_steps=7", "optim.lr=0.5", "data.train=[{path: a.jsonl, weight: 2}]"])
     assert cfg.trainer.max_steps == 7
     assert cfg.optim.lr == 0.5
     assert cfg.data.train[0].path == "a.jsonl" and cfg.data.train[0].weight == 2.0
@@ -79,7 +80,8 @@ class _Rollout:
 
 @dataclass
 class _RenamedSchema:
-    RENAMED_KEYS: ClassVar[tuple] = (("ppo.prompts_per_step", "rollout.prompts_per_step"), ("rm_model_file", "init_from"))
+    RENAMED_KEYS: ClassVar[tuple] = (("ppo.prompts_per_step", "rollout.prompts_per_step"),
+                                     ("rm_model_file", "init_from"))
     rollout: _Rollout = field(default_factory=_Rollout)
     init_from: str = "x"
 
@@ -161,5 +163,6 @@ def test_chat_checkpoint_is_now_init_from(tmp_path, capsys):
     assert f"deprecated: {old_yaml} sets checkpoint; it is now init_from" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="checkpoint is the old name of init_from; set only init_from"):
         load_config(ChatConfig, chat_yaml, ["checkpoint=/a", "init_from=/b"])
-    with contextlib.ExitStack() as stack, pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} is not"):
+    with (contextlib.ExitStack() as stack,
+          pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} is not")):
         load_chat_model(cfg, stack)

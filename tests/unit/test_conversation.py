@@ -103,7 +103,8 @@ ASSISTANT = {"role": "assistant", "content": "hello"}
     ({"answer": USER}, "answer", r"'answer' holds 1 message\(s\) \(user\); expected one assistant message"),
     ({"answer": [ASSISTANT, ASSISTANT]}, "answer", r"'answer' holds 2 message\(s\)"),
     ({"answer": ""}, "answer", "key 'answer' is empty"),
-    ({"answer": {"role": "assistant", "content": " "}}, "answer", "'answer' is an assistant message with empty content"),
+    ({"answer": {"role": "assistant", "content": " "}}, "answer",
+     "'answer' is an assistant message with empty content"),
     ({"other": "x"}, "answer", "missing key 'answer'"),
 ])
 def test_malformed_prompts_and_answers_name_file_line_and_key(record, key, message):

@@ -74,7 +74,8 @@ def _microbatches(valid_tokens: tuple[int, ...], batch: int = 2, seed: int = 1) 
 
 
 def _masked_token_loss_sum(batch: dict, logits: torch.Tensor) -> torch.Tensor:
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="none")
+    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                reduction="none")
     return (per_token * batch["loss_mask"].reshape(-1)).sum()
 
 

@@ -92,10 +92,12 @@ def _critic_config(init_from, save_dir, *, offload: bool):
     from aligner.models.reward import RewardInferenceConfig
     from aligner.training.setup import OptimConfig
 
-    return CriticConfig(critic=CriticSection(init_from=str(init_from)), inference=RewardInferenceConfig(micro_batch_size=3),
+    return CriticConfig(critic=CriticSection(init_from=str(init_from)),
+                        inference=RewardInferenceConfig(micro_batch_size=3),
                         train=CriticTrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                                                 clip_val=CLIP_VAL),
-                        optim=OptimConfig(lr=1e-3, min_lr=0.0, weight_decay=0.0, decay_style="constant", clip_grad=1000.0),
+                        optim=OptimConfig(lr=1e-3, min_lr=0.0, weight_decay=0.0, decay_style="constant",
+                                          clip_grad=1000.0),
                         checkpoint=CriticCheckpointConfig(save_dir=str(save_dir)), offload_optimizer_to_cpu=offload)
 
 
@@ -155,7 +157,8 @@ def test_library_critic_infers_trains_offloads_and_resumes(tmp_path):
         assert (values - reference.token_scores(tokens, lengths)[..., 0]).abs().max() < 1e-5
 
         width = int(response_lengths.max()) + 2  # wider than any response: the extra columns are ignored
-        old_values = response_values(values, prompt_lengths, width) + 0.5 * torch.randn(ROWS, width, generator=generator)
+        old_values = (response_values(values, prompt_lengths, width)
+                      + 0.5 * torch.randn(ROWS, width, generator=generator))
         returns = old_values + torch.randn(ROWS, width, generator=generator)
         batch = CriticTrainBatch(tokens, lengths, prompt_lengths, returns.float(), old_values.float())
         assert torch.equal(batch.response_lengths, response_lengths)

@@ -46,7 +46,8 @@ def _model(tokenizer: Tokenizer, seed: int = 0):
 
 # ----------------------------------------------------------------------------- data
 def test_both_key_layouts_give_the_sft_token_layout(tmp_path, tokenizer):
-    nemo = write_jsonl(tmp_path / "nemo.jsonl", [{"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}])
+    nemo = write_jsonl(tmp_path / "nemo.jsonl",
+                       [{"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}])
     short = write_jsonl(tmp_path / "short.jsonl", [{"prompt": "12+7=", "chosen": "19", "rejected": "18"}])
     for path in (nemo, short):
         item = PreferenceDataset.from_jsonl(path, tokenizer, 32)[0]
@@ -130,7 +131,8 @@ USER, ASSISTANT = {"role": "user", "content": "1+1="}, {"role": "assistant", "co
      "'rejected' is an assistant message with empty content"),
     ({"chosen": [USER, ASSISTANT], "rejected": [{"role": "user", "content": "1+2="}, ASSISTANT]},
      "'chosen' and 'rejected' differ before their last message"),
-    ({"chosen": [USER, ASSISTANT], "rejected": [USER]}, "'rejected' without a 'prompt' key must be a whole conversation"),
+    ({"chosen": [USER, ASSISTANT], "rejected": [USER]},
+     "'rejected' without a 'prompt' key must be a whole conversation"),
     ({"chosen": "2", "rejected": "3"}, "missing key 'prompt'"),
 ])
 def test_malformed_conversational_pairs_name_file_line_and_key(tmp_path, chat_tokenizers, record, message):
@@ -173,7 +175,8 @@ def test_loss_is_log2_and_rewards_zero_when_policy_is_the_reference(tmp_path, to
             summary = objective.summarize({k: float(v) for k, v in report.items()})
             assert int(pairs) == len(dataset)
             assert summary["loss"] == pytest.approx(math.log(2), abs=1e-6), (beta, average)
-            assert abs(summary["chosen_reward"]) < 1e-6 * beta * 10 and abs(summary["rejected_reward"]) < 1e-6 * beta * 10
+            assert (abs(summary["chosen_reward"]) < 1e-6 * beta * 10
+                    and abs(summary["rejected_reward"]) < 1e-6 * beta * 10)
             assert abs(summary["margin"]) < 1e-6 * beta * 10
 
 
@@ -243,7 +246,8 @@ def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
     from aligner.config import CONF_DIR, ConfigError, load_config
 
     with pytest.raises(ConfigError, match="dpo.reference_logprobs='never' is not one of precompute, swap"):
-        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", ["data.train=[{path: x.jsonl}]", "dpo.reference_logprobs=never"])
+        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml",
+                    ["data.train=[{path: x.jsonl}]", "dpo.reference_logprobs=never"])
 
 
 # ----------------------------------------------------------------------------- a tiny run
@@ -257,7 +261,8 @@ def _run_config(tmp_path, arithmetic_tokenizer_dir, train: Path, mode: str, loss
         "optim.decay_style=constant", "dpo.beta=0.5", f"dpo.reference_logprobs={mode}",
         f"dpo.preference_loss={loss}", "checkpoint.save_at_end=false", "checkpoint.resume=false",
         f"checkpoint.save_dir={tmp_path / mode / loss}", f"logging.log_dir={tmp_path / mode / loss}",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.log_interval=100",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+        "logging.log_interval=100",
     ])
 
 

@@ -117,7 +117,8 @@ def _user_error_cases(root):
     return [
         ("missing_dir", ["import", "--hf-dir", str(root / "nope"), "--output", out], f"{root / 'nope'} does not exist"),
         ("missing_config", ["import", "--hf-dir", str(root / "no_config"), "--output", out], "has no config.json"),
-        ("bad_json", ["import", "--hf-dir", str(bad_json), "--output", out], f"{bad_json / 'config.json'}:1: not valid JSON"),
+        ("bad_json", ["import", "--hf-dir", str(bad_json), "--output", out],
+         f"{bad_json / 'config.json'}:1: not valid JSON"),
         ("unsupported_arch", ["import", "--hf-dir", str(unsupported), "--output", out],
          f"{unsupported / 'config.json'}: model_type='bert' is not supported"),
         ("truncated_safetensors", ["import", "--hf-dir", str(truncated), "--output", out],

@@ -153,7 +153,8 @@ def test_llama_qkv_follows_megatrons_grouped_layout():
         block = qkv[group * (per_group + 2) * head_dim:(group + 1) * (per_group + 2) * head_dim]
         queries = q[group * per_group * head_dim:(group + 1) * per_group * head_dim]
         assert torch.equal(block[:per_group * head_dim], queries)
-        assert torch.equal(block[per_group * head_dim:(per_group + 1) * head_dim], k[group * head_dim:(group + 1) * head_dim])
+        assert torch.equal(block[per_group * head_dim:(per_group + 1) * head_dim],
+                           k[group * head_dim:(group + 1) * head_dim])
         assert torch.equal(block[(per_group + 1) * head_dim:], v[group * head_dim:(group + 1) * head_dim])
 
 
@@ -162,23 +163,25 @@ def test_gpt2_conv1d_weights_are_transposed_and_c_attn_is_split_per_head():
     cfg, _ = gpt_config_from_hf(config)
     hf_state = saved_state_dict(config)
     megatron_state = hf_to_megatron(hf_state, cfg, "gpt2")
-    assert torch.equal(megatron_state["decoder.layers.0.mlp.linear_fc1.weight"], hf_state["transformer.h.0.mlp.c_fc.weight"].t())
-    assert torch.equal(
-        megatron_state["decoder.layers.0.self_attention.linear_proj.weight"], hf_state["transformer.h.0.attn.c_proj.weight"].t()
-    )
+    assert torch.equal(megatron_state["decoder.layers.0.mlp.linear_fc1.weight"],
+                       hf_state["transformer.h.0.mlp.c_fc.weight"].t())
+    assert torch.equal(megatron_state["decoder.layers.0.self_attention.linear_proj.weight"],
+                       hf_state["transformer.h.0.attn.c_proj.weight"].t())
     c_attn = hf_state["transformer.h.0.attn.c_attn.weight"].t()  # [3H, H] = [q; k; v]
     qkv = megatron_state["decoder.layers.0.self_attention.linear_qkv.weight"]
     head_dim = 16
     for head in range(4):
         rows = slice(head * head_dim, (head + 1) * head_dim)
         for part in range(3):  # q, k, v of this head
-            assert torch.equal(qkv[(3 * head + part) * head_dim:(3 * head + part + 1) * head_dim], c_attn[part * 64:][rows])
+            assert torch.equal(qkv[(3 * head + part) * head_dim:(3 * head + part + 1) * head_dim],
+                               c_attn[part * 64:][rows])
 
 
 def test_config_mapping():
     cfg, arch = gpt_config_from_hf(hf_config("qwen2", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True))
     assert arch == "qwen2"
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size) == (2, 64, 8, 2, 96)
+    assert ((cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size)
+            == (2, 64, 8, 2, 96))
     assert (cfg.normalization, cfg.activation, cfg.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
     assert (cfg.add_qkv_bias, cfg.add_bias_linear, cfg.tie_embeddings) == (True, False, True)
     assert (cfg.norm_epsilon, cfg.rotary_base, cfg.vocab_size, cfg.head_dim) == (1e-6, 1e6, VOCAB, 8)
@@ -186,7 +189,8 @@ def test_config_mapping():
     cfg, arch = gpt_config_from_hf(hf_config("gpt2", activation_function="gelu_new", n_inner=None),
                                    make_vocab_size_divisible_by=64)
     assert arch == "gpt2"
-    assert (cfg.normalization, cfg.activation, cfg.position_embedding_type) == ("LayerNorm", "gelu_tanh", "learned_absolute")
+    assert ((cfg.normalization, cfg.activation, cfg.position_embedding_type)
+            == ("LayerNorm", "gelu_tanh", "learned_absolute"))
     assert (cfg.add_qkv_bias, cfg.add_bias_linear, cfg.tie_embeddings) == (True, True, True)
     assert (cfg.ffn_size, cfg.max_position_embeddings, cfg.make_vocab_size_divisible_by) == (256, 32, 64)
     assert gpt_config_from_hf(hf_config("gpt2", activation_function="gelu"))[0].activation == "gelu"
@@ -194,7 +198,8 @@ def test_config_mapping():
 
 def test_raw_config_json_with_legacy_rope_fields():
     raw = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None)
+               num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+               rope_scaling=None)
     cfg, arch = gpt_config_from_hf(raw)
     assert (arch, cfg.rotary_base, cfg.query_groups, cfg.tie_embeddings) == ("llama", 500000.0, 4, False)
 
@@ -218,7 +223,8 @@ UNSUPPORTED = [
      "rope_parameters.rope_type='dynamic'"),
     ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, low_freq_factor=2.0)), "rope_parameters.low_freq_factor=2.0"),
     ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, high_freq_factor=8.0)), "rope_parameters.high_freq_factor=8.0"),
-    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=4096), max_position_embeddings=8192),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=4096),
+                   max_position_embeddings=8192),
      "rope_parameters.original_max_position_embeddings=4096"),
     ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, partial_rotary_factor=0.5)), "partial_rotary_factor=0.5"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
@@ -293,7 +299,8 @@ def test_export_refuses_an_architecture_that_cannot_represent_the_model():
     assert infer_arch(gpt2_like) == "gpt2"
     with pytest.raises(ValueError, match="model.normalization='LayerNorm' cannot be exported as llama"):
         check_exportable(gpt2_like, "llama")
-    llama_like = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB)
+    llama_like = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                 vocab_size=VOCAB)
     assert infer_arch(llama_like) == "llama"
     with pytest.raises(ValueError, match="model.add_qkv_bias=False cannot be exported as qwen2"):
         check_exportable(llama_like, "qwen2")
@@ -337,7 +344,8 @@ def test_llama3_rope_scaling_from_old_and_new_config_generations():
     assert gpt_config_from_hf(hf_config("llama", rope_parameters=LLAMA3_ROPE))[0].llama3_rope_scaling_factor == 32.0
     assert gpt_config_from_hf(hf_config("llama"))[0].llama3_rope_scaling_factor is None
     raw["rope_scaling"] = dict(raw["rope_scaling"], high_freq_factor=2.0)
-    with pytest.raises(ValueError, match=r"rope_scaling.high_freq_factor=2.0 is not supported: .*fixes high_freq_factor=4"):
+    with pytest.raises(ValueError,
+                       match=r"rope_scaling.high_freq_factor=2.0 is not supported: .*fixes high_freq_factor=4"):
         gpt_config_from_hf(raw)
 
 
@@ -372,7 +380,8 @@ def test_moe_experts_map_to_megatron_local_experts(arch):
         "qwen3_moe": ("mlp.gate", "mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
     }[arch]
     expert_ffn = 96 if arch == "mixtral" else 48
-    assert torch.equal(megatron_state["decoder.layers.1.mlp.router.weight"], hf_state[f"model.layers.1.{router}.weight"])
+    assert torch.equal(megatron_state["decoder.layers.1.mlp.router.weight"],
+                       hf_state[f"model.layers.1.{router}.weight"])
     for e in range(4):
         hf_expert, mg_expert = f"model.layers.1.{expert}{e}.", f"decoder.layers.1.mlp.experts.local_experts.{e}."
         fc1 = megatron_state[mg_expert + "linear_fc1.weight"]
@@ -390,7 +399,8 @@ def test_moe_routing_maps_to_megatrons_router_options():
     assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_router_pre_softmax) == (4, 2, False)
     assert (mixtral.expert_ffn_size, mixtral.qk_layernorm, mixtral.moe_aux_loss_coeff) == (96, False, 0.0)
     qwen, _ = gpt_config_from_hf(hf_config("qwen3_moe", norm_topk_prob=True))
-    assert (qwen.moe_router_pre_softmax, qwen.expert_ffn_size, qwen.ffn_size, qwen.qk_layernorm) == (False, 48, 96, True)
+    assert ((qwen.moe_router_pre_softmax, qwen.expert_ffn_size, qwen.ffn_size, qwen.qk_layernorm)
+            == (False, 48, 96, True))
     assert gpt_config_from_hf(hf_config("qwen3_moe", norm_topk_prob=False))[0].moe_router_pre_softmax is True
     # The same routing weights, computed both ways, for a renormalised top-2 of 6 experts:
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
@@ -407,7 +417,8 @@ def test_moe_routing_maps_to_megatrons_router_options():
 def test_qwen3_config_and_qk_norm_names():
     config = hf_config("qwen3")
     cfg, arch = gpt_config_from_hf(config)
-    assert (arch, cfg.qk_layernorm, cfg.head_dim, cfg.add_qkv_bias, cfg.norm_epsilon) == ("qwen3", True, 16, False, 1e-6)
+    assert ((arch, cfg.qk_layernorm, cfg.head_dim, cfg.add_qkv_bias, cfg.norm_epsilon)
+            == ("qwen3", True, 16, False, 1e-6))
     assert infer_arch(cfg) == "qwen3"
     hf_state = saved_state_dict(config)
     megatron_state = hf_to_megatron(hf_state, cfg, "qwen3")

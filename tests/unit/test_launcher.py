@@ -75,7 +75,8 @@ def _configs(critic_overrides=(), actor_overrides=()):
     from aligner.config import CONF_DIR, load_config
     from servers.critic import CriticServerConfig
 
-    return (load_config(CriticServerConfig, CONF_DIR / "gpt_ppo_critic.yaml", ["critic.init_from=/rm", *critic_overrides]),
+    return (load_config(CriticServerConfig, CONF_DIR / "gpt_ppo_critic.yaml",
+                        ["critic.init_from=/rm", *critic_overrides]),
             load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", [*ACTOR_REQUIRED, *actor_overrides]))
 
 
@@ -121,7 +122,8 @@ def test_critic_that_fits_the_actor_passes():
 
     critic, actor = _configs(["train.global_batch_size=16", "train.micro_batch_size=4", "server.max_train_rows=64",
                               "server.max_request_bytes=113664"],
-                             ["rollout.prompts_per_step=64", "data.max_prompt_length=100", "generation.max_new_tokens=60"])
+                             ["rollout.prompts_per_step=64", "data.max_prompt_length=100",
+                              "generation.max_new_tokens=60"])
     check_critic_fits_actor(critic, actor, critic_data_parallel_size=4)
     check_critic_fits_actor(critic, actor)
 

@@ -33,7 +33,8 @@ def test_a_resume_writes_a_marker_row_and_readers_see_each_step_once(tmp_path):
     metrics.close()
 
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
-    assert json.loads(lines[4]) == {"step": 2, "split": "resumed_from", "checkpoint": str(tmp_path / "ckpt" / "step_00000002"),
+    assert json.loads(lines[4]) == {"step": 2, "split": "resumed_from",
+                                    "checkpoint": str(tmp_path / "ckpt" / "step_00000002"),
                                     "changed_settings": {"optim.lr": [1e-5, 5e-3]}}
     as_written = read_metrics(tmp_path, "train")
     assert [(row["step"], row["loss"]) for row in as_written] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 3.5), (4, 4.5)]

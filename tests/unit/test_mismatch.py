@@ -1,4 +1,5 @@
-"""Train/inference mismatch metrics and truncated importance-sampling weights (aligner.rl.mismatch) against float64 loops."""
+"""Train/inference mismatch metrics and truncated importance-sampling weights (aligner.rl.mismatch)
+against float64 loops."""
 from __future__ import annotations
 
 import math

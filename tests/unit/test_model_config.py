@@ -15,7 +15,8 @@ def test_moe_and_qk_norm_fields_reach_megatrons_transformer_config():
                     num_moe_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, moe_router_pre_softmax=True)
     config = transformer_config(cfg, expert_parallel_size=2)
     assert (config.num_moe_experts, config.moe_ffn_hidden_size, config.moe_router_topk) == (4, 48, 2)
-    assert (config.moe_router_pre_softmax, config.moe_router_score_function, config.qk_layernorm) == (True, "softmax", True)
+    assert ((config.moe_router_pre_softmax, config.moe_router_score_function, config.qk_layernorm)
+            == (True, "softmax", True))
     assert (config.expert_model_parallel_size, config.moe_grouped_gemm) == (2, False)
     # No aux loss unless asked for: training sees only the task loss.
     assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == ("none", 0.0)
@@ -28,12 +29,14 @@ def test_moe_and_qk_norm_fields_reach_megatrons_transformer_config():
 @pytest.mark.parametrize("fields,parallel,message", [
     (dict(num_moe_experts=4, moe_router_topk=1), {}, "moe_router_topk=1 needs model.moe_router_pre_softmax=true"),
     (dict(num_moe_experts=4, moe_router_topk=5), {}, r"moe_router_topk=5 must be in \[1, num_moe_experts=4\]"),
-    (dict(num_moe_experts=3), dict(expert_parallel_size=2), "num_moe_experts=3 is not divisible by expert_model_parallel_size=2"),
+    (dict(num_moe_experts=3), dict(expert_parallel_size=2),
+     "num_moe_experts=3 is not divisible by expert_model_parallel_size=2"),
     (dict(num_moe_experts=4, moe_ffn_hidden_size=33), dict(tensor_parallel_size=2), "moe_ffn_hidden_size=33"),
     (dict(num_moe_experts=4, moe_token_dispatcher_type="flex"), {}, "dispatcher_type='flex' is not one of allgather"),
     (dict(num_moe_experts=4, add_bias_linear=True), {}, "add_bias_linear=true is not supported with MoE"),
     ({}, dict(expert_parallel_size=2), "expert_model_parallel_size=2 needs an MoE model"),
-    (dict(llama3_rope_scaling_factor=8.0, position_embedding_type="learned_absolute"), {}, "llama3_rope_scaling_factor"),
+    (dict(llama3_rope_scaling_factor=8.0, position_embedding_type="learned_absolute"), {},
+     "llama3_rope_scaling_factor"),
 ])
 def test_settings_megatron_cannot_run_are_refused_naming_the_field(fields, parallel, message):
     cfg = GPTConfig(vocab_size=VOCAB, **fields)

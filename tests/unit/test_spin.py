@@ -125,13 +125,15 @@ def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, arit
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
     cfg = load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
         f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
-        "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
-        "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
+        "model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=64",
         "spin.num_iterations=2", "spin.steps_per_iteration=6", "spin.kl_betas=[0.5, 0.25]",
         "spin.generation.max_new_tokens=4", "spin.generation.batch_size=8",
         "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=0",
         "optim.decay_style=constant", f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.log_dir={tmp_path}",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.log_interval=100",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+        "logging.log_interval=100",
     ])
     run = build_spin_run(cfg)
     run.fit()
@@ -153,8 +155,9 @@ def test_tiny_run_retakes_the_reference_each_iteration_and_learns(tmp_path, arit
 def _tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, name: str, *overrides) -> SPINConfig:
     return load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
         f"tokenizer.path={arithmetic_tokenizer_dir}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
-        "model.architecture.num_layers=2", "model.architecture.hidden_size=32", "model.architecture.num_attention_heads=4",
-        "model.architecture.num_query_groups=2", "model.architecture.ffn_hidden_size=64",
+        "model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=64",
         "spin.num_iterations=2", "spin.steps_per_iteration=3", "spin.kl_betas=[0.5, 0.25]",
         "spin.generation.max_new_tokens=4", "spin.generation.batch_size=8", "spin.generation.greedy=false",
         "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=1",

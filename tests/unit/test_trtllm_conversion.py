@@ -53,7 +53,8 @@ def random_megatron_state(cfg: GPTConfig, seed: int = 0) -> dict[str, torch.Tens
     def rand(*shape):
         return torch.randn(*shape, generator=generator)
 
-    hidden, ffn, padded = cfg.hidden_size, cfg.ffn_size, padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    hidden, ffn, padded = (cfg.hidden_size, cfg.ffn_size,
+                           padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by))
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
     fc1 = 2 * ffn if cfg.activation == "swiglu" else ffn
     biases = cfg.add_bias_linear
@@ -133,8 +134,10 @@ def test_llama_rank_weights_match_hf_layout(tp, tied):
 
     # The shards concatenate back to the full tensors.
     layer = "transformer.layers.1."
-    assert torch.equal(torch.cat([w[f"{layer}mlp.fc.weight"] for w in ranks]), hf["model.layers.1.mlp.gate_proj.weight"])
-    assert torch.equal(torch.cat([w[f"{layer}mlp.proj.weight"] for w in ranks], 1), hf["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(torch.cat([w[f"{layer}mlp.fc.weight"] for w in ranks]),
+                       hf["model.layers.1.mlp.gate_proj.weight"])
+    assert torch.equal(torch.cat([w[f"{layer}mlp.proj.weight"] for w in ranks], 1),
+                       hf["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(torch.cat([w[f"{layer}attention.dense.weight"] for w in ranks], 1),
                        hf["model.layers.1.self_attn.o_proj.weight"])
     lm_head = torch.cat([w["lm_head.weight"] for w in ranks])
@@ -180,7 +183,8 @@ def test_gpt2_rank_weights_with_biases_and_tied_head(tp):
             assert torch.equal(weights[f"{t}attention.qkv.weight"],
                                torch.cat([q.chunk(tp)[r], k.chunk(tp)[r], v.chunk(tp)[r]]))
             qb, kb, vb = hf[f"{h}attn.c_attn.bias"].chunk(3)
-            assert torch.equal(weights[f"{t}attention.qkv.bias"], torch.cat([qb.chunk(tp)[r], kb.chunk(tp)[r], vb.chunk(tp)[r]]))
+            assert torch.equal(weights[f"{t}attention.qkv.bias"],
+                               torch.cat([qb.chunk(tp)[r], kb.chunk(tp)[r], vb.chunk(tp)[r]]))
             # Row-parallel biases are added once, after the all-reduce: not split.
             assert torch.equal(weights[f"{t}attention.dense.bias"], hf[f"{h}attn.c_proj.bias"])
             assert torch.equal(weights[f"{t}mlp.proj.bias"], hf[f"{h}mlp.c_proj.bias"])
@@ -202,7 +206,8 @@ def test_tp_shards_in_give_the_same_checkpoint():
     shards = split_megatron_tp(full, cfg, 2)
     # megatron's SwiGLU fc1 shard of rank r is [gate_r; up_r].
     gate, up = full["decoder.layers.0.mlp.linear_fc1.weight"].chunk(2)
-    assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+    assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"],
+                       torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
     merged = merge_megatron_tp_shards(shards, cfg)
     assert set(merged) == set(full) and all(torch.equal(merged[n], full[n]) for n in full)
     for tp in (2, 4, 1):  # same TP as the shards, and resharded

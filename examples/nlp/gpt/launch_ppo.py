@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--reward-port", type=int, default=5555)
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
     parser.add_argument("--stop-grace", type=float, default=CheckpointConfig.stop_grace_s,
-                        help="on SIGTERM/SIGINT: seconds the actor has to save a checkpoint (its checkpoint.stop_grace_s)")
+                        help="on SIGTERM/SIGINT: seconds the actor has to save a checkpoint "
+                             "(its checkpoint.stop_grace_s)")
     parser.add_argument("--actor-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--critic-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--reward-arg", action="append", default=[], metavar="KEY=VALUE")
@@ -99,8 +100,9 @@ def check_configs(critic_args: list[str], actor_args: list[str], critic_nproc: i
     from servers.critic import CriticServerConfig
 
     configs = []
-    for name, schema, yaml_name, command_line in (("critic server", CriticServerConfig, "gpt_ppo_critic.yaml", critic_args),
-                                                  ("actor", RLActorConfig, "gpt_ppo_actor.yaml", actor_args)):
+    for name, schema, yaml_name, command_line in (
+            ("critic server", CriticServerConfig, "gpt_ppo_critic.yaml", critic_args),
+            ("actor", RLActorConfig, "gpt_ppo_actor.yaml", actor_args)):
         try:
             configs.append(load_config(schema, *parse_command_line(CONF_DIR / yaml_name, command_line)))
         except ConfigError as error:

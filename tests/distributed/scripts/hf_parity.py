@@ -77,7 +77,8 @@ def main() -> None:
             import_hf(work / family / "hf", work / family / "ckpt")
         is_moe = {family: GPTConfig.from_dict(checkpointing.read_meta(work / family / "ckpt")["model"]).is_moe
                   for family in families}
-        resaved = {("tp2", next(f for f in families if not is_moe[f])), ("ep2", next((f for f in families if is_moe[f]), None))}
+        resaved = {("tp2", next(f for f in families if not is_moe[f])),
+                   ("ep2", next((f for f in families if is_moe[f]), None))}
         for family in families:
             layouts = [("tp2", 2, 1, 1), ("pp2", 1, 2, 1)] + ([("ep2", 1, 1, 2)] if is_moe[family] else [])
             for name, tp, pp, ep in layouts:

@@ -45,7 +45,9 @@ def build_files(args: argparse.Namespace) -> dict[str, list[dict]]:
             args.num_preference_validation, seed, split="heldout"
         ),
         "attributes_train.jsonl": arithmetic.attribute_records(args.num_attributes, seed),
-        "attributes_validation.jsonl": arithmetic.attribute_records(args.num_attributes_validation, seed, split="heldout"),
+        "attributes_validation.jsonl": arithmetic.attribute_records(
+            args.num_attributes_validation, seed, split="heldout"
+        ),
         "rl_prompts.jsonl": arithmetic.rl_prompts(args.num_rl_prompts, seed),
         "sft_correct_train.jsonl": arithmetic.correct_sft_records(args.num_sft_correct, seed),
     }

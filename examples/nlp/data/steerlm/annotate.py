@@ -104,7 +104,8 @@ def count_done(output: Path, records: list[tuple[int, dict]]) -> int:
             written = json.loads(text)
         except json.JSONDecodeError:
             written = None
-        if not isinstance(written, dict) or ATTRIBUTES_KEY not in written or _unannotated(written) != _unannotated(record):
+        if (not isinstance(written, dict) or ATTRIBUTES_KEY not in written
+                or _unannotated(written) != _unannotated(record)):
             raise AnnotationError(
                 f"{output}:{index + 1} is not the annotation of input line {input_line}; the output was written "
                 "from another input (or edited): delete it or choose another --output")
