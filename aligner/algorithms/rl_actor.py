@@ -636,8 +636,8 @@ class RLActor:
         recent uniform groups (counted in `dynamic_sampling_filled_groups`)."""
         rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         needed = rollout.prompts_per_step
-        kept: list[list[dict]] = []
-        uniform: list[list[dict]] = []
+        kept: list[list] = []  # groups of RolloutRows
+        uniform: list[list] = []
         generated, rounds = 0.0, 0
         while len(kept) < needed and rounds < rollout.max_sampling_rounds:
             indices = group_indices(self.order.take(needed), k)
@@ -647,7 +647,7 @@ class RLActor:
                                                           with_values=self.critic is not None)
             generated += round_tokens
             rows = self._all_rows(local, len(indices))
-            scores = torch.tensor([row["score"] for row in rows], dtype=torch.float64)
+            scores = torch.tensor([row.score for row in rows], dtype=torch.float64)
             informative = advantages.informative_groups(scores, k).tolist()
             for group, keep in enumerate(informative):
                 (kept if keep else uniform).append(rows[group * k:(group + 1) * k])
@@ -662,7 +662,7 @@ class RLActor:
                    "dynamic_sampling_filled_groups": float(filled)}
         return self.to_batch(mine), metrics
 
-    def _all_rows(self, local: dict[int, dict], count: int) -> list[dict]:
+    def _all_rows(self, local: dict, count: int) -> list:
         """Every rank's rows of a round, in rollout order, on every rank."""
         parts = [local]
         if self.dp_size > 1:
@@ -671,14 +671,14 @@ class RLActor:
         merged = {position: row for part in parts for position, row in part.items()}
         return [merged[position] for position in range(count)]
 
-    def to_batch(self, mine: list[tuple[int, dict]]):
+    def to_batch(self, mine: list[tuple]):
         from aligner.rl.rollouts import RolloutBatch
 
         return RolloutBatch.from_rows(mine, self.tokenizer.pad_id, seq_length=self.seq_length,
                                       response_width=self.response_width)
 
     def generate_and_score(self, indices: list[int], timings: dict, *, seed: int, greedy: bool = False,
-                           prompts=None, with_values: bool = True) -> tuple[dict[int, dict], float]:
+                           prompts=None, with_values: bool = True) -> tuple[dict, float]:
         """Generate the prompts `indices` through the router and score them; returns (this replica's rows
         by position in `indices`, response tokens generated over all ranks). Collective."""
         from aligner.rl.rollouts import collect_rollouts, full_sequences, values_at_response
@@ -705,7 +705,7 @@ class RLActor:
         self.engine.refit(self.chunks)
         local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
         for position, row in local.items():
-            row["given_prompt"] = given_prompts[position]
+            row.given_prompt = given_prompts[position]
         if hasattr(self.engine, "free") and self.cfg.generation.engine != "native":
             self.engine.free()  # the KV cache of the native engine is small and kept for the next step
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
@@ -720,16 +720,16 @@ class RLActor:
             value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
             for j, position in enumerate(micro_indices):
                 row = local[position]
-                row["score"] = float(scores[j])
+                row.score = float(scores[j])
                 if value_rows is not None:
-                    row["values"] = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
-                                                       len(row["prompt"]), len(row["response"]))
+                    row.values = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
+                                                    len(row.prompt), len(row.response))
         timings["time_scoring_wait"] = timings.get("time_scoring_wait", 0.0) + time.perf_counter() - tick
         if dist.get_world_size(self.mp_group) > 1:  # the replica's other ranks get the scores too
             holder = [local]
             dist.broadcast_object_list(holder, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
             local = holder[0]
-        generated = torch.tensor([float(sum(len(row["response"]) for row in local.values()))])
+        generated = torch.tensor([float(sum(len(row.response) for row in local.values()))])
         dist.all_reduce(generated, group=self.dp_group)
         return local, float(generated.item())
 
@@ -750,7 +750,7 @@ class RLActor:
     # -- 4: scores -> shaped scores -> advantages
     def shaped_scores(self, batch) -> torch.Tensor:
         reward = self.cfg.reward
-        scores = batch.row_tensor("score")
+        scores = batch.scores()
         if reward.missing_stop_penalty is not None:
             scores = ppo_math.apply_missing_stop_penalty(scores, batch.ended_with_stop, reward.missing_stop_penalty)
         if reward.overlong_buffer is not None:
@@ -767,10 +767,10 @@ class RLActor:
         k = cfg.rollout.samples_per_prompt
         # Group estimators need this rank's rows to be whole groups, in order.
         assert len(batch.indices) % k == 0 and batch.indices[0] % k == 0, batch.indices
-        raw_scores = batch.row_tensor("score")
+        raw_scores = batch.scores()
         scores = self.shaped_scores(batch)
         kl = ppo_math.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
-        values = batch.token_tensor("values") if self.critic is not None else None
+        values = batch.values() if self.critic is not None else None
         estimated = advantages.compute_advantages(cfg.advantage.estimator, advantages.AdvantageInputs(
             scores=scores, kl=kl, kl_coef=self.kl_controller.value, mask=mask, group_size=k, values=values,
             group=group), self.advantage_settings)
@@ -819,7 +819,7 @@ class RLActor:
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_pipeline_model_parallel_rank() != 0:
             return
         batch = experience.batch
-        part = {"sequences": [row["prompt"] + row["response"].tolist() for row in batch.rows],
+        part = {"sequences": [row.prompt + row.response.tolist() for row in batch.rows],
                 "prompt_lengths": batch.prompt_lengths.tolist(), "returns": experience.returns,
                 "old_values": experience.values}
         parts = [part]
@@ -928,7 +928,7 @@ class RLActor:
         local, _ = self.generate_and_score(list(range(count)), timings, seed=0, greedy=True,
                                            prompts=self.validation_prompts, with_values=False)
         rows = list(local.values())
-        sums = torch.tensor([sum(row["score"] for row in rows), float(sum(len(row["response"]) for row in rows)),
+        sums = torch.tensor([sum(row.score for row in rows), float(sum(len(row.response) for row in rows)),
                              float(len(rows))], dtype=torch.float64)
         dist.all_reduce(sums, group=self.dp_group)
         return {"reward_mean": sums[0].item() / sums[2].item(), "response_length": sums[1].item() / sums[2].item(),
@@ -943,9 +943,9 @@ class RLActor:
 
         rows = []
         for b in range(min(self.cfg.logging.num_samples, len(batch.indices))):
-            prompt = prompt_text(batch.rows[b]["given_prompt"])
-            response = self.response_text(batch.rows[b]["response"])
-            rows.append(f"| {prompt!r} | {response!r} | {batch.rows[b]['score']:.3f} |")
+            prompt = prompt_text(batch.rows[b].given_prompt)
+            response = self.response_text(batch.rows[b].response)
+            rows.append(f"| {prompt!r} | {response!r} | {batch.rows[b].score:.3f} |")
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
         self.metrics.log_text(self.step + 1, "samples", table)
 

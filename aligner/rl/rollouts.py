@@ -8,8 +8,8 @@
 Generation goes through the router (`aligner.generation.router_client`), one micro-batch of
 prompts at a time; `on_generated` runs right after each micro-batch, which is where the actor
 sends its reward-model and critic requests as futures, so scoring overlaps the generation of the
-next micro-batch (NeMo-Aligner's overlap). Rows are plain dicts keyed by prompt index, so they can
-travel between data-parallel ranks (`rebalance_rollouts`) with their scores attached.
+next micro-batch (NeMo-Aligner's overlap). Rows (`RolloutRow`) are keyed by prompt position, so they
+can travel between data-parallel ranks (`rebalance_rollouts`) with their scores attached.
 
 Token in, token out: the prompt tokens and the engine's response ids go unchanged to the reward
 model, the critic and the training batch; nothing is decoded and re-encoded on the way (a
@@ -107,15 +107,13 @@ class PromptOrder:
 
 # ----------------------------------------------------------------------------- generation
 def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: SamplingParams,
-                     on_generated: Optional[Callable[[list[int], Rollout], None]] = None) -> dict[int, dict]:
-    """Generate every prompt once across the data-parallel replicas; returns this replica's rows.
-
-    Row i (a dict) holds: prompt (list of ids), response [len] long, logprobs [len] (the engine's),
-    ended_with_stop (bool). on_generated(indices, rollout) runs after each micro-batch on every
-    rank of the replica (send scoring requests there; results can be added to the rows later).
+                     on_generated: Optional[Callable[[list[int], Rollout], None]] = None) -> dict[int, "RolloutRow"]:
+    """Generate every prompt once across the data-parallel replicas; returns this replica's rows by
+    prompt position. on_generated(indices, rollout) runs after each micro-batch on every rank of the
+    replica (send scoring requests there; the answers are attached to the rows later).
     """
 
-    def generate(indices: list[int]) -> list[dict]:
+    def generate(indices: list[int]) -> list[RolloutRow]:
         # The engine's row streams are (seed, row of the call): one seed for every micro-batch would give
         # row r of each the same random numbers, so each micro-batch gets a seed of its own first index.
         micro_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, indices[0]))
@@ -125,12 +123,10 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
         rows = []
         for row in range(len(indices)):
             length = int(rollout.response_lengths[row])
-            rows.append({
-                "prompt": list(rollout.prompt_tokens[row]),
-                "response": rollout.response_tokens[row, :length].clone(),
-                "logprobs": rollout.logprobs[row, :length].clone(),
-                "ended_with_stop": bool(rollout.ended_with_stop[row]),
-            })
+            rows.append(RolloutRow(prompt=list(rollout.prompt_tokens[row]),
+                                   response=rollout.response_tokens[row, :length].clone(),
+                                   logprobs=rollout.logprobs[row, :length].clone(),
+                                   ended_with_stop=bool(rollout.ended_with_stop[row])))
         return rows
 
     return router.route(len(prompts), generate).results
@@ -148,6 +144,19 @@ def micro_batch_seed(seed: int, first_index: int) -> int:
 
 
 @dataclass
+class RolloutRow:
+    """One sampled response, and what the step attaches to it once it is scored."""
+
+    prompt: list  # prompt token ids
+    response: torch.Tensor  # [len] long: the engine's ids, stop token included
+    logprobs: torch.Tensor  # [len] the engine's logprobs of them
+    ended_with_stop: bool
+    given_prompt: object = None  # the prompt as the data gave it (text or messages), for reward functions
+    score: Optional[float] = None
+    values: Optional[torch.Tensor] = None  # [len] the critic's value of each response token's state
+
+
+@dataclass
 class RolloutBatch:
     """A batch of rows as tensors in the training layout (`aligner.generation.logprobs.pack_sequences`).
 
@@ -155,48 +164,48 @@ class RolloutBatch:
     response positions (T = widest response), 0 past each response's end.
     """
 
-    indices: list  # prompt indices of the rows
+    indices: list  # positions of the rows in the step's rollouts
     tokens: torch.Tensor  # [B, S]
     prompt_lengths: torch.Tensor  # [B]
     response_lengths: torch.Tensor  # [B]
     mask: torch.Tensor  # [B, T] bool, True on response tokens
     engine_logprobs: torch.Tensor  # [B, T]
     ended_with_stop: torch.Tensor  # [B] bool
-    rows: list  # the row dicts (scores and values attached by the actor)
+    rows: list  # the RolloutRows (scores and values attached by the actor)
 
     @classmethod
-    def from_rows(cls, indexed_rows: Sequence[tuple[int, dict]], pad_id: int, seq_length: Optional[int] = None,
+    def from_rows(cls, indexed_rows: Sequence[tuple[int, RolloutRow]], pad_id: int, seq_length: Optional[int] = None,
                   response_width: Optional[int] = None) -> "RolloutBatch":
         """seq_length / response_width: fixed widths (a pipeline schedule needs one sequence length)."""
         from aligner.generation.logprobs import pack_sequences, response_mask
 
         indices = [index for index, _ in indexed_rows]
         rows = [row for _, row in indexed_rows]
-        lengths = torch.tensor([len(row["response"]) for row in rows], dtype=torch.long)
+        lengths = torch.tensor([len(row.response) for row in rows], dtype=torch.long)
         width = max(int(lengths.max()), 1) if response_width is None else response_width
         responses = torch.full((len(rows), width), pad_id, dtype=torch.long)
         logprobs = torch.zeros(len(rows), width)
         for b, row in enumerate(rows):
-            responses[b, :len(row["response"])] = row["response"]
-            logprobs[b, :len(row["logprobs"])] = row["logprobs"]
-        tokens, prompt_lengths = pack_sequences([row["prompt"] for row in rows], responses, lengths, pad_id)
+            responses[b, :len(row.response)] = row.response
+            logprobs[b, :len(row.logprobs)] = row.logprobs
+        tokens, prompt_lengths = pack_sequences([row.prompt for row in rows], responses, lengths, pad_id)
         if seq_length is not None:
             if tokens.shape[1] > seq_length:
                 raise ValueError(f"a rollout of {tokens.shape[1]} tokens exceeds the fixed length {seq_length}")
             tokens = torch.nn.functional.pad(tokens, (0, seq_length - tokens.shape[1]), value=pad_id)
         mask = response_mask(lengths, width)
-        ended = torch.tensor([row["ended_with_stop"] for row in rows], dtype=torch.bool)
+        ended = torch.tensor([row.ended_with_stop for row in rows], dtype=torch.bool)
         return cls(indices, tokens, prompt_lengths, lengths, mask, logprobs, ended, rows)
 
-    def row_tensor(self, key: str) -> torch.Tensor:
-        """Per-row scalars attached under `key` -> [B] float tensor."""
-        return torch.tensor([float(row[key]) for row in self.rows], dtype=torch.float32)
+    def scores(self) -> torch.Tensor:
+        """The rows' scores [B] (float32)."""
+        return torch.tensor([float(row.score) for row in self.rows], dtype=torch.float32)
 
-    def token_tensor(self, key: str) -> torch.Tensor:
-        """Per-token vectors attached under `key` ([len] each) -> [B, T] float tensor, 0 past the end."""
+    def values(self) -> torch.Tensor:
+        """The rows' critic values [B, T] (float32), 0 past each response's end."""
         out = torch.zeros(self.mask.shape, dtype=torch.float32)
         for b, row in enumerate(self.rows):
-            out[b, :len(row[key])] = torch.as_tensor(row[key], dtype=torch.float32)
+            out[b, :len(row.values)] = torch.as_tensor(row.values, dtype=torch.float32)
         return out
 
 

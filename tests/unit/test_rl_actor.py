@@ -5,13 +5,21 @@ test_advantages.py, test_policy_losses.py and test_mismatch.py; end-to-end runs 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
 from aligner.config import CONF_DIR, ConfigError, load_config
-from aligner.rl.rollouts import PromptOrder, RolloutBatch, load_function, micro_batch_seed, values_at_response
+from aligner.rl.rollouts import (
+    PromptOrder,
+    RolloutBatch,
+    RolloutRow,
+    load_function,
+    micro_batch_seed,
+    values_at_response,
+)
 
 from ..conftest import dotted_keys
 
@@ -73,16 +81,17 @@ def test_prompt_order_is_a_resumable_shuffle():
 
 
 def test_rollout_batch_layout_and_value_alignment():
-    rows = [(5, {"prompt": [1, 7, 8], "response": torch.tensor([4, 2]), "logprobs": torch.tensor([-0.5, -0.1]),
-                 "ended_with_stop": True, "score": 1.5}),
-            (2, {"prompt": [1, 9], "response": torch.tensor([6, 6, 6]), "logprobs": torch.tensor([-1.0, -2.0, -3.0]),
-                 "ended_with_stop": False, "score": -1.0})]
+    rows = [(5, RolloutRow(prompt=[1, 7, 8], response=torch.tensor([4, 2]), logprobs=torch.tensor([-0.5, -0.1]),
+                           ended_with_stop=True, score=1.5, values=torch.tensor([0.25, 0.5]))),
+            (2, RolloutRow(prompt=[1, 9], response=torch.tensor([6, 6, 6]), logprobs=torch.tensor([-1.0, -2.0, -3.0]),
+                           ended_with_stop=False, score=-1.0, values=torch.tensor([1.0, 2.0, 3.0])))]
     batch = RolloutBatch.from_rows(rows, pad_id=0, seq_length=8, response_width=4)
     assert batch.indices == [5, 2]
     assert batch.tokens.tolist() == [[1, 7, 8, 4, 2, 0, 0, 0], [1, 9, 6, 6, 6, 0, 0, 0]]
     assert batch.mask.tolist() == [[True, True, False, False], [True, True, True, False]]
     assert batch.engine_logprobs[1].tolist() == [-1.0, -2.0, -3.0, 0.0]
-    assert batch.row_tensor("score").tolist() == [1.5, -1.0]
+    assert batch.scores().tolist() == [1.5, -1.0]
+    assert batch.values().tolist() == [[0.25, 0.5, 0.0, 0.0], [1.0, 2.0, 3.0, 0.0]]
     assert batch.ended_with_stop.tolist() == [True, False]
     # The value of response token j is read at column prompt_length - 1 + j, like its logprob.
     column_values = torch.arange(10.0)
@@ -195,7 +204,7 @@ def _dynamic_sampling_actor(prompts_per_step: int, k: int, max_rounds: int, scor
 
     def generate_and_score(indices, timings, *, seed, with_values):
         actor.rounds.append((list(indices), seed))
-        rows = {position: {"prompt_index": index, "score": score(index, position % k)}
+        rows = {position: SimpleNamespace(prompt_index=index, score=score(index, position % k))
                 for position, index in enumerate(indices)}
         return rows, float(len(indices))
 
@@ -208,7 +217,7 @@ def test_dynamic_sampling_keeps_informative_groups_until_the_batch_is_full():
     # Prompts divisible by 3 get the same score for all samples: those groups teach nothing.
     actor = _dynamic_sampling_actor(4, 2, 5, lambda index, sample: 1.0 if index % 3 == 0 else float(sample))
     mine, metrics = actor.collect_informative_batch({})
-    prompts = [row["prompt_index"] for _, row in mine]
+    prompts = [row.prompt_index for _, row in mine]
     assert prompts == [1, 1, 2, 2, 4, 4, 5, 5]  # prompts 0 and 3 dropped; round 2 (prompts 4..7) filled the batch
     assert [position for position, _ in mine] == list(range(8))  # positions are the new batch's, groups adjacent
     assert len(actor.rounds) == 2 and actor.rounds[0][0] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -224,6 +233,6 @@ def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups():
     mine, metrics = actor.collect_informative_batch({})
     assert len(actor.rounds) == 3 and actor.order.consumed == 12
     assert metrics["dynamic_sampling_rounds"] == 3 and metrics["dynamic_sampling_filled_groups"] == 3
-    prompts = [row["prompt_index"] for _, row in mine]
+    prompts = [row.prompt_index for _, row in mine]
     assert prompts[:2] == [1, 1] and prompts[2:] == [9, 9, 10, 10, 11, 11]  # the newest uniform groups fill it
     assert metrics["dynamic_sampling_kept_fraction"] == pytest.approx(1 / 12)

@@ -7,7 +7,7 @@ import torch
 from aligner.data.preference import collate_preferences
 from aligner.data.reward import collate_comparisons, collate_regression
 from aligner.data.sft import collate_sft
-from aligner.rl.rollouts import RolloutBatch
+from aligner.rl.rollouts import RolloutBatch, RolloutRow
 from aligner.training.trainer import real_token_count
 
 EOS = PAD = 2  # as in SmolLM2 and Qwen: the pad id is the eos id
@@ -57,10 +57,10 @@ def test_reward_model_batches_count_their_eos_tokens(kind):
 
 
 def test_rollout_micro_batch_counts_its_eos_tokens():
-    rows = [(0, {"prompt": [BOS, 5, 6], "response": tensor([7, EOS]), "logprobs": torch.full((2,), -1.0),
-                 "ended_with_stop": True}),
-            (1, {"prompt": [BOS, 4], "response": tensor([8, 9, 10]), "logprobs": torch.full((3,), -1.0),
-                 "ended_with_stop": False})]
+    rows = [(0, RolloutRow(prompt=[BOS, 5, 6], response=tensor([7, EOS]), logprobs=torch.full((2,), -1.0),
+                           ended_with_stop=True)),
+            (1, RolloutRow(prompt=[BOS, 4], response=tensor([8, 9, 10]), logprobs=torch.full((3,), -1.0),
+                           ended_with_stop=False))]
     batch = RolloutBatch.from_rows(rows, PAD, seq_length=16)
     # The RL actor's micro batch record, as it is built from a RolloutBatch (aligner/algorithms/rl_actor.py).
     from aligner.algorithms.rl_actor import PolicyMicrobatch

@@ -46,8 +46,8 @@ def main() -> None:
 
         def capture(batch, old_logprobs, reference_logprobs):
             experience = make_experience(batch, old_logprobs, reference_logprobs)
-            captured.update({index: {"prompt": batch.rows[b]["prompt"], "response": batch.rows[b]["response"].tolist(),
-                                     "score": batch.rows[b]["score"], "advantage": float(experience.advantages[b, 0]),
+            captured.update({index: {"prompt": batch.rows[b].prompt, "response": batch.rows[b].response.tolist(),
+                                     "score": batch.rows[b].score, "advantage": float(experience.advantages[b, 0]),
                                      "reward": float(experience.sequence_rewards[b])}
                              for b, index in enumerate(batch.indices)})
             return experience
