@@ -121,13 +121,13 @@ def main() -> None:
             return time.perf_counter() - start
 
         captured = {}
-        original = trainer.make_experience
+        original = trainer.collect_batch
 
         def keep_batch(*a, **kw):
-            captured["batch"], generated = original(*a, **kw)
-            return captured["batch"], generated
+            captured["batch"], rollout_metrics = original(*a, **kw)
+            return captured["batch"], rollout_metrics
 
-        trainer.make_experience = keep_batch
+        trainer.collect_batch = keep_batch
         trainer.train_step()  # warm-up (allocations, first-call costs)
         rows = []
         for _ in range(args.repeats):
