@@ -10,7 +10,7 @@ import pytest
 
 from ..conftest import REPO_ROOT, run_torchrun, train_tiny_arithmetic_policy
 
-SCRIPT = REPO_ROOT / "tests" / "distributed" / "scripts" / "reinforce_step.py"
+SCRIPT = REPO_ROOT / "tests" / "distributed" / "scripts" / "group_rl_step.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 K = 4
 

@@ -1,10 +1,10 @@
 """The group-baseline RL actor (`build_rl_actor` on conf/gpt_reinforce_actor.yaml) at the layout given on
 the command line, with an in-process reward (the fraction of the response's characters that are the digit "1").
 
-    torchrun --nproc_per_node N reinforce_step.py step OUTPUT_JSON key=value ...   # one step; rank 0 writes
+    torchrun --nproc_per_node N group_rl_step.py step OUTPUT_JSON key=value ...   # one step; rank 0 writes
         the step's metrics and every rollout's prompt, response, score, reward and advantage, gathered over
         data-parallel ranks
-    torchrun --nproc_per_node N reinforce_step.py fit OUTPUT_JSON key=value ...    # trainer.fit(); rank 0 writes
+    torchrun --nproc_per_node N group_rl_step.py fit OUTPUT_JSON key=value ...    # trainer.fit(); rank 0 writes
         the per-step metrics
 """
 import json
