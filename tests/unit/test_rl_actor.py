@@ -236,3 +236,49 @@ def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups():
     prompts = [row.prompt_index for _, row in mine]
     assert prompts[:2] == [1, 1] and prompts[2:] == [9, 9, 10, 10, 11, 11]  # the newest uniform groups fill it
     assert metrics["dynamic_sampling_kept_fraction"] == pytest.approx(1 / 12)
+
+
+# ----------------------------------------------------------------------------- a step's experience
+@pytest.mark.parametrize("level", ["none", "token", "sequence"])
+def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engine(single_process, level):
+    """make_experience on a hand-made batch: the GRPO advantages, the mismatch metrics and the truncated
+    importance weights are the pure functions' (checked against float64 in test_mismatch.py) of the
+    engine's and the trainer's logprobs."""
+    import torch.distributed as dist
+
+    from aligner.algorithms.rl_actor import RLActor
+    from aligner.rl import advantages, mismatch, ppo_math
+
+    cfg = load_config(RLActorConfig, GROUP_YAML, [
+        *REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2", "advantage.estimator=grpo",
+        f"loss.importance_sampling={level}", "loss.importance_sampling_cap=1.5"])
+    generator = torch.Generator().manual_seed(3)
+    lengths = [3, 1, 4, 2]
+    rows = [(i, RolloutRow(prompt=[1, 5], response=torch.randint(3, 9, (n,), generator=generator),
+                           logprobs=-torch.rand(n, generator=generator), ended_with_stop=True, score=float(i % 3)))
+            for i, n in enumerate(lengths)]
+    batch = RolloutBatch.from_rows(rows, pad_id=0, response_width=4)
+    # The trainer's logprobs: the engine's, perturbed (a bf16 or TRT-LLM engine would differ like this).
+    trainer_logprobs = batch.engine_logprobs + 0.4 * torch.randn(batch.mask.shape, generator=generator)
+    reference_logprobs = trainer_logprobs - 0.1
+
+    actor = RLActor.__new__(RLActor)
+    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
+    actor.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
+    actor.advantage_settings = advantages.AdvantageSettings(group_std=True, std_eps=cfg.advantage.std_eps)
+    experience = actor.make_experience(batch, trainer_logprobs, reference_logprobs)
+
+    kl = ppo_math.kl_penalty(trainer_logprobs, reference_logprobs, cfg.kl.estimator, batch.mask)
+    expected = advantages.compute_advantages("grpo", advantages.AdvantageInputs(
+        scores=batch.scores(), kl=kl, kl_coef=cfg.kl.init_coef, mask=batch.mask, group_size=2),
+        actor.advantage_settings)
+    torch.testing.assert_close(experience.advantages, expected.advantages)
+    reported = mismatch.mismatch_metrics(trainer_logprobs, batch.engine_logprobs, batch.mask)
+    assert reported["mismatch_kl"] > 1e-3  # the perturbation shows
+    assert {key: experience.metrics[key] for key in reported} == pytest.approx(reported)
+    if level == "none":
+        assert experience.importance_weights is None
+    else:
+        weights = mismatch.truncated_importance_weights(trainer_logprobs, batch.engine_logprobs, batch.mask, level, 1.5)
+        torch.testing.assert_close(experience.importance_weights, weights)
+        assert float(experience.importance_weights.max()) == pytest.approx(1.5)  # the cap binds somewhere
