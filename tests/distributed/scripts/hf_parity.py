@@ -45,11 +45,12 @@ def megatron_logit_diff(checkpoint: Path, reference_file: Path, tp: int, pp: int
         local_experts = model.decoder.layers[-1].mlp.experts.local_experts
         assert len(local_experts) == cfg.num_moe_experts // ep, (len(local_experts), ep)
     if ep > 1:  # generation at EP>1 is refused with a reason (see aligner/generation/native.py)
+        from aligner.config import ConfigError
         from aligner.generation.native import NativeEngine
 
         try:
             NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=1, max_sequence_length=8)
-        except NotImplementedError as error:
+        except ConfigError as error:
             assert "expert_model_parallel_size=2" in str(error), error
         else:
             raise AssertionError("NativeEngine accepted an expert-parallel MoE model")
