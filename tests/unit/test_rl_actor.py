@@ -282,3 +282,64 @@ def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engin
         weights = mismatch.truncated_importance_weights(trainer_logprobs, batch.engine_logprobs, batch.mask, level, 1.5)
         torch.testing.assert_close(experience.importance_weights, weights)
         assert float(experience.importance_weights.max()) == pytest.approx(1.5)  # the cap binds somewhere
+
+
+# ----------------------------------------------------------------------------- every preset, one real step
+@pytest.fixture(scope="module")
+def tiny_policy_and_prompts(tmp_path_factory, arithmetic_tokenizer_dir):
+    """A random-init 2-layer policy on the demo's character tokenizer, and 32 demo prompts."""
+    from aligner import checkpointing
+    from aligner.demo import arithmetic
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.runtime import distributed, seeds
+    from aligner.tokenizer import Tokenizer
+
+    from ..conftest import write_jsonl
+
+    root = tmp_path_factory.mktemp("rl_presets")
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        seeds.set_seed(11)
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                        vocab_size=tokenizer.vocab_size, max_position_embeddings=64)
+        policy = checkpointing.save(root / "policy", [build_gpt_model(cfg, transformer_config(cfg))],
+                                    model_config=cfg.to_dict(), tokenizer_dir=arithmetic_tokenizer_dir)
+    finally:
+        distributed.shutdown()
+    return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
+
+
+@pytest.mark.parametrize("algorithm, extra", [
+    *[(name, ()) for name in sorted(ALGORITHMS)],
+    ("grpo", ("loss.importance_sampling=token",)),
+    ("grpo", ("loss.importance_sampling=sequence", "reward.overlong_buffer=2")),
+])
+def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_and_prompts, algorithm, extra):
+    """One step of each algorithm through build_rl_actor (native engine, megatron schedule, two minibatches):
+    the first minibatch has ratio 1, the engine matches the trainer, the loss is finite."""
+    from aligner.algorithms.rl_actor import build_rl_actor
+
+    root, policy, prompts = tiny_policy_and_prompts
+    name = f"{algorithm}_{len(extra)}"
+    cfg = load_config(RLActorConfig, GROUP_YAML, [
+        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
+        "generation.max_new_tokens=4", "generation.micro_batch_size=16", "rollout.prompts_per_step=8",
+        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "optim.lr=1e-2", "kl.init_coef=0.05",
+        "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.samples_interval=1",
+        f"checkpoint.save_dir={root / name / 'ckpt'}", f"logging.log_dir={root / name}", "checkpoint.resume=false",
+        *ALGORITHMS[algorithm], *extra])
+    trainer = build_rl_actor(cfg)
+    try:
+        metrics = trainer.train_step()
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+    for key in ("first_ratio_mean", "first_ratio_max", "first_ratio_min"):
+        assert metrics[key] == pytest.approx(1.0, abs=1e-6), key
+    assert math.isfinite(metrics["loss"]) and metrics["mismatch_kl"] < 1e-5
+    assert metrics["ratio_max"] - metrics["ratio_min"] > 1e-4  # the second minibatch ran on updated weights
+    if cfg.rollout.dynamic_sampling:
+        assert 1 <= metrics["dynamic_sampling_rounds"] <= cfg.rollout.max_sampling_rounds
+        assert metrics["uniform_group_fraction"] == pytest.approx(metrics["dynamic_sampling_filled_groups"] / 8)
