@@ -149,7 +149,8 @@ def main() -> None:
     print(f"  step            {step * 1e3:8.1f} ms   {tokens / step:8.0f} tokens/s "
           "(prompt + response tokens trained on)")
     print(f"  rollout         {median('rollout_tokens_per_second'):8.0f} generated tokens/s")
-    for key in ("time_generation", "time_scoring_wait", "time_logprobs", "time_train", "time_critic_send"):
+    for key in ("time_generation", "time_scoring_wait", "time_logprobs", "time_reference", "time_train",
+                "time_critic_send"):
         print(f"  {key:<16}{median(key) * 1e3:8.1f} ms   {median(key) / step:6.1%} of the step")
     print(f"  SFT steps on the same tokens (baseline) {statistics.median(b for _, b, _ in rows) * 1e3:.1f} ms; "
           f"ratio PPO step / SFT steps = {ratio:.2f}")

@@ -248,6 +248,12 @@ class RLActorConfig(RunConfig):
         return advantages.ADVANTAGE_ESTIMATORS[self.advantage.estimator].needs_values
 
     @property
+    def measures_kl(self) -> bool:
+        """Whether a step runs the reference policy: not for a fixed KL coefficient of 0, whose penalty
+        is 0 whatever the reference says (the pass would cost a forward over every rollout)."""
+        return self.kl.adaptive or self.kl.init_coef != 0
+
+    @property
     def clip_high(self) -> float:
         return self.loss.clip_ratio if self.loss.clip_high is None else self.loss.clip_high
 
@@ -549,7 +555,10 @@ class RLActor:
                     metrics = self.train_step()
                     self.step += 1
                     self.metrics.log(self.step, metrics)
-                    self.metrics.advance(reward=metrics["reward_mean"], kl=metrics["kl"])
+                    shown = {"reward": metrics["reward_mean"]}
+                    if "kl" in metrics:
+                        shown["kl"] = metrics["kl"]
+                    self.metrics.advance(**shown)
                     interval = self.cfg.trainer.val_check_interval
                     if self.validation_prompts is not None and interval > 0 and (
                             self.step % interval == 0 or self.step == max_steps):
@@ -581,9 +590,13 @@ class RLActor:
         # and of the reference policy (its weights swapped in from host memory, then out again).
         tick = time.perf_counter()
         old_logprobs = self.logprobs(batch) if self.cfg.loss.recompute_old_logprobs else batch.engine_logprobs
-        with self.reference.swapped_in(self.chunks):
-            reference_logprobs = self.logprobs(batch)
         timings["time_logprobs"] = time.perf_counter() - tick
+        reference_logprobs = None
+        if self.cfg.measures_kl:
+            tick = time.perf_counter()
+            with self.reference.swapped_in(self.chunks):
+                reference_logprobs = self.logprobs(batch)
+            timings["time_reference"] = time.perf_counter() - tick
 
         experience = self.make_experience(batch, old_logprobs, reference_logprobs)
         if self.critic is not None:
@@ -600,7 +613,8 @@ class RLActor:
                 from aligner.models.weight_swap import named_parameters
 
                 update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
-            self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
+            if self.cfg.measures_kl:
+                self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
         metrics["kl_coef"] = self.kl_controller.value
         if self.critic is not None:
             tick = time.perf_counter()
@@ -608,6 +622,9 @@ class RLActor:
             timings["time_critic_wait"] = time.perf_counter() - tick
         timings["step_time"] = time.perf_counter() - start
         metrics.update(timings)
+        # Where the step's time went, as shares of it (the critic's training overlaps the actor's).
+        metrics.update({f"share_{key.removeprefix('time_')}": value / timings["step_time"]
+                        for key, value in timings.items() if key.startswith("time_")})
         metrics["rollout_tokens_per_second"] = rollout_metrics["generated_tokens"] / max(timings["time_generation"],
                                                                                          1e-9)
         if self._should_log_samples():
@@ -762,14 +779,19 @@ class RLActor:
             scores = ppo_math.clip_scores(scores, reward.clip)
         return scores
 
-    def make_experience(self, batch, old_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> Experience:
+    def make_experience(self, batch, old_logprobs: torch.Tensor,
+                        reference_logprobs: Optional[torch.Tensor]) -> Experience:
+        """reference_logprobs None: no KL penalty (a fixed coefficient of 0), and no KL metric."""
         cfg, mask, group = self.cfg, batch.mask, self.dp_group
         k = cfg.rollout.samples_per_prompt
         # Group estimators need this rank's rows to be whole groups, in order.
         assert len(batch.indices) % k == 0 and batch.indices[0] % k == 0, batch.indices
         raw_scores = batch.scores()
         scores = self.shaped_scores(batch)
-        kl = ppo_math.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
+        if reference_logprobs is None:
+            kl = torch.zeros(mask.shape)
+        else:
+            kl = ppo_math.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
         values = batch.values() if self.critic is not None else None
         estimated = advantages.compute_advantages(cfg.advantage.estimator, advantages.AdvantageInputs(
             scores=scores, kl=kl, kl_coef=self.kl_controller.value, mask=mask, group_size=k, values=values,
@@ -789,9 +811,11 @@ class RLActor:
         mean = total / count
         metrics = {
             "reward_mean": mean, "reward_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
-            "kl": kl_sum / count, "response_length": length_sum / count, "stopped_fraction": stopped / count,
+            "response_length": length_sum / count, "stopped_fraction": stopped / count,
             "penalized_reward_mean": reward_sum / count,
         }
+        if reference_logprobs is not None:
+            metrics["kl"] = kl_sum / count
         if k > 1:
             metrics["uniform_group_fraction"] = uniform / (count / k)
         if values is not None:

@@ -340,6 +340,60 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
         assert metrics[key] == pytest.approx(1.0, abs=1e-6), key
     assert math.isfinite(metrics["loss"]) and metrics["mismatch_kl"] < 1e-5
     assert metrics["ratio_max"] - metrics["ratio_min"] > 1e-4  # the second minibatch ran on updated weights
+    assert "kl" in metrics and metrics["share_reference"] > 0  # kl.init_coef > 0: the reference pass runs
+    shares = [value for key, value in metrics.items() if key.startswith("share_")]
+    assert 0.5 < sum(shares) <= 1.0 + 1e-9  # the parts of the step, as shares of it (nothing overlaps here)
     if cfg.rollout.dynamic_sampling:
         assert 1 <= metrics["dynamic_sampling_rounds"] <= cfg.rollout.max_sampling_rounds
         assert metrics["uniform_group_fraction"] == pytest.approx(metrics["dynamic_sampling_filled_groups"] / 8)
+
+
+def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process, tiny_policy_and_prompts):
+    """Its penalty is 0 whatever the reference says: the step runs no reference forward and logs no KL."""
+    from aligner.algorithms.rl_actor import build_rl_actor
+
+    root, policy, prompts = tiny_policy_and_prompts
+    cfg = load_config(RLActorConfig, GROUP_YAML, [
+        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
+        "generation.max_new_tokens=4", "generation.micro_batch_size=16", "rollout.prompts_per_step=8",
+        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "kl.init_coef=0.0",
+        "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+        f"checkpoint.save_dir={root / 'kl0' / 'ckpt'}", f"logging.log_dir={root / 'kl0'}", "checkpoint.resume=false"])
+    assert not cfg.measures_kl
+    trainer = build_rl_actor(cfg)
+    swaps = []
+    swapped_in = trainer.reference.swapped_in
+    trainer.reference.swapped_in = lambda chunks: (swaps.append(chunks), swapped_in(chunks))[1]
+    try:
+        metrics = trainer.train_step()
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+    assert swaps == [] and "kl" not in metrics and "time_reference" not in metrics
+    assert metrics["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
+def test_without_the_reference_pass_the_advantages_are_the_same_at_kl_coefficient_zero(single_process, estimator):
+    import torch.distributed as dist
+
+    from aligner.algorithms.rl_actor import RLActor
+    from aligner.rl import advantages, ppo_math
+
+    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2",
+                                                  f"advantage.estimator={estimator}", "kl.init_coef=0.0"])
+    generator = torch.Generator().manual_seed(5)
+    rows = [(i, RolloutRow(prompt=[1, 5], response=torch.randint(3, 9, (n,), generator=generator),
+                           logprobs=-torch.rand(n, generator=generator), ended_with_stop=True, score=float(i % 3)))
+            for i, n in enumerate([3, 1, 4, 2])]
+    batch = RolloutBatch.from_rows(rows, pad_id=0, response_width=4)
+    actor = RLActor.__new__(RLActor)
+    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
+    actor.kl_controller = ppo_math.FixedKLController(0.0)
+    actor.advantage_settings = advantages.AdvantageSettings()
+    skipped = actor.make_experience(batch, batch.engine_logprobs, None)
+    measured = actor.make_experience(batch, batch.engine_logprobs, batch.engine_logprobs - torch.rand(4, 4) - 0.5)
+    assert torch.equal(skipped.advantages, measured.advantages)
+    assert torch.equal(skipped.sequence_rewards, measured.sequence_rewards)
+    assert "kl" not in skipped.metrics and measured.metrics["kl"] > 0
