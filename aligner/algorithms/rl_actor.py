@@ -898,8 +898,9 @@ class RLActor:
                 self.optimizer_steps += 1
                 first = first or result
                 minibatch_metrics.append(result)
-        per_step = ("step_time", "time_forward_backward", "time_optimizer", "consumed_samples", "tokens_per_second",
-                    "mfu", "ratio_max", "ratio_min")  # timings are measured for the whole step instead
+        # Timings are measured for the whole step instead; the ratio's extremes are taken below.
+        per_step = ("step_time", "time_data", "time_forward_backward", "time_optimizer", "consumed_samples",
+                    "tokens_per_second", "mfu", "ratio_max", "ratio_min")
         averaged = {key: sum(m[key] for m in minibatch_metrics) / len(minibatch_metrics)
                     for key in minibatch_metrics[0] if key not in per_step}
         averaged["ratio_max"] = max(m["ratio_max"] for m in minibatch_metrics)

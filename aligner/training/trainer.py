@@ -105,7 +105,9 @@ class Trainer:
         with stopping.deferred(self.checkpoint_cfg.stop_grace_s) as stop:
             while self.step < total:
                 stop.check(self.step, self.save_unless_saved)
-                metrics = self.train_step(next(batches))
+                # The step's time starts before its batch: loading may compute (DPO's swapped-in reference pass).
+                fetch_start = time.perf_counter()
+                metrics = self.train_step(next(batches), started=fetch_start)
                 self.step += 1
                 self.consumed_samples += self.trainer_cfg.global_batch_size
                 self.metrics.log(self.step, metrics)
@@ -128,8 +130,11 @@ class Trainer:
         )
         return reduce_reports(reports)
 
-    def train_step(self, microbatches: list) -> dict[str, float]:
+    def train_step(self, microbatches: list, started: Optional[float] = None) -> dict[str, float]:
+        """One optimizer step on `microbatches`. started: when the step began (perf_counter), if getting
+        its batch took time that belongs to it; step_time, tokens/s and MFU then count that time too."""
         start = time.perf_counter()
+        started = start if started is None else started
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -141,7 +146,8 @@ class Trainer:
         if not update_ok:
             raise FloatingPointError(f"step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
         self.scheduler.step(increment=1)
-        elapsed = time.perf_counter() - start
+        optimizer_done = time.perf_counter()
+        elapsed = optimizer_done - started
         tokens_per_second = global_token_count(microbatches) / elapsed
         flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
                                                       batch_tokens(microbatches[0]).shape[1])
@@ -153,8 +159,9 @@ class Trainer:
             "tokens_per_second": tokens_per_second,
             "mfu": flops_per_token * tokens_per_second / (self.peak_tflops * 1e12 * world),
             "step_time": elapsed,
+            "time_data": start - started,
             "time_forward_backward": forward_backward_done - start,
-            "time_optimizer": elapsed - (forward_backward_done - start),
+            "time_optimizer": optimizer_done - forward_backward_done,
             "consumed_samples": self.consumed_samples + self.trainer_cfg.global_batch_size,
         }
 

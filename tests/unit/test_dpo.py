@@ -285,6 +285,28 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, arith
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
+def test_step_time_counts_the_swapped_in_reference_pass(tmp_path, arithmetic_tokenizer_dir):
+    """With dpo.reference_logprobs=swap the reference forward runs while the step's batch is fetched:
+    it belongs to the step, so step_time (and tokens/s, MFU) count it, reported as time_data."""
+    import time
+
+    train = write_jsonl(tmp_path / "train.jsonl", arithmetic.preference_records(8, seed=7))
+    trainer = build_dpo_trainer(_run_config(tmp_path, arithmetic_tokenizer_dir, train, "swap"))
+    swapped_in = trainer.train_loader.reference.swapped_in
+
+    def slow_reference_pass(chunks):  # a reference forward that takes 0.2 s
+        time.sleep(0.2)
+        return swapped_in(chunks)
+
+    trainer.train_loader.reference.swapped_in = slow_reference_pass
+    trainer.fit()
+    trainer.metrics.close()
+    rows = metrics_rows(tmp_path / "swap" / "dpo", "train")
+    assert len(rows) == 12
+    for row in rows:
+        assert row["time_data"] >= 0.2 and row["step_time"] >= row["time_data"] + row["time_forward_backward"]
+
+
 @pytest.mark.parametrize("loss", ["rpo_sq", "rpo_fwd_kl"])
 def test_tiny_rpo_run_moves_the_implicit_margin_to_the_given_one(tmp_path, arithmetic_tokenizer_dir, loss):
     # Every pair's given rewards differ by 0.5: RPO pulls the implicit reward margin to 0.5 and holds
