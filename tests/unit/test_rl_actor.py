@@ -239,33 +239,46 @@ def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups():
 
 
 # ----------------------------------------------------------------------------- a step's experience
+def _hand_made_batch(generator: torch.Generator) -> RolloutBatch:
+    """Two groups of two rollouts (lengths 3, 1, 4, 2; scores 0, 1, 2, 0) with random engine logprobs."""
+    rows = [(i, RolloutRow(prompt=[1, 5], response=torch.randint(3, 9, (n,), generator=generator),
+                           logprobs=-torch.rand(n, generator=generator), ended_with_stop=True, score=float(i % 3)))
+            for i, n in enumerate([3, 1, 4, 2])]
+    return RolloutBatch.from_rows(rows, pad_id=0, response_width=4)
+
+
+def _experience_actor(cfg):
+    """An RLActor with just what make_experience reads (no model, one process, no critic)."""
+    import torch.distributed as dist
+
+    from aligner.algorithms.rl_actor import RLActor
+    from aligner.rl import advantages, ppo_math
+
+    actor = RLActor.__new__(RLActor)
+    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
+    actor.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
+    actor.advantage_settings = advantages.AdvantageSettings(group_std=cfg.advantage.group_std,
+                                                            std_eps=cfg.advantage.std_eps)
+    return actor
+
+
 @pytest.mark.parametrize("level", ["none", "token", "sequence"])
 def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engine(single_process, level):
     """make_experience on a hand-made batch: the GRPO advantages, the mismatch metrics and the truncated
     importance weights are the pure functions' (checked against float64 in test_mismatch.py) of the
     engine's and the trainer's logprobs."""
-    import torch.distributed as dist
-
-    from aligner.algorithms.rl_actor import RLActor
     from aligner.rl import advantages, mismatch, ppo_math
 
     cfg = load_config(RLActorConfig, GROUP_YAML, [
         *REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2", "advantage.estimator=grpo",
         f"loss.importance_sampling={level}", "loss.importance_sampling_cap=1.5"])
     generator = torch.Generator().manual_seed(3)
-    lengths = [3, 1, 4, 2]
-    rows = [(i, RolloutRow(prompt=[1, 5], response=torch.randint(3, 9, (n,), generator=generator),
-                           logprobs=-torch.rand(n, generator=generator), ended_with_stop=True, score=float(i % 3)))
-            for i, n in enumerate(lengths)]
-    batch = RolloutBatch.from_rows(rows, pad_id=0, response_width=4)
+    batch = _hand_made_batch(generator)
     # The trainer's logprobs: the engine's, perturbed (a bf16 or TRT-LLM engine would differ like this).
     trainer_logprobs = batch.engine_logprobs + 0.4 * torch.randn(batch.mask.shape, generator=generator)
     reference_logprobs = trainer_logprobs - 0.1
 
-    actor = RLActor.__new__(RLActor)
-    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
-    actor.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
-    actor.advantage_settings = advantages.AdvantageSettings(group_std=True, std_eps=cfg.advantage.std_eps)
+    actor = _experience_actor(cfg)
     experience = actor.make_experience(batch, trainer_logprobs, reference_logprobs)
 
     kl = ppo_math.kl_penalty(trainer_logprobs, reference_logprobs, cfg.kl.estimator, batch.mask)
@@ -310,6 +323,18 @@ def tiny_policy_and_prompts(tmp_path_factory, arithmetic_tokenizer_dir):
     return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
 
 
+def _tiny_actor_config(tiny_policy_and_prompts, name: str, *settings: str) -> RLActorConfig:
+    """The group yaml on the tiny policy: 8 prompts x 4 samples, two minibatches of 16, the ones reward."""
+    root, policy, prompts = tiny_policy_and_prompts
+    return load_config(RLActorConfig, GROUP_YAML, [
+        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
+        "generation.max_new_tokens=4", "generation.micro_batch_size=16", "rollout.prompts_per_step=8",
+        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "reward.source=function",
+        "reward.function=tests.faults.errors_sft:ones_reward", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.peak_tflops=1.0", f"checkpoint.save_dir={root / name / 'ckpt'}",
+        f"logging.log_dir={root / name}", "checkpoint.resume=false", *settings])
+
+
 @pytest.mark.parametrize("algorithm, extra", [
     *[(name, ()) for name in sorted(ALGORITHMS)],
     ("grpo", ("loss.importance_sampling=token",)),
@@ -320,16 +345,8 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
     the first minibatch has ratio 1, the engine matches the trainer, the loss is finite."""
     from aligner.algorithms.rl_actor import build_rl_actor
 
-    root, policy, prompts = tiny_policy_and_prompts
-    name = f"{algorithm}_{len(extra)}"
-    cfg = load_config(RLActorConfig, GROUP_YAML, [
-        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
-        "generation.max_new_tokens=4", "generation.micro_batch_size=16", "rollout.prompts_per_step=8",
-        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "optim.lr=1e-2", "kl.init_coef=0.05",
-        "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.samples_interval=1",
-        f"checkpoint.save_dir={root / name / 'ckpt'}", f"logging.log_dir={root / name}", "checkpoint.resume=false",
-        *ALGORITHMS[algorithm], *extra])
+    cfg = _tiny_actor_config(tiny_policy_and_prompts, f"{algorithm}_{len(extra)}", "optim.lr=1e-2",
+                             "kl.init_coef=0.05", "logging.samples_interval=1", *ALGORITHMS[algorithm], *extra)
     trainer = build_rl_actor(cfg)
     try:
         metrics = trainer.train_step()
@@ -352,14 +369,7 @@ def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process,
     """Its penalty is 0 whatever the reference says: the step runs no reference forward and logs no KL."""
     from aligner.algorithms.rl_actor import build_rl_actor
 
-    root, policy, prompts = tiny_policy_and_prompts
-    cfg = load_config(RLActorConfig, GROUP_YAML, [
-        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
-        "generation.max_new_tokens=4", "generation.micro_batch_size=16", "rollout.prompts_per_step=8",
-        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "kl.init_coef=0.0",
-        "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
-        f"checkpoint.save_dir={root / 'kl0' / 'ckpt'}", f"logging.log_dir={root / 'kl0'}", "checkpoint.resume=false"])
+    cfg = _tiny_actor_config(tiny_policy_and_prompts, "kl0", "kl.init_coef=0.0")
     assert not cfg.measures_kl
     trainer = build_rl_actor(cfg)
     swaps = []
@@ -376,22 +386,10 @@ def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process,
 
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
 def test_without_the_reference_pass_the_advantages_are_the_same_at_kl_coefficient_zero(single_process, estimator):
-    import torch.distributed as dist
-
-    from aligner.algorithms.rl_actor import RLActor
-    from aligner.rl import advantages, ppo_math
-
     cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2",
                                                   f"advantage.estimator={estimator}", "kl.init_coef=0.0"])
-    generator = torch.Generator().manual_seed(5)
-    rows = [(i, RolloutRow(prompt=[1, 5], response=torch.randint(3, 9, (n,), generator=generator),
-                           logprobs=-torch.rand(n, generator=generator), ended_with_stop=True, score=float(i % 3)))
-            for i, n in enumerate([3, 1, 4, 2])]
-    batch = RolloutBatch.from_rows(rows, pad_id=0, response_width=4)
-    actor = RLActor.__new__(RLActor)
-    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
-    actor.kl_controller = ppo_math.FixedKLController(0.0)
-    actor.advantage_settings = advantages.AdvantageSettings()
+    batch = _hand_made_batch(torch.Generator().manual_seed(5))
+    actor = _experience_actor(cfg)
     skipped = actor.make_experience(batch, batch.engine_logprobs, None)
     measured = actor.make_experience(batch, batch.engine_logprobs, batch.engine_logprobs - torch.rand(4, 4) - 0.5)
     assert torch.equal(skipped.advantages, measured.advantages)
