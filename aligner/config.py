@@ -78,12 +78,7 @@ def apply_renamed_keys(node, renames: Sequence[tuple[str, str]], where: str) -> 
             continue
         if OmegaConf.select(node, new, default=_ABSENT) is not _ABSENT:
             raise ConfigError(f"{where}: {old} is the old name of {new}; set only {new}")
-        parent, _, leaf = old.rpartition(".")
-        container = OmegaConf.select(node, parent) if parent else node
-        del container[leaf]
-        if parent and len(container) == 0:  # an old section left empty goes too
-            grand, _, section = parent.rpartition(".")
-            del (OmegaConf.select(node, grand) if grand else node)[section]
+        _delete_key(node, old)
         OmegaConf.update(node, new, value, force_add=True)
         lines.append(f"deprecated: {where} sets {old}; it is now {new} (the old name goes in the next release)")
     return lines
@@ -96,11 +91,20 @@ def drop_retired_keys(node, retired: Sequence[tuple[str, str]], where: str) -> l
     for old, instead in retired:
         if OmegaConf.select(node, old, default=_ABSENT) is _ABSENT:
             continue
-        parent, _, leaf = old.rpartition(".")
-        del (OmegaConf.select(node, parent) if parent else node)[leaf]
+        _delete_key(node, old)
         lines.append(f"deprecated: {where} sets {old}, which is no longer a setting ({instead}); it is ignored "
                      "(and refused from the next release)")
     return lines
+
+
+def _delete_key(node, dotted: str) -> None:
+    """Remove a dotted key from an omegaconf node; a section it leaves empty goes too (an old section
+    must not stay behind as an unknown key)."""
+    parent, _, leaf = dotted.rpartition(".")
+    container = OmegaConf.select(node, parent) if parent else node
+    del container[leaf]
+    if parent and len(container) == 0:
+        _delete_key(node, parent)
 
 
 _ABSENT = object()
