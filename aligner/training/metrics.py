@@ -153,26 +153,45 @@ def transformer_flops_per_token(num_params: int, num_layers: int, hidden_size: i
 _GPU_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def peak_tflops_per_device(configured: Optional[float]) -> float:
-    """Peak dense TFLOP/s of one device: the configured value, a GPU table, or a measured CPU matmul rate."""
-    if configured:
-        return float(configured)
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, value in _GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return value
-        return 100.0
-    size = 512
+def cpu_matmul_flops(size: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of the fastest of `repeats` fp32 [size, size] x [size, size] products on this CPU."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
-    # Best of individually timed products: a peak rate, robust to other work on the machine.
     fastest = float("inf")
-    for _ in range(20):
+    for _ in range(repeats):
         start = time.perf_counter()
         a @ b
         fastest = min(fastest, time.perf_counter() - start)
-    return 2 * size**3 / fastest / 1e12
+    return 2 * size**3 / fastest
+
+
+class PeakRate:
+    """Peak dense FLOP/s of one device, the denominator of MFU.
+
+    Configured (`logging.peak_tflops`), a GPU table, or on a CPU the best matmul rate measured
+    alongside the run: a rate measured once at start-up under load read low, and MFU then read
+    above 1 when the machine quieted. So the CPU rate is re-measured every `resample_s` seconds and
+    whenever a step's achieved rate exceeds it, and the best seen is kept.
+    """
+
+    def __init__(self, configured: Optional[float] = None, resample_s: float = 30.0):
+        self.measured = not configured and not torch.cuda.is_available()
+        self.resample_s = resample_s
+        if configured:
+            self.flops = float(configured) * 1e12
+        elif torch.cuda.is_available():
+            name = torch.cuda.get_device_name()
+            self.flops = next((value for key, value in _GPU_PEAK_BF16_TFLOPS.items() if key in name), 100.0) * 1e12
+        else:
+            self.flops = cpu_matmul_flops()
+        self.sampled_at = time.monotonic()
+
+    def refresh(self, achieved_flops: float) -> float:
+        """The peak FLOP/s to divide a step's `achieved_flops` (per device) by, re-measured when due."""
+        if self.measured and (achieved_flops > self.flops or time.monotonic() - self.sampled_at >= self.resample_s):
+            self.flops = max(self.flops, cpu_matmul_flops())
+            self.sampled_at = time.monotonic()
+        return self.flops
 
 
 class MetricsLogger:

@@ -117,7 +117,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
     length_settings: the config keys that set the run's length (default trainer.max_steps), which a
     resume reports when they changed."""
     from aligner.models.gpt import num_parameters
-    from aligner.training.metrics import MetricsLogger, peak_tflops_per_device
+    from aligner.training.metrics import MetricsLogger, PeakRate
     from aligner.training.schedule import schedule_settings
     from aligner.training.trainer import Trainer
 
@@ -130,7 +130,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
         run_id=built.run_id,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
+        peak_rate=PeakRate(cfg.logging.peak_tflops),
         schedule_settings=schedule_settings(cfg.optim, length_settings or {"trainer.max_steps": cfg.trainer.max_steps}),
     )
 

@@ -20,7 +20,7 @@ from aligner.config import at_least
 from aligner.models.forward import run_microbatches
 from aligner.runtime import stopping
 from aligner.training import schedule
-from aligner.training.metrics import MetricsLogger, transformer_flops_per_token
+from aligner.training.metrics import MetricsLogger, PeakRate, transformer_flops_per_token
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Trainer:
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective: Objective,
                  chunks, optimizer, scheduler, train_loader, val_loader, metrics: MetricsLogger,
                  checkpoint_meta: dict, tokenizer_dir: Optional[str], num_params: int, num_layers: int,
-                 hidden_size: int, peak_tflops: float, run_id: str, schedule_settings: Optional[dict] = None):
+                 hidden_size: int, peak_rate: PeakRate, run_id: str, schedule_settings: Optional[dict] = None):
         self.name = name
         self.trainer_cfg = trainer_cfg
         self.checkpoint_cfg = checkpoint_cfg
@@ -86,7 +86,7 @@ class Trainer:
         self.checkpoint_meta = checkpoint_meta  # {"model": GPTConfig dict, ...extra sections}
         self.tokenizer_dir = tokenizer_dir
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
-        self.peak_tflops = peak_tflops
+        self.peak_rate = peak_rate
         self.run_id = run_id  # carried by this run's checkpoints; pruning deletes only those
         # what the LR schedule was built from (aligner.training.schedule), saved to tell a resume what changed
         self.schedule_settings = schedule_settings or {}
@@ -152,12 +152,13 @@ class Trainer:
         flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
                                                       batch_tokens(microbatches[0]).shape[1])
         world = dist.get_world_size() if dist.is_initialized() else 1
+        achieved = flops_per_token * tokens_per_second / world  # per device
         return {
             **self.objective.summarize(totals),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "tokens_per_second": tokens_per_second,
-            "mfu": flops_per_token * tokens_per_second / (self.peak_tflops * 1e12 * world),
+            "mfu": achieved / self.peak_rate.refresh(achieved),
             "step_time": elapsed,
             "time_data": start - started,
             "time_forward_backward": forward_backward_done - start,
