@@ -94,6 +94,19 @@ def check_moe_token_dispatcher(dispatcher: str) -> None:
         )
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with native bf16 matmuls
+
+
+def cpu_has_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 natively (without it torch emulates bf16 and it is slower than fp32)."""
+    try:
+        with open(cpuinfo) as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, int):
         return True  # a bare int means a CUDA ordinal to torch
@@ -115,6 +128,11 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's mixed-precision optimizer sorts parameters by their CUDA type name
+            # ("torch.cuda.BFloat16Tensor"); a CPU tensor answers that name inside this scope.
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 
@@ -258,7 +276,8 @@ def apply() -> bool:
         # Grad norm / zero counting, also callable outside step() (e.g. for logging).
         mcore_optimizer.get_grad_norm_fp32 = _scoped(mcore_optimizer.get_grad_norm_fp32)
         mcore_optimizer.count_zeros_fp32 = _scoped(mcore_optimizer.count_zeros_fp32)
-        for cls in (mcore_optimizer.FP32Optimizer, mcore_optimizer.ChainedOptimizer):
+        for cls in (mcore_optimizer.FP32Optimizer, mcore_optimizer.ChainedOptimizer,
+                    mcore_optimizer.MixedPrecisionOptimizer, mcore_optimizer.Float16OptimizerWithFloat16Params):
             cls.__init__ = _scoped(cls.__init__)
             cls.step = _scoped(cls.step)
         dist_checkpointing.load = _scoped(dist_checkpointing.load)

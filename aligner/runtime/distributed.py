@@ -263,12 +263,17 @@ PRECISIONS = ("auto", *_PRECISION_DTYPES)  # the `precision` setting's values
 
 
 def resolve_precision(name: str) -> "torch.dtype":
-    """`auto` is fp32 on CPU (bf16 matmuls are slow there) and bf16 mixed precision on GPU."""
+    """`auto` is fp32 on CPU (exact, and the only fast choice on CPUs without bf16 instructions) and bf16
+    mixed precision on GPU; bf16 on a CPU is an opt-in (bf16 weights and compute, fp32 main copy in the optimizer)."""
     if name == "auto":
         return torch.float32 if cpu_bridge.needed() else torch.bfloat16
     if name not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
-    return _PRECISION_DTYPES[name]
+    dtype = _PRECISION_DTYPES[name]
+    if dtype == torch.bfloat16 and cpu_bridge.needed() and not cpu_bridge.cpu_has_bf16_instructions():
+        warnings.warn(f"precision={name} on a CPU without {' or '.join(cpu_bridge.BF16_CPU_FLAGS)}: torch emulates "
+                      "bf16 there, slower than fp32", stacklevel=2)
+    return dtype
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:

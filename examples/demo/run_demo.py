@@ -30,6 +30,7 @@ from pathlib import Path
 from aligner.algorithms.rl_actor import ALGORITHMS
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.runtime.distributed import PRECISIONS
 from aligner.runtime.errors import ConfigError
 from aligner.training.metrics import read_metrics
 
@@ -206,6 +207,7 @@ class Demo:
         self.table: list[tuple[str, dict]] = []
         self.notes: list[str] = []
         self.timings: dict[str, float] = {}
+        self.precision = [f"precision={args.precision}"]  # every training run's; evaluation stays as it is
 
     @property
     def sft_checkpoint(self) -> Path:
@@ -237,7 +239,7 @@ class Demo:
         run("tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", self.data,
                           "--out-dir", self.tokenizer])
         common = [f"tokenizer.path={self.tokenizer}", f"data.train=[{{path: {self.data / 'sft_train.jsonl'}}}]",
-                  f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES]
+                  f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES, *self.precision]
         if self.args.sft_steps is not None:
             common.append(f"trainer.max_steps={self.args.sft_steps}")
         init, sft_dir = self.work / "init", self.work / "sft"
@@ -269,7 +271,8 @@ class Demo:
                              f"model.init_from={self.sft_checkpoint}",
                              f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                              f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES,
-                             *rm_steps, f"checkpoint.save_dir={rm_dir / 'checkpoints'}", f"logging.log_dir={rm_dir}"])
+                             *rm_steps, *self.precision, f"checkpoint.save_dir={rm_dir / 'checkpoints'}",
+                             f"logging.log_dir={rm_dir}"])
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
         self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} "
@@ -279,6 +282,7 @@ class Demo:
             "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
             f"data.train=[{{path: {self.data / 'attributes_train.jsonl'}}}]",
             f"data.validation=[{{path: {self.data / 'attributes_validation.jsonl'}}}]", *RM_OVERRIDES, *rm_steps,
+            *self.precision,
             f"checkpoint.save_dir={attribute_dir / 'checkpoints'}", f"logging.log_dir={attribute_dir}"])
         attribute_result = evaluate_reward_model("evaluate attribute reward model", self.attribute_rm_checkpoint,
                                                  "--attributes", self.data / "attributes_validation.jsonl",
@@ -291,11 +295,12 @@ class Demo:
         ppo_dir = self.work / "ppo"
         shutil.rmtree(ppo_dir, ignore_errors=True)
         actor = [f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
-                 "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES]
+                 "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES, *self.precision]
         run("ppo", [sys.executable, GPT_EXAMPLES / "launch_ppo.py", "--reward", "function",
                     "--critic-checkpoint", self.rm_checkpoint, "--log-dir", ppo_dir,
                     "--critic-port", str(PPO_CRITIC_PORT),
-                    *[f"--actor-arg={arg}" for arg in actor], *[f"--critic-arg={arg}" for arg in PPO_CRITIC_OVERRIDES]])
+                    *[f"--actor-arg={arg}" for arg in actor],
+                    *[f"--critic-arg={arg}" for arg in [*PPO_CRITIC_OVERRIDES, *self.precision]]])
         self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
 
     # -- 8: DPO on the preference pairs (the reward model's training data)
@@ -305,7 +310,7 @@ class Demo:
         run("dpo", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
                     f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                     f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
-                    f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+                    *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
 
     # -- 9: SPIN (self-play against the demonstrations)
@@ -314,7 +319,7 @@ class Demo:
         shutil.rmtree(out, ignore_errors=True)
         run("spin", [sys.executable, GPT_EXAMPLES / "train_gpt_spin.py", f"model.init_from={self.sft_checkpoint}",
                      f"data.train=[{{path: {self.data / 'sft_correct_train.jsonl'}}}]", *SPIN_OVERRIDES,
-                     f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+                     *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
 
     # -- 11: the group methods (no critic; k samples per prompt), each the same actor with its preset
@@ -325,7 +330,7 @@ class Demo:
             run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
                         f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra,
+                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra, *self.precision,
                         f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
             self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
 
@@ -353,7 +358,7 @@ class Demo:
                 server.wait(timeout=60)
         run("steerlm sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", f"model.init_from={self.sft_checkpoint}",
                             f"data.train=[{{path: {annotated}}}]", "data.steerlm.attributes=[correctness]",
-                            "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES,
+                            "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES, *self.precision,
                             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         checkpoint = latest_checkpoint(out / "checkpoints")
         self.table.append(("SteerLM, correctness=4",
@@ -383,6 +388,9 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated subset of {','.join(STAGES)} "
                              "(later stages reuse earlier ones' artefacts)")
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS,
+                        help="every training run's precision (auto: fp32 on CPU; bf16 is fast on CPUs with "
+                             "AVX512-BF16/AMX)")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))

@@ -395,3 +395,40 @@ def test_without_the_reference_pass_the_advantages_are_the_same_at_kl_coefficien
     assert torch.equal(skipped.advantages, measured.advantages)
     assert torch.equal(skipped.sequence_rewards, measured.sequence_rewards)
     assert "kl" not in skipped.metrics and measured.metrics["kl"] > 0
+
+
+def test_bf16_on_a_cpu_trains_through_an_fp32_main_copy_with_a_first_ratio_of_one(single_process,
+                                                                                  tiny_policy_and_prompts):
+    """precision=bf16 on a CPU: bf16 weights shared by engine and trainer, fp32 main copies in the optimizer."""
+    from aligner.algorithms.rl_actor import build_rl_actor
+
+    cfg = _tiny_actor_config(tiny_policy_and_prompts, "bf16", "optim.lr=1e-2", "kl.init_coef=0.05",
+                             "precision=bf16", *ALGORITHMS["grpo"])
+    trainer = build_rl_actor(cfg)
+    try:
+        before = [p.detach().clone() for p in trainer.chunks[0].parameters()]
+        metrics = trainer.train_step()
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+    params = list(trainer.chunks[0].parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    for param, old in zip(params, before):
+        assert param.main_param.dtype == torch.float32
+        assert torch.equal(param, param.main_param.to(torch.bfloat16))  # the step went through the fp32 copy
+    assert any(not torch.equal(param, old) for param, old in zip(params, before))
+    for key in ("first_ratio_mean", "first_ratio_max", "first_ratio_min"):
+        assert metrics[key] == 1.0, key  # same precision, same trainer forward: exactly 1
+    # The engine computes in bf16 with other kernels than the trainer: close, not equal.
+    assert 0 < metrics["mismatch_abs_logprob_diff_max"] < 0.05 and metrics["mismatch_kl"] < 1e-4
+
+
+def test_bf16_cpu_support_is_read_from_the_cpu_flags(tmp_path):
+    from aligner.runtime import cpu_bridge
+
+    with_bf16, without = tmp_path / "with", tmp_path / "without"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
+    assert cpu_bridge.cpu_has_bf16_instructions(str(with_bf16))
+    assert not cpu_bridge.cpu_has_bf16_instructions(str(without))
+    assert not cpu_bridge.cpu_has_bf16_instructions(str(tmp_path / "missing"))
