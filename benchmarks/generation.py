@@ -131,17 +131,18 @@ def build_toy_sides(arch: str, work: Path, layers: int, hidden: int, heads: int,
     return Sides(cfg, model, hf_model, f"random {arch}-style toy model")
 
 
-def load_sides(spec: str) -> Sides:
-    """Both sides of a real model: our checkpoint loaded as chat.py loads it, HF's directory in fp32."""
+def load_sides(spec: str, cache_dir: Optional[Path] = None) -> Sides:
+    """Both sides of a real model: our checkpoint loaded as chat.py loads it, HF's directory in fp32.
+    cache_dir: where resolve_model keeps converted copies (None: its default)."""
     import transformers
 
     from aligner import checkpointing
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime.distributed import ParallelConfig
     from aligner.tokenizer import Tokenizer
-    from benchmarks.models import resolve_model
+    from benchmarks.models import BENCH_CACHE, resolve_model
 
-    resolved = resolve_model(spec)
+    resolved = resolve_model(spec, cache_dir or BENCH_CACHE)
     cfg = GPTConfig.from_dict(checkpointing.read_meta(resolved.checkpoint_dir)["model"])
     chunks = build_model_chunks(cfg, ParallelConfig(), torch.float32)
     checkpointing.load(resolved.checkpoint_dir, chunks)
