@@ -352,7 +352,7 @@ def main() -> None:
 
     distributed.initialize(distributed.ParallelConfig())
     device = distributed.device()  # the megatron model's device; HF runs on the same one
-    rates_before = MachineRates.measure(device)  # before the models load: its buffers never add to the peak RSS
+    rates_before = MachineRates.measure(device)  # before the models load: its buffer never adds to theirs in the RSS
     seeds.set_seed(0)
     max_len = args.prompt_tokens + args.new_tokens
     if real:
