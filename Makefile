@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model lint test test-fast test-faults demo bench clean
+.PHONY: install real-model lint test test-fast test-faults demo bench bench-toy clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,8 +37,13 @@ test-faults: install
 demo: install
 	OMP_NUM_THREADS=2 $(PY) examples/demo/run_demo.py --workdir results/demo
 
-bench: install
-	OMP_NUM_THREADS=2 $(PY) benchmarks/bridge_overhead.py
+# The real-model set (SmolLM2-135M): each comparison ends as a `ratio NAME VALUE` line (peer or floor time / ours).
+bench: install real-model
+	OMP_NUM_THREADS=2 $(PY) benchmarks/run_bench.py --set real --threads 2
+
+# The toy-sized benchmarks (4 layers x 128): per-call overheads.
+bench-toy: install
+	OMP_NUM_THREADS=2 $(PY) benchmarks/run_bench.py --set toy --threads 2
 
 clean:
 	rm -rf results

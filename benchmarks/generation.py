@@ -1,18 +1,22 @@
 """Native generation engine vs Hugging Face `generate` on the identical model, in one process.
 
-The megatron model (random weights) is saved as an aligner checkpoint and exported with
-`aligner.hf.convert.export_hf`; transformers loads the export, and its logits are checked against
-megatron's before anything is timed. Both sides then continue the same prompts at the same batch
-size with the same sampling (temperature 1, no top-k/top-p), in fixed-length mode: every row gets
-exactly --new-tokens tokens, so both do the same work.
+Our side is an aligner checkpoint loaded as the entry points load it (megatron chunks + NativeEngine);
+HF's side is the same weights as an HF directory loaded by transformers in fp32. Without --model
+both come from one random toy model (saved and exported with `aligner.hf.convert.export_hf`); with
+--model they come from `benchmarks/models.py`'s `resolve_model` (an HF dir, a .gguf file, an aligner
+checkpoint or `smollm2`) and the prompts are windows of an English text, tokenised. Logits are
+checked to agree before anything is timed. Both sides continue the same prompts at the same batch
+size with the same sampling (temperature 1, or greedy with --greedy) in fixed-length mode: every row
+gets exactly --new-tokens tokens, so both do the same work.
 
-Per side, `generate` is timed with --new-tokens tokens and with one token (prefill + first
-sample); decode ms/step = (t_N - t_1) / (N - 1). Sides alternate repeat by repeat; ratios are
-medians of per-pair ratios (see README.md). The floor is the decode step's FLOPs (all matmuls,
-attention over the average context included) over the fp32 matmul rate measured in this run.
+Per side and batch size, `generate` is timed with --new-tokens tokens and with one token (prefill +
+first token); decode ms/step = (t_N - t_1) / (N - 1). Sides alternate repeat by repeat; ratios are
+medians of per-pair ratios (see README.md). The floor of a decode step is the larger of its FLOPs
+over the fp32 matmul rate and its bytes (weights + KV cache) over the read rate, both rates measured
+in this run (benchmarks/machine.py).
 
-    python benchmarks/generation.py [--arch llama] [--batch 32] [--prompt-tokens 16]
-                                    [--new-tokens 48] [--repeats 7] [--threads 1] [--static-decode]
+    python benchmarks/generation.py [--model SPEC] [--batches 1,8,32,64] [--prompt-tokens 16]
+        [--new-tokens 64] [--greedy] [--repeats N] [--threads 2] [--arch llama] [--static-decode]
 
 --static-decode times the engine's static decode step (whole cache, masked: what CUDA graphs
 capture on a GPU) instead of the default one, to show what it costs on this machine.
@@ -20,37 +24,40 @@ capture on a GPU) instead of the default one, to show what it costs on this mach
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import sys
 import tempfile
-import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+if not __package__:  # run as a file: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU), so wall-clock times cover it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from benchmarks.machine import (  # noqa: E402
+    DRAM_BUFFER_BYTES,
+    MachineRates,
+    describe_peak_rss,
+    load_average,
+    read_rate,
+    timed,
+)
+from benchmarks.run_bench import ratio_line  # noqa: E402
 
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds fn() takes, its device work included."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def matmul_rate(size: int, device: torch.device, repeats: int = 20) -> float:
-    """FLOP/s of a [size, size] x [size, size] fp32 product (median of repeats)."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    for _ in range(3):
-        a @ b
-    return 2 * size**3 / statistics.median(timed(lambda: a @ b, device) for _ in range(repeats))
+# Prompts of a real model: windows of this text, so rows differ but all have the same length.
+PROMPT_TEXT = (
+    "The river starts high in the mountains, where snow melts in late spring and runs down through "
+    "narrow valleys full of pine trees. Small towns sit along its banks, and each one has a bridge, a "
+    "market and a school. Farmers grow wheat and apples in the wide fields near the coast, and fishing "
+    "boats leave the harbour before sunrise. In the evening people walk along the water, talk about the "
+    "weather and the price of bread, and watch the light fade behind the hills. Write a short story about "
+    "a child who follows the river from its source to the sea, and what she learns on the way."
+)
+PROMPT_STRIDE = 5  # tokens between the starts of consecutive rows' windows
 
 
 def decode_step_flops(cfg, batch: int, context: float) -> float:
@@ -78,19 +85,8 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     return weights + kv
 
 
-def read_rate(nbytes: float, device: torch.device, repeats: int = 30) -> float:
-    """Bytes/s of a summing pass over a float32 buffer: of nbytes on CPU (kept hot, like the step's
-    working set), of at least 1 GiB on a GPU (more than its L2 cache: the HBM read rate)."""
-    if device.type == "cuda":
-        nbytes = max(nbytes, 2**30)
-    buffer = torch.randn(max(int(nbytes) // 4, 1 << 16), device=device)
-    for _ in range(3):
-        buffer.sum()
-    return buffer.numel() * 4 / statistics.median(timed(buffer.sum, device) for _ in range(repeats))
-
-
-def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
-    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them), hot in cache."""
+def step_matmuls_seconds(model, batch: int, repeats: int) -> float:
+    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them)."""
     weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
     weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                    else model.output_layer.weight)
@@ -101,13 +97,24 @@ def step_matmuls_seconds(model, batch: int, repeats: int = 50) -> float:
             torch.mm(weight, x)
 
     with torch.inference_mode():
-        for _ in range(5):
+        for _ in range(2):
             run()
         return statistics.median(timed(run, weights[0].device) for _ in range(repeats))
 
 
-def build_models(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int):
-    """The megatron model (TP=1) and its HF export, sharing identical weights."""
+@dataclass
+class Sides:
+    """Our model (TP=1, eval) and transformers' copy of the same weights."""
+
+    cfg: object  # aligner.models.gpt.GPTConfig
+    model: torch.nn.Module
+    hf_model: torch.nn.Module
+    description: str
+    tokenizer: Optional[object] = None  # aligner.tokenizer.Tokenizer of a real model; None: random prompts
+
+
+def build_toy_sides(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int) -> Sides:
+    """A random megatron model and its HF export, sharing identical weights."""
     import transformers
 
     from aligner import checkpointing
@@ -121,25 +128,55 @@ def build_models(arch: str, work: Path, layers: int, hidden: int, heads: int, vo
     checkpointing.save(work / "ckpt", [model], model_config=cfg.to_dict())
     export_hf(work / "ckpt", work / "hf", arch=arch)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(work / "hf"), dtype=torch.float32).eval()
-    return cfg, model, hf_model
+    return Sides(cfg, model, hf_model, f"random {arch}-style toy model")
 
 
-def check_same_logits(model, hf_model, cfg) -> float:
+def load_sides(spec: str, cache_dir: Optional[Path] = None) -> Sides:
+    """Both sides of a real model: our checkpoint loaded as chat.py loads it, HF's directory in fp32.
+    cache_dir: where resolve_model keeps converted copies (None: its default)."""
+    import transformers
+
+    from aligner import checkpointing
+    from aligner.models.gpt import GPTConfig, build_model_chunks
+    from aligner.runtime.distributed import ParallelConfig
+    from aligner.tokenizer import Tokenizer
+    from benchmarks.models import BENCH_CACHE, resolve_model
+
+    resolved = resolve_model(spec, cache_dir or BENCH_CACHE)
+    cfg = GPTConfig.from_dict(checkpointing.read_meta(resolved.checkpoint_dir)["model"])
+    chunks = build_model_chunks(cfg, ParallelConfig(), torch.float32)
+    checkpointing.load(resolved.checkpoint_dir, chunks)
+    model = chunks[0].eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(resolved.hf_dir), dtype=torch.float32).eval()
+    tokenizer = Tokenizer(resolved.checkpoint_dir / checkpointing.TOKENIZER_DIR)
+    return Sides(cfg, model, hf_model, f"{spec} ({resolved.checkpoint_dir.parent.name})", tokenizer)
+
+
+def make_prompts(sides: Sides, batch: int, length: int) -> list[list[int]]:
+    """`batch` prompts of exactly `length` tokens: windows of PROMPT_TEXT, or random ids for a toy model."""
+    if sides.tokenizer is None:
+        generator = torch.Generator().manual_seed(1)
+        return torch.randint(3, sides.cfg.vocab_size, (batch, length), generator=generator).tolist()
+    text = sides.tokenizer.encode(PROMPT_TEXT)
+    starts = len(text) - length + 1
+    if starts < 1:
+        raise SystemExit(f"--prompt-tokens {length}: the prompt text has only {len(text)} tokens")
+    return [text[(row * PROMPT_STRIDE) % starts:][:length] for row in range(batch)]
+
+
+def logit_difference(sides: Sides, tokens: torch.Tensor) -> tuple[float, float]:
+    """Max |our logits - HF's| on `tokens`, and max |HF logit| (the scale the difference is read against)."""
     from aligner.models.forward import forward_logits
 
-    device = next(hf_model.parameters()).device
-    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.no_grad():
-        expected = hf_model(tokens).logits.float()
-    return float((forward_logits([model], tokens, cfg.vocab_size) - expected).abs().max())
+        expected = sides.hf_model(tokens).logits.float()
+    ours = forward_logits([sides.model], tokens, sides.cfg.vocab_size)
+    return float((ours - expected).abs().max()), float(expected.abs().max())
 
 
-def paired(first: Callable[[], object], second: Callable[[], object], repeats: int, warmup: int,
-           device: torch.device):
+def paired(first: Callable[[], object], second: Callable[[], object], repeats: int,
+           device: torch.device) -> list[tuple[float, float]]:
     """Seconds of first() and second(), alternated so a burst of load hits both sides of a pair."""
-    for _ in range(warmup):
-        first()
-        second()
     pairs = []
     for repeat in range(repeats):
         if repeat % 2:
@@ -151,112 +188,219 @@ def paired(first: Callable[[], object], second: Callable[[], object], repeats: i
     return pairs
 
 
+@dataclass
+class BatchResult:
+    batch: int
+    hf_tokens_per_s: float
+    native_tokens_per_s: float
+    tokens_ratio: float  # median per pair of HF time / native time, whole generate call
+    hf_step: float  # decode step seconds (median)
+    native_step: float
+    step_ratio: float  # median per pair of HF step / native step
+    hf_prefill: float  # seconds of a one-token generate (prompt forward + first token)
+    native_prefill: float
+    step_flops: float
+    step_bytes: float
+    matmuls: float  # seconds of the step's weight products alone
+    greedy_rows_equal: Optional[int]  # rows whose greedy tokens agree between the sides (None: sampling)
+
+
+def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: torch.device) -> BatchResult:
+    from aligner.generation.engine import SamplingParams
+
+    batch, prompt_length = len(prompts), len(prompts[0])
+    prompt_ids = torch.tensor(prompts, device=device)
+
+    last = {}  # each side's latest full-length output, to compare greedy tokens without another run
+
+    def native(new_tokens: int) -> Callable[[], object]:
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, greedy=args.greedy, fixed_length=True,
+                                seed=1)
+
+        def run():
+            last["native", new_tokens] = engine.generate(prompts, params).response_tokens
+        return run
+
+    def hf(new_tokens: int) -> Callable[[], object]:
+        sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0,
+                                                             "top_p": 1.0}
+        def run():
+            with torch.inference_mode():
+                out = sides.hf_model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                              pad_token_id=0, eos_token_id=None, **sampling)
+            assert out.shape[1] == prompt_length + new_tokens, out.shape
+            last["hf", new_tokens] = out[:, prompt_length:]
+        return run
+
+    for _ in range(args.warmup):  # first-call costs (allocations, BLAS set-up) of both paths
+        hf(2)()
+        native(2)()
+    full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, device)
+    first = paired(hf(1), native(1), args.repeats, device)
+    greedy_rows_equal = None
+    if args.greedy:
+        ours, theirs = last["native", args.new_tokens].to(device), last["hf", args.new_tokens]
+        greedy_rows_equal = int((ours == theirs).all(dim=1).sum())
+
+    steps = args.new_tokens - 1
+    hf_step = [(f_hf - o_hf) / steps for (f_hf, _), (o_hf, _) in zip(full, first)]
+    native_step = [(f_n - o_n) / steps for (_, f_n), (_, o_n) in zip(full, first)]
+    tokens = batch * args.new_tokens
+    context = prompt_length + args.new_tokens / 2
+    return BatchResult(
+        batch=batch,
+        hf_tokens_per_s=statistics.median(tokens / h for h, _ in full),
+        native_tokens_per_s=statistics.median(tokens / n for _, n in full),
+        tokens_ratio=statistics.median(h / n for h, n in full),
+        hf_step=statistics.median(hf_step),
+        native_step=statistics.median(native_step),
+        step_ratio=statistics.median(h / n for h, n in zip(hf_step, native_step)),
+        hf_prefill=statistics.median(h for h, _ in first),
+        native_prefill=statistics.median(n for _, n in first),
+        step_flops=decode_step_flops(sides.cfg, batch, context),
+        step_bytes=decode_step_bytes(sides.model, sides.cfg, batch, context),
+        matmuls=step_matmuls_seconds(sides.model, batch, repeats=max(args.repeats, 5)),
+        greedy_rows_equal=greedy_rows_equal,
+    )
+
+
+def step_read_rate(step_bytes: float, machine: MachineRates, device: torch.device) -> float:
+    """The rate a step's working set is read at: the DRAM rate when it exceeds the buffer that measures
+    that rate, else a summing pass over a buffer of its own size (hot in cache, as the step finds it)."""
+    if step_bytes >= DRAM_BUFFER_BYTES or device.type == "cuda":
+        return machine.read_bytes
+    return read_rate(step_bytes, device)
+
+
+def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> list[str]:
+    """The lines of one batch size; the `ratio` lines are what run_bench.py collects."""
+    compute_floor = result.step_flops / machine.matmul_flops
+    memory_floor = result.step_bytes / read_bytes
+    floor = max(compute_floor, memory_floor)
+    bound = "memory" if memory_floor >= compute_floor else "compute"
+    name = f"generation_b{result.batch}"
+    lines = [
+        f"batch {result.batch}",
+        f"  tokens/s      HF generate {result.hf_tokens_per_s:9.1f}   native {result.native_tokens_per_s:9.1f}   "
+        f"HF time / native {result.tokens_ratio:.2f}x",
+        f"  decode step   HF generate {result.hf_step * 1e3:8.2f} ms  native {result.native_step * 1e3:8.2f} ms  "
+        f"HF / native {result.step_ratio:.2f}x",
+        f"  prefill+1     HF generate {result.hf_prefill * 1e3:8.2f} ms  native {result.native_prefill * 1e3:8.2f} ms",
+        f"  floor         {bound}-bound {floor * 1e3:.3f} ms: compute {result.step_flops / 1e9:.3f} GFLOP / "
+        f"{machine.matmul_flops / 1e9:.0f} GFLOP/s = {compute_floor * 1e3:.3f} ms, memory "
+        f"{result.step_bytes / 1e6:.1f} MB (weights + KV) / {read_bytes / 1e9:.1f} GB/s = {memory_floor * 1e3:.3f} ms; "
+        f"floor / native {floor / result.native_step:.2f}, floor / HF {floor / result.hf_step:.2f}",
+        f"  matmuls only  the step's weight products alone (W @ x, x [in, {result.batch}]): "
+        f"{result.matmuls * 1e3:.3f} ms = {result.step_flops / result.matmuls / 1e9:.0f} GFLOP/s (attention aside)",
+    ]
+    if result.greedy_rows_equal is not None:
+        lines.append(f"  greedy tokens equal in {result.greedy_rows_equal} of {result.batch} rows")
+    lines += [ratio_line(f"{name}_vs_hf", result.tokens_ratio),
+              ratio_line(f"{name}_decode_vs_hf", result.step_ratio),
+              ratio_line(f"{name}_vs_floor", floor / result.native_step)]
+    return lines
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"--batches {text!r}: expected comma-separated integers, e.g. 1,8,32,64") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batches {text!r}: expected positive batch sizes")
+    return batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", default=None, help="an HF dir, a .gguf file, an aligner checkpoint or "
+                        "`smollm2` (default: a random toy model)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 32; with --model "
+                        "1,8,32,64)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=7, help="timed pairs per case (medians reported)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 48; with --model 64")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding on both sides (default: temperature 1)")
+    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama", help="toy model's architecture")
+    parser.add_argument("--layers", type=int, default=4, help="toy model")
+    parser.add_argument("--hidden", type=int, default=128, help="toy model")
+    parser.add_argument("--heads", type=int, default=4, help="toy model")
+    parser.add_argument("--vocab", type=int, default=256, help="toy model")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed pairs per batch size (medians reported); default 7, with --model 2")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed short pairs per batch size")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for both sides (0: torch's choice); one keeps a shared "
                         "machine's timings steady")
     parser.add_argument("--static-decode", action="store_true",
                         help="run the engine with static_decode=True (the CUDA-graph-capturable step, eagerly)")
     args = parser.parse_args()
+    real = args.model is not None
+    batches = parse_batches(args.batches or ("1,8,32,64" if real else "32"))
+    args.new_tokens = args.new_tokens or (64 if real else 48)
+    args.repeats = args.repeats or (2 if real else 7)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (the decode step is t(N) - t(1) over N - 1 steps)")
     warnings.filterwarnings("ignore")  # megatron's "no transformer-engine/apex" notices, HF generation notices
     if args.threads:
         torch.set_num_threads(args.threads)
 
     import transformers
 
-    from aligner.generation.engine import SamplingParams
     from aligner.generation.native import NativeEngine
     from aligner.runtime import distributed, seeds
 
     distributed.initialize(distributed.ParallelConfig())
     device = distributed.device()  # the megatron model's device; HF runs on the same one
+    rates_before = MachineRates.measure(device)  # before the models load: its buffer never adds to theirs in the RSS
     seeds.set_seed(0)
     max_len = args.prompt_tokens + args.new_tokens
-    with tempfile.TemporaryDirectory() as scratch:
-        cfg, model, hf_model = build_models(args.arch, Path(scratch), args.layers, args.hidden, args.heads,
-                                            args.vocab, max(max_len, 64))
-    hf_model.to(device)
-    logit_diff = check_same_logits(model, hf_model, cfg)
-    if logit_diff > 1e-4:
-        raise SystemExit(f"HF export does not reproduce the megatron model (max logit diff {logit_diff:.2e})")
+    if real:
+        sides = load_sides(args.model)
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            sides = build_toy_sides(args.arch, Path(scratch), args.layers, args.hidden, args.heads, args.vocab,
+                                    max(max_len, 64))
+    sides.hf_model.to(device)
+    sides.hf_model.generation_config.eos_token_id = None  # fixed length: nothing stops a row early
+    prompts = make_prompts(sides, max(batches), args.prompt_tokens)
+    check_tokens = torch.tensor(prompts[:2], device=device)
+    logit_diff, logit_scale = logit_difference(sides, check_tokens)
+    tolerance = 1e-4 + 1e-5 * logit_scale  # fp32 sums in another order drift with the logits' size
+    if logit_diff > tolerance:
+        raise SystemExit(f"the HF side does not reproduce our model (max logit diff {logit_diff:.2e} > "
+                         f"{tolerance:.1e})")
+    engine = NativeEngine([sides.model], sides.cfg, pad_id=0, eos_id=2, max_batch_size=max(batches),
+                          max_sequence_length=max_len, static_decode=args.static_decode)
 
-    generator = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_tokens), generator=generator)
-    prompts = prompt_ids.tolist()
-    prompt_ids = prompt_ids.to(device)
-    engine = NativeEngine([model], cfg, pad_id=0, eos_id=2, max_batch_size=args.batch, max_sequence_length=max_len,
-                          static_decode=args.static_decode)
-    hf_model.generation_config.eos_token_id = None  # fixed length: nothing stops a row early
-
-    def native(new_tokens: int) -> Callable[[], object]:
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, fixed_length=True, seed=1)
-        return lambda: engine.generate(prompts, params)
-
-    def hf(new_tokens: int) -> Callable[[], object]:
-        def run():
-            with torch.inference_mode():
-                out = hf_model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=True,
-                                        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                                        min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
-            assert out.shape[1] == args.prompt_tokens + new_tokens, out.shape
-            return out
-        return run
-
-    rate = matmul_rate(1024, device)
-    full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, args.warmup, device)
-    first = paired(hf(1), native(1), args.repeats, args.warmup, device)
-    rate = statistics.median([rate, matmul_rate(1024, device)])  # before and after: load drifts
-    matmuls = step_matmuls_seconds(model, args.batch)
-
-    steps = args.new_tokens - 1
-    hf_step = [(f_hf - o_hf) / steps for (f_hf, _), (o_hf, _) in zip(full, first)]
-    native_step = [(f_n - o_n) / steps for (_, f_n), (_, o_n) in zip(full, first)]
-    tokens = args.batch * args.new_tokens
-    hf_tps = statistics.median(tokens / f for f, _ in full)
-    native_tps = statistics.median(tokens / n for _, n in full)
-    context = args.prompt_tokens + args.new_tokens / 2
-    floor = decode_step_flops(cfg, args.batch, context) / rate
-    step_bytes = decode_step_bytes(model, cfg, args.batch, context)
-    bandwidth = read_rate(step_bytes, device)
-
+    cfg = sides.cfg
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU, {torch.get_num_threads()} threads")
     print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, {where}; "
-          f"{args.repeats} alternating pairs after {args.warmup} warm-up")
-    print(f"model: {args.arch}-style, {cfg.num_layers} layers x {cfg.hidden_size} wide, "
-          f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}, fp32; HF export max |logit diff| {logit_diff:.1e}")
-    print(f"work: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
-          f"(fixed length), sampling at temperature 1; native decode step: "
-          f"{'static (whole cache, masked)' if args.static_decode else 'dynamic (default)'}")
-    print(f"tokens/s      HF generate {hf_tps:9.0f}   native {native_tps:9.0f}   "
-          f"ratio {statistics.median(h / n for h, n in full):.2f}x")
-    print(f"decode step   HF generate {statistics.median(hf_step) * 1e3:7.3f} ms  native "
-          f"{statistics.median(native_step) * 1e3:7.3f} ms  ratio "
-          f"{statistics.median(h / n for h, n in zip(hf_step, native_step)):.2f}x")
-    print(f"prefill+1     HF generate {statistics.median(h for h, _ in first) * 1e3:7.2f} ms  native "
-          f"{statistics.median(n for _, n in first) * 1e3:7.2f} ms")
-    print(f"floor         {decode_step_flops(cfg, args.batch, context) / 1e6:.1f} MFLOP per decode step at "
-          f"{rate / 1e9:.0f} GFLOP/s (1024^3 fp32 matmul, this run) = {floor * 1e3:.3f} ms; native is "
-          f"{statistics.median(native_step) / floor:.2f}x the floor, HF {statistics.median(hf_step) / floor:.2f}x")
-    print(f"memory        {step_bytes / 1e6:.1f} MB read per decode step (weights + KV cache) "
-          f"at {bandwidth / 1e9:.1f} GB/s "
-          f"(sum over a {'>= 1 GiB' if device.type == 'cuda' else 'same-size'} buffer, this run) = "
-          f"{step_bytes / bandwidth * 1e3:.3f} ms; native moves "
-          f"{step_bytes / statistics.median(native_step) / 1e9:.1f} GB/s = "
-          f"{step_bytes / statistics.median(native_step) / bandwidth:.0%} of that rate")
-    print(f"matmuls only  the decode step's weight products alone (W @ x, x [in, {args.batch}], hot in cache): "
-          f"{matmuls * 1e3:.3f} ms = {decode_step_flops(cfg, args.batch, 0) / matmuls / 1e9:.0f} GFLOP/s")
+          f"{args.repeats} alternating pairs per batch after {args.warmup} short warm-up pairs", flush=True)
+    print(f"model: {sides.description}: {cfg.num_layers} layers x {cfg.hidden_size} wide, "
+          f"{cfg.num_attention_heads} heads ({cfg.query_groups} KV groups), vocab {cfg.vocab_size}, "
+          f"{sum(p.numel() for p in sides.model.parameters()) / 1e6:.1f}M parameters, fp32; "
+          f"max |logit diff| vs HF {logit_diff:.1e} (logits up to {logit_scale:.1f})")
+    print(f"work: prompts of {args.prompt_tokens} tokens ({'text windows' if real else 'random ids'}), "
+          f"{args.new_tokens} new tokens (fixed length), {'greedy' if args.greedy else 'sampling at temperature 1'}; "
+          f"native decode step: {'static (whole cache, masked)' if args.static_decode else 'dynamic (default)'}",
+          flush=True)
+
+    results = []
+    for batch in batches:
+        results.append(time_batch(sides, engine, prompts[:batch], args, device))
+        print(f"  batch {batch} timed (load {load_average():.2f})", flush=True)
+    peak = describe_peak_rss()  # before the rate buffers below
+    del engine, sides
+    gc.collect()
+    rates_after = MachineRates.measure(device)
+    rates = MachineRates.median([rates_before, rates_after])  # load drifts: before and after the timed work
+    for result in results:
+        print("\n".join(report(result, rates, step_read_rate(result.step_bytes, rates, device))))
+    print(rates.describe() + f" (median of before and after the timed work; load {rates_before.load:.2f} then "
+          f"{rates_after.load:.2f})")
+    print(peak)
     distributed.shutdown()
 
 

@@ -1,0 +1,116 @@
+"""The machine's rates, measured in the same run as the benchmark that divides by them.
+
+Every benchmark that states a floor or a share of the hardware imports these: fp32 matmul rate,
+memory read rate, peak resident memory and the load average. On a shared machine the rates move
+with other jobs, so measure them in the run, before and after the timed work (`MachineRates.median`).
+
+    python benchmarks/machine.py [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+MATMUL_SIZE = 1024
+DRAM_BUFFER_BYTES = 512 * 2**20  # larger than any CPU's last-level cache here: the DRAM read rate
+GPU_BUFFER_BYTES = 2**30  # larger than an H100/H200 L2 cache: the HBM read rate
+CPU = torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device = CPU) -> float:
+    """Seconds fn() takes, its device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def matmul_rate(size: int = MATMUL_SIZE, device: torch.device = CPU, repeats: int = 20) -> float:
+    """FLOP/s of a [size, size] x [size, size] fp32 product (median of repeats)."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    for _ in range(3):
+        a @ b
+    return 2 * size**3 / statistics.median(timed(lambda: a @ b, device) for _ in range(repeats))
+
+
+def read_rate(nbytes: Optional[float] = None, device: torch.device = CPU, repeats: int = 20) -> float:
+    """Bytes/s of a summing pass over a float32 buffer of nbytes (median of repeats).
+
+    None: a buffer larger than the last-level cache (DRAM or HBM). A given size measures the rate
+    at which a working set of that size is read when it is all there is (hot in cache if it fits),
+    e.g. one decode step's weights and KV cache. On a GPU the buffer is never below its L2 size.
+    """
+    floor = GPU_BUFFER_BYTES if device.type == "cuda" else 0
+    nbytes = max(DRAM_BUFFER_BYTES if nbytes is None else nbytes, floor)
+    buffer = torch.randn(max(int(nbytes) // 4, 1 << 16), device=device)
+    for _ in range(3):
+        buffer.sum()
+    return buffer.numel() * 4 / statistics.median(timed(buffer.sum, device) for _ in range(repeats))
+
+
+def peak_rss_mb() -> tuple[float, float]:
+    """Peak resident memory in MB of this process and of its largest waited-for child (Linux ru_maxrss is KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return own / 1024, children / 1024
+
+
+def load_average() -> float:
+    """The 1-minute load average: timings on a shared machine move with it, so print it beside them."""
+    return os.getloadavg()[0]
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    matmul_flops: float  # FLOP/s of the 1024^3 fp32 product
+    read_bytes: float  # bytes/s of a summing pass over a buffer larger than the last-level cache
+    load: float  # 1-minute load average when measured
+
+    @staticmethod
+    def measure(device: torch.device = CPU) -> "MachineRates":
+        return MachineRates(matmul_rate(device=device), read_rate(device=device), load_average())
+
+    @staticmethod
+    def median(samples: list["MachineRates"]) -> "MachineRates":
+        """Per field median of several measurements (e.g. before and after the timed work: load drifts)."""
+        return MachineRates(*(statistics.median(getattr(s, name) for s in samples)
+                              for name in ("matmul_flops", "read_bytes", "load")))
+
+    def describe(self) -> str:
+        """The `machine:` line every benchmark prints (run_bench.py reads it back)."""
+        return (f"machine: matmul {self.matmul_flops / 1e9:.0f} GFLOP/s (fp32 {MATMUL_SIZE}^3, median), "
+                f"read {self.read_bytes / 1e9:.1f} GB/s (sum over {DRAM_BUFFER_BYTES >> 20} MB), "
+                f"load {self.load:.2f}")
+
+
+def describe_peak_rss() -> str:
+    own, children = peak_rss_mb()
+    return f"peak RSS: {own:.0f} MB (this process), {children:.0f} MB (largest child)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(MachineRates.measure().describe() + f", {torch.get_num_threads()} threads")
+    print(describe_peak_rss())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Run a set of benchmarks, one process each, and summarise their `ratio NAME VALUE` lines.
+
+Each benchmark prints its own absolute numbers and one `ratio NAME VALUE` line per comparison
+(peer time / ours, or floor / ours: above 1 means we are faster than the peer, or slower than the
+floor allows); this script streams their output, collects those lines, and ends with a summary:
+the machine's matmul and read rates (measured here before and after), each benchmark's wall time,
+peak RSS and load, and every ratio.
+
+    python benchmarks/run_bench.py [--set real|toy] [--only NAME,...] [--threads 2]
+
+`make bench` runs the real-model set, `make bench-toy` the toy set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RATIO_PATTERN = re.compile(r"^ratio (\S+) ([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)$")
+
+
+def ratio_line(name: str, value: float) -> str:
+    """The line a benchmark prints per comparison (RATIO_PATTERN reads it back)."""
+    if not re.fullmatch(r"\S+", name):
+        raise ValueError(f"a ratio name has no spaces: {name!r}")
+    return f"ratio {name} {value:.3f}"
+
+
+def parse_ratios(output: str) -> list[tuple[str, float]]:
+    """Every `ratio NAME VALUE` line of a benchmark's output, in order."""
+    return [(match.group(1), float(match.group(2)))
+            for match in map(RATIO_PATTERN.match, output.splitlines()) if match]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str  # path from the repository root; an absent script is skipped (another branch may add it)
+    args: tuple[str, ...] = ()
+
+
+# The real-model set (`make bench`). One line per benchmark; `{threads}` is --threads.
+REAL_MODEL_SET = (
+    Benchmark("generation", "benchmarks/generation.py",
+              ("--model", "smollm2", "--batches", "1,8,32,64", "--greedy", "--threads", "{threads}")),
+    Benchmark("sft_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "sft")),
+    Benchmark("dpo_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "dpo")),
+    Benchmark("rl_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "rl")),
+)
+
+# The toy-sized benchmarks (`make bench-toy`): per-call overheads on the 4-layer, 128-wide model.
+TOY_SET = (
+    Benchmark("bridge_overhead", "benchmarks/bridge_overhead.py", ("--threads", "1")),
+    Benchmark("generation_toy", "benchmarks/generation.py", ("--threads", "1")),
+    Benchmark("ppo_step_toy", "benchmarks/ppo_step.py", ("--threads", "1")),
+)
+
+SETS = {"real": REAL_MODEL_SET, "toy": TOY_SET}
+
+
+@dataclass
+class Outcome:
+    benchmark: Benchmark
+    exit_code: int
+    wall_s: float
+    peak_rss_mb: float
+    load: str
+    ratios: list[tuple[str, float]]
+
+
+def run(benchmark: Benchmark, threads: int) -> Outcome:
+    """Run one benchmark to completion, echoing its output; its wall time, peak RSS (wait4) and ratios."""
+    from benchmarks.machine import load_average
+
+    command = [sys.executable, benchmark.script, *(arg.format(threads=threads) for arg in benchmark.args)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    print(f"\n=== {benchmark.name}: {' '.join(command[1:])}", flush=True)
+    load_before = load_average()
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1)
+    lines = []
+    for line in process.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        lines.append(line)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return Outcome(benchmark, process.returncode, time.perf_counter() - start, usage.ru_maxrss / 1024,
+                   f"{load_before:.2f}->{load_average():.2f}", parse_ratios("".join(lines)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--set", choices=sorted(SETS), default="real")
+    parser.add_argument("--only", default=None, help="comma-separated benchmark names of the set")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every benchmark")
+    args = parser.parse_args()
+    from benchmarks.machine import MachineRates
+
+    benchmarks = SETS[args.set]
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {b.name for b in benchmarks})
+        if unknown:
+            raise SystemExit(f"--only: no benchmark {unknown} in the {args.set} set "
+                             f"({', '.join(b.name for b in benchmarks)})")
+        benchmarks = tuple(b for b in benchmarks if b.name in wanted)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rates_before = MachineRates.measure()
+    outcomes, skipped = [], []
+    for benchmark in benchmarks:
+        if not (REPO_ROOT / benchmark.script).is_file():
+            skipped.append(benchmark)
+            continue
+        outcomes.append(run(benchmark, args.threads))
+    rates_after = MachineRates.measure()
+
+    print(f"\n=== summary ({args.set} set, {args.threads} threads)")
+    print(f"before: {rates_before.describe()}")
+    print(f"after:  {rates_after.describe()}")
+    for outcome in outcomes:
+        state = "ok" if outcome.exit_code == 0 else f"FAILED (exit {outcome.exit_code})"
+        print(f"{outcome.benchmark.name}: {state}, {outcome.wall_s:.0f} s, peak RSS {outcome.peak_rss_mb:.0f} MB, "
+              f"load {outcome.load}")
+    for benchmark in skipped:
+        print(f"{benchmark.name}: skipped ({benchmark.script} is not in this checkout)")
+    for outcome in outcomes:
+        for name, value in outcome.ratios:
+            print(ratio_line(name, value))
+    if any(outcome.exit_code for outcome in outcomes):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    if not __package__:  # run as a file: make the `benchmarks` package importable
+        sys.path.insert(0, str(REPO_ROOT))
+    main()
