@@ -54,7 +54,12 @@ def main() -> None:
             if state.global_step < state.max_steps:
                 channel.wait()
 
-    extra = {"reward_funcs": trl_reward} if work.task == "rl" else {}
+    extra = {}
+    if work.task == "rl":
+        import importlib
+
+        module_name, _, function_name = work.reward_function.partition(":")
+        extra["reward_funcs"] = trl_reward(getattr(importlib.import_module(module_name), function_name))
     trainer = getattr(trl, trainer_name)(model=hf_dir, args=args, train_dataset=dataset, processing_class=tokenizer,
                                          callbacks=[TakeTurns()], **extra)
 

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: rea
 from real_model_memory import sentence  # noqa: E402
 
 TASKS = ("sft", "dpo", "rl")
-REWARD_FUNCTION = "peer.workload:vowel_share"  # our reward.function; TRL gets `trl_reward` below
+DATASETS = ("filler", "arithmetic")  # real_model_memory's filler text (real models) | the demo's sums (toy)
+REWARD_FUNCTIONS = {"filler": "peer.workload:vowel_share", "arithmetic": "aligner.demo.arithmetic:score_response"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ class Workload:
     samples_per_prompt: int = 4
     max_new_tokens: int = 32
     max_prompt_length: int = 128
+    dataset: str = "filler"
+
+    @property
+    def reward_function(self) -> str:
+        """"module:function" called fn(prompt, response_text) -> float, by our actor and (wrapped) by TRL."""
+        return REWARD_FUNCTIONS[self.dataset]
 
     def __post_init__(self) -> None:
         # TRL generates one optimizer step's responses at a time (per-device batch x gradient accumulation)
@@ -82,16 +89,19 @@ class Workload:
         return cls(**json.loads(text))
 
 
-def default_workload(task: str, steps: int, warmup_steps: int = 2) -> Workload:
-    """The issue's sizes: SFT micro batch 4 x 256 tokens; DPO 2 pairs up to 256 tokens; RL 8 prompts x 4
-    samples x 32 new tokens, minibatch = all 32 responses in micro batches of 16."""
-    if task == "sft":
-        return Workload(task, steps, warmup_steps, global_batch_size=4, micro_batch_size=4, max_seq_length=256)
-    if task == "dpo":
-        return Workload(task, steps, warmup_steps, global_batch_size=2, micro_batch_size=2, max_seq_length=256)
-    if task == "rl":
-        return Workload(task, steps, warmup_steps, global_batch_size=32, micro_batch_size=16, max_seq_length=256)
-    raise ValueError(f"task {task!r}: choose from {TASKS}")
+def default_workload(task: str, steps: int, warmup_steps: int = 2, toy: bool = False) -> Workload:
+    """The issue's sizes. SmolLM2: SFT micro batch 4 x 256 tokens; DPO 2 pairs up to 256 tokens; RL 8 prompts
+    x 4 samples x 32 new tokens, all 32 responses one minibatch in micro batches of 16. Toy (the demo's
+    4-layer 128-wide model and arithmetic task): the demo's batches (SFT 128 x 32 tokens, DPO 64 pairs,
+    RL 64 prompts x 4 samples x 6 new tokens in micro batches of 128)."""
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}: choose from {TASKS}")
+    if toy:
+        sizes = {"sft": (128, 128, 32), "dpo": (64, 64, 32), "rl": (256, 128, 32)}[task]
+        return Workload(task, steps, warmup_steps, *sizes, lr=1e-4, prompts_per_step=64, samples_per_prompt=4,
+                        max_new_tokens=6, max_prompt_length=8, dataset="arithmetic")
+    sizes = {"sft": (4, 4, 256), "dpo": (2, 2, 256), "rl": (32, 16, 256)}[task]
+    return Workload(task, steps, warmup_steps, *sizes)
 
 
 # ----------------------------------------------------------------------------- data (both sides read it)
@@ -99,7 +109,9 @@ def write_data(work: Workload, directory: Path) -> Path:
     """The task's JSONL, enough distinct records that no step repeats one; returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
     count = work.total_steps * (work.prompts_per_step if work.task == "rl" else work.global_batch_size) + 8
-    if work.task == "sft":  # > 256 tokens each: truncated to exactly max_seq_length on both sides
+    if work.dataset == "arithmetic":
+        records = _arithmetic_records(work.task, count)
+    elif work.task == "sft":  # > 256 tokens each: truncated to exactly max_seq_length on both sides
         records = [{"messages": [{"role": "user", "content": sentence(i, 60)},
                                  {"role": "assistant", "content": sentence(i + 100, 200)}]} for i in range(count)]
     elif work.task == "dpo":
@@ -113,15 +125,36 @@ def write_data(work: Workload, directory: Path) -> Path:
     return path
 
 
+def _arithmetic_records(task: str, count: int) -> list[dict]:
+    """The demo's records (our venv only: the parent writes the data), in the conversational form."""
+    from aligner.demo import arithmetic
+
+    if task == "sft":
+        return [{"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+                for r in arithmetic.sft_records(count, seed=0)]
+    if task == "dpo":
+        return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                 "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+                for r in arithmetic.preference_records(count, seed=0)]
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in arithmetic.rl_prompts(count, seed=0)]
+
+
 def vowel_share(prompt, response: str) -> float:
     """The RL reward: the share of the response's letters that are vowels (cheap, deterministic)."""
     letters = [c for c in response.lower() if c.isalpha()]
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
 
 
-def trl_reward(prompts, completions, **_) -> list[float]:
-    """`vowel_share` in TRL's reward-function form (conversational completions: lists of messages)."""
-    return [vowel_share(p, c[-1]["content"] if isinstance(c, list) else c) for p, c in zip(prompts, completions)]
+def trl_reward(function):
+    """A `fn(prompt, response_text)` reward in TRL's form: lists in, lists out; conversational prompts and
+    completions (lists of messages) become our prompt (the messages) and the reply's text."""
+    def reward(prompts, completions, **_) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(function(prompt, text)) for prompt, text in zip(prompts, texts)]
+
+    reward.__name__ = function.__name__  # TRL logs rewards under the function's name
+    return reward
 
 
 # ----------------------------------------------------------------------------- each side's settings
@@ -150,7 +183,7 @@ def aligner_overrides(work: Workload, checkpoint_dir: Path, data: Path, scratch:
         f"generation.min_new_tokens={work.max_new_tokens}", "generation.temperature=1.0", "generation.top_k=0",
         "generation.top_p=1.0", f"generation.micro_batch_size={work.rollouts_per_step}", "generation.router=static",
         "kl.init_coef=0.0", "kl.adaptive=false", "loss.epochs=1", "loss.recompute_old_logprobs=true",
-        "reward.source=function", f"reward.function={REWARD_FUNCTION}", "logging.samples_interval=0"]
+        "reward.source=function", f"reward.function={work.reward_function}", "logging.samples_interval=0"]
 
 
 def trl_config(work: Workload, output_dir: Path) -> tuple[str, dict]:

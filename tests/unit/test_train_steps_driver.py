@@ -3,6 +3,7 @@
 The workers here are tiny python processes that sleep known amounts; no TRL, no model.
 """
 import dataclasses
+import itertools
 import json
 import sys
 import textwrap
@@ -86,8 +87,8 @@ def test_a_worker_that_dies_is_reported_with_its_log(tmp_path):
 
 def test_both_sides_settings_come_from_one_workload(tmp_path):
     """Change every matched setting in the Workload: each side's config must follow."""
-    for task in workload.TASKS:
-        base = workload.default_workload(task, steps=3, warmup_steps=1)
+    for task, toy in itertools.product(workload.TASKS, (False, True)):
+        base = workload.default_workload(task, steps=3, warmup_steps=1, toy=toy)
         work = dataclasses.replace(base, steps=5, warmup_steps=2, global_batch_size=base.micro_batch_size * 3,
                                    max_seq_length=base.max_seq_length + 8, lr=3.5e-5, seed=77, dpo_beta=0.25,
                                    prompts_per_step=base.micro_batch_size, samples_per_prompt=3,
@@ -120,7 +121,7 @@ def test_both_sides_settings_come_from_one_workload(tmp_path):
             assert (int(ours["rollout.prompts_per_step"]) * 3 == int(ours["trainer.global_batch_size"])
                     == peer["per_device_train_batch_size"] * peer["gradient_accumulation_steps"])
             assert float(ours["kl.init_coef"]) == peer["beta"] == 0.0
-            assert ours["reward.function"] == workload.REWARD_FUNCTION
+            assert ours["reward.function"] == work.reward_function
 
 
 def test_an_rl_workload_trains_once_per_rollout_step():
@@ -129,8 +130,26 @@ def test_an_rl_workload_trains_once_per_rollout_step():
 
 
 def test_the_reward_is_the_same_function_in_both_forms():
+    from aligner.rl.rollouts import load_function
+
     prompts = [[{"role": "user", "content": "q"}]] * 3
-    completions = [[{"role": "assistant", "content": text}] for text in ("aei", "xyz!", "")]
-    assert workload.trl_reward(prompts, completions) == [1.0, 0.0, 0.0]
-    assert [workload.vowel_share(p, c[0]["content"]) for p, c in zip(prompts, completions)] == [1.0, 0.0, 0.0]
-    assert workload.vowel_share("q", "bab") == pytest.approx(1 / 3)
+    completions = [[{"role": "assistant", "content": text}] for text in ("aei", "xyz!", "bab")]
+    vowel_share = load_function(workload.REWARD_FUNCTIONS["filler"])  # as our actor loads it
+    assert workload.trl_reward(vowel_share)(prompts, completions) == pytest.approx([1.0, 0.0, 1 / 3])
+    score = load_function(workload.REWARD_FUNCTIONS["arithmetic"])
+    prompts = [[{"role": "user", "content": "12+7="}]] * 2
+    completions = [[{"role": "assistant", "content": answer}] for answer in ("19", "18")]
+    assert workload.trl_reward(score)(prompts, completions) == [score(p, c[0]["content"]) for p, c in
+                                                                zip(prompts, completions)]
+    assert workload.trl_reward(score)(prompts, completions)[0] > workload.trl_reward(score)(prompts, completions)[1]
+
+
+def test_the_data_is_one_file_in_the_conversational_form(tmp_path):
+    for task, toy in itertools.product(workload.TASKS, (False, True)):
+        work = workload.default_workload(task, steps=2, warmup_steps=1, toy=toy)
+        records = [json.loads(line) for line in workload.write_data(work, tmp_path / f"{task}{toy}").read_text()
+                   .splitlines()]
+        per_step = work.prompts_per_step if task == "rl" else work.global_batch_size
+        assert len(records) >= work.total_steps * per_step
+        key = {"sft": "messages", "dpo": "chosen", "rl": "prompt"}[task]
+        assert all(isinstance(record[key], list) and record[key][0]["content"] for record in records)
