@@ -82,7 +82,9 @@ def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: 
                  scratch / "trl.log", env={**threads, "TOKENIZERS_PARALLELISM": "false",
                                            "PYTHONPATH": str(REPO_ROOT)})  # the toy's reward: aligner.demo
     load_before = os.getloadavg()[0]
-    our_result, peer_result = run_interleaved([ours, trl], work.total_steps)
+    our_result, peer_result = run_interleaved([ours, trl], work.total_steps,
+                                              progress=lambda line: print(f"  {task} {line}", file=sys.stderr,
+                                                                          flush=True))
     load_after = os.getloadavg()[0]
 
     print(f"{task}: {resolved.spec}, global batch {work.global_batch_size}, micro batch {work.micro_batch_size}, "

@@ -134,8 +134,10 @@ class SideResult:
     peak_rss_mb: float
 
 
-def run_interleaved(workers: Sequence[Worker], total_steps: int) -> list[SideResult]:
-    """Start the workers (they build concurrently), then step them in turns, `total_steps` each."""
+def run_interleaved(workers: Sequence[Worker], total_steps: int,
+                    progress: Optional[Callable[[str], None]] = None) -> list[SideResult]:
+    """Start the workers (they build concurrently), then step them in turns, `total_steps` each;
+    `progress` is told each step's times as they come."""
     try:
         for worker in workers:
             worker.start()
@@ -150,6 +152,9 @@ def run_interleaved(workers: Sequence[Worker], total_steps: int) -> list[SideRes
                 elapsed, counted = workers[index].expect("done")
                 seconds[index].append(float(elapsed))
                 tokens[index].append(float(counted))
+            if progress is not None:
+                progress(f"step {step + 1}/{total_steps}: " + ", ".join(
+                    f"{worker.name} {seconds[index][-1]:.2f} s" for index, worker in enumerate(workers)))
         results = []
         for index, worker in enumerate(workers):
             worker.send("quit")
