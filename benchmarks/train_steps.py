@@ -1,0 +1,132 @@
+"""Training steps against TRL's trainers at equal work: SFT, DPO and a full RLOO step, steps interleaved.
+
+    .venv/bin/python benchmarks/train_steps.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
+        [--task sft|dpo|rl|all] [--steps 4] [--warmup 2] [--work DIR]
+
+Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of
+it) on the same records with the settings of one `peer.workload.Workload` (what is matched and what is not
+is listed there). Each side is a worker process (ours: the project's venv; TRL: its own venv, installed by
+benchmarks/peer/setup.sh on first use) and the two take turns step by step (peer/protocol.py), so only
+one computes at a time. Prints, per task, each side's median step time, tokens per step and peak RSS,
+then `ratio NAME VALUE` = median over timed steps of (TRL step time / our step time): > 1 means ours is
+faster. The 1-minute load average is printed before and after, since the machine may be shared.
+`--model toy` is the demo's task: a random-init model of the demo's size (4 layers, 128 wide) with its
+character tokenizer, the arithmetic records and reward, and the demo's batch sizes; its ratios are named
+`toy_...`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+from peer.protocol import Worker, run_interleaved, step_ratio  # noqa: E402
+from peer.workload import TASKS, default_workload, write_data  # noqa: E402
+
+TOY_DIR = REPO_ROOT / ".cache" / "bench" / "toy-demo"
+PEER_SETUP = REPO_ROOT / "benchmarks" / "peer" / "setup.sh"
+RATIO_NAMES = {"sft": "sft_step_vs_trl", "dpo": "dpo_step_vs_trl", "rl": "rloo_step_vs_trl"}
+
+
+def peer_python() -> Path:
+    """The TRL venv's python (installed on first use; one line and exit 2 if that fails)."""
+    done = subprocess.run(["bash", str(PEER_SETUP)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "peer setup failed")
+    return Path(done.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def toy_checkpoint() -> Path:
+    """A random-init checkpoint of the demo's model size with the demo's character tokenizer (built once)."""
+    from aligner import checkpointing
+
+    checkpoint = TOY_DIR / "checkpoint"
+    if (checkpoint / checkpointing.META_FILE).is_file():
+        return checkpoint
+    from aligner.demo import arithmetic
+    from aligner.demo.tokenizer import train_char_tokenizer
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.runtime import distributed, seeds
+
+    records = arithmetic.sft_records(512, seed=0)
+    train_char_tokenizer([r["input"] + r["output"] for r in records], TOY_DIR / "tokenizer")
+    distributed.initialize(distributed.ParallelConfig())
+    seeds.set_seed(0)
+    cfg = GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
+                    vocab_size=256, max_position_embeddings=64)
+    model = build_gpt_model(cfg, transformer_config(cfg))
+    checkpointing.save(TOY_DIR / "partial", [model], model_config=cfg.to_dict(), tokenizer_dir=TOY_DIR / "tokenizer")
+    os.replace(TOY_DIR / "partial", checkpoint)
+    return checkpoint
+
+
+def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: Path, toy: bool) -> None:
+    work = default_workload(task, steps, warmup, toy=toy)
+    scratch = work_dir / task
+    data = write_data(work, scratch)
+    work_json = scratch / "workload.json"
+    work_json.write_text(work.to_json())
+    threads = {name: str(work.threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    ours = Worker("ours", [sys.executable, str(REPO_ROOT / "benchmarks/peer/aligner_worker.py"), str(work_json),
+                           str(resolved.checkpoint_dir), str(data), str(scratch / "ours")],
+                  scratch / "ours.log", env={**threads, "PYTHONPATH": str(REPO_ROOT)})
+    trl = Worker("trl", [str(peer), str(REPO_ROOT / "benchmarks/peer/trl_worker.py"), str(work_json),
+                         str(resolved.hf_dir), str(data), str(scratch / "trl")],
+                 scratch / "trl.log", env={**threads, "TOKENIZERS_PARALLELISM": "false",
+                                           "PYTHONPATH": str(REPO_ROOT)})  # the toy's reward: aligner.demo
+    load_before = os.getloadavg()[0]
+    our_result, peer_result = run_interleaved([ours, trl], work.total_steps,
+                                              progress=lambda line: print(f"  {task} {line}", file=sys.stderr,
+                                                                          flush=True))
+    load_after = os.getloadavg()[0]
+
+    print(f"{task}: {resolved.spec}, global batch {work.global_batch_size}, micro batch {work.micro_batch_size}, "
+          + (f"{work.prompts_per_step} prompts x {work.samples_per_prompt} samples x {work.max_new_tokens} new "
+             "tokens, " if task == "rl" else f"up to {work.max_seq_length} tokens, ")
+          + f"fp32, {work.threads} threads, {work.steps} timed steps after {work.warmup_steps} warm-up; "
+          f"load {load_before:.2f}->{load_after:.2f}")
+    for name, result in (("ours", our_result), ("trl", peer_result)):
+        timed = result.seconds[work.warmup_steps:]
+        print(f"  {name:<5} step {statistics.median(timed):8.3f} s (min {min(timed):.3f}, max {max(timed):.3f})  "
+              f"{'generated' if task == 'rl' else 'trained'} tokens/step {statistics.median(result.tokens):7.0f}  "
+              f"peak RSS {result.peak_rss_mb:6.0f} MB")
+    ratio = step_ratio(peer_result.seconds, our_result.seconds, work.warmup_steps)
+    prefix = "toy_" if toy else "" if resolved.spec == "smollm2" else "custom_"
+    print(f"ratio {prefix}{RATIO_NAMES[task]} {ratio:.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2",
+                        help="an HF dir, a .gguf file, an aligner checkpoint, smollm2, or toy")
+    parser.add_argument("--task", default="all", choices=(*TASKS, "all"))
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
+    args = parser.parse_args()
+
+    from aligner.config import run_main
+
+    def run() -> None:
+        from models import resolve_model
+
+        toy = args.model == "toy"
+        resolved = resolve_model(str(toy_checkpoint()) if toy else args.model)
+        peer = peer_python()
+        with tempfile.TemporaryDirectory() as tmp:
+            work_dir = Path(args.work) if args.work else Path(tmp)
+            for task in TASKS if args.task == "all" else (args.task,):
+                compare(task, args.steps, args.warmup, resolved, peer, work_dir, toy)
+
+    run_main(run)
+
+
+if __name__ == "__main__":
+    main()

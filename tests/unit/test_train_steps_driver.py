@@ -1,0 +1,155 @@
+"""benchmarks/train_steps.py's driver: the turn-taking protocol, the ratio, and one source of equal-work settings.
+
+The workers here are tiny python processes that sleep known amounts; no TRL, no model.
+"""
+import dataclasses
+import itertools
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from aligner.config import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+from peer import workload  # noqa: E402
+from peer.protocol import Worker, WorkerError, run_interleaved, step_ratio  # noqa: E402
+
+FAKE_WORKER = textwrap.dedent("""
+    import json, sys, time
+    sys.path.insert(0, {benchmarks!r})
+    from peer.protocol import serve_steps
+    seconds, tokens, journal = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+
+    def step():
+        with open(journal, "a") as out:
+            out.write(json.dumps(["start", {name!r}, time.time()]) + "\\n")
+        time.sleep(seconds)
+        with open(journal, "a") as out:
+            out.write(json.dumps(["end", {name!r}, time.time()]) + "\\n")
+        return tokens
+
+    serve_steps(step)
+""")
+
+
+def fake_worker(tmp_path: Path, name: str, seconds: float, tokens: float, journal: Path) -> Worker:
+    script = tmp_path / f"fake_{name}.py"
+    script.write_text(FAKE_WORKER.format(benchmarks=str(REPO_ROOT / "benchmarks"), name=name))
+    command = [sys.executable, str(script), str(seconds), str(tokens), str(journal)]
+    return Worker(name, command, tmp_path / f"{name}.log")
+
+
+def test_workers_take_turns_and_report_their_own_step_times(tmp_path):
+    journal = tmp_path / "journal.jsonl"
+    ours = fake_worker(tmp_path, "ours", 0.05, 100, journal)
+    peer = fake_worker(tmp_path, "peer", 0.15, 200, journal)
+    our_result, peer_result = run_interleaved([ours, peer], total_steps=4)
+
+    assert len(our_result.seconds) == len(peer_result.seconds) == 4
+    assert our_result.tokens == [100.0] * 4 and peer_result.tokens == [200.0] * 4
+    # A step's reported time is the worker's own step (the sleep plus a little), not the other side's.
+    assert all(0.05 <= s < 0.14 for s in our_result.seconds), our_result.seconds
+    assert all(0.15 <= s < 0.30 for s in peer_result.seconds), peer_result.seconds
+    assert our_result.peak_rss_mb > 0 and peer_result.peak_rss_mb > 0
+    # Only one computes at a time, and the side that goes first alternates step by step.
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [kind for kind, _, _ in events] == ["start", "end"] * 8
+    starts = [name for kind, name, _ in events if kind == "start"]
+    assert starts == ["ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
+    assert all(events[i][2] <= events[i + 1][2] for i in range(len(events) - 1))
+    assert step_ratio(peer_result.seconds, our_result.seconds, warmup_steps=1) == pytest.approx(3.0, rel=0.4)
+
+
+def test_step_ratio_is_the_median_of_per_step_ratios_after_the_warmup():
+    peer = [100.0, 4.0, 9.0, 2.0, 30.0]
+    ours = [1.0, 2.0, 3.0, 2.0, 10.0]  # per-step ratios after the warm-up step: 2, 3, 1, 3
+    assert step_ratio(peer, ours, warmup_steps=1) == 2.5
+    assert step_ratio(peer, ours, warmup_steps=2) == 3.0
+    with pytest.raises(ValueError):
+        step_ratio(peer, ours, warmup_steps=5)
+
+
+def test_a_worker_that_dies_is_reported_with_its_log(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\nprint('building failed: no such model')\nsys.exit(3)\n")
+    ours = fake_worker(tmp_path, "ours", 0.01, 1, tmp_path / "journal.jsonl")
+    started = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"(?s)dies worker .*exit 3.*building failed: no such model"):
+        run_interleaved([ours, Worker("dies", [sys.executable, str(script)], tmp_path / "dies.log")], total_steps=2)
+    assert time.perf_counter() - started < 30
+    assert ours.process.poll() is not None  # the other side is not left running
+
+
+def test_both_sides_settings_come_from_one_workload(tmp_path):
+    """Change every matched setting in the Workload: each side's config must follow."""
+    for task, toy in itertools.product(workload.TASKS, (False, True)):
+        base = workload.default_workload(task, steps=3, warmup_steps=1, toy=toy)
+        work = dataclasses.replace(base, steps=5, warmup_steps=2, global_batch_size=base.micro_batch_size * 3,
+                                   max_seq_length=base.max_seq_length + 8, lr=3.5e-5, seed=77, dpo_beta=0.25,
+                                   prompts_per_step=base.micro_batch_size, samples_per_prompt=3,
+                                   max_new_tokens=24, threads=3)
+        yaml_name, overrides = workload.aligner_overrides(work, tmp_path / "ckpt", tmp_path / "data.jsonl", tmp_path)
+        ours = dict(override.split("=", 1) for override in overrides)
+        trainer_name, peer = workload.trl_config(work, tmp_path / "trl")
+
+        assert ours["trainer.max_steps"] == "7" and peer["max_steps"] == 7
+        assert float(ours["optim.lr"]) == peer["learning_rate"] == 3.5e-5
+        assert ours["seed"] == "77" and peer["seed"] == 77
+        assert int(ours["trainer.micro_batch_size"]) == peer["per_device_train_batch_size"]
+        assert (int(ours["trainer.global_batch_size"])
+                == peer["per_device_train_batch_size"] * peer["gradient_accumulation_steps"])
+        assert float(ours["optim.clip_grad"]) == peer["max_grad_norm"]
+        assert ours["precision"] == "fp32" and peer["bf16"] is False and peer["fp16"] is False
+        assert peer["gradient_checkpointing"] is False
+        if task in ("sft", "dpo"):
+            assert int(ours["data.max_seq_length"]) == peer["max_length"] == base.max_seq_length + 8
+        if task == "dpo":
+            assert float(ours["dpo.beta"]) == peer["beta"] == 0.25
+            # both sides run the reference forward inside every step
+            assert ours["dpo.reference_logprobs"] == "swap" and peer["precompute_ref_log_probs"] is False
+        if task == "rl":
+            assert trainer_name == "RLOOTrainer" and ours["advantage.estimator"] == "rloo"
+            assert int(ours["rollout.samples_per_prompt"]) == peer["num_generations"] == 3
+            assert (int(ours["generation.max_new_tokens"]) == int(ours["generation.min_new_tokens"])
+                    == peer["max_completion_length"] == peer["generation_kwargs"]["min_new_tokens"] == 24)
+            # TRL generates per_device x gradient accumulation responses per optimizer step: one per rollout step
+            assert (int(ours["rollout.prompts_per_step"]) * 3 == int(ours["trainer.global_batch_size"])
+                    == peer["per_device_train_batch_size"] * peer["gradient_accumulation_steps"])
+            assert float(ours["kl.init_coef"]) == peer["beta"] == 0.0
+            assert ours["reward.function"] == work.reward_function
+
+
+def test_an_rl_workload_trains_once_per_rollout_step():
+    with pytest.raises(ValueError, match="one optimizer step per rollout step"):
+        dataclasses.replace(workload.default_workload("rl", steps=2), prompts_per_step=4)
+
+
+def test_the_reward_is_the_same_function_in_both_forms():
+    from aligner.rl.rollouts import load_function
+
+    prompts = [[{"role": "user", "content": "q"}]] * 3
+    completions = [[{"role": "assistant", "content": text}] for text in ("aei", "xyz!", "bab")]
+    vowel_share = load_function(workload.REWARD_FUNCTIONS["filler"])  # as our actor loads it
+    assert workload.trl_reward(vowel_share)(prompts, completions) == pytest.approx([1.0, 0.0, 1 / 3])
+    score = load_function(workload.REWARD_FUNCTIONS["arithmetic"])
+    prompts = [[{"role": "user", "content": "12+7="}]] * 2
+    completions = [[{"role": "assistant", "content": answer}] for answer in ("19", "18")]
+    assert workload.trl_reward(score)(prompts, completions) == [score(p, c[0]["content"]) for p, c in
+                                                                zip(prompts, completions)]
+    assert workload.trl_reward(score)(prompts, completions)[0] > workload.trl_reward(score)(prompts, completions)[1]
+
+
+def test_the_data_is_one_file_in_the_conversational_form(tmp_path):
+    for task, toy in itertools.product(workload.TASKS, (False, True)):
+        work = workload.default_workload(task, steps=2, warmup_steps=1, toy=toy)
+        records = [json.loads(line) for line in workload.write_data(work, tmp_path / f"{task}{toy}").read_text()
+                   .splitlines()]
+        per_step = work.prompts_per_step if task == "rl" else work.global_batch_size
+        assert len(records) >= work.total_steps * per_step
+        key = {"sft": "messages", "dpo": "chosen", "rl": "prompt"}[task]
+        assert all(isinstance(record[key], list) and record[key][0]["content"] for record in records)
