@@ -52,9 +52,9 @@ def test_workers_take_turns_and_report_their_own_step_times(tmp_path):
 
     assert len(our_result.seconds) == len(peer_result.seconds) == 4
     assert our_result.tokens == [100.0] * 4 and peer_result.tokens == [200.0] * 4
-    # A step's reported time is the worker's own step (the sleep plus a little), not the other side's.
-    assert all(0.05 <= s < 0.14 for s in our_result.seconds), our_result.seconds
-    assert all(0.15 <= s < 0.30 for s in peer_result.seconds), peer_result.seconds
+    # A step's reported time is the worker's own step: at least its sleep, and inside its own start..end
+    # in the journal (so never the other side's turn). No upper bound on a sleep: the machine may be loaded.
+    assert all(s >= 0.05 for s in our_result.seconds) and all(s >= 0.15 for s in peer_result.seconds)
     assert our_result.peak_rss_mb > 0 and peer_result.peak_rss_mb > 0
     # Only one computes at a time, and the side that goes first alternates step by step.
     events = [json.loads(line) for line in journal.read_text().splitlines()]
@@ -62,7 +62,12 @@ def test_workers_take_turns_and_report_their_own_step_times(tmp_path):
     starts = [name for kind, name, _ in events if kind == "start"]
     assert starts == ["ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
     assert all(events[i][2] <= events[i + 1][2] for i in range(len(events) - 1))
-    assert step_ratio(peer_result.seconds, our_result.seconds, warmup_steps=1) == pytest.approx(3.0, rel=0.4)
+    spans = {"ours": [], "peer": []}
+    for (_, name, start), (_, _, end) in zip(events[::2], events[1::2]):
+        spans[name].append(end - start)
+    for name, result in (("ours", our_result), ("peer", peer_result)):
+        assert all(span <= seconds + 1e-3 for span, seconds in zip(spans[name], result.seconds)), name
+        assert all(seconds < span + 0.5 for span, seconds in zip(spans[name], result.seconds)), name
 
 
 def test_step_ratio_is_the_median_of_per_step_ratios_after_the_warmup():
