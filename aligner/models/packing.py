@@ -275,3 +275,10 @@ def sequence_logprobs(
             window, window_tokens, torch.ones_like(index), response_lengths.to(target)[index],
             vocab_size=vocab_size, temperature=temperature, response_width=width)
     return result
+
+
+def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optional[int], pad_id: int) -> PackedRows:
+    """Right-padded rows tokens [B, S] with real lengths [B], packed into rows of row_length (default S),
+    on the tokens' device."""
+    sequences = [row[:length] for row, length in zip(tokens.cpu(), lengths.tolist())]
+    return pack_rows(sequences, row_length or tokens.shape[1], pad_id).to(tokens.device)

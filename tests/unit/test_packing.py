@@ -158,3 +158,46 @@ def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregat
     assert packed_sums == pytest.approx(padded_sums, rel=1e-6)  # fp32 sums over different groupings
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_sums(tmp_path,
+                                                                                  arithmetic_tokenizer_dir):
+    """Six demo pairs in one micro batch: packed into rows of the batch's padded length, the DPO loss,
+    its report and the gradients equal the padded batch's within 1e-6; so do the reference sums."""
+    from aligner.algorithms.dpo import DPOObjective, DPOSection, precompute_reference_logprobs
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.demo import arithmetic
+    from aligner.tokenizer import Tokenizer
+
+    from ..conftest import write_jsonl
+
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(4)
+    policy = build_gpt_model(cfg, transformer_config(cfg))
+    reference = build_gpt_model(cfg, transformer_config(cfg))
+    path = write_jsonl(tmp_path / "pairs.jsonl", arithmetic.preference_records(6, seed=5))
+    dataset = PreferenceDataset.from_jsonl(path, tokenizer, 32)
+    sums = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        precompute_reference_logprobs(dataset, [reference], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                      pairs_per_forward=3, packing=section)
+        sums[name] = dataset.reference_logprobs.clone()
+    torch.testing.assert_close(sums["packed"], sums["padded"], atol=1e-6, rtol=0)
+
+    results = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
+        objective = DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, section, tokenizer.pad_id)
+        policy.zero_grad(set_to_none=True)
+        loss_sum, pairs, report = objective.loss(batch, objective.forward(policy, batch))
+        loss_sum.backward()
+        if section is not None:  # fewer rows than sequences: the padding really went away
+            assert batch["packed"].tokens.shape[0] < batch["tokens"].shape[0]
+        results[name] = (float(loss_sum), {key: float(value) for key, value in report.items()},
+                         {key: p.grad.clone() for key, p in policy.named_parameters()})
+    assert results["packed"][0] == pytest.approx(results["padded"][0], abs=1e-6)
+    assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
+    for key, grad in results["padded"][2].items():
+        torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
