@@ -84,23 +84,14 @@ class DPOObjective:
         self.packing, self.pad_id = packing, pad_id
 
     def packed_rows(self, batch: dict):
-        """The micro batch's sequences as packed rows (built once, kept with the batch), or None: padded."""
-        from aligner.models import packing
+        from aligner.models.packing import packed_rows_of
 
-        if not packing.packs_here(self.packing):
-            return None
-        if "packed" not in batch:
-            batch["packed"] = packing.pack_padded(batch["tokens"], batch["prompt_lengths"] + batch["response_lengths"],
-                                                  self.packing.row_length, self.pad_id)
-        return batch["packed"]
+        return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], self.packing, self.pad_id)
 
     def forward(self, model, batch):
-        packed = self.packed_rows(batch)
-        if packed is not None:
-            from aligner.models.packing import packed_forward
+        from aligner.models.packing import forward_batch
 
-            return packed_forward(model, packed)
-        return model(batch["tokens"], batch["position_ids"], None)
+        return forward_batch(model, batch, self.packed_rows(batch))
 
     def loss(self, batch, logits):
         from aligner.generation.logprobs import response_logprobs

@@ -282,3 +282,21 @@ def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optiona
     on the tokens' device."""
     sequences = [row[:length] for row, length in zip(tokens.cpu(), lengths.tolist())]
     return pack_rows(sequences, row_length or tokens.shape[1], pad_id).to(tokens.device)
+
+
+def packed_rows_of(batch: dict, lengths: torch.Tensor, packing: Optional[PackingSection],
+                   pad_id: int) -> Optional[PackedRows]:
+    """A collated micro batch's sequences (lengths [B]) as packed rows, built once and kept in
+    batch["packed"] (its forward and its loss read the same rows); None where `packs_here` says no."""
+    if not packs_here(packing):
+        return None
+    if "packed" not in batch:
+        batch["packed"] = pack_padded(batch["tokens"], lengths, packing.row_length, pad_id)
+    return batch["packed"]
+
+
+def forward_batch(model: torch.nn.Module, batch: dict, packed: Optional[PackedRows]) -> torch.Tensor:
+    """A collated micro batch through the chunk: packed rows, or its padded tokens and position ids."""
+    if packed is not None:
+        return packed_forward(model, packed)
+    return model(batch["tokens"], batch["position_ids"], None)

@@ -201,3 +201,41 @@ def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_su
     assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
     for key, grad in results["padded"][2].items():
         torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["ranking", "regression"])
+def test_packed_reward_model_micro_batch_gives_the_padded_loss_and_gradients(kind):
+    """Reward-model objectives read each sequence's score at its last token: packed equals padded."""
+    from aligner.algorithms.reward_model import RankingObjective, RegressionObjective
+    from aligner.data.reward import collate_comparisons, collate_regression
+    from aligner.models.reward import build_reward_model
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(5)
+    attributes = 1 if kind == "ranking" else 2
+    model = build_reward_model(cfg, transformer_config(cfg), num_attributes=attributes)
+    sequences = _sequences([9, 4, 13, 6, 11, 3], seed=6)
+    generator = torch.Generator().manual_seed(7)
+    if kind == "ranking":
+        examples = [{"chosen": sequences[i], "rejected": sequences[i + 1]} for i in range(0, 6, 2)]
+        collate, make = collate_comparisons, RankingObjective
+    else:
+        examples = [{"tokens": sequence, "labels": torch.randn(2, generator=generator),
+                     "label_mask": torch.tensor([1.0, float(i % 2)])} for i, sequence in enumerate(sequences)]
+        collate, make = collate_regression, lambda section: RegressionObjective(["a", "b"], section)
+    results = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        batch = collate(examples, 0)
+        objective = make(section)
+        model.zero_grad(set_to_none=True)
+        loss_sum, _, report = objective.loss(batch, objective.forward(model, batch))
+        loss_sum.backward()
+        if section is not None:
+            assert batch["packed"].tokens.shape[0] < len(sequences)
+        results[name] = (float(loss_sum), {key: float(value) for key, value in report.items()},
+                         {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None})
+    assert results["packed"][0] == pytest.approx(results["padded"][0], abs=1e-6)
+    assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
+    for key, grad in results["padded"][2].items():
+        torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
