@@ -1,15 +1,19 @@
 """Padded vs packed training batches on a real model: padding share, forward and forward+backward time.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/packing.py [--model smollm2] [--repeats 3] [--threads 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/packing.py [--task rl|dpo] [--model smollm2] [--repeats 2]
 
-An RL minibatch of `--rollouts` sequences (prompt lengths uniform in [--prompt-min, --max-prompt],
-response lengths uniform in [--response-min, --max-new-tokens]; the RL actor's padded layout is
-max_prompt + max_new_tokens columns per row) runs through the same model twice per repeat, padded
-and packed (rows of that same length, first fit longest first), in alternation so machine load
-hits both: a no-grad logprob pass (the actor's old/reference logprobs) and a forward+backward of
-the summed response logprobs (the policy update), both in micro batches of `--micro` rows. It
-prints the padding share of each layout, the largest logprob difference between them, and per
-repeat the time ratio padded / packed, with the load average beside every number.
+--task rl: a minibatch of `--rollouts` sequences (prompt lengths uniform in [--prompt-min,
+--max-prompt], response lengths uniform in [--response-min, --max-new-tokens]); padded, every row
+has the RL actor's max_prompt + max_new_tokens columns; packed, the whole minibatch is laid in rows
+of that length, `--micro` rows per micro batch (what the actor does).
+--task dpo: `--rollouts` / 2 pairs (one prompt, two responses each); padded, micro batches of
+`--micro` rows padded to their longest; packed, each micro batch's rows laid in rows of that length
+(what the DPO trainer does).
+Per repeat, the same model runs both layouts in alternation (so machine load hits both): a no-grad
+logprob pass (old/reference logprobs) and a forward+backward of the summed response logprobs (the
+update). It prints the padding share of each layout, the largest logprob difference, and per
+repeat the time ratio padded / packed in wall time and in this process's CPU time, with the load
+average beside every number.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=("rl", "dpo"), default="rl")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--micro", type=int, default=4)
@@ -49,14 +54,14 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=64)
     parser.add_argument("--response-min", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from models import resolve_model
 
-    from aligner.generation.logprobs import response_logprobs, sequence_logprobs
+    from aligner.generation.logprobs import response_logprobs
     from aligner.models import packing
     from aligner.runtime import distributed, seeds
 
@@ -65,52 +70,75 @@ def main() -> None:
     chunks, model_cfg = load_model(resolve_model(args.model).checkpoint_dir)
     vocab = model_cfg.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(args.prompt_min, args.max_prompt + 1, (args.rollouts,), generator=generator)
-    responses = torch.randint(args.response_min, args.max_new_tokens + 1, (args.rollouts,), generator=generator)
-    seq_length, width = args.max_prompt + args.max_new_tokens, args.max_new_tokens
-    tokens = torch.zeros(args.rollouts, seq_length, dtype=torch.long)
-    for row in range(args.rollouts):
-        length = int(prompts[row] + responses[row])
-        tokens[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
+    if args.task == "rl":
+        prompts = torch.randint(args.prompt_min, args.max_prompt + 1, (args.rollouts,), generator=generator)
+    else:  # pairs: chosen and rejected share the prompt
+        prompts = torch.randint(args.prompt_min, args.max_prompt + 1, (args.rollouts // 2,),
+                                generator=generator).repeat_interleave(2)
+    responses = torch.randint(args.response_min, args.max_new_tokens + 1, (len(prompts),), generator=generator)
+    width = args.max_new_tokens
     lengths = (prompts + responses).tolist()
-    plan = packing.plan_micro_batches(lengths, seq_length, args.micro)
+    sequences = [torch.randint(3, vocab, (length,), generator=generator) for length in lengths]
+    # Padded micro batches: (sequence indices, padded length); packed: (rows of indices, row length).
+    padded_plan, packed_plan = [], []
+    for start in range(0, len(lengths), args.micro):
+        members = list(range(start, min(start + args.micro, len(lengths))))
+        padded_plan.append((members, args.max_prompt + width if args.task == "rl"
+                            else max(lengths[i] for i in members)))
+        if args.task == "dpo":
+            rows = packing.first_fit_rows([lengths[i] for i in members], padded_plan[-1][1])
+            packed_plan.append(([[members[i] for i in row] for row in rows], padded_plan[-1][1]))
+    if args.task == "rl":
+        packed_plan = [(rows, args.max_prompt + width)
+                       for rows in packing.plan_micro_batches(lengths, args.max_prompt + width, args.micro)]
     real = sum(lengths)
-    packed_rows = sum(len(rows) for rows in plan)
-    print(f"rollouts {args.rollouts}, real tokens {real}; padded {args.rollouts} rows x {seq_length} "
-          f"(padding {1 - real / (args.rollouts * seq_length):.1%}, {1 - real / (args.rollouts * max(lengths)):.1%} "
-          f"if padded only to the longest); packed {packed_rows} rows x {seq_length} "
-          f"(padding {1 - real / (packed_rows * seq_length):.1%}), {len(plan)} vs "
-          f"{-(-args.rollouts // args.micro)} micro batches")
-    section = packing.PackingSection()
+    padded_slots = sum(len(members) * length for members, length in padded_plan)
+    packed_slots = sum(len(rows) * length for rows, length in packed_plan)
+    print(f"{args.task}: {len(lengths)} sequences, real tokens {real}; padded {len(padded_plan)} micro batches, "
+          f"{padded_slots} token slots (padding {1 - real / padded_slots:.1%}); packed {len(packed_plan)} micro "
+          f"batches, {sum(len(rows) for rows, _ in packed_plan)} rows, {packed_slots} token slots (padding "
+          f"{1 - real / packed_slots:.1%})")
     model = chunks[0]
 
+    def padded_batch(members, length):
+        tokens = torch.zeros(len(members), length, dtype=torch.long)
+        for row, index in enumerate(members):
+            tokens[row, :lengths[index]] = sequences[index]
+        index = torch.tensor(members)
+        logits = model(tokens, torch.arange(length).expand(len(members), -1), None)
+        return logits, tokens, prompts[index], index
+
+    def packed_batch(rows, length):
+        members, packed = packing.pack_micro_batch(sequences, rows, length, 0)
+        index = torch.tensor(members)
+        window, window_tokens = packing.response_window(packing.packed_forward(model, packed), packed,
+                                                        prompts[index], width)
+        return window, window_tokens, torch.ones_like(index), index
+
+    def run(plan, make_batch, train):
+        model.train(train)
+        result = torch.zeros(len(lengths), width)
+        with torch.set_grad_enabled(train):
+            for part, length in plan:
+                logits, tokens, prompt_lengths, index = make_batch(part, length)
+                logprobs = response_logprobs(logits, tokens, prompt_lengths, responses[index], vocab_size=vocab,
+                                             response_width=width)
+                if train:
+                    logprobs.sum().backward()
+                result[index] = logprobs.detach()
+        return result
+
     def padded_logprobs():
-        return sequence_logprobs(chunks, tokens, prompts, responses, vocab_size=vocab, response_width=width,
-                                 micro_batch_size=args.micro)
+        return run(padded_plan, padded_batch, False)
 
     def packed_logprobs():
-        return packing.sequence_logprobs(chunks, tokens, prompts, responses, vocab_size=vocab, packing=section,
-                                         pad_id=0, response_width=width, micro_batch_size=args.micro)
+        return run(packed_plan, packed_batch, False)
 
     def padded_train():
-        model.train()
-        for start in range(0, args.rollouts, args.micro):
-            rows = slice(start, start + args.micro)
-            logits = model(tokens[rows], torch.arange(seq_length).expand(len(tokens[rows]), -1), None)
-            response_logprobs(logits, tokens[rows], prompts[rows], responses[rows], vocab_size=vocab,
-                              response_width=width).sum().backward()
-
-    sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
+        run(padded_plan, padded_batch, True)
 
     def packed_train():
-        model.train()
-        for rows in plan:
-            members, packed = packing.pack_micro_batch(sequences, rows, seq_length, 0)
-            index = torch.tensor(members)
-            window, window_tokens = packing.response_window(packing.packed_forward(model, packed), packed,
-                                                            prompts[index], width)
-            response_logprobs(window, window_tokens, torch.ones_like(index), responses[index], vocab_size=vocab,
-                              response_width=width).sum().backward()
+        run(packed_plan, packed_batch, True)
 
     difference = (padded_logprobs() - packed_logprobs()).abs().max().item()
     print(f"largest |padded - packed| logprob: {difference:.3g}")
@@ -118,17 +146,19 @@ def main() -> None:
                                  ("forward+backward", padded_train, packed_train)):
         for repeat in range(args.repeats):
             times = {}
-            for side, run in (("padded", padded), ("packed", packed)) if repeat % 2 == 0 else (
+            for side, call in (("padded", padded), ("packed", packed)) if repeat % 2 == 0 else (
                     ("packed", packed), ("padded", padded)):
                 before = load()
-                tick = time.perf_counter()
-                run()
+                tick, cpu_tick = time.perf_counter(), time.process_time()
+                call()
                 times[side] = time.perf_counter() - tick
+                times[side + "_cpu"] = time.process_time() - cpu_tick
                 times[side + "_load"] = f"{before}->{load()}"
             model.zero_grad(set_to_none=True)
-            print(f"{name} #{repeat}: padded {times['padded']:.2f} s (load {times['padded_load']}), packed "
-                  f"{times['packed']:.2f} s (load {times['packed_load']}): ratio padded/packed "
-                  f"{times['padded'] / times['packed']:.2f}", flush=True)
+            print(f"{name} #{repeat}: padded {times['padded']:.2f} s (cpu {times['padded_cpu']:.2f} s, load "
+                  f"{times['padded_load']}), packed {times['packed']:.2f} s (cpu {times['packed_cpu']:.2f} s, load "
+                  f"{times['packed_load']}): ratio padded/packed wall {times['padded'] / times['packed']:.2f}, "
+                  f"cpu {times['padded_cpu'] / times['packed_cpu']:.2f}", flush=True)
     distributed.shutdown()
 
 
