@@ -142,7 +142,7 @@ def _summed_logprobs(chunks, batch: dict, vocab_size: int, rows_per_forward: int
                      packing: Optional[PackingSection] = None, pad_id: int = 0) -> torch.Tensor:
     """Summed response logprobs [rows] of a collated preference batch under the chunks' current
     weights (no grad; collective over the model-parallel group); packed rows with `packing`."""
-    from aligner.models.packing import sequence_logprobs
+    from aligner.generation.packed_logprobs import sequence_logprobs
 
     token_logprobs = sequence_logprobs(chunks, batch["tokens"], batch["prompt_lengths"], batch["response_lengths"],
                                        vocab_size=vocab_size, packing=packing, pad_id=pad_id,

@@ -776,7 +776,7 @@ class RLActor:
 
     # -- 3: logprobs
     def logprobs(self, batch) -> torch.Tensor:
-        from aligner.models.packing import sequence_logprobs
+        from aligner.generation.packed_logprobs import sequence_logprobs
 
         return sequence_logprobs(self.chunks, batch.tokens, batch.prompt_lengths, batch.response_lengths,
                                  vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,

@@ -15,6 +15,8 @@ and it is decided here (`packed_forward`):
 - transformer-engine attention takes the THD format instead: all rows flattened into one sequence
   dimension with `PackedSeqParams` cu_seqlens (each row's tail padding counted as a sequence of
   its own), so the kernel never computes the blocks outside each sequence.
+Packing needs a single pipeline stage (`packs_here`): a schedule sends activations of one fixed
+shape between stages, so at PP > 1 batches stay padded.
 
 megatron-core 0.16's GPTModel builds rotary embeddings for columns 0..S-1 whatever the position
 ids say; `gpt_model_class` returns a GPTModel whose rotary embedding follows `position_ids`
@@ -138,14 +140,16 @@ def uses_thd_attention(model: torch.nn.Module) -> bool:
 
 
 def packed_forward(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
-    """The chunk's output [R, L, ...] for packed rows (last stage: logits; other stages: hidden states)."""
+    """The chunk's output [R, L, ...] (logits, or a reward model's scores) for packed rows."""
     if not uses_thd_attention(model):
         return model(packed.tokens, packed.position_ids, packed.attention_mask())
-    # transformer-engine: one flattened sequence [1, R*L] with cu_seqlens (never run on this project's CI).
+    # transformer-engine: the rows as one sequence [1, R * L] cut by cu_seqlens (megatron switches its
+    # mask to padding_causal and rotates each sequence from position 0). Packing runs on one pipeline
+    # stage (`packs_here`), so the output is the logits [1, R * L, ...].
     rows, length = packed.tokens.shape
     output = model(packed.tokens.reshape(1, -1), packed.position_ids.reshape(1, -1), None,
                    packed_seq_params=packed.packed_seq_params())
-    return output.reshape(rows, length, *output.shape[2:]) if output.dim() == 3 and output.shape[0] == 1 else output
+    return output.reshape(rows, length, *output.shape[2:])
 
 
 def response_window(output: torch.Tensor, packed: PackedRows, prompt_lengths: torch.Tensor,
@@ -231,50 +235,6 @@ def pack_micro_batch(sequences: Sequence[torch.Tensor], rows: list[list[int]], r
         local.append(list(range(position, position + len(row))))
         position += len(row)
     return members, pack_rows([sequences[index] for index in members], row_length, pad_id, rows=local)
-
-
-@torch.no_grad()
-def sequence_logprobs(
-    model_chunks: Sequence[torch.nn.Module],
-    tokens: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    response_lengths: torch.Tensor,
-    *,
-    vocab_size: int,
-    packing: Optional[PackingSection],
-    pad_id: int,
-    temperature: float = 1.0,
-    response_width: Optional[int] = None,
-    micro_batch_size: Optional[int] = None,
-) -> torch.Tensor:
-    """`aligner.generation.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
-    packed rows when `packs_here(packing)` (rows of packing.row_length, default S; micro_batch_size
-    packed rows per forward), else on the padded rows themselves."""
-    from aligner.generation import logprobs
-
-    width = int(response_lengths.max()) if response_width is None else response_width
-    if not packs_here(packing):
-        return logprobs.sequence_logprobs(model_chunks, tokens, prompt_lengths, response_lengths,
-                                          vocab_size=vocab_size, temperature=temperature, response_width=width,
-                                          micro_batch_size=micro_batch_size)
-    from aligner.runtime.distributed import device
-
-    target = device()
-    lengths = (prompt_lengths + response_lengths).tolist()
-    sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
-    row_length = packing.row_length or tokens.shape[1]
-    result = torch.zeros(len(sequences), width, device=target)
-    model_chunks[0].eval()
-    for rows in plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
-        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
-        packed = packed.to(target)
-        index = torch.tensor(members, device=target)
-        window, window_tokens = response_window(packed_forward(model_chunks[0], packed), packed,
-                                                prompt_lengths.to(target)[index], width)
-        result[index] = logprobs.response_logprobs(
-            window, window_tokens, torch.ones_like(index), response_lengths.to(target)[index],
-            vocab_size=vocab_size, temperature=temperature, response_width=width)
-    return result
 
 
 def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optional[int], pad_id: int) -> PackedRows:

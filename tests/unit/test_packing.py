@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aligner.generation import packed_logprobs
 from aligner.models import packing
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 
@@ -88,13 +89,14 @@ def test_packed_logprob_pass_equals_the_padded_one(style):
     padded = logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
                                         response_width=12)
     for row_length, rows_per_forward in ((24, 2), (40, 1)):
-        packed = packing.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
-                                           packing=packing.PackingSection(row_length=row_length), pad_id=0,
-                                           response_width=12, micro_batch_size=rows_per_forward)
+        packed = packed_logprobs.sequence_logprobs(
+            [model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7, pad_id=0, response_width=12,
+            packing=packing.PackingSection(row_length=row_length), micro_batch_size=rows_per_forward)
         torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
         assert torch.all(packed[:, 11:][responses.unsqueeze(1) <= 11] == 0)
-    off = packing.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
-                                    packing=packing.PackingSection(enabled=False), pad_id=0, response_width=12)
+    off = packed_logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
+                                            packing=packing.PackingSection(enabled=False), pad_id=0,
+                                            response_width=12)
     assert torch.equal(off, padded)
 
 

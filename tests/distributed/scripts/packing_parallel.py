@@ -14,7 +14,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from aligner.algorithms.dpo import DPOObjective, DPOSection
-    from aligner.generation import logprobs
+    from aligner.generation import logprobs, packed_logprobs
     from aligner.models import packing
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
@@ -33,9 +33,9 @@ def main() -> None:
 
     padded = logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=vocab, temperature=0.7,
                                         response_width=12, micro_batch_size=2)
-    packed = packing.sequence_logprobs([model], tokens, prompts, responses, vocab_size=vocab, temperature=0.7,
-                                       packing=packing.PackingSection(), pad_id=0, response_width=12,
-                                       micro_batch_size=2)
+    packed = packed_logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=vocab, temperature=0.7,
+                                               packing=packing.PackingSection(), pad_id=0, response_width=12,
+                                               micro_batch_size=2)
     differences["logprobs"] = float((padded - packed).abs().max())
 
     def gradients():
