@@ -782,7 +782,8 @@ class RLActor:
                                  vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,
                                  pad_id=self.tokenizer.pad_id, temperature=self.temperature,
                                  response_width=self.response_width,
-                                 micro_batch_size=self.cfg.trainer.micro_batch_size).cpu()
+                                 micro_batch_size=self.cfg.trainer.micro_batch_size,
+                                 plan=self.logprob_plan(batch)).cpu()
 
     # -- 4: scores -> shaped scores -> advantages
     def shaped_scores(self, batch) -> torch.Tensor:
@@ -896,9 +897,7 @@ class RLActor:
         positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
         minibatch_metrics, first = [], None
         for epoch in range(loss.epochs):
-            generator = torch.Generator().manual_seed(derive_seed(
-                self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
-            order = torch.randperm(rows, generator=generator)
+            order = self.minibatch_order(rows, epoch)
             for start in range(0, rows, minibatch_rows):
                 ids = order[start:start + minibatch_rows]
                 microbatches = self.policy_microbatches(experience, ids, positions)
@@ -924,6 +923,31 @@ class RLActor:
                          "first_ratio_min": first["ratio_min"], "first_approx_kl": first["approx_kl"]})
         return averaged
 
+    def minibatch_order(self, rows: int, epoch: int) -> torch.Tensor:
+        """The step's rows in the order an epoch's minibatches take them (consecutive slices)."""
+        generator = torch.Generator().manual_seed(derive_seed(
+            self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
+        return torch.randperm(rows, generator=generator)
+
+    def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
+        """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
+        from aligner.models import packing
+
+        lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
+        row_length = self.cfg.packing.row_length or self.seq_length
+        return [[[int(ids[i]) for i in row] for row in rows]
+                for rows in packing.plan_micro_batches(lengths, row_length, self.cfg.trainer.micro_batch_size)]
+
+    def logprob_plan(self, batch) -> list[list[list[int]]]:
+        """The packed logprob pass's micro batches: the first epoch's, so the first minibatch's rows are
+        laid out exactly as its training rows (a sequence's float rounding depends on its place in a
+        row; with the same rows the first minibatch's ratio is exactly 1)."""
+        rows = batch.tokens.shape[0]
+        minibatch_rows = self.cfg.trainer.global_batch_size // self.dp_size
+        order = self.minibatch_order(rows, 0)
+        return [micro for start in range(0, rows, minibatch_rows)
+                for micro in self.packed_plan(batch, order[start:start + minibatch_rows])]
+
     def policy_microbatches(self, experience: Experience, ids: torch.Tensor,
                             positions: torch.Tensor) -> list[PolicyMicrobatch]:
         """The minibatch `ids` (rows of the experience) as micro batches of trainer.micro_batch_size rows:
@@ -946,13 +970,13 @@ class RLActor:
         if not packing.packs_here(self.cfg.packing):
             return [microbatch(part, tokens=batch.tokens[part], position_ids=positions[:len(part)])
                     for part in ids.split(micro)]
-        lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
-        sequences = [batch.tokens[row, :length] for row, length in zip(ids.tolist(), lengths)]
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        sequences = [batch.tokens[row, :length] for row, length in enumerate(lengths)]
         row_length = self.cfg.packing.row_length or self.seq_length
         microbatches = []
-        for rows in packing.plan_micro_batches(lengths, row_length, micro):
+        for rows in self.packed_plan(batch, ids):
             members, packed = packing.pack_micro_batch(sequences, rows, row_length, self.tokenizer.pad_id)
-            microbatches.append(microbatch(ids[torch.tensor(members)], tokens=packed.tokens,
+            microbatches.append(microbatch(torch.tensor(members), tokens=packed.tokens,
                                            position_ids=packed.position_ids, packed=packed))
         return microbatches
 

@@ -33,10 +33,15 @@ def sequence_logprobs(
     temperature: float = 1.0,
     response_width: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
+    plan: Optional[list[list[list[int]]]] = None,
 ) -> torch.Tensor:
     """`aligner.generation.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
     packed rows when `packs_here(packing)` (rows of packing.row_length, default S; micro_batch_size
-    packed rows per forward), else on the padded rows themselves."""
+    packed rows per forward), else on the padded rows themselves.
+
+    plan: the packed forwards, as row indices per packed row per forward (default: first fit over
+    the whole batch). Where a sequence sits in a row changes its float rounding (~1e-6 relative), so
+    a caller that needs bit-equal numbers later lays the rows out the same way both times."""
     width = int(response_lengths.max()) if response_width is None else response_width
     if not packs_here(packing):
         return logprobs.sequence_logprobs(model_chunks, tokens, prompt_lengths, response_lengths,
@@ -50,7 +55,7 @@ def sequence_logprobs(
     row_length = packing.row_length or tokens.shape[1]
     result = torch.zeros(len(sequences), width, device=target)
     model_chunks[0].eval()
-    for rows in plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
+    for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
         members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
         packed = packed.to(target)
         index = torch.tensor(members, device=target)

@@ -241,3 +241,35 @@ def test_packed_reward_model_micro_batch_gives_the_padded_loss_and_gradients(kin
     assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
     for key, grad in results["padded"][2].items():
         torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_rows():
+    """A sequence's rounding depends on its place in a packed row: the logprob pass packs the first
+    epoch's minibatches, so the first minibatch's training logprobs are bit-equal to the old ones
+    (the ratio is exactly 1)."""
+    from types import SimpleNamespace
+
+    from aligner.generation.logprobs import response_logprobs, response_mask
+
+    model = _tiny_model("llama").eval()
+    tokens, prompts, responses = _rollouts(seed=8)
+    mask = response_mask(responses, 12)
+    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    actor = _policy_actor(["trainer.global_batch_size=5"])
+    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
+        vocab_size=VOCAB), 0.7, 12
+    actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
+    old = actor.logprobs(batch)
+    plan = actor.logprob_plan(batch)
+    assert sorted(i for micro in plan for row in micro for i in row) == list(range(5))
+    first = actor.minibatch_order(5, 0)
+    assert plan == actor.packed_plan(batch, first)
+    experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(5, 12), importance_weights=None)
+    for microbatch in actor.policy_microbatches(experience, first, torch.arange(24).unsqueeze(0).expand(2, -1)):
+        with torch.no_grad():
+            window, window_tokens = packing.response_window(actor.objective.forward(model, microbatch),
+                                                            microbatch.packed, microbatch.prompt_lengths, 12)
+            trained = response_logprobs(window, window_tokens, torch.ones_like(microbatch.prompt_lengths),
+                                        microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7,
+                                        response_width=12)
+        assert torch.equal(trained, microbatch.old_logprobs)
