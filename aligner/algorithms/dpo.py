@@ -21,6 +21,7 @@ import torch
 from aligner.algorithms.reward_model import pair_report, summarize_pairs
 from aligner.config import one_of
 from aligner.data.jsonl import DataError
+from aligner.models.packing import PackingSection
 from aligner.rl import dpo_math
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
@@ -51,6 +52,7 @@ class DPOConfig(RunConfig):
     name: str = "gpt_dpo"
     dpo: DPOSection = field(default_factory=DPOSection)
     data: DataSection = field(default_factory=DataSection)
+    packing: PackingSection = field(default_factory=PackingSection)
 
 
 def check_dpo_section(dpo: DPOSection) -> None:
@@ -70,24 +72,40 @@ class DPOObjective:
 
     Batches are `collate_preferences` rows (chosen, rejected interleaved) carrying
     `reference_logprobs` [rows] (summed over each response). `beta` may be changed between steps
-    (SPIN sets one per iteration).
+    (SPIN sets one per iteration). packing: each micro batch's rows packed (`aligner.models.packing`)
+    into rows of packing.row_length (default: the batch's padded length); None: padded rows.
     """
 
-    def __init__(self, dpo: DPOSection, vocab_size: int):
+    def __init__(self, dpo: DPOSection, vocab_size: int, packing: Optional[PackingSection] = None, pad_id: int = 0):
         check_dpo_section(dpo)
         self.dpo = dpo
         self.beta = dpo.beta
         self.vocab_size = vocab_size
+        self.packing, self.pad_id = packing, pad_id
+
+    def packed_rows(self, batch: dict):
+        from aligner.models.packing import packed_rows_of
+
+        return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], self.packing, self.pad_id)
 
     def forward(self, model, batch):
-        return model(batch["tokens"], batch["position_ids"], None)
+        from aligner.models.packing import forward_batch
+
+        return forward_batch(model, batch, self.packed_rows(batch))
 
     def loss(self, batch, logits):
         from aligner.generation.logprobs import response_logprobs
 
         dpo = self.dpo
         lengths = batch["response_lengths"]
-        token_logprobs = response_logprobs(logits, batch["tokens"], batch["prompt_lengths"], lengths,
+        tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
+        packed = self.packed_rows(batch)
+        if packed is not None:  # each sequence's response columns, as padded rows with a one-token prompt
+            from aligner.models.packing import response_window
+
+            logits, tokens = response_window(logits, packed, prompt_lengths, int(lengths.max()))
+            prompt_lengths = torch.ones_like(prompt_lengths)
+        token_logprobs = response_logprobs(logits, tokens, prompt_lengths, lengths,
                                            vocab_size=self.vocab_size)  # [rows, width]
         policy = dpo_math.sequence_logprobs(token_logprobs, lengths, dpo.preference_average_logprobs)
         reference = batch["reference_logprobs"].to(policy.dtype)  # sums over each response
@@ -120,18 +138,21 @@ class DPOObjective:
 
 
 # ----------------------------------------------------------------------------- reference logprobs
-def _summed_logprobs(chunks, batch: dict, vocab_size: int, rows_per_forward: int) -> torch.Tensor:
+def _summed_logprobs(chunks, batch: dict, vocab_size: int, rows_per_forward: int,
+                     packing: Optional[PackingSection] = None, pad_id: int = 0) -> torch.Tensor:
     """Summed response logprobs [rows] of a collated preference batch under the chunks' current
-    weights (no grad; collective over the model-parallel group)."""
-    from aligner.generation.logprobs import sequence_logprobs
+    weights (no grad; collective over the model-parallel group); packed rows with `packing`."""
+    from aligner.generation.packed_logprobs import sequence_logprobs
 
     token_logprobs = sequence_logprobs(chunks, batch["tokens"], batch["prompt_lengths"], batch["response_lengths"],
-                                       vocab_size=vocab_size, micro_batch_size=rows_per_forward)
+                                       vocab_size=vocab_size, packing=packing, pad_id=pad_id,
+                                       micro_batch_size=rows_per_forward)
     return token_logprobs.sum(dim=1).float().cpu()  # zeros after each response's end
 
 
 @torch.no_grad()
-def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: int, pairs_per_forward: int) -> None:
+def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: int, pairs_per_forward: int,
+                                  packing: Optional[PackingSection] = None) -> None:
     """Store the chunks' summed logprobs of every pair's responses in `dataset.reference_logprobs`
     ([pairs, 2]: chosen, rejected). Every data-parallel rank computes the whole set (no DP traffic)."""
     from aligner.data.preference import collate_preferences
@@ -141,7 +162,7 @@ def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: i
     for start in range(0, len(dataset), pairs_per_forward):
         batch = collate_preferences([dataset[i] for i in range(start, min(start + pairs_per_forward, len(dataset)))],
                                     pad_id)
-        sums.append(_summed_logprobs(chunks, batch, vocab_size, 2 * pairs_per_forward))
+        sums.append(_summed_logprobs(chunks, batch, vocab_size, 2 * pairs_per_forward, packing, pad_id))
     dataset.reference_logprobs = torch.cat(sums).reshape(-1, 2)
 
 
@@ -149,8 +170,10 @@ class SwappedReferenceLoader:
     """A micro-batch loader whose batches gain `reference_logprobs`, computed each step with the
     reference weights swapped into the live chunks. Everything else is the wrapped loader's."""
 
-    def __init__(self, loader, chunks, reference, vocab_size: int):
+    def __init__(self, loader, chunks, reference, vocab_size: int, packing: Optional[PackingSection] = None,
+                 pad_id: int = 0):
         self.loader, self.chunks, self.reference, self.vocab_size = loader, chunks, reference, vocab_size
+        self.packing, self.pad_id = packing, pad_id
 
     def __getattr__(self, name):
         return getattr(self.loader, name)
@@ -160,7 +183,8 @@ class SwappedReferenceLoader:
             with torch.no_grad(), self.reference.swapped_in(self.chunks):
                 for batch in microbatches:
                     rows = batch["tokens"].shape[0]
-                    batch["reference_logprobs"] = _summed_logprobs(self.chunks, batch, self.vocab_size, rows)
+                    batch["reference_logprobs"] = _summed_logprobs(self.chunks, batch, self.vocab_size, rows,
+                                                                   self.packing, self.pad_id)
             yield microbatches
 
 
@@ -183,6 +207,10 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     from aligner.training.metrics import get_logger
 
     check_dpo_section(cfg.dpo)
+    row_length = cfg.packing.row_length
+    if row_length is not None and row_length < cfg.data.max_seq_length:
+        raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
+                          f"data.max_seq_length={cfg.data.max_seq_length}")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
@@ -200,7 +228,8 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
                     f"longer than {cfg.data.max_seq_length} tokens)")
         if precompute:
             precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size,
-                                          pad_id=built.tokenizer.pad_id, pairs_per_forward=trainer_cfg.micro_batch_size)
+                                          pad_id=built.tokenizer.pad_id, pairs_per_forward=trainer_cfg.micro_batch_size,
+                                          packing=cfg.packing)
         return dataset
 
     train_set, val_set = setup.build_datasets(
@@ -215,12 +244,16 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     if not precompute:
         reference = HostWeights.snapshot(built.chunks)
         logger.info(f"reference weights in host memory: {reference.num_bytes / 2**20:.1f} MiB")
-        train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size)
+        pad_id = built.tokenizer.pad_id
+        train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size,
+                                              cfg.packing, pad_id)
         if val_loader is not None:
-            val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size)
+            val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size,
+                                                cfg.packing, pad_id)
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
-    trainer = setup.build_trainer(cfg, built, DPOObjective(cfg.dpo, model_cfg.vocab_size), total_steps=total_steps,
-                                  train_loader=train_loader, val_loader=val_loader)
+    objective = DPOObjective(cfg.dpo, model_cfg.vocab_size, cfg.packing, built.tokenizer.pad_id)
+    trainer = setup.build_trainer(cfg, built, objective, total_steps=total_steps, train_loader=train_loader,
+                                  val_loader=val_loader)
     metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)

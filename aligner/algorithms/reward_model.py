@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.config import one_of
+from aligner.models.packing import PackingSection
 from aligner.models.reward import REWARD_TYPES
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
@@ -43,6 +44,7 @@ class RewardModelConfig(RunConfig):
     name: str = "reward_model"
     reward: RewardSection = field(default_factory=RewardSection)
     data: RewardDataConfig = field(default_factory=RewardDataConfig)
+    packing: PackingSection = field(default_factory=PackingSection)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -82,16 +84,36 @@ def summarize_pairs(totals: dict) -> dict:
     return metrics
 
 
-class RankingObjective:
-    """Rows come in (chosen, rejected) pairs; the loss is the mean Bradley-Terry loss per pair."""
+class SequenceScores:
+    """forward / last-token scores of collated micro batches (tokens, position_ids, lengths), padded or
+    packed (`aligner.models.packing`: each micro batch's sequences in rows of packing.row_length,
+    default the batch's padded length; None: padded rows)."""
+
+    def __init__(self, packing: Optional[PackingSection] = None):
+        self.packing = packing
 
     def forward(self, model, batch):
-        return model(batch["tokens"], batch["position_ids"], None)
+        from aligner.models.packing import forward_batch, packed_rows_of
 
-    def loss(self, batch, scores):
+        # pad id 0: a packed row's padding is never attended to nor read
+        return forward_batch(model, batch, packed_rows_of(batch, batch["lengths"], self.packing, 0))
+
+    def last_token_scores(self, batch, scores: torch.Tensor) -> torch.Tensor:
+        """Each sequence's scores at its last token, [batch, attributes] (float32)."""
+        from aligner.models.packing import packed_rows_of, token_scores_at
         from aligner.models.reward import scores_at_last_token
 
-        rewards = scores_at_last_token(scores.float(), batch["lengths"])[:, 0]  # [2 * pairs]
+        packed = packed_rows_of(batch, batch["lengths"], self.packing, 0)
+        if packed is not None:
+            return token_scores_at(scores.float(), packed, batch["lengths"] - 1)
+        return scores_at_last_token(scores.float(), batch["lengths"])
+
+
+class RankingObjective(SequenceScores):
+    """Rows come in (chosen, rejected) pairs; the loss is the mean Bradley-Terry loss per pair."""
+
+    def loss(self, batch, scores):
+        rewards = self.last_token_scores(batch, scores)[:, 0]  # [2 * pairs]
         chosen, rejected = rewards[0::2], rewards[1::2]
         per_pair = bradley_terry_loss(chosen, rejected)
         loss_sum = per_pair.sum()
@@ -102,19 +124,15 @@ class RankingObjective:
         return summarize_pairs(totals)
 
 
-class RegressionObjective:
+class RegressionObjective(SequenceScores):
     """Mean squared error over the labelled (sequence, attribute) entries of the global batch."""
 
-    def __init__(self, attributes: list[str]):
+    def __init__(self, attributes: list[str], packing: Optional[PackingSection] = None):
+        super().__init__(packing)
         self.attributes = list(attributes)
 
-    def forward(self, model, batch):
-        return model(batch["tokens"], batch["position_ids"], None)
-
     def loss(self, batch, scores):
-        from aligner.models.reward import scores_at_last_token
-
-        predictions = scores_at_last_token(scores.float(), batch["lengths"])  # [batch, attributes]
+        predictions = self.last_token_scores(batch, scores)  # [batch, attributes]
         squared = masked_regression_loss(predictions, batch["labels"], batch["label_mask"])
         loss_sum = squared.sum()
         labelled = batch["label_mask"].sum().to(torch.int)
@@ -203,7 +221,8 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
     model_cfg = built.model_cfg
-    objective = RankingObjective() if reward.type == "binary_ranking" else RegressionObjective(list(reward.attributes))
+    objective = (RankingObjective(cfg.packing) if reward.type == "binary_ranking"
+                 else RegressionObjective(list(reward.attributes), cfg.packing))
     reward_meta = {"type": reward.type, "attributes": list(reward.attributes), "normalization": None}
     trainer = setup.build_trainer(cfg, built, objective, total_steps=total_steps, train_loader=train_loader,
                                   val_loader=val_loader, checkpoint_meta={"reward": reward_meta})

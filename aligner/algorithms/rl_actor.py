@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.models.packing import PackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
@@ -237,6 +238,7 @@ class RLActorConfig(RunConfig):
     critic: CriticSection = field(default_factory=CriticSection)
     ptx: PTXSection = field(default_factory=PTXSection)
     ema: EMASection = field(default_factory=EMASection)
+    packing: PackingSection = field(default_factory=PackingSection)
     logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
 
     @property
@@ -311,6 +313,10 @@ class RLActorConfig(RunConfig):
             raise ConfigError("ptx.data is set but ptx.coef is not > 0")
         if self.ema.decay is not None and not 0 < self.ema.decay < 1:
             raise ConfigError(f"ema.decay must lie in (0, 1), got {self.ema.decay}")
+        row_length, longest = self.packing.row_length, self.data.max_prompt_length + gen.max_new_tokens
+        if row_length is not None and row_length < longest:
+            raise ConfigError(f"packing.row_length={row_length} must hold the longest rollout: at least "
+                              f"data.max_prompt_length + generation.max_new_tokens = {longest}")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -352,10 +358,12 @@ class Experience:
 @dataclass
 class PolicyMicrobatch:
     """One micro batch of the policy loss; loss_scale turns its aggregated sum into its share of the
-    minibatch loss (see `PolicyObjective`)."""
+    minibatch loss (see `PolicyObjective`). Packed (`packed` set): tokens and position_ids are its b
+    sequences laid end to end in r rows (`aligner.models.packing`); the per-sequence tensors are as
+    in the padded layout."""
 
-    tokens: torch.Tensor  # [b, S]
-    position_ids: torch.Tensor  # [b, S]
+    tokens: torch.Tensor  # [b, S], or [r, L] packed
+    position_ids: torch.Tensor  # [b, S], or [r, L] packed
     prompt_lengths: torch.Tensor  # [b]
     response_lengths: torch.Tensor  # [b]
     mask: torch.Tensor  # [b, T] bool
@@ -363,6 +371,7 @@ class PolicyMicrobatch:
     advantages: torch.Tensor  # [b, T]
     importance_weights: Optional[torch.Tensor]  # [b, T] or None
     loss_scale: float
+    packed: Optional[object] = None  # aligner.models.packing.PackedRows of the b sequences, or None: padded
 
     @property
     def real_tokens(self) -> int:
@@ -412,6 +421,10 @@ class PolicyObjective:
                                                   self.constant_normalizer)[1])
 
     def forward(self, model, batch):
+        if getattr(batch, "packed", None) is not None:
+            from aligner.models.packing import packed_forward
+
+            return packed_forward(model, batch.packed.to(batch.tokens.device))
         return model(batch.tokens, batch.position_ids, None)
 
     def loss(self, batch, logits):
@@ -429,13 +442,19 @@ class PolicyObjective:
 
         mask = batch.mask
         width = mask.shape[1]
-        logprobs = response_logprobs(logits, batch.tokens, batch.prompt_lengths, batch.response_lengths,
+        tokens, prompt_lengths = batch.tokens, batch.prompt_lengths
+        if batch.packed is not None:  # each sequence's response columns, as padded rows with a one-token prompt
+            from aligner.models.packing import response_window
+
+            logits, tokens = response_window(logits, batch.packed, prompt_lengths, width)
+            prompt_lengths = torch.ones_like(prompt_lengths)
+        logprobs = response_logprobs(logits, tokens, prompt_lengths, batch.response_lengths,
                                      vocab_size=self.vocab_size, temperature=self.temperature, response_width=width)
         terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
                                     clip_low=self.clip_low, clip_high=self.clip_high,
                                     weights=batch.importance_weights)
         # Entropy of the sampling distribution at each response position (vocab-parallel, never gathered).
-        columns = response_columns(batch.prompt_lengths.to(mask.device), width, logits.shape[1] - 1)
+        columns = response_columns(prompt_lengths.to(mask.device), width, logits.shape[1] - 1)
         response_logits = logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         response_logits = mask_padded_vocab(response_logits.float(), self.vocab_size) / self.temperature
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -757,12 +776,14 @@ class RLActor:
 
     # -- 3: logprobs
     def logprobs(self, batch) -> torch.Tensor:
-        from aligner.generation.logprobs import sequence_logprobs
+        from aligner.generation.packed_logprobs import sequence_logprobs
 
         return sequence_logprobs(self.chunks, batch.tokens, batch.prompt_lengths, batch.response_lengths,
-                                 vocab_size=self.model_cfg.vocab_size, temperature=self.temperature,
+                                 vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,
+                                 pad_id=self.tokenizer.pad_id, temperature=self.temperature,
                                  response_width=self.response_width,
-                                 micro_batch_size=self.cfg.trainer.micro_batch_size).cpu()
+                                 micro_batch_size=self.cfg.trainer.micro_batch_size,
+                                 plan=self.logprob_plan(batch)).cpu()
 
     # -- 4: scores -> shaped scores -> advantages
     def shaped_scores(self, batch) -> torch.Tensor:
@@ -876,18 +897,10 @@ class RLActor:
         positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
         minibatch_metrics, first = [], None
         for epoch in range(loss.epochs):
-            generator = torch.Generator().manual_seed(derive_seed(
-                self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
-            order = torch.randperm(rows, generator=generator)
+            order = self.minibatch_order(rows, epoch)
             for start in range(0, rows, minibatch_rows):
                 ids = order[start:start + minibatch_rows]
-                weights = experience.importance_weights
-                microbatches = [PolicyMicrobatch(
-                    tokens=batch.tokens[part], position_ids=positions, prompt_lengths=batch.prompt_lengths[part],
-                    response_lengths=batch.response_lengths[part], mask=batch.mask[part],
-                    old_logprobs=experience.old_logprobs[part], advantages=experience.advantages[part],
-                    importance_weights=None if weights is None else weights[part], loss_scale=1.0,
-                ) for part in ids.split(micro)]
+                microbatches = self.policy_microbatches(experience, ids, positions)
                 microbatches = self.scale_losses(microbatches + self.ptx_microbatches())
                 if loss.adam_epsilon_style == "tf":
                     # TF's Adam epsilon, as the torch optimizer's, for this optimizer step.
@@ -909,6 +922,63 @@ class RLActor:
         averaged.update({"first_ratio_mean": first["ratio_mean"], "first_ratio_max": first["ratio_max"],
                          "first_ratio_min": first["ratio_min"], "first_approx_kl": first["approx_kl"]})
         return averaged
+
+    def minibatch_order(self, rows: int, epoch: int) -> torch.Tensor:
+        """The step's rows in the order an epoch's minibatches take them (consecutive slices)."""
+        generator = torch.Generator().manual_seed(derive_seed(
+            self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
+        return torch.randperm(rows, generator=generator)
+
+    def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
+        """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
+        from aligner.models import packing
+
+        lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
+        row_length = self.cfg.packing.row_length or self.seq_length
+        return [[[int(ids[i]) for i in row] for row in rows]
+                for rows in packing.plan_micro_batches(lengths, row_length, self.cfg.trainer.micro_batch_size)]
+
+    def logprob_plan(self, batch) -> list[list[list[int]]]:
+        """The packed logprob pass's micro batches: the first epoch's, so the first minibatch's rows are
+        laid out exactly as its training rows (a sequence's float rounding depends on its place in a
+        row; with the same rows the first minibatch's ratio is exactly 1)."""
+        rows = batch.tokens.shape[0]
+        minibatch_rows = self.cfg.trainer.global_batch_size // self.dp_size
+        order = self.minibatch_order(rows, 0)
+        return [micro for start in range(0, rows, minibatch_rows)
+                for micro in self.packed_plan(batch, order[start:start + minibatch_rows])]
+
+    def policy_microbatches(self, experience: Experience, ids: torch.Tensor,
+                            positions: torch.Tensor) -> list[PolicyMicrobatch]:
+        """The minibatch `ids` (rows of the experience) as micro batches of trainer.micro_batch_size rows:
+        padded rows, one per sequence; or packed (`packing`), the minibatch's sequences laid end to end
+        in rows of packing.row_length (default: the padded row's length), so fewer micro batches carry
+        the same tokens. Every loss aggregation is a sum over sequences, so the minibatch loss is the
+        same whichever micro batch a sequence lands in."""
+        from aligner.models import packing
+
+        batch, weights = experience.batch, experience.importance_weights
+
+        def microbatch(part: torch.Tensor, **layout) -> PolicyMicrobatch:
+            return PolicyMicrobatch(
+                prompt_lengths=batch.prompt_lengths[part], response_lengths=batch.response_lengths[part],
+                mask=batch.mask[part], old_logprobs=experience.old_logprobs[part],
+                advantages=experience.advantages[part], importance_weights=None if weights is None else weights[part],
+                loss_scale=1.0, **layout)
+
+        micro = self.cfg.trainer.micro_batch_size
+        if not packing.packs_here(self.cfg.packing):
+            return [microbatch(part, tokens=batch.tokens[part], position_ids=positions[:len(part)])
+                    for part in ids.split(micro)]
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        sequences = [batch.tokens[row, :length] for row, length in enumerate(lengths)]
+        row_length = self.cfg.packing.row_length or self.seq_length
+        microbatches = []
+        for rows in self.packed_plan(batch, ids):
+            members, packed = packing.pack_micro_batch(sequences, rows, row_length, self.tokenizer.pad_id)
+            microbatches.append(microbatch(torch.tensor(members), tokens=packed.tokens,
+                                           position_ids=packed.position_ids, packed=packed))
+        return microbatches
 
     def scale_losses(self, microbatches: list) -> list:
         """Each micro batch with its loss_scale: (micro batches in the minibatch over all ranks) / (the

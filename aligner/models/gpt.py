@@ -302,7 +302,8 @@ def build_gpt_model(
 ):
     """One model chunk for this pipeline stage (and virtual stage); parallel_state must be initialised."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+
+    from aligner.models.packing import gpt_model_class
 
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -313,7 +314,8 @@ def build_gpt_model(
     )
     if cfg.is_moe:
         _patch_moe_without_transformer_engine()
-    return GPTModel(
+    # megatron's GPTModel, with rotary embeddings at the position ids (packed rows restart them).
+    return gpt_model_class()(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=vocab,

@@ -1,0 +1,67 @@
+"""Response logprobs of right-padded rollouts computed on packed rows (`aligner.models.packing`).
+
+The same numbers as `aligner.generation.logprobs.sequence_logprobs` (the padded pass, which this
+falls back to where packing is off or not possible), with no FLOPs spent on padding.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from aligner.generation import logprobs
+from aligner.models.packing import (
+    PackingSection,
+    pack_micro_batch,
+    packed_forward,
+    packs_here,
+    plan_micro_batches,
+    response_window,
+)
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model_chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    *,
+    vocab_size: int,
+    packing: Optional[PackingSection],
+    pad_id: int,
+    temperature: float = 1.0,
+    response_width: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    plan: Optional[list[list[list[int]]]] = None,
+) -> torch.Tensor:
+    """`aligner.generation.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
+    packed rows when `packs_here(packing)` (rows of packing.row_length, default S; micro_batch_size
+    packed rows per forward), else on the padded rows themselves.
+
+    plan: the packed forwards, as row indices per packed row per forward (default: first fit over
+    the whole batch). Where a sequence sits in a row changes its float rounding (~1e-6 relative), so
+    a caller that needs bit-equal numbers later lays the rows out the same way both times."""
+    width = int(response_lengths.max()) if response_width is None else response_width
+    if not packs_here(packing):
+        return logprobs.sequence_logprobs(model_chunks, tokens, prompt_lengths, response_lengths,
+                                          vocab_size=vocab_size, temperature=temperature, response_width=width,
+                                          micro_batch_size=micro_batch_size)
+    from aligner.runtime.distributed import device
+
+    target = device()
+    lengths = (prompt_lengths + response_lengths).tolist()
+    sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
+    row_length = packing.row_length or tokens.shape[1]
+    result = torch.zeros(len(sequences), width, device=target)
+    model_chunks[0].eval()
+    for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
+        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
+        packed = packed.to(target)
+        index = torch.tensor(members, device=target)
+        window, window_tokens = response_window(packed_forward(model_chunks[0], packed), packed,
+                                                prompt_lengths.to(target)[index], width)
+        result[index] = logprobs.response_logprobs(
+            window, window_tokens, torch.ones_like(index), response_lengths.to(target)[index],
+            vocab_size=vocab_size, temperature=temperature, response_width=width)
+    return result

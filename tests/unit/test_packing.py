@@ -1,0 +1,275 @@
+"""Packed batches (aligner.models.packing) against the padded layout: the row plan, the masks, the THD
+parameters, rotary embeddings at position ids, and the logprobs, losses and gradients of a tiny model
+(fp32), which must equal the padded path's within 1e-6."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aligner.generation import packed_logprobs
+from aligner.models import packing
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+
+pytestmark = pytest.mark.usefixtures("single_process")
+VOCAB = 50
+
+
+def _sequences(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def test_rows_are_first_fit_longest_first_and_every_sequence_keeps_its_own_positions():
+    sequences = _sequences([3, 6, 2, 5])
+    assert packing.first_fit_rows([3, 6, 2, 5], 8) == [[1, 2], [3, 0]]
+    packed = packing.pack_rows(sequences, 8, pad_id=0)
+    assert packed.tokens.shape == (2, 8)
+    assert packed.starts.tolist() == [8 + 5, 0, 6, 8]
+    for sequence, start in zip(sequences, packed.starts.tolist()):
+        assert torch.equal(packed.tokens.reshape(-1)[start:start + len(sequence)], sequence)
+        assert packed.position_ids.reshape(-1)[start:start + len(sequence)].tolist() == list(range(len(sequence)))
+    assert packed.segment_ids.tolist() == [[0] * 6 + [1] * 2, [0] * 5 + [1] * 3]
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.first_fit_rows([9], 8)
+
+
+def test_attention_mask_is_causal_inside_each_sequence_only():
+    packed = packing.pack_rows(_sequences([2, 3]), 6, pad_id=0)  # one row: [3 tokens][2 tokens][pad]
+    attend = ~packed.attention_mask()[0, 0]
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for first, length in ((0, 3), (3, 2)):
+        for query in range(first, first + length):
+            expected[query, first:query + 1] = True
+    expected[5, 5] = True  # padding sees only itself (no empty softmax row)
+    assert torch.equal(attend, expected)
+
+
+def test_thd_parameters_cut_at_every_sequence_and_row_end():
+    """transformer-engine's path (not run without a GPU): the rows flattened, each row's padding a sequence."""
+    packed = packing.pack_rows(_sequences([3, 6, 2, 5]), 8, pad_id=0)  # rows [6][2] and [5][3]
+    params = packed.packed_seq_params()
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 6, 8, 13, 16]
+    assert params.max_seqlen_q == 6
+    with_padding = packing.pack_rows(_sequences([3, 2]), 8, pad_id=0)  # one row [3][2][3 padding]
+    assert with_padding.packed_seq_params().cu_seqlens_kv.tolist() == [0, 3, 5, 8]
+
+
+def test_rotary_embedding_at_column_positions_is_megatrons_own_bit_for_bit():
+    cfg = GPTConfig.llama(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=8, llama3_rope_scaling_factor=8.0)
+    rotary = build_gpt_model(cfg, transformer_config(cfg)).rotary_pos_emb
+    positions = torch.arange(20).unsqueeze(0).repeat(3, 1)
+    assert torch.equal(packing.rotary_embedding_at(rotary, positions), rotary.get_emb(20).expand(-1, 3, -1, -1))
+
+
+def _tiny_model(style):
+    cfg = getattr(GPTConfig, style)(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+                                    num_query_groups=2 if style == "llama" else None,
+                                    make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return build_gpt_model(cfg, transformer_config(cfg))
+
+
+def _rollouts(seed=1):
+    """Five prompt + response rows, right-padded to 24 columns as the RL actor lays them out."""
+    prompts, responses = torch.tensor([3, 7, 5, 9, 2]), torch.tensor([6, 2, 9, 4, 11])
+    tokens = torch.zeros(5, 24, dtype=torch.long)
+    for row, sequence in enumerate(_sequences((prompts + responses).tolist(), seed)):
+        tokens[row, :len(sequence)] = sequence
+    return tokens, prompts, responses
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_packed_logprob_pass_equals_the_padded_one(style):
+    from aligner.generation import logprobs
+
+    model = _tiny_model(style).eval()
+    tokens, prompts, responses = _rollouts()
+    padded = logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
+                                        response_width=12)
+    for row_length, rows_per_forward in ((24, 2), (40, 1)):
+        packed = packed_logprobs.sequence_logprobs(
+            [model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7, pad_id=0, response_width=12,
+            packing=packing.PackingSection(row_length=row_length), micro_batch_size=rows_per_forward)
+        torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
+        assert torch.all(packed[:, 11:][responses.unsqueeze(1) <= 11] == 0)
+    off = packed_logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
+                                            packing=packing.PackingSection(enabled=False), pad_id=0,
+                                            response_width=12)
+    assert torch.equal(off, padded)
+
+
+def _policy_actor(cfg_settings):
+    """An RLActor with what policy_microbatches and scale_losses read (one process, no engine)."""
+    import torch.distributed as dist
+
+    from aligner.algorithms.rl_actor import PolicyObjective, RLActor, RLActorConfig
+    from aligner.config import CONF_DIR, load_config
+
+    cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml", [
+        "model.init_from=x", "data.prompts=p.jsonl", "reward.source=function", "reward.function=m:f",
+        "trainer.micro_batch_size=2", "loss.entropy_coef=0.01", *cfg_settings])
+    actor = RLActor.__new__(RLActor)
+    actor.cfg, actor.dp_group, actor.seq_length = cfg, dist.group.WORLD, 24
+    actor.tokenizer = type("Tokenizer", (), {"pad_id": 0})()
+    actor.objective = PolicyObjective(VOCAB, 0.7, cfg.loss, cfg.clip_high, cfg.constant_normalizer, 0.0)
+    return actor
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean"])
+def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregation):
+    """A minibatch of five rollouts: the padded micro batches (2 sequences each) and the packed ones
+    (2 rows of 24 tokens each) give the same loss, metrics and gradients within 1e-6. Megatron divides
+    the summed micro-batch losses (and so the gradients) by the summed counts, 1 per micro batch."""
+    from types import SimpleNamespace
+
+    from aligner.algorithms.rl_actor import Experience
+    from aligner.generation.logprobs import response_mask
+
+    model = _tiny_model("llama").train()
+    tokens, prompts, responses = _rollouts(seed=2)
+    generator = torch.Generator().manual_seed(3)
+    mask = response_mask(responses, 12)
+    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    old = torch.where(mask, -torch.rand(5, 12, generator=generator) * 3, 0)
+    experience = Experience(batch=batch, old_logprobs=old, advantages=torch.randn(5, 12, generator=generator) * mask,
+                            importance_weights=None, returns=None, values=None, scores=None, sequence_rewards=None,
+                            metrics={})
+    ids = torch.tensor([4, 0, 2, 1, 3])
+    results = {}
+    for enabled in (False, True):
+        actor = _policy_actor([f"packing.enabled={str(enabled).lower()}", f"loss.aggregation={aggregation}"])
+        microbatches = actor.scale_losses(actor.policy_microbatches(
+            experience, ids, torch.arange(24).unsqueeze(0).expand(2, -1)))
+        model.zero_grad(set_to_none=True)
+        total, reports = 0.0, []
+        for microbatch in microbatches:
+            loss, _, report = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+            loss.backward()
+            total += float(loss)
+            reports.append(report)
+        summed = {key: sum(float(r[key]) for r in reports) for key in ("policy_loss_sum", "entropy_sum", "tokens")}
+        count = len(microbatches)
+        results[enabled] = (count, total / count, summed,
+                            {name: p.grad / count for name, p in model.named_parameters()})
+    (padded_count, padded_loss, padded_sums, padded_grads) = results[False]
+    (packed_count, packed_loss, packed_sums, packed_grads) = results[True]
+    assert (padded_count, packed_count) == (3, 2)  # 5 sequences of 9..14 tokens: 2 per padded micro batch,
+    assert packed_loss == pytest.approx(padded_loss, abs=1e-6)  # 2 rows of 24 per packed one
+    assert packed_sums == pytest.approx(padded_sums, rel=1e-6)  # fp32 sums over different groupings
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_sums(tmp_path,
+                                                                                  arithmetic_tokenizer_dir):
+    """Six demo pairs in one micro batch: packed into rows of the batch's padded length, the DPO loss,
+    its report and the gradients equal the padded batch's within 1e-6; so do the reference sums."""
+    from aligner.algorithms.dpo import DPOObjective, DPOSection, precompute_reference_logprobs
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.demo import arithmetic
+    from aligner.tokenizer import Tokenizer
+
+    from ..conftest import write_jsonl
+
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(4)
+    policy = build_gpt_model(cfg, transformer_config(cfg))
+    reference = build_gpt_model(cfg, transformer_config(cfg))
+    path = write_jsonl(tmp_path / "pairs.jsonl", arithmetic.preference_records(6, seed=5))
+    dataset = PreferenceDataset.from_jsonl(path, tokenizer, 32)
+    sums = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        precompute_reference_logprobs(dataset, [reference], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
+                                      pairs_per_forward=3, packing=section)
+        sums[name] = dataset.reference_logprobs.clone()
+    torch.testing.assert_close(sums["packed"], sums["padded"], atol=1e-6, rtol=0)
+
+    results = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
+        objective = DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, section, tokenizer.pad_id)
+        policy.zero_grad(set_to_none=True)
+        loss_sum, pairs, report = objective.loss(batch, objective.forward(policy, batch))
+        loss_sum.backward()
+        if section is not None:  # fewer rows than sequences: the padding really went away
+            assert batch["packed"].tokens.shape[0] < batch["tokens"].shape[0]
+        results[name] = (float(loss_sum), {key: float(value) for key, value in report.items()},
+                         {key: p.grad.clone() for key, p in policy.named_parameters()})
+    assert results["packed"][0] == pytest.approx(results["padded"][0], abs=1e-6)
+    assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
+    for key, grad in results["padded"][2].items():
+        torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["ranking", "regression"])
+def test_packed_reward_model_micro_batch_gives_the_padded_loss_and_gradients(kind):
+    """Reward-model objectives read each sequence's score at its last token: packed equals padded."""
+    from aligner.algorithms.reward_model import RankingObjective, RegressionObjective
+    from aligner.data.reward import collate_comparisons, collate_regression
+    from aligner.models.reward import build_reward_model
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(5)
+    attributes = 1 if kind == "ranking" else 2
+    model = build_reward_model(cfg, transformer_config(cfg), num_attributes=attributes)
+    sequences = _sequences([9, 4, 13, 6, 11, 3], seed=6)
+    generator = torch.Generator().manual_seed(7)
+    if kind == "ranking":
+        examples = [{"chosen": sequences[i], "rejected": sequences[i + 1]} for i in range(0, 6, 2)]
+        collate, make = collate_comparisons, RankingObjective
+    else:
+        examples = [{"tokens": sequence, "labels": torch.randn(2, generator=generator),
+                     "label_mask": torch.tensor([1.0, float(i % 2)])} for i, sequence in enumerate(sequences)]
+        collate, make = collate_regression, lambda section: RegressionObjective(["a", "b"], section)
+    results = {}
+    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+        batch = collate(examples, 0)
+        objective = make(section)
+        model.zero_grad(set_to_none=True)
+        loss_sum, _, report = objective.loss(batch, objective.forward(model, batch))
+        loss_sum.backward()
+        if section is not None:
+            assert batch["packed"].tokens.shape[0] < len(sequences)
+        results[name] = (float(loss_sum), {key: float(value) for key, value in report.items()},
+                         {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None})
+    assert results["packed"][0] == pytest.approx(results["padded"][0], abs=1e-6)
+    assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
+    for key, grad in results["padded"][2].items():
+        torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_rows():
+    """A sequence's rounding depends on its place in a packed row: the logprob pass packs the first
+    epoch's minibatches, so the first minibatch's training logprobs are bit-equal to the old ones
+    (the ratio is exactly 1)."""
+    from types import SimpleNamespace
+
+    from aligner.generation.logprobs import response_logprobs, response_mask
+
+    model = _tiny_model("llama").eval()
+    tokens, prompts, responses = _rollouts(seed=8)
+    mask = response_mask(responses, 12)
+    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    actor = _policy_actor(["trainer.global_batch_size=5"])
+    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
+        vocab_size=VOCAB), 0.7, 12
+    actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
+    old = actor.logprobs(batch)
+    plan = actor.logprob_plan(batch)
+    assert sorted(i for micro in plan for row in micro for i in row) == list(range(5))
+    first = actor.minibatch_order(5, 0)
+    assert plan == actor.packed_plan(batch, first)
+    experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(5, 12), importance_weights=None)
+    for microbatch in actor.policy_microbatches(experience, first, torch.arange(24).unsqueeze(0).expand(2, -1)):
+        with torch.no_grad():
+            window, window_tokens = packing.response_window(actor.objective.forward(model, microbatch),
+                                                            microbatch.packed, microbatch.prompt_lengths, 12)
+            trained = response_logprobs(window, window_tokens, torch.ones_like(microbatch.prompt_lengths),
+                                        microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7,
+                                        response_width=12)
+        assert torch.equal(trained, microbatch.old_logprobs)
