@@ -1,13 +1,15 @@
-"""The native engine's decode products on CPU: oneDNN's linear instead of BLAS's W @ x.
+"""The native engine's products on CPU: oneDNN's linear instead of BLAS (MKL).
 
-A decode step's products are weight [out, in] times a few columns x [in, batch]. MKL, torch's
-CPU BLAS, runs that shape slowly on this project's CPUs (AMD EPYC, AVX-512: 2-5x below oneDNN at
-batch 8-64 on SmolLM2's shapes, benchmarks/README.md). oneDNN's linear computes x^T W^T, i.e.
-the transpose of the same product, on the weight as it is: no copy, so in-place weight updates
-are seen at once. The engine keeps its activations feature-major ([features, batch]); here they
-are the transposes of contiguous token-major tensors, so neither side moves data.
+MKL, torch's CPU BLAS for fp32, runs the engine's product shapes slowly on this project's CPUs
+(AMD EPYC, AVX-512): oneDNN's linear is 1.2-5x faster on SmolLM2's shapes, from a decode step's
+few columns to a prefill's thousand rows (benchmarks/README.md). It reads the weight as it is:
+no copy, so in-place weight updates are seen at once. The decode step keeps its activations
+feature-major ([features, batch]); here they are the transposes of contiguous token-major
+tensors, so neither side moves data.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -20,3 +22,9 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 def weight_times_columns(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """weight [out, in] @ columns [in, batch] -> [out, batch], the transpose of a contiguous [batch, out]."""
     return torch.ops.mkldnn._linear_pointwise(columns.t(), weight, None, "none", [], "").t()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., in]."""
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -558,7 +558,7 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            return F.linear(self._norm(hidden[:, -1], segment.final_norm), segment.output_weight)
+            return self._linear(self._norm(hidden[:, -1], segment.final_norm), segment.output_weight)
 
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, self.cfg.hidden_size))
@@ -641,9 +641,12 @@ class NativeEngine:
         # torch's rms_norm op sequence for fp32 (bit-identical), in fewer dispatches.
         return x * (x * x).mean(-1, keepdim=True).add_(self.cfg.norm_epsilon).rsqrt_() * norm.weight
 
+    def _linear(self, x, weight, bias=None):
+        return cpu_products.linear(x, weight, bias) if self._onednn_products else F.linear(x, weight, bias)
+
     def _row_parallel(self, x, linear: _Linear):
         """megatron's row-parallel linear: matmul, all-reduce, then the bias."""
-        out = self._reduce(F.linear(x, linear.weight))
+        out = self._reduce(self._linear(x, linear.weight))
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
@@ -652,7 +655,7 @@ class NativeEngine:
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
-        qkv = F.linear(self._norm(hidden, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
+        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
         qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim)
         query_key = qkv[:, :, :, : per_group + 1]
         if layer.q_norm is not None:
@@ -680,10 +683,10 @@ class NativeEngine:
             # on which the activation runs ~3x faster than on the strided halves of one product.
             half = fc1.weight.shape[0] // 2
             bias = (None, None) if fc1.bias is None else (fc1.bias[:half], fc1.bias[half:])
-            intermediate = self._activation(F.linear(normed, fc1.weight[:half], bias[0]))
-            intermediate.mul_(F.linear(normed, fc1.weight[half:], bias[1]))
+            intermediate = self._activation(self._linear(normed, fc1.weight[:half], bias[0]))
+            intermediate.mul_(self._linear(normed, fc1.weight[half:], bias[1]))
         else:
-            intermediate = self._activation(F.linear(normed, fc1.weight, fc1.bias))
+            intermediate = self._activation(self._linear(normed, fc1.weight, fc1.bias))
         return self._row_parallel(intermediate, layer.fc2).add_(hidden)
 
     def _head_norm(self, query_key, layer: _Layer, dim: int):
