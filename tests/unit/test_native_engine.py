@@ -130,6 +130,24 @@ def test_response_logprobs_carry_gradients_to_the_model():
     model.eval()
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
+    """On CPU the decode products run on oneDNN; BLAS's W @ x (the GPU path) must give the same rows."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    cfg, model = make_model(name)
+    prompts = make_prompts()
+    sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
+    onednn = make_engine(cfg, model)
+    assert onednn._onednn_products  # fp32 on CPU: the path under test is the one in use
+    blas = make_engine(cfg, model)
+    blas._onednn_products = False
+    expected = blas.generate(prompts, sampling)
+    rollout = onednn.generate(prompts, sampling)
+    assert torch.equal(rollout.response_tokens, expected.response_tokens)
+    assert torch.allclose(rollout.logprobs, expected.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_rows_do_not_depend_on_the_rest_of_the_batch():
     cfg, model = make_model("llama")
     a, b, c, d = make_prompts(4)
