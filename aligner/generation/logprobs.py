@@ -75,58 +75,82 @@ def _tensor_parallel_group() -> Optional[dist.ProcessGroup]:
     return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
-def _scaled_chunk(logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, first_padded: int,
+def _consecutive_pieces(positions: torch.Tensor, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[(first, count)]: `positions` cut into runs of consecutive positions (a response's columns, a
+    label span) of at most chunk_tokens, so each piece is a slice of the logits, not a gather (slow on CPU)."""
+    positions = positions.tolist()
+    pieces: list[tuple[int, int]] = []
+    for index, position in enumerate(positions):
+        if pieces and index and position == positions[index - 1] + 1 and pieces[-1][1] < chunk_tokens:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + 1)
+        else:
+            pieces.append((index, 1))
+    return pieces
+
+
+def _scaled_piece(flat_logits: torch.Tensor, first: int, count: int, buffer: torch.Tensor, first_padded: int,
                   temperature: float) -> torch.Tensor:
-    """[n, vocab_shard] fp32 logits at (rows, columns) / temperature, padded vocabulary at -inf (a new tensor)."""
-    chunk = logits[rows, columns].float()
-    chunk[:, first_padded:] = float("-inf")
+    """Rows first..first+count of [tokens, vocab_shard] logits as fp32 / temperature, padded vocabulary
+    at -inf, written into `buffer` (reused across pieces: no fresh pages per piece)."""
+    piece = buffer[:count]
+    piece.copy_(flat_logits[first:first + count])
+    piece[:, first_padded:] = float("-inf")
     if temperature != 1.0:
-        chunk.div_(temperature)
-    return chunk
+        piece.div_(temperature)
+    return piece
 
 
 class _SelectedLogprobsAndEntropy(torch.autograd.Function):
-    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at chosen (row, column)
-    positions of [batch, seq, vocab_shard] logits, chunk by chunk.
+    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at chosen rows of
+    [tokens, vocab_shard] logits, piece by piece.
 
     The same numbers as megatron's vocab_parallel_cross_entropy (max-shifted log-sum-exp, all-reduced
     over the tensor-parallel group; the target logit from the shard that holds it), but only at the
-    positions asked for, and without full-size copies: forward keeps per-position log Z and E[logit],
-    backward recomputes each chunk's softmax. d logprob / dx = onehot - p and d entropy / dx =
-    -p (x - E[x]) for x = logits / T, each rank computing its own shard's part.
+    positions asked for, and without full-size copies: forward keeps per-position sums, backward
+    recomputes each piece's softmax. d logprob / dx = onehot - p and d entropy / dx = -p (x - E[x])
+    for x = logits / T, each rank computing its own shard's part.
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, columns, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
+    def forward(ctx, flat_logits, positions, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
                 with_entropy):
-        count = rows.numel()
-        shard_max = torch.empty(count, dtype=torch.float32, device=logits.device)
-        sum_exp = torch.empty_like(shard_max)  # sum exp(x - max)
-        target_logit = torch.zeros_like(shard_max)  # x[target] - max
-        expected_logit = torch.zeros_like(shard_max)  # E[x - max]
-        shard = logits.shape[-1]
+        count = positions.numel()
+        row_max = torch.empty(count, dtype=torch.float32, device=flat_logits.device)
+        sum_exp = torch.empty_like(row_max)  # sum exp(x - max)
+        target_logit = torch.zeros_like(row_max)  # x[target] - max
+        expected_logit = torch.zeros_like(row_max)  # E[x - max]
+        shard = flat_logits.shape[-1]
         local_targets = targets - vocab_start
         on_shard = (local_targets >= 0) & (local_targets < shard)
-        # Pass 1: the maximum over the whole vocabulary of each position (the shift log Z is taken at).
-        for start in range(0, count, chunk_tokens):
-            part = slice(start, start + chunk_tokens)
-            shard_max[part] = _scaled_chunk(logits, rows[part], columns[part], first_padded, temperature).amax(-1)
-        row_max = shard_max
+        pieces = _consecutive_pieces(positions, chunk_tokens)
+        rows = min(chunk_tokens, count)
+        buffer = torch.empty(rows, shard, dtype=torch.float32, device=flat_logits.device)
+        weights_buffer = torch.empty_like(buffer) if with_entropy else None
+
+        def piece_of(index, length):
+            return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
+
         if group is not None:
+            # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
+            for index, length in pieces:
+                row_max[index:index + length] = piece_of(index, length).amax(-1)
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        # Pass 2: sum exp(x - max), sum exp(x - max) * x and the target logit, this shard's parts.
-        for start in range(0, count, chunk_tokens):
-            part = slice(start, start + chunk_tokens)
-            chunk = _scaled_chunk(logits, rows[part], columns[part], first_padded, temperature)
-            chunk_targets = local_targets[part].clamp(0, shard - 1)
-            target_logit[part] = torch.where(on_shard[part], chunk.gather(1, chunk_targets.unsqueeze(1)).squeeze(1)
-                                             - row_max[part], 0.0)
-            chunk.sub_(row_max[part].unsqueeze(1))  # x - max
-            weights = torch.exp(chunk)
-            sum_exp[part] = weights.sum(-1)
+        for index, length in pieces:
+            part = slice(index, index + length)
+            piece = piece_of(index, length)
+            if group is None:
+                row_max[part] = piece.amax(-1)
+            piece.sub_(row_max[part].unsqueeze(1))  # x - max
+            piece_targets = local_targets[part].clamp(0, shard - 1).unsqueeze(1)
+            target_logit[part] = torch.where(on_shard[part], piece.gather(1, piece_targets).squeeze(1), 0.0)
             if with_entropy:
+                weights = torch.exp(piece, out=weights_buffer[:length])
+                sum_exp[part] = weights.sum(-1)
                 # 0 stands in for the -inf of padded entries, whose weight is 0 (no 0 * -inf nan).
-                expected_logit[part] = (weights * torch.where(weights > 0, chunk, 0.0)).sum(-1)
+                piece.masked_fill_(weights == 0, 0.0)
+                expected_logit[part] = (weights.mul_(piece)).sum(-1)
+            else:
+                sum_exp[part] = piece.exp_().sum(-1)
         if group is not None:
             sums = torch.stack([sum_exp, expected_logit, target_logit])
             dist.all_reduce(sums, group=group)
@@ -136,35 +160,42 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
         expected_logit = expected_logit / sum_exp
         logprobs = target_logit - torch.log(sum_exp)
         entropy = torch.log(sum_exp) - expected_logit
-        ctx.save_for_backward(logits, rows, columns, local_targets, on_shard, row_max, sum_exp, expected_logit)
-        ctx.settings = (first_padded, temperature, chunk_tokens)
+        ctx.save_for_backward(flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit)
+        ctx.settings = (first_padded, temperature, pieces)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, rows, columns, local_targets, on_shard, row_max, sum_exp, expected_logit = ctx.saved_tensors
-        first_padded, temperature, chunk_tokens = ctx.settings
-        grad_logits = torch.zeros_like(logits)
-        for start in range(0, rows.numel(), chunk_tokens):
-            part = slice(start, start + chunk_tokens)
-            chunk = _scaled_chunk(logits, rows[part], columns[part], first_padded, temperature)
-            chunk.sub_(row_max[part].unsqueeze(1))  # x - max
-            probs = torch.exp(chunk).div_(sum_exp[part].unsqueeze(1))  # [n, vocab_shard]; 0 on padding
-            grad = torch.zeros_like(probs)
-            if grad_entropy is not None:
-                centered = torch.where(probs > 0, chunk - expected_logit[part].unsqueeze(1), 0.0)
-                grad.sub_(probs * centered * grad_entropy[part].unsqueeze(1))
+        flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit = ctx.saved_tensors
+        first_padded, temperature, pieces = ctx.settings
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        grad_logits = torch.zeros_like(flat_logits)
+        rows = max(length for _, length in pieces)
+        buffer = torch.empty(rows, flat_logits.shape[-1], dtype=torch.float32, device=flat_logits.device)
+        probs_buffer = torch.empty_like(buffer) if grad_entropy is not None else None
+        for index, length in pieces:
+            part = slice(index, index + length)
+            first = int(positions[index])
+            shifted = _scaled_piece(flat_logits, first, length, buffer, first_padded, temperature)
+            shifted.sub_(row_max[part].unsqueeze(1))  # x - max
+            if grad_entropy is None:  # the softmax in place: x - max is not needed after
+                grad = shifted.exp_().div_(sum_exp[part].unsqueeze(1)).mul_(-grad_logprobs[part].unsqueeze(1))
+            else:
+                probs = torch.exp(shifted, out=probs_buffer[:length]).div_(sum_exp[part].unsqueeze(1))
+                # -p (x - E[x]), with 0 for the padded entries (p = 0, x = -inf)
+                grad = shifted.sub_(expected_logit[part].unsqueeze(1)).masked_fill_(probs == 0, 0.0)
+                grad.mul_(probs).mul_(-grad_entropy[part].unsqueeze(1))
+                if grad_logprobs is not None:
+                    grad.sub_(probs.mul_(grad_logprobs[part].unsqueeze(1)))
             if grad_logprobs is not None:
-                scale = grad_logprobs[part].unsqueeze(1)
-                grad.sub_(probs * scale)
-                hit = on_shard[part]
-                hit_rows = torch.arange(probs.shape[0], device=probs.device)[hit]
-                grad[hit_rows, local_targets[part][hit]] += scale.squeeze(1)[hit]
+                hit = on_shard[part].nonzero().squeeze(1)
+                grad[hit, local_targets[part][hit]] += grad_logprobs[part][hit]
             if temperature != 1.0:
                 grad.div_(temperature)
-            grad_logits.index_put_((rows[part], columns[part]), grad.to(grad_logits.dtype), accumulate=True)
-        return grad_logits, None, None, None, None, None, None, None, None, None
+            grad_logits[first:first + length] = grad
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 def selected_logprobs_and_entropy(
@@ -175,16 +206,17 @@ def selected_logprobs_and_entropy(
     *,
     vocab_size: int,
     temperature: float = 1.0,
-    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    chunk_tokens: Optional[int] = None,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy), each [n] float32 and differentiable, at n chosen positions of the logits.
+    """(logprobs, entropy), each [n] float32 and differentiable, at n distinct positions of the logits.
 
     logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard of the padded vocabulary;
-    rows, columns: [n] long, the positions; targets: [n] long, the token whose logprob is taken at
-    each (its logits being those of the position). Both are those of softmax(logits / temperature)
-    over the real vocabulary (`mask_padded_vocab`). Equal to megatron's vocab_parallel_cross_entropy
-    of the masked, scaled logits at those positions, without its full-size copies.
+    rows, columns: [n] long, the positions, each at most once; targets: [n] long, the token whose
+    logprob is taken at each (its logits being those of the position). Both are those of
+    softmax(logits / temperature) over the real vocabulary (`mask_padded_vocab`). Equal to megatron's
+    vocab_parallel_cross_entropy of the masked, scaled logits at those positions, without its
+    full-size copies. chunk_tokens: positions per chunk (default `LOGPROB_CHUNK_TOKENS`).
     with_entropy=False skips the entropy's work (it is then meaningless and must not be used).
     """
     from megatron.core import parallel_state as ps
@@ -192,9 +224,11 @@ def selected_logprobs_and_entropy(
     shard = logits.shape[-1]
     vocab_start = ps.get_tensor_model_parallel_rank() * shard
     first_padded = min(max(vocab_size - vocab_start, 0), shard)
-    return _SelectedLogprobsAndEntropy.apply(logits, rows, columns, targets, vocab_start, first_padded,
-                                             float(temperature), max(1, int(chunk_tokens)), _tensor_parallel_group(),
-                                             with_entropy)
+    flat_logits = logits.reshape(-1, shard)  # a view: the model's logits are contiguous
+    positions = rows * logits.shape[1] + columns
+    chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
+    return _SelectedLogprobsAndEntropy.apply(flat_logits, positions, targets, vocab_start, first_padded,
+                                             float(temperature), chunk_tokens, _tensor_parallel_group(), with_entropy)
 
 
 def response_logprobs_and_entropy(
