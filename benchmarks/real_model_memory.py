@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--dpo-pairs", type=int, default=2, help="pairs per DPO step (= micro batch)")
     parser.add_argument("--dpo-seq-length", type=int, default=256, help="data.max_seq_length of the DPO stage")
     parser.add_argument("--dpo-steps", type=int, default=3)
+    parser.add_argument("--override", action="append", default=[],
+                        help="extra config override for the sft and dpo stages, e.g. model.activation_recompute=full")
     args = parser.parse_args()
 
     code_root = Path(args.code_root).resolve()
@@ -99,12 +102,12 @@ def main() -> None:
         "sft": [python, str(gpt / "train_gpt_sft.py"), f"model.init_from={checkpoint}",
                 f"data.train=[{{path: {data['sft']}, weight: 1.0}}]", "data.max_seq_length=256",
                 "trainer.micro_batch_size=4", "trainer.global_batch_size=4", f"checkpoint.save_dir={work / 'sft'}",
-                f"logging.log_dir={work / 'sft'}", *quiet],
+                f"logging.log_dir={work / 'sft'}", *quiet, *args.override],
         "dpo": [python, str(gpt / "train_gpt_dpo.py"), f"model.init_from={checkpoint}",
                 f"data.train=[{{path: {data['dpo']}, weight: 1.0}}]", f"data.max_seq_length={args.dpo_seq_length}",
                 f"trainer.micro_batch_size={args.dpo_pairs}", f"trainer.global_batch_size={args.dpo_pairs}",
                 f"checkpoint.save_dir={work / 'dpo'}", f"logging.log_dir={work / 'dpo'}", *quiet,
-                f"trainer.max_steps={args.dpo_steps}"],
+                f"trainer.max_steps={args.dpo_steps}", *args.override],
     }
     stages = args.stages.split(",")
     unknown = sorted(set(stages) - set(commands))
@@ -115,6 +118,7 @@ def main() -> None:
     print(f"code {code_root}, work {work}, {args.threads} threads")
     print(f"{'stage':<8} {'peak RSS MB':>12} {'wall s':>8}  load (1 min, before->after)")
     for stage in stages:
+        shutil.rmtree(work / stage, ignore_errors=True)  # a fresh metrics.jsonl (it is appended to)
         row = run_stage(stage, commands[stage], code_root, args.threads, work / f"{stage}.log")
         print(f"{row['stage']:<8} {row['peak_rss_mb']:>12.0f} {row['wall_s']:>8.1f}  {row['load']}", flush=True)
         if stage in ("sft", "dpo"):

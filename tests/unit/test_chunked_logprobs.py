@@ -21,8 +21,9 @@ pytestmark = pytest.mark.usefixtures("single_process")
 VOCAB, PADDED = 50, 64
 
 
-def full_size_reference(logits, tokens, prompt_lengths, response_lengths, temperature, width):
-    """The replaced path: full-size masked, scaled logits; cross entropy at every column; gather."""
+def full_size_reference(logits, tokens, prompt_lengths, response_lengths, temperature, width, group=None):
+    """The replaced path: full-size masked, scaled logits; cross entropy at every column; gather.
+    logits: this rank's vocabulary shard; group: the tensor-parallel group (None: TP=1)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     scaled = mask_padded_vocab(logits.float(), VOCAB) / temperature
@@ -30,8 +31,8 @@ def full_size_reference(logits, tokens, prompt_lengths, response_lengths, temper
     columns = response_columns(prompt_lengths, width, tokens.shape[1] - 2)
     inside = response_mask(response_lengths, width)
     logprobs = torch.where(inside, every_column.gather(1, columns), 0.0)
-    response_logits = scaled.gather(1, columns.unsqueeze(-1).expand(-1, -1, PADDED))
-    entropy = ppo_math.entropy_from_logits(response_logits, inside)
+    response_logits = scaled.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    entropy = ppo_math.entropy_from_logits(response_logits, inside, group=group)
     return logprobs, entropy
 
 
