@@ -123,8 +123,9 @@ def main() -> None:
         print(f"{row['stage']:<8} {row['peak_rss_mb']:>12.0f} {row['wall_s']:>8.1f}  {row['load']}", flush=True)
         if stage in ("sft", "dpo"):
             rows = [json.loads(line) for line in (work / stage / "metrics.jsonl").read_text().splitlines()]
-            losses = [(row["step"], row["loss"]) for row in rows if row.get("split") == "train" and "loss" in row]
-            print(f"         {stage} losses (step, loss): " + ", ".join(f"({s}, {loss!r})" for s, loss in losses))
+            train = [row for row in rows if row.get("split") == "train" and "loss" in row]
+            print(f"         {stage} (step, loss, step_time s): "
+                  + ", ".join(f"({row['step']}, {row['loss']!r}, {row['step_time']:.1f})" for row in train))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
         grad_logits = torch.zeros_like(flat_logits)
-        rows = max(length for _, length in pieces)
+        rows = max((length for _, length in pieces), default=0)
         buffer = torch.empty(rows, flat_logits.shape[-1], dtype=torch.float32, device=flat_logits.device)
         probs_buffer = torch.empty_like(buffer) if grad_entropy is not None else None
         for index, length in pieces:

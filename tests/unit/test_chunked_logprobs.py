@@ -111,3 +111,13 @@ def test_float64_reference_and_detached_entropy():
     _, detached = response_logprobs_and_entropy(leaf, tokens, torch.tensor([2, 4, 1]), torch.tensor([5, 3, 7]),
                                                 vocab_size=VOCAB, entropy_grad=False)
     assert not detached.requires_grad
+
+
+def test_no_positions_give_a_zero_loss_and_gradient():
+    from aligner.algorithms.sft import response_token_loss
+
+    logits, tokens, _, _ = batch()
+    leaf = logits.clone().requires_grad_()
+    loss_sum, count = response_token_loss(leaf, tokens, torch.zeros(3, 9), VOCAB)
+    loss_sum.backward()
+    assert float(loss_sum) == 0 and int(count) == 0 and leaf.grad.eq(0).all()
