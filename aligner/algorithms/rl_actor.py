@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
@@ -193,6 +194,7 @@ class RLDataSection:
 @dataclass
 class PolicySection:
     init_from: str = "???"  # the starting policy (an SFT checkpoint); also the reference policy
+    activation_recompute: str = one_of(ACTIVATION_RECOMPUTE, "none")  # as setup.ModelSection's
 
 
 @dataclass
