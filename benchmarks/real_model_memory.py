@@ -1,14 +1,17 @@
 """Peak RSS and wall time of the entry points on a real model (SmolLM2-135M-Instruct), one process each.
 
     .venv/bin/python benchmarks/real_model_memory.py --hf-dir HF_MODEL_DIR [--code-root DIR] \
-        [--stages import,chat,sft,dpo] [--work DIR] [--threads 2]
+        [--stages import,chat,sft,dpo] [--work DIR] [--threads 2] [--dpo-pairs 2] [--dpo-seq-length 256] \
+        [--dpo-steps 3]
 
 Stages, each a fresh process of the code under --code-root (default: this checkout; another
 checkout, e.g. an older commit, gives the "before" numbers with the same commands):
 - import: `python -m aligner.hf import` of the HF directory (fp32), the checkpoint the others use;
 - chat:   batch mode, 16 templated prompts in one generate call, 64 new tokens, greedy;
 - sft:    3 steps, micro batch 4 = global batch 4, sequences of 256 tokens (conversations);
-- dpo:    3 steps, 2 pairs per step, prompt + response up to 256 tokens.
+- dpo:    3 steps, 2 pairs per step (one micro batch), prompt + response up to 256 tokens
+          (`--dpo-pairs 8 --dpo-seq-length 512`: issue 14's memory goal); its logged losses are printed,
+          so two code roots can be checked for identical losses.
 Peak RSS is the largest resident set of the stage's process tree (`wait4`'s ru_maxrss, in MB);
 the machine's load average (`/proc/loadavg`, 1 minute) is printed beside each number, because
 wall times on a shared machine move with it.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,16 +42,18 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
-def write_data(work: Path) -> dict[str, Path]:
-    """Chat prompts, SFT conversations (> 256 tokens: truncated to exactly 256) and DPO pairs."""
+def write_data(work: Path, dpo_seq_length: int = 256) -> dict[str, Path]:
+    """Chat prompts, SFT conversations (> 256 tokens: truncated to exactly 256) and DPO pairs whose
+    longer side (prompt + chosen, ~1 token per word) fills most of `dpo_seq_length`."""
     paths = {name: work / f"{name}.jsonl" for name in ("chat", "sft", "dpo")}
     write_jsonl(paths["chat"], [{"messages": [{"role": "user", "content": sentence(i, 12 + i) + "?"}]}
                                 for i in range(16)])
     write_jsonl(paths["sft"], [{"conversations": [{"from": "User", "value": sentence(i, 60)},
                                                   {"from": "Assistant", "value": sentence(i + 100, 200)}]}
                                for i in range(64)])
-    write_jsonl(paths["dpo"], [{"prompt": sentence(i, 40), "chosen": sentence(i + 200, 120),
-                                "rejected": sentence(i + 300, 100)} for i in range(16)])
+    scale = dpo_seq_length / 256
+    write_jsonl(paths["dpo"], [{"prompt": sentence(i, int(40 * scale)), "chosen": sentence(i + 200, int(120 * scale)),
+                                "rejected": sentence(i + 300, int(100 * scale))} for i in range(16)])
     return paths
 
 
@@ -74,12 +80,17 @@ def main() -> None:
     parser.add_argument("--stages", default="import,chat,sft,dpo")
     parser.add_argument("--work", default=None, help="scratch directory (default: a new one under /tmp)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dpo-pairs", type=int, default=2, help="pairs per DPO step (= micro batch)")
+    parser.add_argument("--dpo-seq-length", type=int, default=256, help="data.max_seq_length of the DPO stage")
+    parser.add_argument("--dpo-steps", type=int, default=3)
+    parser.add_argument("--override", action="append", default=[],
+                        help="extra config override for the sft and dpo stages, e.g. model.activation_recompute=full")
     args = parser.parse_args()
 
     code_root = Path(args.code_root).resolve()
     work = Path(args.work) if args.work else Path(f"/tmp/real_model_memory_{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    data = write_data(work)
+    data = write_data(work, args.dpo_seq_length)
     checkpoint = work / "checkpoint"
     python, gpt = sys.executable, code_root / "examples" / "nlp" / "gpt"
     quiet = ["logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.save_at_end=false",
@@ -91,11 +102,12 @@ def main() -> None:
         "sft": [python, str(gpt / "train_gpt_sft.py"), f"model.init_from={checkpoint}",
                 f"data.train=[{{path: {data['sft']}, weight: 1.0}}]", "data.max_seq_length=256",
                 "trainer.micro_batch_size=4", "trainer.global_batch_size=4", f"checkpoint.save_dir={work / 'sft'}",
-                f"logging.log_dir={work / 'sft'}", *quiet],
+                f"logging.log_dir={work / 'sft'}", *quiet, *args.override],
         "dpo": [python, str(gpt / "train_gpt_dpo.py"), f"model.init_from={checkpoint}",
-                f"data.train=[{{path: {data['dpo']}, weight: 1.0}}]", "data.max_seq_length=256",
-                "trainer.micro_batch_size=2", "trainer.global_batch_size=2", f"checkpoint.save_dir={work / 'dpo'}",
-                f"logging.log_dir={work / 'dpo'}", *quiet],
+                f"data.train=[{{path: {data['dpo']}, weight: 1.0}}]", f"data.max_seq_length={args.dpo_seq_length}",
+                f"trainer.micro_batch_size={args.dpo_pairs}", f"trainer.global_batch_size={args.dpo_pairs}",
+                f"checkpoint.save_dir={work / 'dpo'}", f"logging.log_dir={work / 'dpo'}", *quiet,
+                f"trainer.max_steps={args.dpo_steps}", *args.override],
     }
     stages = args.stages.split(",")
     unknown = sorted(set(stages) - set(commands))
@@ -106,8 +118,14 @@ def main() -> None:
     print(f"code {code_root}, work {work}, {args.threads} threads")
     print(f"{'stage':<8} {'peak RSS MB':>12} {'wall s':>8}  load (1 min, before->after)")
     for stage in stages:
+        shutil.rmtree(work / stage, ignore_errors=True)  # a fresh metrics.jsonl (it is appended to)
         row = run_stage(stage, commands[stage], code_root, args.threads, work / f"{stage}.log")
         print(f"{row['stage']:<8} {row['peak_rss_mb']:>12.0f} {row['wall_s']:>8.1f}  {row['load']}", flush=True)
+        if stage in ("sft", "dpo"):
+            rows = [json.loads(line) for line in (work / stage / "metrics.jsonl").read_text().splitlines()]
+            train = [row for row in rows if row.get("split") == "train" and "loss" in row]
+            print(f"         {stage} (step, loss, step_time s): "
+                  + ", ".join(f"({row['step']}, {row['loss']!r}, {row['step_time']:.1f})" for row in train))
 
 
 if __name__ == "__main__":

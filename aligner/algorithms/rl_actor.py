@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import PackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
@@ -194,6 +195,7 @@ class RLDataSection:
 @dataclass
 class PolicySection:
     init_from: str = "???"  # the starting policy (an SFT checkpoint); also the reference policy
+    activation_recompute: str = one_of(ACTIVATION_RECOMPUTE, "none")  # as setup.ModelSection's
 
 
 @dataclass
@@ -435,10 +437,7 @@ class PolicyObjective:
             loss_sum, tokens = response_token_loss(logits, batch.labels, batch.loss_mask, self.vocab_size)
             return loss_sum * batch.loss_scale, one, {"ptx_loss_sum": loss_sum.detach(),
                                                       "ptx_tokens": tokens.detach().float()}
-        from megatron.core import parallel_state as ps
-
-        from aligner.generation.logprobs import response_columns, response_logprobs
-        from aligner.models.gpt import mask_padded_vocab
+        from aligner.generation.logprobs import response_logprobs_and_entropy
 
         mask = batch.mask
         width = mask.shape[1]
@@ -448,18 +447,16 @@ class PolicyObjective:
 
             logits, tokens = response_window(logits, batch.packed, prompt_lengths, width)
             prompt_lengths = torch.ones_like(prompt_lengths)
-        logprobs = response_logprobs(logits, tokens, prompt_lengths, batch.response_lengths,
-                                     vocab_size=self.vocab_size, temperature=self.temperature, response_width=width)
+        # Logprobs and the entropy of the sampling distribution at each response position, in one
+        # chunked pass (vocab-parallel, never gathered).
+        logprobs, entropy = response_logprobs_and_entropy(
+            logits, tokens, prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
+            temperature=self.temperature, response_width=width,
+            entropy_grad=self.entropy_coef != 0 and torch.is_grad_enabled())
+        entropy = ppo_math.zero_off_mask(entropy, mask)
         terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
                                     clip_low=self.clip_low, clip_high=self.clip_high,
                                     weights=batch.importance_weights)
-        # Entropy of the sampling distribution at each response position (vocab-parallel, never gathered).
-        columns = response_columns(prompt_lengths.to(mask.device), width, logits.shape[1] - 1)
-        response_logits = logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        response_logits = mask_padded_vocab(response_logits.float(), self.vocab_size) / self.temperature
-        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-        with torch.set_grad_enabled(self.entropy_coef != 0 and torch.is_grad_enabled()):
-            entropy = ppo_math.entropy_from_logits(response_logits, mask, group=group)
         policy_sum, count = policy_losses.aggregate_loss(terms.per_token, mask, self.aggregation,
                                                          self.constant_normalizer)
         entropy_sum, _ = policy_losses.aggregate_loss(entropy, mask, self.aggregation, self.constant_normalizer)

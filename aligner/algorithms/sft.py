@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from aligner.data.steerlm import CHECKPOINT_META_KEY, SteerLMConfig
-from aligner.models.gpt import mask_padded_vocab
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -40,11 +39,13 @@ def response_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: t
     global batch (across micro batches and data-parallel ranks): the loss is then the same
     whatever the parallel layout or micro-batch split.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from aligner.generation.logprobs import selected_logprobs_and_entropy
 
-    logits = mask_padded_vocab(logits.float(), vocab_size)
-    per_token = vocab_parallel_cross_entropy(logits, labels)
-    loss_sum = (per_token * loss_mask).sum()
+    # Only the positions that carry loss are computed (`selected_logprobs_and_entropy`: no full-size copies).
+    rows, columns = loss_mask.nonzero(as_tuple=True)
+    logprobs, _ = selected_logprobs_and_entropy(logits, rows, columns, labels[rows, columns], vocab_size=vocab_size,
+                                                with_entropy=False)
+    loss_sum = -(logprobs * loss_mask[rows, columns]).sum()
     return loss_sum, loss_mask.sum().to(torch.int)
 
 

@@ -28,8 +28,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from aligner.models.gpt import mask_padded_vocab
-
 
 def pack_sequences(prompts: Sequence[Sequence[int]], response_tokens: torch.Tensor, response_lengths: torch.Tensor,
                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +64,210 @@ def response_values(token_values: torch.Tensor, prompt_lengths: torch.Tensor, re
     return token_values.gather(1, columns)
 
 
+# Tokens per chunk of the logprob/entropy pass: bounds its [chunk, vocab_shard] fp32 temporaries
+# (1024 x 49152 x 4 B = 200 MB) instead of holding full [tokens, vocab] copies.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+def _tensor_parallel_group() -> Optional[dist.ProcessGroup]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def _consecutive_pieces(positions: torch.Tensor, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[(first, count)]: `positions` cut into runs of consecutive positions (a response's columns, a
+    label span) of at most chunk_tokens, so each piece is a slice of the logits, not a gather (slow on CPU)."""
+    positions = positions.tolist()
+    pieces: list[tuple[int, int]] = []
+    for index, position in enumerate(positions):
+        if pieces and index and position == positions[index - 1] + 1 and pieces[-1][1] < chunk_tokens:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + 1)
+        else:
+            pieces.append((index, 1))
+    return pieces
+
+
+def _scaled_piece(flat_logits: torch.Tensor, first: int, count: int, buffer: torch.Tensor, first_padded: int,
+                  temperature: float) -> torch.Tensor:
+    """Rows first..first+count of [tokens, vocab_shard] logits as fp32 / temperature, padded vocabulary
+    at -inf, written into `buffer` (reused across pieces: no fresh pages per piece)."""
+    piece = buffer[:count]
+    piece.copy_(flat_logits[first:first + count])
+    piece[:, first_padded:] = float("-inf")
+    if temperature != 1.0:
+        piece.div_(temperature)
+    return piece
+
+
+class _SelectedLogprobsAndEntropy(torch.autograd.Function):
+    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at chosen rows of
+    [tokens, vocab_shard] logits, piece by piece.
+
+    The same numbers as megatron's vocab_parallel_cross_entropy (max-shifted log-sum-exp, all-reduced
+    over the tensor-parallel group; the target logit from the shard that holds it), but only at the
+    positions asked for, and without full-size copies: forward keeps per-position sums, backward
+    recomputes each piece's softmax. d logprob / dx = onehot - p and d entropy / dx = -p (x - E[x])
+    for x = logits / T, each rank computing its own shard's part.
+    """
+
+    @staticmethod
+    def forward(ctx, flat_logits, positions, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
+                with_entropy):
+        count = positions.numel()
+        row_max = torch.empty(count, dtype=torch.float32, device=flat_logits.device)
+        sum_exp = torch.empty_like(row_max)  # sum exp(x - max)
+        target_logit = torch.zeros_like(row_max)  # x[target] - max
+        expected_logit = torch.zeros_like(row_max)  # E[x - max]
+        shard = flat_logits.shape[-1]
+        local_targets = targets - vocab_start
+        on_shard = (local_targets >= 0) & (local_targets < shard)
+        pieces = _consecutive_pieces(positions, chunk_tokens)
+        rows = min(chunk_tokens, count)
+        buffer = torch.empty(rows, shard, dtype=torch.float32, device=flat_logits.device)
+        weights_buffer = torch.empty_like(buffer) if with_entropy else None
+
+        def piece_of(index, length):
+            return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
+
+        if group is not None:
+            # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
+            for index, length in pieces:
+                row_max[index:index + length] = piece_of(index, length).amax(-1)
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        for index, length in pieces:
+            part = slice(index, index + length)
+            piece = piece_of(index, length)
+            if group is None:
+                row_max[part] = piece.amax(-1)
+            piece.sub_(row_max[part].unsqueeze(1))  # x - max
+            piece_targets = local_targets[part].clamp(0, shard - 1).unsqueeze(1)
+            target_logit[part] = torch.where(on_shard[part], piece.gather(1, piece_targets).squeeze(1), 0.0)
+            if with_entropy:
+                weights = torch.exp(piece, out=weights_buffer[:length])
+                sum_exp[part] = weights.sum(-1)
+                # 0 stands in for the -inf of padded entries, whose weight is 0 (no 0 * -inf nan).
+                piece.masked_fill_(weights == 0, 0.0)
+                expected_logit[part] = (weights.mul_(piece)).sum(-1)
+            else:
+                sum_exp[part] = piece.exp_().sum(-1)
+        if group is not None:
+            sums = torch.stack([sum_exp, expected_logit, target_logit])
+            dist.all_reduce(sums, group=group)
+            sum_exp, expected_logit, target_logit = sums.unbind()
+        # Everything relative to the max, as megatron's loss log(sum exp(x - max)) - (x[target] - max):
+        # adding the max back first would cancel digits.
+        expected_logit = expected_logit / sum_exp
+        logprobs = target_logit - torch.log(sum_exp)
+        entropy = torch.log(sum_exp) - expected_logit
+        ctx.save_for_backward(flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit)
+        ctx.settings = (first_padded, temperature, pieces)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit = ctx.saved_tensors
+        first_padded, temperature, pieces = ctx.settings
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        grad_logits = torch.zeros_like(flat_logits)
+        rows = max((length for _, length in pieces), default=0)
+        buffer = torch.empty(rows, flat_logits.shape[-1], dtype=torch.float32, device=flat_logits.device)
+        probs_buffer = torch.empty_like(buffer) if grad_entropy is not None else None
+        for index, length in pieces:
+            part = slice(index, index + length)
+            first = int(positions[index])
+            shifted = _scaled_piece(flat_logits, first, length, buffer, first_padded, temperature)
+            shifted.sub_(row_max[part].unsqueeze(1))  # x - max
+            if grad_entropy is None:  # the softmax in place: x - max is not needed after
+                grad = shifted.exp_().div_(sum_exp[part].unsqueeze(1)).mul_(-grad_logprobs[part].unsqueeze(1))
+            else:
+                probs = torch.exp(shifted, out=probs_buffer[:length]).div_(sum_exp[part].unsqueeze(1))
+                # -p (x - E[x]), with 0 for the padded entries (p = 0, x = -inf)
+                grad = shifted.sub_(expected_logit[part].unsqueeze(1)).masked_fill_(probs == 0, 0.0)
+                grad.mul_(probs).mul_(-grad_entropy[part].unsqueeze(1))
+                if grad_logprobs is not None:
+                    grad.sub_(probs.mul_(grad_logprobs[part].unsqueeze(1)))
+            if grad_logprobs is not None:
+                hit = on_shard[part].nonzero().squeeze(1)
+                grad[hit, local_targets[part][hit]] += grad_logprobs[part][hit]
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad_logits[first:first + length] = grad
+        return grad_logits, None, None, None, None, None, None, None, None
+
+
+def selected_logprobs_and_entropy(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    columns: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy), each [n] float32 and differentiable, at n distinct positions of the logits.
+
+    logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard of the padded vocabulary;
+    rows, columns: [n] long, the positions, each at most once; targets: [n] long, the token whose
+    logprob is taken at each (its logits being those of the position). Both are those of
+    softmax(logits / temperature) over the real vocabulary (`mask_padded_vocab`). Equal to megatron's
+    vocab_parallel_cross_entropy of the masked, scaled logits at those positions, without its
+    full-size copies. chunk_tokens: positions per chunk (default `LOGPROB_CHUNK_TOKENS`).
+    with_entropy=False skips the entropy's work (it is then meaningless and must not be used).
+    """
+    from megatron.core import parallel_state as ps
+
+    shard = logits.shape[-1]
+    vocab_start = ps.get_tensor_model_parallel_rank() * shard
+    first_padded = min(max(vocab_size - vocab_start, 0), shard)
+    flat_logits = logits.reshape(-1, shard)  # a view: the model's logits are contiguous
+    positions = rows * logits.shape[1] + columns
+    chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
+    return _SelectedLogprobsAndEntropy.apply(flat_logits, positions, targets, vocab_start, first_padded,
+                                             float(temperature), chunk_tokens, _tensor_parallel_group(), with_entropy)
+
+
+def response_logprobs_and_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    response_width: Optional[int] = None,
+    entropy_grad: bool = True,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [batch, response_width] of the response tokens, 0 after each response's end.
+
+    logits and tokens as in `response_logprobs`; the entropy is that of the sampling distribution
+    softmax(logits / temperature) at each response token's column. entropy_grad=False: the entropy
+    is returned detached (no backward work for it); with_entropy=False: not computed (zeros).
+    """
+    batch, seq = tokens.shape
+    width = int(response_lengths.max()) if response_width is None else response_width
+    if width == 0 or seq < 2:
+        zeros = logits.new_zeros(batch, width, dtype=torch.float32)
+        return zeros, zeros.clone()
+    device = tokens.device
+    columns = response_columns(prompt_lengths.to(device), width, seq - 2)  # [batch, width]
+    inside = response_mask(response_lengths.to(device), width)
+    rows = torch.arange(batch, device=device).unsqueeze(1).expand(-1, width)[inside]
+    selected_columns = columns[inside]
+    logprobs, entropy = selected_logprobs_and_entropy(
+        logits, rows, selected_columns, tokens[rows, selected_columns + 1], vocab_size=vocab_size,
+        temperature=temperature, with_entropy=with_entropy)
+    if not (entropy_grad and with_entropy):
+        entropy = entropy.detach()
+    zeros = logits.new_zeros(batch, width, dtype=torch.float32)
+    return zeros.masked_scatter(inside, logprobs), zeros.masked_scatter(inside, entropy)
+
+
 def response_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -79,23 +281,14 @@ def response_logprobs(
     """Logprobs [batch, response_width] of the response tokens from the model's logits (differentiable).
 
     logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard (the vocabulary is never
-    gathered: megatron's vocab-parallel cross entropy); tokens [batch, seq] in the layout above.
+    gathered); tokens [batch, seq] in the layout above. Only the response columns are computed,
+    chunk by chunk (`selected_logprobs_and_entropy`).
     temperature: the sampling temperature (greedy rollouts: 1).
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    batch, seq = tokens.shape
-    width = int(response_lengths.max()) if response_width is None else response_width
-    if width == 0 or seq < 2:
-        return logits.new_zeros(batch, width, dtype=torch.float32)
-    scaled = mask_padded_vocab(logits.float(), vocab_size)
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    # Next-token logprobs of every column: column c predicts tokens[:, c + 1].
-    token_logprobs = -vocab_parallel_cross_entropy(scaled[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    columns = response_columns(prompt_lengths.to(tokens.device), width, seq - 2)
-    inside = response_mask(response_lengths.to(tokens.device), width)
-    return torch.where(inside, token_logprobs.gather(1, columns), torch.zeros((), device=tokens.device))
+    logprobs, _ = response_logprobs_and_entropy(logits, tokens, prompt_lengths, response_lengths,
+                                                vocab_size=vocab_size, temperature=temperature,
+                                                response_width=response_width, with_entropy=False)
+    return logprobs
 
 
 @torch.no_grad()

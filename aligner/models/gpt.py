@@ -36,6 +36,15 @@ _ACTIVATIONS = {
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# none: every layer keeps its activations for backward; selective: the attention core (scores and
+# probabilities, [batch, heads, seq, seq]) is recomputed; full: only each layer's input is kept and
+# the layer is run again in backward (about one more forward of compute).
+RECOMPUTE_SETTINGS = {  # megatron's fields for each `activation_recompute`
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+ACTIVATION_RECOMPUTE = tuple(RECOMPUTE_SETTINGS)
 
 
 @dataclass
@@ -199,8 +208,10 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     expert_parallel_size: int = 1,
+    activation_recompute: str = "none",
 ):
-    """The megatron-core `TransformerConfig` for this architecture and parallel layout."""
+    """The megatron-core `TransformerConfig` for this architecture and parallel layout;
+    activation_recompute: a key of `RECOMPUTE_SETTINGS` (training memory against compute)."""
     from megatron.core.transformer import TransformerConfig
 
     cfg.validate(tensor_parallel_size, expert_parallel_size)
@@ -258,8 +269,10 @@ def transformer_config(
         calculate_per_token_loss=True,
         qk_layernorm=cfg.qk_layernorm,
         **moe,
+        **RECOMPUTE_SETTINGS[activation_recompute],
         **cpu_bridge.transformer_config_overrides(),
     )
+
 
 
 def layer_spec(cfg: GPTConfig):
@@ -336,6 +349,7 @@ def build_model_chunks(
     parallel: ParallelConfig,
     params_dtype: torch.dtype,
     chunk_builder: Callable = build_gpt_model,
+    activation_recompute: str = "none",
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (one, or one per virtual pipeline stage), before DDP wrapping.
 
@@ -350,6 +364,7 @@ def build_model_chunks(
         params_dtype=params_dtype,
         sequence_parallel=parallel.sequence_parallel,
         expert_parallel_size=parallel.expert_model_parallel_size,
+        activation_recompute=activation_recompute,
     )
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp:

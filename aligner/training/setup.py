@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from aligner.config import at_least, one_of, require_checkpoint_dir
-from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
+from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_gpt_model, build_model_chunks
 from aligner.runtime import distributed
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -177,6 +177,8 @@ class ModelSection:
 
     init_from: Optional[str] = None  # aligner checkpoint (HF import or an earlier run); None: random init
     architecture: GPTConfig = field(default_factory=GPTConfig)  # used only for random init
+    # none | selective | full: activations recomputed in backward (aligner.models.gpt.RECOMPUTE_SETTINGS)
+    activation_recompute: str = one_of(ACTIVATION_RECOMPUTE, "none")
 
 
 @dataclass
@@ -257,7 +259,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
         estimated_bytes=checkpointing.estimated_checkpoint_bytes(num_parameters(stored_cfg), params_dtype))
     latest = run.resume_checkpoint
     seeds.set_seed(seed)
-    chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder)
+    chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder,
+                                activation_recompute=model.activation_recompute)
     if init_from and latest is None:
         checkpointing.load(init_from, chunks, skip_prefixes=skip_prefixes)
         get_logger().info(f"initialised from {init_from}")

@@ -1,0 +1,68 @@
+"""The chunked logprob/entropy pass at TP=2 (each rank holds half of a padded vocabulary) against the
+full-size path it replaces at the same layout and against float64 over the whole vocabulary.
+Rank 0 prints one `RESULT <json>` line of the largest differences."""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from aligner.generation.logprobs import response_logprobs, response_logprobs_and_entropy
+from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
+from tests.unit.test_chunked_logprobs import PADDED, VOCAB, batch, float64_reference, full_size_reference
+
+
+def main() -> None:
+    from megatron.core import parallel_state as ps
+
+    initialize(ParallelConfig(tensor_model_parallel_size=2))
+    rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    shard = slice(rank * PADDED // 2, (rank + 1) * PADDED // 2)  # rank 1 holds the padded entries
+    logits, tokens, prompt_lengths, response_lengths = batch()
+    width, temperature = 8, 0.7
+    weights = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(1))
+    result = {}
+
+    def value_and_grad(compute, full_vocabulary=False):
+        leaf = (logits if full_vocabulary else logits[..., shard]).clone().requires_grad_()
+        logprobs, entropy = compute(leaf)
+        ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+        grad = leaf.grad[..., shard] if full_vocabulary else leaf.grad
+        return logprobs.detach().double(), entropy.detach().double(), grad.double()
+
+    for chunk_tokens in (2, 1024):
+        import aligner.generation.logprobs as logprobs_module
+
+        logprobs_module.LOGPROB_CHUNK_TOKENS = chunk_tokens
+        chunked = value_and_grad(lambda leaf: response_logprobs_and_entropy(
+            leaf, tokens, prompt_lengths, response_lengths, vocab_size=VOCAB, temperature=temperature,
+            response_width=width))
+        old = value_and_grad(lambda leaf: full_size_reference(leaf, tokens, prompt_lengths, response_lengths,
+                                                              temperature, width, group))
+        float64 = value_and_grad(lambda leaf: float64_reference(leaf, tokens, prompt_lengths, response_lengths,
+                                                                temperature, width), full_vocabulary=True)
+        logprobs_only = value_and_grad(lambda leaf: (response_logprobs(
+            leaf, tokens, prompt_lengths, response_lengths, vocab_size=VOCAB, temperature=temperature,
+            response_width=width), torch.zeros(3, width)))
+        old_logprobs_only = value_and_grad(lambda leaf: (full_size_reference(
+            leaf, tokens, prompt_lengths, response_lengths, temperature, width, group)[0], torch.zeros(3, width)))
+        differences = {
+            "logprobs_vs_old": (chunked[0] - old[0]).abs().max(),
+            "entropy_vs_old": (chunked[1] - old[1]).abs().max(),
+            "logprob_grad_vs_old": (logprobs_only[2] - old_logprobs_only[2]).abs().max(),
+            "logprobs_vs_float64": (chunked[0] - float64[0]).abs().max(),
+            "entropy_vs_float64": (chunked[1] - float64[1]).abs().max(),
+            "grad_vs_float64": (chunked[2] - float64[2]).abs().max(),
+        }
+        for name, value in differences.items():  # the largest over both ranks
+            value = value.float().reshape(1)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            result[f"chunk{chunk_tokens}/{name}"] = float(value)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
