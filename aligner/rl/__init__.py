@@ -38,9 +38,6 @@ from aligner.rl.ppo_math import (
     apply_missing_stop_penalty,
     clip_scores,
     clipped_value_error,
-    entropy_from_logits,
-    entropy_from_partial_sums,
-    entropy_partial_sums,
     explained_variance,
     gae_advantages,
     kl_penalty,
@@ -71,8 +68,7 @@ __all__ = [
     "TIS_LEVELS", "mismatch_metrics", "truncated_importance_weights",
     # ppo_math
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
-    "clipped_value_error", "entropy_from_logits", "entropy_from_partial_sums", "entropy_partial_sums",
-    "explained_variance", "gae_advantages", "kl_penalty", "masked_mean", "masked_moment_sums", "masked_moments",
-    "masked_sum", "masked_var", "masked_whiten", "moments_from_sums", "normalize_scores", "overlong_penalty",
-    "response_lengths", "token_rewards", "value_loss", "zero_off_mask",
+    "clipped_value_error", "explained_variance", "gae_advantages", "kl_penalty", "masked_mean", "masked_moment_sums",
+    "masked_moments", "masked_sum", "masked_var", "masked_whiten", "moments_from_sums", "normalize_scores",
+    "overlong_penalty", "response_lengths", "token_rewards", "value_loss", "zero_off_mask",
 ]

@@ -2,8 +2,9 @@
 
 Reads in the order a PPO step uses it: masked statistics (local or over the data-parallel group),
 scores -> per-token rewards (stop penalty, overlong penalty, normalisation, clipping, the per-token
-KL penalty), KL estimators and controllers, GAE, the critic's value loss and the entropy. The
-advantage estimators are in `aligner.rl.advantages`, the policy losses in `aligner.rl.policy_losses`.
+KL penalty), KL estimators and controllers, GAE and the critic's value loss. The advantage estimators
+are in `aligner.rl.advantages`, the policy losses in `aligner.rl.policy_losses`, the entropy with the
+logprobs in `aligner.generation.logprobs`.
 
 Conventions. Per-token tensors are [batch, T] over response positions; responses are right-padded,
 so `mask` [batch, T] (bool or 0/1) is 1 on the first `length` columns of each row and 0 after.
@@ -359,56 +360,3 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     with torch.no_grad():
         stats = {"clip_fraction": masked_mean(clipped.to(per_token.dtype), mask)}
     return loss, stats
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward is the identity: right when every rank of the group goes on
-    to compute the same loss from the sum (tensor parallelism), as megatron's reduce-from-region."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def entropy_partial_sums(logits: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum exp(l - m), sum exp(l - m) * l) over the last dim of one vocabulary shard, each [...].
-
-    row_max: the maximum logit over the whole vocabulary [...] (all shards). Shards combine by
-    adding these sums; -inf logits (padded vocabulary) contribute nothing.
-    """
-    logits = logits.float()
-    weights = torch.exp(logits - row_max.unsqueeze(-1))  # [..., vocab_shard]
-    # Tokens of zero weight contribute nothing; the stand-in 0 keeps 0 * (-inf) from making a nan
-    # in the value or the gradient (padded vocabulary entries are -inf).
-    finite_logits = torch.where(weights > 0, logits, 0.0)
-    return weights.sum(dim=-1), (weights * finite_logits).sum(dim=-1)
-
-
-def entropy_from_partial_sums(sum_exp: torch.Tensor, sum_exp_logit: torch.Tensor,
-                              row_max: torch.Tensor) -> torch.Tensor:
-    """Entropy log Z - E[logit] from `entropy_partial_sums` added over all vocabulary shards."""
-    return torch.log(sum_exp) + row_max - sum_exp_logit / sum_exp
-
-
-def entropy_from_logits(logits: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                        group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Per-token entropy [batch, T] (float32) of softmax(logits); differentiable, 0 off the mask.
-
-    logits: [batch, T, vocab], already divided by the sampling temperature; padded vocabulary at -inf.
-    group: the tensor-parallel group when logits are this rank's vocabulary shard [batch, T, vocab_shard];
-        [batch, T] sums are all-reduced instead of gathering the vocabulary.
-    """
-    row_max = logits.detach().float().amax(dim=-1)  # [batch, T]; a constant shift, so no gradient needed
-    if group is not None:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    sum_exp, sum_exp_logit = entropy_partial_sums(logits, row_max)
-    if group is not None:
-        sum_exp, sum_exp_logit = _SumOverGroup.apply(torch.stack([sum_exp, sum_exp_logit]), group).unbind()
-    entropy = entropy_from_partial_sums(sum_exp, sum_exp_logit, row_max)
-    return entropy if mask is None else zero_off_mask(entropy, mask)

@@ -14,11 +14,38 @@ from aligner.generation.logprobs import (
     selected_logprobs_and_entropy,
 )
 from aligner.models.gpt import mask_padded_vocab
-from aligner.rl import ppo_math
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
 VOCAB, PADDED = 50, 64
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce sum whose backward is the identity (each shard's sums feed every rank's entropy)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def full_size_entropy(logits, mask, group=None):
+    """The replaced entropy, log Z + max - E[logit], over full-size [batch, T, vocab_shard] logits
+    (already masked and scaled), its [batch, T] sums all-reduced over the tensor-parallel group."""
+    row_max = logits.detach().amax(dim=-1)
+    if group is not None:
+        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    weights = torch.exp(logits - row_max.unsqueeze(-1))
+    sums = torch.stack([weights.sum(-1), (weights * torch.where(weights > 0, logits, 0.0)).sum(-1)])
+    if group is not None:
+        sums = _SumOverGroup.apply(sums, group)
+    sum_exp, sum_exp_logit = sums.unbind()
+    return torch.where(mask, torch.log(sum_exp) + row_max - sum_exp_logit / sum_exp, 0.0)
 
 
 def full_size_reference(logits, tokens, prompt_lengths, response_lengths, temperature, width, group=None):
@@ -32,7 +59,7 @@ def full_size_reference(logits, tokens, prompt_lengths, response_lengths, temper
     inside = response_mask(response_lengths, width)
     logprobs = torch.where(inside, every_column.gather(1, columns), 0.0)
     response_logits = scaled.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    entropy = ppo_math.entropy_from_logits(response_logits, inside, group=group)
+    entropy = full_size_entropy(response_logits, inside, group=group)
     return logprobs, entropy
 
 
