@@ -430,7 +430,9 @@ def test_forked_draws_log_no_warning(caplog):
 # --- linear layers on oneDNN ---------------------------------------------------------------------
 
 def _gpt_losses_and_grads(cfg, frozen: tuple[str, ...]) -> tuple[torch.Tensor, dict]:
-    """Masked token loss of two micro batches through a fresh GPT (seed 0) and every parameter's gradient."""
+    """Masked token loss of two micro batches through a fresh GPT (seed 0) and every parameter's gradient
+    (this rank's shards: the loss is megatron's vocab-parallel cross entropy, so any TP size works)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from aligner.models.gpt import build_gpt_model, transformer_config
@@ -441,7 +443,8 @@ def _gpt_losses_and_grads(cfg, frozen: tuple[str, ...]) -> tuple[torch.Tensor, d
         param.requires_grad_(not name.startswith(frozen))
     losses = []
     for batch in _microbatches(valid_tokens=(17, 24)):
-        loss = _masked_token_loss_sum(batch, model(batch["tokens"], batch["position_ids"], None))
+        logits = model(batch["tokens"], batch["position_ids"], None)
+        loss = (vocab_parallel_cross_entropy(logits, batch["labels"]) * batch["loss_mask"]).sum()
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses), {name: param.grad for name, param in model.named_parameters()}
