@@ -73,12 +73,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from aligner.generation import cpu_products
 from aligner.generation import cuda_graphs as graphs
 from aligner.generation import sampling as S
 from aligner.generation.engine import Rollout, SamplingParams
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
+from aligner.runtime import cpu_products
 from aligner.runtime.errors import ConfigError
 
 

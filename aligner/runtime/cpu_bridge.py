@@ -15,6 +15,13 @@ DDP buffers and checkpointing code:
    global mode costs ~20-40 % on every torch call (see benchmarks/bridge_overhead.py); a model
    forward called directly (generation, single-stage evaluation) never pays for it.
 
+4. megatron's linear layers (ColumnParallelLinear, RowParallelLinear, the output layer, tied or
+   not) multiply with `torch.matmul`, which for fp32 on CPU is MKL; their forward and backward
+   products go through oneDNN instead (`cpu_products`, 1.5-5x faster per product on SmolLM2's
+   shapes), with megatron's tensor-parallel semantics (the input-gradient all-reduce of a
+   column-parallel layer). Sequence parallelism, gradient-accumulation fusion (CUDA only) and
+   deferred embedding wgrad keep megatron's own path, as do other dtypes.
+
 Besides the patches it says what else differs without CUDA: the start-up notices to silence
 (`silence_cpu_notices`) and the TransformerConfig and Triton settings a CPU machine needs.
 This module is the only place in the project that knows about these differences.
@@ -30,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from aligner.runtime import cpu_products
 from aligner.runtime.errors import ConfigError
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
@@ -196,6 +204,97 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+class _OneDnnLinear(torch.autograd.Function):
+    """megatron's LinearWithGradAccumulationAndAsyncCommunication (no sequence parallelism,
+    gradient-accumulation fusion or deferred wgrad) with oneDNN's products."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        return cpu_products.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = cpu_products.grad_input(grad_output, weight)
+        handle = None
+        if ctx.allreduce_dgrad:  # overlaps the weight-gradient product, as in megatron
+            handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = cpu_products.grad_weight(grad_output_2d, input.reshape(-1, input.shape[-1]))
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class _OneDnnLinearFrozenWeight(torch.autograd.Function):
+    """megatron's LinearWithFrozenWeight (no sequence parallelism) with oneDNN's products."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        return cpu_products.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = cpu_products.grad_input(grad_output, weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
+def _onednn_applies(input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer) -> bool:
+    return (not gradient_accumulation_fusion and not sequence_parallel and grad_output_buffer is None
+            and weight.dtype == input.dtype and cpu_products.supported(input.device, input.dtype))
+
+
+def _onednn_linear_layers(mcore_layers) -> tuple:
+    """Replacements for megatron's two linear-layer entry points, falling back to them where oneDNN does not apply."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    trainable = mcore_layers.linear_with_grad_accumulation_and_async_allreduce
+    frozen = mcore_layers.linear_with_frozen_weight
+    if getattr(trainable, "_aligner_bridged", False):  # apply() re-run: already replaced
+        return trainable, frozen
+
+    @functools.wraps(trainable)
+    def linear_with_grad_accumulation_and_async_allreduce(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None,
+    ):
+        if async_grad_allreduce is not None or not _onednn_applies(
+                input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer):
+            return trainable(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                             grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group) if allreduce_dgrad else None
+        return _OneDnnLinear.apply(input, weight, bias, allreduce_dgrad, tp_group)
+
+    @functools.wraps(frozen)
+    def linear_with_frozen_weight(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group,
+        grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None,
+    ):
+        if (async_grad_allreduce is not None or wgrad_deferral_limit is not None or not _onednn_applies(
+                input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer)):
+            return frozen(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                          tp_group, grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce)
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group) if allreduce_dgrad else None
+        return _OneDnnLinearFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
+
+    linear_with_grad_accumulation_and_async_allreduce._aligner_bridged = True
+    linear_with_frozen_weight._aligner_bridged = True
+    return linear_with_grad_accumulation_and_async_allreduce, linear_with_frozen_weight
+
+
 def apply() -> bool:
     """Apply the bridge if there is no CUDA. Idempotent. Returns whether the bridge is active."""
     global _applied
@@ -282,5 +381,11 @@ def apply() -> bool:
             cls.step = _scoped(cls.step)
         dist_checkpointing.load = _scoped(dist_checkpointing.load)
         dist_checkpointing.save = _scoped(dist_checkpointing.save)
+
+        # 4. Linear-layer products on oneDNN (the layers call these module globals at every forward).
+        from megatron.core.tensor_parallel import layers as mcore_layers
+
+        (mcore_layers.linear_with_grad_accumulation_and_async_allreduce,
+         mcore_layers.linear_with_frozen_weight) = _onednn_linear_layers(mcore_layers)
         _applied = True
         return True

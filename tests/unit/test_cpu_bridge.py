@@ -127,6 +127,7 @@ def test_apply_wraps_each_entry_point_once():
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import layers
 
     entry_points = [
         schedules.forward_backward_no_pipelining,
@@ -138,6 +139,7 @@ def test_apply_wraps_each_entry_point_once():
         FP32Optimizer.__init__, FP32Optimizer.step,
         ChainedOptimizer.__init__, ChainedOptimizer.step,
         dist_checkpointing.save, dist_checkpointing.load,
+        layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight,
     ]
     cpu_bridge.apply()
     for entry_point in entry_points:
@@ -423,3 +425,88 @@ def test_forked_draws_log_no_warning(caplog):
         with get_cuda_rng_tracker().fork():
             torch.rand(2)
     assert not caplog.records
+
+
+# --- linear layers on oneDNN ---------------------------------------------------------------------
+
+def _gpt_losses_and_grads(cfg, frozen: tuple[str, ...]) -> tuple[torch.Tensor, dict]:
+    """Masked token loss of two micro batches through a fresh GPT (seed 0) and every parameter's gradient
+    (this rank's shards: the loss is megatron's vocab-parallel cross entropy, so any TP size works)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from aligner.models.gpt import build_gpt_model, transformer_config
+
+    model_parallel_cuda_manual_seed(0)
+    model = build_gpt_model(cfg, transformer_config(cfg)).train()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(frozen))
+    losses = []
+    for batch in _microbatches(valid_tokens=(17, 24)):
+        logits = model(batch["tokens"], batch["position_ids"], None)
+        loss = (vocab_parallel_cross_entropy(logits, batch["labels"]) * batch["loss_mask"]).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie_embeddings, add_bias_linear, frozen, frozen_linears", [
+    (False, False, (), 0),
+    (True, True, ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention"), 3),  # fc1, qkv, proj
+])
+def test_linear_layers_run_on_onednn_with_megatron_losses_and_gradients(
+        monkeypatch, tie_embeddings, add_bias_linear, frozen, frozen_linears):
+    """The bridged layers (oneDNN) against megatron's own functions (torch.matmul, MKL), frozen weights included."""
+    from megatron.core.tensor_parallel import layers
+
+    from aligner.models.gpt import GPTConfig
+    from aligner.runtime import cpu_products
+
+    cpu_bridge.apply()
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=48,
+                    make_vocab_size_divisible_by=8, max_position_embeddings=32,
+                    tie_embeddings=tie_embeddings, add_bias_linear=add_bias_linear)
+    calls = {"linear": 0, "grad_input": 0, "grad_weight": 0}
+    for name in calls:
+        original = getattr(cpu_products, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(cpu_products, name, counted)
+    losses, grads = _gpt_losses_and_grads(cfg, frozen)
+    # per layer: qkv, proj, fc1, fc2; plus the output layer; per micro batch
+    assert calls["linear"] == calls["grad_input"] == 2 * (2 * 4 + 1)
+    assert calls["grad_weight"] == 2 * (2 * 4 + 1 - frozen_linears)
+
+    with monkeypatch.context() as megatron_matmul:
+        for name in ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight"):
+            megatron_matmul.setattr(layers, name, getattr(layers, name).__wrapped__)
+        calls.update(linear=0, grad_input=0, grad_weight=0)
+        expected_losses, expected_grads = _gpt_losses_and_grads(cfg, frozen)
+        assert calls == {"linear": 0, "grad_input": 0, "grad_weight": 0}
+
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=0)
+    assert grads.keys() == expected_grads.keys()
+    for name, expected in expected_grads.items():
+        if expected is None:
+            assert grads[name] is None and name.startswith(frozen), name
+            continue
+        # fp32 round-off of a different summation order, relative to the tensor's scale
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_linear_layers_keep_megatron_path_for_other_dtypes(monkeypatch):
+    """bf16 (already on oneDNN inside torch.matmul) goes through megatron's own function."""
+    from megatron.core.tensor_parallel import layers
+
+    from aligner.runtime import cpu_products
+
+    cpu_bridge.apply()
+    monkeypatch.setattr(cpu_products, "linear", lambda *args: pytest.fail("oneDNN path taken for bf16"))
+    x = torch.randn(3, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = layers.linear_with_grad_accumulation_and_async_allreduce(x, weight, None, False, False, False)
+    torch.testing.assert_close(out, torch.matmul(x, weight.t()))

@@ -1,0 +1,48 @@
+"""fp32 products on CPU through oneDNN's linear instead of BLAS (MKL).
+
+MKL, torch's CPU BLAS for fp32, runs this project's product shapes slowly on its CPUs (AMD EPYC,
+AVX-512): oneDNN's linear is 1.2-5x faster on SmolLM2's shapes, from a decode step's few columns
+to a prefill's thousand rows, and so are the backward products of training (benchmarks/README.md).
+It reads the weight as it is, transposed views included: no copy, so in-place weight updates are
+seen at once. The native engine's decode step keeps its activations feature-major
+([features, batch]); here they are the transposes of contiguous token-major tensors, so neither
+side moves data. The CPU bridge routes megatron's linear layers through `linear`, `grad_input`
+and `grad_weight`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 weights on a CPU with a oneDNN build (half types already go through oneDNN in torch.mm)."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x2d [rows, in] @ weight[out, in]^T (+ bias) -> contiguous [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
+
+
+def weight_times_columns(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] @ columns [in, batch] -> [out, batch], the transpose of a contiguous [batch, out]."""
+    return _onednn_linear(columns.t(), weight).t()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., in]."""
+    out = _onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def grad_input(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_output [..., out] @ weight [out, in] -> [..., in]: a linear layer's input gradient."""
+    out = _onednn_linear(grad_output.reshape(-1, grad_output.shape[-1]), weight.t())
+    return out.view(*grad_output.shape[:-1], weight.shape[1])
+
+
+def grad_weight(grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """grad_output [rows, out]^T @ input [rows, in] -> contiguous [out, in]: a linear layer's weight gradient."""
+    return _onednn_linear(grad_output_2d.t(), input_2d.t())
