@@ -86,15 +86,20 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
 
 
 def step_matmuls_seconds(model, batch: int, repeats: int) -> float:
-    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them)."""
+    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them: through
+    oneDNN on a CPU in fp32, `aligner.runtime.cpu_products`)."""
+    from aligner.runtime import cpu_products
+
     weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
     weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                    else model.output_layer.weight)
-    inputs = [torch.randn(w.shape[1], batch, device=w.device) for w in weights]
+    inputs = [torch.randn(batch, w.shape[1], device=w.device).t() for w in weights]
+    product = (cpu_products.weight_times_columns if cpu_products.supported(weights[0].device, weights[0].dtype)
+               else torch.mm)
 
     def run():
         for weight, x in zip(weights, inputs):
-            torch.mm(weight, x)
+            product(weight, x)
 
     with torch.inference_mode():
         for _ in range(2):
