@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import resolve_model  # noqa: E402
 from real_model_memory import write_data  # noqa: E402
+from run_bench import ratio_line  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("Explain in three short steps how a river carves a valley through rock over many years, "
@@ -85,7 +86,7 @@ def compare_generation(checkpoint: Path, batches: list[int], new_tokens: int, re
         rates = {name: tokens / statistics.median(found[1:]) for name, found in times.items()}
         yield (f"generation b{batch}: fp32 {rates['fp32']:.1f} tokens/s, bf16 {rates['bf16']:.1f} tokens/s "
                      f"(load {os.getloadavg()[0]:.1f})")
-        yield (f"ratio bf16_generation_b{batch}_vs_fp32 {ratio:.3f}")
+        yield ratio_line(f"bf16_generation_b{batch}_vs_fp32", ratio)
     # What bf16 changes: its greedy tokens against fp32's, and its logprobs of fp32's own tokens.
     from aligner.generation.logprobs import pack_sequences, sequence_logprobs
 
@@ -141,7 +142,7 @@ def compare_sft(checkpoint: Path, steps: int, rounds: int, threads: int) -> Iter
              f"rate {statistics.median(m for r in runs['bf16'] for m in r['mfu']):.2f}, peak RSS "
              f"{runs['bf16'][0]['peak_rss_mb']:.0f} MB) (load {os.getloadavg()[0]:.1f})",
              f"sft first-step loss: fp32 {runs['fp32'][0]['first_loss']:.5f}, bf16 {runs['bf16'][0]['first_loss']:.5f}",
-             f"ratio bf16_sft_step_vs_fp32 {step['fp32'] / step['bf16']:.3f}"]
+             ratio_line("bf16_sft_step_vs_fp32", step["fp32"] / step["bf16"])]
 
 
 def main() -> None:
