@@ -81,6 +81,11 @@ class PackedRows:
     def row_length(self) -> int:
         return self.tokens.shape[1]
 
+    def sequence(self, index: int) -> torch.Tensor:
+        """The tokens of sequence `index` (in the caller's order), as laid out in the rows."""
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return self.tokens.reshape(-1)[start:start + length]
+
     def to(self, device, non_blocking: bool = False) -> "PackedRows":
         return PackedRows(*(tensor.to(device, non_blocking=non_blocking) for tensor in (
             self.tokens, self.position_ids, self.segment_ids, self.starts, self.lengths)))

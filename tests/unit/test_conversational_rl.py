@@ -265,9 +265,10 @@ def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_
 
     def recording_train_step(microbatches):
         for mb in microbatches:
-            for row in range(mb.tokens.shape[0]):
+            for row in range(len(mb.prompt_lengths)):  # each sequence, from padded or packed rows
                 p, n = int(mb.prompt_lengths[row]), int(mb.response_lengths[row])
-                trained_rows.append((mb.tokens[row, :p].tolist(), mb.tokens[row, p:p + n].tolist()))
+                tokens = mb.tokens[row] if mb.packed is None else mb.packed.sequence(row)
+                trained_rows.append((tokens[:p].tolist(), tokens[p:p + n].tolist()))
         return train_step(microbatches)
 
     trainer.policy.train_step = recording_train_step
