@@ -452,8 +452,7 @@ class PolicyObjective:
         logprobs, entropy = response_logprobs_and_entropy(
             logits, tokens, prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
             temperature=self.temperature, response_width=width,
-            entropy_grad=self.entropy_coef != 0 and torch.is_grad_enabled())
-        entropy = ppo_math.zero_off_mask(entropy, mask)
+            entropy_grad=self.entropy_coef != 0 and torch.is_grad_enabled())  # both 0 off `mask` already
         terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
                                     clip_low=self.clip_low, clip_high=self.clip_high,
                                     weights=batch.importance_weights)
