@@ -98,15 +98,16 @@ class DPOObjective:
 
         dpo = self.dpo
         lengths = batch["response_lengths"]
-        tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
         packed = self.packed_rows(batch)
-        if packed is not None:  # each sequence's response columns, as padded rows with a one-token prompt
-            from aligner.models.packing import response_window
+        if packed is not None:  # read in place from the packed rows
+            from aligner.generation.packed_logprobs import response_logprobs_and_entropy
 
-            logits, tokens = response_window(logits, packed, prompt_lengths, int(lengths.max()))
-            prompt_lengths = torch.ones_like(prompt_lengths)
-        token_logprobs = response_logprobs(logits, tokens, prompt_lengths, lengths,
-                                           vocab_size=self.vocab_size)  # [rows, width]
+            token_logprobs, _ = response_logprobs_and_entropy(
+                logits, packed, batch["prompt_lengths"], lengths, vocab_size=self.vocab_size,
+                response_width=int(lengths.max()), with_entropy=False)  # [rows, width]
+        else:
+            token_logprobs = response_logprobs(logits, batch["tokens"], batch["prompt_lengths"], lengths,
+                                               vocab_size=self.vocab_size)  # [rows, width]
         policy = dpo_math.sequence_logprobs(token_logprobs, lengths, dpo.preference_average_logprobs)
         reference = batch["reference_logprobs"].to(policy.dtype)  # sums over each response
         if dpo.preference_average_logprobs:

@@ -441,18 +441,19 @@ class PolicyObjective:
 
         mask = batch.mask
         width = mask.shape[1]
-        tokens, prompt_lengths = batch.tokens, batch.prompt_lengths
-        if batch.packed is not None:  # each sequence's response columns, as padded rows with a one-token prompt
-            from aligner.models.packing import response_window
-
-            logits, tokens = response_window(logits, batch.packed, prompt_lengths, width)
-            prompt_lengths = torch.ones_like(prompt_lengths)
         # Logprobs and the entropy of the sampling distribution at each response position, in one
-        # chunked pass (vocab-parallel, never gathered).
-        logprobs, entropy = response_logprobs_and_entropy(
-            logits, tokens, prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
-            temperature=self.temperature, response_width=width,
-            entropy_grad=self.entropy_coef != 0 and torch.is_grad_enabled())  # both 0 off `mask` already
+        # chunked pass (vocab-parallel, never gathered), both 0 off `mask`; packed rows are read in place.
+        entropy_grad = self.entropy_coef != 0 and torch.is_grad_enabled()
+        if batch.packed is not None:
+            from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_pass
+
+            logprobs, entropy = packed_pass(
+                logits, batch.packed, batch.prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
+                temperature=self.temperature, response_width=width, entropy_grad=entropy_grad)
+        else:
+            logprobs, entropy = response_logprobs_and_entropy(
+                logits, batch.tokens, batch.prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
+                temperature=self.temperature, response_width=width, entropy_grad=entropy_grad)
         terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
                                     clip_low=self.clip_low, clip_high=self.clip_high,
                                     weights=batch.importance_weights)

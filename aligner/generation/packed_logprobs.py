@@ -11,13 +11,45 @@ import torch
 
 from aligner.generation import logprobs
 from aligner.models.packing import (
+    PackedRows,
     PackingSection,
     pack_micro_batch,
     packed_forward,
     packs_here,
     plan_micro_batches,
-    response_window,
 )
+
+
+def response_logprobs_and_entropy(
+    logits: torch.Tensor,
+    packed: PackedRows,
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    *,
+    vocab_size: int,
+    response_width: int,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs.response_logprobs_and_entropy` of the sequences of packed rows, read in place from
+    the packed logits [R, L, vocab_shard] (no per-sequence copy): [N, response_width] each, 0 after
+    each response's end."""
+    device = logits.device
+    row_length = logits.shape[1]
+    inside = logprobs.response_mask(response_lengths.to(device), response_width)
+    steps = torch.arange(response_width, device=device)
+    # Flat column of the logits predicting response token j of sequence i, and of that token.
+    flat = (packed.starts.to(device) + prompt_lengths.to(device) - 1).unsqueeze(1) + steps
+    flat = flat[inside]
+    targets = packed.tokens.to(device).reshape(-1)[flat + 1]
+    selected, entropy = logprobs.selected_logprobs_and_entropy(
+        logits, flat // row_length, flat % row_length, targets, vocab_size=vocab_size, temperature=temperature,
+        with_entropy=with_entropy)
+    if not (entropy_grad and with_entropy):
+        entropy = entropy.detach()
+    zeros = logits.new_zeros(inside.shape, dtype=torch.float32)
+    return zeros.masked_scatter(inside, selected), zeros.masked_scatter(inside, entropy)
 
 
 @torch.no_grad()
@@ -59,9 +91,8 @@ def sequence_logprobs(
         members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
         packed = packed.to(target)
         index = torch.tensor(members, device=target)
-        window, window_tokens = response_window(packed_forward(model_chunks[0], packed), packed,
-                                                prompt_lengths.to(target)[index], width)
-        result[index] = logprobs.response_logprobs(
-            window, window_tokens, torch.ones_like(index), response_lengths.to(target)[index],
-            vocab_size=vocab_size, temperature=temperature, response_width=width)
+        result[index], _ = response_logprobs_and_entropy(
+            packed_forward(model_chunks[0], packed), packed, prompt_lengths.to(target)[index],
+            response_lengths.to(target)[index], vocab_size=vocab_size, temperature=temperature,
+            response_width=width, with_entropy=False)
     return result

@@ -249,7 +249,8 @@ def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_ro
     (the ratio is exactly 1)."""
     from types import SimpleNamespace
 
-    from aligner.generation.logprobs import response_logprobs, response_mask
+    from aligner.generation.logprobs import response_mask
+    from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs_and_entropy
 
     model = _tiny_model("llama").eval()
     tokens, prompts, responses = _rollouts(seed=8)
@@ -267,9 +268,7 @@ def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_ro
     experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(5, 12), importance_weights=None)
     for microbatch in actor.policy_microbatches(experience, first, torch.arange(24).unsqueeze(0).expand(2, -1)):
         with torch.no_grad():
-            window, window_tokens = packing.response_window(actor.objective.forward(model, microbatch),
-                                                            microbatch.packed, microbatch.prompt_lengths, 12)
-            trained = response_logprobs(window, window_tokens, torch.ones_like(microbatch.prompt_lengths),
-                                        microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7,
-                                        response_width=12)
+            trained, _ = packed_response_logprobs_and_entropy(
+                actor.objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
+                microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7, response_width=12)
         assert torch.equal(trained, microbatch.old_logprobs)
