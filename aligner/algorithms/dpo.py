@@ -212,7 +212,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     from aligner.training.metrics import get_logger
 
     check_dpo_section(cfg.dpo)
-    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
     row_length = cfg.packing.row_length
     if row_length is not None and row_length < cfg.data.max_seq_length:
         raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
@@ -245,7 +245,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     train_loader, val_loader = setup.build_loaders(
         train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
         shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
-        collate_fn=collate_preferences, micro_batch_tokens=cfg.packing.micro_batch_tokens,
+        collate_fn=collate_preferences, packing=cfg.packing,
     )
     if not precompute:
         reference = HostWeights.snapshot(built.chunks)

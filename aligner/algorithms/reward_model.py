@@ -101,7 +101,7 @@ class SequenceScores:
     @staticmethod
     def empty(batch) -> bool:
         """An empty micro batch of a token-budget plan: zero loss, zero count, nothing reported."""
-        return batch["tokens"].shape[0] == 0
+        return len(batch["lengths"]) == 0
 
     def last_token_scores(self, batch, scores: torch.Tensor) -> torch.Tensor:
         """Each sequence's scores at its last token, [batch, attributes] (float32)."""
@@ -197,7 +197,7 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
 
     reward = cfg.reward
     num_attributes = len(reward.attributes)
-    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
 
     def chunk_builder(model_cfg, config, **kwargs):
         return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed,
@@ -230,7 +230,7 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
         train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
         shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
         collate_fn=collate_comparisons if reward.type == "binary_ranking" else collate_regression,
-        micro_batch_tokens=cfg.packing.micro_batch_tokens,
+        packing=cfg.packing,
     )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
     model_cfg = built.model_cfg

@@ -297,7 +297,9 @@ class RLActorConfig(RunConfig):
         if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
             raise ConfigError("the engine's logprobs are temperature-scaled: "
                               "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
-        self.packing.check_layout(self.parallel.pipeline_model_parallel_size)
+        self.packing.check_layout(self.parallel.pipeline_model_parallel_size,
+                                  self.data.max_prompt_length + gen.max_new_tokens,
+                                  "data.max_prompt_length + generation.max_new_tokens")
         if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
             raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
                               "loss.recompute_old_logprobs=true")
@@ -998,8 +1000,8 @@ class RLActor:
                          for rank in range(self.dp_size)]).tolist()
         lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
         row_length = self.cfg.packing.row_length or self.seq_length
-        plan = packing.plan_token_budget([lengths[i] for i in ids], self.dp_size,
-                                         self.cfg.packing.micro_batch_tokens)[self.dp_rank]
+        plan = packing.plan_token_budget([[lengths[i]] for i in ids], self.dp_size,
+                                         self.cfg.packing.micro_batch_tokens, row_length)[self.dp_rank]
         micro_batches = []
         for items in plan:
             members = [ids[i] for i in items]

@@ -16,16 +16,17 @@ class MicroBatchLoader:
     All micro batches of a step are padded to one sequence length: the pipeline schedule sends
     activations of a fixed shape between stages.
 
-    micro_batch_tokens: instead of micro_batch_size items per micro batch, every rank reads the whole
-    global batch and takes its share of `aligner.models.packing.plan_token_budget` (items balanced
-    across ranks by tokens, micro batches of at most this many tokens, as many on every rank; an
-    empty one has no rows).
+    packing.micro_batch_tokens (an `aligner.models.packing.PackingSection`): instead of micro_batch_size
+    items per micro batch, every rank reads the whole global batch and takes its share of
+    `plan_token_budget` (items balanced across ranks by tokens, micro batches whose packed rows of
+    packing.row_length, default the step's padded length, hold at most that many tokens, as many on
+    every rank; an empty one has no rows).
     """
 
     def __init__(self, dataset: Dataset, *, global_batch_size: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool,
                  pad_id: int, pad_to_multiple_of: int = 8, collate_fn: Optional[Callable] = None,
-                 micro_batch_tokens: Optional[int] = None):
+                 packing=None):
         self.dataset = dataset
         self.sampler_args = dict(
             dataset_length=len(dataset), global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
@@ -41,7 +42,8 @@ class MicroBatchLoader:
         sampler = DistributedBatchSampler(**self.sampler_args)  # also validates the batch sizes now
         self.num_microbatches = sampler.num_microbatches
         self.steps_per_epoch = sampler.steps_per_epoch
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens = None if packing is None else packing.micro_batch_tokens
+        self.row_length = None if packing is None else packing.row_length
         self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
 
     def total_steps(self, max_steps: int, max_epochs: Optional[int]) -> int:
@@ -79,8 +81,9 @@ class MicroBatchLoader:
         """This rank's micro batches of a collated global batch (`plan_token_budget` over its items)."""
         from aligner.models.packing import plan_token_budget
 
-        lengths = row_lengths(batch).reshape(-1, rows_per_item)  # [items, rows per item]
-        plan = plan_token_budget(lengths.sum(dim=1).tolist(), self.data_parallel_size, self.micro_batch_tokens)
+        items = row_lengths(batch).reshape(-1, rows_per_item).tolist()  # [items][rows per item]
+        plan = plan_token_budget(items, self.data_parallel_size, self.micro_batch_tokens,
+                                 self.row_length or batch["tokens"].shape[1])  # the packed rows' length
         micro_batches = []
         for items in plan[self.data_parallel_rank]:
             rows = torch.tensor([item * rows_per_item + row for item in items for row in range(rows_per_item)],

@@ -21,10 +21,11 @@ shape between stages, so at PP > 1 batches stay padded.
 Token-budget micro batches (`micro_batch_tokens`, `plan_token_budget`): instead of a fixed number of
 sequences (or pairs) per micro batch, the global batch is split across the data-parallel ranks so
 their token totals are balanced (longest first, each to the rank with the fewest tokens), and each
-rank's share is cut into micro batches of at most `micro_batch_tokens` real tokens (first fit,
-longest first). Every rank then runs the same number of micro batches (megatron's schedule and the
-gradient sync expect it): the largest ones are split, and where nothing is left to split a rank
-runs empty micro batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
+rank's share is cut into micro batches whose packed rows hold at most `micro_batch_tokens` tokens
+(first fit, longest first; the rows are `first_fit_rows` of the micro batch's sequences). Every
+rank then runs the same number of micro batches (megatron's schedule and the gradient sync expect
+it): the largest ones are split, and where nothing is left to split a rank runs empty micro
+batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
 
 megatron-core 0.16's GPTModel builds rotary embeddings for columns 0..S-1 whatever the position
 ids say; `gpt_model_class` returns a GPTModel whose rotary embedding follows `position_ids`
@@ -49,9 +50,9 @@ class PackingSection:
     # Tokens per packed row; null: the longest row the padded layout would use (so attention, O(L^2)
     # per row on the local path, never costs more per row than padding did).
     row_length: Optional[int] = None
-    # Real tokens per micro batch: the global batch balanced across data-parallel ranks by tokens and
-    # cut into micro batches of at most this many tokens (a sequence or pair longer than that alone in
-    # its micro batch); null: trainer.micro_batch_size sequences (pairs) per micro batch.
+    # Tokens per micro batch: the global batch balanced across data-parallel ranks by tokens and cut
+    # into micro batches whose packed rows (tail padding included) hold at most this many (at least
+    # one row); null: trainer.micro_batch_size sequences (pairs) per micro batch.
     micro_batch_tokens: Optional[int] = at_least(1, None, "null: trainer.micro_batch_size per micro batch")
 
     def __post_init__(self):
@@ -62,13 +63,21 @@ class PackingSection:
         if self.micro_batch_tokens is not None and not self.enabled:
             raise ConfigError("packing.micro_batch_tokens forms packed micro batches: it needs packing.enabled=true")
 
-    def check_layout(self, pipeline_model_parallel_size: int) -> None:
-        """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send."""
-        if self.micro_batch_tokens is not None and pipeline_model_parallel_size > 1:
-            from aligner.runtime.errors import ConfigError
+    def check_layout(self, pipeline_model_parallel_size: int, longest_row: int, longest_row_is: str) -> None:
+        """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send, and a
+        micro batch holds at least one packed row (`longest_row` tokens, the default row length)."""
+        from aligner.runtime.errors import ConfigError
 
+        budget = self.micro_batch_tokens
+        if budget is None:
+            return
+        if pipeline_model_parallel_size > 1:
             raise ConfigError("packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1 (a pipeline "
                               "schedule sends one activation shape; packed micro batches vary)")
+        row = self.row_length or longest_row
+        if budget < row:
+            raise ConfigError(f"packing.micro_batch_tokens={budget} must hold one packed row: at least "
+                              f"{'packing.row_length' if self.row_length else longest_row_is} = {row}")
 
 
 # ----------------------------------------------------------------------------- layout
@@ -183,52 +192,69 @@ def balanced_partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(part) for part in members]
 
 
-def token_budget_micro_batches(sizes: Sequence[int], budget: int) -> list[list[int]]:
-    """Item indices per micro batch, each micro batch's sizes summing to at most `budget`: first fit,
-    longest first; an item over the budget is alone in its micro batch."""
+def packed_cells(lengths: Sequence[int], row_length: int) -> int:
+    """Tokens of the packed rows (`first_fit_rows`, tail padding included) that hold `lengths`."""
+    return len(first_fit_rows(lengths, row_length)) * row_length
+
+
+def token_budget_micro_batches(items: Sequence[Sequence[int]], budget: int, row_length: int) -> list[list[int]]:
+    """Item indices per micro batch (an item: the lengths of its sequences, e.g. a pair's two), each
+    micro batch's packed rows (`first_fit_rows` of its sequences) holding at most `budget` tokens:
+    first fit, longest item first; an item that alone needs more is alone in its micro batch."""
     batches: list[list[int]] = []
-    free: list[int] = []
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        size = sizes[index]
-        target = next((batch for batch, space in enumerate(free) if space >= size), None)
+    contents: list[list[int]] = []  # sequence lengths per micro batch
+    for index in sorted(range(len(items)), key=lambda i: (-sum(items[i]), i)):
+        item = list(items[index])
+        target = next((batch for batch, lengths in enumerate(contents)
+                       if sum(lengths) + sum(item) <= budget  # cheap bound first: cells >= tokens
+                       and packed_cells(lengths + item, row_length) <= budget), None)
         if target is None:
             batches.append([])
-            free.append(budget)
+            contents.append([])
             target = len(batches) - 1
         batches[target].append(index)
-        free[target] -= size
+        contents[target] += item
     return batches
 
 
-def even_micro_batch_counts(per_rank: list[list[list[int]]], sizes: Sequence[int]) -> list[list[list[int]]]:
+def even_micro_batch_counts(per_rank: list[list[list[int]]], items: Sequence[Sequence[int]], budget: int,
+                            row_length: int) -> list[list[list[int]]]:
     """Every rank's micro batches made as many as the most any rank has: the rank's largest micro
-    batch (in tokens) of two or more items is split in two balanced halves, again and again; with
-    nothing left to split, empty micro batches ([]) fill the count."""
-    target = max(len(batches) for batches in per_rank)
-    evened = []
-    for batches in per_rank:
-        batches = [list(batch) for batch in batches]
-        while len(batches) < target:
-            splittable = [b for b, batch in enumerate(batches) if len(batch) > 1]
-            if not splittable:
-                batches.extend([] for _ in range(target - len(batches)))
-                break
-            largest = max(splittable, key=lambda b: (sum(sizes[i] for i in batches[b]), -b))
-            batch = batches[largest]
-            halves = balanced_partition([sizes[i] for i in batch], 2)
-            batches[largest:largest + 1] = [[batch[i] for i in half] for half in halves]
-        evened.append(batches)
+    batch (in tokens) of two or more items is split in two halves balanced by tokens (each re-cut to
+    the budget, should first fit lay a half out worse than the whole), again and again; with nothing
+    left to split, empty micro batches ([]) fill the count."""
+    sizes = [sum(item) for item in items]
+    evened = [[list(batch) for batch in batches] for batches in per_rank]
+    while len({len(batches) for batches in evened}) > 1:
+        target = max(len(batches) for batches in evened)
+        for batches in evened:
+            while len(batches) < target:
+                splittable = [b for b, batch in enumerate(batches) if len(batch) > 1]
+                if not splittable:
+                    batches.extend([] for _ in range(target - len(batches)))
+                    break
+                largest = max(splittable, key=lambda b: (sum(sizes[i] for i in batches[b]), -b))
+                batch = batches[largest]
+                parts = []
+                for half in balanced_partition([sizes[i] for i in batch], 2):
+                    members = [batch[i] for i in half]
+                    parts += [[members[i] for i in part] for part in token_budget_micro_batches(
+                        [items[i] for i in members], budget, row_length)]
+                batches[largest:largest + 1] = parts
     return evened
 
 
-def plan_token_budget(sizes: Sequence[int], ranks: int, budget: int) -> list[list[list[int]]]:
-    """[rank][micro batch] -> item indices of a global batch of items with `sizes` tokens each: the
-    items balanced across ranks by tokens, each rank's share cut into micro batches of at most
-    `budget` tokens, every rank with the same number of micro batches (some possibly empty)."""
-    shares = balanced_partition(sizes, ranks)
-    per_rank = [[[share[i] for i in batch] for batch in token_budget_micro_batches([sizes[i] for i in share], budget)]
+def plan_token_budget(items: Sequence[Sequence[int]], ranks: int, budget: int,
+                      row_length: int) -> list[list[list[int]]]:
+    """[rank][micro batch] -> item indices of a global batch (an item: the lengths of its sequences):
+    the items balanced across ranks by tokens, each rank's share cut into micro batches whose packed
+    rows of `row_length` hold at most `budget` tokens, every rank with the same number of micro
+    batches (some possibly empty)."""
+    shares = balanced_partition([sum(item) for item in items], ranks)
+    per_rank = [[[share[i] for i in batch]
+                 for batch in token_budget_micro_batches([items[i] for i in share], budget, row_length)]
                 for share in shares]
-    return even_micro_batch_counts(per_rank, sizes)
+    return even_micro_batch_counts(per_rank, items, budget, row_length)
 
 
 # ----------------------------------------------------------------------------- the forward

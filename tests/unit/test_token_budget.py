@@ -19,40 +19,50 @@ from .test_packing import VOCAB, _policy_actor, _sequences, _tiny_model
 pytestmark = pytest.mark.usefixtures("single_process")
 
 
-def _check_plan(sizes, ranks, budget, plan):
+def _check_plan(items, ranks, budget, row_length, plan):
     assert len(plan) == ranks
     assert len({len(batches) for batches in plan}) == 1  # as many micro batches on every rank
     planned = sorted(item for batches in plan for batch in batches for item in batch)
-    assert planned == list(range(len(sizes)))
+    assert planned == list(range(len(items)))
     for batches in plan:
-        for batch in batches:  # within the budget, or one item over it alone
-            assert sum(sizes[i] for i in batch) <= budget or len(batch) == 1
+        for batch in batches:  # packed rows within the budget, or one item alone
+            lengths = [length for i in batch for length in items[i]]
+            assert len(batch) <= 1 or len(packing.first_fit_rows(lengths, row_length)) * row_length <= budget
+    sizes = [sum(item) for item in items]
     totals = [sum(sizes[i] for batch in batches for i in batch) for batches in plan]
     assert max(totals) - min(totals) <= max(sizes)
 
 
-def test_plans_on_random_lengths_are_balanced_within_the_longest_item_and_keep_the_budget():
-    rng = random.Random(0)
+@pytest.mark.parametrize("per_item", [1, 2])  # sequences (RL, regression) or pairs (DPO, ranking)
+def test_plans_on_random_lengths_are_balanced_within_the_longest_item_and_keep_the_budget(per_item):
+    rng = random.Random(per_item)
     for _ in range(300):
         count, ranks = rng.randint(1, 40), rng.randint(1, 5)
-        longest = rng.choice([8, 64, 512])
-        sizes = [rng.randint(1, longest) for _ in range(count)]
-        budget = rng.randint(1, 3 * longest)
-        plan = packing.plan_token_budget(sizes, ranks, budget)
-        _check_plan(sizes, ranks, budget, plan)
-        parts = packing.balanced_partition(sizes, ranks)
-        totals = [sum(sizes[i] for i in part) for part in parts]
+        row_length = rng.choice([8, 64, 512])
+        items = [[rng.randint(1, row_length) for _ in range(per_item)] for _ in range(count)]
+        budget = rng.randint(row_length, 4 * row_length)
+        _check_plan(items, ranks, budget, row_length, packing.plan_token_budget(items, ranks, budget, row_length))
+        sizes = [sum(item) for item in items]
+        totals = [sum(sizes[i] for i in part) for part in packing.balanced_partition(sizes, ranks)]
         assert max(totals) - min(totals) <= max(sizes)
 
 
+def test_a_budget_counts_the_packed_rows_with_their_tail_padding():
+    # 3 + 3 + 3 tokens fit 12 real tokens, but rows of 4 hold one each: 3 rows = 12 cells.
+    assert packing.token_budget_micro_batches([[3], [3], [3], [3]], 8, 4) == [[0, 1], [2, 3]]
+    assert packing.token_budget_micro_batches([[2, 2], [4, 4]], 8, 4) == [[1], [0]]
+
+
 def test_uneven_counts_split_the_largest_micro_batch_then_add_empty_ones():
-    # rank 0: one 12-token item; rank 1: six 2-token items in micro batches of 4 tokens.
-    sizes = [12, 2, 2, 2, 2, 2, 2]
-    plan = packing.plan_token_budget(sizes, 2, 4)
-    assert plan[0] == [[0], [], []]
-    assert sorted(map(sorted, plan[1])) == [[1, 2], [3, 4], [5, 6]]
-    assert packing.even_micro_batch_counts([[[0, 1, 2]], [[3], [4], [5]]], [3, 1, 1, 1, 1, 1]) == [
+    items = [[3], [1], [1], [1], [1], [1]]
+    assert packing.even_micro_batch_counts([[[0, 1, 2]], [[3], [4], [5]]], items, 8, 8) == [
         [[0], [1], [2]], [[3], [4], [5]]]
+    assert packing.even_micro_batch_counts([[[0]], [[1, 2], [3, 4], [5]]], items, 8, 8) == [
+        [[0], [], []], [[1, 2], [3, 4], [5]]]
+    # Pairs: rank 0 holds one pair of two full rows (over the budget: alone), rank 1 six short pairs,
+    # three per row of 6 = one row per micro batch.
+    plan = packing.plan_token_budget([[6, 6], *[[1, 1]] * 6], 2, 6, 6)
+    assert plan[0] == [[0], []] and sorted(map(sorted, plan[1])) == [[1, 2, 3], [4, 5, 6]]
 
 
 def test_config_errors_name_the_key():
@@ -65,12 +75,27 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens .*packing.enabled=true"):
         load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
                                                            "packing.enabled=false"])
-    cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64"])
-    cfg.packing.check_layout(1)
+    cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
+                                                             "data.max_seq_length=60"])
+    cfg.packing.check_layout(1, *cfg.data.longest_row)
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1"):
-        cfg.packing.check_layout(2)
-    with pytest.raises(ConfigError, match="packing.micro_batch_tokens"):
-        _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"]).cfg.validate(1)
+        cfg.packing.check_layout(2, *cfg.data.longest_row)
+    cfg.data.max_seq_length = 61  # padded to 64 tokens: still one row
+    cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.data.max_seq_length = 65
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens=64 must hold one packed row: at least "
+                                          "data.max_seq_length rounded up to data.pad_to_multiple_of = 72"):
+        cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.packing.row_length = 80
+    with pytest.raises(ConfigError, match="at least packing.row_length = 80"):
+        cfg.packing.check_layout(1, *cfg.data.longest_row)
+    actor = _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size"):
+        actor.cfg.validate(1)
+    actor = _policy_actor(["packing.micro_batch_tokens=64", "data.max_prompt_length=60"])
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens=64 must hold one packed row: at least "
+                                          "data.max_prompt_length \\+ generation.max_new_tokens"):
+        actor.cfg.validate(1)
 
 
 # ----------------------------------------------------------------------------- RL policy loss
@@ -185,7 +210,8 @@ def _loader_steps(dataset, collate, ranks, budget, micro_batch_size=2, global_ba
     for rank in range(ranks):
         loader = MicroBatchLoader(dataset, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                                   data_parallel_rank=rank, data_parallel_size=ranks, seed=3, shuffle=True, pad_id=0,
-                                  pad_to_multiple_of=8, collate_fn=collate, micro_batch_tokens=budget)
+                                  pad_to_multiple_of=8, collate_fn=collate,
+                                  packing=packing.PackingSection(micro_batch_tokens=budget))
         steps.append(next(loader.iterate(0)))
     return steps
 
