@@ -15,11 +15,12 @@ prompt's samples all run long), the case that leaves one rank with far more toke
 Each rank's micro batches run forward + backward (the packed response logprobs summed) in this one
 process, rank after rank, layouts alternating per repeat so load hits both; a data-parallel step
 waits at the gradient all-reduce for its slowest rank, so the step time of a layout is its slowest
-rank's time. Prints tokens per rank, micro batches, the largest rank's share, per-repeat times with
+rank's time. Timed on the first of `--draws` random minibatches; the token and cell ratios are
+means over all of them. Prints tokens per rank, micro batches, the largest rank's share, per-repeat times with
 the load average beside each, and `ratio token_budget_<task>_dp<ranks>_step` (fixed step time /
 budget step time, best of the repeats), `..._tokens` (fixed / budget real tokens of the largest
 rank) and `..._cells` (fixed / budget packed tokens, tail padding included, of the largest rank:
-the work the step waits for, independent of load).
+the work the step waits for, independent of load), the last two averaged over the draws.
 """
 from __future__ import annotations
 
@@ -104,11 +105,14 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=64)
     parser.add_argument("--response-min", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes of each layout (draw 0)")
+    parser.add_argument("--draws", type=int, default=8, help="random minibatches for the token and cell ratios")
     parser.add_argument("--threads", type=int, default=1, help="per simulated rank (a rank has its own cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.row_length = args.max_prompt + args.max_new_tokens
+    if args.repeats < 1 or args.draws < 1:
+        parser.error("--repeats and --draws must be at least 1")
     torch.set_num_threads(args.threads)
 
     from run_bench import ratio_line
@@ -121,44 +125,51 @@ def main() -> None:
     seeds.set_seed(0)
     model, cfg = build_model(args.model)
     model.train()
-    generator = torch.Generator().manual_seed(args.seed)
-    prompts, responses = make_items(args, generator)
-    sequences, prompt_of, response_of, rows_of = [], [], [], []
-    for item_prompts, item_responses in zip(prompts, responses):
-        rows_of.append(list(range(len(sequences), len(sequences) + len(item_prompts))))
-        for prompt, response in zip(item_prompts, item_responses):
-            sequences.append(torch.randint(3, cfg.vocab_size, (prompt + response,), generator=generator))
-            prompt_of.append(prompt)
-            response_of.append(response)
-    sizes = [sum(len(sequences[r]) for r in rows) for rows in rows_of]
-    layouts = plans(args, sizes, rows_of, sequences)
+    def draw(seed: int):
+        """One random global minibatch: its two layouts, built, and their per-rank statistics printed."""
+        generator = torch.Generator().manual_seed(seed)
+        prompts, responses = make_items(args, generator)
+        sequences, prompt_of, response_of, rows_of = [], [], [], []
+        for item_prompts, item_responses in zip(prompts, responses):
+            rows_of.append(list(range(len(sequences), len(sequences) + len(item_prompts))))
+            for prompt, response in zip(item_prompts, item_responses):
+                sequences.append(torch.randint(3, cfg.vocab_size, (prompt + response,), generator=generator))
+                prompt_of.append(prompt)
+                response_of.append(response)
+        sizes = [sum(len(sequences[r]) for r in rows) for rows in rows_of]
+        layouts = plans(args, sizes, rows_of, sequences)
 
-    def micro_batches(plan_of_rank):
-        built = []
-        for items in plan_of_rank:
-            if not items:
-                built.append(None)
-                continue
-            members = [r for i in items for r in rows_of[i]]
-            rows = packing.first_fit_rows([len(sequences[r]) for r in members], args.row_length)
-            _, packed = packing.pack_micro_batch([sequences[r] for r in members], rows, args.row_length, 0)
-            order = [members[i] for row in rows for i in row]
-            built.append((packed, torch.tensor([prompt_of[r] for r in order]),
-                          torch.tensor([response_of[r] for r in order])))
-        return built
+        def micro_batches(plan_of_rank):
+            built = []
+            for items in plan_of_rank:
+                if not items:
+                    built.append(None)
+                    continue
+                members = [r for i in items for r in rows_of[i]]
+                rows = packing.first_fit_rows([len(sequences[r]) for r in members], args.row_length)
+                _, packed = packing.pack_micro_batch([sequences[r] for r in members], rows, args.row_length, 0)
+                order = [members[i] for row in rows for i in row]
+                built.append((packed, torch.tensor([prompt_of[r] for r in order]),
+                              torch.tensor([response_of[r] for r in order])))
+            return built
 
-    built = {name: [micro_batches(plan) for plan in plan_by_rank] for name, plan_by_rank in layouts.items()}
-    print(f"{args.task}: {args.items} items ({len(sequences)} sequences, {sum(sizes)} tokens) over {args.ranks} ranks; "
-          f"model {args.model}; row length {args.row_length}, fixed micro batch {args.micro}, budget "
-          f"{args.micro * args.row_length} tokens; {args.threads} thread(s) per rank; load {load()}")
-    tokens, cells_of_largest = {}, {}
-    for name, plan_by_rank in layouts.items():
-        rank_tokens = [sum(sizes[i] for batch in plan for i in batch) for plan in plan_by_rank]
-        cells = [sum(b[0].tokens.numel() for b in ranks if b is not None) for ranks in built[name]]
-        tokens[name], cells_of_largest = max(rank_tokens), {**cells_of_largest, name: max(cells)}
-        largest = max(rank_tokens) * args.ranks / sum(sizes)
-        print(f"  {name:6s}: tokens per rank {rank_tokens} (largest / mean {largest:.3f}), "
-              f"micro batches per rank {[len(plan) for plan in plan_by_rank]}, packed cells per rank {cells}")
+        built = {name: [micro_batches(plan) for plan in plan_by_rank] for name, plan_by_rank in layouts.items()}
+        print(f"draw {seed}: {args.items} items ({len(sequences)} sequences, {sum(sizes)} tokens)")
+        largest = {}
+        for name, plan_by_rank in layouts.items():
+            rank_tokens = [sum(sizes[i] for batch in plan for i in batch) for plan in plan_by_rank]
+            cells = [sum(b[0].tokens.numel() for b in ranks if b is not None) for ranks in built[name]]
+            largest[name] = (max(rank_tokens), max(cells))
+            print(f"  {name:6s}: tokens per rank {rank_tokens} (largest / mean "
+                  f"{max(rank_tokens) * args.ranks / sum(sizes):.3f}), micro batches per rank "
+                  f"{[len(plan) for plan in plan_by_rank]}, packed cells per rank {cells}")
+        return built, largest
+
+    print(f"{args.task} over {args.ranks} ranks; model {args.model}; row length {args.row_length}, fixed micro "
+          f"batch {args.micro}, budget {args.micro * args.row_length} tokens; {args.threads} thread(s) per rank; "
+          f"load {load()}")
+    draws = [draw(args.seed + offset) for offset in range(args.draws)]
+    built = draws[0][0]
 
     def run_rank(batches) -> float:
         start = time.perf_counter()
@@ -185,10 +196,11 @@ def main() -> None:
                   f"{max(times):.2f} s, load {load()}")
     fixed, budget = min(steps["fixed"]), min(steps["budget"])
     print(f"step time (best of {args.repeats}): fixed {fixed:.2f} s, budget {budget:.2f} s, load {load()}")
-    print(ratio_line(f"token_budget_{args.task}_dp{args.ranks}_step", fixed / budget))
-    print(ratio_line(f"token_budget_{args.task}_dp{args.ranks}_tokens", tokens["fixed"] / tokens["budget"]))
     name = f"token_budget_{args.task}_dp{args.ranks}"
-    print(ratio_line(f"{name}_cells", cells_of_largest["fixed"] / cells_of_largest["budget"]))
+    print(ratio_line(f"{name}_step", fixed / budget))
+    for index, what in ((0, "tokens"), (1, "cells")):  # the largest rank's, fixed / budget, mean over the draws
+        print(ratio_line(f"{name}_{what}", sum(largest["fixed"][index] / largest["budget"][index]
+                                               for _, largest in draws) / len(draws)))
     distributed.shutdown()
 
 
