@@ -13,14 +13,14 @@ RL lengths come in groups of `--samples` per prompt whose responses share a leng
 prompt's samples all run long), the case that leaves one rank with far more tokens.
 
 Each rank's micro batches run forward + backward (the packed response logprobs summed) in this one
-process, rank after rank, layouts alternating per repeat so load hits both; a data-parallel step
+process, rank after rank, layouts alternating per repeat so load hits both. A data-parallel step
 waits at the gradient all-reduce for its slowest rank, so the step time of a layout is its slowest
-rank's time. Timed on the first of `--draws` random minibatches; the token and cell ratios are
-means over all of them. Prints tokens per rank, micro batches, the largest rank's share, per-repeat times with
-the load average beside each, and `ratio token_budget_<task>_dp<ranks>_step` (fixed step time /
-budget step time, best of the repeats), `..._tokens` (fixed / budget real tokens of the largest
-rank) and `..._cells` (fixed / budget packed tokens, tail padding included, of the largest rank:
-the work the step waits for, independent of load), the last two averaged over the draws.
+rank's time; a repeat runs one step per random minibatch (`--draws`) and sums them. Prints tokens,
+micro batches and packed cells per rank, per-repeat times with the load average beside each, and
+(fixed / budget) `ratio token_budget_<task>_dp<ranks>_step` (the draws' steps, best repeat, wall
+time; `_step_cpu` in process CPU time, robust to load), `_tokens` (the largest rank's real tokens)
+and `_cells` (its packed tokens, tail padding included: the work the step waits for, independent of
+load), the last two averaged over the draws.
 """
 from __future__ import annotations
 
@@ -169,10 +169,10 @@ def main() -> None:
           f"batch {args.micro}, budget {args.micro * args.row_length} tokens; {args.threads} thread(s) per rank; "
           f"load {load()}")
     draws = [draw(args.seed + offset) for offset in range(args.draws)]
-    built = draws[0][0]
 
-    def run_rank(batches) -> float:
-        start = time.perf_counter()
+    def run_rank(batches) -> tuple[float, float]:
+        """(wall, process CPU) seconds of one rank's micro batches."""
+        start, cpu = time.perf_counter(), time.process_time()
         for batch in batches:
             if batch is None:  # an empty micro batch: a one-token forward, zero loss
                 output = packing.packed_forward(model, packing.empty_packed_rows(0))
@@ -183,21 +183,28 @@ def main() -> None:
                 packing.packed_forward(model, packed), packed, prompt_lengths, response_lengths,
                 vocab_size=cfg.vocab_size, response_width=int(response_lengths.max()), with_entropy=False)
             logprobs.sum().backward()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    run_rank(built["fixed"][0][:1])  # warm-up
-    steps = {name: [] for name in built}
+    run_rank(draws[0][0]["fixed"][0][:1])  # warm-up
+    steps = {"fixed": [], "budget": []}  # per repeat: (wall, cpu) summed over the draws' slowest ranks
     for repeat in range(args.repeats):
         for name in (("fixed", "budget") if repeat % 2 == 0 else ("budget", "fixed")):
-            model.zero_grad(set_to_none=True)
-            times = [run_rank(batches) for batches in built[name]]
-            steps[name].append(max(times))
-            print(f"  repeat {repeat} {name:6s}: rank times {[f'{t:.2f}' for t in times]} s, step (slowest) "
-                  f"{max(times):.2f} s, load {load()}")
-    fixed, budget = min(steps["fixed"]), min(steps["budget"])
-    print(f"step time (best of {args.repeats}): fixed {fixed:.2f} s, budget {budget:.2f} s, load {load()}")
+            wall_sum = cpu_sum = 0.0
+            for built, _ in draws:  # one step per draw
+                model.zero_grad(set_to_none=True)
+                times = [run_rank(batches) for batches in built[name]]
+                wall_sum += max(wall for wall, _ in times)
+                cpu_sum += max(cpu for _, cpu in times)
+            steps[name].append((wall_sum, cpu_sum))
+            print(f"  repeat {repeat} {name:6s}: {args.draws} steps (slowest rank each) {wall_sum:.2f} s wall, "
+                  f"{cpu_sum:.2f} s cpu; load {load()}")
+    best = {name: [min(step[kind] for step in steps[name]) for kind in (0, 1)] for name in steps}
+    print(f"{args.draws} steps, best of {args.repeats}: fixed {best['fixed'][0]:.2f} s wall "
+          f"{best['fixed'][1]:.2f} s cpu, budget {best['budget'][0]:.2f} s wall {best['budget'][1]:.2f} s cpu, "
+          f"load {load()}")
     name = f"token_budget_{args.task}_dp{args.ranks}"
-    print(ratio_line(f"{name}_step", fixed / budget))
+    print(ratio_line(f"{name}_step", best["fixed"][0] / best["budget"][0]))
+    print(ratio_line(f"{name}_step_cpu", best["fixed"][1] / best["budget"][1]))
     for index, what in ((0, "tokens"), (1, "cells")):  # the largest rank's, fixed / budget, mean over the draws
         print(ratio_line(f"{name}_{what}", sum(largest["fixed"][index] / largest["budget"][index]
                                                for _, largest in draws) / len(draws)))
