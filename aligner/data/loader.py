@@ -85,8 +85,8 @@ class MicroBatchLoader:
         plan = plan_token_budget(items, self.data_parallel_size, self.micro_batch_tokens,
                                  self.row_length or batch["tokens"].shape[1])  # the packed rows' length
         micro_batches = []
-        for items in plan[self.data_parallel_rank]:
-            rows = torch.tensor([item * rows_per_item + row for item in items for row in range(rows_per_item)],
+        for members in plan[self.data_parallel_rank]:
+            rows = torch.tensor([item * rows_per_item + row for item in members for row in range(rows_per_item)],
                                 dtype=torch.long)
             micro_batches.append({key: None if value is None else value[rows] for key, value in batch.items()})
         return micro_batches
