@@ -98,6 +98,10 @@ class DPOObjective:
 
         dpo = self.dpo
         lengths = batch["response_lengths"]
+        if not len(lengths):  # an empty micro batch of a token-budget plan
+            from aligner.models.packing import zero_loss
+
+            return zero_loss(logits), torch.tensor(0, dtype=torch.int), {}
         packed = self.packed_rows(batch)
         if packed is not None:  # read in place from the packed rows
             from aligner.generation.packed_logprobs import response_logprobs_and_entropy
@@ -184,8 +188,8 @@ class SwappedReferenceLoader:
             with torch.no_grad(), self.reference.swapped_in(self.chunks):
                 for batch in microbatches:
                     rows = batch["tokens"].shape[0]
-                    batch["reference_logprobs"] = _summed_logprobs(self.chunks, batch, self.vocab_size, rows,
-                                                                   self.packing, self.pad_id)
+                    batch["reference_logprobs"] = torch.zeros(0) if rows == 0 else _summed_logprobs(
+                        self.chunks, batch, self.vocab_size, rows, self.packing, self.pad_id)
             yield microbatches
 
 
@@ -208,6 +212,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     from aligner.training.metrics import get_logger
 
     check_dpo_section(cfg.dpo)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
     row_length = cfg.packing.row_length
     if row_length is not None and row_length < cfg.data.max_seq_length:
         raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
@@ -240,7 +245,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     train_loader, val_loader = setup.build_loaders(
         train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
         shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
-        collate_fn=collate_preferences,
+        collate_fn=collate_preferences, packing=cfg.packing,
     )
     if not precompute:
         reference = HostWeights.snapshot(built.chunks)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.config import one_of
-from aligner.models.packing import PackingSection
+from aligner.models.packing import PackingSection, zero_loss
 from aligner.models.reward import REWARD_TYPES
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
@@ -98,6 +98,11 @@ class SequenceScores:
         # pad id 0: a packed row's padding is never attended to nor read
         return forward_batch(model, batch, packed_rows_of(batch, batch["lengths"], self.packing, 0))
 
+    @staticmethod
+    def empty(batch) -> bool:
+        """An empty micro batch of a token-budget plan: zero loss, zero count, nothing reported."""
+        return len(batch["lengths"]) == 0
+
     def last_token_scores(self, batch, scores: torch.Tensor) -> torch.Tensor:
         """Each sequence's scores at its last token, [batch, attributes] (float32)."""
         from aligner.models.packing import packed_rows_of, token_scores_at
@@ -113,6 +118,8 @@ class RankingObjective(SequenceScores):
     """Rows come in (chosen, rejected) pairs; the loss is the mean Bradley-Terry loss per pair."""
 
     def loss(self, batch, scores):
+        if self.empty(batch):
+            return zero_loss(scores), torch.tensor(0, dtype=torch.int), {}
         rewards = self.last_token_scores(batch, scores)[:, 0]  # [2 * pairs]
         chosen, rejected = rewards[0::2], rewards[1::2]
         per_pair = bradley_terry_loss(chosen, rejected)
@@ -132,6 +139,8 @@ class RegressionObjective(SequenceScores):
         self.attributes = list(attributes)
 
     def loss(self, batch, scores):
+        if self.empty(batch):
+            return zero_loss(scores), torch.tensor(0, dtype=torch.int), {}
         predictions = self.last_token_scores(batch, scores)  # [batch, attributes]
         squared = masked_regression_loss(predictions, batch["labels"], batch["label_mask"])
         loss_sum = squared.sum()
@@ -165,6 +174,8 @@ def reward_normalization(inference, loader, max_samples: int) -> dict:
     seen = 0
     for microbatches in loader.iterate(0, epochs=1, limit_samples=max_samples):
         for batch in microbatches:
+            if batch["tokens"].shape[0] == 0:  # an empty micro batch of a token-budget plan
+                continue
             rewards.append(inference.infer_local(batch["tokens"], batch["lengths"]))
             seen += batch["tokens"].shape[0]
     local = torch.cat(rewards).double() if rewards else torch.zeros(0, inference.num_attributes, dtype=torch.float64)
@@ -186,6 +197,7 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
 
     reward = cfg.reward
     num_attributes = len(reward.attributes)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
 
     def chunk_builder(model_cfg, config, **kwargs):
         return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed,
@@ -218,6 +230,7 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
         train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
         shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
         collate_fn=collate_comparisons if reward.type == "binary_ranking" else collate_regression,
+        packing=cfg.packing,
     )
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
     model_cfg = built.model_cfg

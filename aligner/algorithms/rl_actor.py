@@ -297,6 +297,9 @@ class RLActorConfig(RunConfig):
         if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
             raise ConfigError("the engine's logprobs are temperature-scaled: "
                               "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
+        self.packing.check_layout(self.parallel.pipeline_model_parallel_size,
+                                  self.data.max_prompt_length + gen.max_new_tokens,
+                                  "data.max_prompt_length + generation.max_new_tokens")
         if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
             raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
                               "loss.recompute_old_logprobs=true")
@@ -439,6 +442,10 @@ class PolicyObjective:
                                                       "ptx_tokens": tokens.detach().float()}
         from aligner.generation.logprobs import response_logprobs_and_entropy
 
+        if batch.packed is not None and batch.packed.lengths.numel() == 0:  # evens a token-budget plan's count
+            from aligner.models.packing import zero_loss
+
+            return zero_loss(logits), one, {}
         mask = batch.mask
         width = mask.shape[1]
         # Logprobs and the entropy of the sampling distribution at each response position, in one
@@ -773,14 +780,27 @@ class RLActor:
 
     # -- 3: logprobs
     def logprobs(self, batch) -> torch.Tensor:
+        """This rank's rollouts' logprobs [B, T]. With token budgets every rank computes the rows the
+        first epoch trains on it (of the rollouts of all ranks); the sum over ranks (each row nonzero
+        on one rank only, so exact) hands each rank its own rows."""
         from aligner.generation.packed_logprobs import sequence_logprobs
 
-        return sequence_logprobs(self.chunks, batch.tokens, batch.prompt_lengths, batch.response_lengths,
-                                 vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,
-                                 pad_id=self.tokenizer.pad_id, temperature=self.temperature,
-                                 response_width=self.response_width,
-                                 micro_batch_size=self.cfg.trainer.micro_batch_size,
-                                 plan=self.logprob_plan(batch)).cpu()
+        budget = self.uses_token_budget
+        rows = self.all_ranks_rows(batch) if budget else batch
+        result = sequence_logprobs(self.chunks, rows.tokens, rows.prompt_lengths, rows.response_lengths,
+                                   vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,
+                                   pad_id=self.tokenizer.pad_id, temperature=self.temperature,
+                                   response_width=self.response_width,
+                                   micro_batch_size=self.cfg.trainer.micro_batch_size,
+                                   plan=self.logprob_plan(rows))
+        if budget:
+            from aligner.runtime.distributed import device
+
+            result = result.to(device())
+            dist.all_reduce(result, group=self.dp_group)
+            local = batch.tokens.shape[0]
+            result = result[self.dp_rank * local:(self.dp_rank + 1) * local]
+        return result.cpu()
 
     # -- 4: scores -> shaped scores -> advantages
     def shaped_scores(self, batch) -> torch.Tensor:
@@ -893,11 +913,15 @@ class RLActor:
         micro = trainer.micro_batch_size
         positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
         minibatch_metrics, first = [], None
+        budget = self.uses_token_budget
+        if budget:  # every rank's rollouts, rows in rank order: a token-budget plan draws on them all
+            experience = self.all_ranks_experience(experience)
         for epoch in range(loss.epochs):
             order = self.minibatch_order(rows, epoch)
-            for start in range(0, rows, minibatch_rows):
+            for minibatch, start in enumerate(range(0, rows, minibatch_rows)):
                 ids = order[start:start + minibatch_rows]
-                microbatches = self.policy_microbatches(experience, ids, positions)
+                plan = self.budget_plan(experience.batch, epoch, minibatch) if budget else None
+                microbatches = self.policy_microbatches(experience, ids, positions, plan)
                 microbatches = self.scale_losses(microbatches + self.ptx_microbatches())
                 if loss.adam_epsilon_style == "tf":
                     # TF's Adam epsilon, as the torch optimizer's, for this optimizer step.
@@ -920,11 +944,70 @@ class RLActor:
                          "first_ratio_min": first["ratio_min"], "first_approx_kl": first["approx_kl"]})
         return averaged
 
-    def minibatch_order(self, rows: int, epoch: int) -> torch.Tensor:
-        """The step's rows in the order an epoch's minibatches take them (consecutive slices)."""
+    def minibatch_order(self, rows: int, epoch: int, dp_rank: Optional[int] = None) -> torch.Tensor:
+        """A rank's (default: this one's) rows in the order an epoch's minibatches take them (consecutive slices)."""
         generator = torch.Generator().manual_seed(derive_seed(
-            self.cfg.seed, self.step, epoch, self.dp_rank, weights=(131, 17, 1), seed_weight=7919))
+            self.cfg.seed, self.step, epoch, self.dp_rank if dp_rank is None else dp_rank, weights=(131, 17, 1),
+            seed_weight=7919))
         return torch.randperm(rows, generator=generator)
+
+    @property
+    def uses_token_budget(self) -> bool:
+        from aligner.models import packing
+
+        return self.cfg.packing.micro_batch_tokens is not None and packing.packs_here(self.cfg.packing)
+
+    def all_ranks_rows(self, batch):
+        """The rollouts of every data-parallel rank (rank r's rows at r * B ...), on every rank."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(tokens=self.gather_rows(batch.tokens),
+                               prompt_lengths=self.gather_rows(batch.prompt_lengths),
+                               response_lengths=self.gather_rows(batch.response_lengths),
+                               mask=self.gather_rows(batch.mask))
+
+    def all_ranks_experience(self, experience: Experience) -> Experience:
+        """What the policy update reads of `experience`, for every rank's rollouts (`all_ranks_rows`)."""
+        from dataclasses import replace
+
+        weights = experience.importance_weights
+        return replace(experience, batch=self.all_ranks_rows(experience.batch),
+                       old_logprobs=self.gather_rows(experience.old_logprobs),
+                       advantages=self.gather_rows(experience.advantages),
+                       importance_weights=None if weights is None else self.gather_rows(weights))
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's `tensor` (each [B, ...], equal B), concatenated in rank order."""
+        if self.dp_size == 1:
+            return tensor
+        from aligner.runtime.distributed import device
+
+        local = tensor.to(device())
+        parts = [torch.empty_like(local) for _ in range(self.dp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.dp_group)
+        return torch.cat(parts).to(tensor.device)
+
+    def budget_plan(self, rows, epoch: int, minibatch: int) -> list[list[list[int]]]:
+        """This rank's token-budget micro batches of a minibatch, as row indices (into the rows of every
+        rank, `all_ranks_rows`) per packed row per micro batch; an empty micro batch has no rows. The
+        minibatch holds every rank's share of it (each rank's own order), balanced across ranks."""
+        from aligner.models import packing
+
+        local = rows.tokens.shape[0] // self.dp_size
+        minibatch_rows = self.cfg.trainer.global_batch_size // self.dp_size
+        window = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
+        ids = torch.cat([self.minibatch_order(local, epoch, rank)[window] + rank * local
+                         for rank in range(self.dp_size)]).tolist()
+        lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
+        row_length = self.cfg.packing.row_length or self.seq_length
+        plan = packing.plan_token_budget([[lengths[i]] for i in ids], self.dp_size,
+                                         self.cfg.packing.micro_batch_tokens, row_length)[self.dp_rank]
+        micro_batches = []
+        for items in plan:
+            members = [ids[i] for i in items]
+            micro_batches.append([[members[i] for i in row]
+                                  for row in packing.first_fit_rows([lengths[j] for j in members], row_length)])
+        return micro_batches
 
     def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
         """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
@@ -938,20 +1021,26 @@ class RLActor:
     def logprob_plan(self, batch) -> list[list[list[int]]]:
         """The packed logprob pass's micro batches: the first epoch's, so the first minibatch's rows are
         laid out exactly as its training rows (a sequence's float rounding depends on its place in a
-        row; with the same rows the first minibatch's ratio is exactly 1)."""
-        rows = batch.tokens.shape[0]
+        row; with the same rows the first minibatch's ratio is exactly 1). With token budgets `batch`
+        holds every rank's rows (`all_ranks_rows`) and the plan is this rank's share of them."""
         minibatch_rows = self.cfg.trainer.global_batch_size // self.dp_size
+        if self.uses_token_budget:
+            minibatches = batch.tokens.shape[0] // self.dp_size // minibatch_rows
+            return [micro for minibatch in range(minibatches) for micro in self.budget_plan(batch, 0, minibatch)
+                    if micro]
+        rows = batch.tokens.shape[0]
         order = self.minibatch_order(rows, 0)
         return [micro for start in range(0, rows, minibatch_rows)
                 for micro in self.packed_plan(batch, order[start:start + minibatch_rows])]
 
-    def policy_microbatches(self, experience: Experience, ids: torch.Tensor,
-                            positions: torch.Tensor) -> list[PolicyMicrobatch]:
+    def policy_microbatches(self, experience: Experience, ids: torch.Tensor, positions: torch.Tensor,
+                            plan: Optional[list[list[list[int]]]] = None) -> list[PolicyMicrobatch]:
         """The minibatch `ids` (rows of the experience) as micro batches of trainer.micro_batch_size rows:
         padded rows, one per sequence; or packed (`packing`), the minibatch's sequences laid end to end
         in rows of packing.row_length (default: the padded row's length), so fewer micro batches carry
-        the same tokens. Every loss aggregation is a sum over sequences, so the minibatch loss is the
-        same whichever micro batch a sequence lands in."""
+        the same tokens; or as `plan` says (packed rows of experience rows per micro batch, a token-budget
+        plan: `budget_plan`). Every loss aggregation is a sum over sequences, so the minibatch loss is
+        the same whichever micro batch a sequence lands in."""
         from aligner.models import packing
 
         batch, weights = experience.batch, experience.importance_weights
@@ -971,7 +1060,12 @@ class RLActor:
         sequences = [batch.tokens[row, :length] for row, length in enumerate(lengths)]
         row_length = self.cfg.packing.row_length or self.seq_length
         microbatches = []
-        for rows in self.packed_plan(batch, ids):
+        for rows in self.packed_plan(batch, ids) if plan is None else plan:
+            if not rows:
+                empty = packing.empty_packed_rows(self.tokenizer.pad_id)
+                microbatches.append(microbatch(torch.zeros(0, dtype=torch.long), tokens=empty.tokens,
+                                               position_ids=empty.position_ids, packed=empty))
+                continue
             members, packed = packing.pack_micro_batch(sequences, rows, row_length, self.tokenizer.pad_id)
             microbatches.append(microbatch(torch.tensor(members), tokens=packed.tokens,
                                            position_ids=packed.position_ids, packed=packed))

@@ -18,6 +18,15 @@ and it is decided here (`packed_forward`):
 Packing needs a single pipeline stage (`packs_here`): a schedule sends activations of one fixed
 shape between stages, so at PP > 1 batches stay padded.
 
+Token-budget micro batches (`micro_batch_tokens`, `plan_token_budget`): instead of a fixed number of
+sequences (or pairs) per micro batch, the global batch is split across the data-parallel ranks so
+their token totals are balanced (longest first, each to the rank with the fewest tokens), and each
+rank's share is cut into micro batches whose packed rows hold at most `micro_batch_tokens` tokens
+(first fit, longest first; the rows are `first_fit_rows` of the micro batch's sequences). Every
+rank then runs the same number of micro batches (megatron's schedule and the gradient sync expect
+it): the largest ones are split, and where nothing is left to split a rank runs empty micro
+batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
+
 megatron-core 0.16's GPTModel builds rotary embeddings for columns 0..S-1 whatever the position
 ids say; `gpt_model_class` returns a GPTModel whose rotary embedding follows `position_ids`
 instead, so the angles of a packed sequence's tokens are exactly those of its padded row.
@@ -30,6 +39,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from aligner.config import at_least
+
 
 @dataclass
 class PackingSection:
@@ -39,12 +50,34 @@ class PackingSection:
     # Tokens per packed row; null: the longest row the padded layout would use (so attention, O(L^2)
     # per row on the local path, never costs more per row than padding did).
     row_length: Optional[int] = None
+    # Tokens per micro batch: the global batch balanced across data-parallel ranks by tokens and cut
+    # into micro batches whose packed rows (tail padding included) hold at most this many (at least
+    # one row); null: trainer.micro_batch_size sequences (pairs) per micro batch.
+    micro_batch_tokens: Optional[int] = at_least(1, None, "null: trainer.micro_batch_size per micro batch")
 
     def __post_init__(self):
-        if self.row_length is not None and self.row_length < 2:
-            from aligner.runtime.errors import ConfigError
+        from aligner.runtime.errors import ConfigError
 
+        if self.row_length is not None and self.row_length < 2:
             raise ConfigError(f"packing.row_length must be at least 2 tokens, got {self.row_length}")
+        if self.micro_batch_tokens is not None and not self.enabled:
+            raise ConfigError("packing.micro_batch_tokens forms packed micro batches: it needs packing.enabled=true")
+
+    def check_layout(self, pipeline_model_parallel_size: int, longest_row: int, longest_row_is: str) -> None:
+        """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send, and a
+        micro batch holds at least one packed row (`longest_row` tokens, the default row length)."""
+        from aligner.runtime.errors import ConfigError
+
+        budget = self.micro_batch_tokens
+        if budget is None:
+            return
+        if pipeline_model_parallel_size > 1:
+            raise ConfigError("packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1 (a pipeline "
+                              "schedule sends one activation shape; packed micro batches vary)")
+        row = self.row_length or longest_row
+        if budget < row:
+            raise ConfigError(f"packing.micro_batch_tokens={budget} must hold one packed row: at least "
+                              f"{'packing.row_length' if self.row_length else longest_row_is} = {row}")
 
 
 # ----------------------------------------------------------------------------- layout
@@ -132,6 +165,96 @@ def pack_rows(sequences: Sequence[torch.Tensor], row_length: int, pad_id: int,
             column += length
         position_ids[row, column:] = torch.arange(row_length - column)
     return PackedRows(tokens, position_ids, segment_ids, starts, torch.tensor(lengths, dtype=torch.long))
+
+
+def empty_packed_rows(pad_id: int) -> PackedRows:
+    """A micro batch of no sequences: one row of one padding token (the forward runs; nothing is read)."""
+    zero = torch.zeros((1, 1), dtype=torch.long)
+    return PackedRows(torch.full((1, 1), pad_id, dtype=torch.long), zero, zero - 1,
+                      torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+def zero_loss(output: torch.Tensor) -> torch.Tensor:
+    """The loss of an empty micro batch: exactly 0, with an exactly-zero gradient through the graph."""
+    return output.sum() * 0.0
+
+
+# ----------------------------------------------------------------------------- token budgets
+def balanced_partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Item indices per part (ascending), the totals balanced: longest first, each to the part with
+    the fewest tokens so far (ties: the lower part). The largest total minus the smallest is at most
+    the largest item (the item that made a part the largest went to the smallest one)."""
+    totals, members = [0] * parts, [[] for _ in range(parts)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        part = min(range(parts), key=lambda p: (totals[p], p))
+        members[part].append(index)
+        totals[part] += sizes[index]
+    return [sorted(part) for part in members]
+
+
+def packed_cells(lengths: Sequence[int], row_length: int) -> int:
+    """Tokens of the packed rows (`first_fit_rows`, tail padding included) that hold `lengths`."""
+    return len(first_fit_rows(lengths, row_length)) * row_length
+
+
+def token_budget_micro_batches(items: Sequence[Sequence[int]], budget: int, row_length: int) -> list[list[int]]:
+    """Item indices per micro batch (an item: the lengths of its sequences, e.g. a pair's two), each
+    micro batch's packed rows (`first_fit_rows` of its sequences) holding at most `budget` tokens:
+    first fit, longest item first; an item that alone needs more is alone in its micro batch."""
+    batches: list[list[int]] = []
+    contents: list[list[int]] = []  # sequence lengths per micro batch
+    for index in sorted(range(len(items)), key=lambda i: (-sum(items[i]), i)):
+        item = list(items[index])
+        target = next((batch for batch, lengths in enumerate(contents)
+                       if sum(lengths) + sum(item) <= budget  # cheap bound first: cells >= tokens
+                       and packed_cells(lengths + item, row_length) <= budget), None)
+        if target is None:
+            batches.append([])
+            contents.append([])
+            target = len(batches) - 1
+        batches[target].append(index)
+        contents[target] += item
+    return batches
+
+
+def even_micro_batch_counts(per_rank: list[list[list[int]]], items: Sequence[Sequence[int]], budget: int,
+                            row_length: int) -> list[list[list[int]]]:
+    """Every rank's micro batches made as many as the most any rank has: the rank's largest micro
+    batch (in tokens) of two or more items is split in two halves balanced by tokens (each re-cut to
+    the budget, should first fit lay a half out worse than the whole), again and again; with nothing
+    left to split, empty micro batches ([]) fill the count."""
+    sizes = [sum(item) for item in items]
+    evened = [[list(batch) for batch in batches] for batches in per_rank]
+    while len({len(batches) for batches in evened}) > 1:
+        target = max(len(batches) for batches in evened)
+        for batches in evened:
+            while len(batches) < target:
+                splittable = [b for b, batch in enumerate(batches) if len(batch) > 1]
+                if not splittable:
+                    batches.extend([] for _ in range(target - len(batches)))
+                    break
+                largest = max(splittable, key=lambda b: (sum(sizes[i] for i in batches[b]), -b))
+                batch = batches[largest]
+                parts = []
+                for half in balanced_partition([sizes[i] for i in batch], 2):
+                    members = [batch[i] for i in half]
+                    parts += [[members[i] for i in part] for part in token_budget_micro_batches(
+                        [items[i] for i in members], budget, row_length)]
+                batches[largest:largest + 1] = parts
+    return evened
+
+
+def plan_token_budget(items: Sequence[Sequence[int]], ranks: int, budget: int,
+                      row_length: int) -> list[list[list[int]]]:
+    """[rank][micro batch] -> item indices of a global batch (an item: the lengths of its sequences):
+    the items balanced across ranks by tokens, each rank's share cut into micro batches whose packed
+    rows of `row_length` hold at most `budget` tokens, every rank with the same number of micro
+    batches (some possibly empty)."""
+    shares = balanced_partition([sum(item) for item in items], ranks)
+    per_rank = [[[share[i] for i in batch]
+                 for batch in token_budget_micro_batches([items[i] for i in share], budget, row_length)]
+                for share in shares]
+    return even_micro_batch_counts(per_rank, items, budget, row_length)
 
 
 # ----------------------------------------------------------------------------- the forward
@@ -252,11 +375,14 @@ def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optiona
 def packed_rows_of(batch: dict, lengths: torch.Tensor, packing: Optional[PackingSection],
                    pad_id: int) -> Optional[PackedRows]:
     """A collated micro batch's sequences (lengths [B]) as packed rows, built once and kept in
-    batch["packed"] (its forward and its loss read the same rows); None where `packs_here` says no."""
+    batch["packed"] (its forward and its loss read the same rows); None where `packs_here` says no.
+    A micro batch of no rows (evening a token-budget plan) runs `empty_packed_rows`."""
     if not packs_here(packing):
         return None
     if "packed" not in batch:
-        batch["packed"] = pack_padded(batch["tokens"], lengths, packing.row_length, pad_id)
+        tokens = batch["tokens"]
+        batch["packed"] = (pack_padded(tokens, lengths, packing.row_length, pad_id) if len(tokens)
+                           else empty_packed_rows(pad_id).to(tokens.device))
     return batch["packed"]
 
 

@@ -272,8 +272,9 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
 
 
 def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,
-                 pad_to_multiple_of: int, collate_fn: Optional[Callable] = None):
-    """Micro-batch loader for this data-parallel rank."""
+                 pad_to_multiple_of: int, collate_fn: Optional[Callable] = None,
+                 packing=None):
+    """Micro-batch loader for this data-parallel rank (packing: its token budget, if any, forms the micro batches)."""
     from megatron.core import parallel_state as ps
 
     from aligner.data.loader import MicroBatchLoader
@@ -282,6 +283,7 @@ def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, sh
         dataset, global_batch_size=trainer_cfg.global_batch_size, micro_batch_size=trainer_cfg.micro_batch_size,
         data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=data_parallel_size, seed=seed,
         shuffle=shuffle, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, collate_fn=collate_fn,
+        packing=packing,
     )
 
 
@@ -319,14 +321,15 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
 
 
 def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool,
-                  pad_id: int, pad_to_multiple_of: int, collate_fn: Optional[Callable] = None) -> tuple:
+                  pad_id: int, pad_to_multiple_of: int, collate_fn: Optional[Callable] = None,
+                  packing=None) -> tuple:
     """(train loader, validation loader or None); validation smaller than one global batch is off."""
     from aligner.training.metrics import get_logger
 
     def loader(dataset, shuffle_data):
         return build_loader(dataset, trainer_cfg=trainer_cfg, data_parallel_size=data_parallel_size, seed=seed,
                             shuffle=shuffle_data, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
-                            collate_fn=collate_fn)
+                            collate_fn=collate_fn, packing=packing)
 
     val_loader = None
     if val_set is not None and len(val_set) >= trainer_cfg.global_batch_size:
@@ -350,6 +353,12 @@ class DataSection:
     # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
     # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
     chat_template: bool = True
+
+    @property
+    def longest_row(self) -> tuple[int, str]:
+        """(tokens, what they are) of the longest padded row a collated batch can have."""
+        padded = -(-self.max_seq_length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return padded, "data.max_seq_length rounded up to data.pad_to_multiple_of"
 
 
 @dataclass

@@ -273,19 +273,13 @@ def real_token_count(batch) -> int:
 
     A record (the RL actor's micro batches) says so itself, in `real_tokens`.
 
-    Never by comparing tokens with the pad id: where pad == eos (SmolLM2, Qwen) that drops every
-    real eos token. Dict batches say how long their rows are in one of two ways:
-      lengths [B]: real tokens of each row of `tokens` (SFT, reward models);
-      prompt_lengths + response_lengths [B]: DPO, SPIN.
+    Dict batches: `aligner.data.loader.row_lengths`.
     """
+    from aligner.data.loader import row_lengths
+
     if not isinstance(batch, dict):
         return batch.real_tokens
-    if "lengths" in batch:
-        return int(batch["lengths"].sum())
-    if "prompt_lengths" in batch and "response_lengths" in batch:
-        return int(batch["prompt_lengths"].sum() + batch["response_lengths"].sum())
-    raise KeyError(f"a micro batch with keys {sorted(batch)} says nothing about its rows' lengths: give it "
-                   "`lengths` or `prompt_lengths` + `response_lengths`")
+    return int(row_lengths(batch).sum())
 
 
 def global_token_count(microbatches: list) -> float:

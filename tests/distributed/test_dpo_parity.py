@@ -33,14 +33,17 @@ def test_dpo_losses_match_across_layouts_and_reference_modes(tmp_path):
               "trainer.micro_batch_size=2", "trainer.val_check_interval=3", "optim.lr=1e-3", "optim.warmup_steps=0",
               "dpo.beta=0.2", "dpo.sft_loss_weight=0.1", "checkpoint.save_at_end=false", *quiet]
     results = {}
-    for tp, pp, dp, mode in [(1, 1, 1, "precompute"), (2, 1, 1, "precompute"), (1, 2, 1, "precompute"),
-                             (1, 1, 2, "precompute"), (2, 1, 1, "swap")]:
-        log_dir = tmp_path / f"dpo_{tp}{pp}{dp}_{mode}"
+    # budget: token-budget micro batches of at most 2 packed rows, balanced across the DP ranks
+    for tp, pp, dp, mode, budget in [(1, 1, 1, "precompute", None), (2, 1, 1, "precompute", None),
+                                     (1, 2, 1, "precompute", None), (1, 1, 2, "precompute", None),
+                                     (2, 1, 1, "swap", None), (1, 1, 2, "precompute", 32), (1, 1, 2, "swap", 32)]:
+        log_dir = tmp_path / f"dpo_{tp}{pp}{dp}_{mode}_{budget}"
         run_torchrun(DPO_SCRIPT, tp * pp * dp, *common, f"parallel.tensor_model_parallel_size={tp}",
                      f"parallel.pipeline_model_parallel_size={pp}", f"dpo.reference_logprobs={mode}",
-                     f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}")
-        results[(tp, pp, dp, mode)] = metrics_rows(log_dir)
-    reference = results[(1, 1, 1, "precompute")]
+                     f"checkpoint.save_dir={log_dir / 'ckpt'}", f"logging.log_dir={log_dir}",
+                     *([f"packing.micro_batch_tokens={budget}"] if budget else []))
+        results[(tp, pp, dp, mode, budget)] = metrics_rows(log_dir)
+    reference = results[(1, 1, 1, "precompute", None)]
     assert [row["split"] for row in reference] == ["train", "train", "train", "validation"]
     first = reference[0]
     # Policy = reference at step 1: the preference loss is log 2 and the implicit rewards are 0.

@@ -79,18 +79,20 @@ def test_reward_rises_over_a_short_run(setup):
     assert "kl" not in steps[-1]  # kl.init_coef=0: no reference pass, so no KL to report
 
 
-@pytest.mark.parametrize("tp, pp, dp, policy_loss", [(2, 1, 1, "ppo_clip"), (1, 2, 1, "ppo_clip"),
-                                                     (1, 1, 2, "ppo_clip"), (1, 1, 2, "gspo")])
-def test_grpo_first_minibatch_ratio_is_one_and_the_engine_matches_the_trainer(setup, tp, pp, dp, policy_loss):
+@pytest.mark.parametrize("tp, pp, dp, policy_loss, budget", [
+    (2, 1, 1, "ppo_clip", None), (1, 2, 1, "ppo_clip", None), (1, 1, 2, "ppo_clip", None), (1, 1, 2, "gspo", None),
+    (1, 1, 2, "ppo_clip", 24)])  # token-budget micro batches balanced across the two ranks
+def test_grpo_first_minibatch_ratio_is_one_and_the_engine_matches_the_trainer(setup, tp, pp, dp, policy_loss, budget):
     root, policy, prompts = setup
-    name = f"grpo_{tp}{pp}{dp}_{policy_loss}"
+    name = f"grpo_{tp}{pp}{dp}_{policy_loss}_{budget}"
     output = root / f"{name}.json"
     clip = ["loss.clip_ratio=3e-4", "loss.clip_high=4e-4"] if policy_loss == "gspo" else []
     run_torchrun(SCRIPT, tp * pp * dp, "step", str(output), *_common(root, policy, prompts, name),
                  f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
                  "generation.micro_batch_size=4", "rollout.prompts_per_step=4", "trainer.global_batch_size=8",
                  "trainer.micro_batch_size=2", "loss.epochs=2", "optim.lr=1e-2", "kl.init_coef=0.0",
-                 "advantage.estimator=grpo", f"loss.policy_loss={policy_loss}", *clip)
+                 "advantage.estimator=grpo", f"loss.policy_loss={policy_loss}", *clip,
+                 *([f"packing.micro_batch_tokens={budget}"] if budget else []))
     metrics = json.loads(output.read_text())["metrics"]
     for key in ("first_ratio_mean", "first_ratio_max", "first_ratio_min"):
         assert metrics[key] == pytest.approx(1.0, abs=1e-6), key

@@ -33,14 +33,15 @@ def test_reward_model_losses_match_across_layouts_and_normalisation_is_stored(tm
               "trainer.micro_batch_size=2", "trainer.val_check_interval=3", "optim.lr=1e-3", "optim.warmup_steps=1",
               "reward.normalization_samples=32", *architecture[4:]]
     results = {}
-    for tp, pp, dp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]:
-        log_dir = tmp_path / f"rm_{tp}{pp}{dp}"
+    # budget: token-budget micro batches of at most 2 packed rows of 16, balanced across the DP ranks
+    for tp, pp, dp, budget in [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None), (1, 1, 2, 32)]:
+        log_dir = tmp_path / f"rm_{tp}{pp}{dp}_{budget}"
         run_torchrun(RM_SCRIPT, tp * pp * dp, *common, f"parallel.tensor_model_parallel_size={tp}",
                      f"parallel.pipeline_model_parallel_size={pp}", f"checkpoint.save_dir={log_dir / 'ckpt'}",
-                     f"logging.log_dir={log_dir}")
+                     f"logging.log_dir={log_dir}", *([f"packing.micro_batch_tokens={budget}"] if budget else []))
         meta = json.loads((log_dir / "ckpt" / "step_00000003" / "aligner_meta.json").read_text())
-        results[(tp, pp, dp)] = (metrics_rows(log_dir), meta["reward"])
-    reference_rows, reference_reward = results[(1, 1, 1)]
+        results[(tp, pp, dp, budget)] = (metrics_rows(log_dir), meta["reward"])
+    reference_rows, reference_reward = results[(1, 1, 1, None)]
     assert reference_reward["type"] == "binary_ranking" and len(reference_reward["normalization"]["mean"]) == 1
     assert reference_reward["normalization"]["std"][0] > 0
     for layout, (rows, reward_meta) in results.items():

@@ -1,0 +1,319 @@
+"""Token-budget micro batches (packing.micro_batch_tokens): the plan (balanced across data-parallel
+ranks, every micro batch within the budget, as many micro batches on every rank), the config checks,
+and losses and gradients equal to the fixed-size micro batches' within 1e-6 (RL policy loss, DPO,
+reward models), data-parallel ranks simulated in one process: megatron sums the ranks' gradients and
+divides by the count summed over every rank's micro batches, which is what these tests do."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aligner.models import packing
+from aligner.runtime.errors import ConfigError
+
+from .test_packing import VOCAB, _policy_actor, _sequences, _tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+
+def _check_plan(items, ranks, budget, row_length, plan):
+    assert len(plan) == ranks
+    assert len({len(batches) for batches in plan}) == 1  # as many micro batches on every rank
+    planned = sorted(item for batches in plan for batch in batches for item in batch)
+    assert planned == list(range(len(items)))
+    for batches in plan:
+        for batch in batches:  # packed rows within the budget, or one item alone
+            lengths = [length for i in batch for length in items[i]]
+            assert len(batch) <= 1 or len(packing.first_fit_rows(lengths, row_length)) * row_length <= budget
+    sizes = [sum(item) for item in items]
+    totals = [sum(sizes[i] for batch in batches for i in batch) for batches in plan]
+    assert max(totals) - min(totals) <= max(sizes)
+
+
+@pytest.mark.parametrize("per_item", [1, 2])  # sequences (RL, regression) or pairs (DPO, ranking)
+def test_plans_on_random_lengths_are_balanced_within_the_longest_item_and_keep_the_budget(per_item):
+    rng = random.Random(per_item)
+    for _ in range(300):
+        count, ranks = rng.randint(1, 40), rng.randint(1, 5)
+        row_length = rng.choice([8, 64, 512])
+        items = [[rng.randint(1, row_length) for _ in range(per_item)] for _ in range(count)]
+        budget = rng.randint(row_length, 4 * row_length)
+        _check_plan(items, ranks, budget, row_length, packing.plan_token_budget(items, ranks, budget, row_length))
+        sizes = [sum(item) for item in items]
+        totals = [sum(sizes[i] for i in part) for part in packing.balanced_partition(sizes, ranks)]
+        assert max(totals) - min(totals) <= max(sizes)
+
+
+def test_a_budget_counts_the_packed_rows_with_their_tail_padding():
+    # 3 + 3 + 3 tokens fit 12 real tokens, but rows of 4 hold one each: 3 rows = 12 cells.
+    assert packing.token_budget_micro_batches([[3], [3], [3], [3]], 8, 4) == [[0, 1], [2, 3]]
+    assert packing.token_budget_micro_batches([[2, 2], [4, 4]], 8, 4) == [[1], [0]]
+
+
+def test_uneven_counts_split_the_largest_micro_batch_then_add_empty_ones():
+    items = [[3], [1], [1], [1], [1], [1]]
+    assert packing.even_micro_batch_counts([[[0, 1, 2]], [[3], [4], [5]]], items, 8, 8) == [
+        [[0], [1], [2]], [[3], [4], [5]]]
+    assert packing.even_micro_batch_counts([[[0]], [[1, 2], [3, 4], [5]]], items, 8, 8) == [
+        [[0], [], []], [[1, 2], [3, 4], [5]]]
+    # Pairs: rank 0 holds one pair of two full rows (over the budget: alone), rank 1 six short pairs,
+    # three per row of 6 = one row per micro batch.
+    plan = packing.plan_token_budget([[6, 6], *[[1, 1]] * 6], 2, 6, 6)
+    assert plan[0] == [[0], []] and sorted(map(sorted, plan[1])) == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_config_errors_name_the_key():
+    from aligner.algorithms.dpo import DPOConfig
+    from aligner.config import CONF_DIR, load_config
+
+    data = ["data.train=[{path: x.jsonl}]"]
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens=0"):
+        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=0"])
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens .*packing.enabled=true"):
+        load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
+                                                           "packing.enabled=false"])
+    cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
+                                                             "data.max_seq_length=60"])
+    cfg.packing.check_layout(1, *cfg.data.longest_row)
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1"):
+        cfg.packing.check_layout(2, *cfg.data.longest_row)
+    cfg.data.max_seq_length = 61  # padded to 64 tokens: still one row
+    cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.data.max_seq_length = 65
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens=64 must hold one packed row: at least "
+                                          "data.max_seq_length rounded up to data.pad_to_multiple_of = 72"):
+        cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.packing.row_length = 80
+    with pytest.raises(ConfigError, match="at least packing.row_length = 80"):
+        cfg.packing.check_layout(1, *cfg.data.longest_row)
+    actor = _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size"):
+        actor.cfg.validate(1)
+    actor = _policy_actor(["packing.micro_batch_tokens=64", "data.max_prompt_length=60"])
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens=64 must hold one packed row: at least "
+                                          "data.max_prompt_length \\+ generation.max_new_tokens"):
+        actor.cfg.validate(1)
+
+
+# ----------------------------------------------------------------------------- RL policy loss
+def _experience(rows, seed):
+    """`rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24 columns."""
+    from aligner.algorithms.rl_actor import Experience
+    from aligner.generation.logprobs import response_mask
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, 10, (rows,), generator=generator)
+    responses = torch.randint(1, 13, (rows,), generator=generator)
+    tokens = torch.zeros(rows, 24, dtype=torch.long)
+    for row, sequence in enumerate(_sequences((prompts + responses).tolist(), seed)):
+        tokens[row, :len(sequence)] = sequence
+    mask = response_mask(responses, 12)
+    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    old = torch.where(mask, -torch.rand(rows, 12, generator=generator) * 3, 0)
+    return Experience(batch=batch, old_logprobs=old, advantages=torch.randn(rows, 12, generator=generator) * mask,
+                      importance_weights=None, returns=None, values=None, scores=None, sequence_rewards=None,
+                      metrics={})
+
+
+def _minibatch_loss_and_gradients(model, actor, microbatches):
+    """Megatron's result for micro batches of every rank: sum of losses and gradients / micro batches."""
+    microbatches = actor.scale_losses(microbatches)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for microbatch in microbatches:
+        loss, count, _ = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+        assert int(count) == 1
+        loss.backward()
+        total += float(loss)
+    count = len(microbatches)
+    return total / count, {name: p.grad / count for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budget_policy_micro_batches_give_the_fixed_size_loss_and_gradients(aggregation, ranks):
+    """A minibatch of 8 rollouts per rank: fixed micro batches of 2 padded rollouts against token
+    budgets of 40 tokens balanced across `ranks` ranks (one process plays every rank)."""
+    model = _tiny_model("llama").train()
+    per_rank = 8
+    experience = _experience(per_rank * ranks, seed=ranks)
+    settings = [f"loss.aggregation={aggregation}", f"trainer.global_batch_size={per_rank * ranks}"]
+    fixed = _policy_actor(["packing.enabled=false", *settings])
+    positions = torch.arange(24).unsqueeze(0).expand(2, -1)
+    fixed_batches = fixed.policy_microbatches(experience, torch.arange(per_rank * ranks), positions)
+    budget = _policy_actor(["packing.micro_batch_tokens=40", *settings])
+    budget.step, budget.dp_size = 0, ranks
+    budget_batches, counts = [], set()
+    for rank in range(ranks):
+        budget.dp_rank = rank
+        plan = budget.budget_plan(experience.batch, epoch=0, minibatch=0)
+        counts.add(len(plan))
+        for micro in plan:
+            assert sum(int(experience.batch.prompt_lengths[i] + experience.batch.response_lengths[i])
+                       for row in micro for i in row) <= 40
+        budget_batches += budget.policy_microbatches(experience, torch.arange(0), positions, plan)
+    assert len(counts) == 1
+    fixed_loss, fixed_grads = _minibatch_loss_and_gradients(model, fixed, fixed_batches)
+    budget_loss, budget_grads = _minibatch_loss_and_gradients(model, budget, budget_batches)
+    assert budget_loss == pytest.approx(fixed_loss, abs=1e-6)
+    for name, grad in fixed_grads.items():
+        torch.testing.assert_close(budget_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_an_empty_policy_micro_batch_has_zero_loss_and_gradient():
+    model = _tiny_model("llama").train()
+    actor = _policy_actor(["packing.micro_batch_tokens=40"])
+    experience = _experience(4, seed=5)
+    (empty,) = actor.policy_microbatches(experience, torch.arange(0), torch.arange(24)[None], plan=[[]])
+    loss, count, report = actor.objective.loss(empty, actor.objective.forward(model, empty))
+    loss.backward()
+    assert float(loss) == 0 and int(count) == 1 and report == {}
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_with_token_budgets_the_first_minibatch_trains_on_the_logprob_pass_rows_bit_for_bit():
+    """The logprob pass plans the first epoch's token-budget micro batches, so the first minibatch's
+    training logprobs equal the old ones exactly (ratio 1)."""
+    from aligner.generation.packed_logprobs import response_logprobs_and_entropy
+
+    model = _tiny_model("llama").eval()
+    experience = _experience(12, seed=9)
+    batch = experience.batch
+    actor = _policy_actor(["trainer.global_batch_size=6", "trainer.micro_batch_size=1",
+                           "packing.micro_batch_tokens=30"])
+    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
+        vocab_size=VOCAB), 0.7, 12
+    actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
+    old = actor.logprobs(batch)
+    plan = actor.logprob_plan(batch)
+    assert sorted(i for micro in plan for row in micro for i in row) == list(range(12))
+    experience.old_logprobs = old
+    first = actor.budget_plan(batch, 0, 0)
+    assert len(first) > 1
+    for microbatch in actor.policy_microbatches(experience, torch.arange(0), torch.arange(24)[None], first):
+        with torch.no_grad():
+            trained, _ = response_logprobs_and_entropy(
+                actor.objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
+                microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7, response_width=12)
+        assert torch.equal(trained, microbatch.old_logprobs)
+
+
+# ----------------------------------------------------------------------------- DPO and reward models
+def _loader_steps(dataset, collate, ranks, budget, micro_batch_size=2, global_batch_size=8):
+    """Every rank's micro batches of the first step (budget None: micro_batch_size items each)."""
+    from aligner.data.loader import MicroBatchLoader
+
+    steps = []
+    for rank in range(ranks):
+        loader = MicroBatchLoader(dataset, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                                  data_parallel_rank=rank, data_parallel_size=ranks, seed=3, shuffle=True, pad_id=0,
+                                  pad_to_multiple_of=8, collate_fn=collate,
+                                  packing=packing.PackingSection(micro_batch_tokens=budget))
+        steps.append(next(loader.iterate(0)))
+    return steps
+
+
+def _global_loss_and_gradients(model, objective, steps):
+    """Megatron's result over every rank's micro batches: summed losses and gradients / summed counts."""
+    model.zero_grad(set_to_none=True)
+    total, counted = 0.0, 0
+    for microbatches in steps:
+        for batch in microbatches:
+            loss, count, _ = objective.loss(batch, objective.forward(model, batch))
+            loss.backward()
+            total += float(loss)
+            counted += int(count)
+    return total / counted, {name: p.grad / counted for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(first, second):
+    assert first[0] == pytest.approx(second[0], abs=1e-6)
+    for name, grad in second[1].items():
+        torch.testing.assert_close(first[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budget_dpo_micro_batches_give_the_fixed_size_loss_and_gradients(tmp_path, arithmetic_tokenizer_dir,
+                                                                               ranks):
+    from aligner.algorithms.dpo import DPOObjective, DPOSection
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.demo import arithmetic
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.tokenizer import Tokenizer
+
+    from ..conftest import write_jsonl
+
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(4)
+    policy = build_gpt_model(cfg, transformer_config(cfg))
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl",
+                                                       arithmetic.preference_records(16, seed=5)), tokenizer, 32)
+    generator = torch.Generator().manual_seed(6)
+    dataset.reference_logprobs = -torch.rand(len(dataset), 2, generator=generator) * 10
+    objective = DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, packing.PackingSection(),
+                             tokenizer.pad_id)
+    fixed = _global_loss_and_gradients(policy, objective, _loader_steps(dataset, collate_preferences, ranks, None))
+    steps = _loader_steps(dataset, collate_preferences, ranks, 40)
+    assert len({len(microbatches) for microbatches in steps}) == 1
+    for microbatches in steps:
+        for batch in microbatches:
+            lengths = batch["prompt_lengths"] + batch["response_lengths"]
+            assert int(lengths.sum()) <= 40 or len(lengths) == 2
+    _assert_same(_global_loss_and_gradients(policy, objective, steps), fixed)
+
+
+@pytest.mark.parametrize("kind", ["ranking", "regression"])
+def test_token_budget_reward_model_micro_batches_give_the_fixed_size_loss_and_gradients(kind):
+    from aligner.algorithms.reward_model import RankingObjective, RegressionObjective
+    from aligner.data.reward import collate_comparisons, collate_regression
+    from aligner.models.gpt import GPTConfig, transformer_config
+    from aligner.models.reward import build_reward_model
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(5)
+    model = build_reward_model(cfg, transformer_config(cfg), num_attributes=1 if kind == "ranking" else 2)
+    generator = torch.Generator().manual_seed(7)
+    lengths = torch.randint(2, 30, (16,), generator=generator).tolist()
+    sequences = _sequences(lengths, seed=6)
+    if kind == "ranking":
+        dataset = [{"chosen": sequences[i], "rejected": sequences[i + 1]} for i in range(0, 16, 2)]
+        collate, objective = collate_comparisons, RankingObjective(packing.PackingSection())
+    else:
+        dataset = [{"tokens": sequence, "labels": torch.randn(2, generator=generator),
+                    "label_mask": torch.tensor([1.0, float(i % 2)])} for i, sequence in enumerate(sequences)]
+        collate, objective = collate_regression, RegressionObjective(["a", "b"], packing.PackingSection())
+    size, budget = len(dataset), 70 if kind == "ranking" else 40  # micro batches of one to three items
+    fixed = _global_loss_and_gradients(model, objective, _loader_steps(dataset, collate, 2, None, 2, size))
+    steps = _loader_steps(dataset, collate, 2, budget, 2, size)
+    assert len({len(microbatches) for microbatches in steps}) == 1
+    _assert_same(_global_loss_and_gradients(model, objective, steps), fixed)
+
+
+def test_empty_dpo_and_reward_model_micro_batches_have_zero_loss_count_and_gradient():
+    from aligner.algorithms.dpo import DPOObjective, DPOSection
+    from aligner.algorithms.reward_model import RankingObjective
+    from aligner.data.reward import collate_comparisons
+    from aligner.models.gpt import GPTConfig, transformer_config
+    from aligner.models.reward import build_reward_model
+
+    policy = _tiny_model("llama").train()
+    empty = {"tokens": torch.zeros(0, 24, dtype=torch.long), "prompt_lengths": torch.zeros(0, dtype=torch.long),
+             "response_lengths": torch.zeros(0, dtype=torch.long), "reference_logprobs": torch.zeros(0)}
+    dpo = DPOObjective(DPOSection(), VOCAB, packing.PackingSection(), 0)
+    cfg = GPTConfig.llama(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    scorer = build_reward_model(cfg, transformer_config(cfg), num_attributes=1)
+    comparisons = collate_comparisons([{"chosen": torch.tensor([3, 4]), "rejected": torch.tensor([5])}], 0)
+    no_rows = {key: value[:0] for key, value in comparisons.items() if value is not None}
+    for model, objective, batch in ((policy, dpo, empty),
+                                    (scorer, RankingObjective(packing.PackingSection()), no_rows)):
+        loss, count, report = objective.loss(batch, objective.forward(model, batch))
+        loss.backward()
+        assert float(loss) == 0 and int(count) == 0 and report == {}
+        assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters() if p.grad is not None)
