@@ -677,7 +677,8 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            last = hidden[:, -1] if last_columns is None else hidden[torch.arange(batch, device=hidden.device), last_columns]
+            rows = torch.arange(batch, device=hidden.device)
+            last = hidden[:, -1] if last_columns is None else hidden[rows, last_columns]
             return self._linear(self._norm(last, segment.final_norm), segment.output_weight)
 
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),

@@ -11,8 +11,16 @@ import torch
 
 from aligner.generation.engine import SamplingParams
 from aligner.generation.reference import generate_full_forward
-from tests.unit.test_native_engine import (CONFIGS, EOS, LOGPROB_TOLERANCE, PAD, VOCAB, make_engine, make_model,
-                                           responses, training_logprobs)
+from tests.unit.test_native_engine import (
+    CONFIGS,
+    LOGPROB_TOLERANCE,
+    PAD,
+    VOCAB,
+    make_engine,
+    make_model,
+    responses,
+    training_logprobs,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
