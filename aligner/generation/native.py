@@ -64,10 +64,12 @@ names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -331,16 +333,56 @@ class NativeEngine:
         self._bind()
         self._reserve_cache(min(len(prompts), self.max_batch_size),
                             max(len(p) for p in prompts) + sampling.max_new_tokens)
-        state = _SamplingState(self, sampling, len(prompts))
+        state = _SamplingState(self, sampling)
         with self._moe_in_eval_mode():
             if self.continuous_batching:
-                self._generate_continuous(prompts, state)
-            else:
-                for start in range(0, len(prompts), self.max_batch_size):
-                    self._generate_batch(prompts[start:start + self.max_batch_size], state, start)
-        responses, logprobs, lengths, ended = state.result()
-        return Rollout(prompt_tokens=[list(p) for p in prompts], response_tokens=responses, logprobs=logprobs,
-                       response_lengths=lengths, ended_with_stop=ended)
+                (_, rollout), = self._generate_continuous(state, (None, prompts, sampling), lambda: None)
+                return rollout
+            state.add(prompts, sampling.seed)
+            for start in range(0, len(prompts), self.max_batch_size):
+                self._generate_batch(prompts[start:start + self.max_batch_size], state, start)
+        return state.rollout(0, len(prompts), prompts)
+
+    @torch.inference_mode()
+    def generate_stream(self, next_request: Callable[[], Optional[tuple]], longest_prompt: int) -> Iterator[tuple]:
+        """Continuous batching across requests: yields (key, Rollout) of each request as its last row ends.
+
+        next_request() -> (key, prompts, sampling), or None when there are no more; it is called
+        whenever the cache has more free rows than prompts wait for one (so a router hands a replica
+        work only when it can start it), at the same point on every rank of the model-parallel
+        group. Requests must differ in their seed only, and no prompt may be longer than
+        longest_prompt (the cache is sized for it). Each request's rollout equals `generate`'s on its
+        prompts and sampling alone (its rows draw from (its seed, row)). With continuous_batching=False
+        each request is one `generate` call. Collective over the model-parallel group.
+        """
+        request = next_request()
+        while not self.continuous_batching and request is not None:
+            yield request[0], self.generate(request[1], request[2])
+            request = next_request()
+        if request is None:
+            return
+        sampling = request[2]
+        self._check_request(request[1], sampling)
+        self._bind()
+        self._reserve_cache(self.max_batch_size, longest_prompt + sampling.max_new_tokens)
+
+        def checked_next():
+            following = next_request()
+            if following is not None:
+                self._check_request(following[1], following[2])
+                if dataclasses.replace(following[2], seed=sampling.seed) != sampling:
+                    raise ValueError("generate_stream: every request's SamplingParams must equal the first's "
+                                     f"but for the seed; got {following[2]} after {sampling}")
+            if following is not None and max(len(p) for p in following[1]) > longest_prompt:
+                raise ValueError(f"generate_stream: a prompt of request {following[0]!r} is longer than "
+                                 f"longest_prompt={longest_prompt}")
+            return following
+
+        if max(len(p) for p in request[1]) > longest_prompt:
+            raise ValueError(f"generate_stream: a prompt of request {request[0]!r} is longer than "
+                             f"longest_prompt={longest_prompt}")
+        with self._moe_in_eval_mode():
+            yield from self._generate_continuous(_SamplingState(self, sampling), request, checked_next)
 
     # ------------------------------------------------------------------ setup
     def _layer_weights(self, layer) -> _Layer:
@@ -454,7 +496,8 @@ class NativeEngine:
             )
 
     # ------------------------------------------------------------------ generation loop
-    def _generate_continuous(self, prompts: list, state: "_SamplingState") -> None:
+    def _generate_continuous(self, state: "_SamplingState", first_request: tuple,
+                             next_request: Callable[[], Optional[tuple]]) -> Iterator[tuple]:
         """Continuous batching: each cache row holds one prompt's sequence at its own length.
 
         Live rows sit at the front of the cache, rows 0 .. live - 1, and decode together, each writing
@@ -462,26 +505,44 @@ class NativeEngine:
         last live row's cache moves into its place, so finished rows cost no more FLOPs) and the
         next waiting prompt takes the freed row: its prefill runs into that row (one right-padded
         prefill for all prompts admitted at the same step) and its first token is sampled with the
-        decode batch's.
+        decode batch's. Requests (key, prompts, sampling) are pulled while free rows outnumber the
+        waiting prompts; yields (key, Rollout) per request as its last row ends.
         """
-        keys, values = self._cache(self._kv_cache[0].shape[1])
-        capacity = min(len(prompts), self.max_batch_size)
-        waiting = list(range(len(prompts)))[::-1]  # sample ids, next one last
+        capacity = self._kv_cache[0].shape[1]
+        keys, values = self._cache(capacity)
+        waiting: collections.deque = collections.deque()  # (sample, prompt) in arrival order
+        requests: list = []  # [key, first sample, prompts, rows still running]
+        request_of: dict = {}  # sample -> index in requests
+
+        def take(request) -> None:
+            key, prompts, sampling = request
+            first = state.add(prompts, sampling.seed)
+            request_of.update((first + row, len(requests)) for row in range(len(prompts)))
+            requests.append([key, first, prompts, len(prompts)])
+            waiting.extend((first + row, prompt) for row, prompt in enumerate(prompts))
+
+        take(first_request)
+        exhausted = False
         held: list[int] = []  # the sample of each live row
         lengths: list[int] = []  # filled cache columns of each live row: where its next token goes
         steps: list[int] = []  # tokens each live row has generated
         tokens, logits = None, None
         while True:
-            admitted = [waiting.pop() for _ in range(min(capacity - len(held), len(waiting)))]
+            while not exhausted and len(waiting) < capacity - len(held):
+                request = next_request()
+                exhausted = request is None
+                if not exhausted:
+                    take(request)
+            admitted = [waiting.popleft() for _ in range(min(capacity - len(held), len(waiting)))]
             old_rows = len(held)
             if old_rows:
                 logits = self._decode_rows(tokens, lengths, keys, values)
                 lengths = [length + 1 for length in lengths]
             if admitted:
-                first = self._prefill_rows([prompts[sample] for sample in admitted], old_rows, keys, values)
+                first = self._prefill_rows([prompt for _, prompt in admitted], old_rows, keys, values)
                 logits = first if not old_rows or first is None else torch.cat([logits, first])
-                held += admitted
-                lengths += [len(prompts[sample]) for sample in admitted]
+                held += [sample for sample, _ in admitted]
+                lengths += [len(prompt) for _, prompt in admitted]
                 steps += [0] * len(admitted)
             if not held:
                 return
@@ -491,9 +552,17 @@ class NativeEngine:
             done = state.record(samples, step_tensor, tokens, logprob).tolist()
             steps = [step + 1 for step in steps]
             if any(done):
+                completed = []
+                for sample in (sample for sample, finished in zip(held, done) if finished):
+                    request = requests[request_of.pop(sample)]
+                    request[3] -= 1
+                    if request[3] == 0:
+                        completed.append(request)
                 order = self._compact(done, lengths, keys, values)
                 tokens = tokens[torch.tensor(order, dtype=torch.long, device=self._device)]
                 held, lengths, steps = ([row_values[row] for row in order] for row_values in (held, lengths, steps))
+                for key, first, prompts, _ in completed:
+                    yield key, state.rollout(first, len(prompts), prompts)
 
     def _compact(self, done: list, lengths: list, keys, values) -> list:
         """Move live rows into the cache rows of finished ones so that they stay rows 0 .. live - 1.
@@ -961,13 +1030,14 @@ class _StaticDecodeStep:
 
 
 class _SamplingState:
-    """Sampling for one generate call: the samples' random streams, stop rules and the rollout tensors.
+    """Sampling for one generate call or stream: the samples' random streams, stop rules and rollout tensors.
 
-    Everything is per sample (prompt index): a batch row says which sample it holds and which step of
-    that sample's response it is at, so any assignment of samples to rows and steps gives the same draws.
+    Everything is per sample (a prompt of a request, numbered in arrival order): a batch row says
+    which sample it holds and which step of that sample's response it is at, so any assignment of
+    samples to rows and steps gives the same draws.
     """
 
-    def __init__(self, engine: NativeEngine, sampling: SamplingParams, count: int):
+    def __init__(self, engine: NativeEngine, sampling: SamplingParams):
         device = engine._device
         self.engine, self.sampling = engine, sampling
         self.greedy = sampling.is_greedy
@@ -977,15 +1047,27 @@ class _SamplingState:
                            and engine._tp_group_or_none is None)
         self.stop_ids = torch.tensor(sampling.stop_token_ids or [engine.eos_id], dtype=torch.long, device=device)
         new_tokens = sampling.max_new_tokens
-        self.uniforms = None  # [count, new_tokens]: sample i's draws come from the stream of (seed, i)
-        if not self.greedy:
-            keys = S.sample_keys(sampling.seed, torch.arange(count, device=device))
-            self.uniforms = S.uniforms(keys, torch.arange(new_tokens, device=device))
-        self.responses = torch.full((count, new_tokens), engine.pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(count, new_tokens, dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(count, dtype=torch.long, device=device)
-        self.ended = torch.zeros(count, dtype=torch.bool, device=device)
+        # [samples, new_tokens]: sample i of a request draws from the stream of (its seed, i)
+        self.uniforms = torch.zeros(0, new_tokens, dtype=torch.float32, device=device)
+        self.responses = torch.zeros(0, new_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(0, new_tokens, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.ended = torch.zeros(0, dtype=torch.bool, device=device)
         self._stop_columns = None  # [vocab_shard] bool: this shard's stop tokens (min_new_tokens), built once
+
+    def add(self, prompts: list, seed: int) -> int:
+        """Room for a request's samples, drawing from (seed, row); returns the number of its first sample."""
+        first, count, device = self.lengths.shape[0], len(prompts), self.lengths.device
+        new_tokens = self.sampling.max_new_tokens
+        if not self.greedy:
+            keys = S.sample_keys(seed, torch.arange(count, device=device))
+            self.uniforms = torch.cat([self.uniforms, S.uniforms(keys, torch.arange(new_tokens, device=device))])
+        self.responses = torch.cat([self.responses, torch.full((count, new_tokens), self.engine.pad_id,
+                                                               dtype=torch.long, device=device)])
+        self.logprobs = torch.cat([self.logprobs, self.logprobs.new_zeros(count, new_tokens)])
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+        self.ended = torch.cat([self.ended, self.ended.new_zeros(count)])
+        return first
 
     def sample(self, logits, samples, steps, first_step: int):
         """(tokens, logprobs) [batch] from the last stage's logits [batch, vocab_shard]; row b holds sample
@@ -1038,5 +1120,9 @@ class _SamplingState:
                 for row, length in enumerate(lengths)]
         return torch.tensor(hits, dtype=torch.bool, device=samples.device)
 
-    def result(self):
-        return self.responses.cpu(), self.logprobs.cpu(), self.lengths.cpu(), self.ended.cpu()
+    def rollout(self, first: int, count: int, prompts: list) -> Rollout:
+        """The Rollout of samples first .. first + count - 1 (one request's prompts)."""
+        rows = slice(first, first + count)
+        return Rollout(prompt_tokens=[list(p) for p in prompts], response_tokens=self.responses[rows].cpu(),
+                       logprobs=self.logprobs[rows].cpu(), response_lengths=self.lengths[rows].cpu(),
+                       ended_with_stop=self.ended[rows].cpu())

@@ -106,6 +106,19 @@ def test_stop_strings_fixed_length_and_the_static_step(options):
     assert bool(continuous.ended_with_stop.any()) and (continuous.response_lengths == 10).all()
 
 
+def scheduled_decode_rows(lengths: list, rows: int) -> list:
+    """Rows of each decode step, replayed from the response lengths: each iteration decodes the rows kept
+    from the last one, admits waiting prompts into free rows, samples a token per row, drops finished rows."""
+    waiting, tokens_left, decode_rows = list(lengths), [], []
+    while waiting or tokens_left:
+        if tokens_left:
+            decode_rows.append(len(tokens_left))
+        while waiting and len(tokens_left) < rows:
+            tokens_left.append(waiting.pop(0))
+        tokens_left = [n - 1 for n in tokens_left if n > 1]
+    return decode_rows
+
+
 def test_finished_rows_leave_the_decode_batch_and_waiting_prompts_refill_it(monkeypatch):
     """Rows computed per decode step and prompts per prefill, counted at the engine's forward calls."""
     cfg, model = make_model("gpt2")
@@ -132,16 +145,7 @@ def test_finished_rows_leave_the_decode_batch_and_waiting_prompts_refill_it(monk
     assert sum(decode_rows) == sum(n - 1 for n in lengths)
     assert max(decode_rows) <= 4 and min(decode_rows) < 4 and decode_rows[-1] < 4  # shrinks at the end
 
-    # The schedule replayed from the reference lengths: each iteration decodes the rows kept from the
-    # last one, admits waiting prompts into free rows, samples one token per row and drops finished rows.
-    waiting, tokens_left, expected_decode = list(lengths), [], []
-    while waiting or tokens_left:
-        if tokens_left:
-            expected_decode.append(len(tokens_left))
-        while waiting and len(tokens_left) < 4:
-            tokens_left.append(waiting.pop(0))
-        tokens_left = [n - 1 for n in tokens_left if n > 1]
-    assert decode_rows == expected_decode
+    assert decode_rows == scheduled_decode_rows(lengths, 4)
 
 
 def test_kv_cache_rows_are_reused_across_refills():
@@ -151,3 +155,60 @@ def test_kv_cache_rows_are_reused_across_refills():
     engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
     keys = engine._kv_cache[0]
     assert keys.shape[1] == 4 and keys.shape[-1] == 12 + 6  # max_batch_size rows, longest prompt + new tokens
+
+
+def requests_of(prompts, sampling, size: int) -> list[tuple]:
+    """(key, prompts, sampling) per run of `size` prompts, each with a seed of its own (as rollouts send them)."""
+    return [(start, prompts[start:start + size], SamplingParams(**{**vars(sampling), "seed": sampling.seed + start}))
+            for start in range(0, len(prompts), size)]
+
+
+@pytest.mark.parametrize("case", ["greedy", "topk-topp", "min-new-tokens"])
+def test_a_stream_of_requests_gives_each_request_its_own_generate_rollout(monkeypatch, case):
+    """generate_stream refills rows across requests; each request's rollout is generate's on it alone."""
+    cfg, model = make_model("llama")
+    prompts = mixed_prompts() + mixed_prompts(seed=2)
+    stop = stop_token_of(cfg, model, prompts, 12)
+    sampling = SamplingParams(max_new_tokens=12, stop_token_ids=[stop], **SAMPLINGS[case])
+    requests = requests_of(prompts, sampling, 4)
+    reference = make_engine(cfg, model, continuous_batching=False)
+    expected = {key: reference.generate(batch, batch_sampling) for key, batch, batch_sampling in requests}
+
+    engine = make_engine(cfg, model, max_batch_size=4)
+    decode_rows, pulled_at = [], []
+    decode_forward = engine._decode_forward
+    monkeypatch.setattr(engine, "_decode_forward",
+                        lambda tokens, *args: decode_rows.append(tokens.shape[0]) or decode_forward(tokens, *args))
+    pending = list(requests)
+
+    def next_request():
+        pulled_at.append(len(decode_rows))
+        return pending.pop(0) if pending else None
+
+    done = []
+    for key, rollout in engine.generate_stream(next_request, longest_prompt=max(map(len, prompts))):
+        assert_same_rollout(rollout, expected[key])
+        done.append(key)
+    assert sorted(done) == sorted(expected) and len(pulled_at) == len(requests) + 1
+    # Requests are pulled as rows free up, not all at once, and their prompts refill rows across requests.
+    assert pulled_at == sorted(pulled_at) and pulled_at[-2] > 0
+    lengths = [n for key, _, _ in requests for n in expected[key].response_lengths.tolist()]
+    assert decode_rows == scheduled_decode_rows(lengths, 4)
+
+
+def test_a_stream_refuses_requests_it_cannot_serve():
+    cfg, model = make_model("llama")
+    prompts = mixed_prompts()
+    sampling = SamplingParams(max_new_tokens=4, greedy=True)
+    engine = make_engine(cfg, model, max_batch_size=2)
+    other = [(0, prompts[:2], sampling), (1, prompts[2:4], SamplingParams(max_new_tokens=5, greedy=True))]
+    with pytest.raises(ValueError, match="but for the seed"):
+        list(engine.generate_stream(lambda: other.pop(0) if other else None, longest_prompt=12))
+    long = [(0, prompts[:2], sampling), (1, [[5] * 13], sampling)]
+    with pytest.raises(ValueError, match="longest_prompt=12"):
+        list(engine.generate_stream(lambda: long.pop(0) if long else None, longest_prompt=12))
+    static_batch = make_engine(cfg, model, continuous_batching=False)
+    plain = requests_of(prompts, sampling, 3)
+    streamed = dict(static_batch.generate_stream(lambda: plain.pop(0) if plain else None, longest_prompt=12))
+    assert sorted(streamed) == [0, 3, 6, 9]
+    assert_same_rollout(streamed[3], static_batch.generate(prompts[3:6], sampling))
