@@ -212,3 +212,51 @@ def test_a_stream_refuses_requests_it_cannot_serve():
     streamed = dict(static_batch.generate_stream(lambda: plain.pop(0) if plain else None, longest_prompt=12))
     assert sorted(streamed) == [0, 3, 6, 9]
     assert_same_rollout(streamed[3], static_batch.generate(prompts[3:6], sampling))
+
+
+class GenerateOnly:
+    """An engine without generate_stream: collect_rollouts then generates micro-batch by micro-batch."""
+
+    def __init__(self, engine):
+        self.generate = engine.generate
+
+
+@pytest.mark.parametrize("router_kind", ["static", "dynamic"])
+def test_rollouts_stream_micro_batches_through_the_engine_with_the_same_rows(router_kind):
+    from aligner.generation.router_client import DynamicRouter, StaticRouter
+    from aligner.rl.rollouts import collect_rollouts
+
+    cfg, model = make_model("gpt2")
+    prompts = mixed_prompts() + mixed_prompts(seed=3)
+    # a sixth of the vocabulary stops a row: responses of every length
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, stop_token_ids=list(range(3, 20)))
+
+    events = []  # "pull" (the engine asks for a micro-batch) and "done" (one is complete), in order
+
+    def collect(engine):
+        router = (StaticRouter(micro_batch_size=4) if router_kind == "static"
+                  else DynamicRouter(micro_batch_size=4, host="127.0.0.1", timeout_s=60))
+        generated = []
+        try:
+            rows = collect_rollouts(engine, router, prompts, sampling,
+                                    on_generated=lambda indices, rollout: events.append("done") or generated.append(
+                                        list(indices)))
+        finally:
+            router.close()
+        return rows, generated
+
+    expected, expected_batches = collect(GenerateOnly(make_engine(cfg, model, max_batch_size=4,
+                                                                  continuous_batching=False)))
+    engine = make_engine(cfg, model, max_batch_size=4)
+    stream = engine.generate_stream
+    engine.generate_stream = lambda next_request, **kw: stream(lambda: events.append("pull") or next_request(), **kw)
+    events.clear()
+    rows, batches = collect(engine)
+    assert sorted(rows) == list(range(len(prompts))) and sorted(map(tuple, batches)) == sorted(map(tuple,
+                                                                                                 expected_batches))
+    # One stream over every micro-batch (then the empty queue), the next one taken before the first ends.
+    assert events.count("pull") == len(batches) + 1 and events[:2] == ["pull", "pull"]
+    for index, row in rows.items():
+        assert row.prompt == expected[index].prompt and torch.equal(row.response, expected[index].response)
+        assert row.ended_with_stop == expected[index].ended_with_stop
+        assert torch.allclose(row.logprobs, expected[index].logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
