@@ -10,32 +10,38 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   call needs (its rows, at most max_batch_size, x its longest prompt + max_new_tokens), kept and
   reused by later calls that fit, and replaced (the old one dropped first) by one that does not:
   max_sequence_length is a limit, not an allocation (free() drops the cache);
-- prompts left-padded to the longest one, so every row writes the same cache column each step;
-  position ids skip the padding (row b's first real token is position 0, as in OpenAI's
-  original RLHF code) and padded key columns are masked, so a row's numbers do not depend on
-  the other rows. This equals the training-side layout of `aligner.generation.logprobs`
-  (each sequence from position 0, padding after it);
-- one batched prefill over the prompts (logits only for the last column), then one
-  single-token step per new token, run feature-major ([features, batch] activations, see
-  `_decode_forward`) because small-batch BLAS products are much faster that way round; on CPU
-  the products are oneDNN's (`cpu_products`).
+- continuous batching (`_generate_continuous`): each cache row holds one sequence from column 0
+  (its first token at position 0, the training-side layout of `aligner.generation.logprobs`) at
+  its own length; a decode step writes each row's new keys and values at the row's own column and
+  masks the columns beyond it, so a row's numbers do not depend on the other rows. A row that
+  stops leaves the decode batch at once and a waiting prompt takes its cache row (prefilled into
+  it, right-padded with the other prompts admitted at that step); `generate_stream` keeps doing so
+  across requests (rollout micro-batches), pulling the next one as rows free up. Sampling is keyed
+  by (sample, step of its own response), so the schedule never changes a row's draws;
+- continuous_batching=False keeps the static-batch loop as a reference (tests, benchmarks):
+  chunks of max_batch_size prompts left-padded to the longest, every row at one shared column
+  until the chunk's longest row ends;
+- prefills compute logits only for each prompt's last token; decode steps are single-token and
+  run feature-major ([features, batch] activations, see `_decode_forward`) because small-batch
+  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`).
 
 The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
 written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a
 padding mask, when there is padding, as one in-place add); norms with one addmm for the feature
 statistics; rotary embedding as mul + roll + addcmul; cache columns written with a plain column
-copy; the attention output read transposed by the projection (no copy); tables that are the same
-for every step (padding bias, every step's rotary rows) built once per generate call; a sampling
-path that draws and takes the logprob in one pass.
+copy when every row writes the same column (else one scatter per cache); the attention output read
+transposed by the projection (no copy); the rows' masks and rotary columns built once per step for
+all layers; a sampling path that draws and takes the logprob in one pass.
 
 Speed against HF `generate` and the arithmetic floor, and what was tried to go faster:
 benchmarks/README.md (generation.py).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
-step can instead attend over the whole cache with a mask (the future and padding
-columns get the dtype's minimum) and read tokens, positions, the cache column and the padding
+step can instead attend over the whole cache with a mask (each row's future and padding
+columns get the dtype's minimum) and read tokens, positions, the rows' cache columns and the padding
 bias from fixed buffers. That step has no Python-side values and no shape changes, so a CUDA
-graph can record it once per batch size and cache allocation and replay it (`aligner.generation.cuda_graphs`, the
+graph can record it once per batch size and cache allocation and replay it (continuous batching
+shrinks the decode batch as rows end: one graph per batch size it reaches) (`aligner.generation.cuda_graphs`, the
 engine's only GPU-specific code). On CPU cuda_graphs=True is refused with a ValueError (no
 silent fallback); static_decode=True runs the same static step eagerly, and the tests check it
 gives the default step's tokens and logprobs (also at TP=2 and PP=2).
@@ -147,11 +153,11 @@ class NativeEngine:
     """KV-cached generation on megatron-core model chunks (local layer spec), any TP/PP, CPU or GPU.
 
     model_chunks: this rank's model chunks (one per virtual pipeline stage), DDP/Float16 wrappers
-        allowed. model_cfg: their architecture. pad_id fills prompts' left padding and responses
+        allowed. model_cfg: their architecture. pad_id fills prompt padding and responses
         after their end; eos_id is the stop token when SamplingParams.stop_token_ids is empty.
-    max_batch_size, max_sequence_length: limits, not allocations. generate() splits larger
-        batches into chunks of max_batch_size and refuses prompt + new tokens longer than
-        max_sequence_length; the KV cache holds what the call needs (see `kv_cache_bytes`).
+    max_batch_size, max_sequence_length: limits, not allocations. At most max_batch_size rows
+        decode at once (more prompts wait for a free row); prompt + new tokens longer than
+        max_sequence_length are refused; the KV cache holds what the call needs (see `kv_cache_bytes`).
     decode: token ids -> text, needed only for SamplingParams.stop_strings.
     static_decode: every decode step attends over the whole KV cache with a mask and
         reads its inputs from fixed buffers (same math, same results; slower on CPU, where the
@@ -160,6 +166,10 @@ class NativeEngine:
         it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`), captured again
         when the cache is reallocated. On a CPU model
         it raises ValueError rather than silently running something else.
+    continuous_batching: a row that stops leaves the decode batch and a waiting prompt takes its
+        cache row (see the module docstring); False runs the static-batch loop (chunks of
+        max_batch_size rows, each decoded until its longest row ends), kept as the reference the
+        tests and benchmarks/continuous_batching.py compare with: same tokens, logprobs within rounding.
     """
 
     def __init__(
