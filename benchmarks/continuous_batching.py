@@ -12,7 +12,7 @@ Also printed: the decode row-steps each loop computes (rows x steps summed over 
 work continuous batching saves, whatever the machine.
 
     python benchmarks/continuous_batching.py [--model smollm2] [--prompts 24] [--max-batch-size 8]
-        [--new-tokens 48] [--stop "."] [--repeats 3] [--threads 2]
+        [--new-tokens 48] [--stop "."] [--fixed-length] [--repeats 3] [--threads 2]
 """
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--stop", default=".", help="text whose (single) token ends a response")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every row runs to --new-tokens (no early stops): what continuous batching costs when "
+                        "it has nothing to refill")
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (medians reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's choice)")
     args = parser.parse_args()
@@ -102,7 +105,7 @@ def main() -> None:
         raise SystemExit(f"--stop {args.stop!r} is {len(stop)} tokens; give a text of one token")
     prompts = make_prompts(tokenizer, args.prompts)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed,
-                              stop_token_ids=[stop[0], tokenizer.eos_id])
+                              stop_token_ids=[stop[0], tokenizer.eos_id], fixed_length=args.fixed_length)
     max_len = max(len(p) for p in prompts) + args.new_tokens
     engines = {continuous: NativeEngine(chunks, cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                                         max_batch_size=args.max_batch_size, max_sequence_length=max_len,
@@ -118,8 +121,9 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"continuous batching: {args.model}, {cfg.num_layers} layers x {cfg.hidden_size}; {where}; "
           f"{args.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{args.max_batch_size} cache rows, up to {args.new_tokens} new tokens at temperature 1, stop "
-          f"{args.stop!r} or eos; {args.repeats} alternating pairs after a warm-up call each (load {load_average():.2f})", flush=True)
+          f"{args.max_batch_size} cache rows, {'exactly' if args.fixed_length else 'up to'} {args.new_tokens} new "
+          f"tokens at temperature 1, stop {args.stop!r} or eos; {args.repeats} alternating pairs after a warm-up "
+          f"call each (load {load_average():.2f})", flush=True)
     for continuous in (False, True):  # first-call costs (allocations, oneDNN primitives), untimed
         run(continuous)()
     pairs = []
