@@ -372,27 +372,25 @@ class NativeEngine:
         if request is None:
             return
         sampling = request[2]
-        self._check_request(request[1], sampling)
+
+        def checked(request):
+            if request is not None:
+                key, prompts, request_sampling = request
+                self._check_request(prompts, request_sampling)
+                if dataclasses.replace(request_sampling, seed=sampling.seed) != sampling:
+                    raise ValueError("generate_stream: every request's SamplingParams must equal the first's "
+                                     f"but for the seed; got {request_sampling} after {sampling}")
+                if max(len(p) for p in prompts) > longest_prompt:
+                    raise ValueError(f"generate_stream: a prompt of request {key!r} is longer than "
+                                     f"longest_prompt={longest_prompt}")
+            return request
+
+        checked(request)
         self._bind()
         self._reserve_cache(self.max_batch_size, longest_prompt + sampling.max_new_tokens)
-
-        def checked_next():
-            following = next_request()
-            if following is not None:
-                self._check_request(following[1], following[2])
-                if dataclasses.replace(following[2], seed=sampling.seed) != sampling:
-                    raise ValueError("generate_stream: every request's SamplingParams must equal the first's "
-                                     f"but for the seed; got {following[2]} after {sampling}")
-            if following is not None and max(len(p) for p in following[1]) > longest_prompt:
-                raise ValueError(f"generate_stream: a prompt of request {following[0]!r} is longer than "
-                                 f"longest_prompt={longest_prompt}")
-            return following
-
-        if max(len(p) for p in request[1]) > longest_prompt:
-            raise ValueError(f"generate_stream: a prompt of request {request[0]!r} is longer than "
-                             f"longest_prompt={longest_prompt}")
         with self._moe_in_eval_mode():
-            yield from self._generate_continuous(_SamplingState(self, sampling), request, checked_next)
+            yield from self._generate_continuous(_SamplingState(self, sampling), request,
+                                                 lambda: checked(next_request()))
 
     # ------------------------------------------------------------------ setup
     def _layer_weights(self, layer) -> _Layer:
