@@ -188,6 +188,7 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
     whatever the number of replicas.
     """
     from aligner.data.preference import PreferencePair
+    from aligner.generation.engine import generate_requests
     from aligner.rl.rollouts import micro_batch_seed
 
     answers = {}  # demonstration index -> the model's response ids
@@ -198,7 +199,7 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
                      for number, start in enumerate(range(0, len(demonstrations), batch_size))
                      if number % replicas == replica])
     longest = max(len(prompt) for prompt, _ in demonstrations)
-    for start, rollout in engine.generate_stream(lambda: next(requests, None), longest_prompt=longest):
+    for start, rollout in generate_requests(engine, lambda: next(requests, None), longest_prompt=longest):
         for row in range(len(rollout.prompt_tokens)):
             # The engine's ids as they are: decoding and re-encoding could spell the answer differently.
             answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 
 from aligner.config import one_of
-from aligner.generation.engine import SamplingParams
+from aligner.generation.engine import SamplingParams, generate_requests
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
 
@@ -334,7 +334,7 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
                       dataclasses.replace(sampling, seed=sampling.seed + start))
                      for start in range(0, len(pending), cfg.batch_size)])
     longest = max((len(p) for _, p in pending), default=0)
-    for start, rollout in model.engine.generate_stream(lambda: next(requests, None), longest_prompt=longest):
+    for start, rollout in generate_requests(model.engine, lambda: next(requests, None), longest_prompt=longest):
         for row, (position, _) in enumerate(pending[start:start + cfg.batch_size]):
             tokens = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
             outputs[position]["response"] = response_text(model, tokens)

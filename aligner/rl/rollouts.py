@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from aligner.generation.engine import Rollout, SamplingParams
+from aligner.generation.engine import Rollout, SamplingParams, generate_requests
 from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import epoch_seed
 
@@ -112,10 +112,11 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
     prompt position. on_generated(indices, rollout) runs after each micro-batch on every rank of the
     replica (send scoring requests there; the answers are attached to the rows later).
 
-    An engine with `generate_stream` (the native one) decodes across micro-batches: it takes the
+    Micro-batches go through `generate_requests`: the native engine decodes across them, taking the
     router's next micro-batch when its cache rows free up, so a finished row is refilled by a waiting
-    prompt instead of idling until its micro-batch's longest row ends. Each micro-batch's rows are the
-    same either way: its seed and row numbers do not depend on how it is scheduled.
+    prompt instead of idling until its micro-batch's longest row ends; other engines generate them one
+    by one. Each micro-batch's rows are the same either way: its seed and row numbers do not depend on
+    how it is scheduled.
     """
 
     def micro_sampling(indices: list[int]) -> SamplingParams:
@@ -135,16 +136,13 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
                                    ended_with_stop=bool(rollout.ended_with_stop[row])))
         return rows
 
-    if not hasattr(engine, "generate_stream"):
-        return router.route(len(prompts), lambda indices: rows_of(
-            indices, engine.generate([list(prompts[i]) for i in indices], micro_sampling(indices)))).results
-
     def stream(next_indices):
         def next_request():
             indices = next_indices()
             return None if indices is None else (indices, [list(prompts[i]) for i in indices], micro_sampling(indices))
 
-        for indices, rollout in engine.generate_stream(next_request, longest_prompt=max(len(p) for p in prompts)):
+        longest = max(len(p) for p in prompts)
+        for indices, rollout in generate_requests(engine, next_request, longest_prompt=longest):
             yield indices, rows_of(indices, rollout)
 
     return router.route_stream(len(prompts), stream).results
