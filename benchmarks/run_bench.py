@@ -53,6 +53,8 @@ REAL_MODEL_SET = (
     Benchmark("dpo_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "dpo")),
     Benchmark("rl_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "rl")),
     Benchmark("bf16_vs_fp32", "benchmarks/precision.py", ("--model", "smollm2", "--threads", "{threads}")),
+    Benchmark("continuous_batching", "benchmarks/continuous_batching.py",
+              ("--model", "smollm2", "--threads", "{threads}")),
 )
 
 # The toy-sized benchmarks (`make bench-toy`): per-call overheads on the 4-layer, 128-wide model.

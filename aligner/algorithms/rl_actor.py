@@ -121,7 +121,7 @@ class GenerationSection:
     top_p: float = 1.0
     fixed_length: bool = False  # keep sampling past the stop token (OpenAI's original setting)
     stop_strings: list = field(default_factory=list)
-    micro_batch_size: int = at_least(1, 16)  # rollouts per generate call and per router hand-out
+    micro_batch_size: int = at_least(1, 16)  # rollouts per router hand-out; the engine's cache rows (refilled)
     router: str = one_of(("dynamic", "static"), "dynamic")  # dynamic: a shared queue (slow ranks take fewer)
     trtllm_work_dir: str = "results/trtllm"
 

@@ -57,7 +57,7 @@ class SPINGenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = at_least(1, 64)
-    batch_size: int = at_least(1, 256)  # prompts per generate call (the KV cache's batch)
+    batch_size: int = at_least(1, 256)  # prompts per seeded batch; the KV cache's rows (refilled across batches)
 
 
 @dataclass
@@ -188,16 +188,19 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
     whatever the number of replicas.
     """
     from aligner.data.preference import PreferencePair
+    from aligner.generation.engine import generate_requests
     from aligner.rl.rollouts import micro_batch_seed
 
     answers = {}  # demonstration index -> the model's response ids
-    for number, start in enumerate(range(0, len(demonstrations), batch_size)):
-        if number % replicas != replica:
-            continue
-        part = demonstrations[start:start + batch_size]
-        batch_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start))
-        rollout = engine.generate([prompt for prompt, _ in part], batch_sampling)
-        for row in range(len(part)):
+    # (first index, prompts, sampling) of this replica's batches, streamed through the engine: rows freed
+    # by short answers are refilled from the next batch (continuous batching), each batch's rows unchanged.
+    requests = iter([(start, [prompt for prompt, _ in demonstrations[start:start + batch_size]],
+                      dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start)))
+                     for number, start in enumerate(range(0, len(demonstrations), batch_size))
+                     if number % replicas == replica])
+    longest = max(len(prompt) for prompt, _ in demonstrations)
+    for start, rollout in generate_requests(engine, lambda: next(requests, None), longest_prompt=longest):
+        for row in range(len(rollout.prompt_tokens)):
             # The engine's ids as they are: decoding and re-encoding could spell the answer differently.
             answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
     if replicas > 1:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 
 from aligner.config import one_of
-from aligner.generation.engine import SamplingParams
+from aligner.generation.engine import SamplingParams, generate_requests
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
 
@@ -75,7 +75,7 @@ class ChatConfig:
     steer: Optional[Dict[str, int]] = None  # SteerLM checkpoint: attribute values to ask for, e.g. {correctness: 4}
     prompts_file: Optional[str] = None  # JSONL of {"prompt": text or messages} / {"messages": [...]}; null: interactive
     output_file: Optional[str] = None  # batch mode: where the responses go
-    batch_size: int = 16  # batch mode: prompts per generate call
+    batch_size: int = 16  # batch mode: prompts per seeded batch; the engine's cache rows (refilled across batches)
     max_sequence_length: Optional[int] = None  # prompt + response tokens; null: model.max_position_embeddings
     stream_chunk_tokens: int = 4  # interactive mode: tokens generated between two prints
     chat_template: bool = True  # encode prompts with the tokenizer's chat template (if it has one)
@@ -177,7 +177,8 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
 
 # ----------------------------------------------------------------------------- generating
 def generate_tokens(model: ChatModel, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-    """New tokens of each prompt, cut after the first stop token (kept). The one place generation is called."""
+    """New tokens of each prompt, cut after the first stop token (kept). Batch mode streams through
+    NativeEngine.generate_stream instead (`answer_file`)."""
     rollout = model.engine.generate(prompts, sampling)
     return [rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist() for row in range(len(prompts))]
 
@@ -327,11 +328,15 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
                 f"max_sequence_length={model.max_sequence_length}"))
             continue
         pending.append((len(outputs) - 1, prompt))
-    for start in range(0, len(pending), cfg.batch_size):
-        batch = pending[start:start + cfg.batch_size]
-        # Rows are seeded by their position in the call: offset the seed so batches differ.
-        batch_sampling = dataclasses.replace(sampling, seed=sampling.seed + start)
-        for (position, _), tokens in zip(batch, generate_tokens(model, [p for _, p in batch], batch_sampling)):
+    # Batches of batch_size streamed through the engine (rows freed by short answers are refilled from the
+    # next batch). Rows are seeded by their position in a batch: offset the seed so batches differ.
+    requests = iter([(start, [p for _, p in pending[start:start + cfg.batch_size]],
+                      dataclasses.replace(sampling, seed=sampling.seed + start))
+                     for start in range(0, len(pending), cfg.batch_size)])
+    longest = max((len(p) for _, p in pending), default=0)
+    for start, rollout in generate_requests(model.engine, lambda: next(requests, None), longest_prompt=longest):
+        for row, (position, _) in enumerate(pending[start:start + cfg.batch_size]):
+            tokens = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
             outputs[position]["response"] = response_text(model, tokens)
     if _is_rank_zero():
         path = Path(cfg.output_file)

@@ -6,7 +6,7 @@ and `aligner.generation.trtllm.TensorRTLLMEngine` (GPU clusters, optional extra)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -59,3 +59,18 @@ class GenerationEngine(Protocol):
 
     def free(self) -> None:
         """Release engine memory (KV cache, engine weights) so training has it back."""
+
+
+def generate_requests(engine, next_request: Callable[[], Optional[tuple]], longest_prompt: int) -> Iterator[tuple]:
+    """(key, Rollout) of each request (key, prompts, sampling) that next_request() gives until None.
+
+    Through the engine's `generate_stream` when it has one (the native engine: continuous batching
+    across requests, each taken when cache rows free up, yielded as it completes), else one
+    `generate` call per request, in order. Either way a request's rollout is `generate`'s on it alone.
+    """
+    if hasattr(engine, "generate_stream"):
+        yield from engine.generate_stream(next_request, longest_prompt=longest_prompt)
+        return
+    while (request := next_request()) is not None:
+        key, prompts, sampling = request
+        yield key, engine.generate(prompts, sampling)

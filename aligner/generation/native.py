@@ -10,32 +10,38 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   call needs (its rows, at most max_batch_size, x its longest prompt + max_new_tokens), kept and
   reused by later calls that fit, and replaced (the old one dropped first) by one that does not:
   max_sequence_length is a limit, not an allocation (free() drops the cache);
-- prompts left-padded to the longest one, so every row writes the same cache column each step;
-  position ids skip the padding (row b's first real token is position 0, as in OpenAI's
-  original RLHF code) and padded key columns are masked, so a row's numbers do not depend on
-  the other rows. This equals the training-side layout of `aligner.generation.logprobs`
-  (each sequence from position 0, padding after it);
-- one batched prefill over the prompts (logits only for the last column), then one
-  single-token step per new token, run feature-major ([features, batch] activations, see
-  `_decode_forward`) because small-batch BLAS products are much faster that way round; on CPU
-  the products are oneDNN's (`cpu_products`).
+- continuous batching (`_generate_continuous`): each cache row holds one sequence from column 0
+  (its first token at position 0, the training-side layout of `aligner.generation.logprobs`) at
+  its own length; a decode step writes each row's new keys and values at the row's own column and
+  masks the columns beyond it, so a row's numbers do not depend on the other rows. A row that
+  stops leaves the decode batch at once and a waiting prompt takes its cache row (prefilled into
+  it, right-padded with the other prompts admitted at that step); `generate_stream` keeps doing so
+  across requests (rollout micro-batches), pulling the next one as rows free up. Sampling is keyed
+  by (sample, step of its own response), so the schedule never changes a row's draws;
+- continuous_batching=False keeps the static-batch loop as a reference (tests, benchmarks):
+  chunks of max_batch_size prompts left-padded to the longest, every row at one shared column
+  until the chunk's longest row ends;
+- prefills compute logits only for each prompt's last token; decode steps are single-token and
+  run feature-major ([features, batch] activations, see `_decode_forward`) because small-batch
+  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`).
 
 The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
 written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a
 padding mask, when there is padding, as one in-place add); norms with one addmm for the feature
 statistics; rotary embedding as mul + roll + addcmul; cache columns written with a plain column
-copy; the attention output read transposed by the projection (no copy); tables that are the same
-for every step (padding bias, every step's rotary rows) built once per generate call; a sampling
-path that draws and takes the logprob in one pass.
+copy when every row writes the same column (else one scatter per cache); the attention output read
+transposed by the projection (no copy); the rows' masks and rotary columns built once per step for
+all layers; a sampling path that draws and takes the logprob in one pass.
 
 Speed against HF `generate` and the arithmetic floor, and what was tried to go faster:
 benchmarks/README.md (generation.py).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
-step can instead attend over the whole cache with a mask (the future and padding
-columns get the dtype's minimum) and read tokens, positions, the cache column and the padding
+step can instead attend over the whole cache with a mask (each row's future and padding
+columns get the dtype's minimum) and read tokens, positions, the rows' cache columns and the padding
 bias from fixed buffers. That step has no Python-side values and no shape changes, so a CUDA
-graph can record it once per batch size and cache allocation and replay it (`aligner.generation.cuda_graphs`, the
+graph can record it once per batch size and cache allocation and replay it (continuous batching
+shrinks the decode batch as rows end: one graph per batch size it reaches) (`aligner.generation.cuda_graphs`, the
 engine's only GPU-specific code). On CPU cuda_graphs=True is refused with a ValueError (no
 silent fallback); static_decode=True runs the same static step eagerly, and the tests check it
 gives the default step's tokens and logprobs (also at TP=2 and PP=2).
@@ -64,10 +70,12 @@ names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,11 +153,11 @@ class NativeEngine:
     """KV-cached generation on megatron-core model chunks (local layer spec), any TP/PP, CPU or GPU.
 
     model_chunks: this rank's model chunks (one per virtual pipeline stage), DDP/Float16 wrappers
-        allowed. model_cfg: their architecture. pad_id fills prompts' left padding and responses
+        allowed. model_cfg: their architecture. pad_id fills prompt padding and responses
         after their end; eos_id is the stop token when SamplingParams.stop_token_ids is empty.
-    max_batch_size, max_sequence_length: limits, not allocations. generate() splits larger
-        batches into chunks of max_batch_size and refuses prompt + new tokens longer than
-        max_sequence_length; the KV cache holds what the call needs (see `kv_cache_bytes`).
+    max_batch_size, max_sequence_length: limits, not allocations. At most max_batch_size rows
+        decode at once (more prompts wait for a free row); prompt + new tokens longer than
+        max_sequence_length are refused; the KV cache holds what the call needs (see `kv_cache_bytes`).
     decode: token ids -> text, needed only for SamplingParams.stop_strings.
     static_decode: every decode step attends over the whole KV cache with a mask and
         reads its inputs from fixed buffers (same math, same results; slower on CPU, where the
@@ -158,6 +166,10 @@ class NativeEngine:
         it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`), captured again
         when the cache is reallocated. On a CPU model
         it raises ValueError rather than silently running something else.
+    continuous_batching: a row that stops leaves the decode batch and a waiting prompt takes its
+        cache row (see the module docstring); False runs the static-batch loop (chunks of
+        max_batch_size rows, each decoded until its longest row ends), kept as the reference the
+        tests and benchmarks/continuous_batching.py compare with: same tokens, logprobs within rounding.
     """
 
     def __init__(
@@ -172,6 +184,7 @@ class NativeEngine:
         decode: Optional[Callable[[list], str]] = None,
         static_decode: bool = False,
         cuda_graphs: bool = False,
+        continuous_batching: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
@@ -207,6 +220,7 @@ class NativeEngine:
         self._scale = 1.0 / math.sqrt(self._head_dim)
         self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d]), see _reserve_cache
         self._static_decode = static_decode or cuda_graphs
+        self.continuous_batching = continuous_batching
         self._cuda_graphs = cuda_graphs
         self._static_steps: dict = {}  # batch size -> _StaticDecodeStep over the current cache
         self.refit(model_chunks)
@@ -276,6 +290,8 @@ class NativeEngine:
             # baddbmm's input, ignored with beta=0 (megatron computes scores the same way).
             self._no_input = torch.zeros(1, 1, 1, dtype=dtype, device=device)
             self._rope = self._rope_tables(chunks[0]) if self.cfg.position_embedding_type == "rope" else None
+            # [d, max_len]: a step's [d, batch] rotary columns are one contiguous index_select
+            self._rope_columns = None if self._rope is None else tuple(t.t().contiguous() for t in self._rope)
             self._columns = torch.arange(self.max_sequence_length, device=device)
             # Feature means of [hidden, batch] activations as one addmm (eps + mean_row @ x): one BLAS
             # call instead of mean's reduction and division, the costliest part of a small norm.
@@ -317,9 +333,9 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Continue every prompt; collective over the model-parallel group (every TP/PP rank calls it).
 
-        Row i draws from the random stream of (sampling.seed, i), so a row's result does not depend
-        on the other prompts in the call nor on how they are split into chunks of max_batch_size
-        (data-parallel ranks should pass different seeds).
+        Row i draws from the random stream of (sampling.seed, i), step by step of its own response,
+        so a row's result does not depend on the other prompts in the call nor on which cache row
+        or batch it was decoded in (data-parallel ranks should pass different seeds).
         With fixed_length every row gets max_new_tokens tokens (stop tokens do not end it);
         ended_with_stop then says whether a stop token was generated anywhere in the row.
         """
@@ -327,17 +343,54 @@ class NativeEngine:
         self._bind()
         self._reserve_cache(min(len(prompts), self.max_batch_size),
                             max(len(p) for p in prompts) + sampling.max_new_tokens)
-        parts = []
+        state = _SamplingState(self, sampling)
         with self._moe_in_eval_mode():
+            if self.continuous_batching:
+                (_, rollout), = self._generate_continuous(state, (None, prompts, sampling), lambda: None)
+                return rollout
+            state.add(prompts, sampling.seed)
             for start in range(0, len(prompts), self.max_batch_size):
-                parts.append(self._generate_batch(prompts[start:start + self.max_batch_size], sampling, start))
-        return Rollout(
-            prompt_tokens=[list(p) for p in prompts],
-            response_tokens=torch.cat([p[0] for p in parts]),
-            logprobs=torch.cat([p[1] for p in parts]),
-            response_lengths=torch.cat([p[2] for p in parts]),
-            ended_with_stop=torch.cat([p[3] for p in parts]),
-        )
+                self._generate_batch(prompts[start:start + self.max_batch_size], state, start)
+        return state.rollout(0, len(prompts), prompts)
+
+    @torch.inference_mode()
+    def generate_stream(self, next_request: Callable[[], Optional[tuple]], longest_prompt: int) -> Iterator[tuple]:
+        """Continuous batching across requests: yields (key, Rollout) of each request as its last row ends.
+
+        next_request() -> (key, prompts, sampling), or None when there are no more; it is called
+        whenever the cache has more free rows than prompts wait for one (so a router hands a replica
+        work only when it can start it), at the same point on every rank of the model-parallel
+        group. Requests must differ in their seed only, and no prompt may be longer than
+        longest_prompt (the cache is sized for it). Each request's rollout equals `generate`'s on its
+        prompts and sampling alone (its rows draw from (its seed, row)). With continuous_batching=False
+        each request is one `generate` call. Collective over the model-parallel group.
+        """
+        request = next_request()
+        while not self.continuous_batching and request is not None:
+            yield request[0], self.generate(request[1], request[2])
+            request = next_request()
+        if request is None:
+            return
+        sampling = request[2]
+
+        def checked(request):
+            if request is not None:
+                key, prompts, request_sampling = request
+                self._check_request(prompts, request_sampling)
+                if dataclasses.replace(request_sampling, seed=sampling.seed) != sampling:
+                    raise ValueError("generate_stream: every request's SamplingParams must equal the first's "
+                                     f"but for the seed; got {request_sampling} after {sampling}")
+                if max(len(p) for p in prompts) > longest_prompt:
+                    raise ValueError(f"generate_stream: a prompt of request {key!r} is longer than "
+                                     f"longest_prompt={longest_prompt}")
+            return request
+
+        checked(request)
+        self._bind()
+        self._reserve_cache(self.max_batch_size, longest_prompt + sampling.max_new_tokens)
+        with self._moe_in_eval_mode():
+            yield from self._generate_continuous(_SamplingState(self, sampling), request,
+                                                 lambda: checked(next_request()))
 
     # ------------------------------------------------------------------ setup
     def _layer_weights(self, layer) -> _Layer:
@@ -451,8 +504,143 @@ class NativeEngine:
             )
 
     # ------------------------------------------------------------------ generation loop
-    def _generate_batch(self, prompts: list, sampling: SamplingParams, first_sample: int):
-        device, batch, new_tokens = self._device, len(prompts), sampling.max_new_tokens
+    def _generate_continuous(self, state: "_SamplingState", first_request: tuple,
+                             next_request: Callable[[], Optional[tuple]]) -> Iterator[tuple]:
+        """Continuous batching: each cache row holds one prompt's sequence at its own length.
+
+        Live rows sit at the front of the cache, rows 0 .. live - 1, and decode together, each writing
+        its new keys and values at its own column (its length). A row that stops leaves at once (the
+        last live row's cache moves into its place, so finished rows cost no more FLOPs) and the
+        next waiting prompt takes the freed row: its prefill runs into that row (one right-padded
+        prefill for all prompts admitted at the same step) and its first token is sampled with the
+        decode batch's. Requests (key, prompts, sampling) are pulled while free rows outnumber the
+        waiting prompts; yields (key, Rollout) per request as its last row ends.
+        """
+        capacity = self._kv_cache[0].shape[1]
+        keys, values = self._cache(capacity)
+        waiting: collections.deque = collections.deque()  # (sample, prompt) in arrival order
+        requests: list = []  # [key, first sample, prompts, rows still running]
+        request_of: dict = {}  # sample -> index in requests
+
+        def take(request) -> None:
+            key, prompts, sampling = request
+            first = state.add(prompts, sampling.seed)
+            request_of.update((first + row, len(requests)) for row in range(len(prompts)))
+            requests.append([key, first, prompts, len(prompts)])
+            waiting.extend((first + row, prompt) for row, prompt in enumerate(prompts))
+
+        take(first_request)
+        exhausted = False
+        held: list[int] = []  # the sample of each live row
+        lengths: list[int] = []  # filled cache columns of each live row: where its next token goes
+        steps: list[int] = []  # tokens each live row has generated
+        tokens, logits = None, None
+        while True:
+            while not exhausted and len(waiting) < capacity - len(held):
+                request = next_request()
+                exhausted = request is None
+                if not exhausted:
+                    take(request)
+            admitted = [waiting.popleft() for _ in range(min(capacity - len(held), len(waiting)))]
+            old_rows = len(held)
+            if old_rows:
+                logits = self._decode_rows(tokens, lengths, keys, values)
+                lengths = [length + 1 for length in lengths]
+            if admitted:
+                first = self._prefill_rows([prompt for _, prompt in admitted], old_rows, keys, values)
+                logits = first if not old_rows or first is None else torch.cat([logits, first])
+                held += [sample for sample, _ in admitted]
+                lengths += [len(prompt) for _, prompt in admitted]
+                steps += [0] * len(admitted)
+            if not held:
+                return
+            samples = torch.tensor(held, device=self._device)
+            step_tensor = torch.tensor(steps, device=self._device)
+            tokens, logprob = self._next_tokens(logits, state, samples, step_tensor, min(steps))
+            done = state.record(samples, step_tensor, tokens, logprob).tolist()
+            steps = [step + 1 for step in steps]
+            if any(done):
+                completed = []
+                for sample in (sample for sample, finished in zip(held, done) if finished):
+                    request = requests[request_of.pop(sample)]
+                    request[3] -= 1
+                    if request[3] == 0:
+                        completed.append(request)
+                order = self._compact(done, lengths, keys, values)
+                tokens = tokens[torch.tensor(order, dtype=torch.long, device=self._device)]
+                held, lengths, steps = ([row_values[row] for row in order] for row_values in (held, lengths, steps))
+                for key, first, prompts, _ in completed:
+                    yield key, state.rollout(first, len(prompts), prompts)
+
+    def _compact(self, done: list, lengths: list, keys, values) -> list:
+        """Move live rows into the cache rows of finished ones so that they stay rows 0 .. live - 1.
+
+        Returns, for each new row, the old row it holds now. Each row beyond the new live count
+        moves into a hole before it (only its filled columns are copied).
+        """
+        live = [row for row, finished in enumerate(done) if not finished]
+        count = len(live)
+        movers = [row for row in live if row >= count]
+        order = list(range(count))
+        for hole, mover in zip((row for row in range(count) if done[row]), movers):
+            filled = lengths[mover]
+            keys[:, hole, :, :, :filled].copy_(keys[:, mover, :, :, :filled])
+            values[:, hole, :, :filled].copy_(values[:, mover, :, :filled])
+            order[hole] = mover
+        return order
+
+    def _prefill_rows(self, prompts: list, first_row: int, keys, values) -> Optional[torch.Tensor]:
+        """Prefill prompts into cache rows first_row ..: right-padded (the causal mask hides the padding
+        from the real tokens; later decode steps mask and overwrite its columns). Returns each prompt's
+        last-token logits [rows, vocab_shard] on the last pipeline stage."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        tokens = torch.tensor([list(p) + [self.pad_id] * (width - len(p)) for p in prompts], device=self._device)
+        positions = self._columns[:width].expand(len(prompts), width)
+        rows = slice(first_row, first_row + len(prompts))
+        last = torch.tensor(lengths, device=self._device) - 1
+        return self._prefill_forward(tokens, positions, keys[:, rows], values[:, rows], None, last_columns=last)
+
+    def _decode_rows(self, tokens, lengths: list, keys, values) -> Optional[torch.Tensor]:
+        """One decode step of live rows 0 .. len(lengths) - 1, row b's token into its column lengths[b]."""
+        batch = len(lengths)
+        keys, values = keys[:, :batch], values[:, :batch]
+        columns = torch.tensor(lengths, device=self._device)  # also the new tokens' positions
+        if self._static_decode:
+            static = self._static_step(batch, keys, values)
+            static.key_bias.zero_()
+            static.tokens.copy_(tokens)
+            static.positions.copy_(columns)
+            static.column.copy_(columns)
+            return static.run()
+        kv_len = max(lengths) + 1
+        same_column = min(lengths) == kv_len - 1
+        bias = None
+        if not same_column:  # each row sees its own columns 0 .. length: [batch * groups, 1, kv_len]
+            unseen = self._columns[:kv_len].unsqueeze(0) > columns.unsqueeze(1)
+            bias = torch.zeros(unseen.shape, dtype=self._dtype, device=self._device).masked_fill_(
+                unseen, torch.finfo(self._dtype).min)
+            bias = bias.unsqueeze(1).expand(batch, self._groups, kv_len).reshape(batch * self._groups, 1, kv_len)
+        rope = None
+        if self._rope is not None:
+            rope = tuple(table.index_select(1, columns) for table in self._rope_columns)
+        inputs = self._decode_inputs(columns, kv_len - 1 if same_column else None, kv_len, bias, rope)
+        return self._decode_forward(tokens, columns, keys, values, inputs)
+
+    def _decode_inputs(self, columns, column_index, kv_len, bias, rope) -> "_DecodeInputs":
+        """_DecodeInputs with the scatter indices of per-row cache columns [batch] (None: one shared column)."""
+        key_index = value_index = None
+        if column_index is None:
+            batch, groups, head_dim = columns.shape[0], self._groups, self._head_dim
+            column_per_row = columns.view(batch, 1, 1, 1)
+            key_index = column_per_row.expand(batch, groups, head_dim, 1)
+            value_index = column_per_row.expand(batch, groups, 1, head_dim)
+        return _DecodeInputs(columns, column_index, kv_len, bias, rope, key_index, value_index)
+
+    def _generate_batch(self, prompts: list, state: "_SamplingState", first_sample: int) -> None:
+        """The static-batch loop: prompts left-padded to the longest, every row at one shared cache
+        column until the longest row ends (finished rows are still computed, their tokens dropped)."""
+        device, batch, new_tokens = self._device, len(prompts), state.sampling.max_new_tokens
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         tokens = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -463,16 +651,19 @@ class NativeEngine:
         # Padding columns of the cache, never attended to: [batch, len] (None: no padding at all).
         key_masked = (columns.unsqueeze(0) < padding.unsqueeze(1)) if min(lengths) < width else None
 
-        state = _SamplingState(self, sampling, batch, first_sample)
         positions = (self._columns[:width].unsqueeze(0) - padding.unsqueeze(1)).clamp(min=0)
         logits = self._prefill_forward(tokens, positions, keys, values, key_masked)
         decode_step = self._decode_steps(batch, width, prompt_lengths, key_masked, new_tokens, keys, values)
+        samples = torch.arange(first_sample, first_sample + batch, device=device)
+        active = torch.ones(batch, dtype=torch.bool, device=device)
         for step in range(new_tokens):
-            token, logprob = self._next_tokens(logits, step, state)
-            if state.record(step, token, logprob) or step + 1 == new_tokens:
+            steps = torch.full((batch,), step, device=device)
+            token, logprob = self._next_tokens(logits, state, samples, steps, step)
+            rows = active.nonzero().squeeze(1)
+            active[rows] = ~state.record(samples[rows], steps[rows], token[rows], logprob[rows])
+            if not active.any():
                 break
             logits = decode_step(token, step)
-        return state.result()
 
     def _decode_steps(self, batch, width, prompt_lengths, key_masked, new_tokens, keys, values):
         """step(tokens [batch], step) -> logits: the new tokens of `step` into cache column width + step.
@@ -518,23 +709,28 @@ class NativeEngine:
             self._static_steps[batch] = _StaticDecodeStep(self, batch, keys, values, capture=self._cuda_graphs)
         return self._static_steps[batch]
 
-    def _next_tokens(self, logits, step, state: "_SamplingState"):
-        """Sample on the last stage and hand (tokens, logprobs) [batch] to every pipeline stage."""
+    def _next_tokens(self, logits, state: "_SamplingState", samples, steps, first_step: int):
+        """Sample on the last stage and hand (tokens, logprobs) [batch] to every pipeline stage.
+
+        samples, steps [batch]: the sample each row holds and the step of its response; first_step: their minimum.
+        """
         if self._is_last_stage:
-            token, logprob = state.sample(logits, step)
+            token, logprob = state.sample(logits, samples, steps, first_step)
             if self._pp_size == 1:
                 return token, logprob
             packed = torch.stack([token.double(), logprob.double()])
         else:
-            packed = torch.empty(2, state.batch, dtype=torch.float64, device=self._device)
+            packed = torch.empty(2, samples.shape[0], dtype=torch.float64, device=self._device)
         dist.broadcast(packed, src=self._pp_ranks[-1], group=self._pp_group)
         return packed[0].long(), packed[1].float()
 
     # ------------------------------------------------------------------ the forward
-    def _prefill_forward(self, tokens, positions, keys, values, key_masked) -> Optional[torch.Tensor]:
+    def _prefill_forward(self, tokens, positions, keys, values, key_masked,
+                         last_columns: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The prompts [batch, seq] (cache columns 0..seq) through this rank's segments.
 
-        Returns the last column's logits [batch, vocab_shard] on the last pipeline stage, else None.
+        Returns the logits [batch, vocab_shard] of each row's last column (last_columns [batch], None:
+        column seq - 1) on the last pipeline stage, else None.
         """
         batch, seq = tokens.shape
         rope = None
@@ -558,7 +754,9 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            return self._linear(self._norm(hidden[:, -1], segment.final_norm), segment.output_weight)
+            rows = torch.arange(batch, device=hidden.device)
+            last = hidden[:, -1] if last_columns is None else hidden[rows, last_columns]
+            return self._linear(self._norm(last, segment.final_norm), segment.output_weight)
 
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, self.cfg.hidden_size))
@@ -755,10 +953,10 @@ class NativeEngine:
             cos, sin = inputs.rope  # [d, batch], broadcast over [groups, per_group + 1, d, batch]
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=2), sin)
         new_keys, new_values = query_key[:, per_group].permute(2, 0, 1), qkv[:, per_group + 1].permute(2, 0, 1)
-        if inputs.column_index is None:  # static step: a column tensor keeps it capturable in a graph
-            key_cache.index_copy_(3, inputs.column, new_keys.unsqueeze(3))
-            value_cache.index_copy_(2, inputs.column, new_values.unsqueeze(2))
-        else:  # a plain column copy: cheaper than index_copy_
+        if inputs.column_index is None:  # each row at its own column (tensors: capturable in a graph)
+            key_cache.scatter_(3, inputs.key_index, new_keys.unsqueeze(3))
+            value_cache.scatter_(2, inputs.value_index, new_values.unsqueeze(2))
+        else:  # every row at the same column: a plain column copy
             key_cache.select(3, inputs.column_index).copy_(new_keys)
             value_cache.select(2, inputs.column_index).copy_(new_values)
         # All heads in one batched product: [batch * groups, per_group, d] x [batch * groups, d, kv_len]
@@ -787,20 +985,22 @@ class NativeEngine:
 class _DecodeInputs(NamedTuple):
     """What one decode step needs besides the tokens: where to write, what to attend to."""
 
-    column: torch.Tensor  # [1] long: the cache column the new keys and values go to
-    column_index: Optional[int]  # the same column as a Python int (dynamic step), None on the static step
+    column: torch.Tensor  # [batch] (or [1]: shared) long: the cache column each row's new keys and values go to
+    column_index: Optional[int]  # the column as a Python int when every row writes the same one, else None
     kv_len: int  # keys 0 .. kv_len - 1 are read (all the cache's columns on the static path)
     attention_bias: Optional[torch.Tensor]  # [batch * groups, 1, kv_len]: 0, or the dtype's minimum for
     # unseen keys; None when every key may be seen
     rope: Optional[tuple]  # (cos, sin) [d, batch] at each row's position, None without rotary embeddings
+    key_index: Optional[torch.Tensor] = None  # column_index None: column as scatter indices [batch, groups, d, 1]
+    value_index: Optional[torch.Tensor] = None  # and [batch, groups, 1, d]
 
 
 class _StaticDecodeStep:
     """The decode step on fixed buffers over the whole cache (all its columns): what a CUDA graph captures.
 
-    Inputs (tokens, positions, the cache column, the padding bias) are copied into buffers that
-    never move; the step derives everything else from them with tensor ops only (the mask of
-    columns beyond the current one, the rotary rows), so a replay needs no Python-side values.
+    Inputs (tokens, positions, each row's cache column, the padding bias) are copied into buffers
+    that never move; the step derives everything else from them with tensor ops only (the mask of
+    columns beyond each row's current one, the rotary rows), so a replay needs no Python-side values.
     """
 
     def __init__(self, engine: NativeEngine, batch: int, keys: torch.Tensor, values: torch.Tensor, capture: bool):
@@ -809,7 +1009,7 @@ class _StaticDecodeStep:
         self.columns = engine._columns[:keys.shape[-1]]  # [len]
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.column = torch.zeros(batch, dtype=torch.long, device=device)
         self.key_bias = torch.zeros(batch * engine._groups, 1, len(self.columns), dtype=engine._dtype,
                                     device=device)
         self.graph: Optional[graphs.CapturedStep] = None
@@ -817,11 +1017,13 @@ class _StaticDecodeStep:
     def forward(self) -> Optional[torch.Tensor]:
         engine = self.engine
         unseen = torch.finfo(engine._dtype).min
-        bias = torch.where(self.columns > self.column, unseen, self.key_bias)  # the future, and padding
+        batch, length = self.column.shape[0], len(self.columns)
+        future = (self.columns.unsqueeze(0) > self.column.unsqueeze(1)).view(batch, 1, 1, length)
+        bias = torch.where(future, unseen, self.key_bias.view(batch, -1, 1, length))  # the future, and padding
         rope = None
         if engine._rope is not None:
-            rope = tuple(table.index_select(0, self.positions).t() for table in engine._rope)
-        inputs = _DecodeInputs(self.column, None, len(self.columns), bias, rope)
+            rope = tuple(table.index_select(1, self.positions) for table in engine._rope_columns)
+        inputs = engine._decode_inputs(self.column, None, length, bias.view(-1, 1, length), rope)
         return engine._decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
 
     def run(self) -> Optional[torch.Tensor]:
@@ -836,11 +1038,16 @@ class _StaticDecodeStep:
 
 
 class _SamplingState:
-    """Per-batch sampling: the rows' random streams, stop rules and the growing rollout tensors."""
+    """Sampling for one generate call or stream: the samples' random streams, stop rules and rollout tensors.
 
-    def __init__(self, engine: NativeEngine, sampling: SamplingParams, batch: int, first_sample: int):
+    Everything is per sample (a prompt of a request, numbered in arrival order): a batch row says
+    which sample it holds and which step of that sample's response it is at, so any assignment of
+    samples to rows and steps gives the same draws.
+    """
+
+    def __init__(self, engine: NativeEngine, sampling: SamplingParams):
         device = engine._device
-        self.engine, self.sampling, self.batch = engine, sampling, batch
+        self.engine, self.sampling = engine, sampling
         self.greedy = sampling.is_greedy
         self.temperature = 1.0 if self.greedy else sampling.temperature
         # A draw from the whole unfiltered distribution on one shard: its logprob comes with it.
@@ -848,71 +1055,82 @@ class _SamplingState:
                            and engine._tp_group_or_none is None)
         self.stop_ids = torch.tensor(sampling.stop_token_ids or [engine.eos_id], dtype=torch.long, device=device)
         new_tokens = sampling.max_new_tokens
-        self.uniforms = None  # [batch, new_tokens]: row i's draws come from the stream of (seed, i)
-        if not self.greedy:
-            keys = S.sample_keys(sampling.seed, torch.arange(batch, device=device) + first_sample)
-            self.uniforms = S.uniforms(keys, torch.arange(new_tokens, device=device))
-        self.responses = torch.full((batch, new_tokens), engine.pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)
+        # [samples, new_tokens]: sample i of a request draws from the stream of (its seed, i)
+        self.uniforms = torch.zeros(0, new_tokens, dtype=torch.float32, device=device)
+        self.responses = torch.zeros(0, new_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(0, new_tokens, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.ended = torch.zeros(0, dtype=torch.bool, device=device)
+        self._stop_columns = None  # [vocab_shard] bool: this shard's stop tokens (min_new_tokens), built once
 
-    def sample(self, logits, step: int):
-        """(tokens, logprobs) [batch] from the last stage's logits [batch, vocab_shard]."""
+    def add(self, prompts: list, seed: int) -> int:
+        """Room for a request's samples, drawing from (seed, row); returns the number of its first sample."""
+        first, count, device = self.lengths.shape[0], len(prompts), self.lengths.device
+        new_tokens = self.sampling.max_new_tokens
+        if not self.greedy:
+            keys = S.sample_keys(seed, torch.arange(count, device=device))
+            self.uniforms = torch.cat([self.uniforms, S.uniforms(keys, torch.arange(new_tokens, device=device))])
+        self.responses = torch.cat([self.responses, torch.full((count, new_tokens), self.engine.pad_id,
+                                                               dtype=torch.long, device=device)])
+        self.logprobs = torch.cat([self.logprobs, self.logprobs.new_zeros(count, new_tokens)])
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+        self.ended = torch.cat([self.ended, self.ended.new_zeros(count)])
+        return first
+
+    def sample(self, logits, samples, steps, first_step: int):
+        """(tokens, logprobs) [batch] from the last stage's logits [batch, vocab_shard]; row b holds sample
+        samples[b] at step steps[b] of its response; first_step = min(steps)."""
         engine, sampling = self.engine, self.sampling
         logits = logits.float()
         if engine._has_vocab_padding:
             logits = logits.masked_fill(engine._vocab_padding, float("-inf"))
         scaled = S.apply_temperature(logits, self.temperature)
-        if self.plain_draw and step >= sampling.min_new_tokens:  # one pass for the draw and its logprob
-            return S.sample_with_logprobs(scaled, self.uniforms[:, step])
+        uniform = None if self.greedy else self.uniforms[samples, steps]
+        if self.plain_draw and first_step >= sampling.min_new_tokens:  # one pass for the draw and its logprob
+            return S.sample_with_logprobs(scaled, uniform)
         candidates = scaled
-        if step < sampling.min_new_tokens:
-            local = self.stop_ids - engine._vocab_start
-            local = local[(local >= 0) & (local < scaled.shape[-1])]
-            candidates = scaled.index_fill(-1, local, float("-inf"))
+        if first_step < sampling.min_new_tokens:  # stop tokens masked on the rows still short of it
+            if self._stop_columns is None:
+                local = self.stop_ids - engine._vocab_start
+                local = local[(local >= 0) & (local < scaled.shape[-1])]
+                self._stop_columns = torch.zeros(scaled.shape[-1], dtype=torch.bool, device=scaled.device)
+                self._stop_columns[local] = True
+            early = (steps < sampling.min_new_tokens).unsqueeze(1)
+            candidates = scaled.masked_fill(early & self._stop_columns, float("-inf"))
         token = S.select_tokens(
-            candidates, greedy=self.greedy, top_k=sampling.top_k, top_p=sampling.top_p,
-            uniform=None if self.greedy else self.uniforms[:, step], vocab_start=engine._vocab_start,
-            group=engine._tp_group_or_none,
+            candidates, greedy=self.greedy, top_k=sampling.top_k, top_p=sampling.top_p, uniform=uniform,
+            vocab_start=engine._vocab_start, group=engine._tp_group_or_none,
         )
         # The logprob of the unfiltered distribution: what the training forward recomputes.
         logprob = S.vocab_parallel_token_logprobs(scaled, token, engine._vocab_start, engine._tp_group_or_none)
         return token, logprob
 
-    def record(self, step: int, token, logprob) -> bool:
-        """Store the step's tokens; True when every row has finished."""
+    def record(self, samples, steps, token, logprob) -> torch.Tensor:
+        """Store the rows' tokens; returns [batch] bool: the rows whose response is complete."""
         sampling = self.sampling
         is_stop = torch.isin(token, self.stop_ids)
+        self.responses[samples, steps] = token
+        self.logprobs[samples, steps] = logprob
+        self.lengths[samples] = steps + 1
+        last = steps + 1 >= sampling.max_new_tokens
         if sampling.fixed_length:
-            self.responses[:, step] = token
-            self.logprobs[:, step] = logprob
-            self.ended |= is_stop
-            return False
-        active = ~self.finished
-        self.responses[:, step] = torch.where(active, token, self.engine.pad_id)
-        self.logprobs[:, step] = torch.where(active, logprob, 0.0)
-        self.lengths += active.long()
-        stopped = active & is_stop
+            self.ended[samples] |= is_stop
+            return last
         if sampling.stop_strings:
-            stopped = stopped | self._stop_string_hits(active)
-        self.finished |= stopped
-        self.ended |= stopped
-        return bool(self.finished.all())
+            is_stop = is_stop | self._stop_string_hits(samples)
+        self.ended[samples] = is_stop
+        return is_stop | last
 
-    def _stop_string_hits(self, active) -> torch.Tensor:
+    def _stop_string_hits(self, samples) -> torch.Tensor:
         """Rows whose decoded response now contains a stop string (every rank decodes alike)."""
-        hits = torch.zeros_like(active)
-        responses, lengths = self.responses.cpu(), self.lengths.tolist()
-        for row in active.nonzero().flatten().tolist():
-            text = self.engine.decode(responses[row, :lengths[row]].tolist())
-            if any(stop in text for stop in self.sampling.stop_strings):
-                hits[row] = True
-        return hits
+        responses, lengths = self.responses[samples].cpu(), self.lengths[samples].tolist()
+        hits = [any(stop in self.engine.decode(responses[row, :length].tolist()) for stop in self.sampling.stop_strings)
+                for row, length in enumerate(lengths)]
+        return torch.tensor(hits, dtype=torch.bool, device=samples.device)
 
-    def result(self):
-        lengths = self.lengths
-        if self.sampling.fixed_length:
-            lengths = torch.full_like(lengths, self.sampling.max_new_tokens)
-        return self.responses.cpu(), self.logprobs.cpu(), lengths.cpu(), self.ended.cpu()
+    def rollout(self, first: int, count: int, prompts: list) -> Rollout:
+        """The Rollout of samples first .. first + count - 1 (one request's prompts)."""
+        rows = slice(first, first + count)
+        return Rollout(prompt_tokens=[list(p) for p in prompts], response_tokens=self.responses[rows].cpu(),
+                       logprobs=self.logprobs[rows].cpu(), response_lengths=self.lengths[rows].cpu(),
+                       ended_with_stop=self.ended[rows].cpu())

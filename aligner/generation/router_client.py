@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from aligner.generation.work_queue import RouterError, WorkQueueClient, WorkQueu
 
 T = TypeVar("T")
 GenerateFn = Callable[[list[int]], Sequence[Any]]  # micro-batch of item indices -> one result per index
+NextIndices = Callable[[], Optional[list[int]]]  # the next micro-batch handed to this replica, None: no more
+# next_indices -> (micro-batch, one result per index) as each micro-batch completes, after next_indices gave None
+GenerateStreamFn = Callable[[NextIndices], Iterable[tuple[list[int], Sequence[Any]]]]
 
 
 @dataclass
@@ -54,7 +57,11 @@ def _group_size(group) -> int:
 
 
 def _run_micro_batch(indices: list[int], generate_fn: GenerateFn, work: RoutedWork) -> None:
-    results = list(generate_fn(indices))
+    _record(indices, generate_fn(indices), work)
+
+
+def _record(indices: list[int], results: Sequence[Any], work: RoutedWork) -> None:
+    results = list(results)
     if len(results) != len(indices):
         raise ValueError(f"generate_fn returned {len(results)} results for a micro-batch of {len(indices)} prompts")
     for index, result in zip(indices, results):
@@ -84,14 +91,28 @@ class StaticRouter:
 
     def route(self, num_items: int, generate_fn: GenerateFn) -> RoutedWork:
         start = time.monotonic()
-        rank, size = _group_rank(self.data_parallel_group), _group_size(self.data_parallel_group)
         work = RoutedWork()
-        batches = range(0, num_items, self.micro_batch_size)
-        for batch_number, first in enumerate(batches):
-            if batch_number % size == rank:
-                _run_micro_batch(list(range(first, min(first + self.micro_batch_size, num_items))), generate_fn, work)
+        for indices in self._micro_batches(num_items):
+            _run_micro_batch(indices, generate_fn, work)
         work.seconds = time.monotonic() - start
         return work
+
+    def route_stream(self, num_items: int, generate_stream_fn: GenerateStreamFn) -> RoutedWork:
+        """`route` for a generator that takes this rank's micro-batches as it can start them (continuous
+        batching across micro-batches, see NativeEngine.generate_stream)."""
+        start = time.monotonic()
+        work = RoutedWork()
+        mine = iter(self._micro_batches(num_items))
+        for indices, results in generate_stream_fn(lambda: next(mine, None)):
+            _record(indices, results, work)
+        work.seconds = time.monotonic() - start
+        return work
+
+    def _micro_batches(self, num_items: int) -> list[list[int]]:
+        rank, size = _group_rank(self.data_parallel_group), _group_size(self.data_parallel_group)
+        starts = range(0, num_items, self.micro_batch_size)
+        return [list(range(first, min(first + self.micro_batch_size, num_items)))
+                for batch_number, first in enumerate(starts) if batch_number % size == rank]
 
     def close(self) -> None:
         pass
@@ -135,27 +156,46 @@ class DynamicRouter:
 
     def route(self, num_items: int, generate_fn: GenerateFn) -> RoutedWork:
         """Generate all `num_items` items across the replicas; returns what this replica generated."""
-        start = time.monotonic()
+        work = RoutedWork()
+        next_indices = self._start_round(num_items)
+        while (indices := next_indices()) is not None:
+            _run_micro_batch(indices, generate_fn, work)
+        work.seconds = time.monotonic() - self._round_start
+        return work
+
+    def route_stream(self, num_items: int, generate_stream_fn: GenerateStreamFn) -> RoutedWork:
+        """`route` for a generator that takes micro-batches from the queue as it can start them (continuous
+        batching across micro-batches, see NativeEngine.generate_stream); it must ask until it gets None."""
+        work = RoutedWork()
+        next_indices = self._start_round(num_items)
+        for indices, results in generate_stream_fn(next_indices):
+            _record(indices, results, work)
+        work.seconds = time.monotonic() - self._round_start
+        return work
+
+    def _start_round(self, num_items: int) -> NextIndices:
+        """Start a routing round (collective); returns the function that takes this replica's next micro-batch
+        from the queue (collective over the model-parallel group; None once the queue is empty)."""
+        self._round_start = start = time.monotonic()
         self._round += 1
         if self._server is not None:
             self._server.queue.start_round(self._round, num_items, self.micro_batch_size)
         if dist.is_initialized():
             dist.barrier()  # nobody asks for this round before rank 0 has started it
         worker = _group_rank(self.data_parallel_group)
-        work = RoutedWork()
         # +1: the last request is the one that finds the queue empty.
-        for _ in range(math.ceil(num_items / self.micro_batch_size) + 1):
+        requests_left = [math.ceil(num_items / self.micro_batch_size) + 1]
+
+        def next_indices() -> Optional[list[int]]:
+            if requests_left[0] == 0:
+                raise RouterError(f"routing round {self._round}: the queue handed out more micro-batches than exist")
+            requests_left[0] -= 1
             if time.monotonic() - start > self.timeout_s:
                 raise RouterError(f"routing round {self._round} took longer than {self.timeout_s:.0f} s")
             indices = self._client.next_batch(self._round, worker) if self._client is not None else None
             indices = _broadcast_in_group(indices, self.model_parallel_group)
-            if not indices:
-                break
-            _run_micro_batch(indices, generate_fn, work)
-        else:
-            raise RouterError(f"routing round {self._round}: the queue handed out more micro-batches than exist")
-        work.seconds = time.monotonic() - start
-        return work
+            return indices or None
+        return next_indices
 
     def assignments(self) -> dict[int, list[int]]:
         """Rank 0 only: data-parallel rank -> indices it took in the last round (for logs and tests)."""

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from aligner.generation.engine import Rollout, SamplingParams
+from aligner.generation.engine import Rollout, SamplingParams, generate_requests
 from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import epoch_seed
 
@@ -111,13 +111,20 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
     """Generate every prompt once across the data-parallel replicas; returns this replica's rows by
     prompt position. on_generated(indices, rollout) runs after each micro-batch on every rank of the
     replica (send scoring requests there; the answers are attached to the rows later).
+
+    Micro-batches go through `generate_requests`: the native engine decodes across them, taking the
+    router's next micro-batch when its cache rows free up, so a finished row is refilled by a waiting
+    prompt instead of idling until its micro-batch's longest row ends; other engines generate them one
+    by one. Each micro-batch's rows are the same either way: its seed and row numbers do not depend on
+    how it is scheduled.
     """
 
-    def generate(indices: list[int]) -> list[RolloutRow]:
-        # The engine's row streams are (seed, row of the call): one seed for every micro-batch would give
-        # row r of each the same random numbers, so each micro-batch gets a seed of its own first index.
-        micro_sampling = dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, indices[0]))
-        rollout = engine.generate([list(prompts[i]) for i in indices], micro_sampling)
+    def micro_sampling(indices: list[int]) -> SamplingParams:
+        # The engine's row streams are (seed, row of the micro-batch): one seed for every micro-batch would
+        # give row r of each the same random numbers, so each micro-batch gets a seed of its own first index.
+        return dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, indices[0]))
+
+    def rows_of(indices: list[int], rollout: Rollout) -> list[RolloutRow]:
         if on_generated is not None:
             on_generated(indices, rollout)
         rows = []
@@ -129,7 +136,16 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
                                    ended_with_stop=bool(rollout.ended_with_stop[row])))
         return rows
 
-    return router.route(len(prompts), generate).results
+    def stream(next_indices):
+        def next_request():
+            indices = next_indices()
+            return None if indices is None else (indices, [list(prompts[i]) for i in indices], micro_sampling(indices))
+
+        longest = max(len(p) for p in prompts)
+        for indices, rollout in generate_requests(engine, next_request, longest_prompt=longest):
+            yield indices, rows_of(indices, rollout)
+
+    return router.route_stream(len(prompts), stream).results
 
 
 def micro_batch_seed(seed: int, first_index: int) -> int:

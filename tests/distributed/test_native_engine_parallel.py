@@ -6,7 +6,8 @@ forward (`sequence_logprobs`) at the same layout. Sampled rollouts draw from the
 streams, so they match TP=1 too, up to a draw landing within rounding of a CDF boundary (the
 logits differ by float rounding between layouts): at least 7 of 8 rows must match. The static
 decode step (static_decode=True, what CUDA graphs capture) is held to the same bounds against
-TP=1's default step.
+TP=1's default step, and so is continuous batching with refills (8 prompts, 3 cache rows, early stops)
+against TP=1's static-batch loop.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_tp2_pp2_vpp_generation_matches_tp1(tmp_path, torchrun):
     for layout, cases in result.items():
         assert cases["greedy"]["same_rows"] == cases["greedy"]["rows"], layout
         assert cases["static_greedy"]["same_rows"] == cases["static_greedy"]["rows"], layout
+        assert cases["refill_greedy"]["same_rows"] == cases["refill_greedy"]["rows"], layout
         for case, report in cases.items():
             assert report["same_rows"] >= report["rows"] - 1, (layout, case, report)
             assert report["logprob_vs_tp1"] < LOGPROB_TOLERANCE, (layout, case, report)

@@ -100,6 +100,28 @@ def test_single_process_routers_and_rebalance():
         StaticRouter(micro_batch_size=2).route(2, lambda indices: ["only one"])
 
 
+def test_single_process_routers_stream_micro_batches():
+    """route_stream: the generator takes micro-batches when it wants them and answers in any order."""
+    from aligner.generation.router_client import DynamicRouter, StaticRouter
+
+    def two_at_a_time(next_indices):
+        held = []
+        while (indices := next_indices()) is not None:
+            held.append(indices)
+            if len(held) == 2:  # the later micro-batch completes first
+                yield from ((batch, [f"r{i}" for i in batch]) for batch in held[::-1])
+                held = []
+        yield from ((batch, [f"r{i}" for i in batch]) for batch in held)
+
+    for router in (StaticRouter(micro_batch_size=3), DynamicRouter(micro_batch_size=3, host="127.0.0.1", timeout_s=10)):
+        try:
+            work = router.route_stream(10, two_at_a_time)
+        finally:
+            router.close()
+        assert work.results == {i: f"r{i}" for i in range(10)}
+        assert work.micro_batches == [[3, 4, 5], [0, 1, 2], [9], [6, 7, 8]]
+
+
 def test_concat_rollouts_pads_to_the_widest():
     import torch
 

@@ -6,7 +6,9 @@ rollouts; then it loads the same checkpoints at TP=2 (DDP-wrapped chunks), PP=2 
 virtual stages (llama), generates the same rollouts and compares. It also checks the
 vocab-parallel sampling helpers at TP=2 against their single-shard versions.
 Cases named static_* run the engine's static decode step (static_decode=True), the reference
-always the default one. Rank 0 prints one `RESULT <json>` line.
+always the default one. Cases named *refill* decode 8 prompts in 3 cache rows with continuous batching
+(rows stop early and are refilled), the reference in the static-batch loop (continuous_batching=False).
+Rank 0 prints one `RESULT <json>` line.
 """
 import json
 import sys
@@ -46,6 +48,13 @@ CASES = {
     # the static (CUDA-graph-capturable) decode step: whole cache, masked, fixed buffers
     "static_greedy": SamplingParams(max_new_tokens=12, greedy=True),
     "static_sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=5),
+    # continuous batching with refills: 3 cache rows for 8 prompts, rows stopping early at different steps;
+    # the TP=1 reference runs the static-batch loop (continuous_batching=False)
+    "refill_greedy": SamplingParams(max_new_tokens=12, greedy=True, stop_token_ids=list(range(3, 25))),
+    "refill_top_k_top_p": SamplingParams(max_new_tokens=12, temperature=0.9, top_k=10, top_p=0.9, seed=8,
+                                         min_new_tokens=2, stop_token_ids=list(range(3, 25))),
+    "static_refill_sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=9,
+                                           stop_token_ids=list(range(3, 25))),
 }
 LAYOUTS = {
     "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2", "moe")),
@@ -70,13 +79,16 @@ def random_model(cfg: GPTConfig, seed: int) -> torch.nn.Module:
     return model
 
 
-def run_cases(cfg: GPTConfig, chunks) -> dict:
-    options = dict(pad_id=PAD, eos_id=EOS, max_batch_size=8, max_sequence_length=32)
-    engine = NativeEngine(chunks, cfg, **options)
-    static_engine = NativeEngine(chunks, cfg, static_decode=True, **options)
+def run_cases(cfg: GPTConfig, chunks, reference: bool = False) -> dict:
+    options = dict(pad_id=PAD, eos_id=EOS, max_sequence_length=32)
+    refill = dict(max_batch_size=3, continuous_batching=not reference)
+    engines = {(static, refills): NativeEngine(chunks, cfg, static_decode=static and not reference,
+                                               **options, **(refill if refills else dict(max_batch_size=8)))
+               for static in (False, True) for refills in (False, True)}
     out = {}
     for case, sampling in CASES.items():
-        rollout = (static_engine if case.startswith("static_") else engine).generate(prompts(), sampling)
+        engine = engines[case.startswith("static_"), "refill" in case]
+        rollout = engine.generate(prompts(), sampling)
         tokens, prompt_lengths = pack_sequences(rollout.prompt_tokens, rollout.response_tokens,
                                                 rollout.response_lengths, PAD)
         training = sequence_logprobs(chunks, tokens, prompt_lengths, rollout.response_lengths, vocab_size=VOCAB,
@@ -150,7 +162,7 @@ def main() -> None:
     for index, (name, cfg) in enumerate(CONFIGS.items()):
         model = random_model(cfg, seed=10 + index)
         checkpointing.save(work / name, [model], model_config=cfg.to_dict())
-        references[name] = run_cases(cfg, [model])
+        references[name] = run_cases(cfg, [model], reference=True)
     result = {}
     for layout, (parallel, names) in LAYOUTS.items():
         initialize(parallel)
