@@ -88,6 +88,7 @@ class _Linear(NamedTuple):
     weight: torch.Tensor  # [out, in]
     bias: Optional[torch.Tensor]  # [out]
     bias_column: Optional[torch.Tensor]  # [out, 1] view of bias, for feature-major activations
+    product: torch.Tensor  # what the products read: the weight, or its oneDNN-packed copy (see _pack_products)
 
 
 class _Norm(NamedTuple):
@@ -120,12 +121,30 @@ class _Segment:
     position_embeddings: Optional[torch.Tensor] = None
     final_norm: Optional[tuple] = None  # last segment only
     output_weight: Optional[torch.Tensor] = None
+    output_product: Optional[torch.Tensor] = None  # output_weight or its packed copy, as _Linear.product
+
+
+class _PackedWeight(NamedTuple):
+    """A weight's oneDNN-packed copy and the state of the weight it was packed from."""
+
+    weight: torch.Tensor
+    data_ptr: int
+    version: Optional[int]  # autograd's version counter: in-place updates bump it (None: an inference tensor)
+    packed: torch.Tensor
+
+    def is_current(self, weight: torch.Tensor) -> bool:
+        return (self.weight is weight and self.data_ptr == weight.data_ptr()
+                and self.version == _version_counter(weight))
+
+
+def _version_counter(tensor: torch.Tensor) -> Optional[int]:
+    return None if tensor.is_inference() else tensor._version
 
 
 def _linear(module) -> _Linear:
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
-    return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1))
+    return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1), module.weight)
 
 
 def _optional_submodule(module: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
@@ -158,6 +177,13 @@ class NativeEngine:
         it (GPU only, one pipeline stage; see `aligner.generation.cuda_graphs`), captured again
         when the cache is reallocated. On a CPU model
         it raises ValueError rather than silently running something else.
+    pack_weights: on the oneDNN path (fp32 on CPU) the products read copies of the weights in
+        oneDNN's own blocked layout (`cpu_products.pack`) instead of the weights as they are: a
+        decode step runs ~1.3x faster at batch 8-64, for a second copy of the linear layers' weights
+        in memory and a repack of each weight that changed (new storage, or an in-place update
+        that bumped its version counter) at the next generate call. Writes that bypass the version
+        counter (`param.data.copy_(...)`) need refit(), which repacks everything. Elsewhere it changes
+        nothing. Cost and gain: benchmarks/README.md (generation.py).
     """
 
     def __init__(
@@ -172,6 +198,7 @@ class NativeEngine:
         decode: Optional[Callable[[list], str]] = None,
         static_decode: bool = False,
         cuda_graphs: bool = False,
+        pack_weights: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
@@ -209,6 +236,8 @@ class NativeEngine:
         self._static_decode = static_decode or cuda_graphs
         self._cuda_graphs = cuda_graphs
         self._static_steps: dict = {}  # batch size -> _StaticDecodeStep over the current cache
+        self._pack_weights = pack_weights
+        self._packed: dict = {}  # id(weight) -> _PackedWeight, see _pack_products
         self.refit(model_chunks)
         if cuda_graphs:
             if self._pp_size > 1:
@@ -222,11 +251,14 @@ class NativeEngine:
 
         In-place weight updates (optimizer steps) are seen without calling refit, and so are
         parameters whose storage was swapped (`param.data = ...`, e.g. offloading): every generate
-        call reads the parameters afresh. Call it to switch to other module objects.
+        call reads the parameters afresh. Call it to switch to other module objects, or after writes
+        that bypass the parameters' version counters (`param.data.copy_(...)`): packed weight copies
+        (pack_weights) are rebuilt here.
         """
         from megatron.core.utils import unwrap_model
 
         self._chunks = unwrap_model(list(model_chunks))
+        self._packed = {}
         self._bind()
         if self._moe_modules:
             self._check_moe_supported()
@@ -263,6 +295,7 @@ class NativeEngine:
                 segment.final_norm = _norm(chunk.get_submodule(param_names.FINAL_NORM))
                 segment.output_weight = (chunk.shared_embedding_or_output_weight() if self.cfg.tie_embeddings
                                          else chunk.get_submodule(param_names.OUTPUT_LAYER).weight)
+                segment.output_product = segment.output_weight
             segments.append(segment)
         self._segments = segments
         self._num_local_layers = cache_offset
@@ -284,6 +317,7 @@ class NativeEngine:
             self._norm_eps = torch.full((1, 1), self.cfg.norm_epsilon, dtype=torch.float32, device=device)
             self._zero = torch.zeros(1, 1, dtype=torch.float32, device=device)
             self._onednn_products = cpu_products.supported(device, dtype)  # the decode products, see _wx
+        self._pack_products()
         weights = self._weight_pointers()
         if weights != getattr(self, "_bound_weights", None):
             self._bound_weights = weights
@@ -301,8 +335,40 @@ class NativeEngine:
             self._vocab_padding = ids >= self.cfg.vocab_size
             self._has_vocab_padding = bool(self._vocab_padding.any())
 
+    def _pack_products(self) -> None:
+        """Point the bound layers' products at oneDNN-packed copies of their weights (pack_weights on the
+        oneDNN path), packing only the weights that are new or changed since they were last packed."""
+        previous, self._packed = self._packed, {}
+        if not (self._pack_weights and self._onednn_products):
+            return
+
+        def product(weight: torch.Tensor) -> torch.Tensor:
+            key = id(weight)
+            entry = self._packed.get(key)
+            if entry is None:
+                entry = previous.pop(key, None)
+            if entry is None or not entry.is_current(weight):
+                entry = None  # a stale copy is freed before the new one is made
+                entry = _PackedWeight(weight, weight.data_ptr(), _version_counter(weight), cpu_products.pack(weight))
+            self._packed[key] = entry
+            return entry.packed
+
+        def packed(linear: Optional[_Linear]) -> Optional[_Linear]:
+            return None if linear is None else linear._replace(product=product(linear.weight))
+
+        for segment in self._segments:
+            segment.layers = [layer._replace(qkv=packed(layer.qkv), proj=packed(layer.proj), fc1=packed(layer.fc1),
+                                             fc2=packed(layer.fc2)) for layer in segment.layers]
+            if segment.output_weight is not None:
+                segment.output_product = product(segment.output_weight)
+
     def free(self) -> None:
-        """Drop the KV cache and captured decode steps (the weights are the training tensors)."""
+        """Drop the KV cache, captured decode steps and packed weight copies (the weights are the training
+        tensors; the copies are made again at the next generate call)."""
+        self._drop_cache()
+        self._packed = {}
+
+    def _drop_cache(self) -> None:
         self._kv_cache = None
         self._static_steps = {}
 
@@ -379,7 +445,8 @@ class NativeEngine:
             for layer in segment.layers:
                 for part in layer:
                     if isinstance(part, tuple):
-                        pointers.extend(t.data_ptr() for t in part if t is not None)
+                        # (a packed copy has no storage pointer; its weight is in the tuple too)
+                        pointers.extend(t.data_ptr() for t in part if t is not None and t.layout == torch.strided)
                     elif part is not None:  # an MoE layer: its router's and experts' parameters
                         pointers.extend(p.data_ptr() for p in part.parameters())
             for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
@@ -413,7 +480,7 @@ class NativeEngine:
             cached_rows, cached_length = self._kv_cache[0].shape[1], self._kv_cache[0].shape[-1]
             if cached_rows >= rows and cached_length >= length:
                 return
-        self.free()
+        self._drop_cache()
         shape = (self._num_local_layers, rows, self._groups)
         options = dict(dtype=self._dtype, device=self._device)
         self._kv_cache = (torch.zeros(*shape, self._head_dim, length, **options),
@@ -558,7 +625,7 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            return self._linear(self._norm(hidden[:, -1], segment.final_norm), segment.output_weight)
+            return self._linear(self._norm(hidden[:, -1], segment.final_norm), segment.output_product)
 
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, self.cfg.hidden_size))
@@ -583,7 +650,7 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            return self._wx(segment.output_weight, self._norm_columns(hidden, segment.final_norm)).t()
+            return self._wx(segment.output_product, self._norm_columns(hidden, segment.final_norm)).t()
 
         def embed(segment):  # [hidden, batch]: a view on the oneDNN path (its products read x.t())
             hidden = self._embed(segment, tokens, positions).t()
@@ -646,7 +713,7 @@ class NativeEngine:
 
     def _row_parallel(self, x, linear: _Linear):
         """megatron's row-parallel linear: matmul, all-reduce, then the bias."""
-        out = self._reduce(self._linear(x, linear.weight))
+        out = self._reduce(self._linear(x, linear.product))
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
@@ -655,7 +722,7 @@ class NativeEngine:
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
-        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
+        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.product, layer.qkv.bias)
         qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim)
         query_key = qkv[:, :, :, : per_group + 1]
         if layer.q_norm is not None:
@@ -686,7 +753,7 @@ class NativeEngine:
             intermediate = self._activation(self._linear(normed, fc1.weight[:half], bias[0]))
             intermediate.mul_(self._linear(normed, fc1.weight[half:], bias[1]))
         else:
-            intermediate = self._activation(self._linear(normed, fc1.weight, fc1.bias))
+            intermediate = self._activation(self._linear(normed, fc1.product, fc1.bias))
         return self._row_parallel(intermediate, layer.fc2).add_(hidden)
 
     def _head_norm(self, query_key, layer: _Layer, dim: int):
@@ -730,12 +797,12 @@ class NativeEngine:
         return cpu_products.weight_times_columns(weight, x) if self._onednn_products else torch.mm(weight, x)
 
     def _linear_columns(self, linear: _Linear, x):
-        out = self._wx(linear.weight, x)
+        out = self._wx(linear.product, x)
         return out if linear.bias is None else out.add_(linear.bias_column)
 
     def _row_parallel_columns(self, linear: _Linear, x, residual):
         """megatron's row-parallel linear (matmul, all-reduce, bias) plus the residual stream."""
-        out = self._wx(linear.weight, x)
+        out = self._wx(linear.product, x)
         if self._tp_size > 1:  # all_reduce wants a contiguous tensor: the product's token-major storage
             dist.all_reduce(out.t() if out.t().is_contiguous() else out, group=self._tp_group)
         if linear.bias is not None:
