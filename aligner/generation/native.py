@@ -368,6 +368,11 @@ class NativeEngine:
         self._drop_cache()
         self._packed = {}
 
+    @property
+    def packed_weight_bytes(self) -> int:
+        """Bytes of this rank's packed weight copies now (pack_weights; 0 when the products read the weights)."""
+        return sum(cpu_products.packed_bytes(entry.packed) for entry in self._packed.values())
+
     def _drop_cache(self) -> None:
         self._kv_cache = None
         self._static_steps = {}

@@ -37,6 +37,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
 
 
+def packed_bytes(packed: torch.Tensor) -> int:
+    """The memory a `pack`ed copy holds (its blocked layout may pad)."""
+    return torch.ops.mkldnn._nbytes(packed)
+
+
 def _onednn_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2d [rows, in] @ weight[out, in]^T (+ bias) -> contiguous [rows, out]."""
     return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")

@@ -182,6 +182,10 @@ def test_packed_copies_are_remade_for_changed_weights_only():
     before = engine.generate(prompts, greedy)
     packed = copies()
     assert len(packed) == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the output layer
+    weights = [model.output_layer.weight] + [model.get_parameter(f"decoder.layers.{index}.{name}.weight")
+                                             for index in range(2) for name in ("self_attention.linear_qkv",
+                                             "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert engine.packed_weight_bytes == sum(weight.numel() * 4 for weight in weights)
     engine.generate(prompts, greedy)
     assert all(copies()[key] is copy for key, copy in packed.items())  # nothing changed: the same copies
     fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
@@ -199,7 +203,7 @@ def test_packed_copies_are_remade_for_changed_weights_only():
     assert all(copy is not packed[key] for key, copy in copies().items())
     assert responses(engine.generate(prompts, greedy)) == expected()
     engine.free()
-    assert engine._packed == {} and engine.kv_cache_bytes == 0
+    assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == 0
 
 
 def test_rows_do_not_depend_on_the_rest_of_the_batch():
