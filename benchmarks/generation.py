@@ -89,19 +89,19 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     return weights + kv
 
 
-def step_matmuls_seconds(model, batch: int, repeats: int, packed: bool) -> float:
-    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them: through
-    oneDNN on a CPU in fp32, `aligner.runtime.cpu_products`, on packed weight copies when `packed`)."""
+def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
+    """The decode step's weight matmuls alone (W @ x with x [in, batch]) on the tensors the engine's products
+    read (the weights, or their packed copies), as it runs them: through oneDNN on a CPU in fp32
+    (`aligner.runtime.cpu_products`)."""
     from aligner.runtime import cpu_products
 
-    weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
-    weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
-                   else model.output_layer.weight)
-    inputs = [torch.randn(batch, w.shape[1], device=w.device).t() for w in weights]
-    onednn = cpu_products.supported(weights[0].device, weights[0].dtype)
-    product = cpu_products.weight_times_columns if onednn else torch.mm
-    if onednn and packed:
-        weights = [cpu_products.pack(w) for w in weights]
+    segment = engine._segments[0]  # one process, one stage: every layer and the output layer
+    weights = [linear.product for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
+    weights.append(segment.output_product)
+    device = segment.output_weight.device
+    inputs = [torch.randn(batch, w.shape[1], device=device).t() for w in weights]
+    product = (cpu_products.weight_times_columns if cpu_products.supported(device, segment.output_weight.dtype)
+               else torch.mm)
 
     def run():
         for weight, x in zip(weights, inputs):
@@ -110,7 +110,7 @@ def step_matmuls_seconds(model, batch: int, repeats: int, packed: bool) -> float
     with torch.inference_mode():
         for _ in range(2):
             run()
-        return statistics.median(timed(run, weights[0].device) for _ in range(repeats))
+        return statistics.median(timed(run, device) for _ in range(repeats))
 
 
 @dataclass
@@ -271,8 +271,7 @@ def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: tor
         native_prefill=statistics.median(n for _, n in first),
         step_flops=decode_step_flops(sides.cfg, batch, context),
         step_bytes=decode_step_bytes(sides.model, sides.cfg, batch, context),
-        matmuls=step_matmuls_seconds(sides.model, batch, repeats=max(args.repeats, 5),
-                                     packed=engine.packed_weight_bytes > 0),
+        matmuls=step_matmuls_seconds(engine, batch, repeats=max(args.repeats, 5)),
         greedy_rows_equal=greedy_rows_equal,
     )
 
