@@ -1,9 +1,10 @@
 """The native generation engine: KV-cached decoding on the actor's own megatron-core weights.
 
 Hybrid-engine idea: the engine holds references to the training parameters of the megatron
-`GPTModel` chunks, never a copy, so `refit` costs nothing and generation always sees the latest
-weights. The forward is a lean re-implementation of megatron's local-spec layer math (the tests
-check it against megatron's own forward) in one tight loop over preallocated state:
+`GPTModel` chunks, so generation always sees the latest weights; the one copy is the products'
+oneDNN-packed weights on CPU (`pack_weights`), remade for the weights that changed. The forward
+is a lean re-implementation of megatron's local-spec layer math (the tests check it against
+megatron's own forward) in one tight loop over preallocated state:
 
 - KV cache per layer, keys [batch, groups, head_dim, len] (stored transposed: q @ K^T then
   reads contiguous blocks) and values [batch, groups, len, head_dim], sized by what a generate
@@ -18,7 +19,7 @@ check it against megatron's own forward) in one tight loop over preallocated sta
 - one batched prefill over the prompts (logits only for the last column), then one
   single-token step per new token, run feature-major ([features, batch] activations, see
   `_decode_forward`) because small-batch BLAS products are much faster that way round; on CPU
-  the products are oneDNN's (`cpu_products`).
+  the products are oneDNN's (`cpu_products`), on packed copies of the weights by default.
 
 The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
 written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a
@@ -179,11 +180,11 @@ class NativeEngine:
         it raises ValueError rather than silently running something else.
     pack_weights: on the oneDNN path (fp32 on CPU) the products read copies of the weights in
         oneDNN's own blocked layout (`cpu_products.pack`) instead of the weights as they are: a
-        decode step runs ~1.3x faster at batch 8-64, for a second copy of the linear layers' weights
-        in memory and a repack of each weight that changed (new storage, or an in-place update
-        that bumped its version counter) at the next generate call. Writes that bypass the version
-        counter (`param.data.copy_(...)`) need refit(), which repacks everything. Elsewhere it changes
-        nothing. Cost and gain: benchmarks/README.md (generation.py).
+        faster decode step, for a second copy of the linear layers' weights in memory and a repack
+        of each weight that changed (new storage, or an in-place update that bumped its version
+        counter: optimizer steps, `param.copy_`) at the next generate call. Writes that bypass the
+        version counter (`param.data.copy_(...)`) need refit(), which repacks everything. Elsewhere
+        it changes nothing. Cost and gain: benchmarks/README.md (generation.py).
     """
 
     def __init__(

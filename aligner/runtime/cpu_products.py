@@ -12,7 +12,7 @@ and `grad_weight`.
 Given a weight as it is, oneDNN rearranges it into its own blocked layout inside every call; `pack`
 does that once (a copy, which goes stale when the weight changes), and every function here accepts
 the packed copy in place of the weight. It pays where the weight is large next to the activations:
-a decode step's products run ~1.3x faster, a prefill's ~1.03x (benchmarks/README.md).
+a decode step's products much more than a prefill's (benchmarks/README.md).
 """
 from __future__ import annotations
 
