@@ -248,7 +248,8 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ GenerationEngine
     def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
-        """Serve these chunks' parameters: references, no copy, no rebuild.
+        """Serve these chunks' parameters: references, no rebuild (on the oneDNN path with pack_weights,
+        their packed copies are made again here).
 
         In-place weight updates (optimizer steps) are seen without calling refit, and so are
         parameters whose storage was swapped (`param.data = ...`, e.g. offloading): every generate
