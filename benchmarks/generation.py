@@ -20,6 +20,9 @@ in this run (benchmarks/machine.py).
 
 --static-decode times the engine's static decode step (whole cache, masked: what CUDA graphs
 capture on a GPU) instead of the default one, to show what it costs on this machine.
+--no-pack-weights runs the engine with pack_weights=False (on CPU in fp32 its products then read the
+weights as they are instead of oneDNN-packed copies); the run reports what a refit, which repacks
+every weight, costs.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -85,16 +89,18 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     return weights + kv
 
 
-def step_matmuls_seconds(model, batch: int, repeats: int) -> float:
-    """The decode step's weight matmuls alone (W @ x with x [in, batch], as the engine runs them: through
-    oneDNN on a CPU in fp32, `aligner.runtime.cpu_products`)."""
+def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
+    """The decode step's weight matmuls alone (W @ x with x [in, batch]) on the tensors the engine's products
+    read (the weights, or their packed copies), as it runs them: through oneDNN on a CPU in fp32
+    (`aligner.runtime.cpu_products`)."""
     from aligner.runtime import cpu_products
 
-    weights = [p for name, p in model.named_parameters() if name.startswith("decoder.") and p.dim() == 2]
-    weights.append(model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
-                   else model.output_layer.weight)
-    inputs = [torch.randn(batch, w.shape[1], device=w.device).t() for w in weights]
-    product = (cpu_products.weight_times_columns if cpu_products.supported(weights[0].device, weights[0].dtype)
+    segment = engine._segments[0]  # one process, one stage: every layer and the output layer
+    weights = [linear.product for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
+    weights.append(segment.output_product)
+    device = segment.output_weight.device
+    inputs = [torch.randn(batch, w.shape[1], device=device).t() for w in weights]
+    product = (cpu_products.weight_times_columns if cpu_products.supported(device, segment.output_weight.dtype)
                else torch.mm)
 
     def run():
@@ -104,7 +110,7 @@ def step_matmuls_seconds(model, batch: int, repeats: int) -> float:
     with torch.inference_mode():
         for _ in range(2):
             run()
-        return statistics.median(timed(run, weights[0].device) for _ in range(repeats))
+        return statistics.median(timed(run, device) for _ in range(repeats))
 
 
 @dataclass
@@ -265,7 +271,7 @@ def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: tor
         native_prefill=statistics.median(n for _, n in first),
         step_flops=decode_step_flops(sides.cfg, batch, context),
         step_bytes=decode_step_bytes(sides.model, sides.cfg, batch, context),
-        matmuls=step_matmuls_seconds(sides.model, batch, repeats=max(args.repeats, 5)),
+        matmuls=step_matmuls_seconds(engine, batch, repeats=max(args.repeats, 5)),
         greedy_rows_equal=greedy_rows_equal,
     )
 
@@ -339,6 +345,8 @@ def main() -> None:
                         "machine's timings steady")
     parser.add_argument("--static-decode", action="store_true",
                         help="run the engine with static_decode=True (the CUDA-graph-capturable step, eagerly)")
+    parser.add_argument("--no-pack-weights", action="store_true",
+                        help="run the engine with pack_weights=False (products on the weights as they are)")
     args = parser.parse_args()
     real = args.model is not None
     batches = parse_batches(args.batches or ("1,8,32,64" if real else "32"))
@@ -376,7 +384,9 @@ def main() -> None:
         raise SystemExit(f"the HF side does not reproduce our model (max logit diff {logit_diff:.2e} > "
                          f"{tolerance:.1e})")
     engine = NativeEngine([sides.model], sides.cfg, pad_id=0, eos_id=2, max_batch_size=max(batches),
-                          max_sequence_length=max_len, static_decode=args.static_decode)
+                          max_sequence_length=max_len, static_decode=args.static_decode,
+                          pack_weights=not args.no_pack_weights)
+    refit_seconds = statistics.median([timed(partial(engine.refit, [sides.model]), device) for _ in range(3)])
 
     cfg = sides.cfg
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -390,6 +400,10 @@ def main() -> None:
     print(f"work: prompts of {args.prompt_tokens} tokens ({'text windows' if real else 'random ids'}), "
           f"{args.new_tokens} new tokens (fixed length), {'greedy' if args.greedy else 'sampling at temperature 1'}; "
           f"native decode step: {'static (whole cache, masked)' if args.static_decode else 'dynamic (default)'}",
+          flush=True)
+    packing = (f"products on packed weight copies ({engine.packed_weight_bytes / 1e6:.0f} MB, remade at each refit)"
+               if engine.packed_weight_bytes else "products on the weights as they are")
+    print(f"engine: {packing}; refit {refit_seconds * 1e3:.0f} ms (median of 3, load {load_average():.2f})",
           flush=True)
 
     results = []

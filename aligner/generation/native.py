@@ -1,9 +1,10 @@
 """The native generation engine: KV-cached decoding on the actor's own megatron-core weights.
 
 Hybrid-engine idea: the engine holds references to the training parameters of the megatron
-`GPTModel` chunks, never a copy, so `refit` costs nothing and generation always sees the latest
-weights. The forward is a lean re-implementation of megatron's local-spec layer math (the tests
-check it against megatron's own forward) in one tight loop over preallocated state:
+`GPTModel` chunks, so generation always sees the latest weights; the one copy is the products'
+oneDNN-packed weights on CPU (`pack_weights`), remade for the weights that changed. The forward
+is a lean re-implementation of megatron's local-spec layer math (the tests check it against
+megatron's own forward) in one tight loop over preallocated state:
 
 - KV cache per layer, keys [batch, groups, head_dim, len] (stored transposed: q @ K^T then
   reads contiguous blocks) and values [batch, groups, len, head_dim], sized by what a generate
@@ -23,7 +24,7 @@ check it against megatron's own forward) in one tight loop over preallocated sta
   until the chunk's longest row ends;
 - prefills compute logits only for each prompt's last token; decode steps are single-token and
   run feature-major ([features, batch] activations, see `_decode_forward`) because small-batch
-  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`).
+  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`), on packed copies of the weights by default.
 
 The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
 written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a
@@ -96,6 +97,7 @@ class _Linear(NamedTuple):
     weight: torch.Tensor  # [out, in]
     bias: Optional[torch.Tensor]  # [out]
     bias_column: Optional[torch.Tensor]  # [out, 1] view of bias, for feature-major activations
+    product: torch.Tensor  # what the products read: the weight, or its oneDNN-packed copy (see _pack_products)
 
 
 class _Norm(NamedTuple):
@@ -128,12 +130,30 @@ class _Segment:
     position_embeddings: Optional[torch.Tensor] = None
     final_norm: Optional[tuple] = None  # last segment only
     output_weight: Optional[torch.Tensor] = None
+    output_product: Optional[torch.Tensor] = None  # output_weight or its packed copy, as _Linear.product
+
+
+class _PackedWeight(NamedTuple):
+    """A weight's oneDNN-packed copy and the state of the weight it was packed from."""
+
+    weight: torch.Tensor
+    data_ptr: int
+    version: Optional[int]  # autograd's version counter: in-place updates bump it (None: an inference tensor)
+    packed: torch.Tensor
+
+    def is_current(self, weight: torch.Tensor) -> bool:
+        return (self.weight is weight and self.data_ptr == weight.data_ptr()
+                and self.version == _version_counter(weight))
+
+
+def _version_counter(tensor: torch.Tensor) -> Optional[int]:
+    return None if tensor.is_inference() else tensor._version
 
 
 def _linear(module) -> _Linear:
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
-    return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1))
+    return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1), module.weight)
 
 
 def _optional_submodule(module: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
@@ -170,6 +190,13 @@ class NativeEngine:
         cache row (see the module docstring); False runs the static-batch loop (chunks of
         max_batch_size rows, each decoded until its longest row ends), kept as the reference the
         tests and benchmarks/continuous_batching.py compare with: same tokens, logprobs within rounding.
+    pack_weights: on the oneDNN path (fp32 on CPU) the products read copies of the weights in
+        oneDNN's own blocked layout (`cpu_products.pack`) instead of the weights as they are: a
+        faster decode step, for a second copy of the linear layers' weights in memory and a repack
+        of each weight that changed (new storage, or an in-place update that bumped its version
+        counter: optimizer steps, `param.copy_`) at the next generate call. Writes that bypass the
+        version counter (`param.data.copy_(...)`) need refit(), which repacks everything. Elsewhere
+        it changes nothing. Cost and gain: benchmarks/README.md (generation.py).
     """
 
     def __init__(
@@ -185,6 +212,7 @@ class NativeEngine:
         static_decode: bool = False,
         cuda_graphs: bool = False,
         continuous_batching: bool = True,
+        pack_weights: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
@@ -223,6 +251,8 @@ class NativeEngine:
         self.continuous_batching = continuous_batching
         self._cuda_graphs = cuda_graphs
         self._static_steps: dict = {}  # batch size -> _StaticDecodeStep over the current cache
+        self._pack_weights = pack_weights
+        self._packed: dict = {}  # id(weight) -> _PackedWeight, see _pack_products
         self.refit(model_chunks)
         if cuda_graphs:
             if self._pp_size > 1:
@@ -232,15 +262,19 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ GenerationEngine
     def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
-        """Serve these chunks' parameters: references, no copy, no rebuild.
+        """Serve these chunks' parameters: references, no rebuild (on the oneDNN path with pack_weights,
+        their packed copies are made again here).
 
         In-place weight updates (optimizer steps) are seen without calling refit, and so are
         parameters whose storage was swapped (`param.data = ...`, e.g. offloading): every generate
-        call reads the parameters afresh. Call it to switch to other module objects.
+        call reads the parameters afresh. Call it to switch to other module objects, or after writes
+        that bypass the parameters' version counters (`param.data.copy_(...)`): packed weight copies
+        (pack_weights) are rebuilt here.
         """
         from megatron.core.utils import unwrap_model
 
         self._chunks = unwrap_model(list(model_chunks))
+        self._packed = {}
         self._bind()
         if self._moe_modules:
             self._check_moe_supported()
@@ -277,6 +311,7 @@ class NativeEngine:
                 segment.final_norm = _norm(chunk.get_submodule(param_names.FINAL_NORM))
                 segment.output_weight = (chunk.shared_embedding_or_output_weight() if self.cfg.tie_embeddings
                                          else chunk.get_submodule(param_names.OUTPUT_LAYER).weight)
+                segment.output_product = segment.output_weight
             segments.append(segment)
         self._segments = segments
         self._num_local_layers = cache_offset
@@ -300,6 +335,7 @@ class NativeEngine:
             self._norm_eps = torch.full((1, 1), self.cfg.norm_epsilon, dtype=torch.float32, device=device)
             self._zero = torch.zeros(1, 1, dtype=torch.float32, device=device)
             self._onednn_products = cpu_products.supported(device, dtype)  # the decode products, see _wx
+        self._pack_products()
         weights = self._weight_pointers()
         if weights != getattr(self, "_bound_weights", None):
             self._bound_weights = weights
@@ -317,8 +353,45 @@ class NativeEngine:
             self._vocab_padding = ids >= self.cfg.vocab_size
             self._has_vocab_padding = bool(self._vocab_padding.any())
 
+    def _pack_products(self) -> None:
+        """Point the bound layers' products at oneDNN-packed copies of their weights (pack_weights on the
+        oneDNN path), packing only the weights that are new or changed since they were last packed."""
+        previous, self._packed = self._packed, {}
+        if not (self._pack_weights and self._onednn_products):
+            return
+
+        def product(weight: torch.Tensor) -> torch.Tensor:
+            key = id(weight)
+            entry = self._packed.get(key)
+            if entry is None:
+                entry = previous.pop(key, None)
+            if entry is None or not entry.is_current(weight):
+                entry = None  # a stale copy is freed before the new one is made
+                entry = _PackedWeight(weight, weight.data_ptr(), _version_counter(weight), cpu_products.pack(weight))
+            self._packed[key] = entry
+            return entry.packed
+
+        def packed(linear: Optional[_Linear]) -> Optional[_Linear]:
+            return None if linear is None else linear._replace(product=product(linear.weight))
+
+        for segment in self._segments:
+            segment.layers = [layer._replace(qkv=packed(layer.qkv), proj=packed(layer.proj), fc1=packed(layer.fc1),
+                                             fc2=packed(layer.fc2)) for layer in segment.layers]
+            if segment.output_weight is not None:
+                segment.output_product = product(segment.output_weight)
+
     def free(self) -> None:
-        """Drop the KV cache and captured decode steps (the weights are the training tensors)."""
+        """Drop the KV cache, captured decode steps and packed weight copies (the weights are the training
+        tensors; the copies are made again at the next generate call)."""
+        self._drop_cache()
+        self._packed = {}
+
+    @property
+    def packed_weight_bytes(self) -> int:
+        """Bytes of this rank's packed weight copies now (pack_weights; 0 when the products read the weights)."""
+        return sum(cpu_products.packed_bytes(entry.packed) for entry in self._packed.values())
+
+    def _drop_cache(self) -> None:
         self._kv_cache = None
         self._static_steps = {}
 
@@ -432,7 +505,8 @@ class NativeEngine:
             for layer in segment.layers:
                 for part in layer:
                     if isinstance(part, tuple):
-                        pointers.extend(t.data_ptr() for t in part if t is not None)
+                        # (a packed copy has no storage pointer; its weight is in the tuple too)
+                        pointers.extend(t.data_ptr() for t in part if t is not None and t.layout == torch.strided)
                     elif part is not None:  # an MoE layer: its router's and experts' parameters
                         pointers.extend(p.data_ptr() for p in part.parameters())
             for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
@@ -466,7 +540,7 @@ class NativeEngine:
             cached_rows, cached_length = self._kv_cache[0].shape[1], self._kv_cache[0].shape[-1]
             if cached_rows >= rows and cached_length >= length:
                 return
-        self.free()
+        self._drop_cache()
         shape = (self._num_local_layers, rows, self._groups)
         options = dict(dtype=self._dtype, device=self._device)
         self._kv_cache = (torch.zeros(*shape, self._head_dim, length, **options),
@@ -756,7 +830,7 @@ class NativeEngine:
         def logits(segment, hidden):
             rows = torch.arange(batch, device=hidden.device)
             last = hidden[:, -1] if last_columns is None else hidden[rows, last_columns]
-            return self._linear(self._norm(last, segment.final_norm), segment.output_weight)
+            return self._linear(self._norm(last, segment.final_norm), segment.output_product)
 
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, self.cfg.hidden_size))
@@ -781,7 +855,7 @@ class NativeEngine:
             return hidden
 
         def logits(segment, hidden):
-            return self._wx(segment.output_weight, self._norm_columns(hidden, segment.final_norm)).t()
+            return self._wx(segment.output_product, self._norm_columns(hidden, segment.final_norm)).t()
 
         def embed(segment):  # [hidden, batch]: a view on the oneDNN path (its products read x.t())
             hidden = self._embed(segment, tokens, positions).t()
@@ -844,7 +918,7 @@ class NativeEngine:
 
     def _row_parallel(self, x, linear: _Linear):
         """megatron's row-parallel linear: matmul, all-reduce, then the bias."""
-        out = self._reduce(self._linear(x, linear.weight))
+        out = self._reduce(self._linear(x, linear.product))
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
@@ -853,7 +927,7 @@ class NativeEngine:
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
-        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
+        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.product, layer.qkv.bias)
         qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim)
         query_key = qkv[:, :, :, : per_group + 1]
         if layer.q_norm is not None:
@@ -884,7 +958,7 @@ class NativeEngine:
             intermediate = self._activation(self._linear(normed, fc1.weight[:half], bias[0]))
             intermediate.mul_(self._linear(normed, fc1.weight[half:], bias[1]))
         else:
-            intermediate = self._activation(self._linear(normed, fc1.weight, fc1.bias))
+            intermediate = self._activation(self._linear(normed, fc1.product, fc1.bias))
         return self._row_parallel(intermediate, layer.fc2).add_(hidden)
 
     def _head_norm(self, query_key, layer: _Layer, dim: int):
@@ -928,12 +1002,12 @@ class NativeEngine:
         return cpu_products.weight_times_columns(weight, x) if self._onednn_products else torch.mm(weight, x)
 
     def _linear_columns(self, linear: _Linear, x):
-        out = self._wx(linear.weight, x)
+        out = self._wx(linear.product, x)
         return out if linear.bias is None else out.add_(linear.bias_column)
 
     def _row_parallel_columns(self, linear: _Linear, x, residual):
         """megatron's row-parallel linear (matmul, all-reduce, bias) plus the residual stream."""
-        out = self._wx(linear.weight, x)
+        out = self._wx(linear.product, x)
         if self._tp_size > 1:  # all_reduce wants a contiguous tensor: the product's token-major storage
             dist.all_reduce(out.t() if out.t().is_contiguous() else out, group=self._tp_group)
         if linear.bias is not None:

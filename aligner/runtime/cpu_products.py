@@ -8,6 +8,11 @@ seen at once. The native engine's decode step keeps its activations feature-majo
 ([features, batch]); here they are the transposes of contiguous token-major tensors, so neither
 side moves data. The CPU bridge routes megatron's linear layers through `linear`, `grad_input`
 and `grad_weight`.
+
+Given a weight as it is, oneDNN rearranges it into its own blocked layout inside every call; `pack`
+does that once (a copy, which goes stale when the weight changes), and every function here accepts
+the packed copy in place of the weight. It pays where the weight is large next to the activations:
+a decode step's products much more than a prefill's (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -21,18 +26,35 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+# The row count oneDNN picks the packed layout for: one copy serves every row count (8, 32 and 64
+# gave the same layout speed at 1-64 rows; packed for 1 row it is the plain layout, slower at 8+).
+PACKED_FOR_ROWS = 64
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the same values in oneDNN's blocked layout for its linear (an opaque mkldnn
+    tensor of shape [out, in]), for `linear` and `weight_times_columns`. Never a view: a copy."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+
+
+def packed_bytes(packed: torch.Tensor) -> int:
+    """The memory a `pack`ed copy holds (its blocked layout may pad)."""
+    return torch.ops.mkldnn._nbytes(packed)
+
+
 def _onednn_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2d [rows, in] @ weight[out, in]^T (+ bias) -> contiguous [rows, out]."""
     return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
 
 
 def weight_times_columns(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] @ columns [in, batch] -> [out, batch], the transpose of a contiguous [batch, out]."""
+    """weight [out, in] (or its `pack`ed copy) @ columns [in, batch] -> [out, batch], the transpose of a
+    contiguous [batch, out]."""
     return _onednn_linear(columns.t(), weight).t()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., in]."""
+    """F.linear(x, weight, bias) for x [..., in]; weight may be its `pack`ed copy."""
     out = _onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 

@@ -510,3 +510,44 @@ def test_linear_layers_keep_megatron_path_for_other_dtypes(monkeypatch):
     weight = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
     out = layers.linear_with_grad_accumulation_and_async_allreduce(x, weight, None, False, False, False)
     torch.testing.assert_close(out, torch.matmul(x, weight.t()))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 8, 64, 200])
+def test_packed_weights_give_the_float64_products(rows):
+    """cpu_products.pack: the packed copy in place of the weight, for every row count (it is packed for one)."""
+    from aligner.runtime import cpu_products
+
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 40, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(rows, 40, generator=generator)
+    packed = cpu_products.pack(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(cpu_products.linear(x.view(1, rows, 40), packed, bias).double(),
+                               (expected + bias.double()).view(1, rows, 96), rtol=0, atol=1e-5)
+    # feature-major columns [in, rows] (the transpose of token-major storage), as the decode step passes them
+    torch.testing.assert_close(cpu_products.weight_times_columns(packed, x.t()).double(), expected.t(),
+                               rtol=0, atol=1e-5)
+
+
+def test_fp32_optimizer_step_bumps_every_parameters_version_counter():
+    """The native engine remakes its packed weight copies (pack_weights) for weights whose version
+    counter moved: megatron's fp32 optimizer on CPU must update every parameter through it."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_model = _wrap_ddp(_tiny_gpt(seed=2))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, params_dtype=torch.float32,
+                        use_distributed_optimizer=False),
+        [ddp_model],
+    )
+    ddp_model.config.grad_scale_func = optimizer.scale_loss
+    _schedule_forward_backward(ddp_model, _microbatches(valid_tokens=(24, 24), seed=4))
+    params = list(ddp_model.module.parameters())
+    before = [(param._version, param.detach().clone()) for param in params]
+    success, _, _ = optimizer.step()
+    assert success
+    for param, (version, old) in zip(params, before):
+        assert not torch.equal(param.detach(), old)  # every parameter moved...
+        assert param._version > version  # ...and its version counter says so

@@ -148,6 +148,64 @@ def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
     assert torch.allclose(rollout.logprobs, expected.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packed_weights_give_the_unpacked_rollouts(name):
+    """pack_weights: the products read oneDNN's packed copies; the weights as they are must give the same rows."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    cfg, model = make_model(name)
+    prompts = make_prompts()
+    sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
+    packed = make_engine(cfg, model)
+    products = [layer.qkv.product for layer in packed._segments[0].layers] + [packed._segments[0].output_product]
+    assert all(product.is_mkldnn for product in products)  # the path under test is the one in use
+    expected = make_engine(cfg, model, pack_weights=False).generate(prompts, sampling)
+    rollout = packed.generate(prompts, sampling)
+    assert torch.equal(rollout.response_tokens, expected.response_tokens)
+    assert torch.allclose(rollout.logprobs, expected.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_packed_copies_are_remade_for_changed_weights_only():
+    """In-place updates and new storage are seen at the next call; refit() repacks writes that bypass
+    the version counter; free() drops the copies."""
+    cfg, model = make_model("llama")
+    engine, prompts = make_engine(cfg, model), make_prompts()
+    greedy = SamplingParams(max_new_tokens=10, greedy=True, stop_token_ids=[VOCAB - 1])
+
+    def expected():
+        return generate_full_forward([model], prompts, vocab_size=VOCAB, eos_id=VOCAB - 1, pad_id=PAD,
+                                     max_new_tokens=10)
+
+    def copies():
+        return {key: entry.packed for key, entry in engine._packed.items()}
+
+    before = engine.generate(prompts, greedy)
+    packed = copies()
+    assert len(packed) == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the output layer
+    weights = [model.output_layer.weight] + [model.get_parameter(f"decoder.layers.{index}.{name}.weight")
+                                             for index in range(2) for name in ("self_attention.linear_qkv",
+                                             "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert engine.packed_weight_bytes == sum(weight.numel() * 4 for weight in weights)
+    engine.generate(prompts, greedy)
+    assert all(copies()[key] is copy for key, copy in packed.items())  # nothing changed: the same copies
+    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+    proj = model.decoder.layers[1].self_attention.linear_proj.weight
+    with torch.no_grad():
+        fc1.mul_(-1.0)  # an in-place update (an optimizer step): bumps the version counter
+    proj.data = proj.data.clone() * 0.5  # new storage
+    after = engine.generate(prompts, greedy)
+    assert responses(after) == expected() and responses(after) != responses(before)
+    changed = {key for key, copy in copies().items() if copy is not packed[key]}
+    assert changed == {id(fc1), id(proj)}
+    with torch.no_grad():
+        fc1.data.mul_(-1.0)  # bypasses the version counter: refit() is the way to make it seen
+    engine.refit([model])
+    assert all(copy is not packed[key] for key, copy in copies().items())
+    assert responses(engine.generate(prompts, greedy)) == expected()
+    engine.free()
+    assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == 0
+
+
 def test_rows_do_not_depend_on_the_rest_of_the_batch():
     cfg, model = make_model("llama")
     a, b, c, d = make_prompts(4)
