@@ -746,8 +746,12 @@ class RLActor:
         local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
         for position, row in local.items():
             row.given_prompt = given_prompts[position]
-        if hasattr(self.engine, "free") and self.cfg.generation.engine != "native":
-            self.engine.free()  # the KV cache of the native engine is small and kept for the next step
+        if self.cfg.generation.engine == "native":
+            # The KV cache is small and kept for the next step; the packed weight copies would be
+            # stale after this step's update (refit repacks them), so training gets their memory.
+            self.engine.drop_packed_weights()
+        elif hasattr(self.engine, "free"):
+            self.engine.free()
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
 
         tick = time.perf_counter()

@@ -384,6 +384,11 @@ class NativeEngine:
         """Drop the KV cache, captured decode steps and packed weight copies (the weights are the training
         tensors; the copies are made again at the next generate call)."""
         self._drop_cache()
+        self.drop_packed_weights()
+
+    def drop_packed_weights(self) -> None:
+        """Free the packed weight copies, keeping the KV cache: for callers that train the weights
+        next (the copies would be stale and remade anyway) and want the memory back meanwhile."""
         self._packed = {}
 
     @property

@@ -353,6 +353,7 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
     finally:
         trainer.router.close()
         trainer.metrics.close()
+    assert trainer.engine.packed_weight_bytes == 0  # the stale packed copies are not kept through training
     for key in ("first_ratio_mean", "first_ratio_max", "first_ratio_min"):
         assert metrics[key] == pytest.approx(1.0, abs=1e-6), key
     assert math.isfinite(metrics["loss"]) and metrics["mismatch_kl"] < 1e-5
