@@ -62,6 +62,7 @@ def main() -> None:
     from models import resolve_model
 
     from aligner.generation.logprobs import response_logprobs
+    from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs
     from aligner.models import packing
     from aligner.runtime import distributed, seeds
 
@@ -106,23 +107,23 @@ def main() -> None:
             tokens[row, :lengths[index]] = sequences[index]
         index = torch.tensor(members)
         logits = model(tokens, torch.arange(length).expand(len(members), -1), None)
-        return logits, tokens, prompts[index], index
+        return response_logprobs(logits, tokens, prompts[index], responses[index], vocab_size=vocab,
+                                 response_width=width), index
 
-    def packed_batch(rows, length):
+    def packed_batch(rows, length):  # read in place from the packed logits, as the trainers do
         members, packed = packing.pack_micro_batch(sequences, rows, length, 0)
         index = torch.tensor(members)
-        window, window_tokens = packing.response_window(packing.packed_forward(model, packed), packed,
-                                                        prompts[index], width)
-        return window, window_tokens, torch.ones_like(index), index
+        logprobs, _ = packed_response_logprobs(packing.packed_forward(model, packed), packed, prompts[index],
+                                               responses[index], vocab_size=vocab, response_width=width,
+                                               with_entropy=False)
+        return logprobs, index
 
     def run(plan, make_batch, train):
         model.train(train)
         result = torch.zeros(len(lengths), width)
         with torch.set_grad_enabled(train):
             for part, length in plan:
-                logits, tokens, prompt_lengths, index = make_batch(part, length)
-                logprobs = response_logprobs(logits, tokens, prompt_lengths, responses[index], vocab_size=vocab,
-                                             response_width=width)
+                logprobs, index = make_batch(part, length)
                 if train:
                     logprobs.sum().backward()
                 result[index] = logprobs.detach()

@@ -1,8 +1,8 @@
 """Peak RSS and wall time of the entry points on a real model (SmolLM2-135M-Instruct), one process each.
 
     .venv/bin/python benchmarks/real_model_memory.py --hf-dir HF_MODEL_DIR [--code-root DIR] \
-        [--stages import,chat,sft,dpo] [--work DIR] [--threads 2] [--dpo-pairs 2] [--dpo-seq-length 256] \
-        [--dpo-steps 3]
+        [--stages import,chat,sft,dpo,rl] [--work DIR] [--threads 2] [--dpo-pairs 2] [--dpo-seq-length 256] \
+        [--dpo-steps 3] [--rl-steps 2]
 
 Stages, each a fresh process of the code under --code-root (default: this checkout; another
 checkout, e.g. an older commit, gives the "before" numbers with the same commands):
@@ -11,7 +11,10 @@ checkout, e.g. an older commit, gives the "before" numbers with the same command
 - sft:    3 steps, micro batch 4 = global batch 4, sequences of 256 tokens (conversations);
 - dpo:    3 steps, 2 pairs per step (one micro batch), prompt + response up to 256 tokens
           (`--dpo-pairs 8 --dpo-seq-length 512`: issue 14's memory goal); its logged losses are printed,
-          so two code roots can be checked for identical losses.
+          so two code roots can be checked for identical losses;
+- rl:     the RL actor (`train_gpt_reinforce_actor.py`) at train_steps.py's rl workload
+          (`peer.workload.default_workload("rl")`: 8 prompts x 4 samples x 32 new tokens, micro batch 16,
+          RLOO, KL 0, function reward), `--rl-steps` steps; its logged (step, loss, grad_norm) rows are printed.
 Peak RSS is the largest resident set of the stage's process tree (`wait4`'s ru_maxrss, in MB);
 the machine's load average (`/proc/loadavg`, 1 minute) is printed beside each number, because
 wall times on a shared machine move with it.
@@ -57,9 +60,22 @@ def write_data(work: Path, dpo_seq_length: int = 256) -> dict[str, Path]:
     return paths
 
 
+def rl_command(python: str, gpt: Path, checkpoint: Path, work: Path, steps: int, overrides: list[str]) -> list[str]:
+    """The RL actor's entry point at train_steps.py's rl workload (its settings, data and overrides)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from peer.workload import aligner_overrides, default_workload, write_data
+
+    workload = default_workload("rl", steps, warmup_steps=0)
+    data = write_data(workload, work)
+    _, settings = aligner_overrides(workload, checkpoint, data, work / "rl")
+    return [python, str(gpt / "train_gpt_reinforce_actor.py"), *settings, *overrides]
+
+
 def run_stage(name: str, command: list[str], code_root: Path, threads: int, log: Path) -> dict:
     """Run one stage to completion; its wall time, peak RSS and the load average around it."""
-    env = {**os.environ, "PYTHONPATH": str(code_root), "OMP_NUM_THREADS": str(threads)}
+    # benchmarks/ too: the rl stage's reward function is peer.workload's
+    env = {**os.environ, "PYTHONPATH": f"{code_root}{os.pathsep}{REPO_ROOT / 'benchmarks'}",
+           "OMP_NUM_THREADS": str(threads)}
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -83,8 +99,9 @@ def main() -> None:
     parser.add_argument("--dpo-pairs", type=int, default=2, help="pairs per DPO step (= micro batch)")
     parser.add_argument("--dpo-seq-length", type=int, default=256, help="data.max_seq_length of the DPO stage")
     parser.add_argument("--dpo-steps", type=int, default=3)
+    parser.add_argument("--rl-steps", type=int, default=2)
     parser.add_argument("--override", action="append", default=[],
-                        help="extra config override for the sft and dpo stages, e.g. model.activation_recompute=full")
+                        help="config override of the sft, dpo and rl stages, e.g. model.activation_recompute=full")
     args = parser.parse_args()
 
     code_root = Path(args.code_root).resolve()
@@ -108,6 +125,7 @@ def main() -> None:
                 f"trainer.micro_batch_size={args.dpo_pairs}", f"trainer.global_batch_size={args.dpo_pairs}",
                 f"checkpoint.save_dir={work / 'dpo'}", f"logging.log_dir={work / 'dpo'}", *quiet,
                 f"trainer.max_steps={args.dpo_steps}", *args.override],
+        "rl": rl_command(python, gpt, checkpoint, work, args.rl_steps, args.override),
     }
     stages = args.stages.split(",")
     unknown = sorted(set(stages) - set(commands))
@@ -121,9 +139,14 @@ def main() -> None:
         shutil.rmtree(work / stage, ignore_errors=True)  # a fresh metrics.jsonl (it is appended to)
         row = run_stage(stage, commands[stage], code_root, args.threads, work / f"{stage}.log")
         print(f"{row['stage']:<8} {row['peak_rss_mb']:>12.0f} {row['wall_s']:>8.1f}  {row['load']}", flush=True)
-        if stage in ("sft", "dpo"):
-            rows = [json.loads(line) for line in (work / stage / "metrics.jsonl").read_text().splitlines()]
+        if stage in ("sft", "dpo", "rl"):
+            log_dir = work / "rl" / "logs" if stage == "rl" else work / stage  # rl: the workload's log_dir
+            rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
             train = [row for row in rows if row.get("split") == "train" and "loss" in row]
+            if stage == "rl":  # its loss is ~0 at ratio 1 (one minibatch): the gradient norm says more
+                print("         rl (step, loss, grad_norm, step_time s): " + ", ".join(
+                    f"({row['step']}, {row['loss']!r}, {row['grad_norm']!r}, {row['step_time']:.1f})" for row in train))
+                continue
             print(f"         {stage} (step, loss, step_time s): "
                   + ", ".join(f"({row['step']}, {row['loss']!r}, {row['step_time']:.1f})" for row in train))
 

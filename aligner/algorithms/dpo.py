@@ -84,9 +84,7 @@ class DPOObjective:
         self.packing, self.pad_id = packing, pad_id
 
     def packed_rows(self, batch: dict):
-        from aligner.models.packing import packed_rows_of
-
-        return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], self.packing, self.pad_id)
+        return packed_rows(batch, self.packing, self.pad_id)
 
     def forward(self, model, batch):
         from aligner.models.packing import forward_batch
@@ -142,16 +140,34 @@ class DPOObjective:
         return summarize_pairs(totals)
 
 
-# ----------------------------------------------------------------------------- reference logprobs
-def _summed_logprobs(chunks, batch: dict, vocab_size: int, rows_per_forward: int,
-                     packing: Optional[PackingSection] = None, pad_id: int = 0) -> torch.Tensor:
-    """Summed response logprobs [rows] of a collated preference batch under the chunks' current
-    weights (no grad; collective over the model-parallel group); packed rows with `packing`."""
-    from aligner.generation.packed_logprobs import sequence_logprobs
+def packed_rows(batch: dict, packing: Optional[PackingSection], pad_id: int):
+    """The micro batch's packed rows (None: padded rows), built once and carried in the batch: the
+    swapped-in reference pass, the training forward and the loss all read these rows."""
+    from aligner.models.packing import packed_rows_of
 
-    token_logprobs = sequence_logprobs(chunks, batch["tokens"], batch["prompt_lengths"], batch["response_lengths"],
-                                       vocab_size=vocab_size, packing=packing, pad_id=pad_id,
-                                       micro_batch_size=rows_per_forward)
+    return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], packing, pad_id)
+
+
+# ----------------------------------------------------------------------------- reference logprobs
+def _summed_logprobs(chunks, batch: dict, vocab_size: int, packing: Optional[PackingSection] = None,
+                     pad_id: int = 0) -> torch.Tensor:
+    """Summed response logprobs [rows] of a collated preference batch under the chunks' current
+    weights, one forward (no grad; collective over the model-parallel group); packed rows with `packing`."""
+    from aligner.generation import logprobs
+    from aligner.generation.packed_logprobs import packed_sequence_logprobs
+    from aligner.runtime.distributed import device
+
+    packed = packed_rows(batch, packing, pad_id)
+    width = int(batch["response_lengths"].max())
+    if packed is None:
+        token_logprobs = logprobs.sequence_logprobs(
+            chunks, batch["tokens"], batch["prompt_lengths"], batch["response_lengths"], vocab_size=vocab_size,
+            response_width=width, micro_batch_size=batch["tokens"].shape[0])
+    else:
+        target = device()
+        token_logprobs = packed_sequence_logprobs(
+            chunks[0], packed.to(target), batch["prompt_lengths"].to(target), batch["response_lengths"].to(target),
+            vocab_size=vocab_size, response_width=width)
     return token_logprobs.sum(dim=1).float().cpu()  # zeros after each response's end
 
 
@@ -167,7 +183,7 @@ def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: i
     for start in range(0, len(dataset), pairs_per_forward):
         batch = collate_preferences([dataset[i] for i in range(start, min(start + pairs_per_forward, len(dataset)))],
                                     pad_id)
-        sums.append(_summed_logprobs(chunks, batch, vocab_size, 2 * pairs_per_forward, packing, pad_id))
+        sums.append(_summed_logprobs(chunks, batch, vocab_size, packing, pad_id))
     dataset.reference_logprobs = torch.cat(sums).reshape(-1, 2)
 
 
@@ -186,10 +202,10 @@ class SwappedReferenceLoader:
     def iterate(self, *args, **kwargs) -> Iterator[list[dict]]:
         for microbatches in self.loader.iterate(*args, **kwargs):
             with torch.no_grad(), self.reference.swapped_in(self.chunks):
-                for batch in microbatches:
+                for batch in microbatches:  # its packed rows, built here, go on to the training pass
                     rows = batch["tokens"].shape[0]
                     batch["reference_logprobs"] = torch.zeros(0) if rows == 0 else _summed_logprobs(
-                        self.chunks, batch, self.vocab_size, rows, self.packing, self.pad_id)
+                        self.chunks, batch, self.vocab_size, self.packing, self.pad_id)
             yield microbatches
 
 

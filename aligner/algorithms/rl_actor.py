@@ -515,7 +515,7 @@ class RLActor:
         self.policy = policy  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, train_step
         self.chunks = policy.chunks
         self.objective: PolicyObjective = policy.objective
-        self.reference = reference  # HostWeights of the initial policy
+        self.reference = reference  # HostWeights of the initial policy; None where the KL is never measured
         self.engine = engine
         self.router = router
         self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
@@ -1233,9 +1233,12 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     chunks, model_cfg, tokenizer, resume = built.chunks, built.model_cfg, built.tokenizer, built.resume_checkpoint
     # The reference policy is the starting policy, also when resuming (the chunks then hold random
     # init until the resume load, so the starting weights are loaded first, copied, then replaced).
-    if resume is not None:
-        checkpointing.load(cfg.model.init_from, chunks)
-    reference = HostWeights.snapshot(chunks)
+    # A run that never measures the KL never reads it: no host copy of the weights.
+    reference = None
+    if cfg.measures_kl:
+        if resume is not None:
+            checkpointing.load(cfg.model.init_from, chunks)
+        reference = HostWeights.snapshot(chunks)
     ema = None
     if cfg.ema.decay is not None:
         if resume is not None:
@@ -1277,8 +1280,10 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "
         f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
         f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "
-        f"{cfg.data.max_prompt_length} tokens skipped); reference policy {cfg.model.init_from} on host memory "
-        f"({reference.num_bytes / 2**20:.1f} MiB); {rollout.prompts_per_step} prompts x {rollout.samples_per_prompt} "
+        f"{cfg.data.max_prompt_length} tokens skipped); "
+        + (f"reference policy {cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB); "
+           if reference is not None else "no reference policy (fixed KL coefficient 0); ")
+        + f"{rollout.prompts_per_step} prompts x {rollout.samples_per_prompt} "
         f"samples per step{' (dynamic sampling)' if rollout.dynamic_sampling else ''}; advantages "
         f"{cfg.advantage.estimator}{' with the critic server' if cfg.uses_critic else ''}, loss {loss.policy_loss} "
         f"({loss.aggregation}); {loss.epochs} epoch(s) of {minibatches_per_step} minibatch(es)")

@@ -53,6 +53,26 @@ def response_logprobs_and_entropy(
 
 
 @torch.no_grad()
+def packed_sequence_logprobs(
+    model: torch.nn.Module,
+    packed: PackedRows,
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    *,
+    vocab_size: int,
+    response_width: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Response logprobs [N, response_width] of the N sequences of `packed` (on the model's device),
+    one forward of the chunk (one pipeline stage: `packs_here`)."""
+    model.eval()
+    logprobs, _ = response_logprobs_and_entropy(
+        packed_forward(model, packed), packed, prompt_lengths, response_lengths, vocab_size=vocab_size,
+        temperature=temperature, response_width=response_width, with_entropy=False)
+    return logprobs
+
+
+@torch.no_grad()
 def sequence_logprobs(
     model_chunks: Sequence[torch.nn.Module],
     tokens: torch.Tensor,
@@ -86,13 +106,10 @@ def sequence_logprobs(
     sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
     row_length = packing.row_length or tokens.shape[1]
     result = torch.zeros(len(sequences), width, device=target)
-    model_chunks[0].eval()
     for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
         members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
-        packed = packed.to(target)
         index = torch.tensor(members, device=target)
-        result[index], _ = response_logprobs_and_entropy(
-            packed_forward(model_chunks[0], packed), packed, prompt_lengths.to(target)[index],
-            response_lengths.to(target)[index], vocab_size=vocab_size, temperature=temperature,
-            response_width=width, with_entropy=False)
+        result[index] = packed_sequence_logprobs(
+            model_chunks[0], packed.to(target), prompt_lengths.to(target)[index], response_lengths.to(target)[index],
+            vocab_size=vocab_size, temperature=temperature, response_width=width)
     return result

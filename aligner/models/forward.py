@@ -52,12 +52,15 @@ def run_microbatches(
 
 
 def batch_to_device(batch, target):
-    """A micro batch (a dict, or a dataclass record) with its tensors on `target`."""
+    """A micro batch (a dict, or a dataclass record) with its tensors on `target`; a dict's packed
+    rows (`PackedRows`) too."""
+    from aligner.models.packing import PackedRows
+
     if dataclasses.is_dataclass(batch):
         return dataclasses.replace(batch, **{spec.name: getattr(batch, spec.name).to(target, non_blocking=True)
                                              for spec in dataclasses.fields(batch)
                                              if isinstance(getattr(batch, spec.name), torch.Tensor)})
-    return {key: value.to(target, non_blocking=True) if isinstance(value, torch.Tensor) else value
+    return {key: value.to(target, non_blocking=True) if isinstance(value, (torch.Tensor, PackedRows)) else value
             for key, value in batch.items()}
 
 

@@ -280,21 +280,6 @@ def packed_forward(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
     return output.reshape(rows, length, *output.shape[2:])
 
 
-def response_window(output: torch.Tensor, packed: PackedRows, prompt_lengths: torch.Tensor,
-                    response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's response columns as padded rows with a one-token prompt: (output [N, W + 1, ...],
-    tokens [N, W + 1]). Column j of a row is the sequence's column prompt_length - 1 + j (clamped to
-    the sequence), so `response_logprobs(output, tokens, ones, ...)` and `response_columns(ones, ...)`
-    read exactly what they would read from the sequence's padded row."""
-    steps = torch.arange(response_width + 1, device=output.device)
-    starts, lengths = packed.starts.to(output.device), packed.lengths.to(output.device)
-    columns = (prompt_lengths.to(output.device).unsqueeze(1) - 1 + steps).clamp(max=(lengths - 1).unsqueeze(1))
-    flat = (starts.unsqueeze(1) + columns.clamp(min=0)).reshape(-1)  # [N * (W + 1)]
-    rows = output.reshape(-1, *output.shape[2:]).index_select(0, flat)
-    tokens = packed.tokens.to(output.device).reshape(-1).index_select(0, flat)
-    return rows.reshape(len(starts), response_width + 1, *output.shape[2:]), tokens.reshape(len(starts), -1)
-
-
 def token_scores_at(output: torch.Tensor, packed: PackedRows, columns: torch.Tensor) -> torch.Tensor:
     """output [R, L, ...] at each sequence's own column `columns` [N] -> [N, ...]."""
     flat = packed.starts.to(output.device) + columns.to(output.device)

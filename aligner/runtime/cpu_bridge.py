@@ -219,6 +219,12 @@ class _OneDnnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
+        # The output layer's [s, b, vocab] gradient is the transpose of the logits' contiguous [b, s, vocab]
+        # one: the products take it in that order as it is (reshaping it would copy all of it).
+        batch_major = grad_output.dim() == 3 and not grad_output.is_contiguous() and \
+            grad_output.transpose(0, 1).is_contiguous()
+        if batch_major:
+            grad_output, input = grad_output.transpose(0, 1), input.transpose(0, 1)
         grad_input = cpu_products.grad_input(grad_output, weight)
         handle = None
         if ctx.allreduce_dgrad:  # overlaps the weight-gradient product, as in megatron
@@ -230,7 +236,7 @@ class _OneDnnLinear(torch.autograd.Function):
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input.transpose(0, 1) if batch_major else grad_input, grad_weight, grad_bias, None, None
 
 
 class _OneDnnLinearFrozenWeight(torch.autograd.Function):

@@ -65,6 +65,17 @@ def grad_input(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*grad_output.shape[:-1], weight.shape[1])
 
 
+# Elements of grad_output per weight-gradient product: oneDNN first copies its transposed operand
+# into row-major order, which for an output layer is a copy of the whole logits' gradient (1 GB at
+# 5648 tokens x 49152); summed over pieces of rows, each copy stays under 256 MB at the same speed.
+WEIGHT_GRADIENT_PIECE_ELEMENTS = 2**26
+
+
 def grad_weight(grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
     """grad_output [rows, out]^T @ input [rows, in] -> contiguous [out, in]: a linear layer's weight gradient."""
-    return _onednn_linear(grad_output_2d.t(), input_2d.t())
+    rows = grad_output_2d.shape[0]
+    piece = max(1, WEIGHT_GRADIENT_PIECE_ELEMENTS // grad_output_2d.shape[1])
+    result = _onednn_linear(grad_output_2d[:piece].t(), input_2d[:piece].t())
+    for start in range(piece, rows, piece):
+        result += _onednn_linear(grad_output_2d[start:start + piece].t(), input_2d[start:start + piece].t())
+    return result

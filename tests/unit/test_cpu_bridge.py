@@ -551,3 +551,43 @@ def test_fp32_optimizer_step_bumps_every_parameters_version_counter():
     for param, (version, old) in zip(params, before):
         assert not torch.equal(param.detach(), old)  # every parameter moved...
         assert param._version > version  # ...and its version counter says so
+
+
+def test_weight_gradient_summed_over_pieces_of_rows_equals_the_float64_product(monkeypatch):
+    """Large weight gradients are summed over pieces of rows (bounding oneDNN's copy of the transposed
+    operand): the same numbers as one product, within fp32 round-off."""
+    from aligner.runtime import cpu_products
+
+    generator = torch.Generator().manual_seed(0)
+    grad_output, inputs = torch.randn(37, 24, generator=generator), torch.randn(37, 16, generator=generator)
+    expected = grad_output.double().t() @ inputs.double()
+    whole = cpu_products.grad_weight(grad_output, inputs)
+    monkeypatch.setattr(cpu_products, "WEIGHT_GRADIENT_PIECE_ELEMENTS", 24 * 5)  # pieces of 5 rows, the last of 2
+    pieces = cpu_products.grad_weight(grad_output, inputs)
+    for result in (whole, pieces):
+        assert result.shape == (24, 16) and result.is_contiguous()
+        torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_output_layer_backward_reads_the_logits_gradient_in_place(monkeypatch):
+    """The output layer's [s, b, vocab] gradient arrives as the transpose of the logits' contiguous
+    [b, s, vocab] one: both products get a contiguous gradient (no full-size copy), and the input
+    and weight gradients equal float64 products."""
+    from aligner.runtime import cpu_products
+
+    cpu_bridge.apply()
+    contiguous = []
+    grad_input = cpu_products.grad_input
+    monkeypatch.setattr(cpu_products, "grad_input",
+                        lambda grad, weight: (contiguous.append(grad.is_contiguous()), grad_input(grad, weight))[1])
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 8, generator=generator, requires_grad=True)  # [s, b, hidden]
+    weight = torch.randn(40, 8, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 5, 40, generator=generator)  # of the [b, s, vocab] logits
+    logits = cpu_bridge._OneDnnLinear.apply(x, weight, None, False, None).transpose(0, 1).contiguous()
+    logits.backward(grad)
+    assert contiguous == [True]
+    grad_sbv = grad.double().transpose(0, 1)
+    torch.testing.assert_close(x.grad.double(), grad_sbv @ weight.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), grad_sbv.reshape(-1, 40).t() @ x.double().reshape(-1, 8),
+                               rtol=1e-5, atol=1e-5)

@@ -233,6 +233,44 @@ def test_swapped_reference_equals_precomputed(tmp_path, tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # policy weights are back
 
 
+def test_a_micro_batch_is_packed_once_for_the_swapped_reference_its_forward_and_its_loss(tmp_path, tokenizer,
+                                                                                         monkeypatch):
+    """With packing, the swapped-in reference pass lays each micro batch out in packed rows, and the
+    training forward and loss read those very rows (carried in the batch to the device): one layout
+    per micro batch, so with policy = reference every implicit reward is exactly 0 and the loss log 2."""
+    from aligner.models import packing
+    from aligner.models.forward import batch_to_device
+
+    policy, cfg = _model(tokenizer, seed=1)
+    dataset = _pairs(tmp_path, tokenizer, n=8, seed=4)
+    layouts = []
+    pack_rows = packing.pack_rows
+    monkeypatch.setattr(packing, "pack_rows", lambda *args, **kwargs: layouts.append(pack_rows(*args, **kwargs))
+                        or layouts[-1])
+
+    class OneStep:  # the loader interface the wrapper needs: two micro batches of 4 pairs
+        def iterate(self):
+            yield [collate_preferences([dataset[i] for i in range(start, start + 4)], tokenizer.pad_id)
+                   for start in (0, 4)]
+
+    section = packing.PackingSection(row_length=24)  # two or more sequences per row
+    loader = SwappedReferenceLoader(OneStep(), [policy], HostWeights.snapshot([policy]), cfg.vocab_size, section,
+                                    tokenizer.pad_id)
+    microbatches = next(loader.iterate())
+    assert len(layouts) == 2
+    objective = DPOObjective(DPOSection(beta=0.5), cfg.vocab_size, section, tokenizer.pad_id)
+    policy.train()
+    for layout, batch in zip(layouts, microbatches):
+        on_device = batch_to_device(batch, torch.device("cpu"))
+        assert torch.equal(on_device["packed"].tokens, layout.tokens)
+        assert torch.equal(on_device["packed"].starts, layout.starts)
+        assert layout.tokens.shape[0] < batch["tokens"].shape[0]  # rows really were packed
+        loss_sum, pairs, report = objective.loss(on_device, objective.forward(policy, on_device))
+        assert float(report["chosen_sum"]) == 0.0 and float(report["rejected_sum"]) == 0.0  # bit-equal sums
+        assert float(loss_sum) == pytest.approx(4 * math.log(2), rel=1e-6)
+    assert len(layouts) == 2  # the forward and the loss built nothing more
+
+
 def test_rpo_without_rewards_is_a_clear_error(tmp_path, tokenizer):
     model, cfg = _model(tokenizer)
     dataset = _pairs(tmp_path, tokenizer, n=2)
