@@ -97,6 +97,11 @@ def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: 
         print(f"  {name:<5} step {statistics.median(timed):8.3f} s (min {min(timed):.3f}, max {max(timed):.3f})  "
               f"{'generated' if task == 'rl' else 'trained'} tokens/step {statistics.median(result.tokens):7.0f}  "
               f"peak RSS {result.peak_rss_mb:6.0f} MB")
+    shares = our_result.figures[work.warmup_steps:]
+    if shares and shares[0]:  # the RL actor's phases, as shares of its step (median over the timed steps)
+        print("  ours  where the step's time goes: " + ", ".join(
+            f"{name.removeprefix('share_')} {statistics.median(step.get(name, 0.0) for step in shares):.1%}"
+            for name in shares[0]))
     ratio = step_ratio(peer_result.seconds, our_result.seconds, work.warmup_steps)
     prefix = "toy_" if toy else "" if resolved.spec == "smollm2" else "custom_"
     print(f"ratio {prefix}{RATIO_NAMES[task]} {ratio:.3f}", flush=True)

@@ -290,9 +290,13 @@ def layer_spec(cfg: GPTConfig):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    from aligner.models.layers import FusedDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization
     )
+    spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
+    return spec
 
 
 def _patch_moe_without_transformer_engine() -> None:
@@ -328,7 +332,7 @@ def build_gpt_model(
     if cfg.is_moe:
         _patch_moe_without_transformer_engine()
     # megatron's GPTModel, with rotary embeddings at the position ids (packed rows restart them).
-    return gpt_model_class()(
+    model = gpt_model_class()(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=vocab,
@@ -342,6 +346,11 @@ def build_gpt_model(
         rope_scaling_factor=cfg.llama3_rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    if post_process:
+        from aligner.models.layers import make_output_layer_batch_major
+
+        make_output_layer_batch_major(model)
+    return model
 
 
 def build_model_chunks(

@@ -320,6 +320,14 @@ def gpt_model_class():
                 return output
             return (output[0], rotary_embedding_at(self.rotary_pos_emb, position_ids), *output[2:])
 
+        def _postprocess(self, **kwargs):
+            # megatron's own loss (labels given) changes the logits in place: a batch-major output layer
+            # (aligner.models.layers) then computes them in megatron's order, as a tensor of their own.
+            output_layer = self._modules.get("output_layer")  # none before the last pipeline stage
+            if hasattr(output_layer, "batch_major"):
+                output_layer.batch_major = kwargs.get("labels") is None
+            return super()._postprocess(**kwargs)
+
     return GPTModelWithRowPositions
 
 

@@ -20,6 +20,8 @@ import torch
 
 from aligner.runtime.distributed import host_copy
 
+SWAP_SLICE_ELEMENTS = 1 << 18  # per slice of a CPU exchange: 1 MiB of fp32, in cache between its copies
+
 
 def named_parameters(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of the chunks in a fixed order, named `chunk<i>.<name>` (wrappers unwrapped)."""
@@ -56,12 +58,20 @@ class HostWeights:
             raise ValueError("these weights belong to a different model layout "
                              f"(missing {missing}, unexpected {extra})")
         for name, param in named:
+            if self.tensors[name].shape != param.shape:
+                raise ValueError(f"{name}: stored shape {tuple(self.tensors[name].shape)} != model shape "
+                                 f"{tuple(param.shape)}")
+        scratch: dict[torch.dtype, torch.Tensor] = {}
+        for name, param in named:
             stored = self.tensors[name]
-            if stored.shape != param.shape:
-                raise ValueError(f"{name}: stored shape {tuple(stored.shape)} != model shape {tuple(param.shape)}")
-            live = param.clone()  # one parameter's worth of device memory at a time
-            param.copy_(stored)
-            stored.copy_(live)  # reuse the (pinned) host buffer
+            if param.device.type == "cpu" and param.is_contiguous() and stored.is_contiguous():
+                if param.dtype not in scratch:
+                    scratch[param.dtype] = torch.empty(SWAP_SLICE_ELEMENTS, dtype=param.dtype)
+                _exchange_in_slices(param.view(-1), stored.view(-1), scratch[param.dtype])
+            else:
+                live = param.clone()  # one parameter's worth of device memory at a time
+                param.copy_(stored)
+                stored.copy_(live)  # reuse the (pinned) host buffer
 
     @contextlib.contextmanager
     def swapped_in(self, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
@@ -72,3 +82,15 @@ class HostWeights:
             yield
         finally:
             self.exchange(chunks)
+
+
+def _exchange_in_slices(live: torch.Tensor, stored: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Swap the values of two flat CPU tensors through `scratch`, a slice at a time: each value is read and
+    written once per side, and no parameter-sized tensor is allocated (every page of a fresh one faults
+    in, and a clone of the whole model per swap reads and writes it twice more)."""
+    for start in range(0, live.numel(), scratch.numel()):
+        live_slice, stored_slice = live[start:start + scratch.numel()], stored[start:start + scratch.numel()]
+        held = scratch[:live_slice.numel()]
+        held.copy_(live_slice)
+        live_slice.copy_(stored_slice)
+        stored_slice.copy_(held)

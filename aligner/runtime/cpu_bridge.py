@@ -22,6 +22,11 @@ DDP buffers and checkpointing code:
    column-parallel layer). Sequence parallelism, gradient-accumulation fusion (CUDA only) and
    deferred embedding wgrad keep megatron's own path, as do other dtypes.
 
+5. glibc's malloc returns every freed block above its mmap threshold (at most 32 MB) to the kernel
+   and maps it afresh at the next allocation, so each step's large tensors (logits, their gradients,
+   activations) fault in page by page, hundreds of thousands of faults per step at SmolLM2's size.
+   On CPU the allocator keeps freed memory for reuse instead (`reuse_freed_memory`).
+
 Besides the patches it says what else differs without CUDA: the start-up notices to silence
 (`silence_cpu_notices`) and the TransformerConfig and Triton settings a CPU machine needs.
 This module is the only place in the project that knows about these differences.
@@ -206,56 +211,58 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
 
 class _OneDnnLinear(torch.autograd.Function):
     """megatron's LinearWithGradAccumulationAndAsyncCommunication (no sequence parallelism,
-    gradient-accumulation fusion or deferred wgrad) with oneDNN's products."""
+    gradient-accumulation fusion or deferred wgrad) with oneDNN's products, on input rows [rows, in].
+
+    Rows in, rows out: the caller reshapes outside the Function, so its output is no view made inside a
+    custom Function, and views of it (the logits' [b, s] order) may be changed in place like any tensor."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
-        ctx.save_for_backward(input, weight)
+    def forward(ctx, input_2d, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(input_2d, weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
-        return cpu_products.linear(input, weight, bias)
+        return cpu_products.linear(input_2d, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
-        # The output layer's [s, b, vocab] gradient is the transpose of the logits' contiguous [b, s, vocab]
-        # one: the products take it in that order as it is (reshaping it would copy all of it).
-        batch_major = grad_output.dim() == 3 and not grad_output.is_contiguous() and \
-            grad_output.transpose(0, 1).is_contiguous()
-        if batch_major:
-            grad_output, input = grad_output.transpose(0, 1), input.transpose(0, 1)
-        grad_input = cpu_products.grad_input(grad_output, weight)
+    def backward(ctx, grad_output_2d):
+        input_2d, weight = ctx.saved_tensors
+        grad_input = cpu_products.grad_input(grad_output_2d, weight)
         handle = None
         if ctx.allreduce_dgrad:  # overlaps the weight-gradient product, as in megatron
             handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
-        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = cpu_products.grad_weight(grad_output_2d, input.reshape(-1, input.shape[-1]))
+            grad_weight = cpu_products.grad_weight(grad_output_2d, input_2d)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input.transpose(0, 1) if batch_major else grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 class _OneDnnLinearFrozenWeight(torch.autograd.Function):
-    """megatron's LinearWithFrozenWeight (no sequence parallelism) with oneDNN's products."""
+    """megatron's LinearWithFrozenWeight (no sequence parallelism) with oneDNN's products, rows in and out."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+    def forward(ctx, input_2d, weight, bias, allreduce_dgrad, tp_group):
         ctx.save_for_backward(weight)
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
-        return cpu_products.linear(input, weight, bias)
+        return cpu_products.linear(input_2d, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output_2d):
         (weight,) = ctx.saved_tensors
-        grad_input = cpu_products.grad_input(grad_output, weight)
+        grad_input = cpu_products.grad_input(grad_output_2d, weight)
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
         return grad_input, None, None, None, None
+
+
+def _rows_to_shape(output_2d: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """[rows, out] -> [*input.shape[:-1], out] as a tensor of its own, not a view (as torch.matmul returns
+    it): megatron's vocab-parallel cross entropy changes the output layer's logits in place."""
+    return torch.ops.aten._unsafe_view(output_2d, (*input.shape[:-1], output_2d.shape[-1]))
 
 
 def _onednn_applies(input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer) -> bool:
@@ -282,7 +289,8 @@ def _onednn_linear_layers(mcore_layers) -> tuple:
             return trainable(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                              grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group) if allreduce_dgrad else None
-        return _OneDnnLinear.apply(input, weight, bias, allreduce_dgrad, tp_group)
+        output = _OneDnnLinear.apply(input.reshape(-1, input.shape[-1]), weight, bias, allreduce_dgrad, tp_group)
+        return _rows_to_shape(output, input)
 
     @functools.wraps(frozen)
     def linear_with_frozen_weight(
@@ -294,11 +302,30 @@ def _onednn_linear_layers(mcore_layers) -> tuple:
             return frozen(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                           tp_group, grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group) if allreduce_dgrad else None
-        return _OneDnnLinearFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
+        output = _OneDnnLinearFrozenWeight.apply(input.reshape(-1, input.shape[-1]), weight, bias, allreduce_dgrad,
+                                                 tp_group)
+        return _rows_to_shape(output, input)
 
     linear_with_grad_accumulation_and_async_allreduce._aligner_bridged = True
     linear_with_frozen_weight._aligner_bridged = True
     return linear_with_grad_accumulation_and_async_allreduce, linear_with_frozen_weight
+
+
+_GLIBC_M_TRIM_THRESHOLD, _GLIBC_M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc serve every allocation from its heap and keep freed memory there (no mmap per
+    large block, no trimming below 2 GiB of free space at the top of the heap). Returns whether it applied
+    (glibc only). Freed memory stays in the process for the next allocations instead of going back to the
+    kernel: the resident set no longer shrinks between phases, and a later block reuses it without faults."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    return bool(libc.mallopt(_GLIBC_M_MMAP_MAX, 0)) and bool(libc.mallopt(_GLIBC_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def apply() -> bool:
@@ -393,5 +420,7 @@ def apply() -> bool:
 
         (mcore_layers.linear_with_grad_accumulation_and_async_allreduce,
          mcore_layers.linear_with_frozen_weight) = _onednn_linear_layers(mcore_layers)
+        # 5. Freed memory reused without page faults.
+        reuse_freed_memory()
         _applied = True
         return True

@@ -105,7 +105,25 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dt
         params_dtype=params_dtype,
         use_distributed_optimizer=distributed.supports_distributed_optimizer(),
     )
-    return get_megatron_optimizer(config, chunks)
+    optimizer = get_megatron_optimizer(config, chunks)
+    use_fused_adam_on_cpu(optimizer)
+    return optimizer
+
+
+def use_fused_adam_on_cpu(optimizer) -> None:
+    """Run the torch Adam(W) inside megatron's wrapper with its fused kernel where its parameters are on the CPU.
+
+    Without transformer-engine or apex megatron builds torch's AdamW, whose default on CPU tensors is the
+    single-tensor loop (a dozen elementwise passes over every parameter, each a separate kernel); the fused
+    kernel makes one pass per tensor with the same update (equal to fp32 rounding) and no extra memory.
+    """
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if all(param.device.type == "cpu" for param in group["params"]):
+                group["fused"], group["foreach"] = True, False
 
 
 def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_steps: int,

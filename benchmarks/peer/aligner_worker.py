@@ -5,7 +5,8 @@
 Builds the trainer exactly as its entry point does (conf yaml + `workload.aligner_overrides`), then runs
 one step per "step" command the way `fit` does: SFT/DPO fetch the next batch inside the step (DPO's
 swapped-in reference pass is part of it), the RL actor collects, scores and trains on one rollout batch.
-Reports the tokens of each step: SFT/DPO the real (unpadded) tokens trained on, RL the tokens generated.
+Reports the tokens of each step: SFT/DPO the real (unpadded) tokens trained on, RL the tokens generated
+and the actor's `share_*` metrics (where the step's time went).
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def main() -> None:
 
         actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))
 
-        def step() -> float:
+        def step() -> tuple[float, dict[str, float]]:
             metrics = actor.train_step()
-            actor.step += 1
-            return metrics["generated_tokens"]
+            actor.step += 1  # the phases' shares of the step (generation, logprobs, training, ...)
+            return metrics["generated_tokens"], {key: value for key, value in metrics.items()
+                                                 if key.startswith("share_")}
 
         try:
             serve_steps(step)

@@ -4,7 +4,8 @@ The driver starts each side as a worker process with a private pipe pair (fds na
 so whatever the libraries print to stdout cannot garble it) and speaks a line protocol:
 
     worker -> "ready"                 (built, before its first step)
-    driver -> "step"                  worker -> "done SECONDS TOKENS"   (one step, timed by the worker)
+    driver -> "step"                  worker -> "done SECONDS TOKENS [NAME=VALUE ...]"   (one step, timed by
+                                      the worker; NAME=VALUE: figures the worker reports about that step)
     driver -> "quit"                  worker -> "rss MEGABYTES"         (its peak resident set), then exits
 
 Steps alternate which side goes first, so neither always runs on a cache the other just warmed.
@@ -20,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 CHANNEL_ENV = "BENCH_CHANNEL"
 
@@ -57,8 +58,9 @@ class WorkerChannel:
         self.started = time.perf_counter()
         return command
 
-    def step_done(self, tokens: float) -> None:
-        self.send("done", f"{time.perf_counter() - self.started:.6f}", f"{tokens:.0f}")
+    def step_done(self, tokens: float, figures: Optional[dict[str, float]] = None) -> None:
+        self.send("done", f"{time.perf_counter() - self.started:.6f}", f"{tokens:.0f}",
+                  *(f"{name}={value:.6g}" for name, value in (figures or {}).items()))
 
     def finish(self) -> None:
         """After the last step: wait for "quit", report the peak RSS (ru_maxrss is in KiB on Linux)."""
@@ -67,12 +69,15 @@ class WorkerChannel:
         self.send("rss", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
 
 
-def serve_steps(step: Callable[[], float]) -> None:
-    """The whole worker loop for a trainer that can be stepped from outside: `step()` returns its tokens."""
+def serve_steps(step: Callable[[], Union[float, tuple[float, dict[str, float]]]]) -> None:
+    """The whole worker loop for a trainer that can be stepped from outside: `step()` returns its tokens, or
+    (tokens, {name: value}) with figures about the step (e.g. where its time went)."""
     channel = WorkerChannel()
     command = channel.ready_then_wait()
     while command == "step":
-        channel.step_done(step())
+        result = step()
+        tokens, figures = result if isinstance(result, tuple) else (result, None)
+        channel.step_done(tokens, figures)
         command = channel.wait()
     channel.send("rss", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
 
@@ -132,6 +137,7 @@ class SideResult:
     seconds: list[float]  # every step, warm-up included
     tokens: list[float]
     peak_rss_mb: float
+    figures: list[dict[str, float]] = field(default_factory=list)  # per step: what the worker reported besides
 
 
 def run_interleaved(workers: Sequence[Worker], total_steps: int,
@@ -145,13 +151,15 @@ def run_interleaved(workers: Sequence[Worker], total_steps: int,
             worker.expect("ready")
         seconds = [[] for _ in workers]
         tokens = [[] for _ in workers]
+        figures = [[] for _ in workers]
         for step in range(total_steps):
             order = range(len(workers)) if step % 2 == 0 else reversed(range(len(workers)))
             for index in order:
                 workers[index].send("step")
-                elapsed, counted = workers[index].expect("done")
+                elapsed, counted, *named = workers[index].expect("done")
                 seconds[index].append(float(elapsed))
                 tokens[index].append(float(counted))
+                figures[index].append({name: float(value) for name, value in (word.split("=", 1) for word in named)})
             if progress is not None:
                 progress(f"step {step + 1}/{total_steps}: " + ", ".join(
                     f"{worker.name} {seconds[index][-1]:.2f} s" for index, worker in enumerate(workers)))
@@ -160,7 +168,7 @@ def run_interleaved(workers: Sequence[Worker], total_steps: int,
             worker.send("quit")
             (rss,) = worker.expect("rss")
             worker.process.wait(timeout=120)
-            results.append(SideResult(seconds[index], tokens[index], float(rss)))
+            results.append(SideResult(seconds[index], tokens[index], float(rss), figures[index]))
         return results
     finally:
         for worker in workers:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import warnings
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -432,7 +434,6 @@ def test_forked_draws_log_no_warning(caplog):
 def _gpt_losses_and_grads(cfg, frozen: tuple[str, ...]) -> tuple[torch.Tensor, dict]:
     """Masked token loss of two micro batches through a fresh GPT (seed 0) and every parameter's gradient
     (this rank's shards: the loss is megatron's vocab-parallel cross entropy, so any TP size works)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from aligner.models.gpt import build_gpt_model, transformer_config
@@ -443,8 +444,9 @@ def _gpt_losses_and_grads(cfg, frozen: tuple[str, ...]) -> tuple[torch.Tensor, d
         param.requires_grad_(not name.startswith(frozen))
     losses = []
     for batch in _microbatches(valid_tokens=(17, 24)):
-        logits = model(batch["tokens"], batch["position_ids"], None)
-        loss = (vocab_parallel_cross_entropy(logits, batch["labels"]) * batch["loss_mask"]).sum()
+        # megatron's loss inside the model: its cross entropy changes the logits in place
+        loss = (model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                * batch["loss_mask"]).sum()
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses), {name: param.grad for name, param in model.named_parameters()}
@@ -569,25 +571,55 @@ def test_weight_gradient_summed_over_pieces_of_rows_equals_the_float64_product(m
         torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_output_layer_backward_reads_the_logits_gradient_in_place(monkeypatch):
-    """The output layer's [s, b, vocab] gradient arrives as the transpose of the logits' contiguous
-    [b, s, vocab] one: both products get a contiguous gradient (no full-size copy), and the input
-    and weight gradients equal float64 products."""
-    from aligner.runtime import cpu_products
+@pytest.mark.parametrize("batch_major", [True, False])
+def test_logits_and_their_gradient_are_never_copied_whole(batch_major):
+    """Forward and backward of a model through its logits [b, s, vocab] make no full-size copy of them or
+    of their gradient with the batch-major output layer (megatron's own output layer makes them: the
+    check can fail)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from torch.profiler import ProfilerActivity, profile
 
     cpu_bridge.apply()
-    contiguous = []
-    grad_input = cpu_products.grad_input
-    monkeypatch.setattr(cpu_products, "grad_input",
-                        lambda grad, weight: (contiguous.append(grad.is_contiguous()), grad_input(grad, weight))[1])
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 3, 8, generator=generator, requires_grad=True)  # [s, b, hidden]
-    weight = torch.randn(40, 8, generator=generator, requires_grad=True)
-    grad = torch.randn(3, 5, 40, generator=generator)  # of the [b, s, vocab] logits
-    logits = cpu_bridge._OneDnnLinear.apply(x, weight, None, False, None).transpose(0, 1).contiguous()
-    logits.backward(grad)
-    assert contiguous == [True]
-    grad_sbv = grad.double().transpose(0, 1)
-    torch.testing.assert_close(x.grad.double(), grad_sbv @ weight.double(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(weight.grad.double(), grad_sbv.reshape(-1, 40).t() @ x.double().reshape(-1, 8),
-                               rtol=1e-5, atol=1e-5)
+    model = _tiny_gpt(seed=3)
+    if not batch_major:
+        model.output_layer.__class__ = ColumnParallelLinear
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (3, 10), generator=generator)
+    with cpu_bridge.cuda_to_cpu(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as trace:
+        logits = model(tokens, torch.arange(10).expand(3, 10), None)
+        (logits * torch.randn(logits.shape, generator=generator)).sum().backward()
+    full_size, vocab = logits.numel(), logits.shape[-1]
+    assert vocab != model.config.hidden_size  # the logits' shapes are told from the hidden states' by it
+    copies = [event.name for event in trace.events()
+              if event.name in ("aten::copy_", "aten::clone", "aten::contiguous")
+              and any(shape and shape[-1] == vocab and math.prod(shape) == full_size for shape in event.input_shapes)]
+    assert logits.is_contiguous() and logits.shape[:2] == (3, 10)
+    if batch_major:
+        assert copies == []
+    else:
+        assert len(copies) >= 2, copies
+
+
+def test_freed_memory_is_reused_without_page_faults():
+    """After apply(), a large tensor freed and allocated again comes back from the heap: its pages do not
+    fault in again (glibc's default maps every block over 32 MB afresh: ~16k faults for this one)."""
+    import platform
+    import resource
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the allocator setting is glibc's")
+    assert cpu_bridge.is_applied()
+    elements = 64 * 2**20 // 4  # 64 MiB of fp32, above any mmap threshold glibc would pick itself
+
+    def faults_of_a_filled_tensor() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        tensor = torch.empty(elements)
+        tensor.fill_(1.0)
+        del tensor
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_a_filled_tensor()  # the heap grows (its pages fault in once)
+    # glibc's default: 16384 faults each time. Reused: none, but for a repeat where a small block settled in
+    # the freed space in between (the heap then grows once more).
+    faults = [faults_of_a_filled_tensor() for _ in range(4)]
+    assert sorted(faults)[:3] == [0, 0, 0], faults

@@ -31,7 +31,7 @@ FAKE_WORKER = textwrap.dedent("""
         time.sleep(seconds)
         with open(journal, "a") as out:
             out.write(json.dumps(["end", {name!r}, time.time()]) + "\\n")
-        return tokens
+        return (tokens, {{"share_sleep": 0.75}}) if {name!r} == "ours" else tokens
 
     serve_steps(step)
 """)
@@ -52,6 +52,8 @@ def test_workers_take_turns_and_report_their_own_step_times(tmp_path):
 
     assert len(our_result.seconds) == len(peer_result.seconds) == 4
     assert our_result.tokens == [100.0] * 4 and peer_result.tokens == [200.0] * 4
+    # figures a worker reports about its steps arrive per step; a worker without any reports none
+    assert our_result.figures == [{"share_sleep": 0.75}] * 4 and peer_result.figures == [{}] * 4
     # A step's reported time is the worker's own step: at least its sleep, and inside its own start..end
     # in the journal (so never the other side's turn). No upper bound on a sleep: the machine may be loaded.
     assert all(s >= 0.05 for s in our_result.seconds) and all(s >= 0.15 for s in peer_result.seconds)

@@ -1,0 +1,86 @@
+"""Faster drop-in replacements for two megatron-core layers of the GPT model (same parameters, same numbers).
+
+`FusedDotProductAttention`, the attention core of the local layer spec: torch's fused scaled-dot-product attention.
+
+megatron-core's local `DotProductAttention` materialises the scores and probabilities
+[batch, heads, seq, seq], masks them with `masked_fill` and runs a separate softmax, then keeps the
+probabilities for backward. `F.scaled_dot_product_attention` computes the same function blockwise
+(flash attention on CPU, with a causal flag or a boolean mask), so neither the scores nor the
+probabilities are written out: on SmolLM2's shapes its forward + backward took about half the time
+of megatron's (benchmarks/README.md, "attention core"). Its outputs equal megatron's up to fp32
+rounding of the softmax sums (~1e-6).
+
+Where megatron's core does something SDPA does not (attention dropout while training, a softmax
+variant, query-key layer scaling, sliding windows) the layer runs megatron's own forward.
+
+`BatchMajorOutputLayer`, GPTModel's output layer computing its logits in [batch, seq] order (no transposed
+copy of the logits and of their gradient).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class FusedDotProductAttention(DotProductAttention):
+    """megatron's `DotProductAttention` (same constructor, same [sq, b, heads, dim] -> [sq, b, hidden]
+    forward, same boolean mask convention: True = masked) on `F.scaled_dot_product_attention`."""
+
+    def _fused_applies(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        config = self.config
+        return (not (self.training and self.attention_dropout.p > 0) and not config.apply_query_key_layer_scaling
+                and getattr(config, "softmax_type", "vanilla") == "vanilla" and config.window_size is None
+                and query.shape[0] > 0 and key.shape[0] == query.shape[0])
+
+    def forward(self, query, key, value, attention_mask: Optional[torch.Tensor], attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None or not self._fused_applies(query, key):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        sq, batch = query.shape[:2]
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        # megatron's softmax: a given mask wins; without one, causal when the layer is causal (and sq > 1)
+        is_causal = attention_mask is None and mask_type == AttnMaskType.causal and sq > 1
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        # [s, b, heads, dim] -> [b, heads, s, dim] views; SDPA repeats the key/value groups itself
+        query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, is_causal=is_causal, scale=self.softmax_scale,
+            enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
+        # [b, heads, sq, dim] -> [sq, b, heads * dim]
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+
+
+class BatchMajorOutputLayer(ColumnParallelLinear):
+    """GPTModel's output layer, computing the logits of hidden states [s, b, h] in [b, s] order.
+
+    GPTModel returns `logits.transpose(0, 1).contiguous()` ([b, s, vocab]): a transposed copy of the
+    largest activation (SmolLM2, 4 x 256 tokens: 200 MB), and another of its gradient in backward.
+    Transposing the hidden states instead (vocab / hidden = 85x fewer bytes there) gives logits that are
+    already contiguous in [b, s] order, returned as the [s, b] view GPTModel expects, so its
+    `.contiguous()` copies nothing. Sequence parallelism gathers the input's sequence dimension (dim 0),
+    so there the layer keeps megatron's order, and so it does while `batch_major` is false: the logits
+    are then a tensor of their own, not a view, which megatron's vocab-parallel cross entropy needs (it
+    changes its input in place; GPTModel's `_postprocess` turns this off when given labels).
+    """
+
+    batch_major = True
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if not self.batch_major or self.sequence_parallel or input_.dim() != 3:
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        logits, bias = super().forward(input_.transpose(0, 1).contiguous(), weight=weight,
+                                       runtime_gather_output=runtime_gather_output)
+        return logits.transpose(0, 1), bias
+
+
+def make_output_layer_batch_major(model: torch.nn.Module) -> None:
+    """Turn a GPTModel's output layer (megatron's ColumnParallelLinear, built by GPTModel itself) into a
+    `BatchMajorOutputLayer`: the same module and parameters, only its forward differs."""
+    if type(model.output_layer) is ColumnParallelLinear:
+        model.output_layer.__class__ = BatchMajorOutputLayer
