@@ -24,7 +24,8 @@ megatron's own forward) in one tight loop over preallocated state:
   until the chunk's longest row ends;
 - prefills compute logits only for each prompt's last token; decode steps are single-token and
   run feature-major ([features, batch] activations, see `_decode_forward`) because small-batch
-  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`), on packed copies of the weights by default.
+  BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`),
+  on packed copies of the weights by default.
 
 The decode step is bound by per-op overhead, not arithmetic or memory, at small sizes, so it is
 written to issue few, cheap torch calls: all heads of a layer in one baddbmm and one bmm (a

@@ -8,9 +8,8 @@ One process, world size 1 on gloo.
 from __future__ import annotations
 
 import logging
-import warnings
-
 import math
+import warnings
 
 import pytest
 import torch
