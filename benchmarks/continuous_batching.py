@@ -27,18 +27,9 @@ import torch
 if not __package__:  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.generation import PROMPT_TEXT  # noqa: E402  (prompt windows of varied length over it)
 from benchmarks.machine import describe_peak_rss, load_average, timed  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
-
-# Prompt windows of varied length over one English text.
-PROMPT_TEXT = (
-    "The river starts high in the mountains, where snow melts in late spring and runs down through "
-    "narrow valleys full of pine trees. Small towns sit along its banks, and each one has a bridge, a "
-    "market and a school. Farmers grow wheat and apples in the wide fields near the coast, and fishing "
-    "boats leave the harbour before sunrise. In the evening people walk along the water, talk about the "
-    "weather and the price of bread, and watch the light fade behind the hills. Write a short story about "
-    "a child who follows the river from its source to the sea, and what she learns on the way."
-)
 
 
 def load_model(spec: str):
