@@ -204,6 +204,9 @@ class SpellingEngine:
     def refit(self, chunks) -> None:
         self.engine.refit(chunks)
 
+    def drop_packed_weights(self) -> None:
+        self.engine.drop_packed_weights()
+
     def generate(self, prompts, sampling):
         rollout = self.engine.generate(prompts, sampling)
         width = max(rollout.response_tokens.shape[1], len(self.spelled))
