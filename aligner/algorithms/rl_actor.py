@@ -23,7 +23,8 @@ whose `train_step` is one step:
      with dynamic sampling, groups whose samples all scored the same are dropped and more prompts
      are drawn until the batch is full (or the round cap is reached)
   3. actor logprobs, then reference logprobs with the reference weights swapped in from host memory;
-     the mismatch between the engine's logprobs and the trainer's is measured (and optionally corrected)
+     the mismatch between the engine's logprobs and the trainer's is measured (and optionally corrected);
+     with one update per step and no KL, the update's forward gives the actor logprobs instead
   4. scores -> shaped scores -> the estimator's advantages (GAE with the critic's values, or a group/batch baseline)
   5. with a critic: send it its training batch (it trains while the actor does)
   6. policy epochs over minibatches through megatron's schedule (any TP/PP/DP)
@@ -167,6 +168,10 @@ class LossSection:
     importance_sampling_cap: float = 2.0
     scale_logits_by_temperature: bool = True  # logprobs of logits / sampling temperature
     recompute_old_logprobs: bool = True  # false: use the engine's logprobs as the rollout policy's
+    # With one update per step (one epoch, one minibatch) and nothing that reads the rollout policy's
+    # logprobs before it (no KL, no importance sampling), the update's own forward runs on the rollout
+    # weights: its logprobs, detached, are the recomputed ones, so no separate pass (TRL does the same).
+    old_logprobs_from_update: bool = True
     disable_dropout: bool = True
     adam_epsilon_style: str = one_of(("torch", "tf"), "torch")  # tf: epsilon outside the bias correction
 
@@ -256,6 +261,14 @@ class RLActorConfig(RunConfig):
         """Whether a step runs the reference policy: not for a fixed KL coefficient of 0, whose penalty
         is 0 whatever the reference says (the pass would cost a forward over every rollout)."""
         return self.kl.adaptive or self.kl.init_coef != 0
+
+    @property
+    def old_logprobs_in_update(self) -> bool:
+        """Whether the rollout policy's logprobs are taken from the update's forward (`LossSection`)."""
+        loss = self.loss
+        return (loss.recompute_old_logprobs and loss.old_logprobs_from_update and loss.disable_dropout
+                and loss.epochs == 1 and self.trainer.global_batch_size == self.rollouts_per_step
+                and not self.measures_kl and loss.importance_sampling == "none")
 
     @property
     def clip_high(self) -> float:
@@ -350,7 +363,9 @@ class Experience:
     """This rank's rollouts of a step with everything the update needs ([B, T] over response tokens)."""
 
     batch: object  # aligner.rl.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
-    old_logprobs: torch.Tensor  # [B, T] the rollout policy's (recomputed by the trainer, or the engine's)
+    # [B, T] the rollout policy's (recomputed by the trainer, or the engine's); None: the update's own
+    # forward gives them (`RLActorConfig.old_logprobs_in_update`)
+    old_logprobs: Optional[torch.Tensor]
     advantages: torch.Tensor  # [B, T]
     importance_weights: Optional[torch.Tensor]  # [B, T] truncated IS weights (engine -> trainer), or None
     returns: Optional[torch.Tensor]  # [B, T] the critic's targets (gae), or None
@@ -372,11 +387,12 @@ class PolicyMicrobatch:
     prompt_lengths: torch.Tensor  # [b]
     response_lengths: torch.Tensor  # [b]
     mask: torch.Tensor  # [b, T] bool
-    old_logprobs: torch.Tensor  # [b, T]
+    old_logprobs: Optional[torch.Tensor]  # [b, T]; None: this forward's own logprobs, detached
     advantages: torch.Tensor  # [b, T]
     importance_weights: Optional[torch.Tensor]  # [b, T] or None
     loss_scale: float
     packed: Optional[object] = None  # aligner.models.packing.PackedRows of the b sequences, or None: padded
+    engine_logprobs: Optional[torch.Tensor] = None  # [b, T] with old_logprobs None: the mismatch is measured here
 
     @property
     def real_tokens(self) -> int:
@@ -461,9 +477,10 @@ class PolicyObjective:
             logprobs, entropy = response_logprobs_and_entropy(
                 logits, batch.tokens, batch.prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
                 temperature=self.temperature, response_width=width, entropy_grad=entropy_grad)
-        terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, batch.old_logprobs, batch.advantages, mask,
-                                    clip_low=self.clip_low, clip_high=self.clip_high,
-                                    weights=batch.importance_weights)
+        old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
+        terms = policy_losses.policy_loss_terms(self.policy_loss, logprobs, old_logprobs, batch.advantages, mask,
+                                                clip_low=self.clip_low, clip_high=self.clip_high,
+                                                weights=batch.importance_weights)
         policy_sum, count = policy_losses.aggregate_loss(terms.per_token, mask, self.aggregation,
                                                          self.constant_normalizer)
         entropy_sum, _ = policy_losses.aggregate_loss(entropy, mask, self.aggregation, self.constant_normalizer)
@@ -471,7 +488,7 @@ class PolicyObjective:
         with torch.no_grad():
             valid = mask.bool()
             ratio = terms.ratio.detach()
-            log_ratio = ppo_math.zero_off_mask(logprobs.detach() - batch.old_logprobs, mask)
+            log_ratio = ppo_math.zero_off_mask(logprobs.detach() - old_logprobs, mask)
             report = {
                 "policy_loss_sum": policy_sum.detach(), "count": count.detach().float(),
                 "entropy_sum": entropy_sum.detach(), "tokens": valid.sum().float(),
@@ -481,6 +498,8 @@ class PolicyObjective:
                 "ratio_max": torch.where(valid, ratio, -math.inf).max(),
                 "ratio_min": torch.where(valid, ratio, math.inf).min(),
             }
+            if batch.engine_logprobs is not None:
+                report.update(mismatch.mismatch_sums(logprobs, batch.engine_logprobs, mask))
         return objective_sum * batch.loss_scale, one, report
 
     def summarize(self, totals):
@@ -491,6 +510,8 @@ class PolicyObjective:
             "ratio_mean": totals["ratio_sum"] / tokens, "ratio_max": totals["ratio_max"],
             "ratio_min": totals["ratio_min"],
         }
+        if "mismatch_tokens" in totals:
+            metrics.update(mismatch.metrics_from_sums(totals))
         if "ptx_tokens" in totals:
             metrics["ptx_loss"] = totals["ptx_loss_sum"] / max(totals["ptx_tokens"], 1.0)
         metrics["loss"] = metrics["policy_loss"] - self.entropy_coef * metrics["entropy"] + (
@@ -609,11 +630,14 @@ class RLActor:
         timings: dict[str, float] = {}
         batch, rollout_metrics = self.collect_batch(timings)
 
-        # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1)
-        # and of the reference policy (its weights swapped in from host memory, then out again).
-        tick = time.perf_counter()
-        old_logprobs = self.logprobs(batch) if self.cfg.loss.recompute_old_logprobs else batch.engine_logprobs
-        timings["time_logprobs"] = time.perf_counter() - tick
+        # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1; or
+        # none here, when the update's forward gives them) and of the reference policy (its weights
+        # swapped in from host memory, then out again).
+        old_logprobs = None
+        if not self.cfg.old_logprobs_in_update:
+            tick = time.perf_counter()
+            old_logprobs = self.logprobs(batch) if self.cfg.loss.recompute_old_logprobs else batch.engine_logprobs
+            timings["time_logprobs"] = time.perf_counter() - tick
         reference_logprobs = None
         if self.cfg.measures_kl:
             tick = time.perf_counter()
@@ -821,9 +845,10 @@ class RLActor:
             scores = ppo_math.clip_scores(scores, reward.clip)
         return scores
 
-    def make_experience(self, batch, old_logprobs: torch.Tensor,
+    def make_experience(self, batch, old_logprobs: Optional[torch.Tensor],
                         reference_logprobs: Optional[torch.Tensor]) -> Experience:
-        """reference_logprobs None: no KL penalty (a fixed coefficient of 0), and no KL metric."""
+        """reference_logprobs None: no KL penalty (a fixed coefficient of 0), and no KL metric.
+        old_logprobs None: the update's forward gives them, and measures the mismatch."""
         cfg, mask, group = self.cfg, batch.mask, self.dp_group
         k = cfg.rollout.samples_per_prompt
         # Group estimators need this rank's rows to be whole groups, in order.
@@ -867,7 +892,7 @@ class RLActor:
                 "explained_variance": float(ppo_math.explained_variance(values, estimated.returns, mask, group=group)),
             })
         weights = None
-        if cfg.loss.recompute_old_logprobs:  # the engine's logprobs against the trainer's for the same tokens
+        if cfg.loss.recompute_old_logprobs and old_logprobs is not None:  # the engine's against the trainer's
             metrics.update(mismatch.mismatch_metrics(old_logprobs, batch.engine_logprobs, mask, group=group))
             if cfg.loss.importance_sampling != "none":
                 weights = mismatch.truncated_importance_weights(old_logprobs, batch.engine_logprobs, mask,
@@ -918,6 +943,9 @@ class RLActor:
         positions = torch.arange(self.seq_length).unsqueeze(0).expand(micro, -1)
         minibatch_metrics, first = [], None
         budget = self.uses_token_budget
+        if experience.old_logprobs is None and (loss.epochs, rows) != (1, minibatch_rows):
+            raise RuntimeError(f"the update's forward stands for the rollout policy only in a single update: "
+                               f"{loss.epochs} epoch(s) of {rows} rows in minibatches of {minibatch_rows}")
         if budget:  # every rank's rollouts, rows in rank order: a token-budget plan draws on them all
             experience = self.all_ranks_experience(experience)
         for epoch in range(loss.epochs):
@@ -968,15 +996,16 @@ class RLActor:
         return SimpleNamespace(tokens=self.gather_rows(batch.tokens),
                                prompt_lengths=self.gather_rows(batch.prompt_lengths),
                                response_lengths=self.gather_rows(batch.response_lengths),
-                               mask=self.gather_rows(batch.mask))
+                               mask=self.gather_rows(batch.mask),
+                               engine_logprobs=self.gather_rows(batch.engine_logprobs))
 
     def all_ranks_experience(self, experience: Experience) -> Experience:
         """What the policy update reads of `experience`, for every rank's rollouts (`all_ranks_rows`)."""
         from dataclasses import replace
 
-        weights = experience.importance_weights
+        weights, old_logprobs = experience.importance_weights, experience.old_logprobs
         return replace(experience, batch=self.all_ranks_rows(experience.batch),
-                       old_logprobs=self.gather_rows(experience.old_logprobs),
+                       old_logprobs=None if old_logprobs is None else self.gather_rows(old_logprobs),
                        advantages=self.gather_rows(experience.advantages),
                        importance_weights=None if weights is None else self.gather_rows(weights))
 
@@ -1047,14 +1076,15 @@ class RLActor:
         the same whichever micro batch a sequence lands in."""
         from aligner.models import packing
 
-        batch, weights = experience.batch, experience.importance_weights
+        batch, weights, old_logprobs = experience.batch, experience.importance_weights, experience.old_logprobs
 
         def microbatch(part: torch.Tensor, **layout) -> PolicyMicrobatch:
             return PolicyMicrobatch(
                 prompt_lengths=batch.prompt_lengths[part], response_lengths=batch.response_lengths[part],
-                mask=batch.mask[part], old_logprobs=experience.old_logprobs[part],
+                mask=batch.mask[part], old_logprobs=None if old_logprobs is None else old_logprobs[part],
                 advantages=experience.advantages[part], importance_weights=None if weights is None else weights[part],
-                loss_scale=1.0, **layout)
+                loss_scale=1.0, engine_logprobs=batch.engine_logprobs[part] if old_logprobs is None else None,
+                **layout)
 
         micro = self.cfg.trainer.micro_batch_size
         if not packing.packs_here(self.cfg.packing):

@@ -30,6 +30,34 @@ def _log_ratio(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, ma
 
 
 @torch.no_grad()
+def mismatch_sums(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The additive parts and extremes of `mismatch_metrics` over these rows, as float64 scalars: keys
+    ending in `_max` / `_min` combine by max / min, the others by a sum (how the trainer reduces the
+    reports of its micro batches, so the RL update can measure the mismatch on its own forward)."""
+    mask = mask.bool()
+    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)  # [B, T] float64
+    ratio = torch.exp(log_ratio)
+    return {"mismatch_tokens": mask.sum().double(),
+            "mismatch_kl_sum": zero_off_mask(torch.expm1(log_ratio) - log_ratio, mask).sum(),
+            "mismatch_ratio_sum": zero_off_mask(ratio, mask).sum(),
+            "mismatch_ratio_max": torch.where(mask, ratio, -math.inf).max(),
+            "mismatch_ratio_min": torch.where(mask, ratio, math.inf).min(),
+            "mismatch_abs_logprob_diff_max": torch.where(mask, log_ratio.abs(), -math.inf).max()}
+
+
+def metrics_from_sums(totals: dict) -> dict[str, float]:
+    """`mismatch_metrics` from the reduced `mismatch_sums` of the whole batch."""
+    tokens = float(totals["mismatch_tokens"])
+    if tokens == 0:
+        raise ValueError("mismatch_metrics: the mask is empty; there is no response token to compare")
+    return {"mismatch_kl": float(totals["mismatch_kl_sum"]) / tokens,
+            "mismatch_ratio_mean": float(totals["mismatch_ratio_sum"]) / tokens,
+            "mismatch_ratio_max": float(totals["mismatch_ratio_max"]),
+            "mismatch_ratio_min": float(totals["mismatch_ratio_min"]),
+            "mismatch_abs_logprob_diff_max": float(totals["mismatch_abs_logprob_diff_max"])}
+
+
+@torch.no_grad()
 def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
                      group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
     """Mismatch statistics over the response tokens of the (global, with `group`) batch.
@@ -39,24 +67,18 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tens
     mismatch_abs_logprob_diff_max: max |trainer - engine|.
     group: all-reduce sums and extremes over this process group (the data-parallel group).
     """
-    mask = mask.bool()
-    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)  # [B, T] float64
-    ratio = torch.exp(log_ratio)
-    sums = torch.stack([mask.sum().double(), zero_off_mask(torch.expm1(log_ratio) - log_ratio, mask).sum(),
-                        zero_off_mask(ratio, mask).sum()])
-    # Extremes through one MAX all-reduce: the minimum as the maximum of its negation.
-    extremes = torch.stack([torch.where(mask, ratio, -math.inf).max(), torch.where(mask, -ratio, -math.inf).max(),
-                            torch.where(mask, log_ratio.abs(), -math.inf).max()])
+    totals = mismatch_sums(trainer_logprobs, engine_logprobs, mask)
     if group is not None:
+        sums = torch.stack([totals[key] for key in ("mismatch_tokens", "mismatch_kl_sum", "mismatch_ratio_sum")])
+        # Extremes through one MAX all-reduce: the minimum as the maximum of its negation.
+        extremes = torch.stack([totals["mismatch_ratio_max"], -totals["mismatch_ratio_min"],
+                                totals["mismatch_abs_logprob_diff_max"]])
         dist.all_reduce(sums, group=group)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    tokens, kl_sum, ratio_sum = sums.tolist()
-    if tokens == 0:
-        raise ValueError("mismatch_metrics: the mask is empty; there is no response token to compare")
-    ratio_max, negative_ratio_min, abs_diff_max = extremes.tolist()
-    return {"mismatch_kl": kl_sum / tokens, "mismatch_ratio_mean": ratio_sum / tokens,
-            "mismatch_ratio_max": ratio_max, "mismatch_ratio_min": -negative_ratio_min,
-            "mismatch_abs_logprob_diff_max": abs_diff_max}
+        totals = {"mismatch_tokens": sums[0], "mismatch_kl_sum": sums[1], "mismatch_ratio_sum": sums[2],
+                  "mismatch_ratio_max": extremes[0], "mismatch_ratio_min": -extremes[1],
+                  "mismatch_abs_logprob_diff_max": extremes[2]}
+    return metrics_from_sums(totals)
 
 
 @torch.no_grad()

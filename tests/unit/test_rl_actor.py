@@ -392,6 +392,59 @@ def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process,
     assert metrics["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
 
 
+def response_length_reward(prompt, response_text: str) -> float:
+    """A reward that differs between a group's samples (their lengths differ): nonzero advantages."""
+    return float(len(response_text))
+
+
+def test_a_single_update_takes_the_rollout_logprobs_from_its_own_forward(single_process, tiny_policy_and_prompts):
+    """One epoch of one minibatch at a fixed KL of 0: no separate logprob pass. The update's forward runs
+    on the rollout weights, so the step moves the weights as with the recomputed logprobs (up to float
+    rounding), and the engine/trainer mismatch is measured on that forward instead."""
+    from aligner.algorithms.rl_actor import build_rl_actor
+
+    results = {}
+    for own_forward in (True, False):
+        cfg = _tiny_actor_config(tiny_policy_and_prompts, f"own_forward_{own_forward}", "optim.lr=1e-3",
+                                 "kl.init_coef=0.0", "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
+                                 "reward.function=tests.unit.test_rl_actor:response_length_reward",
+                                 f"loss.old_logprobs_from_update={str(own_forward).lower()}")
+        assert cfg.old_logprobs_in_update is own_forward
+        trainer = build_rl_actor(cfg)
+        try:
+            before = [p.detach().clone() for p in trainer.chunks[0].parameters()]
+            metrics = trainer.train_step()
+            after = [p.detach().clone() for p in trainer.chunks[0].parameters()]
+        finally:
+            trainer.router.close()
+            trainer.metrics.close()
+        results[own_forward] = metrics, before, after
+    (own, before, after), (recomputed, _, after_recomputed) = results[True], results[False]
+    assert "time_logprobs" not in own and recomputed["time_logprobs"] > 0
+    assert own["grad_norm"] > 1e-3 and any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert own["grad_norm"] == pytest.approx(recomputed["grad_norm"], rel=1e-5)
+    assert own["loss"] == pytest.approx(recomputed["loss"], rel=1e-5, abs=1e-7)
+    for moved, reference in zip(after, after_recomputed):
+        torch.testing.assert_close(moved, reference, rtol=0, atol=1e-6)
+    assert own["first_ratio_max"] == own["first_ratio_min"] == 1.0
+    for key in ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_ratio_min",
+                "mismatch_abs_logprob_diff_max"):
+        assert own[key] == pytest.approx(recomputed[key], abs=1e-6), key
+    assert own["mismatch_abs_logprob_diff_max"] < 1e-4  # the engine samples in fp32 from the same weights
+
+
+@pytest.mark.parametrize("setting", ["loss.epochs=2", "trainer.global_batch_size=16", "kl.init_coef=0.05",
+                                     "loss.importance_sampling=token", "loss.recompute_old_logprobs=false",
+                                     "loss.disable_dropout=false", "loss.old_logprobs_from_update=false"])
+def test_the_rollout_logprobs_come_from_a_separate_pass_unless_the_step_is_one_update(setting):
+    """Several updates, a KL penalty or importance weights read the rollout policy's logprobs before (or
+    after) the weights move: then they are recomputed in a pass of their own (or, if asked, the engine's)."""
+    single = [*REQUIRED, *FUNCTION_REWARD, "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+              "trainer.global_batch_size=32", "trainer.micro_batch_size=8", "kl.init_coef=0.0"]
+    assert load_config(RLActorConfig, GROUP_YAML, single).old_logprobs_in_update
+    assert not load_config(RLActorConfig, GROUP_YAML, [*single, setting]).old_logprobs_in_update
+
+
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
 def test_without_the_reference_pass_the_advantages_are_the_same_at_kl_coefficient_zero(single_process, estimator):
     cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2",
