@@ -52,6 +52,7 @@ REAL_MODEL_SET = (
     Benchmark("sft_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "sft")),
     Benchmark("dpo_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "dpo")),
     Benchmark("rl_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "rl")),
+    Benchmark("grpo_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "grpo")),
     Benchmark("bf16_vs_fp32", "benchmarks/precision.py", ("--model", "smollm2", "--threads", "{threads}")),
     Benchmark("continuous_batching", "benchmarks/continuous_batching.py",
               ("--model", "smollm2", "--threads", "{threads}")),

@@ -1,7 +1,7 @@
 """Training steps against TRL's trainers at equal work: SFT, DPO and a full RLOO step, steps interleaved.
 
     .venv/bin/python benchmarks/train_steps.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
-        [--task sft|dpo|rl|all] [--steps 4] [--warmup 2] [--work DIR]
+        [--task sft|dpo|rl|grpo|all] [--steps 4] [--warmup 2] [--work DIR]
 
 Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of
 it) on the same records with the settings of one `peer.workload.Workload` (what is matched and what is not
@@ -28,11 +28,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from peer.protocol import Worker, run_interleaved, step_ratio  # noqa: E402
-from peer.workload import TASKS, default_workload, write_data  # noqa: E402
+from peer.workload import RL_TASKS, TASKS, default_workload, write_data  # noqa: E402
 
 TOY_DIR = REPO_ROOT / ".cache" / "bench" / "toy-demo"
 PEER_SETUP = REPO_ROOT / "benchmarks" / "peer" / "setup.sh"
-RATIO_NAMES = {"sft": "sft_step_vs_trl", "dpo": "dpo_step_vs_trl", "rl": "rloo_step_vs_trl"}
+RATIO_NAMES = {"sft": "sft_step_vs_trl", "dpo": "dpo_step_vs_trl", "rl": "rloo_step_vs_trl",
+               "grpo": "grpo_step_vs_trl"}
 
 
 def peer_python() -> Path:
@@ -89,13 +90,13 @@ def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: 
 
     print(f"{task}: {resolved.spec}, global batch {work.global_batch_size}, micro batch {work.micro_batch_size}, "
           + (f"{work.prompts_per_step} prompts x {work.samples_per_prompt} samples x {work.max_new_tokens} new "
-             "tokens, " if task == "rl" else f"up to {work.max_seq_length} tokens, ")
+             "tokens, " if task in RL_TASKS else f"up to {work.max_seq_length} tokens, ")
           + f"fp32, {work.threads} threads, {work.steps} timed steps after {work.warmup_steps} warm-up; "
           f"load {load_before:.2f}->{load_after:.2f}")
     for name, result in (("ours", our_result), ("trl", peer_result)):
         timed = result.seconds[work.warmup_steps:]
         print(f"  {name:<5} step {statistics.median(timed):8.3f} s (min {min(timed):.3f}, max {max(timed):.3f})  "
-              f"{'generated' if task == 'rl' else 'trained'} tokens/step {statistics.median(result.tokens):7.0f}  "
+              f"{'generated' if task in RL_TASKS else 'trained'} tokens/step {statistics.median(result.tokens):7.0f}  "
               f"peak RSS {result.peak_rss_mb:6.0f} MB")
     shares = our_result.figures[work.warmup_steps:]
     if shares and shares[0]:  # the RL actor's phases, as shares of its step (median over the timed steps)

@@ -76,6 +76,8 @@ class DPOObjective:
     into rows of packing.row_length (default: the batch's padded length); None: padded rows.
     """
 
+    reads_logits_at_positions = True  # the responses only: the output layer runs there
+
     def __init__(self, dpo: DPOSection, vocab_size: int, packing: Optional[PackingSection] = None, pad_id: int = 0):
         check_dpo_section(dpo)
         self.dpo = dpo

@@ -425,6 +425,8 @@ class PolicyObjective:
     sum(policy terms) / N_policy + coef * sum(PTX terms) / N_ptx at any layout.
     """
 
+    reads_logits_at_positions = True  # response (and PTX loss) positions only: the output layer runs there
+
     def __init__(self, vocab_size: int, temperature: float, loss: LossSection, clip_high: float,
                  constant_normalizer: float, ptx_coef: float):
         self.vocab_size = vocab_size
@@ -996,15 +998,17 @@ class RLActor:
         return SimpleNamespace(tokens=self.gather_rows(batch.tokens),
                                prompt_lengths=self.gather_rows(batch.prompt_lengths),
                                response_lengths=self.gather_rows(batch.response_lengths),
-                               mask=self.gather_rows(batch.mask),
-                               engine_logprobs=self.gather_rows(batch.engine_logprobs))
+                               mask=self.gather_rows(batch.mask))
 
     def all_ranks_experience(self, experience: Experience) -> Experience:
         """What the policy update reads of `experience`, for every rank's rollouts (`all_ranks_rows`)."""
         from dataclasses import replace
 
         weights, old_logprobs = experience.importance_weights, experience.old_logprobs
-        return replace(experience, batch=self.all_ranks_rows(experience.batch),
+        rows = self.all_ranks_rows(experience.batch)
+        if old_logprobs is None:  # the update measures the mismatch against the engine's
+            rows.engine_logprobs = self.gather_rows(experience.batch.engine_logprobs)
+        return replace(experience, batch=rows,
                        old_logprobs=None if old_logprobs is None else self.gather_rows(old_logprobs),
                        advantages=self.gather_rows(experience.advantages),
                        importance_weights=None if weights is None else self.gather_rows(weights))

@@ -34,7 +34,8 @@ class SFTConfig(RunConfig):
 def response_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int):
     """Summed next-token cross entropy over response tokens, and their count.
 
-    logits: [batch, seq, vocab_shard] (tensor-parallel shard); labels, loss_mask: [batch, seq].
+    logits: [batch, seq, vocab_shard] (tensor-parallel shard) or the model's `HiddenStates`; labels,
+    loss_mask: [batch, seq].
     Returned as (loss_sum, num_tokens) so megatron normalises by the token count of the whole
     global batch (across micro batches and data-parallel ranks): the loss is then the same
     whatever the parallel layout or micro-batch split.
@@ -51,6 +52,8 @@ def response_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: t
 
 class SFTObjective:
     """Mean next-token loss over the response tokens of the global batch."""
+
+    reads_logits_at_positions = True  # the loss positions only: the output layer runs there
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

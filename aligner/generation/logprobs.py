@@ -211,7 +211,8 @@ def selected_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy), each [n] float32 and differentiable, at n distinct positions of the logits.
 
-    logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard of the padded vocabulary;
+    logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard of the padded vocabulary, or the
+    model's `HiddenStates` (the output layer is then applied at these positions only);
     rows, columns: [n] long, the positions, each at most once; targets: [n] long, the token whose
     logprob is taken at each (its logits being those of the position). Both are those of
     softmax(logits / temperature) over the real vocabulary (`mask_padded_vocab`). Equal to megatron's
@@ -221,11 +222,17 @@ def selected_logprobs_and_entropy(
     """
     from megatron.core import parallel_state as ps
 
-    shard = logits.shape[-1]
+    from aligner.models.layers import HiddenStates
+
+    positions = rows * logits.shape[1] + columns
+    if isinstance(logits, HiddenStates):  # the output layer on these positions only, in their order
+        flat_logits = logits.logits_at(positions)
+        positions = torch.arange(len(positions), device=flat_logits.device)
+    else:
+        flat_logits = logits.reshape(-1, logits.shape[-1])  # a view: the model's logits are contiguous
+    shard = flat_logits.shape[-1]
     vocab_start = ps.get_tensor_model_parallel_rank() * shard
     first_padded = min(max(vocab_size - vocab_start, 0), shard)
-    flat_logits = logits.reshape(-1, shard)  # a view: the model's logits are contiguous
-    positions = rows * logits.shape[1] + columns
     chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
     return _SelectedLogprobsAndEntropy.apply(flat_logits, positions, targets, vocab_start, first_padded,
                                              float(temperature), chunk_tokens, _tensor_parallel_group(), with_entropy)
@@ -311,6 +318,7 @@ def sequence_logprobs(
     from megatron.core import parallel_state as ps
 
     from aligner.models.forward import run_microbatches
+    from aligner.models.layers import forward_deferred
 
     batch, seq = tokens.shape
     width = int(response_lengths.max()) if response_width is None else response_width
@@ -331,7 +339,9 @@ def sequence_logprobs(
         parts = []
         for start in range(0, batch, rows_per_microbatch):
             rows = slice(start, start + rows_per_microbatch)
-            parts.append(logprobs_of(rows, model_chunks[0](tokens[rows], positions[rows], None)))
+            output = forward_deferred(model_chunks[0], lambda model, part: model(tokens[part], positions[part], None),
+                                      rows)
+            parts.append(logprobs_of(rows, output))
         return torch.cat(parts)
 
     # The interleaved (virtual pipeline) schedule needs a multiple of PP micro batches: repeat the
@@ -353,7 +363,7 @@ def sequence_logprobs(
         return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
     run_microbatches(model_chunks, microbatches, forward_fn, loss_fn, forward_only=True,
-                     seq_length=seq, micro_batch_size=rows_per_microbatch)
+                     seq_length=seq, micro_batch_size=rows_per_microbatch, defer_output_layer=True)
     result = torch.cat(captured)[:batch] if captured else torch.empty(batch, width, device=device)
     dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     return result

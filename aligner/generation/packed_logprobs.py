@@ -33,7 +33,7 @@ def response_logprobs_and_entropy(
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs.response_logprobs_and_entropy` of the sequences of packed rows, read in place from
-    the packed logits [R, L, vocab_shard] (no per-sequence copy): [N, response_width] each, 0 after
+    the packed logits [R, L, vocab_shard] or `HiddenStates` (no per-sequence copy): [N, response_width] each, 0 after
     each response's end."""
     device = logits.device
     row_length = logits.shape[1]
@@ -65,10 +65,12 @@ def packed_sequence_logprobs(
 ) -> torch.Tensor:
     """Response logprobs [N, response_width] of the N sequences of `packed` (on the model's device),
     one forward of the chunk (one pipeline stage: `packs_here`)."""
+    from aligner.models.layers import forward_deferred
+
     model.eval()
     logprobs, _ = response_logprobs_and_entropy(
-        packed_forward(model, packed), packed, prompt_lengths, response_lengths, vocab_size=vocab_size,
-        temperature=temperature, response_width=response_width, with_entropy=False)
+        forward_deferred(model, packed_forward, packed), packed, prompt_lengths, response_lengths,
+        vocab_size=vocab_size, temperature=temperature, response_width=response_width, with_entropy=False)
     return logprobs
 
 

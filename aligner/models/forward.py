@@ -17,15 +17,18 @@ def run_microbatches(
     forward_only: bool,
     seq_length: int,
     micro_batch_size: int,
+    defer_output_layer: bool = False,
 ) -> list[dict]:
     """Run megatron's forward(-backward) schedule over `microbatches`.
 
     forward_fn(model, batch) -> output tensor of the chunk; loss_fn(batch, output) -> the
     (loss_sum, num_tokens, reported) triple megatron expects with per-token loss. Returns the
     reported dicts (only on the last pipeline stage; an empty list elsewhere).
+    defer_output_layer: the last stage's loss_fn gets `layers.HiddenStates` instead of the logits.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from aligner.models.layers import HiddenStates, deferred_output_layer
     from aligner.runtime.distributed import device
 
     target = device()
@@ -34,6 +37,13 @@ def run_microbatches(
     def forward_step(data_iterator, model):
         # Batches are built on the CPU; the model may live on a GPU (a no-op on CPU).
         batch = batch_to_device(next(data_iterator), target)
+        if defer_output_layer:
+            with deferred_output_layer(model) as layer:
+                output = forward_fn(model, batch)
+            if layer is not None:
+                weight = layer.deferred_weight
+                return output, lambda out: loss_fn(batch, HiddenStates(out, layer, weight))
+            return output, lambda out: loss_fn(batch, out)
         output = forward_fn(model, batch)
         return output, lambda out: loss_fn(batch, out)
 

@@ -14,11 +14,14 @@ Where megatron's core does something SDPA does not (attention dropout while trai
 variant, query-key layer scaling, sliding windows) the layer runs megatron's own forward.
 
 `BatchMajorOutputLayer`, GPTModel's output layer computing its logits in [batch, seq] order (no transposed
-copy of the logits and of their gradient).
+copy of the logits and of their gradient), or, inside `deferred_output_layer`, none at all: the model then
+returns its final hidden states (`HiddenStates`) and a loss computes the logits only at the positions it
+reads (response tokens, loss positions), not at prompts and padding.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +73,14 @@ class BatchMajorOutputLayer(ColumnParallelLinear):
     """
 
     batch_major = True
+    deferred = False  # set by `deferred_output_layer`: return the hidden states, batch-major
+    deferred_weight: Optional[torch.Tensor] = None  # the weight GPTModel passed (tied embeddings), for them
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.deferred:
+            object.__setattr__(self, "deferred_weight", weight)  # a plain attribute, not a registered parameter
+            # [s, b, h] -> contiguous [b, s, h], as the [s, b] view GPTModel transposes back without a copy
+            return input_.transpose(0, 1).contiguous().transpose(0, 1), None
         if not self.batch_major or self.sequence_parallel or input_.dim() != 3:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         logits, bias = super().forward(input_.transpose(0, 1).contiguous(), weight=weight,
@@ -84,3 +93,64 @@ def make_output_layer_batch_major(model: torch.nn.Module) -> None:
     `BatchMajorOutputLayer`: the same module and parameters, only its forward differs."""
     if type(model.output_layer) is ColumnParallelLinear:
         model.output_layer.__class__ = BatchMajorOutputLayer
+
+
+class HiddenStates:
+    """A GPT chunk's output inside `deferred_output_layer`: its final hidden states [b, s, h] (or packed
+    rows [R, L, h]) and the output layer not yet applied. `logits_at` runs that layer (the same module,
+    parameters and tensor-parallel function as the full product) on the rows a loss reads."""
+
+    def __init__(self, tensor: torch.Tensor, layer: BatchMajorOutputLayer, weight: Optional[torch.Tensor]):
+        self.tensor, self.layer, self.weight = tensor, layer, weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def new_zeros(self, *size, **kwargs) -> torch.Tensor:
+        return self.tensor.new_zeros(*size, **kwargs)
+
+    def logits_at(self, flat_positions: torch.Tensor) -> torch.Tensor:
+        """[n, vocab_shard] logits at positions of the flattened [b * s] grid (differentiable)."""
+        rows = self.tensor.reshape(-1, self.tensor.shape[-1]).index_select(0, flat_positions)
+        weight = self.layer.weight if self.weight is None else self.weight
+        # A bf16 model's wrapper hands its output over in fp32: the rows go back to the weights' dtype
+        # (exactly: they were computed in it), as the layer would have received them.
+        rows = rows.to(weight.dtype)
+        logits, _ = ColumnParallelLinear.forward(self.layer, rows.unsqueeze(1), weight=self.weight)
+        return logits.squeeze(1)
+
+
+def _output_layer(model: torch.nn.Module) -> Optional[BatchMajorOutputLayer]:
+    from megatron.core.utils import unwrap_model
+
+    layer = getattr(unwrap_model(model), "output_layer", None)
+    return layer if isinstance(layer, BatchMajorOutputLayer) and not layer.sequence_parallel else None
+
+
+@contextlib.contextmanager
+def deferred_output_layer(model: torch.nn.Module) -> Iterator[Optional[BatchMajorOutputLayer]]:
+    """Within the block the chunk's forward skips its output layer and returns the hidden states;
+    yields that layer (None where the chunk has none: an earlier pipeline stage, a reward model, or
+    sequence parallelism, whose layer gathers the sequence first: there the logits come as before)."""
+    layer = _output_layer(model)
+    if layer is None:
+        yield None
+        return
+    layer.deferred = True
+    try:
+        yield layer
+    finally:
+        layer.deferred = False
+
+
+def forward_deferred(model: torch.nn.Module, forward, *args):
+    """forward(model, *args) with the output layer deferred: `HiddenStates` where the chunk has the
+    layer, else the chunk's own output."""
+    with deferred_output_layer(model) as layer:
+        output = forward(model, *args)
+    return output if layer is None else HiddenStates(output, layer, layer.deferred_weight)

@@ -176,7 +176,9 @@ def empty_packed_rows(pad_id: int) -> PackedRows:
 
 def zero_loss(output: torch.Tensor) -> torch.Tensor:
     """The loss of an empty micro batch: exactly 0, with an exactly-zero gradient through the graph."""
-    return output.sum() * 0.0
+    from aligner.models.layers import HiddenStates
+
+    return (output.tensor if isinstance(output, HiddenStates) else output).sum() * 0.0
 
 
 # ----------------------------------------------------------------------------- token budgets

@@ -56,7 +56,9 @@ class Objective(Protocol):
     loss(batch, output) returns (loss_sum, count, report): megatron divides the gradient by the
     count summed over the whole global batch (all micro batches and data-parallel ranks), so the
     loss is a mean over that batch whatever the layout. `report` values are 1-element tensors that
-    are summed the same way and handed to `summarize` to become metrics.
+    are summed the same way and handed to `summarize` to become metrics. An objective whose loss
+    reads the logits at some positions only sets `reads_logits_at_positions = True`: its loss then
+    gets `aligner.models.layers.HiddenStates` on GPT chunks (the output layer applied where it reads).
     """
 
     def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor: ...
@@ -127,6 +129,7 @@ class Trainer:
         reports = run_microbatches(
             self.chunks, microbatches, self.objective.forward, self.objective.loss, forward_only=forward_only,
             seq_length=batch_tokens(microbatches[0]).shape[1], micro_batch_size=batch_tokens(microbatches[0]).shape[0],
+            defer_output_layer=getattr(self.objective, "reads_logits_at_positions", False),
         )
         return reduce_reports(reports)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the `peer` package
 
 from peer.protocol import serve_steps  # noqa: E402
-from peer.workload import Workload, aligner_overrides  # noqa: E402
+from peer.workload import RL_TASKS, Workload, aligner_overrides  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     from aligner.config import CONF_DIR, load_config
 
     yaml_name, overrides = aligner_overrides(work, Path(checkpoint_dir), Path(data), Path(scratch))
-    if work.task == "rl":
+    if work.task in RL_TASKS:
         from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 
         actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))

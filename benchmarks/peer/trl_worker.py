@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the `peer` package
 
 from peer.protocol import WorkerChannel  # noqa: E402
-from peer.workload import Workload, trl_config, trl_reward  # noqa: E402
+from peer.workload import RL_TASKS, Workload, trl_config, trl_reward  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
             channel.ready_then_wait()
 
         def on_step_end(self, args, state, control, **_):
-            if work.task == "rl":  # this step's rollouts x their mean generated length
+            if work.task in RL_TASKS:  # this step's rollouts x their mean generated length
                 lengths = trainer._metrics["train"]["completions/mean_length"]
                 counted["tokens"] = lengths[-1] * work.rollouts_per_step
             channel.step_done(counted["tokens"])
@@ -55,7 +55,7 @@ def main() -> None:
                 channel.wait()
 
     extra = {}
-    if work.task == "rl":
+    if work.task in RL_TASKS:
         import importlib
 
         module_name, _, function_name = work.reward_function.partition(":")
@@ -69,7 +69,7 @@ def main() -> None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             counted["tokens"] += float(mask.sum()) if mask is not None else float(ids.numel())
 
-    if work.task != "rl":
+    if work.task not in RL_TASKS:
         trainer.model.register_forward_pre_hook(count_training_tokens, with_kwargs=True)
     trainer.train()
     channel.finish()

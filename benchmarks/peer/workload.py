@@ -11,8 +11,11 @@ per-device batch x gradient accumulation = our global batch), sequence lengths, 
 schedule, no warm-up, Adam betas/eps, weight decay, grad clip 1.0, dropout off, threads, and for RL:
 prompts per step x samples per prompt, max new tokens (forced: both sides mask the stop token until
 max_new_tokens were generated, so every rollout has the same length), temperature 1, no top-k/top-p,
-KL coefficient 0 (neither side runs a reference pass), one epoch, one optimizer step per rollout step,
-the rollout policy's logprobs recomputed by a forward pass on both sides (TRL's RLOO always does).
+KL coefficient 0 (neither side runs a reference pass), one epoch, one optimizer step per rollout step.
+The rollout policy's logprobs: TRL's RLOOTrainer always recomputes them with a forward pass; TRL's
+GRPOTrainer, on-policy, and our actor (`loss.old_logprobs_from_update`) take them from the update's own
+forward. So `rl` (RLOO) compares each trainer as users run it, TRL doing one forward more, and `grpo`
+(GRPO: group mean and std) compares two trainers that both skip that pass.
 DPO: both sides run the reference forward inside every step (TRL's default; ours `reference_logprobs=swap`).
 
 Not matched (cannot be, or does not change the work): the optimizer implementation (torch AdamW vs
@@ -32,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: real_model_memory's filler text
 from real_model_memory import sentence  # noqa: E402
 
-TASKS = ("sft", "dpo", "rl")
+TASKS = ("sft", "dpo", "rl", "grpo")
+RL_TASKS = ("rl", "grpo")  # rl: RLOO
 DATASETS = ("filler", "arithmetic")  # real_model_memory's filler text (real models) | the demo's sums (toy)
 REWARD_FUNCTIONS = {"filler": "peer.workload:vowel_share", "arithmetic": "aligner.demo.arithmetic:score_response"}
 
@@ -62,7 +66,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         # TRL generates one optimizer step's responses at a time (per-device batch x gradient accumulation)
-        if self.task == "rl" and self.rollouts_per_step != self.global_batch_size:
+        if self.task in RL_TASKS and self.rollouts_per_step != self.global_batch_size:
             raise ValueError(f"RL: {self.prompts_per_step} prompts x {self.samples_per_prompt} samples must equal the "
                              f"global batch {self.global_batch_size} (one optimizer step per rollout step)")
         if self.global_batch_size % self.micro_batch_size:
@@ -97,10 +101,10 @@ def default_workload(task: str, steps: int, warmup_steps: int = 2, toy: bool = F
     if task not in TASKS:
         raise ValueError(f"task {task!r}: choose from {TASKS}")
     if toy:
-        sizes = {"sft": (128, 128, 32), "dpo": (64, 64, 32), "rl": (256, 128, 32)}[task]
+        sizes = {"sft": (128, 128, 32), "dpo": (64, 64, 32), "rl": (256, 128, 32), "grpo": (256, 128, 32)}[task]
         return Workload(task, steps, warmup_steps, *sizes, lr=1e-4, prompts_per_step=64, samples_per_prompt=4,
                         max_new_tokens=6, max_prompt_length=8, dataset="arithmetic")
-    sizes = {"sft": (4, 4, 256), "dpo": (2, 2, 256), "rl": (32, 16, 256)}[task]
+    sizes = {"sft": (4, 4, 256), "dpo": (2, 2, 256), "rl": (32, 16, 256), "grpo": (32, 16, 256)}[task]
     return Workload(task, steps, warmup_steps, *sizes)
 
 
@@ -108,7 +112,7 @@ def default_workload(task: str, steps: int, warmup_steps: int = 2, toy: bool = F
 def write_data(work: Workload, directory: Path) -> Path:
     """The task's JSONL, enough distinct records that no step repeats one; returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
-    count = work.total_steps * (work.prompts_per_step if work.task == "rl" else work.global_batch_size) + 8
+    count = work.total_steps * (work.prompts_per_step if work.task in RL_TASKS else work.global_batch_size) + 8
     if work.dataset == "arithmetic":
         records = _arithmetic_records(work.task, count)
     elif work.task == "sft":  # > 256 tokens each: truncated to exactly max_seq_length on both sides
@@ -178,7 +182,8 @@ def aligner_overrides(work: Workload, checkpoint_dir: Path, data: Path, scratch:
                                 f"dpo.beta={work.dpo_beta}", "dpo.reference_logprobs=swap"]
     return "gpt_reinforce_actor.yaml", [
         *common, f"data.prompts={data}", f"data.max_prompt_length={work.max_prompt_length}", "data.shuffle=false",
-        "advantage.estimator=rloo", f"rollout.prompts_per_step={work.prompts_per_step}",
+        f"advantage.estimator={'rloo' if work.task == 'rl' else 'grpo'}",
+        f"rollout.prompts_per_step={work.prompts_per_step}",
         f"rollout.samples_per_prompt={work.samples_per_prompt}", f"generation.max_new_tokens={work.max_new_tokens}",
         f"generation.min_new_tokens={work.max_new_tokens}", "generation.temperature=1.0", "generation.top_k=0",
         "generation.top_p=1.0", f"generation.micro_batch_size={work.rollouts_per_step}", "generation.router=static",
@@ -201,8 +206,10 @@ def trl_config(work: Workload, output_dir: Path) -> tuple[str, dict]:
     if work.task == "dpo":
         return "DPOTrainer", {**common, "max_length": work.max_seq_length, "beta": work.dpo_beta,
                               "precompute_ref_log_probs": False, "disable_dropout": True}
-    return "RLOOTrainer", {**common, "num_generations": work.samples_per_prompt,
-                           "max_completion_length": work.max_new_tokens,
-                           "generation_kwargs": {"min_new_tokens": work.max_new_tokens},
-                           "temperature": 1.0, "top_k": 0, "top_p": 1.0, "beta": 0.0, "num_iterations": 1,
-                           "shuffle_dataset": False, "disable_dropout": True}
+    rl = {**common, "num_generations": work.samples_per_prompt, "max_completion_length": work.max_new_tokens,
+          "generation_kwargs": {"min_new_tokens": work.max_new_tokens}, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+          "beta": 0.0, "num_iterations": 1, "shuffle_dataset": False, "disable_dropout": True}
+    if work.task == "rl":
+        return "RLOOTrainer", rl
+    # token_mean over the batch's response tokens as ours; rewards scaled by the group's std as our grpo
+    return "GRPOTrainer", {**rl, "loss_type": "dapo", "scale_rewards": "group"}

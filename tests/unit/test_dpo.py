@@ -323,6 +323,25 @@ def test_tiny_run_learns_the_preferences_in_both_reference_modes(tmp_path, arith
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
+def test_steps_with_the_output_layer_deferred_equal_steps_on_the_full_logits(tmp_path, arithmetic_tokenizer_dir):
+    """The DPO objective reads the response positions only, so the trainer defers the output layer to them
+    (`reads_logits_at_positions`): three steps give the losses, margins and gradient norms of the same
+    steps with the full logits."""
+    train = write_jsonl(tmp_path / "train.jsonl", arithmetic.preference_records(8, seed=7))
+    runs = {}
+    for deferred in (True, False):
+        trainer = build_dpo_trainer(_run_config(tmp_path / str(deferred), arithmetic_tokenizer_dir, train, "swap"))
+        assert trainer.objective.reads_logits_at_positions
+        trainer.objective.reads_logits_at_positions = deferred
+        batches = trainer.train_loader.iterate(0)
+        runs[deferred] = [trainer.train_step(next(batches)) for _ in range(3)]
+        trainer.metrics.close()
+    for deferred, full in zip(runs[True], runs[False]):
+        for key in ("loss", "grad_norm", "margin", "chosen_reward"):
+            assert deferred[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    assert runs[True][-1]["loss"] < runs[True][0]["loss"]  # the weights moved between the compared steps
+
+
 def test_step_time_counts_the_swapped_in_reference_pass(tmp_path, arithmetic_tokenizer_dir):
     """With dpo.reference_logprobs=swap the reference forward runs while the step's batch is fetched:
     it belongs to the step, so step_time (and tokens/s, MFU) count it, reported as time_data."""

@@ -117,3 +117,51 @@ def test_batch_major_output_layer_equals_megatron(tied):
     assert grads.keys() == expected_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_deferred_output_layer_gives_the_logprobs_and_gradients_of_the_full_logits(tied):
+    """Inside `deferred_output_layer` the model returns its hidden states and the logprob pass applies the
+    output layer at the positions it reads only: the logprobs, entropies and every parameter's gradient
+    equal those computed from the full logits (the weights of a tied model included)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from aligner.generation.logprobs import selected_logprobs_and_entropy
+    from aligner.models.gpt import build_gpt_model
+    from aligner.models.layers import HiddenStates, forward_deferred
+
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=90, make_vocab_size_divisible_by=8,
+                    max_position_embeddings=32, tie_embeddings=tied)
+    model_parallel_cuda_manual_seed(0)
+    model = build_gpt_model(cfg, transformer_config(cfg))
+    generator = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, 90, (3, 12), generator=generator)
+    positions = torch.arange(12).expand(3, 12)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])  # response-like runs of columns, and a lone position
+    columns = torch.tensor([4, 5, 6, 9, 1, 2, 3, 4])
+    targets = tokens[rows, columns + 1]
+    weights = torch.randn(2, 8, generator=generator, dtype=torch.float64).float()
+    results = []
+    for deferred in (False, True):
+        model.zero_grad()
+        if deferred:
+            output = forward_deferred(model, lambda m: m(tokens, positions, None))
+            assert isinstance(output, HiddenStates) and output.shape == (3, 12, 32)
+        else:
+            output = model(tokens, positions, None)
+            assert output.shape == (3, 12, 96)  # the padded vocabulary
+        logprobs, entropy = selected_logprobs_and_entropy(output, rows, columns, targets, vocab_size=90,
+                                                          temperature=0.7, chunk_tokens=3)
+        (logprobs * weights[0] + entropy * weights[1]).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(),
+                        {name: param.grad.clone() for name, param in model.named_parameters()}))
+    assert not model.output_layer.deferred  # the block put the layer back
+    (logprobs, entropy, grads), (expected, expected_entropy, expected_grads) = results[1], results[0]
+    torch.testing.assert_close(logprobs, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    if not tied:  # the output layer's gradient is nonzero on the targets' rows: the check is not vacuous
+        assert grads["output_layer.weight"][targets].abs().sum() > 0
+

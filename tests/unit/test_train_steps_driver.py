@@ -119,8 +119,12 @@ def test_both_sides_settings_come_from_one_workload(tmp_path):
             assert float(ours["dpo.beta"]) == peer["beta"] == 0.25
             # both sides run the reference forward inside every step
             assert ours["dpo.reference_logprobs"] == "swap" and peer["precompute_ref_log_probs"] is False
+        if task == "grpo":  # both take the rollout policy's logprobs from the update's forward
+            assert trainer_name == "GRPOTrainer" and ours["advantage.estimator"] == "grpo"
+            assert peer["scale_rewards"] == "group" and peer["loss_type"] == "dapo"
         if task == "rl":
             assert trainer_name == "RLOOTrainer" and ours["advantage.estimator"] == "rloo"
+        if task in workload.RL_TASKS:
             assert int(ours["rollout.samples_per_prompt"]) == peer["num_generations"] == 3
             assert (int(ours["generation.max_new_tokens"]) == int(ours["generation.min_new_tokens"])
                     == peer["max_completion_length"] == peer["generation_kwargs"]["min_new_tokens"] == 24)
@@ -156,7 +160,7 @@ def test_the_data_is_one_file_in_the_conversational_form(tmp_path):
         work = workload.default_workload(task, steps=2, warmup_steps=1, toy=toy)
         records = [json.loads(line) for line in workload.write_data(work, tmp_path / f"{task}{toy}").read_text()
                    .splitlines()]
-        per_step = work.prompts_per_step if task == "rl" else work.global_batch_size
+        per_step = work.prompts_per_step if task in workload.RL_TASKS else work.global_batch_size
         assert len(records) >= work.total_steps * per_step
-        key = {"sft": "messages", "dpo": "chosen", "rl": "prompt"}[task]
+        key = {"sft": "messages", "dpo": "chosen", "rl": "prompt", "grpo": "prompt"}[task]
         assert all(isinstance(record[key], list) and record[key][0]["content"] for record in records)
