@@ -3,9 +3,11 @@ swapped into the live model chunks for a pass, then swapped out again.
 
 PPO's actor holds its reference policy this way (NeMo-Aligner's CPU-offloaded reference), DPO can
 compute reference logprobs the same way, and the critic server's combined mode swaps reward-model
-weights into the critic. The swap exchanges parameter *values* in place, so everything that holds
-references to the parameters (DDP buffers, the optimizer, the generation engine) stays valid, and
-swapping back restores the training weights bit for bit.
+weights into the critic. The Parameter objects stay, so everything that holds them (DDP, the optimizer,
+the modules, the generation engine) stays valid, and swapping back restores the training weights bit
+for bit. Where the stored copy lives on the parameter's own device (a CPU run: host memory is the
+model's memory) the two tensors are exchanged (`param.data`), which copies nothing; a GPU model
+exchanges values with its host copy, one parameter's worth of device memory at a time.
 
     reference = HostWeights.snapshot(chunks)        # e.g. right after loading the initial policy
     with reference.swapped_in(chunks):
@@ -18,9 +20,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from aligner.runtime.cpu_bridge import mark_written
 from aligner.runtime.distributed import host_copy
-
-SWAP_SLICE_ELEMENTS = 1 << 18  # per slice of a CPU exchange: 1 MiB of fp32, in cache between its copies
 
 
 def named_parameters(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -61,13 +62,18 @@ class HostWeights:
             if self.tensors[name].shape != param.shape:
                 raise ValueError(f"{name}: stored shape {tuple(self.tensors[name].shape)} != model shape "
                                  f"{tuple(param.shape)}")
-        scratch: dict[torch.dtype, torch.Tensor] = {}
         for name, param in named:
             stored = self.tensors[name]
-            if param.device.type == "cpu" and param.is_contiguous() and stored.is_contiguous():
-                if param.dtype not in scratch:
-                    scratch[param.dtype] = torch.empty(SWAP_SLICE_ELEMENTS, dtype=param.dtype)
-                _exchange_in_slices(param.view(-1), stored.view(-1), scratch[param.dtype])
+            if stored.device == param.device and stored.dtype == param.dtype:
+                # One memory: exchange the tensors, not their values (the DPO reference swap of SmolLM2
+                # copied 538 MB each way, twice a step). `.data =` keeps the parameter's autograd state
+                # (DDP's gradient hooks; `set_` would lose them) and its version counter, which an
+                # in-place write to an empty slice then moves on, as a copy would: caches keyed by it
+                # (the engine's packed weights) see the change.
+                live = param.data
+                param.data = stored
+                mark_written(param)
+                self.tensors[name] = live
             else:
                 live = param.clone()  # one parameter's worth of device memory at a time
                 param.copy_(stored)
@@ -83,14 +89,3 @@ class HostWeights:
         finally:
             self.exchange(chunks)
 
-
-def _exchange_in_slices(live: torch.Tensor, stored: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Swap the values of two flat CPU tensors through `scratch`, a slice at a time: each value is read and
-    written once per side, and no parameter-sized tensor is allocated (every page of a fresh one faults
-    in, and a clone of the whole model per swap reads and writes it twice more)."""
-    for start in range(0, live.numel(), scratch.numel()):
-        live_slice, stored_slice = live[start:start + scratch.numel()], stored[start:start + scratch.numel()]
-        held = scratch[:live_slice.numel()]
-        held.copy_(live_slice)
-        live_slice.copy_(stored_slice)
-        stored_slice.copy_(held)

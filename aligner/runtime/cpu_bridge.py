@@ -314,6 +314,14 @@ def _onednn_linear_layers(mcore_layers) -> tuple:
 _GLIBC_M_TRIM_THRESHOLD, _GLIBC_M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
 
 
+def mark_written(tensor: torch.Tensor) -> None:
+    """Move the tensor's version counter on, as an in-place write does, without touching its values (an
+    in-place write of an empty slice): for writes torch does not count, so caches keyed by the counter
+    (the native engine's packed weights) see them."""
+    with torch.no_grad():
+        tensor.narrow(0, 0, 0).zero_()
+
+
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc serve every allocation from its heap and keep freed memory there (no mmap per
     large block, no trimming below 2 GiB of free space at the top of the heap). Returns whether it applied

@@ -116,14 +116,29 @@ def use_fused_adam_on_cpu(optimizer) -> None:
     Without transformer-engine or apex megatron builds torch's AdamW, whose default on CPU tensors is the
     single-tensor loop (a dozen elementwise passes over every parameter, each a separate kernel); the fused
     kernel makes one pass per tensor with the same update (equal to fp32 rounding) and no extra memory.
+    That kernel (torch 2.13, CPU) does not move the parameters' version counters: a step hook does, so
+    caches keyed by them (the native engine's packed weights, which SPIN's self-play reads) see the update.
     """
+    from aligner.runtime.cpu_bridge import mark_written
+
+    def mark_fused_groups_written(inner, args, kwargs) -> None:
+        for group in inner.param_groups:
+            if group.get("fused"):
+                for param in group["params"]:
+                    mark_written(param)
+
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(wrapper, "optimizer", None)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
+        fused = False
         for group in inner.param_groups:
             if all(param.device.type == "cpu" for param in group["params"]):
                 group["fused"], group["foreach"] = True, False
+                fused = True
+        if fused and not getattr(inner, "_aligner_marks_written", False):
+            inner.register_step_post_hook(mark_fused_groups_written)
+            inner._aligner_marks_written = True
 
 
 def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_steps: int,

@@ -532,10 +532,14 @@ def test_packed_weights_give_the_float64_products(rows):
                                rtol=0, atol=1e-5)
 
 
-def test_fp32_optimizer_step_bumps_every_parameters_version_counter():
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_fp32_optimizer_step_bumps_every_parameters_version_counter(fused):
     """The native engine remakes its packed weight copies (pack_weights) for weights whose version
-    counter moved: megatron's fp32 optimizer on CPU must update every parameter through it."""
+    counter moved: megatron's fp32 optimizer on CPU must update every parameter through it, also with
+    torch's fused kernel (which does not count its writes: `use_fused_adam_on_cpu` marks them)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from aligner.training.setup import use_fused_adam_on_cpu
 
     ddp_model = _wrap_ddp(_tiny_gpt(seed=2))
     optimizer = get_megatron_optimizer(
@@ -543,6 +547,9 @@ def test_fp32_optimizer_step_bumps_every_parameters_version_counter():
                         use_distributed_optimizer=False),
         [ddp_model],
     )
+    if fused:
+        use_fused_adam_on_cpu(optimizer)
+        assert all(group["fused"] for group in optimizer.optimizer.param_groups)
     ddp_model.config.grad_scale_func = optimizer.scale_loss
     _schedule_forward_backward(ddp_model, _microbatches(valid_tokens=(24, 24), seed=4))
     params = list(ddp_model.module.parameters())

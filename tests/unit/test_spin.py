@@ -167,11 +167,15 @@ def _tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, name: str, *ove
     ])
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, arithmetic_tokenizer_dir, monkeypatch):
+@pytest.mark.parametrize("mode", ["swap", "precompute"])
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, arithmetic_tokenizer_dir, monkeypatch, mode):
+    """Also the check that the second iteration's self-play samples the weights trained in the first (the
+    resumed run builds its engine afresh; the uninterrupted one must see the optimizer's writes)."""
     import aligner.algorithms.spin as spin_module
 
+    reference = f"spin.reference_logprobs={mode}"
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
-    whole = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "whole"))
+    whole = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "whole", reference))
     whole.fit()
     whole.trainer.metrics.close()
 
@@ -186,7 +190,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, arithmetic_tokeni
         return real_self_play(*args, **kwargs)
 
     monkeypatch.setattr(spin_module, "self_play_pairs", crash_at_second_iteration)
-    first = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "interrupted"))
+    first = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "interrupted", reference))
     with pytest.raises(RuntimeError, match="simulated crash"):
         first.fit()
     first.trainer.metrics.close()
@@ -194,7 +198,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, arithmetic_tokeni
     monkeypatch.setattr(spin_module, "self_play_pairs", real_self_play)
 
     resumed = build_spin_run(_tiny_spin_config(tmp_path, arithmetic_tokenizer_dir, train, "interrupted",
-                                               f"logging.log_dir={tmp_path / 'resumed'}"))
+                                               f"logging.log_dir={tmp_path / 'resumed'}", reference))
     assert resumed.trainer.step == 3
     resumed.fit()
     resumed.trainer.metrics.close()

@@ -51,3 +51,17 @@ def test_other_layout_is_refused(single_process):
     stored = HostWeights.snapshot([other])
     with pytest.raises(ValueError, match="different model layout"):
         stored.exchange([_model(1)])
+
+
+def test_on_one_memory_the_swap_exchanges_the_tensors_and_copies_nothing(single_process):
+    """CPU: the stored copy lives in the model's own memory, so the parameters take the stored tensors
+    themselves (no 538 MB of SmolLM2 copied each way), and the store takes the live ones."""
+    policy, reference = _model(1), _model(2)
+    stored = HostWeights.snapshot([reference])
+    stored_pointers = [tensor.data_ptr() for tensor in stored.tensors.values()]
+    live_pointers = [param.data_ptr() for param in policy.parameters()]
+    with stored.swapped_in([policy]):
+        assert [param.data_ptr() for param in policy.parameters()] == stored_pointers
+        assert [tensor.data_ptr() for tensor in stored.tensors.values()] == live_pointers
+    assert [param.data_ptr() for param in policy.parameters()] == live_pointers
+    assert [tensor.data_ptr() for tensor in stored.tensors.values()] == stored_pointers
