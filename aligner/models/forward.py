@@ -28,7 +28,7 @@ def run_microbatches(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from aligner.models.layers import HiddenStates, deferred_output_layer
+    from aligner.models.layers import HiddenStates, forward_deferred
     from aligner.runtime.distributed import device
 
     target = device()
@@ -37,14 +37,9 @@ def run_microbatches(
     def forward_step(data_iterator, model):
         # Batches are built on the CPU; the model may live on a GPU (a no-op on CPU).
         batch = batch_to_device(next(data_iterator), target)
-        if defer_output_layer:
-            with deferred_output_layer(model) as layer:
-                output = forward_fn(model, batch)
-            if layer is not None:
-                weight = layer.deferred_weight
-                return output, lambda out: loss_fn(batch, HiddenStates(out, layer, weight))
-            return output, lambda out: loss_fn(batch, out)
-        output = forward_fn(model, batch)
+        output = forward_deferred(model, forward_fn, batch) if defer_output_layer else forward_fn(model, batch)
+        if isinstance(output, HiddenStates):  # the schedule passes tensors: the loss gets them back wrapped
+            return output.tensor, lambda out: loss_fn(batch, HiddenStates(out, output.layer, output.weight))
         return output, lambda out: loss_fn(batch, out)
 
     # With a virtual pipeline every chunk consumes the same micro batches through its own iterator.
