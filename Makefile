@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model lint test test-fast test-faults demo bench bench-toy clean
+.PHONY: install real-model lint test test-fast test-faults test-gpu demo bench bench-toy clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ demo: install
 # The real-model set (SmolLM2-135M): each comparison ends as a `ratio NAME VALUE` line (peer or floor time / ours).
 bench: install real-model
 	OMP_NUM_THREADS=2 $(PY) benchmarks/run_bench.py --set real --threads 2
+
+# On a GPU machine: the tests marked gpu (skipped elsewhere) and the GPU benchmarks, into one report.
+# It uses the machine's own Python (GPU_PYTHON=python3), whose CUDA torch the CPU venv must not replace.
+test-gpu:
+	GPU_PYTHON=$${GPU_PYTHON:-python3} bash benchmarks/test_gpu.sh results/gpu_report.txt
 
 # The toy-sized benchmarks (4 layers x 128): per-call overheads.
 bench-toy: install

@@ -105,6 +105,50 @@ def _on_rank0(work: Callable[[], Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------- meta
+# How megatron's distributed optimizer (GPU) lays out its state in a checkpoint. Its 0.16.1 default,
+# 'fully_sharded_model_space', writes flattened ShardedTensors that the same version's
+# dist_checkpointing refuses at save (seen on an H100). 'fully_reshardable' stores each parameter's
+# state at its full shape, so a checkpoint reloads at another TP/PP/DP layout as on CPU. Other
+# optimizers ignore the key.
+OPTIMIZER_STATE_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _prepare_distributed_optimizer_load(optimizer) -> None:
+    """Bridge two gaps of megatron-core 0.16.1's distributed optimizer (GPU) on torch's Adam (no apex /
+    transformer-engine), both seen on an H100 when a run resumes.
+
+    - Laying out the state to load reads each parameter's Adam 'step' (`assert len(steps) == 1`), which
+      torch creates only at the first step, and a resumed run has taken none: zero state is made here
+      (loading overwrites all of it).
+    - Loading the 'fully_reshardable' format copies every key of a parameter's optimizer state from the
+      checkpoint, 'step' included, which that format does not store per parameter (`KeyError: 'step'`):
+      the copy keeps the parameter's own step here (megatron sets it from the common state before).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, DistributedOptimizer) or getattr(part, "_aligner_load_prepared", False):
+            continue
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+        copy_states = part._set_main_param_and_optimizer_states
+
+        def copy_states_keeping_step(model_param, tensors, part=part, copy_states=copy_states):
+            group_index, group_order = part.model_param_group_index_map[model_param]
+            main_param = part.optimizer.param_groups[group_index]["params"][group_order]
+            step = part.optimizer.state[main_param].get("step")
+            if "step" not in tensors and step is not None:
+                tensors = {**tensors, "step": step}
+            copy_states(model_param, tensors)
+
+        part._set_main_param_and_optimizer_states = copy_states_keeping_step
+        part._aligner_load_prepared = True
+
+
 def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
     """Sharded state dict of the (possibly virtual-pipeline) model chunks, DDP wrappers unwrapped."""
     from megatron.core.utils import unwrap_model
@@ -393,7 +437,7 @@ def save(
     model_state = model_sharded_state_dict(model_chunks)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_STATE_FORMAT)
     if save_rng:
         state["rng_state"] = ShardedObject("rng_state", seeds.rng_state(), (_world(),), (_rank(),), replica_id=0)
     tensor_bytes, needed = _state_bytes(state)
@@ -471,7 +515,9 @@ def load(
     if optimizer is not None:
         if not meta.get("has_optimizer"):
             raise CheckpointError(f"{checkpoint_dir} has no optimizer state; it cannot resume a training run")
-        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
+        _prepare_distributed_optimizer_load(optimizer)
+        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                            metadata=OPTIMIZER_STATE_FORMAT)
     same_layout = meta["parallel"] == _parallel_layout()
     load_rng = load_rng and meta.get("has_rng_state", False) and same_layout
     if load_rng:

@@ -1,7 +1,8 @@
 """Native generation engine vs Hugging Face `generate` on the identical model, in one process.
 
 Our side is an aligner checkpoint loaded as the entry points load it (megatron chunks + NativeEngine);
-HF's side is the same weights as an HF directory loaded by transformers in fp32. Without --model
+HF's side is the same weights as an HF directory loaded by transformers, both in --precision (fp32 by
+default). Without --model
 both come from one random toy model (saved and exported with `aligner.hf.convert.export_hf`); with
 --model they come from `benchmarks/models.py`'s `resolve_model` (an HF dir, a .gguf file, an aligner
 checkpoint or `smollm2`) and the prompts are windows of an English text, tokenised. Logits are
@@ -12,17 +13,23 @@ gets exactly --new-tokens tokens, so both do the same work.
 Per side and batch size, `generate` is timed with --new-tokens tokens and with one token (prefill +
 first token); decode ms/step = (t_N - t_1) / (N - 1). Sides alternate repeat by repeat; ratios are
 medians of per-pair ratios (see README.md). The floor of a decode step is the larger of its FLOPs
-over the fp32 matmul rate and its bytes (weights + KV cache) over the read rate, both rates measured
-in this run (benchmarks/machine.py).
+over the matmul rate in the model's dtype and its bytes (weights + KV cache, at that dtype's element
+size) over the read rate, both rates measured in this run (benchmarks/machine.py).
 
     python benchmarks/generation.py [--model SPEC] [--batches 1,8,32,64] [--prompt-tokens 16]
         [--new-tokens 64] [--greedy] [--repeats N] [--threads 2] [--arch llama] [--static-decode]
+        [--precision fp32|bf16] [--cuda-graphs | --compare-graphs]
+        [--layers 16 --hidden 2048 --heads 32 --query-groups 8 --ffn 8192 --vocab 32000]
 
 --static-decode times the engine's static decode step (whole cache, masked: what CUDA graphs
 capture on a GPU) instead of the default one, to show what it costs on this machine.
 --no-pack-weights runs the engine with pack_weights=False (on CPU in fp32 its products then read the
 weights as they are instead of oneDNN-packed copies); the run reports what a refit, which repacks
 every weight, costs.
+--cuda-graphs builds the engine with cuda_graphs=True (GPU only). --compare-graphs (GPU only) times the
+engine without and with CUDA graphs (two engines on the same model) and HF, the three alternating repeat
+by repeat, and adds per batch size each one's decode bandwidth as a share of the measured read (HBM)
+rate (a step's bytes / its time / the read rate) and `gpu_decode_*` ratio lines.
 """
 from __future__ import annotations
 
@@ -99,7 +106,7 @@ def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
     weights = [linear.product for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
     weights.append(segment.output_product)
     device = segment.output_weight.device
-    inputs = [torch.randn(batch, w.shape[1], device=device).t() for w in weights]
+    inputs = [torch.randn(batch, w.shape[1], device=device, dtype=segment.output_weight.dtype).t() for w in weights]
     product = (cpu_products.weight_times_columns if cpu_products.supported(device, segment.output_weight.dtype)
                else torch.mm)
 
@@ -124,8 +131,11 @@ class Sides:
     tokenizer: Optional[object] = None  # aligner.tokenizer.Tokenizer of a real model; None: random prompts
 
 
-def build_toy_sides(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int) -> Sides:
-    """A random megatron model and its HF export, sharing identical weights."""
+def build_toy_sides(arch: str, work: Path, layers: int, hidden: int, heads: int, vocab: int, max_len: int,
+                    query_groups: Optional[int] = None, ffn: Optional[int] = None,
+                    dtype: torch.dtype = torch.float32) -> Sides:
+    """A random megatron model and its HF export, sharing identical weights in dtype.
+    query_groups, ffn: None for the architecture's defaults (no GQA, 4 x hidden)."""
     import transformers
 
     from aligner import checkpointing
@@ -133,17 +143,19 @@ def build_toy_sides(arch: str, work: Path, layers: int, hidden: int, heads: int,
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 
     factory = GPTConfig.gpt2 if arch == "gpt2" else GPTConfig.llama
-    cfg = factory(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
-                  max_position_embeddings=max_len)
-    model = build_gpt_model(cfg, transformer_config(cfg)).eval()
+    cfg = factory(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=query_groups,
+                  ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_len)
+    # megatron makes its norm weights fp32 whatever params_dtype; in dtype they equal HF's (as under the
+    # trainer's bf16 wrapper)
+    model = build_gpt_model(cfg, transformer_config(cfg, params_dtype=dtype)).to(dtype).eval()
     checkpointing.save(work / "ckpt", [model], model_config=cfg.to_dict())
     export_hf(work / "ckpt", work / "hf", arch=arch)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(work / "hf"), dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(work / "hf"), dtype=dtype).eval()
     return Sides(cfg, model, hf_model, f"random {arch}-style toy model")
 
 
-def load_sides(spec: str, cache_dir: Optional[Path] = None) -> Sides:
-    """Both sides of a real model: our checkpoint loaded as chat.py loads it, HF's directory in fp32.
+def load_sides(spec: str, cache_dir: Optional[Path] = None, dtype: torch.dtype = torch.float32) -> Sides:
+    """Both sides of a real model in dtype: our checkpoint loaded as chat.py loads it, and HF's directory.
     cache_dir: where resolve_model keeps converted copies (None: its default)."""
     import transformers
 
@@ -155,10 +167,10 @@ def load_sides(spec: str, cache_dir: Optional[Path] = None) -> Sides:
 
     resolved = resolve_model(spec, cache_dir or BENCH_CACHE)
     cfg = GPTConfig.from_dict(checkpointing.read_meta(resolved.checkpoint_dir)["model"])
-    chunks = build_model_chunks(cfg, ParallelConfig(), torch.float32)
+    chunks = build_model_chunks(cfg, ParallelConfig(), dtype)
     checkpointing.load(resolved.checkpoint_dir, chunks)
-    model = chunks[0].eval()
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(resolved.hf_dir), dtype=torch.float32).eval()
+    model = chunks[0].to(dtype).eval()  # norm weights too, as HF's (see build_toy_sides)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(resolved.hf_dir), dtype=dtype).eval()
     tokenizer = Tokenizer(resolved.checkpoint_dir / checkpointing.TOKENIZER_DIR)
     return Sides(cfg, model, hf_model, f"{spec} ({resolved.checkpoint_dir.parent.name})", tokenizer)
 
@@ -182,21 +194,28 @@ def logit_difference(sides: Sides, tokens: torch.Tensor) -> tuple[float, float]:
     with torch.no_grad():
         expected = sides.hf_model(tokens).logits.float()
     ours = forward_logits([sides.model], tokens, sides.cfg.vocab_size)
-    return float((ours - expected).abs().max()), float(expected.abs().max())
+    return float((ours.to(expected.device) - expected).abs().max()), float(expected.abs().max())
 
 
-def paired(first: Callable[[], object], second: Callable[[], object], repeats: int,
-           device: torch.device) -> list[tuple[float, float]]:
-    """Seconds of first() and second(), alternated so a burst of load hits both sides of a pair."""
-    pairs = []
+def logit_tolerance(dtype: torch.dtype, logit_scale: float) -> float:
+    """The largest |our logits - HF's| that still means both sides run the same model."""
+    if dtype == torch.float32:
+        return 1e-4 + 1e-5 * logit_scale  # fp32 sums in another order drift with the logits' size
+    # bf16 keeps 8 significant bits, a rounding step of up to 2^-8 of a value; the two sides round at
+    # different places in every layer, so their logits differ by several such steps of the logit scale.
+    # 5% of the scale allows that and still fails a wrong weight or layout, which is off by the scale itself.
+    return 0.05 * logit_scale
+
+
+def alternated(runs: list[Callable[[], object]], repeats: int, device: torch.device) -> list[tuple[float, ...]]:
+    """Seconds of each of runs per repeat, in run order; every other repeat runs them in reverse order,
+    so a burst of load, or a first-in-line cost, hits every side alike."""
+    rounds = []
     for repeat in range(repeats):
-        if repeat % 2:
-            b = timed(second, device)
-            pairs.append((timed(first, device), b))
-        else:
-            a = timed(first, device)
-            pairs.append((a, timed(second, device)))
-    return pairs
+        order = list(range(len(runs)))[::-1 if repeat % 2 else 1]
+        seconds = {index: timed(runs[index], device) for index in order}
+        rounds.append(tuple(seconds[index] for index in range(len(runs))))
+    return rounds
 
 
 @dataclass
@@ -214,9 +233,15 @@ class BatchResult:
     step_bytes: float
     matmuls: float  # seconds of the step's weight products alone
     greedy_rows_equal: Optional[int]  # rows whose greedy tokens agree between the sides (None: sampling)
+    # --compare-graphs: the engine with CUDA graphs, timed in the same rounds (None otherwise)
+    graphs_tokens_per_s: Optional[float] = None
+    graphs_step: Optional[float] = None
+    graphs_tokens_ratio: Optional[float] = None  # median per round of HF time / graphs time
+    graphs_step_ratio: Optional[float] = None  # median per round of HF step / graphs step
 
 
-def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: torch.device) -> BatchResult:
+def time_batch(sides: Sides, engines: list, prompts: list[list[int]], args, device: torch.device) -> BatchResult:
+    """engines: the native engine, then (--compare-graphs) the one with CUDA graphs; all alternate with HF."""
     from aligner.generation.engine import SamplingParams
 
     batch, prompt_length = len(prompts), len(prompts[0])
@@ -224,12 +249,12 @@ def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: tor
 
     last = {}  # each side's latest full-length output, to compare greedy tokens without another run
 
-    def native(new_tokens: int) -> Callable[[], object]:
+    def native(engine, new_tokens: int) -> Callable[[], object]:
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, greedy=args.greedy, fixed_length=True,
                                 seed=1)
 
         def run():
-            last["native", new_tokens] = engine.generate(prompts, params).response_tokens
+            last[id(engine), new_tokens] = engine.generate(prompts, params).response_tokens
         return run
 
     def hf(new_tokens: int) -> Callable[[], object]:
@@ -244,35 +269,48 @@ def time_batch(sides: Sides, engine, prompts: list[list[int]], args, device: tor
             last["hf", new_tokens] = out[:, prompt_length:]
         return run
 
-    for _ in range(args.warmup):  # first-call costs (allocations, BLAS set-up) of both paths
+    for _ in range(args.warmup):  # first-call costs (allocations, BLAS set-up) of every path
         hf(2)()
-        native(2)()
-    full = paired(hf(args.new_tokens), native(args.new_tokens), args.repeats, device)
-    first = paired(hf(1), native(1), args.repeats, device)
+        for engine in engines:  # full length: the KV cache reaches its size (and CUDA graphs are captured for it)
+            native(engine, args.new_tokens)()
+    # per round, seconds of: HF, then each engine
+    full = alternated([hf(args.new_tokens)] + [native(engine, args.new_tokens) for engine in engines],
+                      args.repeats, device)
+    first = alternated([hf(1)] + [native(engine, 1) for engine in engines], args.repeats, device)
     greedy_rows_equal = None
     if args.greedy:
-        ours, theirs = last["native", args.new_tokens].to(device), last["hf", args.new_tokens]
+        ours, theirs = last[id(engines[0]), args.new_tokens].to(device), last["hf", args.new_tokens]
         greedy_rows_equal = int((ours == theirs).all(dim=1).sum())
 
     steps = args.new_tokens - 1
-    hf_step = [(f_hf - o_hf) / steps for (f_hf, _), (o_hf, _) in zip(full, first)]
-    native_step = [(f_n - o_n) / steps for (_, f_n), (_, o_n) in zip(full, first)]
+    step = [[(f[side] - o[side]) / steps for f, o in zip(full, first)] for side in range(1 + len(engines))]
     tokens = batch * args.new_tokens
     context = prompt_length + args.new_tokens / 2
+
+    def side(index: int) -> dict:
+        """Tokens/s and decode step of side index (0: HF), and HF's time and step over its (medians per round)."""
+        return dict(tokens_per_s=statistics.median(tokens / f[index] for f in full),
+                    step=statistics.median(step[index]),
+                    tokens_ratio=statistics.median(f[0] / f[index] for f in full),
+                    step_ratio=statistics.median(h / s for h, s in zip(step[0], step[index])))
+
+    hf_side, native_side = side(0), side(1)
+    graphs = {f"graphs_{key}": value for key, value in side(2).items()} if len(engines) > 1 else {}
     return BatchResult(
         batch=batch,
-        hf_tokens_per_s=statistics.median(tokens / h for h, _ in full),
-        native_tokens_per_s=statistics.median(tokens / n for _, n in full),
-        tokens_ratio=statistics.median(h / n for h, n in full),
-        hf_step=statistics.median(hf_step),
-        native_step=statistics.median(native_step),
-        step_ratio=statistics.median(h / n for h, n in zip(hf_step, native_step)),
-        hf_prefill=statistics.median(h for h, _ in first),
-        native_prefill=statistics.median(n for _, n in first),
+        hf_tokens_per_s=hf_side["tokens_per_s"],
+        native_tokens_per_s=native_side["tokens_per_s"],
+        tokens_ratio=native_side["tokens_ratio"],
+        hf_step=hf_side["step"],
+        native_step=native_side["step"],
+        step_ratio=native_side["step_ratio"],
+        hf_prefill=statistics.median(o[0] for o in first),
+        native_prefill=statistics.median(o[1] for o in first),
         step_flops=decode_step_flops(sides.cfg, batch, context),
         step_bytes=decode_step_bytes(sides.model, sides.cfg, batch, context),
-        matmuls=step_matmuls_seconds(engine, batch, repeats=max(args.repeats, 5)),
+        matmuls=step_matmuls_seconds(engines[0], batch, repeats=max(args.repeats, 5)),
         greedy_rows_equal=greedy_rows_equal,
+        **graphs,
     )
 
 
@@ -310,7 +348,28 @@ def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> lis
     lines += [ratio_line(f"{name}_vs_hf", result.tokens_ratio),
               ratio_line(f"{name}_decode_vs_hf", result.step_ratio),
               ratio_line(f"{name}_vs_floor", floor / result.native_step)]
+    if result.graphs_step is not None:
+        lines += graphs_report(result, read_bytes)
     return lines
+
+
+def graphs_report(result: BatchResult, read_bytes: float) -> list[str]:
+    """--compare-graphs lines of one batch size: the engine with CUDA graphs beside the eager one and HF,
+    and each one's decode bandwidth as a share of the read rate (bytes a step reads / its time / the rate)."""
+    steps = {"hf": result.hf_step, "eager": result.native_step, "graphs": result.graphs_step}
+    share = {side: result.step_bytes / step / read_bytes for side, step in steps.items()}
+    suffix = f"_b{result.batch}"
+    return [
+        f"  CUDA graphs   tokens/s {result.graphs_tokens_per_s:9.1f} (HF time / graphs "
+        f"{result.graphs_tokens_ratio:.2f}x), decode step {result.graphs_step * 1e3:.3f} ms (HF / graphs "
+        f"{result.graphs_step_ratio:.2f}x, eager / graphs {result.native_step / result.graphs_step:.2f}x)",
+        f"  read share    decode step bytes / step time / read rate: HF {share['hf']:.1%}, eager "
+        f"{share['eager']:.1%}, graphs {share['graphs']:.1%}",
+        ratio_line("gpu_decode_eager_vs_hf" + suffix, result.step_ratio),
+        ratio_line("gpu_decode_graphs_vs_hf" + suffix, result.graphs_step_ratio),
+        ratio_line("gpu_decode_graphs_vs_eager" + suffix, result.native_step / result.graphs_step),
+        *(ratio_line(f"gpu_decode_{side}_hbm_share{suffix}", value) for side, value in share.items()),
+    ]
 
 
 def parse_batches(text: str) -> list[int]:
@@ -336,7 +395,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="toy model")
     parser.add_argument("--hidden", type=int, default=128, help="toy model")
     parser.add_argument("--heads", type=int, default=4, help="toy model")
+    parser.add_argument("--query-groups", type=int, default=None, help="toy model's KV heads (default: --heads)")
+    parser.add_argument("--ffn", type=int, default=None, help="toy model's MLP width (default: 4 x --hidden)")
     parser.add_argument("--vocab", type=int, default=256, help="toy model")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="both sides' weights and compute, and the matmul rate of the floor")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed pairs per batch size (medians reported); default 7, with --model 2")
     parser.add_argument("--warmup", type=int, default=2, help="untimed short pairs per batch size")
@@ -347,6 +410,10 @@ def main() -> None:
                         help="run the engine with static_decode=True (the CUDA-graph-capturable step, eagerly)")
     parser.add_argument("--no-pack-weights", action="store_true",
                         help="run the engine with pack_weights=False (products on the weights as they are)")
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", action="store_true", help="run the engine with cuda_graphs=True (GPU only)")
+    graphs.add_argument("--compare-graphs", action="store_true",
+                        help="time the engine without and with CUDA graphs, and HF, alternating (GPU only)")
     args = parser.parse_args()
     real = args.model is not None
     batches = parse_batches(args.batches or ("1,8,32,64" if real else "32"))
@@ -362,45 +429,61 @@ def main() -> None:
 
     from aligner.generation.native import NativeEngine
     from aligner.runtime import distributed, seeds
+    from aligner.runtime.errors import ConfigError
 
     distributed.initialize(distributed.ParallelConfig())
     device = distributed.device()  # the megatron model's device; HF runs on the same one
-    rates_before = MachineRates.measure(device)  # before the models load: its buffer never adds to theirs in the RSS
+    dtype = distributed.resolve_precision(args.precision)
+    # before the models load: its buffer never adds to theirs in the RSS
+    rates_before = MachineRates.measure(device, dtype)
     seeds.set_seed(0)
     max_len = args.prompt_tokens + args.new_tokens
     if real:
-        sides = load_sides(args.model)
+        sides = load_sides(args.model, dtype=dtype)
     else:
         with tempfile.TemporaryDirectory() as scratch:
             sides = build_toy_sides(args.arch, Path(scratch), args.layers, args.hidden, args.heads, args.vocab,
-                                    max(max_len, 64))
+                                    max(max_len, 64), args.query_groups, args.ffn, dtype)
+    sides.model.to(device)  # the toy model is built on the CPU
     sides.hf_model.to(device)
     sides.hf_model.generation_config.eos_token_id = None  # fixed length: nothing stops a row early
     prompts = make_prompts(sides, max(batches), args.prompt_tokens)
     check_tokens = torch.tensor(prompts[:2], device=device)
     logit_diff, logit_scale = logit_difference(sides, check_tokens)
-    tolerance = 1e-4 + 1e-5 * logit_scale  # fp32 sums in another order drift with the logits' size
+    tolerance = logit_tolerance(dtype, logit_scale)
     if logit_diff > tolerance:
         raise SystemExit(f"the HF side does not reproduce our model (max logit diff {logit_diff:.2e} > "
                          f"{tolerance:.1e})")
-    engine = NativeEngine([sides.model], sides.cfg, pad_id=0, eos_id=2, max_batch_size=max(batches),
+    make_engine = partial(NativeEngine, [sides.model], sides.cfg, pad_id=0, eos_id=2, max_batch_size=max(batches),
                           max_sequence_length=max_len, static_decode=args.static_decode,
                           pack_weights=not args.no_pack_weights)
+    try:
+        engines = [make_engine(cuda_graphs=args.cuda_graphs)]
+        if args.compare_graphs:
+            engines.append(make_engine(cuda_graphs=True))
+    except ConfigError as error:  # cuda_graphs on a CPU
+        raise SystemExit(f"{'--compare-graphs' if args.compare_graphs else '--cuda-graphs'}: {error}") from None
+    engine = engines[0]
     refit_seconds = statistics.median([timed(partial(engine.refit, [sides.model]), device) for _ in range(3)])
 
     cfg = sides.cfg
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU, {torch.get_num_threads()} threads")
+    rounds = "rounds (HF, eager, CUDA graphs)" if args.compare_graphs else "pairs"
     print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, {where}; "
-          f"{args.repeats} alternating pairs per batch after {args.warmup} short warm-up pairs", flush=True)
+          f"{args.repeats} alternating {rounds} per batch after {args.warmup} warm-up {rounds}", flush=True)
     print(f"model: {sides.description}: {cfg.num_layers} layers x {cfg.hidden_size} wide, "
           f"{cfg.num_attention_heads} heads ({cfg.query_groups} KV groups), vocab {cfg.vocab_size}, "
-          f"{sum(p.numel() for p in sides.model.parameters()) / 1e6:.1f}M parameters, fp32; "
+          f"{sum(p.numel() for p in sides.model.parameters()) / 1e6:.1f}M parameters, {args.precision}; "
           f"max |logit diff| vs HF {logit_diff:.1e} (logits up to {logit_scale:.1f})")
+    decode_step = "static (whole cache, masked)" if args.static_decode or args.cuda_graphs else "dynamic (default)"
+    if args.cuda_graphs:
+        decode_step += ", replayed from CUDA graphs"
+    elif args.compare_graphs:
+        decode_step += "; and static, replayed from CUDA graphs"
     print(f"work: prompts of {args.prompt_tokens} tokens ({'text windows' if real else 'random ids'}), "
           f"{args.new_tokens} new tokens (fixed length), {'greedy' if args.greedy else 'sampling at temperature 1'}; "
-          f"native decode step: {'static (whole cache, masked)' if args.static_decode else 'dynamic (default)'}",
-          flush=True)
+          f"native decode step: {decode_step}", flush=True)
     packing = (f"products on packed weight copies ({engine.packed_weight_bytes / 1e6:.0f} MB, remade at each refit)"
                if engine.packed_weight_bytes else "products on the weights as they are")
     print(f"engine: {packing}; refit {refit_seconds * 1e3:.0f} ms (median of 3, load {load_average():.2f})",
@@ -408,12 +491,12 @@ def main() -> None:
 
     results = []
     for batch in batches:
-        results.append(time_batch(sides, engine, prompts[:batch], args, device))
+        results.append(time_batch(sides, engines, prompts[:batch], args, device))
         print(f"  batch {batch} timed (load {load_average():.2f})", flush=True)
     peak = describe_peak_rss()  # before the rate buffers below
-    del engine, sides
+    del engine, engines, sides
     gc.collect()
-    rates_after = MachineRates.measure(device)
+    rates_after = MachineRates.measure(device, dtype)
     rates = MachineRates.median([rates_before, rates_after])  # load drifts: before and after the timed work
     for result in results:
         print("\n".join(report(result, rates, step_read_rate(result.step_bytes, rates, device))))

@@ -1,8 +1,9 @@
 """The machine's rates, measured in the same run as the benchmark that divides by them.
 
-Every benchmark that states a floor or a share of the hardware imports these: fp32 matmul rate,
-memory read rate, peak resident memory and the load average. On a shared machine the rates move
-with other jobs, so measure them in the run, before and after the timed work (`MachineRates.median`).
+Every benchmark that states a floor or a share of the hardware imports these: matmul rate (fp32, or
+the dtype a benchmark computes in), memory read rate, peak resident memory and the load average. On a
+shared machine the rates move with other jobs, so measure them in the run, before and after the timed
+work (`MachineRates.median`).
 
     python benchmarks/machine.py [--threads 2]
 """
@@ -19,9 +20,11 @@ from typing import Callable, Optional
 import torch
 
 MATMUL_SIZE = 1024
+GPU_MATMUL_SIZE = 8192  # large enough for a GPU's tensor cores to reach their sustained rate
 DRAM_BUFFER_BYTES = 512 * 2**20  # larger than any CPU's last-level cache here: the DRAM read rate
 GPU_BUFFER_BYTES = 2**30  # larger than an H100/H200 L2 cache: the HBM read rate
 CPU = torch.device("cpu")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def synchronize(device: torch.device) -> None:
@@ -39,13 +42,14 @@ def timed(fn: Callable[[], object], device: torch.device = CPU) -> float:
     return time.perf_counter() - start
 
 
-def matmul_rate(size: int = MATMUL_SIZE, device: torch.device = CPU, repeats: int = 20) -> float:
-    """FLOP/s of a [size, size] x [size, size] fp32 product (median of repeats): through BLAS and, on a
+def matmul_rate(size: int = MATMUL_SIZE, device: torch.device = CPU, repeats: int = 20,
+                dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a [size, size] x [size, size] product in dtype (median of repeats): through BLAS and, on a
     CPU where the project's products run on oneDNN (`aligner.runtime.cpu_products`), through oneDNN too;
     the faster of the two, so a floor never sits below what the project's own products reach."""
     from aligner.runtime import cpu_products
 
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     products = [lambda: a @ b]
     if cpu_products.supported(a.device, a.dtype):
         products.append(lambda: cpu_products.linear(a, b))
@@ -86,23 +90,30 @@ def load_average() -> float:
 
 @dataclass(frozen=True)
 class MachineRates:
-    matmul_flops: float  # FLOP/s of the 1024^3 fp32 product
+    matmul_flops: float  # FLOP/s of the matmul_size^3 product in matmul_dtype
     read_bytes: float  # bytes/s of a summing pass over a buffer larger than the last-level cache
     load: float  # 1-minute load average when measured
+    matmul_dtype: torch.dtype = torch.float32
+    matmul_size: int = MATMUL_SIZE
 
     @staticmethod
-    def measure(device: torch.device = CPU) -> "MachineRates":
-        return MachineRates(matmul_rate(device=device), read_rate(device=device), load_average())
+    def measure(device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> "MachineRates":
+        """The rates on device; the matmul in dtype, GPU_MATMUL_SIZE^3 on a GPU, MATMUL_SIZE^3 on a CPU."""
+        size = GPU_MATMUL_SIZE if device.type == "cuda" else MATMUL_SIZE
+        return MachineRates(matmul_rate(size, device, dtype=dtype), read_rate(device=device), load_average(),
+                            dtype, size)
 
     @staticmethod
     def median(samples: list["MachineRates"]) -> "MachineRates":
         """Per field median of several measurements (e.g. before and after the timed work: load drifts)."""
         return MachineRates(*(statistics.median(getattr(s, name) for s in samples)
-                              for name in ("matmul_flops", "read_bytes", "load")))
+                              for name in ("matmul_flops", "read_bytes", "load")),
+                            samples[0].matmul_dtype, samples[0].matmul_size)
 
     def describe(self) -> str:
         """The `machine:` line every benchmark prints (run_bench.py reads it back)."""
-        return (f"machine: matmul {self.matmul_flops / 1e9:.0f} GFLOP/s (fp32 {MATMUL_SIZE}^3, median), "
+        return (f"machine: matmul {self.matmul_flops / 1e9:.0f} GFLOP/s "
+                f"({DTYPE_NAMES[self.matmul_dtype]} {self.matmul_size}^3, median), "
                 f"read {self.read_bytes / 1e9:.1f} GB/s (sum over {DRAM_BUFFER_BYTES >> 20} MB), "
                 f"load {self.load:.2f}")
 

@@ -6,9 +6,10 @@ floor allows); this script streams their output, collects those lines, and ends 
 the machine's matmul and read rates (measured here before and after), each benchmark's wall time,
 peak RSS and load, and every ratio.
 
-    python benchmarks/run_bench.py [--set real|toy] [--only NAME,...] [--threads 2]
+    python benchmarks/run_bench.py [--set real|toy|gpu] [--only NAME,...] [--threads 2]
 
-`make bench` runs the real-model set, `make bench-toy` the toy set.
+`make bench` runs the real-model set, `make bench-toy` the toy set, `make test-gpu` the GPU set (after the
+tests marked gpu).
 """
 from __future__ import annotations
 
@@ -65,7 +66,19 @@ TOY_SET = (
     Benchmark("ppo_step_toy", "benchmarks/ppo_step.py", ("--threads", "1")),
 )
 
-SETS = {"real": REAL_MODEL_SET, "toy": TOY_SET}
+# The GPU set (`make test-gpu`, after the tests marked gpu): a ~1B Llama-style random model's decode with and
+# without CUDA graphs against transformers, its SFT MFU, and a GRPO step on SmolLM2-135M.
+GPU_1B = ("--layers", "16", "--hidden", "2048", "--heads", "32", "--query-groups", "8", "--ffn", "8192",
+          "--vocab", "32000")
+GPU_SET = (
+    Benchmark("gpu_decode_1b", "benchmarks/generation.py",
+              (*GPU_1B, "--precision", "bf16", "--compare-graphs", "--batches", "1,8,64", "--greedy",
+               "--new-tokens", "128", "--repeats", "3")),
+    Benchmark("gpu_sft_mfu_1b", "benchmarks/gpu_sft_mfu.py"),
+    Benchmark("gpu_grpo_step", "benchmarks/gpu_grpo_step.py", ("--model", "smollm2")),
+)
+
+SETS = {"real": REAL_MODEL_SET, "toy": TOY_SET, "gpu": GPU_SET}
 
 
 @dataclass
@@ -121,14 +134,15 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    rates_before = MachineRates.measure()
+    device = torch.device("cuda" if args.set == "gpu" else "cpu")
+    rates_before = MachineRates.measure(device)
     outcomes, skipped = [], []
     for benchmark in benchmarks:
         if not (REPO_ROOT / benchmark.script).is_file():
             skipped.append(benchmark)
             continue
         outcomes.append(run(benchmark, args.threads))
-    rates_after = MachineRates.measure()
+    rates_after = MachineRates.measure(device)
 
     print(f"\n=== summary ({args.set} set, {args.threads} threads)")
     print(f"before: {rates_before.describe()}")

@@ -38,6 +38,17 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 60
     return result.stdout
 
 
+@pytest.fixture(scope="module")
+def single_process():
+    """megatron's parallel state in this one process (TP=PP=DP=1; gloo on CPU, nccl on a GPU)."""
+    from aligner.runtime import distributed, seeds
+
+    distributed.initialize(distributed.ParallelConfig())
+    seeds.set_seed(0)
+    yield
+    distributed.shutdown()
+
+
 @pytest.fixture
 def torchrun():
     return run_torchrun

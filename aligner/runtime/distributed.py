@@ -72,7 +72,11 @@ def rank_and_world_from_env() -> tuple[int, int, int]:
 
 
 def backend() -> str:
-    return "gloo" if cpu_bridge.needed() else "nccl"
+    """gloo on CPU. On GPUs, NCCL for CUDA tensors and gloo for CPU ones (counts and metrics built on the host,
+    stop flags): every group megatron creates from the default one then carries both, so a collective on a
+    host tensor needs no copy to the GPU (NCCL alone refuses it: "No backend type associated with device
+    type cpu", seen on an H100)."""
+    return "gloo" if cpu_bridge.needed() else "cpu:gloo,cuda:nccl"
 
 
 def device() -> torch.device:
@@ -237,7 +241,7 @@ def keep_gloo_on_loopback(master_addr: str) -> None:
     import ipaddress
     import socket
 
-    if backend() != "gloo" or os.environ.get("GLOO_SOCKET_IFNAME"):
+    if "gloo" not in backend() or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     try:
         resolved = ipaddress.ip_address(socket.getaddrinfo(master_addr, None)[0][4][0])

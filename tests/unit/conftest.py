@@ -1,4 +1,4 @@
-"""Unit tests that need megatron's parallel state run in this one process (TP=PP=DP=1, gloo)."""
+"""Fixtures of the unit tests (`single_process`, megatron's parallel state in this process, is in tests/conftest.py)."""
 from __future__ import annotations
 
 import signal
@@ -6,15 +6,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from aligner.runtime import distributed, seeds, stopping
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    distributed.initialize(distributed.ParallelConfig())
-    seeds.set_seed(0)
-    yield
-    distributed.shutdown()
+from aligner.runtime import stopping
 
 
 @pytest.fixture

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.generation import BatchResult, decode_step_bytes, decode_step_flops, load_sides, make_prompts, report
+from benchmarks.generation import (
+    BatchResult,
+    alternated,
+    decode_step_bytes,
+    decode_step_flops,
+    load_sides,
+    logit_tolerance,
+    make_prompts,
+    report,
+)
 from benchmarks.machine import MachineRates
 from benchmarks.run_bench import parse_ratios, ratio_line
 
@@ -95,3 +104,44 @@ def test_an_hf_model_dir_resolves_to_a_checkpoint_and_hf_dir_with_its_logits(sin
     again = resolve_model(str(source), cache)  # cached: the same directories, not converted again
     assert (again.checkpoint_dir, again.hf_dir) == (first.checkpoint_dir, first.hf_dir)
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+
+
+def test_bf16_decode_step_bytes_are_half_of_fp32_and_its_floor_uses_the_bf16_rate(single_process):
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=96, vocab_size=128, max_position_embeddings=64)
+    model = build_gpt_model(cfg, transformer_config(cfg))
+    fp32, bf16 = (decode_step_bytes(model.to(dtype), cfg, 3, 10) for dtype in (torch.float32, torch.bfloat16))
+    assert bf16 == fp32 / 2  # weights and KV cache (the cache takes the model's dtype)
+    rates = MachineRates.median([MachineRates(100e9, 10e9, 0.0, torch.bfloat16, 8192),
+                                 MachineRates(300e9, 30e9, 1.0, torch.bfloat16, 8192)])
+    assert rates == MachineRates(200e9, 20e9, 0.5, torch.bfloat16, 8192)
+    assert "(bf16 8192^3, median)" in rates.describe()
+    assert "(fp32 1024^3, median)" in MachineRates(1e9, 1e9, 0.0).describe()  # the CPU default, as before
+
+
+def test_logit_tolerance_is_unchanged_in_fp32_and_relative_to_the_logit_scale_in_bf16():
+    assert logit_tolerance(torch.float32, 10.0) == pytest.approx(2e-4)
+    assert logit_tolerance(torch.bfloat16, 20.0) == pytest.approx(1.0)
+
+
+def test_alternated_reverses_the_order_every_other_round_and_reports_in_run_order():
+    calls = []
+    runs = [lambda name=name: calls.append(name) for name in "abc"]
+    rounds = alternated(runs, repeats=3, device=torch.device("cpu"))
+    assert calls == list("abccbaabc")
+    assert len(rounds) == 3 and all(len(seconds) == 3 and min(seconds) >= 0 for seconds in rounds)
+
+
+def test_compare_graphs_report_adds_gpu_decode_ratios_and_read_shares():
+    machine = MachineRates(matmul_flops=100e12, read_bytes=2e12, load=0.0)
+    result = BatchResult(batch=64, hf_tokens_per_s=100.0, native_tokens_per_s=150.0, tokens_ratio=1.5, hf_step=0.004,
+                         native_step=0.002, step_ratio=2.0, hf_prefill=0.01, native_prefill=0.01, step_flops=1e9,
+                         step_bytes=2e9, matmuls=0.001, greedy_rows_equal=None, graphs_tokens_per_s=300.0,
+                         graphs_step=0.001, graphs_tokens_ratio=3.0, graphs_step_ratio=4.0)
+    # 2 GB per step at 2 TB/s: 1 ms; HF's 4 ms step is a 25% share, eager 2 ms 50%, graphs 1 ms 100%
+    assert parse_ratios("\n".join(report(result, machine, machine.read_bytes)))[3:] == [
+        ("gpu_decode_eager_vs_hf_b64", 2.0), ("gpu_decode_graphs_vs_hf_b64", 4.0),
+        ("gpu_decode_graphs_vs_eager_b64", 2.0), ("gpu_decode_hf_hbm_share_b64", 0.25),
+        ("gpu_decode_eager_hbm_share_b64", 0.5), ("gpu_decode_graphs_hbm_share_b64", 1.0)]
