@@ -150,13 +150,23 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
 
 
 def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
-    """Sharded state dict of the (possibly virtual-pipeline) model chunks, DDP wrappers unwrapped."""
+    """Sharded state dict of the (possibly virtual-pipeline) model chunks, DDP wrappers unwrapped; of chunks
+    with LoRA adapters, the adapters' entries only."""
+    from aligner.models import lora
+
+    chunks = unwrap_chunks(model_chunks)
+    states = [chunk.sharded_state_dict() for chunk in chunks]
+    if lora.has_adapters(chunks):  # LoRA training: the adapters only; the base stays in model.init_from
+        states = [{key: value for key, value in state.items() if lora.is_adapter_key(key)} for state in states]
+    if len(chunks) == 1:
+        return states[0]
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def unwrap_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
     from megatron.core.utils import unwrap_model
 
-    chunks = unwrap_model(list(model_chunks))
-    if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    return unwrap_model(list(model_chunks))
 
 
 def read_meta(checkpoint_dir: str | os.PathLike) -> dict:
@@ -508,6 +518,14 @@ def load(
 
     _verify_once(checkpoint_dir)  # first: a damaged meta file is named as damage
     meta = read_meta(checkpoint_dir)
+    from aligner.models import lora
+
+    adapters_here = lora.has_adapters(unwrap_chunks(model_chunks))
+    if "peft" in meta and not adapters_here:
+        raise CheckpointError(f"{checkpoint_dir} holds LoRA adapters only (base model: {meta['peft']['base']}), not a "
+                              "whole model; load it with its base (peft.scheme=lora, model.init_from=the base)")
+    if adapters_here and "peft" not in meta:
+        raise CheckpointError(f"{checkpoint_dir} is a whole model, not LoRA adapters; give it as model.init_from")
     model_state = model_sharded_state_dict(model_chunks)
     if skip_prefixes:
         model_state = _without_prefixes(model_state, tuple(skip_prefixes), len(model_chunks) > 1)
@@ -535,12 +553,15 @@ def load(
             f"(policy vs reward model) and architecture?"
         ) from error
 
-    from megatron.core.utils import unwrap_model
-
-    chunks = unwrap_model(list(model_chunks))
+    chunks = unwrap_chunks(model_chunks)
     for i, chunk in enumerate(chunks):
         state = loaded["model"] if len(chunks) == 1 else loaded["model"][f"model{i}"]
-        result = chunk.load_state_dict(state, strict=not skip_prefixes)
+        # A LoRA checkpoint holds the adapters only: the base weights stay as loaded from its base.
+        result = chunk.load_state_dict(state, strict=not skip_prefixes and not adapters_here)
+        if adapters_here and (result.unexpected_keys or any(map(lora.is_adapter_key, result.missing_keys))):
+            raise CheckpointError(f"{checkpoint_dir}: its adapters do not match this run's peft settings (missing "
+                                  f"{[k for k in result.missing_keys if lora.is_adapter_key(k)][:3]}, unexpected "
+                                  f"{result.unexpected_keys[:3]})")
         if skip_prefixes:
             missing = [key for key in result.missing_keys if not key.startswith(tuple(skip_prefixes))]
             if missing or result.unexpected_keys:

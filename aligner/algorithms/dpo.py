@@ -235,6 +235,7 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     if row_length is not None and row_length < cfg.data.max_seq_length:
         raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
                           f"data.max_seq_length={cfg.data.max_seq_length}")
+    setup.refuse_lora(cfg.peft, "DPO")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,

@@ -1259,6 +1259,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
 
     loss = cfg.loss
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
+    setup.refuse_lora(cfg.peft, "the RL actor")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,

@@ -322,6 +322,7 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     iteration_betas(spin)
     if not cfg.data.train:
         raise ConfigError("data.train is empty: give the SFT demonstrations as {path} entries")
+    setup.refuse_lora(cfg.peft, "SPIN")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,

@@ -274,7 +274,12 @@ class NativeEngine:
         """
         from megatron.core.utils import unwrap_model
 
+        from aligner.models import lora
+
         self._chunks = unwrap_model(list(model_chunks))
+        if lora.has_adapters(self._chunks):  # the engine's products read the weights alone
+            raise ConfigError("the native engine does not apply LoRA adapters yet; merge them first "
+                              "(aligner.models.lora.merge) or generate from the base model")
         self._packed = {}
         self._bind()
         if self._moe_modules:

@@ -14,6 +14,7 @@ import torch
 
 from aligner.config import at_least, one_of, require_checkpoint_dir
 from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_gpt_model, build_model_chunks
+from aligner.models.lora import PEFTConfig
 from aligner.runtime import distributed
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -160,7 +161,8 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
         name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint, objective=objective,
         chunks=built.chunks, optimizer=built.optimizer, scheduler=scheduler, train_loader=train_loader,
         val_loader=val_loader, metrics=MetricsLogger(cfg.logging, cfg.name, total_steps),
-        checkpoint_meta={"model": model_cfg.to_dict(), **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
+        checkpoint_meta={"model": model_cfg.to_dict(), **({"peft": built.peft_meta} if built.peft_meta else {}),
+                         **(checkpoint_meta or {})}, tokenizer_dir=built.tokenizer_dir,
         run_id=built.run_id,
         num_params=num_parameters(model_cfg), num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         peak_rate=PeakRate(cfg.logging.peak_tflops),
@@ -185,6 +187,13 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
+
+
+def refuse_lora(peft: PEFTConfig, algorithm: str) -> None:
+    """One line for a trainer that does not train LoRA adapters yet (instead of silently training every weight)."""
+    if peft.enabled:
+        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT supports it); "
+                          "set peft.scheme=none to train every weight")
 
 
 def attach_grad_hooks(chunks: list[torch.nn.Module], optimizer) -> None:
@@ -232,19 +241,23 @@ class TrainingModel:
     params_dtype: torch.dtype
     resume_checkpoint: Optional[object]  # newest intact checkpoint in checkpoint.save_dir, to resume from
     run_id: str  # this run's id in its checkpoints (a resumed run keeps its checkpoint's)
+    peft_meta: Optional[dict] = None  # LoRA: its settings and the base checkpoint, recorded in every checkpoint
 
 
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
                          model_overrides: Optional[dict] = None,
-                         init_from_key: str = "model.init_from") -> TrainingModel:
+                         init_from_key: str = "model.init_from",
+                         peft: Optional[PEFTConfig] = None) -> TrainingModel:
     """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
 
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
     skip_prefixes names parameters that `init_from` does not provide (a fresh reward head);
     model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO);
-    init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages.
+    init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages;
+    peft: LoRA adapters on the `init_from` weights, which stay frozen (checkpoints then hold the adapters only,
+    so a resumed run loads the base from `init_from` again).
     """
     from pathlib import Path
 
@@ -254,6 +267,9 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     from aligner.training.metrics import get_logger
 
     init_from = model.init_from
+    lora = peft is not None and peft.enabled
+    if lora and not init_from:
+        raise ConfigError(f"peft.scheme=lora trains adapters on a pretrained model: set {init_from_key}")
     if init_from:
         require_checkpoint_dir(init_from, init_from_key)
     if tokenizer.path and not Path(tokenizer.path).is_dir():
@@ -294,14 +310,23 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     seeds.set_seed(seed)
     chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder,
                                 activation_recompute=model.activation_recompute)
-    if init_from and latest is None:
+    if init_from and (latest is None or lora):  # a LoRA checkpoint holds the adapters only
         checkpointing.load(init_from, chunks, skip_prefixes=skip_prefixes)
         get_logger().info(f"initialised from {init_from}")
+    peft_meta = None
+    if lora:
+        from aligner.models.lora import apply_lora
+
+        apply_lora(chunks, peft, seed)
+        peft_meta = {**peft.to_dict(), "base": str(Path(init_from).resolve())}
+        trained = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
+        get_logger().info(f"LoRA rank {peft.rank} on {', '.join(peft.target_modules)}: {trained / 1e6:.2f}M trained "
+                          "parameters on this rank, the rest frozen")
     chunks = wrap_for_training(chunks)
     optimizer = build_optimizer(chunks, optim, params_dtype)
     attach_grad_hooks(chunks, optimizer)
     return TrainingModel(model_cfg, chunks, optimizer, loaded_tokenizer, tokenizer_dir, data_parallel_size,
-                         params_dtype, latest, run.run_id)
+                         params_dtype, latest, run.run_id, peft_meta)
 
 
 def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,
@@ -403,6 +428,7 @@ class RunConfig:
     precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelSection = field(default_factory=ModelSection)
+    peft: PEFTConfig = field(default_factory=PEFTConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

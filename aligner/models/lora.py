@@ -1,0 +1,211 @@
+"""Low-rank adapters (LoRA) on megatron-core's column- and row-parallel linears, sharded as they are.
+
+A target linear y = W x keeps W frozen and gains y += (alpha / rank) * B (A x), with A [rank, in]
+and B [out, rank]. B starts at zero, so at step 0 the model is exactly the base model.
+
+Tensor parallelism follows the base layer's split:
+- a column-parallel linear (QKV, MLP in) has W split on its outputs. A is whole on every rank and B
+  holds this rank's output rows. A's output goes through megatron's copy-to-TP region, whose
+  backward sums the ranks' partial gradients, so A's gradient is whole and equal on every rank.
+- a row-parallel linear (attention out, MLP out) has W split on its inputs. A holds this rank's input
+  columns, A x is summed over the ranks (reduce-from-TP region), and B is whole.
+
+The adapters are attributes of the base module (`lora_a`, `lora_b`), so every base parameter keeps its
+name (checkpoints, HF conversion, the native engine) and adapter names end in `.lora_a` / `.lora_b`.
+A's initial values are drawn for the whole matrix from a generator seeded by (seed, layer number,
+module) and then cut to this rank's shard, so every parallel layout starts from the same adapters.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from aligner.config import at_least, one_of
+from aligner.models import parameter_names as names
+from aligner.runtime.errors import ConfigError
+
+# `peft.target_modules` names -> module paths inside a transformer layer
+TARGETS = {"linear_qkv": names.QKV, "linear_proj": names.ATTENTION_OUT, "linear_fc1": names.FC1,
+           "linear_fc2": names.FC2}
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+SCHEMES = ("none", "lora")
+
+
+@dataclass
+class PEFTConfig:
+    """The `peft:` section: train low-rank adapters instead of every weight."""
+
+    scheme: str = one_of(SCHEMES, "none")  # none: full-weight training; lora: adapters on target_modules
+    rank: int = at_least(1, 16)
+    alpha: float = at_least(0.0, 32.0, "the update is scaled by alpha / rank")
+    dropout: float = at_least(0.0, 0.0, "dropout on the adapters' input (training only)")
+    target_modules: list = field(default_factory=lambda: list(TARGETS))
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        unknown = [name for name in self.target_modules if name not in TARGETS]
+        if unknown or not self.target_modules:
+            return "target_modules", (f"unknown module(s) {unknown}; " if unknown else "empty; ") + \
+                f"choose from {', '.join(TARGETS)}"
+        return None
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme == "lora"
+
+    def to_dict(self) -> dict:
+        return {"scheme": self.scheme, "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "target_modules": list(self.target_modules)}
+
+
+def _adapter_sharded_state(module, prefix: str, sharded_offsets, split_axis: dict) -> dict:
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    adapters = {"lora_a": module.lora_a, "lora_b": module.lora_b}
+    return make_sharded_tensors_for_checkpoint(adapters, prefix, split_axis, sharded_offsets)
+
+
+def _dropped(module, input_: torch.Tensor) -> torch.Tensor:
+    return F.dropout(input_, module.lora_dropout, module.training) if module.lora_dropout else input_
+
+
+def _column_class():
+    from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
+
+    class LoRAColumnParallelLinear(ColumnParallelLinear):
+        """ColumnParallelLinear + a low-rank update; B holds this rank's output rows."""
+
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            output, bias = super().forward(input_, weight, runtime_gather_output)
+            if self.lora_enabled:
+                low = copy_to_tensor_model_parallel_region(F.linear(_dropped(self, input_), self.lora_a))
+                output = output + F.linear(low, self.lora_b) * self.lora_scale
+            return output, bias
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            adapters = _adapter_sharded_state(self, prefix, sharded_offsets, {"lora_b": 0})
+            if self.lora_gated:
+                # SwiGLU's fc1 rows are [gate; up] on every rank, so B's are too: saved as two halves, each
+                # split over the ranks, as megatron's MLP saves the weight.
+                from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+                key = f"{prefix}lora_b"
+                adapters[key] = apply_swiglu_sharded_factory(
+                    adapters[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+            state.update(adapters)
+            return state
+
+    return LoRAColumnParallelLinear
+
+
+def _row_class():
+    from megatron.core.tensor_parallel import RowParallelLinear, reduce_from_tensor_model_parallel_region
+
+    class LoRARowParallelLinear(RowParallelLinear):
+        """RowParallelLinear + a low-rank update; A holds this rank's input columns."""
+
+        def forward(self, input_):
+            output, bias = super().forward(input_)
+            if self.lora_enabled:
+                low = reduce_from_tensor_model_parallel_region(F.linear(_dropped(self, input_), self.lora_a))
+                output = output + F.linear(low, self.lora_b) * self.lora_scale
+            return output, bias
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            state.update(_adapter_sharded_state(self, prefix, sharded_offsets, {"lora_a": 1}))
+            return state
+
+    return LoRARowParallelLinear
+
+
+def _initial_a(rank: int, in_features: int, seed: int, layer_number: int, target: str) -> torch.Tensor:
+    """The whole A of one adapter: uniform in +-1/sqrt(in) (PEFT's Kaiming default), from its own stream."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}|{layer_number}|{target}".encode()))
+    bound = in_features ** -0.5
+    return (torch.rand(rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+
+
+def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -> None:
+    """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    column_class, row_class = _column_class(), _row_class()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    for chunk in chunks:
+        config = chunk.config
+        if config.sequence_parallel:
+            raise ConfigError("peft.scheme=lora does not support parallel.sequence_parallel=true yet")
+        if config.num_moe_experts:
+            raise ConfigError("peft.scheme=lora does not support MoE models yet (model.num_moe_experts is set)")
+        for layer in chunk.decoder.layers:
+            for target in peft.target_modules:
+                module = layer.get_submodule(TARGETS[target])
+                if type(module) is ColumnParallelLinear and not module.gather_output:
+                    module.__class__ = column_class
+                    whole_a = _initial_a(peft.rank, module.input_size, seed, layer.layer_number, target)
+                    out_local, in_local = module.output_size_per_partition, module.input_size
+                elif type(module) is RowParallelLinear:
+                    module.__class__ = row_class
+                    whole_a = _initial_a(peft.rank, module.input_size, seed, layer.layer_number, target)
+                    in_local = module.input_size_per_partition
+                    whole_a = whole_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+                    out_local = module.output_size
+                else:
+                    raise ConfigError(f"peft.target_modules: {target} is a {type(module).__name__}; LoRA supports "
+                                      "megatron's local layers (model.architecture.transformer_impl=local)")
+                weight = module.weight
+                module.lora_a = torch.nn.Parameter(whole_a.to(weight.dtype).to(weight.device).contiguous())
+                module.lora_b = torch.nn.Parameter(torch.zeros(out_local, peft.rank, dtype=weight.dtype,
+                                                               device=weight.device))
+                module.lora_scale = peft.alpha / peft.rank
+                module.lora_dropout = peft.dropout
+                module.lora_enabled = True
+                module.lora_gated = target == "linear_fc1" and config.gated_linear_unit
+        for name, param in chunk.named_parameters():
+            param.requires_grad = name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_modules(chunks: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "lora_a"):
+                yield module
+
+
+def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
+    return next(adapter_modules(chunks), None) is not None
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a (sharded) state-dict key names an adapter tensor."""
+    return key.endswith(ADAPTER_SUFFIXES)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run the base model: every adapter off inside the block (the reference policy of LoRA training)."""
+    modules = list(adapter_modules(chunks))
+    for module in modules:
+        module.lora_enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.lora_enabled = True
+
+
+def merge(chunks: Sequence[torch.nn.Module]) -> None:
+    """Fold every adapter into its weight (W += scale * B A, on this rank's shard) and zero its B, so the
+    model computes the same function with no adapter work left."""
+    with torch.no_grad():
+        for module in adapter_modules(chunks):
+            update = (module.lora_b.double() @ module.lora_a.double()) * module.lora_scale
+            module.weight.copy_((module.weight.double() + update).to(module.weight.dtype))
+            module.lora_b.zero_()
