@@ -135,6 +135,7 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -
     """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     column_class, row_class = _column_class(), _row_class()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -150,13 +151,13 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -
                 if type(module) is ColumnParallelLinear and not module.gather_output:
                     module.__class__ = column_class
                     whole_a = _initial_a(peft.rank, module.input_size, seed, layer.layer_number, target)
-                    out_local, in_local = module.output_size_per_partition, module.input_size
+                    out_local, split = module.output_size_per_partition, ("lora_b", 0)
                 elif type(module) is RowParallelLinear:
                     module.__class__ = row_class
                     whole_a = _initial_a(peft.rank, module.input_size, seed, layer.layer_number, target)
                     in_local = module.input_size_per_partition
                     whole_a = whole_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
-                    out_local = module.output_size
+                    out_local, split = module.output_size, ("lora_a", 1)
                 else:
                     raise ConfigError(f"peft.target_modules: {target} is a {type(module).__name__}; LoRA supports "
                                       "megatron's local layers (model.architecture.transformer_impl=local)")
@@ -168,6 +169,9 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -
                 module.lora_dropout = peft.dropout
                 module.lora_enabled = True
                 module.lora_gated = target == "linear_fc1" and config.gated_linear_unit
+                # The split adapter is a TP-parallel parameter (megatron's grad norm then sums it over the
+                # ranks); the whole one is a duplicate, counted once.
+                set_tensor_model_parallel_attributes(getattr(module, split[0]), True, split[1], 1)
         for name, param in chunk.named_parameters():
             param.requires_grad = name.endswith(ADAPTER_SUFFIXES)
 

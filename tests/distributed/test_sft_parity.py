@@ -167,6 +167,11 @@ def test_lora_matches_across_parallel_layouts_and_resumes_at_another(sft_setup):
     run_args = [*common, f"model.init_from={init}", "peft.scheme=lora", "peft.rank=8", "optim.lr=1e-2"]
     layouts = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
     _assert_same_losses(_losses_per_layout(root, "lora", run_args, layouts))
+    # The grad norm (clipping's input) counts split adapters on every TP rank and whole ones once.
+    norms = {layout: [row["grad_norm"] for row in metrics_rows(root / f"lora_{''.join(map(str, layout))}", "train")]
+             for layout in layouts}
+    for layout, layout_norms in norms.items():
+        assert layout_norms == pytest.approx(norms[(1, 1, 1)], rel=1e-5), layout
 
     resume_args = [*run_args, "trainer.max_steps=4", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
     uninterrupted = root / "lora_resume_a"
