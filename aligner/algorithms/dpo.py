@@ -13,6 +13,7 @@ Reference logprobs (`dpo.reference_logprobs`):
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -214,8 +215,9 @@ class SwappedReferenceLoader:
 # ----------------------------------------------------------------------------- building a run
 def _load_reference_weights(built, init_from: Optional[str]) -> None:
     """Make the chunks hold the reference (initial) weights. A resumed run's chunks hold neither
-    yet (the resume loads after this): load `init_from` so the reference is the run's start."""
-    if built.resume_checkpoint is not None and init_from:
+    yet (the resume loads after this): load `init_from` so the reference is the run's start. With LoRA
+    they hold the base already, the reference (their adapters are loaded by the resume)."""
+    if built.resume_checkpoint is not None and init_from and built.peft_meta is None:
         from aligner import checkpointing
 
         checkpointing.load(init_from, built.chunks)
@@ -224,6 +226,7 @@ def _load_reference_weights(built, init_from: Optional[str]) -> None:
 def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
     from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.models import lora
     from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
@@ -235,16 +238,23 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     if row_length is not None and row_length < cfg.data.max_seq_length:
         raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
                           f"data.max_seq_length={cfg.data.max_seq_length}")
-    setup.refuse_lora(cfg.peft, "DPO")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
     )
     logger = get_logger()
     model_cfg = built.model_cfg
     trainer_cfg = cfg.trainer
     _load_reference_weights(built, cfg.model.init_from)
     precompute = cfg.dpo.reference_logprobs == "precompute"
+    # LoRA: the base model (adapters off) is the reference; otherwise the initial weights, held in host
+    # memory for the swap (None: the chunks hold them now and precomputing reads them in place).
+    reference = None
+    if built.peft_meta is not None:
+        reference = lora.BaseReference()
+    elif not precompute:
+        reference = HostWeights.snapshot(built.chunks)
+        logger.info(f"reference weights in host memory: {reference.num_bytes / 2**20:.1f} MiB")
 
     def load_dataset(entry: DatasetEntry) -> PreferenceDataset:
         dataset = PreferenceDataset.from_jsonl(entry.path, built.tokenizer, cfg.data.max_seq_length,
@@ -252,9 +262,10 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
         logger.info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
                     f"longer than {cfg.data.max_seq_length} tokens)")
         if precompute:
-            precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size,
-                                          pad_id=built.tokenizer.pad_id, pairs_per_forward=trainer_cfg.micro_batch_size,
-                                          packing=cfg.packing)
+            with reference.swapped_in(built.chunks) if reference is not None else contextlib.nullcontext():
+                precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size,
+                                              pad_id=built.tokenizer.pad_id,
+                                              pairs_per_forward=trainer_cfg.micro_batch_size, packing=cfg.packing)
         return dataset
 
     train_set, val_set = setup.build_datasets(
@@ -267,8 +278,6 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
         collate_fn=collate_preferences, packing=cfg.packing,
     )
     if not precompute:
-        reference = HostWeights.snapshot(built.chunks)
-        logger.info(f"reference weights in host memory: {reference.num_bytes / 2**20:.1f} MiB")
         pad_id = built.tokenizer.pad_id
         train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size,
                                               cfg.packing, pad_id)

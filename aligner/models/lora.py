@@ -205,6 +205,18 @@ def adapters_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
             module.lora_enabled = True
 
 
+class BaseReference:
+    """The reference policy of LoRA training: the base model, i.e. the live chunks with their adapters off.
+    Stands where `weight_swap.HostWeights` (a host copy of the weights) would: nothing is copied."""
+
+    num_bytes = 0
+
+    def swapped_in(self, chunks: Sequence[torch.nn.Module]):
+        from megatron.core.utils import unwrap_model
+
+        return adapters_disabled(unwrap_model(list(chunks)))
+
+
 def merge(chunks: Sequence[torch.nn.Module]) -> None:
     """Fold every adapter into its weight (W += scale * B A, on this rank's shard) and zero its B, so the
     model computes the same function with no adapter work left."""

@@ -192,7 +192,7 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 def refuse_lora(peft: PEFTConfig, algorithm: str) -> None:
     """One line for a trainer that does not train LoRA adapters yet (instead of silently training every weight)."""
     if peft.enabled:
-        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT supports it); "
+        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT and DPO support it); "
                           "set peft.scheme=none to train every weight")
 
 
