@@ -113,6 +113,27 @@ def _on_rank0(work: Callable[[], Any]) -> Any:
 OPTIMIZER_STATE_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _has_stepped(optimizer) -> bool:
+    """Whether the optimizer holds any state (torch's Adam makes it at the first step) on any rank: one answer
+    for all, since every rank must save the same kind of checkpoint."""
+    here = any(bool(part.optimizer.state) for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return any(_all_gather(here))
+
+
+def _fill_unstepped_adam_state(optimizer, only) -> None:
+    """Give every parameter of the `only`-typed (chained) parts that has no Adam state the state torch's Adam
+    makes at its first step (step 0, zero moments)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, only):
+            continue
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
 def _prepare_distributed_optimizer_load(optimizer) -> None:
     """Bridge two gaps of megatron-core 0.16.1's distributed optimizer (GPU) on torch's Adam (no apex /
     transformer-engine), both seen on an H100 when a run resumes.
@@ -126,15 +147,10 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    _fill_unstepped_adam_state(optimizer, only=DistributedOptimizer)
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not isinstance(part, DistributedOptimizer) or getattr(part, "_aligner_load_prepared", False):
             continue
-        inner = part.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                          "exp_avg_sq": torch.zeros_like(param)}
         copy_states = part._set_main_param_and_optimizer_states
 
         def copy_states_keeping_step(model_param, tensors, part=part, copy_states=copy_states):
@@ -207,6 +223,13 @@ def _parallel_layout() -> dict:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, CHECKSUM).hexdigest()
+
+
+def fingerprint(checkpoint_dir: str | os.PathLike) -> Optional[str]:
+    """An id of a checkpoint's contents that survives moving it: the digest of its manifest (which lists
+    every file's checksum); None for a checkpoint without a manifest."""
+    path = Path(checkpoint_dir) / MANIFEST_FILE
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
 
 
 def _owners(sizes: Sequence[int], world: int) -> list[int]:
@@ -446,7 +469,11 @@ def save(
 
     model_state = model_sharded_state_dict(model_chunks)
     state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
+    # An optimizer that has not stepped (a checkpoint at step 0, or after an iteration without a step) has no
+    # state to save: megatron would save it without its step (it drops a step of 0) and fail to load it.
+    # A resume then starts from a fresh optimizer, which is the same thing.
+    optimizer_stepped = optimizer is not None and _has_stepped(optimizer)
+    if optimizer_stepped:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_STATE_FORMAT)
     if save_rng:
         state["rng_state"] = ShardedObject("rng_state", seeds.rng_state(), (_world(),), (_rank(),), replica_id=0)
@@ -465,6 +492,7 @@ def save(
             "parallel": _parallel_layout(),
             "trainer_state": trainer_state or {},
             "has_optimizer": optimizer is not None,
+            "optimizer_stepped": optimizer_stepped,
             "has_rng_state": save_rng,
             **({"run_id": run_id} if run_id is not None else {}),
             **(extra_meta or {}),
@@ -530,9 +558,9 @@ def load(
     if skip_prefixes:
         model_state = _without_prefixes(model_state, tuple(skip_prefixes), len(model_chunks) > 1)
     request: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        if not meta.get("has_optimizer"):
-            raise CheckpointError(f"{checkpoint_dir} has no optimizer state; it cannot resume a training run")
+    if optimizer is not None and not meta.get("has_optimizer"):
+        raise CheckpointError(f"{checkpoint_dir} has no optimizer state; it cannot resume a training run")
+    if optimizer is not None and meta.get("optimizer_stepped", True):  # (unstepped: a fresh optimizer is the same)
         _prepare_distributed_optimizer_load(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True,
                                                             metadata=OPTIMIZER_STATE_FORMAT)
@@ -566,7 +594,7 @@ def load(
             missing = [key for key in result.missing_keys if not key.startswith(tuple(skip_prefixes))]
             if missing or result.unexpected_keys:
                 raise CheckpointError(f"{checkpoint_dir}: missing {missing}, unexpected {result.unexpected_keys}")
-    if optimizer is not None:
+    if "optimizer" in request:
         optimizer.load_state_dict(loaded["optimizer"])
     if load_rng:
         from aligner.runtime import seeds

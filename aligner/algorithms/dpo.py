@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -176,16 +176,18 @@ def _summed_logprobs(chunks, batch: dict, vocab_size: int, packing: Optional[Pac
 
 @torch.no_grad()
 def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: int, pairs_per_forward: int,
-                                  packing: Optional[PackingSection] = None) -> None:
-    """Store the chunks' summed logprobs of every pair's responses in `dataset.reference_logprobs`
-    ([pairs, 2]: chosen, rejected). Every data-parallel rank computes the whole set (no DP traffic)."""
+                                  packing: Optional[PackingSection] = None,
+                                  collate_fn: Optional[Callable] = None) -> None:
+    """Store the chunks' summed logprobs of every item's two responses in `dataset.reference_logprobs`
+    ([items, 2]: chosen and rejected, or KTO's completion and mismatched completion, as `collate_fn`
+    interleaves them; default collate_preferences). Every data-parallel rank computes the whole set."""
     from aligner.data.preference import collate_preferences
 
+    collate = collate_fn or collate_preferences
     dataset.reference_logprobs = None  # items without them while computing
     sums = []
     for start in range(0, len(dataset), pairs_per_forward):
-        batch = collate_preferences([dataset[i] for i in range(start, min(start + pairs_per_forward, len(dataset)))],
-                                    pad_id)
+        batch = collate([dataset[i] for i in range(start, min(start + pairs_per_forward, len(dataset)))], pad_id)
         sums.append(_summed_logprobs(chunks, batch, vocab_size, packing, pad_id))
     dataset.reference_logprobs = torch.cat(sums).reshape(-1, 2)
 
@@ -223,30 +225,25 @@ def _load_reference_weights(built, init_from: Optional[str]) -> None:
         checkpointing.load(init_from, built.chunks)
 
 
-def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
-    """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
-    from aligner.data.preference import PreferenceDataset, collate_preferences
+def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, collate_fn: Callable,
+                         make_objective: Callable, packing: Optional[PackingSection] = None):
+    """What the DPO family and KTO share: runtime, model, the reference (LoRA: the base with adapters off;
+    else the initial weights, precomputed into the data or held in host memory and swapped in each step),
+    data, loaders, trainer, resume. read_dataset(entry, tokenizer) loads one data file; make_objective(built)
+    builds the objective. Returns (trainer, built, train_set, total_steps)."""
     from aligner.models import lora
-    from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
     from aligner.training.metrics import get_logger
 
-    check_dpo_section(cfg.dpo)
-    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
-    row_length = cfg.packing.row_length
-    if row_length is not None and row_length < cfg.data.max_seq_length:
-        raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
-                          f"data.max_seq_length={cfg.data.max_seq_length}")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
     )
     logger = get_logger()
-    model_cfg = built.model_cfg
-    trainer_cfg = cfg.trainer
+    model_cfg, trainer_cfg, pad_id = built.model_cfg, cfg.trainer, built.tokenizer.pad_id
     _load_reference_weights(built, cfg.model.init_from)
-    precompute = cfg.dpo.reference_logprobs == "precompute"
+    precompute = reference_mode == "precompute"
     # LoRA: the base model (adapters off) is the reference; otherwise the initial weights, held in host
     # memory for the swap (None: the chunks hold them now and precomputing reads them in place).
     reference = None
@@ -256,16 +253,13 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
         reference = HostWeights.snapshot(built.chunks)
         logger.info(f"reference weights in host memory: {reference.num_bytes / 2**20:.1f} MiB")
 
-    def load_dataset(entry: DatasetEntry) -> PreferenceDataset:
-        dataset = PreferenceDataset.from_jsonl(entry.path, built.tokenizer, cfg.data.max_seq_length,
-                                               use_template=cfg.data.chat_template)
-        logger.info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
-                    f"longer than {cfg.data.max_seq_length} tokens)")
+    def load_dataset(entry: DatasetEntry):
+        dataset = read_dataset(entry, built.tokenizer)
         if precompute:
             with reference.swapped_in(built.chunks) if reference is not None else contextlib.nullcontext():
-                precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size,
-                                              pad_id=built.tokenizer.pad_id,
-                                              pairs_per_forward=trainer_cfg.micro_batch_size, packing=cfg.packing)
+                precompute_reference_logprobs(dataset, built.chunks, vocab_size=model_cfg.vocab_size, pad_id=pad_id,
+                                              pairs_per_forward=trainer_cfg.micro_batch_size, packing=packing,
+                                              collate_fn=collate_fn)
         return dataset
 
     train_set, val_set = setup.build_datasets(
@@ -274,27 +268,52 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     )
     train_loader, val_loader = setup.build_loaders(
         train_set, val_set, trainer_cfg=trainer_cfg, data_parallel_size=built.data_parallel_size, seed=cfg.seed,
-        shuffle=cfg.data.shuffle, pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
-        collate_fn=collate_preferences, packing=cfg.packing,
+        shuffle=cfg.data.shuffle, pad_id=pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        collate_fn=collate_fn, packing=packing,
     )
     if not precompute:
-        pad_id = built.tokenizer.pad_id
-        train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size,
-                                              cfg.packing, pad_id)
+        train_loader = SwappedReferenceLoader(train_loader, built.chunks, reference, model_cfg.vocab_size, packing,
+                                              pad_id)
         if val_loader is not None:
-            val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size,
-                                                cfg.packing, pad_id)
+            val_loader = SwappedReferenceLoader(val_loader, built.chunks, reference, model_cfg.vocab_size, packing,
+                                                pad_id)
     total_steps = train_loader.total_steps(trainer_cfg.max_steps, trainer_cfg.max_epochs)
-    objective = DPOObjective(cfg.dpo, model_cfg.vocab_size, cfg.packing, built.tokenizer.pad_id)
-    trainer = setup.build_trainer(cfg, built, objective, total_steps=total_steps, train_loader=train_loader,
-                                  val_loader=val_loader)
-    metrics = trainer.metrics
+    trainer = setup.build_trainer(cfg, built, make_objective(built), total_steps=total_steps,
+                                  train_loader=train_loader, val_loader=val_loader)
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
-    metrics.write(
+    return trainer, built, train_set, total_steps
+
+
+def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
+    """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.models.gpt import num_parameters
+    from aligner.training.metrics import get_logger
+
+    check_dpo_section(cfg.dpo)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
+    row_length = cfg.packing.row_length
+    if row_length is not None and row_length < cfg.data.max_seq_length:
+        raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "
+                          f"data.max_seq_length={cfg.data.max_seq_length}")
+
+    def read_dataset(entry: DatasetEntry, tokenizer) -> PreferenceDataset:
+        dataset = PreferenceDataset.from_jsonl(entry.path, tokenizer, cfg.data.max_seq_length,
+                                               use_template=cfg.data.chat_template)
+        get_logger().info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
+                          f"longer than {cfg.data.max_seq_length} tokens)")
+        return dataset
+
+    trainer, built, train_set, total_steps = build_with_reference(
+        cfg, reference_mode=cfg.dpo.reference_logprobs, read_dataset=read_dataset, collate_fn=collate_preferences,
+        make_objective=lambda built: DPOObjective(cfg.dpo, built.model_cfg.vocab_size, cfg.packing,
+                                                  built.tokenizer.pad_id),
+        packing=cfg.packing)
+    trainer.metrics.write(
         f"{cfg.name}: {cfg.dpo.preference_loss} beta={cfg.dpo.beta}, reference logprobs {cfg.dpo.reference_logprobs}, "
-        f"{num_parameters(model_cfg) / 1e6:.2f}M parameters, TP={cfg.parallel.tensor_model_parallel_size} "
+        f"{num_parameters(built.model_cfg) / 1e6:.2f}M parameters, TP={cfg.parallel.tensor_model_parallel_size} "
         f"PP={cfg.parallel.pipeline_model_parallel_size} DP={built.data_parallel_size}, {len(train_set)} train pairs, "
-        f"{total_steps} steps of {trainer_cfg.global_batch_size} pairs"
+        f"{total_steps} steps of {cfg.trainer.global_batch_size} pairs"
     )
     return trainer

@@ -35,6 +35,7 @@ config requires prompts_per_step to be a multiple of D, so group baselines need 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -204,6 +205,15 @@ class PolicySection:
 
 
 @dataclass
+class TeacherSection:
+    """On-policy distillation: a teacher model takes the reference policy's place (the KL penalty and metric
+    are then the reverse KL to it). It may be larger than the policy or of another architecture; it must
+    share the policy's tokenizer."""
+
+    init_from: Optional[str] = None  # the teacher checkpoint (an adapter checkpoint loads onto its base); null: none
+
+
+@dataclass
 class RLLoggingConfig(LoggingConfig):
     samples_interval: int = at_least(0, 10, "0: off")  # steps between tables of sample generations (TensorBoard text)
     num_samples: int = at_least(0, 4)
@@ -245,6 +255,7 @@ class RLActorConfig(RunConfig):
     critic: CriticSection = field(default_factory=CriticSection)
     ptx: PTXSection = field(default_factory=PTXSection)
     ema: EMASection = field(default_factory=EMASection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
     packing: PackingSection = field(default_factory=PackingSection)
     logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
 
@@ -287,6 +298,11 @@ class RLActorConfig(RunConfig):
         if k < estimator.min_group_size:
             raise ConfigError(f"rollout.samples_per_prompt={k}: advantage.estimator={estimator.name} needs at least "
                               f"{estimator.min_group_size} samples per prompt")
+        if self.teacher.init_from is not None and not self.measures_kl:
+            raise ConfigError("teacher.init_from is read through the KL term: set a KL coefficient > 0 (kl.init_coef)")
+        if estimator.name == "on_policy_distillation" and (self.teacher.init_from is None or not self.measures_kl):
+            raise ConfigError("advantage.estimator=on_policy_distillation learns from the reverse KL to a teacher: set "
+                              "teacher.init_from and a KL coefficient > 0 (kl.init_coef)")
         if rollout.dynamic_sampling and k < 2:
             raise ConfigError("rollout.dynamic_sampling drops groups whose samples scored alike: it needs "
                               "rollout.samples_per_prompt >= 2")
@@ -529,7 +545,7 @@ class RLActor:
     """
 
     def __init__(self, cfg: RLActorConfig, *, policy, reference, engine, router, reward_source, critic, prompts,
-                 validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None):
+                 validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None, teacher=None):
         from megatron.core import parallel_state as ps
 
         from aligner.rl.rollouts import PromptOrder
@@ -538,7 +554,8 @@ class RLActor:
         self.policy = policy  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, train_step
         self.chunks = policy.chunks
         self.objective: PolicyObjective = policy.objective
-        self.reference = reference  # HostWeights of the initial policy; None where the KL is never measured
+        self.reference = reference  # HostWeights of the initial policy (LoRA: lora.BaseReference); None: no KL
+        self.teacher = teacher  # (chunks, GPTConfig) of the teacher, the reference in on-policy distillation
         self.engine = engine
         self.router = router
         self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
@@ -643,8 +660,11 @@ class RLActor:
         reference_logprobs = None
         if self.cfg.measures_kl:
             tick = time.perf_counter()
-            with self.reference.swapped_in(self.chunks):
-                reference_logprobs = self.logprobs(batch)
+            if self.teacher is not None:  # the teacher is the reference (on-policy distillation)
+                reference_logprobs = self.logprobs(batch, self.teacher)
+            else:
+                with self.reference.swapped_in(self.chunks):
+                    reference_logprobs = self.logprobs(batch)
             timings["time_reference"] = time.perf_counter() - tick
 
         experience = self.make_experience(batch, old_logprobs, reference_logprobs)
@@ -809,16 +829,18 @@ class RLActor:
         return self.tokenizer.decode(ids)
 
     # -- 3: logprobs
-    def logprobs(self, batch) -> torch.Tensor:
-        """This rank's rollouts' logprobs [B, T]. With token budgets every rank computes the rows the
-        first epoch trains on it (of the rollouts of all ranks); the sum over ranks (each row nonzero
-        on one rank only, so exact) hands each rank its own rows."""
+    def logprobs(self, batch, teacher=None) -> torch.Tensor:
+        """This rank's rollouts' logprobs [B, T] under the policy (or the `teacher`: its chunks and config).
+        With token budgets every rank computes the rows the first epoch trains on it (of the rollouts of
+        all ranks); the sum over ranks (each row nonzero on one rank only, so exact) hands each rank its
+        own rows."""
         from aligner.generation.packed_logprobs import sequence_logprobs
 
         budget = self.uses_token_budget
         rows = self.all_ranks_rows(batch) if budget else batch
-        result = sequence_logprobs(self.chunks, rows.tokens, rows.prompt_lengths, rows.response_lengths,
-                                   vocab_size=self.model_cfg.vocab_size, packing=self.cfg.packing,
+        chunks, model_cfg = (self.chunks, self.model_cfg) if teacher is None else teacher
+        result = sequence_logprobs(chunks, rows.tokens, rows.prompt_lengths, rows.response_lengths,
+                                   vocab_size=model_cfg.vocab_size, packing=self.cfg.packing,
                                    pad_id=self.tokenizer.pad_id, temperature=self.temperature,
                                    response_width=self.response_width,
                                    micro_batch_size=self.cfg.trainer.micro_batch_size,
@@ -1198,15 +1220,16 @@ class RLActor:
         from aligner import checkpointing
 
         save_dir = self.cfg.checkpoint.save_dir
+        extra_meta = {key: value for key, value in self.policy.checkpoint_meta.items() if key != "model"}  # peft
         path = checkpointing.save(
             checkpointing.step_dir(save_dir, self.step), self.chunks, model_config=self.model_cfg.to_dict(),
             optimizer=self.policy.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.policy.tokenizer_dir,
-            save_rng=True, run_id=self.policy.run_id,
+            save_rng=True, run_id=self.policy.run_id, extra_meta=extra_meta,
         )
         if self.ema is not None:
             with self.ema.swapped_in(self.chunks):
                 ema_path = checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
-                                              model_config=self.model_cfg.to_dict(),
+                                              model_config=self.model_cfg.to_dict(), extra_meta=extra_meta,
                                               tokenizer_dir=self.policy.tokenizer_dir, run_id=self.policy.run_id)
             checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last,
                                                  run_id=self.policy.run_id, saved=ema_path)
@@ -1252,6 +1275,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     None builds them from the config (tests pass in-process ones).
     """
     from aligner import checkpointing
+    from aligner.models import lora
     from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
     from aligner.rl.rollouts import PromptDataset
@@ -1259,18 +1283,24 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
 
     loss = cfg.loss
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
-    setup.refuse_lora(cfg.peft, "the RL actor")
+    peft = dataclasses.replace(cfg.peft, dropout=0.0) if loss.disable_dropout else cfg.peft
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
+        peft=peft,
     )
     cfg.validate(built.data_parallel_size)
     chunks, model_cfg, tokenizer, resume = built.chunks, built.model_cfg, built.tokenizer, built.resume_checkpoint
     # The reference policy is the starting policy, also when resuming (the chunks then hold random
     # init until the resume load, so the starting weights are loaded first, copied, then replaced).
-    # A run that never measures the KL never reads it: no host copy of the weights.
-    reference = None
-    if cfg.measures_kl:
+    # A run that never measures the KL never reads it: no host copy of the weights. With LoRA it is
+    # the base, i.e. the live model with its adapters off: no copy either.
+    reference = teacher = None
+    if cfg.measures_kl and cfg.teacher.init_from is not None:
+        teacher = build_teacher(cfg.teacher.init_from, cfg.parallel, built)
+    elif cfg.measures_kl and built.peft_meta is not None:
+        reference = lora.BaseReference()
+    elif cfg.measures_kl:
         if resume is not None:
             checkpointing.load(cfg.model.init_from, chunks)
         reference = HostWeights.snapshot(chunks)
@@ -1307,7 +1337,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
                       reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,
                       validation_prompts=validation, ptx_loader=ptx_loader, tokenizer=tokenizer, model_cfg=model_cfg,
-                      metrics=policy.metrics, ema=ema)
+                      metrics=policy.metrics, ema=ema, teacher=teacher)
     if resume is not None:
         trainer.resume_from(resume)
     rollout = cfg.rollout
@@ -1316,13 +1346,39 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
         f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "
         f"{cfg.data.max_prompt_length} tokens skipped); "
-        + (f"reference policy {cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB); "
-           if reference is not None else "no reference policy (fixed KL coefficient 0); ")
+        + (f"teacher {cfg.teacher.init_from} ({num_parameters(teacher[1]) / 1e6:.2f}M parameters) as the reference; "
+           if teacher is not None else
+           f"reference policy {cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB); "
+           if isinstance(reference, HostWeights) else
+           "reference policy: the base model with the LoRA adapters off (no copy); " if reference is not None
+           else "no reference policy (fixed KL coefficient 0); ")
         + f"{rollout.prompts_per_step} prompts x {rollout.samples_per_prompt} "
         f"samples per step{' (dynamic sampling)' if rollout.dynamic_sampling else ''}; advantages "
         f"{cfg.advantage.estimator}{' with the critic server' if cfg.uses_critic else ''}, loss {loss.policy_loss} "
         f"({loss.aggregation}); {loss.epochs} epoch(s) of {minibatches_per_step} minibatch(es)")
     return trainer
+
+
+def build_teacher(init_from: str, parallel, built) -> tuple:
+    """(chunks, GPTConfig) of the teacher at the policy's layout and precision, in eval mode. Refused unless
+    its tokenizer is the policy's: the teacher scores the policy's token ids."""
+    from aligner import checkpointing
+    from aligner.models import lora
+    from aligner.models.gpt import GPTConfig, build_model_chunks
+    from aligner.tokenizer import Tokenizer
+
+    teacher_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
+    tokenizer_dir = Path(init_from) / checkpointing.TOKENIZER_DIR
+    if not tokenizer_dir.is_dir() or Tokenizer(tokenizer_dir).hf.get_vocab() != built.tokenizer.hf.get_vocab():
+        raise ConfigError(f"teacher.init_from={init_from}: its tokenizer ({tokenizer_dir}) is not the policy's; "
+                          "on-policy distillation needs one tokenizer (the teacher scores the policy's token ids)")
+    chunks = build_model_chunks(teacher_cfg, parallel, built.params_dtype)
+    lora.load_for_inference(init_from, chunks)
+    for chunk in chunks:
+        chunk.eval()
+        for param in chunk.parameters():
+            param.requires_grad = False
+    return chunks, teacher_cfg
 
 
 def build_ptx_loader(cfg: RLActorConfig, tokenizer):

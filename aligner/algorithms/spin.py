@@ -28,11 +28,8 @@ with a seed of its own, answers gathered), so every rank trains on the same pair
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
-
-import torch
 
 from aligner.algorithms.dpo import (
     REFERENCE_MODES,
@@ -188,25 +185,10 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
     whatever the number of replicas.
     """
     from aligner.data.preference import PreferencePair
-    from aligner.generation.engine import generate_requests
-    from aligner.rl.rollouts import micro_batch_seed
+    from aligner.rl.rollouts import gather_shares, generate_share
 
-    answers = {}  # demonstration index -> the model's response ids
-    # (first index, prompts, sampling) of this replica's batches, streamed through the engine: rows freed
-    # by short answers are refilled from the next batch (continuous batching), each batch's rows unchanged.
-    requests = iter([(start, [prompt for prompt, _ in demonstrations[start:start + batch_size]],
-                      dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start)))
-                     for number, start in enumerate(range(0, len(demonstrations), batch_size))
-                     if number % replicas == replica])
-    longest = max(len(prompt) for prompt, _ in demonstrations)
-    for start, rollout in generate_requests(engine, lambda: next(requests, None), longest_prompt=longest):
-        for row in range(len(rollout.prompt_tokens)):
-            # The engine's ids as they are: decoding and re-encoding could spell the answer differently.
-            answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
-    if replicas > 1:
-        gathered = [None] * replicas
-        torch.distributed.all_gather_object(gathered, answers, group=group)
-        answers = {index: answer for part in gathered for index, answer in part.items()}
+    share = generate_share(engine, [prompt for prompt, _ in demonstrations], sampling, batch_size, replica, replicas)
+    answers = gather_shares(share, replicas, group)  # demonstration index -> the model's response ids
     pairs = [PreferencePair(list(prompt), list(response), answers[index])
              for index, (prompt, response) in enumerate(demonstrations)]
     identical = sum(pair.rejected == pair.chosen for pair in pairs)
@@ -262,6 +244,7 @@ class SPINRun:
 
     def _iterate(self, stop) -> None:
         from aligner.data.preference import PreferenceDataset, collate_preferences
+        from aligner.models import lora
         from aligner.models.weight_swap import HostWeights
         from aligner.training import setup
 
@@ -286,7 +269,10 @@ class SPINRun:
                                         pad_id=built.tokenizer.pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of,
                                         collate_fn=collate_preferences)
             if cfg.spin.reference_logprobs == "swap":
-                loader = SwappedReferenceLoader(loader, built.chunks, HostWeights.snapshot(built.chunks), vocab_size)
+                # LoRA: the base is frozen, so the iteration's reference differs from the model by its adapters only
+                select = lora.is_adapter_key if built.peft_meta is not None else None
+                reference = HostWeights.snapshot(built.chunks, select)
+                loader = SwappedReferenceLoader(loader, built.chunks, reference, vocab_size)
             trainer.objective = DPOObjective(dpo_section(cfg.spin, beta), vocab_size)
             trainer.train_loader = loader
             trainer.metrics.write(f"SPIN iteration {iteration + 1}/{len(self.betas)}: beta={beta}, {len(pairs)} pairs, "
@@ -322,10 +308,9 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     iteration_betas(spin)
     if not cfg.data.train:
         raise ConfigError("data.train is empty: give the SFT demonstrations as {path} entries")
-    setup.refuse_lora(cfg.peft, "SPIN")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
     )
     demonstrations = []
     for entry in cfg.data.train:

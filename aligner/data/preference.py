@@ -171,33 +171,41 @@ class PreferenceDataset(Dataset):
         return item
 
 
-def collate_preferences(items: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
-    """Right-padded rows prompt + response from column 0, interleaved chosen/rejected.
-
-    Returns, for B pairs (2B rows): tokens, position_ids [2B, S] long; prompt_lengths,
-    response_lengths [2B] long; attention_mask None (causal; padding sits after every sequence);
-    and, when every item has them, rewards [2B] and reference_logprobs [2B] float.
-    """
-    if not items:
-        raise ValueError("cannot collate an empty batch")
-    rows = [(item["prompt"], item[side]) for item in items for side in ("chosen", "rejected")]
+def collate_rows(rows: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Right-padded rows prompt + response from column 0: tokens, position_ids [rows, S] long;
+    prompt_lengths, response_lengths [rows] long; attention_mask None (causal; padding sits after every
+    sequence)."""
     longest = max(len(prompt) + len(response) for prompt, response in rows)
     seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     for row, (prompt, response) in enumerate(rows):
         tokens[row, : len(prompt)] = prompt
         tokens[row, len(prompt): len(prompt) + len(response)] = response
-    batch = {
+    return {
         "tokens": tokens,
         "position_ids": torch.arange(seq_len).repeat(len(rows), 1),
         "attention_mask": None,
         "prompt_lengths": torch.tensor([len(prompt) for prompt, _ in rows]),
         "response_lengths": torch.tensor([len(response) for _, response in rows]),
     }
-    for key in ("rewards", "reference_logprobs"):
+
+
+def stack_optional(batch: dict, items: list[dict], keys: tuple[str, ...]) -> dict:
+    """batch[key] = the items' values of key, stacked and flattened (float), for each key every item has;
+    a key some items have and some not is an error."""
+    for key in keys:
         present = [key in item for item in items]
         if all(present):
             batch[key] = torch.stack([item[key] for item in items]).reshape(-1).float()
         elif any(present):
-            raise DataError(f"some pairs in the batch have {key!r} and some do not")
+            raise DataError(f"some items in the batch have {key!r} and some do not")
     return batch
+
+
+def collate_preferences(items: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """`collate_rows` of the pairs, interleaved chosen/rejected: for B pairs 2B rows, and, when every item
+    has them, rewards [2B] and reference_logprobs [2B] float."""
+    if not items:
+        raise ValueError("cannot collate an empty batch")
+    rows = [(item["prompt"], item[side]) for item in items for side in ("chosen", "rejected")]
+    return stack_optional(collate_rows(rows, pad_id, pad_to_multiple_of), items, ("rewards", "reference_logprobs"))

@@ -282,6 +282,13 @@ def preference_records(n: int, seed: int, split: str = "train") -> list[dict]:
     ]
 
 
+def unpaired_records(n: int, seed: int, split: str = "train") -> list[dict]:
+    """KTO's unpaired feedback ``{"prompt", "completion", "label"}`` on n problems: each problem's right
+    answer (label true) and a plausible wrong one (false), as in preference_records, as two examples."""
+    return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+            for pair in preference_records(n, seed, split) for side in ("chosen", "rejected")]
+
+
 # Shares of the responses in attribute records: right, plausibly wrong, any number 0..198.
 _ATTRIBUTE_RESPONSE_MIX = (("correct", 0.4), ("plausible_wrong", 0.4), ("random", 0.2))
 

@@ -50,6 +50,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, prompts_path: str | Path, *,
     """
     from aligner import checkpointing
     from aligner.data.steerlm import steering_for_checkpoint
+    from aligner.models import lora
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
@@ -59,7 +60,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, prompts_path: str | Path, *,
     seeds.set_seed(seed)
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint_dir)["model"])
     model = build_gpt_model(model_cfg, transformer_config(model_cfg))
-    checkpointing.load(checkpoint_dir, [model])
+    lora.load_for_inference(checkpoint_dir, [model])  # an adapter checkpoint: onto its base
     tokenizer = Tokenizer(Path(checkpoint_dir) / checkpointing.TOKENIZER_DIR)
     return evaluate_arithmetic([model], tokenizer, prompts_path, temperature=temperature, seed=seed, limit=limit,
                                steer=steer, steerlm=steerlm)

@@ -134,6 +134,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner.generation.native import NativeEngine
     from aligner.hf.convert import import_gguf, import_hf, read_hf_source
     from aligner.hf.gguf import is_gguf_file
+    from aligner.models import lora
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
@@ -161,7 +162,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model_cfg.vocab_size}")
     chunks = build_model_chunks(model_cfg, cfg.parallel, distributed.resolve_precision(cfg.precision))
-    checkpointing.load(checkpoint, chunks)
+    lora.load_for_inference(checkpoint, chunks)  # an adapter checkpoint: onto its base, adapters live
     for chunk in chunks:
         chunk.eval()
     max_length = cfg.max_sequence_length or model_cfg.max_position_embeddings

@@ -99,6 +99,10 @@ class _Linear(NamedTuple):
     bias: Optional[torch.Tensor]  # [out]
     bias_column: Optional[torch.Tensor]  # [out, 1] view of bias, for feature-major activations
     product: torch.Tensor  # what the products read: the weight, or its oneDNN-packed copy (see _pack_products)
+    # A live LoRA adapter (aligner.models.lora), read as the training forward reads it: out += scale * B (A x).
+    lora_a: Optional[torch.Tensor] = None  # [rank, in] (row-parallel: this rank's input columns)
+    lora_b: Optional[torch.Tensor] = None  # [out, rank] (column-parallel: this rank's output rows)
+    lora_scale: float = 0.0
 
 
 class _Norm(NamedTuple):
@@ -154,7 +158,10 @@ def _version_counter(tensor: torch.Tensor) -> Optional[int]:
 def _linear(module) -> _Linear:
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
-    return _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1), module.weight)
+    linear = _Linear(module.weight, bias, None if bias is None else bias.view(-1, 1), module.weight)
+    if getattr(module, "lora_enabled", False):  # bound per call, so rollouts read the adapters as trained now
+        linear = linear._replace(lora_a=module.lora_a, lora_b=module.lora_b, lora_scale=module.lora_scale)
+    return linear
 
 
 def _optional_submodule(module: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
@@ -198,6 +205,8 @@ class NativeEngine:
         counter: optimizer steps, `param.copy_`) at the next generate call. Writes that bypass the
         version counter (`param.data.copy_(...)`) need refit(), which repacks everything. Elsewhere
         it changes nothing. Cost and gain: benchmarks/README.md (generation.py).
+    A model with LoRA adapters (`aligner.models.lora`) generates with them: each adapted product gains its
+    low-rank update, read from the live adapters at every call (switched-off adapters are left out).
     """
 
     def __init__(
@@ -274,12 +283,7 @@ class NativeEngine:
         """
         from megatron.core.utils import unwrap_model
 
-        from aligner.models import lora
-
         self._chunks = unwrap_model(list(model_chunks))
-        if lora.has_adapters(self._chunks):  # the engine's products read the weights alone
-            raise ConfigError("the native engine does not apply LoRA adapters yet; merge them first "
-                              "(aligner.models.lora.merge) or generate from the base model")
         self._packed = {}
         self._bind()
         if self._moe_modules:
@@ -517,7 +521,8 @@ class NativeEngine:
                 for part in layer:
                     if isinstance(part, tuple):
                         # (a packed copy has no storage pointer; its weight is in the tuple too)
-                        pointers.extend(t.data_ptr() for t in part if t is not None and t.layout == torch.strided)
+                        pointers.extend(t.data_ptr() for t in part
+                                        if isinstance(t, torch.Tensor) and t.layout == torch.strided)
                     elif part is not None:  # an MoE layer: its router's and experts' parameters
                         pointers.extend(p.data_ptr() for p in part.parameters())
             for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
@@ -927,9 +932,17 @@ class NativeEngine:
     def _linear(self, x, weight, bias=None):
         return cpu_products.linear(x, weight, bias) if self._onednn_products else F.linear(x, weight, bias)
 
+    def _adapted(self, out, x, linear: _Linear, rows: slice = slice(None)):
+        """out += scale * B[rows] (A x) for a live LoRA adapter (token-major x [..., in]), in place.
+        Row-parallel: added to this rank's partial sum before the all-reduce (B is whole, so the sum of
+        B (A_i x_i) over the ranks is B (A x), the training forward's update)."""
+        if linear.lora_a is not None:
+            out.add_(self._linear(self._linear(x, linear.lora_a), linear.lora_b[rows]), alpha=linear.lora_scale)
+        return out
+
     def _row_parallel(self, x, linear: _Linear):
         """megatron's row-parallel linear: matmul, all-reduce, then the bias."""
-        out = self._reduce(self._linear(x, linear.product))
+        out = self._reduce(self._adapted(self._linear(x, linear.product), x, linear))
         return out if linear.bias is None else out + linear.bias
 
     def _prefill_layer(self, layer: _Layer, hidden, key_cache, value_cache, rope, mask):
@@ -938,7 +951,8 @@ class NativeEngine:
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = self._groups, self._heads // self._groups, self._head_dim
         # qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved GQA layout).
-        qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv.product, layer.qkv.bias)
+        normed = self._norm(hidden, layer.input_norm)
+        qkv = self._adapted(self._linear(normed, layer.qkv.product, layer.qkv.bias), normed, layer.qkv)
         qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim)
         query_key = qkv[:, :, :, : per_group + 1]
         if layer.q_norm is not None:
@@ -966,10 +980,11 @@ class NativeEngine:
             # on which the activation runs ~3x faster than on the strided halves of one product.
             half = fc1.weight.shape[0] // 2
             bias = (None, None) if fc1.bias is None else (fc1.bias[:half], fc1.bias[half:])
-            intermediate = self._activation(self._linear(normed, fc1.weight[:half], bias[0]))
-            intermediate.mul_(self._linear(normed, fc1.weight[half:], bias[1]))
+            gate = self._adapted(self._linear(normed, fc1.weight[:half], bias[0]), normed, fc1, slice(None, half))
+            up = self._adapted(self._linear(normed, fc1.weight[half:], bias[1]), normed, fc1, slice(half, None))
+            intermediate = self._activation(gate).mul_(up)
         else:
-            intermediate = self._activation(self._linear(normed, fc1.product, fc1.bias))
+            intermediate = self._activation(self._adapted(self._linear(normed, fc1.product, fc1.bias), normed, fc1))
         return self._row_parallel(intermediate, layer.fc2).add_(hidden)
 
     def _head_norm(self, query_key, layer: _Layer, dim: int):
@@ -1012,13 +1027,19 @@ class NativeEngine:
         """weight [out, in] @ x [in, batch] -> [out, batch]: oneDNN on CPU (see `cpu_products`), else BLAS."""
         return cpu_products.weight_times_columns(weight, x) if self._onednn_products else torch.mm(weight, x)
 
+    def _adapted_columns(self, out, x, linear: _Linear):
+        """out [out, batch] += scale * B (A x) for a live LoRA adapter (feature-major x), in place."""
+        if linear.lora_a is not None:
+            out.add_(self._wx(linear.lora_b, self._wx(linear.lora_a, x)), alpha=linear.lora_scale)
+        return out
+
     def _linear_columns(self, linear: _Linear, x):
-        out = self._wx(linear.product, x)
+        out = self._adapted_columns(self._wx(linear.product, x), x, linear)
         return out if linear.bias is None else out.add_(linear.bias_column)
 
     def _row_parallel_columns(self, linear: _Linear, x, residual):
         """megatron's row-parallel linear (matmul, all-reduce, bias) plus the residual stream."""
-        out = self._wx(linear.product, x)
+        out = self._adapted_columns(self._wx(linear.product, x), x, linear)
         if self._tp_size > 1:  # all_reduce wants a contiguous tensor: the product's token-major storage
             dist.all_reduce(out.t() if out.t().is_contiguous() else out, group=self._tp_group)
         if linear.bias is not None:

@@ -520,6 +520,13 @@ class TensorRTLLMEngine:
 
     # -- GenerationEngine
     def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        from megatron.core.utils import unwrap_model
+
+        from aligner.models import lora
+
+        if lora.has_adapters(unwrap_model(list(model_chunks))):  # its engine holds the weights alone
+            raise ConfigError("generation.engine=trtllm does not apply LoRA adapters; use generation.engine=native, "
+                              "which generates with the live adapters")
         weights = local_rank_weights(model_chunks, self.model_cfg, self.arch, dtype=self.dtype)
         if not self._built:
             self._build(weights)  # first call: the engine is built with these weights

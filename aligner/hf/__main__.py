@@ -3,10 +3,13 @@
     python -m aligner.hf import --hf-dir HF_MODEL_DIR --output CHECKPOINT_DIR [--make-vocab-size-divisible-by 128]
     python -m aligner.hf import --gguf FILE.gguf --output CHECKPOINT_DIR [--dtype float32|bfloat16]
     python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
+    python -m aligner.hf export --checkpoint LORA_CHECKPOINT --output DIR [--lora merge|peft] [--base BASE_CHECKPOINT]
 
 Both run in one process at TP=1/PP=1; the imported checkpoint loads at any TP/PP layout, and a
-checkpoint saved at any layout can be exported. A GGUF file is dequantised (float32 keeps the values
-exactly); its tokenizer and chat template go into the checkpoint. User errors end with one line
+checkpoint saved at any layout can be exported. A LoRA adapter checkpoint exports merged into its
+base's weights (a plain HF model) or as a PEFT adapter directory for the HF export of its base. A GGUF
+file is dequantised (float32 keeps the values exactly); its tokenizer and chat template go into the
+checkpoint. User errors end with one line
 `error: ...` and exit status 2.
 """
 from __future__ import annotations
@@ -42,6 +45,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     to_hf.add_argument("--arch", choices=ARCHS, default=None, help="default: the imported model's, else inferred")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="default: the imported model's, else float32")
+    to_hf.add_argument("--lora", choices=("merge", "peft"), default="merge",
+                       help="a LoRA adapter checkpoint: merge the adapters into the weights (default), or write a "
+                            "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    to_hf.add_argument("--base", default=None,
+                       help="a LoRA adapter checkpoint's base checkpoint (default: the path it recorded)")
     return parser.parse_args(argv)
 
 
@@ -59,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         print(f"imported {args.hf_dir} -> {path}")
     else:
-        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype)
+        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base)
         print(f"exported {args.checkpoint} -> {path}")
 
 

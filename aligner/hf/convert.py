@@ -25,7 +25,14 @@ import torch.distributed as dist
 from aligner import checkpointing
 from aligner.config import OutputError
 from aligner.data.jsonl import DataError, read_json
-from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt, hf_to_megatron, infer_arch, megatron_to_hf
+from aligner.hf.layout import (
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    hf_to_megatron,
+    infer_arch,
+    lora_to_hf,
+    megatron_to_hf,
+)
 from aligner.models.gpt import GPTConfig
 from aligner.runtime.errors import ConfigError
 
@@ -282,28 +289,47 @@ def _special_token_ids(checkpoint_dir: Path, source: dict) -> dict[str, Optional
     return {name: getattr(tokenizer, name) for name in names}
 
 
+LORA_EXPORTS = ("merge", "peft")
+ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
 def export_hf(
     checkpoint_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
     *,
     arch: Optional[str] = None,
     dtype: Optional[str] = None,
+    lora: str = "merge",
+    base: Optional[str | os.PathLike] = None,
 ) -> Path:
     """Write an aligner checkpoint as an HF model directory (config.json, model.safetensors, tokenizer).
 
     arch: one of layout.ARCHS; default: the imported source's, else inferred from the model.
     dtype: float32 | bfloat16 | float16; default: the imported source's, else float32.
     The checkpoint may have been saved at any TP/PP layout; it is loaded at TP=1/PP=1 here.
+    A LoRA adapter checkpoint is loaded onto its base (`base`, default the path it recorded) and written
+    either merged into the weights (lora="merge": a plain HF model) or as a PEFT adapter directory
+    (lora="peft": adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained`
+    on the HF export of the base).
     """
     from safetensors.torch import save_file
+
+    from aligner.models import lora as lora_adapters
 
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         # Never mix with (or delete) an existing model's files: stale shards would be loaded too.
         raise OutputError(f"export output directory {output_dir} is not empty; choose a new directory")
+    if lora not in LORA_EXPORTS:
+        raise ConfigError(f"lora={lora!r}: choose one of {list(LORA_EXPORTS)}")
     meta = checkpointing.read_meta(checkpoint_dir)
+    peft_meta = meta.get("peft")
+    if peft_meta is None and (lora == "peft" or base is not None):
+        raise ConfigError(f"{checkpoint_dir} is a whole model, not LoRA adapters: --lora peft and --base apply to "
+                          "adapter checkpoints")
+    base_dir = lora_adapters.adapter_base(checkpoint_dir, peft_meta, base) if peft_meta is not None else None
     cfg = GPTConfig.from_dict(meta["model"])
-    source = read_hf_source(checkpoint_dir)
+    source = read_hf_source(checkpoint_dir) or (read_hf_source(base_dir) if base_dir is not None else {})
     arch = arch or source.get("arch") or infer_arch(cfg)
     dtype = dtype or source.get("dtype") or "float32"
     if dtype not in _DTYPES:
@@ -312,16 +338,38 @@ def export_hf(
 
     with _single_model_parallel_group():
         model = _build_model(cfg)
-        checkpointing.load(checkpoint_dir, [model])
-        megatron_state = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
-    hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
+        lora_adapters.load_for_inference(checkpoint_dir, [model], base_dir)
+        if lora == "peft":
+            adapters = {f"{module_name}.weight": (module.lora_a.detach(), module.lora_b.detach())
+                        for module_name, module in model.named_modules() if hasattr(module, "lora_a")}
+        elif base_dir is not None:
+            lora_adapters.merge([model])
+        megatron_state = {name: t for name, t in model.state_dict().items()
+                          if not name.endswith("_extra_state") and not lora_adapters.is_adapter_key(name)}
+    if lora == "peft":
+        hf_adapters = lora_to_hf(adapters, cfg, arch)
+        hf_state = {f"base_model.model.{module}.lora_{part}.weight": tensor.to(_DTYPES[dtype])
+                    for module, pair in hf_adapters.items() for part, tensor in zip("AB", pair)}
+        adapter_config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft_meta["rank"], "lora_alpha": peft_meta["alpha"],
+            "lora_dropout": peft_meta["dropout"], "bias": "none", "use_rslora": False, "fan_in_fan_out": arch == "gpt2",
+            # the modules' last two name parts: GPT-2 has a c_proj in attention and in the MLP
+            "target_modules": sorted({".".join(module.split(".")[-2:]) for module in hf_adapters}),
+            "base_model_name_or_path": source.get("source_dir") or str(base_dir), "inference_mode": True,
+        }
+    else:
+        hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
 
     if _is_rank_zero():
         output_dir.mkdir(parents=True, exist_ok=True)
-        hf_config.save_pretrained(str(output_dir))
-        save_file(hf_state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-        if source.get("generation_config"):
-            (output_dir / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
+        if lora == "peft":
+            (output_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+            save_file(hf_state, str(output_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        else:
+            hf_config.save_pretrained(str(output_dir))
+            save_file(hf_state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+            if source.get("generation_config"):
+                (output_dir / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
         tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
         if tokenizer_dir.is_dir():
             for path in tokenizer_dir.iterdir():

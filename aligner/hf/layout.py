@@ -608,6 +608,38 @@ _TO_HF = {
 }
 
 
+# kind -> (a LoRA B [out, rank] of the megatron weight -> the B of each HF module it is made of). A LoRA B
+# keeps nn.Linear's [out, rank] layout also on GPT-2's Conv1D modules (PEFT's fan_in_fan_out), so the
+# transposing kinds only split.
+_LORA_B_TO_HF = {
+    "copy": lambda b, cfg: (b,),
+    "transpose": lambda b, cfg: (b,),
+    "qkv": lambda b, cfg: unpack_qkv(b, cfg),
+    "conv1d_qkv": lambda b, cfg: (torch.cat(unpack_qkv(b, cfg)),),
+    "gate_up": lambda b, cfg: tuple(b.chunk(2)),
+}
+
+
+def lora_to_hf(adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: GPTConfig,
+               arch: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{megatron weight name: (A [rank, in], B [out, rank])} of TP=1 adapters -> {HF module name: (A, B)}.
+
+    A megatron weight made of several HF weights (q/k/v, gate/up) has one A for all of them: each HF
+    module gets that A and its rows of B, which is the same update (B_q A is the q rows of B A).
+    """
+    check_exportable(cfg, arch)
+    out = {}
+    for pair in _weight_table(cfg, arch):
+        if pair.megatron in adapters:
+            a, b = adapters[pair.megatron]
+            for hf_name, hf_b in zip(pair.hf, _LORA_B_TO_HF[pair.kind](b, cfg)):
+                out[hf_name.removesuffix(".weight")] = (a.contiguous().clone(), hf_b.contiguous().clone())
+    missing = set(adapters) - {pair.megatron for pair in _weight_table(cfg, arch)}
+    if missing:
+        raise ConfigError(f"adapters on {sorted(missing)[:3]} have no {arch} module to export to")
+    return out
+
+
 def _megatron_shape(pair: _WeightPair, padded: int) -> tuple[int, ...]:
     """The shape of the megatron tensor `pair.kind` makes of HF tensors of `pair.hf_shapes`."""
     first = pair.hf_shapes[0]

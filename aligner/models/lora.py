@@ -62,6 +62,53 @@ class PEFTConfig:
                 "target_modules": list(self.target_modules)}
 
 
+def checkpoint_meta(peft: PEFTConfig, base_dir) -> dict:
+    """The `peft` section of an adapter checkpoint's meta: the settings, the base's path and a digest of its
+    manifest (which recognises the base wherever it is moved)."""
+    from pathlib import Path
+
+    from aligner import checkpointing
+
+    return {**peft.to_dict(), "base": str(Path(base_dir).resolve()),
+            "base_fingerprint": checkpointing.fingerprint(base_dir)}
+
+
+def config_of(meta: dict) -> PEFTConfig:
+    """The PEFTConfig an adapter checkpoint was trained with (from its meta's `peft` section)."""
+    return PEFTConfig(**{key: meta[key] for key in ("scheme", "rank", "alpha", "dropout", "target_modules")})
+
+
+def adapter_base(checkpoint_dir, peft_meta: dict, base=None):
+    """The base checkpoint of an adapter checkpoint: `base` if given, else the path it recorded; it must be
+    the same model (same manifest digest) when the adapter checkpoint recorded one."""
+    from pathlib import Path
+
+    from aligner import checkpointing
+
+    base_dir = Path(base) if base is not None else Path(peft_meta["base"])
+    if not (base_dir / checkpointing.META_FILE).is_file():
+        raise ConfigError(f"{checkpoint_dir} holds LoRA adapters whose base checkpoint {base_dir} is not an aligner "
+                          "checkpoint (moved or deleted?); pass its new place with --base")
+    recorded = peft_meta.get("base_fingerprint")
+    if recorded and checkpointing.fingerprint(base_dir) != recorded:
+        raise ConfigError(f"{base_dir} is not the model {checkpoint_dir}'s adapters were trained on "
+                          f"({peft_meta['base']}); pass that base with --base")
+    return base_dir
+
+
+def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=None) -> bool:
+    """Load a checkpoint into freshly built (unwrapped) chunks: a whole model as it is, an adapter checkpoint
+    onto its base (`adapter_base`) with live adapters. Returns whether the chunks now have adapters."""
+    from aligner import checkpointing
+
+    peft_meta = checkpointing.read_meta(checkpoint_dir).get("peft")
+    if peft_meta is not None:
+        checkpointing.load(adapter_base(checkpoint_dir, peft_meta, base), chunks)
+        apply_lora(chunks, config_of(peft_meta), seed=0)  # A is loaded next
+    checkpointing.load(checkpoint_dir, chunks)
+    return peft_meta is not None
+
+
 def _adapter_sharded_state(module, prefix: str, sharded_offsets, split_axis: dict) -> dict:
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 

@@ -16,7 +16,7 @@ exchanges values with its host copy, one parameter's worth of device memory at a
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -37,13 +37,19 @@ def named_parameters(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch
 class HostWeights:
     """A host-memory copy of model chunks' parameters that can be exchanged with the live ones."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], select: Optional[Callable[[str], bool]] = None):
         self.tensors = tensors  # name -> host tensor, same shapes/dtypes as the live parameters
+        self.select = select  # which parameters (by name) the copy holds; None: every one
 
     @classmethod
-    def snapshot(cls, chunks: Sequence[torch.nn.Module]) -> "HostWeights":
-        """Copy the chunks' current parameters to host memory."""
-        return cls({name: host_copy(param) for name, param in named_parameters(chunks)})
+    def snapshot(cls, chunks: Sequence[torch.nn.Module],
+                 select: Optional[Callable[[str], bool]] = None) -> "HostWeights":
+        """Copy the chunks' current parameters (those `select` names, e.g. LoRA adapters only) to host memory."""
+        return cls({name: host_copy(param) for name, param in cls._named(chunks, select)}, select)
+
+    @staticmethod
+    def _named(chunks, select) -> list[tuple[str, torch.Tensor]]:
+        return [(name, param) for name, param in named_parameters(chunks) if select is None or select(name)]
 
     @property
     def num_bytes(self) -> int:
@@ -52,7 +58,7 @@ class HostWeights:
     @torch.no_grad()
     def exchange(self, chunks: Sequence[torch.nn.Module]) -> None:
         """Swap values: the chunks get the stored weights, the store gets the chunks' weights."""
-        named = named_parameters(chunks)
+        named = self._named(chunks, self.select)
         if [name for name, _ in named] != list(self.tensors):
             missing = sorted(set(self.tensors) - {name for name, _ in named})[:5]
             extra = sorted({name for name, _ in named} - set(self.tensors))[:5]

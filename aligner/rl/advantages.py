@@ -231,6 +231,17 @@ def reinforce(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantage
     return _sequence_estimate(inputs, lambda r: r)
 
 
+@register_advantage_estimator("on_policy_distillation")
+def on_policy_distillation(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
+    """On-policy distillation: each token's own reward, no discount and no baseline. The reference policy is
+    the teacher, so -kl_coef * kl_t is minus the per-token reverse KL to it (with the k1 estimator,
+    log pi_teacher(y_t) - log pi(y_t)); a sequence score, if any, is added to every token."""
+    mask = inputs.mask
+    per_token = inputs.scores.unsqueeze(1).to(inputs.kl.dtype) - inputs.kl_coef * inputs.kl
+    return Advantages(zero_off_mask(per_token, mask), None,
+                      sequence_rewards(inputs.scores, inputs.kl, mask, inputs.kl_coef))
+
+
 @register_advantage_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     """REINFORCE++ (Hu 2025): per-token rewards, return-to-go with gamma, whitened over the global batch.

@@ -148,6 +148,37 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
     return router.route_stream(len(prompts), stream).results
 
 
+def generate_share(engine, prompts: Sequence[list[int]], sampling: SamplingParams, batch_size: int,
+                   replica: int = 0, replicas: int = 1) -> dict[int, list[int]]:
+    """This data-parallel replica's share of answers to `prompts`: {prompt index: response ids}.
+
+    The prompts go to the engine in batches of batch_size, dealt round-robin to the replicas, and each
+    batch samples with a seed of its own first index (`micro_batch_seed`), so a prompt's answer does not
+    depend on the number of replicas. The batches stream through the engine (continuous batching: rows
+    freed by short answers are refilled from the next batch). The engine's ids are kept as they are:
+    decoding and re-encoding could spell an answer differently.
+    """
+    requests = iter([(start, list(prompts[start:start + batch_size]),
+                      dataclasses.replace(sampling, seed=micro_batch_seed(sampling.seed, start)))
+                     for number, start in enumerate(range(0, len(prompts), batch_size))
+                     if number % replicas == replica])
+    answers = {}
+    for start, rollout in generate_requests(engine, lambda: next(requests, None),
+                                            longest_prompt=max(len(prompt) for prompt in prompts)):
+        for row in range(len(rollout.prompt_tokens)):
+            answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
+    return answers
+
+
+def gather_shares(share: dict, replicas: int, group=None) -> dict:
+    """The union of every replica's dict (all_gather over `group`); the dict itself with one replica."""
+    if replicas == 1:
+        return share
+    gathered = [None] * replicas
+    torch.distributed.all_gather_object(gathered, share, group=group)
+    return {key: value for part in gathered for key, value in part.items()}
+
+
 def micro_batch_seed(seed: int, first_index: int) -> int:
     """Sampling seed of the micro-batch that starts at prompt `first_index`: a hash of both, in [0, 2**32).
 

@@ -192,8 +192,29 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 def refuse_lora(peft: PEFTConfig, algorithm: str) -> None:
     """One line for a trainer that does not train LoRA adapters yet (instead of silently training every weight)."""
     if peft.enabled:
-        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT and DPO support it); "
-                          "set peft.scheme=none to train every weight")
+        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT, the DPO family, KTO, SPIN "
+                          "and the RL actor support it); set peft.scheme=none to train every weight")
+
+
+def check_resumed_adapters(checkpoint_dir, peft_meta: dict, init_from_key: str) -> None:
+    """A LoRA run resumes adapters trained on the same base with the same shape and scale; anything else
+    would load (or fail to load) adapters that mean something else."""
+    from aligner import checkpointing
+
+    saved = checkpointing.read_meta(checkpoint_dir).get("peft")
+    if saved is None:
+        return  # a whole-model checkpoint: checkpointing.load names that mismatch
+    if saved.get("base_fingerprint") or peft_meta["base_fingerprint"]:
+        same_base = saved.get("base_fingerprint") == peft_meta["base_fingerprint"]
+    else:  # bases without manifests: only their paths can be compared
+        same_base = saved["base"] == peft_meta["base"]
+    if not same_base:
+        raise ConfigError(f"{checkpoint_dir} holds adapters trained on {saved['base']}, but {init_from_key} is "
+                          f"{peft_meta['base']}, another model; resume with that base or use a new checkpoint.save_dir")
+    for key in ("rank", "alpha", "target_modules"):
+        if saved[key] != peft_meta[key]:
+            raise ConfigError(f"{checkpoint_dir} holds adapters with peft.{key}={saved[key]}, this run sets "
+                              f"peft.{key}={peft_meta[key]}; resume with the checkpoint's value")
 
 
 def attach_grad_hooks(chunks: list[torch.nn.Module], optimizer) -> None:
@@ -316,9 +337,12 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     peft_meta = None
     if lora:
         from aligner.models.lora import apply_lora
+        from aligner.models.lora import checkpoint_meta as lora_checkpoint_meta
 
         apply_lora(chunks, peft, seed)
-        peft_meta = {**peft.to_dict(), "base": str(Path(init_from).resolve())}
+        peft_meta = lora_checkpoint_meta(peft, init_from)
+        if latest is not None:
+            check_resumed_adapters(latest, peft_meta, init_from_key)
         trained = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
         get_logger().info(f"LoRA rank {peft.rank} on {', '.join(peft.target_modules)}: {trained / 1e6:.2f}M trained "
                           "parameters on this rank, the rest frozen")

@@ -7,7 +7,11 @@ Stages, each the same command a user would run (`--stages` re-runs a subset on e
                  model (correlation with held-out labels)
   ppo            critic server (started from the reward model) + PPO actor through launch_ppo.py,
                  rewarded by the task's checker
-  dpo            DPO (+ NLL on the chosen answer) on the preference pairs
+  dpo            DPO (+ NLL on the chosen answer) on the preference pairs, with full weights and with LoRA
+  kto            KTO on the same pairs taken apart into desirable and undesirable examples
+  rs             rejection sampling: best of 4 sampled answers, kept when the checker says right, SFT on them
+  kd             knowledge distillation: a smaller random-init student on the demonstrations with the DPO
+                 model's top-4 logits, against the same student trained by SFT alone
   spin           SPIN on correct demonstrations
   steerlm        annotate demonstrations with the served attribute model, attribute-conditioned SFT,
                  then ask for the top and a low correctness
@@ -137,6 +141,70 @@ DPO_OVERRIDES = [
     "dpo.sft_loss_weight=1.0",
     "dpo.reference_logprobs=swap",
     "logging.log_interval=50",
+    "checkpoint.resume=false",
+]
+
+# The same DPO run with LoRA adapters (rank 16 on every linear; base frozen and the reference), at the
+# learning rate adapters need.
+DPO_LORA_OVERRIDES = ["peft.scheme=lora", "peft.rank=16", "peft.alpha=32", "optim.lr=5e-3", "optim.min_lr=5e-4"]
+
+# KTO on the preference pairs taken apart: each right answer a desirable example, each wrong one an
+# undesirable example (no pairing left for the loss to use).
+KTO_OVERRIDES = [
+    "data.max_seq_length=32",
+    "trainer.max_steps=120",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=32",
+    "trainer.val_check_interval=0",
+    "optim.lr=5e-4",
+    "optim.min_lr=5e-5",
+    "optim.warmup_steps=10",
+    "kto.beta=0.1",
+    "kto.sft_loss_weight=1.0",
+    "kto.reference_logprobs=precompute",
+    "logging.log_interval=50",
+    "checkpoint.resume=false",
+]
+
+# Rejection sampling: best of 4 answers per prompt, only right ones kept (the checker's score 1), SFT on them.
+RS_OVERRIDES = [
+    "data.max_prompt_length=8",
+    "rs.num_iterations=4",
+    "rs.prompts_per_iteration=1024",
+    "rs.samples_per_prompt=4",
+    "rs.min_score=1.0",
+    "rs.epochs_per_iteration=2",
+    "rs.generation.max_new_tokens=6",
+    "rs.generation.batch_size=256",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=64",
+    "optim.lr=5e-4",
+    "optim.min_lr=5e-5",
+    "optim.warmup_steps=10",
+    "logging.log_interval=25",
+    "checkpoint.resume=false",
+]
+
+# Knowledge distillation: a smaller student (2 layers x 64, random init) trained on the SFT demonstrations,
+# once with the aligned DPO model's top-4 logits at every answer position (KD) and once by SFT alone.
+STUDENT_ARCHITECTURE = [
+    "model.architecture.num_layers=2",
+    "model.architecture.hidden_size=64",
+    "model.architecture.num_attention_heads=4",
+    "model.architecture.num_query_groups=2",
+    "model.architecture.ffn_hidden_size=256",
+]
+STUDENT_OVERRIDES = [
+    "data.max_seq_length=32",
+    "data.split='100,0'",
+    "trainer.max_steps=1500",
+    "trainer.global_batch_size=128",
+    "trainer.micro_batch_size=128",
+    "trainer.val_check_interval=0",
+    "optim.lr=2e-3",
+    "optim.min_lr=2e-4",
+    "optim.warmup_steps=20",
+    "logging.log_interval=200",
     "checkpoint.resume=false",
 ]
 
@@ -312,6 +380,68 @@ class Demo:
                     f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
                     *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
+        out = self.work / "dpo_lora"
+        shutil.rmtree(out, ignore_errors=True)
+        run("dpo lora", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
+                         f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
+                         f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
+                         *DPO_LORA_OVERRIDES, *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}",
+                         f"logging.log_dir={out}"])
+        # (the evaluation loads the adapter checkpoint onto its base: lora.load_for_inference)
+        self.table.append(("DPO, LoRA rank 16", self.greedy("dpo_lora", latest_checkpoint(out / "checkpoints"))))
+
+    # -- KTO on the preference pairs taken apart
+    def kto(self) -> None:
+        out = self.work / "kto"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        files = {}
+        for split in ("train", "validation"):
+            pairs = [json.loads(line) for line in (self.data / f"preference_{split}.jsonl").read_text().splitlines()]
+            files[split] = out / f"unpaired_{split}.jsonl"
+            files[split].write_text("".join(
+                json.dumps({"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}) + "\n"
+                for pair in pairs for side in ("chosen", "rejected")))
+        run("kto", [sys.executable, GPT_EXAMPLES / "train_gpt_kto.py", f"model.init_from={self.sft_checkpoint}",
+                    f"data.train=[{{path: {files['train']}}}]", f"data.validation=[{{path: {files['validation']}}}]",
+                    *KTO_OVERRIDES, *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}",
+                    f"logging.log_dir={out}"])
+        self.table.append(("KTO", self.greedy("kto", latest_checkpoint(out / "checkpoints"))))
+
+    # -- rejection sampling (best of n, the task's checker as the score)
+    def rs(self) -> None:
+        out = self.work / "rs"
+        shutil.rmtree(out, ignore_errors=True)
+        run("rejection sampling", [
+            sys.executable, GPT_EXAMPLES / "train_gpt_rs.py", f"model.init_from={self.sft_checkpoint}",
+            f"data.prompts={self.data / 'rl_prompts.jsonl'}", "reward.source=function",
+            "reward.function=aligner.demo.arithmetic:score_response", *RS_OVERRIDES, *self.precision,
+            f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.table.append(("rejection sampling, best of 4", self.greedy("rs", latest_checkpoint(out / "checkpoints"))))
+
+    # -- knowledge distillation from the DPO model into a smaller student, against SFT alone
+    def kd(self) -> None:
+        teacher = self._earlier_stage_checkpoint("dpo", self.work / "dpo" / "checkpoints")
+        out = self.work / "kd"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        data, topk = self.data / "sft_train.jsonl", out / "sft_train.topk.safetensors"
+        run("kd teacher pass", [sys.executable, DATA_SCRIPTS.parent / "compute_teacher_topk.py", f"teacher={teacher}",
+                                f"data.path={data}", "data.max_seq_length=32", "top_k=4", "micro_batch_size=256",
+                                f"output={topk}"])
+        common = [f"tokenizer.path={self.tokenizer}", *STUDENT_ARCHITECTURE, *STUDENT_OVERRIDES, *self.precision]
+        run("kd student", [sys.executable, GPT_EXAMPLES / "train_gpt_knowledge_distillation.py", *common,
+                           f"data.train=[{{path: {data}, teacher_topk: {topk}}}]",
+                           f"checkpoint.save_dir={out / 'student' / 'checkpoints'}",
+                           f"logging.log_dir={out / 'student'}"])
+        run("kd student by SFT alone", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common,
+                                        f"data.train=[{{path: {data}}}]",
+                                        f"checkpoint.save_dir={out / 'sft_student' / 'checkpoints'}",
+                                        f"logging.log_dir={out / 'sft_student'}"])
+        self.table.append(("student (2x64), distilled from DPO",
+                           self.greedy("kd_student", latest_checkpoint(out / "student" / "checkpoints"))))
+        self.table.append(("student (2x64), SFT alone",
+                           self.greedy("sft_student", latest_checkpoint(out / "sft_student" / "checkpoints"))))
 
     # -- 9: SPIN (self-play against the demonstrations)
     def spin(self) -> None:
@@ -377,7 +507,7 @@ class Demo:
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
 
-STAGES = ("sft", "reward_models", "ppo", "dpo", "spin", "steerlm", "group_rl")
+STAGES = ("sft", "reward_models", "ppo", "dpo", "kto", "rs", "kd", "spin", "steerlm", "group_rl")
 
 
 def main() -> None:

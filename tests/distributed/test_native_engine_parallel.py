@@ -7,7 +7,8 @@ streams, so they match TP=1 too, up to a draw landing within rounding of a CDF b
 logits differ by float rounding between layouts): at least 7 of 8 rows must match. The static
 decode step (static_decode=True, what CUDA graphs capture) is held to the same bounds against
 TP=1's default step, and so is continuous batching with refills (8 prompts, 3 cache rows, early stops)
-against TP=1's static-batch loop.
+against TP=1's static-batch loop. Models with live LoRA adapters (base + adapter checkpoints) are held
+to the same bounds.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_tp2_pp2_vpp_generation_matches_tp1(tmp_path, torchrun):
     result = json.loads(lines[-1][len("RESULT "):])
     print(json.dumps(result, indent=1))
     assert set(result) == {"llama/tp2", "gpt2/tp2", "moe/tp2", "llama/pp2", "gpt2/pp2", "moe/pp2", "llama/pp2_vpp2",
-                           "sampling_helpers_tp2"}
+                           "llama_lora/tp2", "gpt2_lora/tp2", "llama_lora/pp2", "sampling_helpers_tp2"}
     assert all(result.pop("sampling_helpers_tp2").values())
     for layout, cases in result.items():
         assert cases["greedy"]["same_rows"] == cases["greedy"]["rows"], layout

@@ -227,7 +227,8 @@ def test_token_advantages_broadcast_the_sequence_advantage_over_its_response():
 
 
 def test_registry_and_errors(monkeypatch):
-    assert set(A.ADVANTAGE_ESTIMATORS) == {"gae", "rloo", "grpo", "dr_grpo", "reinforce", "reinforce_plus_plus"}
+    assert set(A.ADVANTAGE_ESTIMATORS) == {"gae", "rloo", "grpo", "dr_grpo", "reinforce", "reinforce_plus_plus",
+                                           "on_policy_distillation"}
     assert A.ADVANTAGE_ESTIMATORS["gae"].needs_values and A.ADVANTAGE_ESTIMATORS["rloo"].min_group_size == 2
     settings = A.AdvantageSettings()
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; choose one of gae, rloo, grpo"):
@@ -253,3 +254,15 @@ def test_registry_and_errors(monkeypatch):
     assert float(A.compute_advantages("zero", make_inputs(0), settings).advantages.abs().sum()) == 0.0
     with pytest.raises(ValueError, match="'zero' is already registered"):
         A.register_advantage_estimator("zero")(zero)
+
+
+def test_on_policy_distillation_credits_each_token_its_own_reward():
+    """advantage[b, t] = score_b - kl_coef * kl[b, t] on the mask (no baseline, no discount), 0 off it."""
+    inputs = make_inputs(3)
+    out = A.compute_advantages("on_policy_distillation", inputs, A.AdvantageSettings())
+    for b, n in enumerate(LENGTHS):
+        for t in range(T):
+            expected = float(inputs.scores[b]) - KL_COEF * float(inputs.kl[b, t]) if t < n else 0.0
+            assert float(out.advantages[b, t]) == pytest.approx(expected, abs=1e-14), (b, t)
+    assert out.sequence_rewards.tolist() == pytest.approx(ref_sequence_rewards(inputs), abs=1e-14)
+    assert out.returns is None

@@ -6,7 +6,10 @@ from typing import ClassVar
 
 import pytest
 
+from aligner.algorithms.distillation import KDConfig, TeacherTopKConfig
 from aligner.algorithms.dpo import DPOConfig
+from aligner.algorithms.kto import KTOConfig
+from aligner.algorithms.rejection_sampling import RSConfig
 from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
@@ -36,6 +39,10 @@ def test_shipped_yaml_loads_and_overrides_apply():
     (RLActorConfig, "gpt_reinforce_actor.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
     (DPOConfig, "gpt_dpo.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
     (SPINConfig, "gpt_spin.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
+    (KTOConfig, "gpt_kto.yaml", ("data.train=[{path: x.jsonl}]", "model.init_from=/checkpoint")),
+    (RSConfig, "gpt_rs.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
+    (KDConfig, "gpt_knowledge_distillation.yaml", ("data.train=[{path: x.jsonl, teacher_topk: x.topk}]",)),
+    (TeacherTopKConfig, "teacher_topk.yaml", ("teacher=/checkpoint", "data.path=x.jsonl", "output=x.topk")),
 ])
 def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name, required):
     """The yaml documents every key the entry point reads, and loads against its schema."""
@@ -119,6 +126,10 @@ def _entry_point_schemas():
         (SFTConfig, "gpt_sft.yaml", ["data.train=[{path: x.jsonl}]"]),
         (DPOConfig, "gpt_dpo.yaml", ["data.train=[{path: x.jsonl}]"]),
         (SPINConfig, "gpt_spin.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (KTOConfig, "gpt_kto.yaml", ["data.train=[{path: x.jsonl}]"]),
+        (RSConfig, "gpt_rs.yaml", ["data.prompts=p.jsonl"]),
+        (KDConfig, "gpt_knowledge_distillation.yaml", ["data.train=[{path: x.jsonl, teacher_topk: x.topk}]"]),
+        (TeacherTopKConfig, "teacher_topk.yaml", ["teacher=/c", "data.path=x.jsonl", "output=x.topk"]),
         (RewardModelConfig, "training_rm.yaml", ["data.train=[{path: x.jsonl}]"]),
         (ChatConfig, "chat.yaml", ["init_from=/checkpoint"]),
         (RewardServerConfig, "inference_rm.yaml", ["rm_model_file=/checkpoint"]),

@@ -16,7 +16,7 @@ from ..conftest import REPO_ROOT, metrics_rows, train_tiny_arithmetic_policy
 from .test_native_engine import VOCAB, make_model
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
-SPIN_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_spin.py"
+RM_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_reward_model.py"
 TOKENS = torch.randint(3, VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
 
 
@@ -80,13 +80,42 @@ def test_adapters_disabled_runs_the_base_exactly(single_process):
     assert not torch.equal(forward_logits([model], TOKENS, VOCAB), base)  # on again after the block
 
 
-def test_the_native_engine_refuses_a_model_with_adapters_instead_of_ignoring_them(single_process):
-    from .test_native_engine import make_engine
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen"])
+@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
+def test_the_native_engine_generates_with_the_live_adapters(single_process, name, pack_weights):
+    """Rollouts read the adapters as they are now: equal to the training forward of the adapted model,
+    after an in-place update of B (an optimizer step) as well, and never to the base or the initial
+    adapters (the silent failure of rollouts sampling a stale policy)."""
+    from aligner.generation.engine import SamplingParams
+    from aligner.generation.reference import generate_full_forward
 
-    cfg, model, peft = _adapted()
+    from .test_native_engine import EOS, PAD, make_engine, make_prompts, responses, training_logprobs
+
+    cfg, model, peft = _adapted(name)
     lora.apply_lora([model], peft, seed=1)
-    with pytest.raises(ValueError, match="does not apply LoRA adapters yet"):
-        make_engine(cfg, model)
+    _randomise_b(model)
+    engine, prompts = make_engine(cfg, model, pack_weights=pack_weights), make_prompts()
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)
+
+    def expected_greedy():
+        return generate_full_forward([model], prompts, vocab_size=VOCAB, eos_id=EOS, pad_id=PAD, max_new_tokens=12)
+
+    first = engine.generate(prompts, greedy)
+    assert responses(first) == expected_greedy()
+    with lora.adapters_disabled([model]):
+        base = expected_greedy()
+    assert responses(first) != base
+    rollout = engine.generate(prompts, sampled)
+    assert float((rollout.logprobs - training_logprobs(model, cfg, rollout, 0.9)).abs().max()) < 1e-5
+
+    _randomise_b(model, seed=8)  # in place, as the optimizer writes B
+    second = engine.generate(prompts, greedy)
+    assert responses(second) == expected_greedy() and responses(second) != responses(first)
+    rollout = engine.generate(prompts, sampled)
+    assert float((rollout.logprobs - training_logprobs(model, cfg, rollout, 0.9)).abs().max()) < 1e-5
+    with lora.adapters_disabled([model]):  # the base, as the reference policy sees it
+        assert responses(engine.generate(prompts, greedy)) == base
 
 
 def test_target_modules_are_checked_and_only_those_get_adapters(single_process):
@@ -141,13 +170,66 @@ def test_sft_with_lora_learns_leaves_the_base_alone_and_saves_only_adapters(lora
     import shutil
 
     shutil.copytree(tmp_path / "run" / "ckpt" / "step_00000006", resumed_dir / "ckpt" / "step_00000006")
-    again = _sft(tmp_path, base, "checkpoint.save_interval=6", name="resumed")
+    # The base is recognised by its contents: moved elsewhere, it is still the base of these adapters.
+    moved = tmp_path / "moved_base"
+    shutil.copytree(base, moved)
+    again = _sft(tmp_path, moved, "checkpoint.save_interval=6", name="resumed")
     assert again.returncode == 0, again.stderr[-3000:]
     expected = {row["step"]: row["loss"] for row in metrics_rows(tmp_path / "run", "train")}
     continued = {row["step"]: row["loss"] for row in metrics_rows(resumed_dir, "train")}
     assert sorted(continued) == list(range(7, 13))
     for step, loss in continued.items():
         assert loss == pytest.approx(expected[step], rel=1e-6), step
+
+    # Resuming the adapters on another base, or with another scale, is refused before any step.
+    other = tmp_path / "other_base"
+    shutil.copytree(base, other)
+    meta_file = other / checkpointing.META_FILE
+    meta_file.write_text(meta_file.read_text().replace("{", '{"note": "another model",', 1))
+    (other / checkpointing.MANIFEST_FILE).write_text(json.dumps(checkpointing.build_manifest(other)))
+    for init, extra, message in ((other, "peft.alpha=32", "holds adapters trained on"),
+                                 (base, "peft.alpha=8", "holds adapters with peft.alpha=32.0")):
+        refused = _sft(tmp_path, init, extra, name="resumed")
+        assert refused.returncode != 0
+        assert message in refused.stderr.strip().splitlines()[-1], refused.stderr[-2000:]
+
+
+def test_spin_with_lora_retakes_the_adapters_as_each_iterations_reference(lora_base, tmp_path,
+                                                                          arithmetic_tokenizer_dir):
+    """SPIN's reference is the model at the iteration's start: with LoRA, base + the adapters as they are
+    then (a host copy of the adapters only). The second iteration therefore starts at log 2 again, which
+    a reference stuck at the base would not give once the adapters have moved."""
+    import math
+
+    from aligner.algorithms.spin import SPINConfig, build_spin_run
+    from aligner.config import CONF_DIR, load_config
+    from aligner.demo import arithmetic
+
+    from ..conftest import write_jsonl
+
+    _, base = lora_base
+    train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.correct_sft_records(16, seed=2))
+    cfg = load_config(SPINConfig, CONF_DIR / "gpt_spin.yaml", [
+        f"model.init_from={base}", f"data.train=[{{path: {train}}}]", "data.max_seq_length=16",
+        "peft.scheme=lora", "peft.rank=8", "spin.num_iterations=2", "spin.steps_per_iteration=5",
+        "spin.kl_betas=[0.5, 0.5]", "spin.generation.max_new_tokens=4", "spin.generation.batch_size=8",
+        "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "optim.lr=2e-2", "optim.warmup_steps=0",
+        "optim.decay_style=constant", f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.log_dir={tmp_path}",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+        "logging.log_interval=100"])
+    run = build_spin_run(cfg)
+    frozen = {n: p.detach().clone() for n, p in run.built.chunks[0].named_parameters() if not lora.is_adapter_key(n)}
+    run.fit()
+    run.trainer.metrics.close()
+    for name, param in run.built.chunks[0].named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), name
+    train_rows = [row for row in metrics_rows(tmp_path) if row["split"] == "train"]
+    assert [row["iteration"] for row in train_rows] == [1] * 5 + [2] * 5
+    assert train_rows[4]["preference_loss"] < math.log(2) - 0.05, train_rows[4]  # the adapters learned
+    for first in (train_rows[0], train_rows[5]):
+        assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert "peft" in json.loads((tmp_path / "ckpt" / "step_00000010" / "aligner_meta.json").read_text())
 
 
 def test_lora_without_a_base_and_in_trainers_without_lora_fail_with_one_line(lora_base, tmp_path):
@@ -157,10 +239,11 @@ def test_lora_without_a_base_and_in_trainers_without_lora_fail_with_one_line(lor
                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert no_base.returncode != 0
     assert "peft.scheme=lora trains adapters on a pretrained model: set model.init_from" in no_base.stderr
-    spin = subprocess.run([sys.executable, str(SPIN_SCRIPT), f"model.init_from={base}", "peft.scheme=lora",
-                           "data.train=[{path: /tmp/x.jsonl}]", f"checkpoint.save_dir={tmp_path / 'b'}"],
-                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert spin.returncode != 0 and "peft.scheme=lora is not supported by SPIN yet" in spin.stderr
+    reward_model = subprocess.run([sys.executable, str(RM_SCRIPT), f"model.init_from={base}", "peft.scheme=lora",
+                                   "data.train=[{path: /tmp/x.jsonl}]", f"checkpoint.save_dir={tmp_path / 'b'}"],
+                                  capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert reward_model.returncode != 0
+    assert "peft.scheme=lora is not supported by reward-model training yet" in reward_model.stderr
 
 
 def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference(lora_base, tmp_path):
@@ -200,3 +283,40 @@ def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference
     # The same reference either way: the first steps agree (later ones part by Adam-amplified rounding at lr 5e-2).
     for a, b in zip(losses["precompute"][:6], losses["swap"][:6]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_dpo_with_lora_resumes_as_the_uninterrupted_run(lora_base, tmp_path):
+    """A DPO + LoRA run saved at step 3 and resumed to 6 (adapters and their optimizer state from the
+    checkpoint, the base and the reference from model.init_from) repeats the uninterrupted run's losses."""
+    import shutil
+
+    from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
+    from aligner.config import CONF_DIR, load_config
+    from aligner.demo import arithmetic
+
+    from ..conftest import write_jsonl
+
+    _, base = lora_base
+    train = write_jsonl(tmp_path / "pairs.jsonl", arithmetic.preference_records(8, seed=7))
+
+    def run(name: str, resume: bool) -> list[float]:
+        cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [
+            f"model.init_from={base}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
+            "data.max_seq_length=16", "trainer.max_steps=6", "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=1e-2", "optim.warmup_steps=0",
+            "optim.decay_style=constant", "dpo.beta=0.5", "dpo.reference_logprobs=swap", "peft.scheme=lora",
+            "peft.rank=8", "checkpoint.save_interval=3", f"checkpoint.resume={str(resume).lower()}",
+            f"checkpoint.save_dir={tmp_path / name / 'ckpt'}", f"logging.log_dir={tmp_path / name}",
+            "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0"])
+        trainer = build_dpo_trainer(cfg)
+        trainer.fit()
+        trainer.metrics.close()
+        return {row["step"]: row["loss"] for row in metrics_rows(tmp_path / name, "train")}
+
+    whole = run("whole", resume=False)
+    (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "whole" / "ckpt" / "step_00000003", tmp_path / "resumed" / "ckpt" / "step_00000003")
+    resumed = run("resumed", resume=True)
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(whole[step], rel=1e-6), step

@@ -493,3 +493,121 @@ def test_bf16_cpu_support_is_read_from_the_cpu_flags(tmp_path):
     assert cpu_bridge.cpu_has_bf16_instructions(str(with_bf16))
     assert not cpu_bridge.cpu_has_bf16_instructions(str(without))
     assert not cpu_bridge.cpu_has_bf16_instructions(str(tmp_path / "missing"))
+
+
+def test_grpo_with_lora_samples_from_the_current_adapters_against_the_base_as_reference(single_process,
+                                                                                       tiny_policy_and_prompts):
+    """peft.scheme=lora in the RL actor: only adapters move; the reference is the base with the adapters
+    off (no host copy of the weights); the engine generates with the adapters as trained so far, so the
+    engine/trainer mismatch stays at rounding after the adapters moved away from the base (a stale engine
+    would show the whole policy/base difference there); the checkpoint holds the adapters and resumes."""
+    from aligner import checkpointing
+    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.models import lora
+
+    settings = ("optim.lr=5e-2", "kl.init_coef=0.05", "peft.scheme=lora", "peft.rank=4", "peft.dropout=0.1",
+                "reward.function=tests.unit.test_rl_actor:response_length_reward", *ALGORITHMS["grpo"])
+    cfg = _tiny_actor_config(tiny_policy_and_prompts, "lora", *settings)
+    trainer = build_rl_actor(cfg)
+    try:
+        assert isinstance(trainer.reference, lora.BaseReference)
+        assert all(m.lora_dropout == 0.0 for m in lora.adapter_modules(trainer.chunks))  # loss.disable_dropout
+        frozen = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if not lora.is_adapter_key(n)}
+        steps = []
+        for _ in range(3):  # as fit() steps
+            steps.append(trainer.train_step())
+            trainer.step += 1
+        path = trainer.save()
+        adapters = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if lora.is_adapter_key(n)}
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+    for name, param in trainer.chunks[0].named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), name
+    assert any((m.lora_b != 0).any() for m in lora.adapter_modules(trainer.chunks))
+    for metrics in steps:
+        assert metrics["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["mismatch_abs_logprob_diff_max"] < 1e-4
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-9)  # B = 0: policy = base at the first rollouts
+    assert steps[-1]["kl"] > 1e3 * steps[-1]["mismatch_kl"]  # the adapters moved; the engine moved with them
+    assert checkpointing.read_meta(path)["peft"]["rank"] == 4
+
+    resumed = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "lora", *settings,
+                                                "checkpoint.resume=true"))
+    try:
+        assert resumed.step == 3
+        for name, param in resumed.chunks[0].named_parameters():
+            assert torch.equal(param, adapters[name] if name in adapters else frozen[name]), name
+    finally:
+        resumed.router.close()
+        resumed.metrics.close()
+
+
+def zero_reward(prompt, response_text: str) -> float:
+    """No task reward: on-policy distillation learns from the teacher alone."""
+    return 0.0
+
+
+def _teacher(root, tokenizer_dir, hidden: int, seed: int):
+    """A random-init 2-layer model `hidden` wide, saved with `tokenizer_dir`."""
+    from aligner import checkpointing
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.runtime import distributed, seeds
+    from aligner.tokenizer import Tokenizer
+
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        seeds.set_seed(seed)
+        cfg = GPTConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=2 * hidden, vocab_size=Tokenizer(tokenizer_dir).vocab_size,
+                        max_position_embeddings=64)
+        return checkpointing.save(root, [build_gpt_model(cfg, transformer_config(cfg))], model_config=cfg.to_dict(),
+                                  tokenizer_dir=tokenizer_dir)
+    finally:
+        distributed.shutdown()
+
+
+def test_on_policy_distillation_moves_the_policy_towards_a_teacher_of_another_size(tmp_path):
+    """teacher.init_from + advantage.estimator=on_policy_distillation: the teacher (a 2 x 32 model SFT-trained
+    on the demo task) is the reference of a random-init 2 x 48 policy, each token's advantage minus its
+    log-ratio to the teacher; the reverse KL to the teacher falls. A teacher with another tokenizer, or the
+    estimator without a teacher, is refused."""
+    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.demo.tokenizer import train_char_tokenizer
+    from aligner.runtime import distributed
+
+    from ..conftest import train_tiny_arithmetic_policy
+
+    teacher, prompts = train_tiny_arithmetic_policy(tmp_path, seed=4, steps=60)
+    student = _teacher(tmp_path / "student", tmp_path / "tokenizer", hidden=48, seed=21)
+    setup = (tmp_path, student, prompts)
+    settings = (f"teacher.init_from={teacher}", "advantage.estimator=on_policy_distillation", "kl.init_coef=1.0",
+                "reward.function=tests.unit.test_rl_actor:zero_reward", "optim.lr=5e-3")
+    trainer = build_rl_actor(_tiny_actor_config(setup, "opd", *settings))
+    try:
+        assert trainer.teacher is not None and trainer.reference is None
+        steps = []
+        for _ in range(12):
+            steps.append(trainer.train_step())
+            trainer.step += 1
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+        distributed.shutdown()
+    kls = [metrics["kl"] for metrics in steps]
+    print("reverse KL to the teacher per step", [round(kl, 3) for kl in kls])
+    assert kls[0] > 1.0 and sum(kls[-3:]) / 3 < 0.5 * kls[0], kls
+    assert steps[0]["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+    train_char_tokenizer(["abcdefghij klmnop"], tmp_path / "other_tokenizer")
+    other = _teacher(tmp_path / "other_teacher", tmp_path / "other_tokenizer", hidden=32, seed=3)
+    with pytest.raises(ConfigError, match="its tokenizer .* is not the policy's"):
+        build_rl_actor(_tiny_actor_config(setup, "opd_other", *settings[1:], f"teacher.init_from={other}"))
+    distributed.shutdown()
+    with pytest.raises(ConfigError, match="on_policy_distillation learns from the reverse KL to a teacher"):
+        build_rl_actor(_tiny_actor_config(setup, "opd_none", *settings[1:]))
+    distributed.shutdown()
+    with pytest.raises(ConfigError, match="teacher.init_from is read through the KL term"):
+        build_rl_actor(_tiny_actor_config(setup, "opd_kl0", settings[0], "kl.init_coef=0.0"))
+    distributed.shutdown()

@@ -4,7 +4,8 @@ Run with 2 processes: `native_engine_parallel.py WORK`. At TP=1 (x DP=2) it buil
 llama- and gpt2-style models, saves them with aligner.checkpointing and generates the reference
 rollouts; then it loads the same checkpoints at TP=2 (DDP-wrapped chunks), PP=2 and PP=2 with two
 virtual stages (llama), generates the same rollouts and compares. It also checks the
-vocab-parallel sampling helpers at TP=2 against their single-shard versions.
+vocab-parallel sampling helpers at TP=2 against their single-shard versions. The *_lora models are
+their base checkpoint plus LoRA adapters saved on their own, generated with the live adapters.
 Cases named static_* run the engine's static decode step (static_decode=True), the reference
 always the default one. Cases named *refill* decode 8 prompts in 3 cache rows with continuous batching
 (rows stop early and are refilled), the reference in the static-batch loop (continuous_batching=False).
@@ -56,9 +57,10 @@ CASES = {
     "static_refill_sample": SamplingParams(max_new_tokens=12, temperature=1.0, seed=9,
                                            stop_token_ids=list(range(3, 25))),
 }
+LORA = {"llama_lora": "llama", "gpt2_lora": "gpt2"}  # the model with live LoRA adapters on every target -> its base
 LAYOUTS = {
-    "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2", "moe")),
-    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), ("llama", "gpt2", "moe")),
+    "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2", "moe", "llama_lora", "gpt2_lora")),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), ("llama", "gpt2", "moe", "llama_lora")),
     "pp2_vpp2": (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ("llama",)),
 }
 
@@ -154,6 +156,22 @@ def check_sampling_helpers() -> dict:
     return {name: bool(worst(-float(ok)) == -1.0) for name, ok in checks.items()}
 
 
+def add_adapters(chunks) -> None:
+    """LoRA adapters on every target linear, the same initial A at any layout (seeded per layer and module)."""
+    from aligner.models import lora
+
+    lora.apply_lora(chunks, lora.PEFTConfig(scheme="lora", rank=4, alpha=8.0), seed=1)
+
+
+def randomise_b(model) -> None:
+    from aligner.models import lora
+
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in lora.adapter_modules([model]):
+            module.lora_b.copy_(0.05 * torch.randn(module.lora_b.shape, generator=generator))
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     initialize(ParallelConfig())  # TP=1 x DP=2: both ranks compute the reference, the save deduplicates
@@ -163,18 +181,29 @@ def main() -> None:
         model = random_model(cfg, seed=10 + index)
         checkpointing.save(work / name, [model], model_config=cfg.to_dict())
         references[name] = run_cases(cfg, [model], reference=True)
+    for name, base in LORA.items():  # the base checkpoint above, adapters saved on their own (as LoRA training does)
+        model = build_model_chunks(CONFIGS[base], ParallelConfig(), torch.float32)[0].eval()
+        checkpointing.load(work / base, [model])
+        add_adapters([model])
+        randomise_b(model)
+        checkpointing.save(work / name, [model], model_config=CONFIGS[base].to_dict(), extra_meta={"peft": {}})
+        references[name] = run_cases(CONFIGS[base], [model], reference=True)
     result = {}
     for layout, (parallel, names) in LAYOUTS.items():
         initialize(parallel)
         set_seed(0)
         for name in names:
-            chunks = build_model_chunks(CONFIGS[name], parallel, torch.float32)
-            checkpointing.load(work / name, chunks)
-            if layout == "tp2" and not CONFIGS[name].is_moe:  # what a trainer hands the engine: DDP-wrapped chunks
+            cfg = CONFIGS[LORA.get(name, name)]
+            chunks = build_model_chunks(cfg, parallel, torch.float32)
+            checkpointing.load(work / LORA.get(name, name), chunks)
+            if name in LORA:
+                add_adapters(chunks)
+                checkpointing.load(work / name, chunks)
+            if layout == "tp2" and not cfg.is_moe:  # what a trainer hands the engine: DDP-wrapped chunks
                 chunks = setup.wrap_for_training(chunks)
             # (an MoE model does not train at TP=2, see setup.check_trainable; its chunks stay in training
             # mode here, which megatron's MoE layer refuses at TP>1 unless the engine switches it to eval)
-            result[f"{name}/{layout}"] = compare(references[name], run_cases(CONFIGS[name], chunks))
+            result[f"{name}/{layout}"] = compare(references[name], run_cases(cfg, chunks))
     result["sampling_helpers_tp2"] = check_sampling_helpers()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,147 @@
+"""Unpaired feedback for KTO: one completion per prompt, labelled desirable (true) or undesirable (false).
+
+One example per JSONL line, TRL's unpaired layout, plain or conversational:
+  {"prompt": "12+7=", "completion": "19", "label": true}
+  {"prompt": [{"role": "user", "content": "12+7="}], "completion": [{"role": "assistant", "content": "18"}],
+   "label": false}
+
+Tokens come from `ChatEncoder.sample_tokens`, as for preference pairs (aligner/data/preference.py):
+prompt + completion is the SFT encoding of the conversation up to the end of the reply. Examples
+longer than max_seq_length are dropped and counted, never truncated.
+
+KTO's reference point is estimated from mismatched pairs: example i also carries the completion of the
+next example (in the file's order, wrapping around) whose prompt differs from its own, so the pairs do not
+depend on batching, shuffling or the parallel layout, and a file that lists a prompt's good and bad
+answers side by side still pairs each with another prompt's answer. A mismatched completion is cut to fit max_seq_length
+after its prompt: it is only a sample for the estimate. Collated rows interleave
+[completion0, mismatched0, completion1, mismatched1, ...], as preference pairs interleave chosen and
+rejected, so the DPO machinery (reference logprobs precomputed or swapped in) serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from aligner.data.conversation import ChatEncoder, parse_answer, parse_prompt, template_errors
+from aligner.data.jsonl import DataError, read_jsonl, require_key
+from aligner.data.preference import collate_rows, stack_optional
+from aligner.runtime.errors import ConfigError
+from aligner.tokenizer import Tokenizer
+
+
+@dataclass
+class UnpairedExample:
+    prompt: list[int]  # [bos] + text, or the chat template's rendering up to the generation prompt
+    completion: list[int]  # ending with eos (or the template's end-of-turn token)
+    desirable: bool
+
+
+@dataclass
+class UnpairedStats:
+    records: int = 0
+    dropped_too_long: int = 0
+    desirable: int = 0  # kept examples of each label
+    undesirable: int = 0
+
+    @property
+    def kept(self) -> int:
+        return self.records - self.dropped_too_long
+
+
+def _mismatched_indices(prompts: list[list[int]]) -> list[int]:
+    """For each example, the next one (wrapping around) with another prompt; the next one outright where
+    every prompt is the same. Linear: each run of equal consecutive prompts points past its end."""
+    count = len(prompts)
+    starts = [index for index in range(count) if index == 0 or prompts[index] != prompts[index - 1]]
+    if len(starts) == 1:
+        return [(index + 1) % count for index in range(count)]
+    found = []
+    for run, start in enumerate(starts):
+        end = starts[run + 1] if run + 1 < len(starts) else count
+        target = starts[(run + 1) % len(starts)]
+        if prompts[target] == prompts[start]:  # the last run wraps onto a first run of the same prompt
+            target = starts[(run + 2) % len(starts)]
+        found.extend([target] * (end - start))
+    return found
+
+
+class UnpairedDataset(Dataset):
+    """Tokenized KTO examples, each with its mismatched completion; optionally reference logprobs.
+
+    reference_logprobs, once set, is [examples, 2] float: the reference model's summed logprob of the
+    completion and of the mismatched completion; items then carry it to the loss.
+    """
+
+    def __init__(self, examples: list[UnpairedExample], max_seq_length: int, source: str = "<memory>"):
+        if len(examples) < 2:
+            raise DataError(f"{source}:0: KTO needs at least 2 usable examples (the KL estimate pairs each prompt "
+                            f"with another example's completion), got {len(examples)}")
+        self.examples, self.max_seq_length, self.source = examples, max_seq_length, source
+        self.mismatched = _mismatched_indices([example.prompt for example in examples])
+        self.stats = UnpairedStats(records=len(examples), desirable=sum(e.desirable for e in examples),
+                                   undesirable=sum(not e.desirable for e in examples))
+        self.reference_logprobs = None
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
+                   use_template: bool = True) -> "UnpairedDataset":
+        if max_seq_length < 2:
+            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a completion token), "
+                              f"got {max_seq_length}")
+        encoder = ChatEncoder(tokenizer, use_template=use_template)
+        examples, stats = [], UnpairedStats()
+        for line, record in read_jsonl(path):
+            label = require_key(record, "label", path, line)
+            if not isinstance(label, bool):
+                raise DataError(f"{path}:{line}: 'label' is {label!r}; expected true (desirable) or false "
+                                "(undesirable)")
+            prompt_text = parse_prompt(record, "prompt", path, line)
+            completion_text = parse_answer(record, "completion", path, line)
+            with template_errors(path, line):
+                prompt, completion = encoder.sample_tokens(prompt_text, completion_text)
+            stats.records += 1
+            if len(prompt) + len(completion) > max_seq_length:
+                stats.dropped_too_long += 1
+                continue
+            examples.append(UnpairedExample(prompt, completion, label))
+        if stats.records == 0:
+            raise DataError(f"{path}:0: the file holds no records; expected {{prompt, completion, label}} lines")
+        if len(examples) < 2 and stats.dropped_too_long:
+            raise DataError(f"{path}:0: {len(examples)} usable examples: {stats.dropped_too_long} of {stats.records} "
+                            f"are longer than max_seq_length={max_seq_length}; raise it or shorten the data")
+        dataset = cls(examples, max_seq_length, str(path))
+        dataset.stats = UnpairedStats(stats.records, stats.dropped_too_long, dataset.stats.desirable,
+                                      dataset.stats.undesirable)
+        return dataset
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        example = self.examples[index]
+        other = self.examples[self.mismatched[index]]
+        room = self.max_seq_length - len(example.prompt)  # >= 1: the example itself fits
+        item = {
+            "prompt": torch.tensor(example.prompt, dtype=torch.long),
+            "completion": torch.tensor(example.completion, dtype=torch.long),
+            "mismatched": torch.tensor(other.completion[:room], dtype=torch.long),
+            "desirable": torch.tensor(example.desirable),
+        }
+        if self.reference_logprobs is not None:
+            item["reference_logprobs"] = self.reference_logprobs[index]
+        return item
+
+
+def collate_unpaired(items: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """`collate_rows` of the examples, interleaved completion/mismatched: for B examples 2B rows, each row's
+    example's label `desirable` [2B] bool (per row, as the loader slices micro batches by rows), and, when
+    every item has them, reference_logprobs [2B] float."""
+    if not items:
+        raise ValueError("cannot collate an empty batch")
+    rows = [(item["prompt"], item[side]) for item in items for side in ("completion", "mismatched")]
+    batch = collate_rows(rows, pad_id, pad_to_multiple_of)
+    batch["desirable"] = torch.stack([item["desirable"] for item in items]).repeat_interleave(2)
+    return stack_optional(batch, items, ("reference_logprobs",))
