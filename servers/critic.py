@@ -404,6 +404,7 @@ def serve_critic(cfg: CriticServerConfig) -> None:
     from servers.triton import check_ports_free, prepare_environment, serve
 
     cfg.validate()
+    cfg.require_checkpoints()
     if distributed.rank_and_world_from_env()[0] == 0:  # fail before loading a model if Triton cannot start
         prepare_environment()
         check_ports_free(cfg.server)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,28 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port_block(count: int = 3) -> int:
+    """A port p with p .. p+count-1 free on 127.0.0.1 (a server's HTTP, gRPC, metrics).
+
+    Drawn below Linux's ephemeral range (32768+), so no outgoing connection of another test can take
+    the port between this check and the bind.
+    """
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no block of free ports found")
 
 
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600) -> str:
@@ -26,7 +46,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 60
     env.setdefault("PYTHONWARNINGS", "ignore")
     command = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", "--master_addr=127.0.0.1",
+        f"--nproc_per_node={nproc}", f"--master_port={free_port_block(1)}", "--master_addr=127.0.0.1",
         str(script), *map(str, args),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)

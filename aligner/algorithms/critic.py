@@ -107,6 +107,12 @@ class CriticConfig:
         if self.parallel.sequence_parallel:
             raise ConfigError("the critic does not use sequence parallelism; set parallel.sequence_parallel=false")
 
+    def require_checkpoints(self) -> None:
+        """The checkpoints named exist (checked before anything slow: a server checks this before its ports)."""
+        require_checkpoint_dir(self.critic.init_from, "critic.init_from")
+        if self.combined.enabled:
+            require_checkpoint_dir(self.combined.reward_model_init_from, "combined.reward_model_init_from")
+
     def validate_layout(self, data_parallel_size: int) -> None:
         """Checks that need the data-parallel size (known once the job has started, or to a launcher)."""
         rows_per_pass = self.train.micro_batch_size * data_parallel_size
@@ -382,10 +388,8 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
     from aligner.training import setup
 
     cfg.validate()
-    require_checkpoint_dir(cfg.critic.init_from, "critic.init_from")
+    cfg.require_checkpoints()
     reward_init = cfg.combined.reward_model_init_from
-    if cfg.combined.enabled:
-        require_checkpoint_dir(reward_init, "combined.reward_model_init_from")
     init_meta = checkpointing.read_meta(cfg.critic.init_from)
     # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.
     head_fits = len(init_meta.get("reward", {}).get("attributes", [])) == 1

@@ -6,30 +6,25 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 
 import numpy as np
 import pytest
 
 from aligner.clients.critic import CriticClient
+from tests.conftest import free_port_block
 from tests.functional.test_critic_server import float64_reference, pool, references, rollout, start_server  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_two_rank_critic_matches_single_process(references, pool, rollout, layout):  # noqa: F811 - a fixture imported above
     sequences, reference_values, _ = pool
     loss, grad_norm, _ = float64_reference(references, rollout)
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-                "--master_addr=127.0.0.1")
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                f"--master_port={free_port_block(1)}", "--master_addr=127.0.0.1")
     split = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
              "pp2": ["parallel.pipeline_model_parallel_size=2"]}[layout]
     server = start_server(references, f"{layout}.log",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 
 import numpy as np
@@ -26,11 +25,6 @@ from tests.functional.test_reward_server import (
 
 pytestmark = pytest.mark.distributed
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def test_tp2_server_matches_tp1_and_stops_cleanly(tp1_reference, tmp_path):
     checkpoint, sequences, reference = tp1_reference
     port = free_port_block()
     server = ServerProcess(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port_block(1)}",
          "--master_addr=127.0.0.1", str(ENTRY_POINT), f"init_from={checkpoint}",
          "parallel.tensor_model_parallel_size=2", "inference.micro_batch_size=2", f"server.port={port}"],
         tmp_path / "server.log", new_session=True)

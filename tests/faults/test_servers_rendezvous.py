@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from ..conftest import REPO_ROOT, _free_port
+from ..conftest import REPO_ROOT, free_port_block
 
 WILDCARDS = {"0.0.0.0", "::"}
 
@@ -82,7 +82,7 @@ def test_lone_process_listens_on_loopback_only():
 
 
 def test_two_ranks_without_torchrun_listen_on_master_addr_only():
-    master_addr, master_port = "127.0.0.3", _free_port()
+    master_addr, master_port = "127.0.0.3", free_port_block(1)
     reports = run_ranks(2, {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
     assert [report["sum"] for report in reports] == [3.0, 3.0]
     assert [master_addr, master_port] in reports[0]["listening"]  # rank 0 hosts the store there

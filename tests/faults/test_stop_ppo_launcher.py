@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from ..functional.test_ppo_launch import _free_port_block, _launch_command, _train_rows, models  # noqa: F401
+from ..conftest import free_port_block
+from ..functional.test_ppo_launch import _launch_command, _train_rows, models  # noqa: F401
 from .test_stop_sft import Run
 
 pytestmark = [pytest.mark.slow]
@@ -25,7 +26,7 @@ def _wait_for_the_first_step(run, log_dir, launcher_dir) -> None:
 
 def test_sigterm_to_the_launcher_stops_everything_with_a_checkpoint(models, tmp_path):  # noqa: F811
     log_dir = tmp_path / "ppo"
-    command = _launch_command(models, log_dir, _free_port_block(), max_steps=200)
+    command = _launch_command(models, log_dir, free_port_block(), max_steps=200)
     run = Run(command, tmp_path / "launcher")
     try:
         _wait_for_the_first_step(run, log_dir, tmp_path / "launcher")
@@ -53,7 +54,7 @@ def test_sigkill_of_the_launcher_leaves_no_process(models, tmp_path):  # noqa: F
     if not os.uname().sysname == "Linux":
         pytest.skip("parent-death signals are Linux only")
     log_dir = tmp_path / "ppo"
-    run = Run(_launch_command(models, log_dir, _free_port_block(), max_steps=200), tmp_path / "launcher")
+    run = Run(_launch_command(models, log_dir, free_port_block(), max_steps=200), tmp_path / "launcher")
     try:
         _wait_for_the_first_step(run, log_dir, tmp_path / "launcher")
         os.kill(run.process.pid, signal.SIGKILL)

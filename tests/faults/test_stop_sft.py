@@ -23,7 +23,7 @@ import pytest
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, _free_port, metrics_rows, processes_alive, write_jsonl
+from ..conftest import REPO_ROOT, free_port_block, metrics_rows, processes_alive, write_jsonl
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
 MAX_STEPS = 400  # ~10 ms each: long enough to be stopped in the middle, short enough to finish
@@ -226,7 +226,8 @@ def test_no_process_outlives_a_trainer_that_has_saved(sft_data, tmp_path, sig):
 @pytest.mark.slow
 def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sft_data, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", *_command(sft_data, tmp_path, f"trainer.max_steps={MAX_STEPS}")[1:]]
+               f"--master_port={free_port_block(1)}",
+               *_command(sft_data, tmp_path, f"trainer.max_steps={MAX_STEPS}")[1:]]
     run = Run(command, tmp_path)
     try:
         run.wait_for_step(20)
@@ -249,7 +250,7 @@ def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sf
     checkpoint = tmp_path / "ckpt" / f"step_{stopped_at:08d}"
     assert f"stopped at step {stopped_at} by SIGTERM; checkpoint {checkpoint}; resume with the same command" in stderr
     # Complete: both ranks wrote their part (a collective save), and a run resumes from it.
-    resumed = subprocess.run([*command[:5], f"--master_port={_free_port()}", *command[6:]], capture_output=True,
+    resumed = subprocess.run([*command[:5], f"--master_port={free_port_block(1)}", *command[6:]], capture_output=True,
                              text=True, cwd=REPO_ROOT, env=_env(), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint} at step {stopped_at}" in resumed.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,30 +17,10 @@ from aligner import checkpointing
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, metrics_rows, write_jsonl
+from ..conftest import REPO_ROOT, free_port_block, metrics_rows, write_jsonl
 
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
 pytestmark = [pytest.mark.slow]
-
-
-def _free_port_block() -> int:
-    """A port p with p, p+1, p+2 free (HTTP, gRPC, metrics)."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port + 2 < 65535 and all(_is_free(port + k) for k in (1, 2)):
-            return port
-    raise RuntimeError("no free port block")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _run(script: Path, *args) -> None:
@@ -134,7 +113,7 @@ def _launch(command: list, log_dir: Path, *, kill: str | None = None, after_step
 
 def test_actor_killed_and_resumed_redoes_the_lost_step_identically(models, tmp_path):
     log_dir = tmp_path / "run"
-    port = _free_port_block()
+    port = free_port_block()
     code, output = _launch(_launch_command(models, log_dir, port, 4), log_dir, kill="train_gpt_ppo_actor.py",
                            after_step=3)
     assert code != 0, "the launcher must report the killed actor"
@@ -159,7 +138,7 @@ def test_actor_killed_and_resumed_redoes_the_lost_step_identically(models, tmp_p
 
 def test_killed_critic_server_stops_the_actor_with_a_clear_error(models, tmp_path):
     log_dir = tmp_path / "critic_killed"
-    port = _free_port_block()
+    port = free_port_block()
     code, output = _launch(_launch_command(models, log_dir, port, 8), log_dir, kill="serve_ppo_critic.py",
                            after_step=3)
     assert code == 2, output[-4000:]

@@ -24,7 +24,7 @@ import torch
 from aligner.clients.reward import RewardClient, RewardServerError, ServerUnavailableError
 from aligner.config import CONF_DIR, ConfigError, load_config
 
-from ..conftest import REPO_ROOT, dotted_keys
+from ..conftest import REPO_ROOT, dotted_keys, free_port_block  # noqa: F401 - re-exported to the server tests
 
 ENTRY_POINT = REPO_ROOT / "examples" / "nlp" / "gpt" / "serve_reward_model.py"
 RM_YAML = CONF_DIR / "inference_rm.yaml"
@@ -60,26 +60,6 @@ def make_reward_checkpoint(directory: Path) -> Path:
                    "normalization": {"mean": [0.3, -0.2], "std": [3.0, 2.5]}}
     return checkpointing.save(directory / "rm", [model], model_config=cfg.to_dict(),
                               extra_meta={"reward": reward_meta}, tokenizer_dir=tokenizer_dir)
-
-
-def free_port_block(count: int = 3) -> int:
-    """A port p with p .. p+count-1 free on 127.0.0.1 (HTTP, gRPC, metrics)."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no block of free ports found")
 
 
 def random_sequences(count: int, vocab_size: int, seed: int, max_length: int = MAX_LENGTH - 1) -> list[list[int]]:

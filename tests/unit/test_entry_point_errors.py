@@ -20,7 +20,7 @@ from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
 from servers.critic import CriticServerConfig
 
-from ..conftest import REPO_ROOT, _free_port, write_jsonl
+from ..conftest import REPO_ROOT, free_port_block, write_jsonl
 
 SFT_REQUIRED = ["data.train=[{path: x.jsonl}]"]
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -169,7 +169,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
     malformed = root / "jsonl"
     malformed.mkdir()
     (malformed / "data.jsonl").write_text('{"input": "1+1=", "output": "2"}\n{"input": "2+2=" "output"}\n')
-    free = str(_free_port())
+    free = str(free_port_block())
     return [
         ("sft", [python, GPT / "train_gpt_sft.py", "data.train=[{path: x.jsonl}]", "trainer.max_steps=-5"],
          "error: trainer.max_steps=-5 is out of range"),
@@ -197,6 +197,14 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
         ("run_demo", [python, REPO_ROOT / "examples" / "demo" / "run_demo.py", "--workdir", root / "demo",
                       "--stages", "dpo"],
          f"error: no checkpoint under {root / 'demo' / 'sft' / 'checkpoints'}: run the 'sft' stage first"),
+        ("rejection sampling", [python, GPT / "train_gpt_rs.py", "model.init_from=/x", "data.prompts=p.jsonl",
+                                "reward.function=m:f", "rs.keep=threshold", f"logging.log_dir={root / 'rs_logs'}"],
+         "error: rs.keep=threshold keeps every answer scoring at least rs.min_score: set rs.min_score"),
+        ("teacher top-k", [python, DATA / "compute_teacher_topk.py", "teacher=/nonexistent", "data.path=x.jsonl",
+                           f"output={root / 'x.topk'}"], "error: /nonexistent is not an aligner checkpoint"),
+        ("distillation", [python, GPT / "train_gpt_knowledge_distillation.py", "kd.kd_loss_weight=0",
+                          "data.train=[{path: x.jsonl, teacher_topk: x.topk}]", f"logging.log_dir={root / 'kd_logs'}"],
+         "error: kd.kd_loss_weight=0.0 and kd.sft_loss_weight=0.0: both must be >= 0 and one > 0"),
         ("hf", [python, "-m", "aligner.hf", "import", "--hf-dir", root / "nope", "--output", root / "imported"],
          f"error: HF model directory {root / 'nope'} does not exist"),
     ]
