@@ -172,8 +172,10 @@ def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
 
     chunks = unwrap_chunks(model_chunks)
     states = [chunk.sharded_state_dict() for chunk in chunks]
-    if lora.has_adapters(chunks):  # LoRA training: the adapters only; the base stays in model.init_from
-        states = [{key: value for key, value in state.items() if lora.is_adapter_key(key)} for state in states]
+    if lora.has_adapters(chunks):  # LoRA training: the adapters (and any head trained whole) only; the base
+        # stays in model.init_from
+        states = [{key: value for key, value in state.items() if lora.is_saved_key(chunk, key)}
+                  for chunk, state in zip(chunks, states)]
     if len(chunks) == 1:
         return states[0]
     return {f"model{i}": state for i, state in enumerate(states)}
@@ -586,10 +588,10 @@ def load(
         state = loaded["model"] if len(chunks) == 1 else loaded["model"][f"model{i}"]
         # A LoRA checkpoint holds the adapters only: the base weights stay as loaded from its base.
         result = chunk.load_state_dict(state, strict=not skip_prefixes and not adapters_here)
-        if adapters_here and (result.unexpected_keys or any(map(lora.is_adapter_key, result.missing_keys))):
+        missing_saved = [key for key in result.missing_keys if lora.is_saved_key(chunk, key)]
+        if adapters_here and (result.unexpected_keys or missing_saved):
             raise CheckpointError(f"{checkpoint_dir}: its adapters do not match this run's peft settings (missing "
-                                  f"{[k for k in result.missing_keys if lora.is_adapter_key(k)][:3]}, unexpected "
-                                  f"{result.unexpected_keys[:3]})")
+                                  f"{missing_saved[:3]}, unexpected {result.unexpected_keys[:3]})")
         if skip_prefixes:
             missing = [key for key in result.missing_keys if not key.startswith(tuple(skip_prefixes))]
             if missing or result.unexpected_keys:

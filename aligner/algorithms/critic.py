@@ -35,6 +35,7 @@ from omegaconf import MISSING
 
 from aligner.config import ConfigError, at_least, one_of, require_checkpoint_dir
 from aligner.generation.logprobs import response_mask, response_values
+from aligner.models.lora import PEFTConfig
 from aligner.models.reward import RewardInference, RewardInferenceConfig
 from aligner.rl.ppo_math import explained_variance, value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
@@ -89,6 +90,7 @@ class CriticConfig:
     """The critic's settings (the critic server's schema adds its `server:` section)."""
 
     critic: CriticSection = field(default_factory=CriticSection)
+    peft: PEFTConfig = field(default_factory=PEFTConfig)
     combined: CombinedSection = field(default_factory=CombinedSection)
     seed: int = 1234
     precision: str = one_of(PRECISIONS, "auto")  # auto: fp32 on CPU, bf16 mixed precision on GPU
@@ -106,6 +108,10 @@ class CriticConfig:
                               "parallel.virtual_pipeline_model_parallel_size=null")
         if self.parallel.sequence_parallel:
             raise ConfigError("the critic does not use sequence parallelism; set parallel.sequence_parallel=false")
+        if self.peft.enabled and self.combined.enabled:
+            # The reward model is swapped in as whole weights; the critic's adapters would stay on top of them.
+            raise ConfigError("peft.scheme=lora is not supported in combined mode (combined.reward_model_init_from "
+                              "set); serve the reward model on its own, or set peft.scheme=none")
 
     def require_checkpoints(self) -> None:
         """The checkpoints named exist (checked before anything slow: a server checks this before its ports)."""
@@ -206,7 +212,7 @@ class Critic:
 
     def __init__(self, cfg: CriticConfig, chunks: list, optimizer, scheduler, model_cfg, tokenizer_dir: str, *,
                  run_id: str, reward_weights=None, reward_normalization=None,
-                 reward_attributes: tuple = ("reward",)):
+                 reward_attributes: tuple = ("reward",), peft_meta: Optional[dict] = None):
         self.cfg = cfg
         self.chunks = chunks
         self.optimizer = optimizer
@@ -214,6 +220,7 @@ class Critic:
         self.model_cfg = model_cfg
         self.tokenizer_dir = tokenizer_dir
         self.run_id = run_id  # carried by its checkpoints; pruning deletes only those
+        self.peft_meta = peft_meta  # LoRA: its settings and base, in every checkpoint
         self.step = 0
         self.saved_step = 0  # the critic step of the newest checkpoint (saved, or resumed from)
         self.value_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size)
@@ -348,7 +355,8 @@ class Critic:
                 run_id=self.run_id,
                 # A reward-model checkpoint with one attribute: it loads as a critic or a reward model.
                 extra_meta={"reward": {"type": "value", "attributes": ["value"], "normalization": None},
-                            "critic": {"init_from": self.cfg.critic.init_from}})
+                            "critic": {"init_from": self.cfg.critic.init_from},
+                            **({"peft": self.peft_meta} if self.peft_meta else {})})
         checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last,
                                              run_id=self.run_id, saved=path)
         self.saved_step = self.step
@@ -399,7 +407,8 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
         save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
         chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
                                                                            head_seed=cfg.seed, train_bias=True, **kw),
-        skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,))
+        skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,),
+        peft=cfg.peft, train_whole_with_lora=(HEAD_STATE_PREFIX,))  # LoRA: the value head trains whole
     cfg.validate_layout(built.data_parallel_size)
     scheduler = setup.build_scheduler(built.optimizer, cfg.optim, cfg.train.max_steps)
     init_normalization = init_meta.get("reward", {}).get("normalization")
@@ -434,7 +443,7 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
 
     critic = Critic(cfg, built.chunks, built.optimizer, scheduler, built.model_cfg, built.tokenizer_dir,
                     run_id=built.run_id, reward_weights=reward_weights, reward_normalization=normalization,
-                    reward_attributes=attributes)
+                    reward_attributes=attributes, peft_meta=built.peft_meta)
     if built.resume_checkpoint is not None:
         critic.resume_from(built.resume_checkpoint)
         LOGGER.info("resumed the critic from %s at critic step %d", built.resume_checkpoint, critic.step)

@@ -14,6 +14,9 @@ The adapters are attributes of the base module (`lora_a`, `lora_b`), so every ba
 name (checkpoints, HF conversion, the native engine) and adapter names end in `.lora_a` / `.lora_b`.
 A's initial values are drawn for the whole matrix from a generator seeded by (seed, layer number,
 module) and then cut to this rank's shard, so every parallel layout starts from the same adapters.
+
+A model with a fresh head (a reward model, a critic) also trains that head whole (`train_whole`): it
+is saved beside the adapters and loads with them.
 """
 from __future__ import annotations
 
@@ -62,14 +65,14 @@ class PEFTConfig:
                 "target_modules": list(self.target_modules)}
 
 
-def checkpoint_meta(peft: PEFTConfig, base_dir) -> dict:
-    """The `peft` section of an adapter checkpoint's meta: the settings, the base's path and a digest of its
-    manifest (which recognises the base wherever it is moved)."""
+def checkpoint_meta(peft: PEFTConfig, base_dir, train_whole: Sequence[str] = ()) -> dict:
+    """The `peft` section of an adapter checkpoint's meta: the settings, the modules trained whole beside the
+    adapters, the base's path and a digest of its manifest (which recognises the base wherever it is moved)."""
     from pathlib import Path
 
     from aligner import checkpointing
 
-    return {**peft.to_dict(), "base": str(Path(base_dir).resolve()),
+    return {**peft.to_dict(), "train_whole": list(train_whole), "base": str(Path(base_dir).resolve()),
             "base_fingerprint": checkpointing.fingerprint(base_dir)}
 
 
@@ -103,8 +106,10 @@ def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=N
 
     peft_meta = checkpointing.read_meta(checkpoint_dir).get("peft")
     if peft_meta is not None:
-        checkpointing.load(adapter_base(checkpoint_dir, peft_meta, base), chunks)
-        apply_lora(chunks, config_of(peft_meta), seed=0)  # A is loaded next
+        train_whole = tuple(peft_meta.get("train_whole", ()))
+        # The base may lack what was trained whole (a policy checkpoint under a reward model's fresh head).
+        checkpointing.load(adapter_base(checkpoint_dir, peft_meta, base), chunks, skip_prefixes=train_whole)
+        apply_lora(chunks, config_of(peft_meta), seed=0, train_whole=train_whole)  # A is loaded next
     checkpointing.load(checkpoint_dir, chunks)
     return peft_meta is not None
 
@@ -178,8 +183,9 @@ def _initial_a(rank: int, in_features: int, seed: int, layer_number: int, target
     return (torch.rand(rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1) * bound
 
 
-def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -> None:
-    """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else."""
+def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int, train_whole: Sequence[str] = ()) -> None:
+    """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else but the
+    parameters named `train_whole` + ... (e.g. a reward head's `output_layer.`), which keep training whole."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -219,8 +225,10 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int) -
                 # The split adapter is a TP-parallel parameter (megatron's grad norm then sums it over the
                 # ranks); the whole one is a duplicate, counted once.
                 set_tensor_model_parallel_attributes(getattr(module, split[0]), True, split[1], 1)
+        chunk.lora_train_whole = tuple(train_whole)
         for name, param in chunk.named_parameters():
-            param.requires_grad = name.endswith(ADAPTER_SUFFIXES)
+            whole = name.startswith(chunk.lora_train_whole) and param.requires_grad  # (a frozen bias stays so)
+            param.requires_grad = name.endswith(ADAPTER_SUFFIXES) or whole
 
 
 def adapter_modules(chunks: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Module]:
@@ -237,6 +245,11 @@ def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
 def is_adapter_key(key: str) -> bool:
     """Whether a (sharded) state-dict key names an adapter tensor."""
     return key.endswith(ADAPTER_SUFFIXES)
+
+
+def is_saved_key(chunk: torch.nn.Module, key: str) -> bool:
+    """Whether an adapter checkpoint holds this state-dict key of a chunk: an adapter, or a module trained whole."""
+    return is_adapter_key(key) or key.startswith(getattr(chunk, "lora_train_whole", ()))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.config import at_least
+from aligner.models import lora
 from aligner.models.forward import run_microbatches
 from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
 
@@ -287,7 +288,7 @@ def load_reward_model(checkpoint_dir, *, micro_batch_size: int, normalize: bool 
         model_cfg, parallel, distributed.resolve_precision("auto"),
         lambda cfg, config, **kw: build_reward_model(cfg, config, num_attributes=len(info.attributes), **kw),
     )
-    checkpointing.load(checkpoint_dir, chunks)
+    lora.load_for_inference(checkpoint_dir, chunks)  # an adapter checkpoint: its head and adapters onto its base
     normalization = RewardNormalization(**info.normalization) if (normalize and info.normalization) else None
     inference = RewardInference(chunks, len(info.attributes), micro_batch_size, normalization)
     tokenizer = Tokenizer(Path(checkpoint_dir) / checkpointing.TOKENIZER_DIR)

@@ -189,13 +189,6 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
     )
 
 
-def refuse_lora(peft: PEFTConfig, algorithm: str) -> None:
-    """One line for a trainer that does not train LoRA adapters yet (instead of silently training every weight)."""
-    if peft.enabled:
-        raise ConfigError(f"peft.scheme=lora is not supported by {algorithm} yet (SFT, the DPO family, KTO, SPIN "
-                          "and the RL actor support it); set peft.scheme=none to train every weight")
-
-
 def check_resumed_adapters(checkpoint_dir, peft_meta: dict, init_from_key: str) -> None:
     """A LoRA run resumes adapters trained on the same base with the same shape and scale; anything else
     would load (or fail to load) adapters that mean something else."""
@@ -270,7 +263,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
                          model_overrides: Optional[dict] = None,
                          init_from_key: str = "model.init_from",
-                         peft: Optional[PEFTConfig] = None) -> TrainingModel:
+                         peft: Optional[PEFTConfig] = None, train_whole_with_lora: tuple = ()) -> TrainingModel:
     """Distributed runtime, tokenizer, model (random init, `init_from`, or to be resumed), DDP, optimizer.
 
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
@@ -278,7 +271,9 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO);
     init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages;
     peft: LoRA adapters on the `init_from` weights, which stay frozen (checkpoints then hold the adapters only,
-    so a resumed run loads the base from `init_from` again).
+    so a resumed run loads the base from `init_from` again);
+    train_whole_with_lora: parameter-name prefixes that still train whole under LoRA and are saved with the
+    adapters (a reward model's or critic's head).
     """
     from pathlib import Path
 
@@ -339,8 +334,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
         from aligner.models.lora import apply_lora
         from aligner.models.lora import checkpoint_meta as lora_checkpoint_meta
 
-        apply_lora(chunks, peft, seed)
-        peft_meta = lora_checkpoint_meta(peft, init_from)
+        apply_lora(chunks, peft, seed, train_whole=train_whole_with_lora)
+        peft_meta = lora_checkpoint_meta(peft, init_from, train_whole_with_lora)
         if latest is not None:
             check_resumed_adapters(latest, peft_meta, init_from_key)
         trained = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)

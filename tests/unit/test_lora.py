@@ -232,18 +232,85 @@ def test_spin_with_lora_retakes_the_adapters_as_each_iterations_reference(lora_b
     assert "peft" in json.loads((tmp_path / "ckpt" / "step_00000010" / "aligner_meta.json").read_text())
 
 
-def test_lora_without_a_base_and_in_trainers_without_lora_fail_with_one_line(lora_base, tmp_path):
-    _, base = lora_base
+def test_lora_without_a_base_fails_with_one_line(tmp_path):
     no_base = subprocess.run([sys.executable, str(SFT_SCRIPT), "peft.scheme=lora", "tokenizer.path=/tmp",
                               "data.train=[{path: /tmp/x.jsonl}]", f"checkpoint.save_dir={tmp_path / 'a'}"],
                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert no_base.returncode != 0
     assert "peft.scheme=lora trains adapters on a pretrained model: set model.init_from" in no_base.stderr
-    reward_model = subprocess.run([sys.executable, str(RM_SCRIPT), f"model.init_from={base}", "peft.scheme=lora",
-                                   "data.train=[{path: /tmp/x.jsonl}]", f"checkpoint.save_dir={tmp_path / 'b'}"],
-                                  capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert reward_model.returncode != 0
-    assert "peft.scheme=lora is not supported by reward-model training yet" in reward_model.stderr
+
+
+def _reward_model(root, init, name: str, *extra) -> subprocess.CompletedProcess:
+    from aligner.demo import arithmetic
+
+    from ..conftest import write_jsonl
+
+    if not (root / "pairs.jsonl").exists():  # an easy preference (the answer over "00"): the mechanics are tested
+        for file, count, seed in (("pairs", 128, 3), ("validation", 32, 4)):
+            write_jsonl(root / f"{file}.jsonl", [{**record, "rejected": "00"}
+                                                  for record in arithmetic.preference_records(count, seed=seed)])
+    return subprocess.run([
+        sys.executable, str(RM_SCRIPT), f"model.init_from={init}", f"data.train=[{{path: {root / 'pairs.jsonl'}}}]",
+        f"data.validation=[{{path: {root / 'validation.jsonl'}}}]", "data.max_seq_length=16", "trainer.max_steps=12",
+        "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "trainer.val_check_interval=12", "optim.lr=1e-2",
+        "optim.warmup_steps=0", "optim.decay_style=constant", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.peak_tflops=1.0", "checkpoint.save_interval=6",
+        f"checkpoint.save_dir={root / name / 'ckpt'}", f"logging.log_dir={root / name}",
+        "peft.scheme=lora", "peft.rank=4", *extra], capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+
+
+def test_reward_model_with_lora_trains_adapters_and_head_which_the_server_loader_reads_back(lora_base, tmp_path):
+    """A reward model on a policy checkpoint with LoRA: the fresh head trains whole beside the adapters and
+    both are saved (nothing else); `load_reward_model` (what the servers load) puts them onto the base and
+    reproduces the trainer's validation accuracy and the normalisation it measured on the validation set;
+    a resumed run repeats the uninterrupted one (so the head was restored too, not drawn fresh)."""
+    import shutil
+
+    from aligner import checkpointing
+    from aligner.data.reward import ComparisonDataset
+    from aligner.models.reward import load_reward_model
+    from aligner.runtime import distributed
+    from tests.functional.test_critic_server import right_padded
+
+    _, base = lora_base
+    done = _reward_model(tmp_path, base, "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = tmp_path / "run" / "ckpt" / "step_00000012"
+    meta = checkpointing.read_meta(final)
+    assert meta["peft"]["train_whole"] == ["output_layer."] and meta["peft"]["rank"] == 4
+    assert checkpointing.checkpoint_bytes(final) < checkpointing.checkpoint_bytes(base) / 2
+    rows = metrics_rows(tmp_path / "run")
+    train, validation = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "validation"]
+    assert sum(r["loss"] for r in train[-3:]) / 3 < sum(r["loss"] for r in train[:3]) / 3 - 0.05, train
+
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        loaded = load_reward_model(final, micro_batch_size=8, normalize=False)
+        assert lora.has_adapters(loaded.chunks)
+        pairs = ComparisonDataset(tmp_path / "validation.jsonl", loaded.tokenizer, 16)
+        chosen = [list(map(int, pair.chosen)) for pair in pairs.comparisons]
+        rejected = [list(map(int, pair.rejected)) for pair in pairs.comparisons]
+        scores = loaded.inference.infer(*right_padded(chosen + rejected))[:, 0].double()
+    finally:
+        distributed.shutdown()
+    margins = scores[:len(chosen)] - scores[len(chosen):]
+    assert float(torch.nn.functional.softplus(-margins).mean()) == pytest.approx(validation[-1]["loss"], rel=1e-4)
+    accuracy = float((margins > 0).double().mean())
+    assert accuracy == pytest.approx(validation[-1]["accuracy"], abs=1e-6) and accuracy > 0.9
+    stored = meta["reward"]["normalization"]
+    assert float(scores.mean()) == pytest.approx(stored["mean"][0], rel=1e-4, abs=1e-5)
+    assert float(scores.std(unbiased=False)) == pytest.approx(stored["std"][0], rel=1e-4)
+
+    # Resumed from step 6: the same losses as the uninterrupted run.
+    (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "run" / "ckpt" / "step_00000006", tmp_path / "resumed" / "ckpt" / "step_00000006")
+    again = _reward_model(tmp_path, base, "resumed")
+    assert again.returncode == 0, again.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in train}
+    continued = {r["step"]: r["loss"] for r in metrics_rows(tmp_path / "resumed", "train")}
+    assert sorted(continued) == list(range(7, 13))
+    for step, loss in continued.items():
+        assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
 def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference(lora_base, tmp_path):
