@@ -588,11 +588,13 @@ def load(
         state = loaded["model"] if len(chunks) == 1 else loaded["model"][f"model{i}"]
         # A LoRA checkpoint holds the adapters only: the base weights stay as loaded from its base.
         result = chunk.load_state_dict(state, strict=not skip_prefixes and not adapters_here)
-        missing_saved = [key for key in result.missing_keys if lora.is_saved_key(chunk, key)]
-        if adapters_here and (result.unexpected_keys or missing_saved):
-            raise CheckpointError(f"{checkpoint_dir}: its adapters do not match this run's peft settings (missing "
-                                  f"{missing_saved[:3]}, unexpected {result.unexpected_keys[:3]})")
-        if skip_prefixes:
+        if adapters_here:
+            missing_saved = [key for key in result.missing_keys
+                             if lora.is_saved_key(chunk, key) and not key.startswith(tuple(skip_prefixes))]
+            if result.unexpected_keys or missing_saved:
+                raise CheckpointError(f"{checkpoint_dir}: its adapters do not match this run's peft settings "
+                                      f"(missing {missing_saved[:3]}, unexpected {result.unexpected_keys[:3]})")
+        elif skip_prefixes:
             missing = [key for key in result.missing_keys if not key.startswith(tuple(skip_prefixes))]
             if missing or result.unexpected_keys:
                 raise CheckpointError(f"{checkpoint_dir}: missing {missing}, unexpected {result.unexpected_keys}")

@@ -35,7 +35,7 @@ from omegaconf import MISSING
 
 from aligner.config import ConfigError, at_least, one_of, require_checkpoint_dir
 from aligner.generation.logprobs import response_mask, response_values
-from aligner.models.lora import PEFTConfig
+from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import RewardInference, RewardInferenceConfig
 from aligner.rl.ppo_math import explained_variance, value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
@@ -434,7 +434,7 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
                 f"to share one architecture; they differ in {differing}")
         # Load the reward model through the live chunks, keep its weights on the host, put the critic back.
         critic_weights = HostWeights.snapshot(built.chunks)
-        checkpointing.load(reward_init, built.chunks)
+        load_merged(reward_init, built.chunks)  # (a LoRA reward model: merged into its base)
         reward_weights = HostWeights.snapshot(built.chunks)
         critic_weights.exchange(built.chunks)
         if cfg.combined.normalize_rewards and info.normalization:

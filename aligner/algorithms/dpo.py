@@ -220,9 +220,9 @@ def _load_reference_weights(built, init_from: Optional[str]) -> None:
     yet (the resume loads after this): load `init_from` so the reference is the run's start. With LoRA
     they hold the base already, the reference (their adapters are loaded by the resume)."""
     if built.resume_checkpoint is not None and init_from and built.peft_meta is None:
-        from aligner import checkpointing
+        from aligner.models.lora import load_merged
 
-        checkpointing.load(init_from, built.chunks)
+        load_merged(init_from, built.chunks)
 
 
 def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, collate_fn: Callable,

@@ -1302,7 +1302,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         reference = lora.BaseReference()
     elif cfg.measures_kl:
         if resume is not None:
-            checkpointing.load(cfg.model.init_from, chunks)
+            lora.load_merged(cfg.model.init_from, chunks)
         reference = HostWeights.snapshot(chunks)
     ema = None
     if cfg.ema.decay is not None:

@@ -99,19 +99,41 @@ def adapter_base(checkpoint_dir, peft_meta: dict, base=None):
     return base_dir
 
 
-def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=None) -> bool:
+def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=None,
+                       skip_prefixes: Sequence[str] = ()) -> bool:
     """Load a checkpoint into freshly built (unwrapped) chunks: a whole model as it is, an adapter checkpoint
-    onto its base (`adapter_base`) with live adapters. Returns whether the chunks now have adapters."""
+    onto its base (`adapter_base`) with live adapters. Returns whether the chunks now have adapters.
+    skip_prefixes: parameters the checkpoint does not provide (as in `checkpointing.load`)."""
     from aligner import checkpointing
 
     peft_meta = checkpointing.read_meta(checkpoint_dir).get("peft")
-    if peft_meta is not None:
-        train_whole = tuple(peft_meta.get("train_whole", ()))
-        # The base may lack what was trained whole (a policy checkpoint under a reward model's fresh head).
-        checkpointing.load(adapter_base(checkpoint_dir, peft_meta, base), chunks, skip_prefixes=train_whole)
-        apply_lora(chunks, config_of(peft_meta), seed=0, train_whole=train_whole)  # A is loaded next
-    checkpointing.load(checkpoint_dir, chunks)
-    return peft_meta is not None
+    if peft_meta is None:
+        checkpointing.load(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
+        return False
+    train_whole = tuple(peft_meta.get("train_whole", ()))
+    # The base may lack what was trained whole (a policy checkpoint under a reward model's fresh head), and
+    # may itself be an adapter checkpoint (adapters trained on a merged earlier run).
+    load_merged(adapter_base(checkpoint_dir, peft_meta, base), chunks, skip_prefixes=(*skip_prefixes, *train_whole))
+    apply_lora(chunks, config_of(peft_meta), seed=0, train_whole=train_whole)  # A is loaded next
+    checkpointing.load(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
+    return True
+
+
+def load_merged(checkpoint_dir, chunks: Sequence[torch.nn.Module], skip_prefixes: Sequence[str] = ()) -> None:
+    """Load a checkpoint as whole weights into chunks without adapters: an adapter checkpoint is loaded onto
+    its base and merged into it, so any run may start from the result of a LoRA run."""
+    from aligner import checkpointing
+
+    chunks = checkpointing.unwrap_chunks(chunks)
+    if "peft" not in checkpointing.read_meta(checkpoint_dir):
+        checkpointing.load(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
+        return
+    trainable = [(param, param.requires_grad) for chunk in chunks for param in chunk.parameters()]
+    load_for_inference(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
+    merge(chunks)
+    remove_adapters(chunks)
+    for param, requires_grad in trainable:
+        param.requires_grad = requires_grad
 
 
 def _adapter_sharded_state(module, prefix: str, sharded_offsets, split_axis: dict) -> dict:
@@ -275,6 +297,17 @@ class BaseReference:
         from megatron.core.utils import unwrap_model
 
         return adapters_disabled(unwrap_model(list(chunks)))
+
+
+def remove_adapters(chunks: Sequence[torch.nn.Module]) -> None:
+    """Turn every adapted linear back into megatron's own class, without its adapters (merge first to keep
+    their update)."""
+    for module in list(adapter_modules(chunks)):
+        module.__class__ = module.__class__.__bases__[0]  # LoRAColumnParallelLinear -> ColumnParallelLinear
+        for name in ("lora_a", "lora_b", "lora_scale", "lora_dropout", "lora_enabled", "lora_gated"):
+            delattr(module, name)
+    for chunk in chunks:
+        chunk.__dict__.pop("lora_train_whole", None)
 
 
 def merge(chunks: Sequence[torch.nn.Module]) -> None:

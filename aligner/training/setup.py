@@ -327,7 +327,9 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder,
                                 activation_recompute=model.activation_recompute)
     if init_from and (latest is None or lora):  # a LoRA checkpoint holds the adapters only
-        checkpointing.load(init_from, chunks, skip_prefixes=skip_prefixes)
+        from aligner.models.lora import load_merged
+
+        load_merged(init_from, chunks, skip_prefixes=skip_prefixes)  # (an adapter checkpoint: merged into its base)
         get_logger().info(f"initialised from {init_from}")
     peft_meta = None
     if lora:

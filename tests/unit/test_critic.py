@@ -197,3 +197,69 @@ def test_library_critic_infers_trains_offloads_and_resumes(tmp_path):
         assert resumed.train(batch).value_loss == pytest.approx(critic.train(batch).value_loss, rel=1e-6)
     finally:
         distributed.shutdown()
+
+
+def test_critic_with_lora_trains_adapters_and_the_value_head_and_resumes_them(tmp_path):
+    """peft.scheme=lora on the critic: B = 0 makes the first loss the float64 loss of the init weights; the
+    body's weights stay bit-equal while adapters and head move; the checkpoint holds the adapters and the
+    head only, loads back through the reward-model loader with the same values, and a rebuilt critic
+    resumes them; combined mode refuses LoRA with one line."""
+    import dataclasses
+
+    from aligner import checkpointing
+    from aligner.algorithms.critic import CombinedSection, CriticTrainBatch, build_critic
+    from aligner.config import ConfigError
+    from aligner.demo.tokenizer import train_char_tokenizer
+    from aligner.models import lora
+    from aligner.models.reward import load_reward_model
+    from aligner.runtime import distributed
+    from tests.functional.test_critic_server import make_one_attribute_checkpoint, right_padded
+
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        train_char_tokenizer(["0123456789+= abcdefghij"], tmp_path / "tokenizer")
+        init_from = make_one_attribute_checkpoint(tmp_path / "init", tmp_path / "tokenizer", seed=5)
+        peft = lora.PEFTConfig(scheme="lora", rank=4, alpha=8.0)
+        cfg = dataclasses.replace(_critic_config(init_from, tmp_path / "lora", offload=False), peft=peft)
+        with pytest.raises(ConfigError, match="peft.scheme=lora is not supported in combined mode"):
+            dataclasses.replace(cfg, combined=CombinedSection(reward_model_init_from=str(init_from))).validate()
+        critic = build_critic(cfg)[0]
+        frozen = {name: p.detach().clone() for chunk in critic.chunks for name, p in chunk.named_parameters()
+                  if not p.requires_grad}
+        trained = {name: p.detach().clone() for chunk in critic.chunks for name, p in chunk.named_parameters()
+                   if p.requires_grad}
+        assert {name for name in trained if not lora.is_adapter_key(name)} == {"module.output_layer.weight",
+                                                                               "module.output_layer.bias"}
+
+        generator = torch.Generator().manual_seed(0)
+        prompt_lengths, response_lengths = torch.tensor([3, 1, 6, 2]), torch.tensor([5, 7, 2, 4])
+        tokens, lengths = right_padded([
+            torch.randint(0, critic.model_cfg.vocab_size, (int(p + r),), generator=generator).tolist()
+            for p, r in zip(prompt_lengths, response_lengths)])
+        values = critic.values(tokens, lengths)
+        width = int(response_lengths.max())
+        old_values = response_values(values, prompt_lengths, width) + 0.5 * torch.randn(ROWS, width,
+                                                                                        generator=generator)
+        batch = CriticTrainBatch(tokens, lengths, prompt_lengths,
+                                 (old_values + torch.randn(ROWS, width, generator=generator)).float(),
+                                 old_values.float())
+        loss, _, _ = _float64_value_loss(init_from, batch)
+        assert critic.train(batch).value_loss == pytest.approx(loss, rel=1e-5)
+        for _ in range(2):
+            critic.train(batch)
+        after = {name: p.detach() for chunk in critic.chunks for name, p in chunk.named_parameters()}
+        assert all(torch.equal(after[name], value) for name, value in frozen.items())
+        moved = [name for name, value in trained.items() if not torch.equal(after[name], value)]
+        assert "module.output_layer.weight" in moved and any(lora.is_adapter_key(name) for name in moved)
+
+        path = critic.save(3)
+        assert checkpointing.read_meta(path)["peft"]["train_whole"] == ["output_layer."]
+        assert checkpointing.checkpoint_bytes(path) < checkpointing.checkpoint_bytes(init_from)
+        trained_values = critic.values(tokens, lengths)
+        served = load_reward_model(path, micro_batch_size=2).inference.token_scores(tokens, lengths)[..., 0]
+        assert (served - trained_values).abs().max() < 1e-5
+        resumed = build_critic(cfg)[0]
+        assert resumed.step == 3 and torch.equal(resumed.values(tokens, lengths), trained_values)
+        assert resumed.train(batch).value_loss == pytest.approx(critic.train(batch).value_loss, rel=1e-6)
+    finally:
+        distributed.shutdown()

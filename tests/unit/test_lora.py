@@ -148,6 +148,29 @@ def lora_base(tmp_path_factory):
     return root, policy
 
 
+def _merged_equals_live_adapters(adapter_checkpoint) -> None:
+    from aligner import checkpointing
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.runtime import distributed
+
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        model_cfg = GPTConfig.from_dict(checkpointing.read_meta(adapter_checkpoint)["model"])
+        live, merged = (build_gpt_model(model_cfg, transformer_config(model_cfg)) for _ in range(2))
+        assert lora.load_for_inference(adapter_checkpoint, [live])
+        lora.load_merged(adapter_checkpoint, [merged])
+        tokens = TOKENS.clamp_max(model_cfg.vocab_size - 1)
+        difference = (forward_logits([live], tokens, model_cfg.vocab_size)
+                      - forward_logits([merged], tokens, model_cfg.vocab_size)).abs().max()
+        assert difference < 1e-5 and not lora.has_adapters([merged])
+        with lora.adapters_disabled([live]):  # the adapters did change the function: the check is not empty
+            assert (forward_logits([live], tokens, model_cfg.vocab_size)
+                    - forward_logits([merged], tokens, model_cfg.vocab_size)).abs().max() > 1e-3
+        assert all(param.requires_grad for param in merged.parameters())
+    finally:
+        distributed.shutdown()
+
+
 def test_sft_with_lora_learns_leaves_the_base_alone_and_saves_only_adapters(lora_base, tmp_path):
     from aligner import checkpointing
 
@@ -160,9 +183,11 @@ def test_sft_with_lora_learns_leaves_the_base_alone_and_saves_only_adapters(lora
     meta = checkpointing.read_meta(final)
     assert meta["peft"]["base"] == str(base.resolve()) and meta["peft"]["rank"] == 8
     assert checkpointing.checkpoint_bytes(final) < checkpointing.checkpoint_bytes(base) / 2
-    # The base checkpoint is untouched, and the adapters-only checkpoint cannot pass for a whole model.
-    refused = _sft(tmp_path, final, "peft.scheme=none", name="whole")
-    assert refused.returncode != 0 and "holds LoRA adapters only" in refused.stderr.strip().splitlines()[-1]
+    # Another run may start from the adapter checkpoint: merged into its base (in process: the same logits
+    # as the live adapters, no adapters left, every weight trainable), here a whole-weight SFT run.
+    _merged_equals_live_adapters(final)
+    whole = _sft(tmp_path, final, "peft.scheme=none", name="whole", steps=1)
+    assert whole.returncode == 0, whole.stderr[-3000:]
 
     # Resume: stopped at step 6 (its checkpoint kept), continued to 12, as the uninterrupted run.
     resumed_dir = tmp_path / "resumed"
@@ -267,10 +292,12 @@ def test_reward_model_with_lora_trains_adapters_and_head_which_the_server_loader
     import shutil
 
     from aligner import checkpointing
+    from aligner.algorithms.critic import build_critic
     from aligner.data.reward import ComparisonDataset
     from aligner.models.reward import load_reward_model
     from aligner.runtime import distributed
     from tests.functional.test_critic_server import right_padded
+    from tests.unit.test_critic import _critic_config
 
     _, base = lora_base
     done = _reward_model(tmp_path, base, "run")
@@ -291,13 +318,19 @@ def test_reward_model_with_lora_trains_adapters_and_head_which_the_server_loader
         chosen = [list(map(int, pair.chosen)) for pair in pairs.comparisons]
         rejected = [list(map(int, pair.rejected)) for pair in pairs.comparisons]
         scores = loaded.inference.infer(*right_padded(chosen + rejected))[:, 0].double()
+        # A critic may start from it (merged into its base): its values are the reward model's token scores
+        # in normalised units.
+        critic = build_critic(_critic_config(final, tmp_path / "critic", offload=False))[0]
+        tokens, lengths = right_padded(chosen[:4])
+        stored = meta["reward"]["normalization"]
+        expected = (loaded.inference.token_scores(tokens, lengths)[..., 0] - stored["mean"][0]) / stored["std"][0]
+        assert (critic.values(tokens, lengths) - expected)[tokens != 0].abs().max() < 1e-5
     finally:
         distributed.shutdown()
     margins = scores[:len(chosen)] - scores[len(chosen):]
     assert float(torch.nn.functional.softplus(-margins).mean()) == pytest.approx(validation[-1]["loss"], rel=1e-4)
     accuracy = float((margins > 0).double().mean())
     assert accuracy == pytest.approx(validation[-1]["accuracy"], abs=1e-6) and accuracy > 0.9
-    stored = meta["reward"]["normalization"]
     assert float(scores.mean()) == pytest.approx(stored["mean"][0], rel=1e-4, abs=1e-5)
     assert float(scores.std(unbiased=False)) == pytest.approx(stored["std"][0], rel=1e-4)
 
