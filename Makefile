@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model lint test test-fast test-faults test-gpu demo bench bench-toy clean
+.PHONY: install real-model lint test test-fast test-faults test-gpu demo demo-real bench bench-toy clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml constraints/ci.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The real-model demo: SmolLM2-135M-Instruct learns checkable instructions (GRPO and DPO with LoRA); its
+# plot needs matplotlib (the demo extra).
+demo-real: install
+	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[demo]"
+	OMP_NUM_THREADS=2 $(PY) examples/demo/run_demo_real.py --workdir results/demo_real
 
 # The pinned real model of the real-model test tier (downloaded once into .cache/models, sha256-checked).
 real-model: install

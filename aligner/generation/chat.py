@@ -107,6 +107,7 @@ class ChatModel:
     vocab_size: int
     steerlm: object = None  # SteerLMConfig of a conditioned checkpoint when steering is asked for
     steer: Optional[dict] = None  # the attribute values every prompt asks for
+    chunks: list = field(default_factory=list)  # the model chunks the engine runs (for scoring beside it)
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -173,7 +174,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     eos = generation_config.get("eos_token_id")
     stop.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ChatModel(engine, tokenizer, sorted(stop), max_length, model_cfg.vocab_size, steerlm,
-                     None if cfg.steer is None else dict(cfg.steer))
+                     None if cfg.steer is None else dict(cfg.steer), chunks=list(chunks))
 
 
 # ----------------------------------------------------------------------------- generating

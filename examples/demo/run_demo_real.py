@@ -1,0 +1,227 @@
+"""Align a real chat model on a laptop (`make demo-real`): SmolLM2-135M-Instruct learns to follow
+checkable instructions ("answer in all lowercase", "at most 12 words", ...; aligner/demo/instructions.py).
+
+Stages, each the command a user would run (`--stages` re-runs a subset on earlier artefacts):
+  model   fetch the pinned GGUF file and import it (python -m aligner.hf import)
+  data    training prompts, held-out prompts (topics and parameters never seen in training), 5 general prompts
+  base    evaluate the base model: held-out satisfaction (greedy), the general answers
+  grpo    GRPO with LoRA, the constraint checker as the reward function; evaluate
+  dpo     DPO from the model's own samples: sample several answers per training prompt, rank them with the
+          checker, pair the best with the worst, train LoRA adapters with DPO; evaluate
+  report  the table (satisfaction overall and per constraint type, answer length, KL to the base on the
+          general prompts), the general answers side by side, and a PNG of reward and satisfaction over steps
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from run_demo import REPO_ROOT, run
+
+from aligner.checkpointing import latest_checkpoint
+from aligner.config import run_main
+from aligner.runtime.errors import ConfigError
+
+GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
+MAX_NEW_TOKENS = 48  # answers are cut here in training and evaluation alike
+HELDOUT_PROMPTS = 200
+TRAIN_PROMPTS = 1024
+LORA = ["peft.scheme=lora", "peft.rank=16", "peft.alpha=32"]
+QUIET = ["logging.progress_bar=false"]
+
+# GRPO: 8 prompts x 4 samples per step, one update per step on LoRA adapters.
+GRPO_OVERRIDES = [
+    "reward.source=function", "reward.function=aligner.demo.instructions:score_response",
+    "advantage.estimator=grpo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
+    "generation.micro_batch_size=32", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+    "trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=24", "optim.lr=3e-4",
+    "kl.init_coef=0.0", "checkpoint.save_interval=0", *LORA, *QUIET,
+]
+
+# DPO from the base model's own samples: 4 answers to each of 128 training prompts at T=1.
+DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 128, 4
+DPO_OVERRIDES = [
+    "dpo.beta=0.1", "dpo.reference_logprobs=swap", "data.max_seq_length=192", "data.split='100,0'",
+    "trainer.max_epochs=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+    "trainer.val_check_interval=0", "optim.lr=3e-4", "optim.warmup_steps=0", "optim.decay_style=constant",
+    *LORA, *QUIET,
+]
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RealDemo:
+    def __init__(self, work: Path):
+        self.work = work
+        self.base = work / "base"
+        self.data = work / "data"
+        self.results: dict[str, dict] = {}
+        self.timings: dict[str, float] = {}
+
+    def _need(self, path: Path, stage: str) -> Path:
+        if not path.exists():
+            raise ConfigError(f"{path} is missing: run the '{stage}' stage first (--stages {stage},...)")
+        return path
+
+    def evaluate(self, name: str, checkpoint: Path) -> dict:
+        output = self.work / f"eval_{name}.json"
+        run(f"evaluate {name}", [sys.executable, "-m", "aligner.demo.instruction_eval", "--checkpoint", checkpoint,
+                                 "--heldout", self._need(self.data / "heldout.jsonl", "data"),
+                                 "--general", self.data / "general.jsonl", "--output", output,
+                                 "--max-new-tokens", str(MAX_NEW_TOKENS)])
+        self.results[name] = json.loads(output.read_text())
+        return self.results[name]
+
+    def model(self) -> None:
+        gguf = self.work / "gguf_path.txt"
+        run("fetch", [sys.executable, REPO_ROOT / "examples" / "nlp" / "data" / "fetch_real_model.py"])
+        from aligner.hf.pinned import SMOLLM2_135M_INSTRUCT
+
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.base, ignore_errors=True)
+        run("import", [sys.executable, "-m", "aligner.hf", "import", "--gguf", SMOLLM2_135M_INSTRUCT.cached_path(),
+                       "--output", self.base])
+
+    def data_files(self) -> None:
+        from aligner.demo import instructions
+
+        _write_jsonl(self.data / "train.jsonl", instructions.prompt_records("train", TRAIN_PROMPTS, seed=0))
+        _write_jsonl(self.data / "heldout.jsonl", instructions.prompt_records("heldout", HELDOUT_PROMPTS, seed=0))
+        _write_jsonl(self.data / "general.jsonl", [{"prompt": [{"role": "user", "content": text}]}
+                                                   for text in instructions.GENERAL_PROMPTS])
+
+    def base_eval(self) -> None:
+        self.evaluate("base", self._need(self.base, "model"))
+
+    def grpo(self) -> None:
+        out = self.work / "grpo"
+        shutil.rmtree(out, ignore_errors=True)
+        run("grpo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", f"model.init_from={self.base}",
+                     f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *GRPO_OVERRIDES,
+                     f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.evaluate("grpo", latest_checkpoint(out / "checkpoints"))
+
+    def dpo(self) -> None:
+        from aligner.demo.instructions import score_response
+
+        out = self.work / "dpo"
+        shutil.rmtree(out, ignore_errors=True)
+        prompts = _read_jsonl(self._need(self.data / "train.jsonl", "data"))[-DPO_SAMPLE_PROMPTS:]
+        repeated = _write_jsonl(out / "sample_prompts.jsonl", [row for row in prompts for _ in range(DPO_SAMPLES)])
+        run("dpo samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={self.base}",
+                            f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
+                            "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "batch_size=64"])
+        samples = _read_jsonl(out / "samples.jsonl")
+        pairs = []
+        for start in range(0, len(samples), DPO_SAMPLES):
+            group = [row for row in samples[start:start + DPO_SAMPLES] if row.get("response")]
+            scored = sorted(group, key=lambda row: score_response(row["prompt"], row["response"]))
+            if len(scored) >= 2 and (score_response(scored[-1]["prompt"], scored[-1]["response"])
+                                     > score_response(scored[0]["prompt"], scored[0]["response"])):
+                pairs.append({"prompt": scored[-1]["prompt"], "chosen": scored[-1]["response"],
+                              "rejected": scored[0]["response"]})
+        print(f"dpo: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
+        if not pairs:
+            raise SystemExit("dpo: no prompt had answers the checker ranks apart; sample more answers")
+        _write_jsonl(out / "pairs.jsonl", pairs)
+        run("dpo", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.base}",
+                    f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES,
+                    f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        self.evaluate("dpo", latest_checkpoint(out / "checkpoints"))
+
+    def report(self) -> None:
+        for name in ("base", "grpo", "dpo"):
+            if name not in self.results and (self.work / f"eval_{name}.json").exists():
+                self.results[name] = json.loads((self.work / f"eval_{name}.json").read_text())
+        if not self.results:
+            raise ConfigError(f"no evaluation under {self.work}: run the other stages first")
+        names = list(self.results)
+        types = sorted({kind for result in self.results.values() for kind in result["per_type"]})
+        print("\n" + "=" * 72)
+        print(f"held-out instruction following ({HELDOUT_PROMPTS} prompts, greedy, {MAX_NEW_TOKENS} new tokens)")
+        print(f"{'':<24}" + "".join(f"{name:>12}" for name in names))
+        rows = [("prompts satisfied", lambda r: f"{100 * r['prompt_level']:.1f} %"),
+                ("constraints satisfied", lambda r: f"{100 * r['constraint_level']:.1f} %"),
+                ("words per answer", lambda r: f"{r['mean_words']:.1f}"),
+                ("KL to base (general)", lambda r: f"{r['kl_to_base']:.3f}")]
+        for label, cell in rows:
+            print(f"{label:<24}" + "".join(f"{cell(self.results[name]):>12}" for name in names))
+        for kind in types:
+            cells = []
+            for name in names:
+                rate = self.results[name]["per_type"].get(kind)
+                cells.append(f"{100 * rate[0]:.0f} % ({rate[1]})" if rate else "-")
+            print(f"  {kind:<22}" + "".join(f"{cell:>12}" for cell in cells))
+        print("\ngeneral prompts:")
+        for index, item in enumerate(self.results[names[0]]["general"]):
+            print(f"- {item['prompt'][0]['content']}")
+            for name in names:
+                print(f"    {name}: {self.results[name]['general'][index]['response']!r}")
+        self.plot()
+        print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
+
+    def plot(self) -> None:
+        from aligner.training.metrics import read_metrics
+
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("(no PNG: matplotlib is not installed; pip install 'aligner[demo]')")
+            return
+        figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        if (self.work / "grpo").exists():
+            rows = read_metrics(self.work / "grpo", "train", newest_attempt=True)
+            left.plot([row["step"] for row in rows], [row["reward_mean"] for row in rows], label="GRPO reward")
+        if (self.work / "dpo").exists():
+            rows = read_metrics(self.work / "dpo", "train", newest_attempt=True)
+            left.plot([row["step"] for row in rows], [row["preference_loss"] for row in rows], label="DPO loss")
+        left.set_xlabel("step")
+        left.legend()
+        names = list(self.results)
+        right.bar(names, [100 * self.results[name]["prompt_level"] for name in names])
+        right.set_ylabel("held-out prompts satisfied (%)")
+        figure.tight_layout()
+        figure.savefig(self.work / "demo_real.png", dpi=100)
+        print(f"plot: {self.work / 'demo_real.png'}")
+
+
+STAGES = {"model": "model", "data": "data_files", "base": "base_eval", "grpo": "grpo", "dpo": "dpo",
+          "report": "report"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="results/demo_real")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    args = parser.parse_args()
+    chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
+    unknown = sorted(set(chosen) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    demo = RealDemo((REPO_ROOT / args.workdir).resolve())
+    started = time.perf_counter()
+    for stage, method in STAGES.items():
+        if stage in chosen:
+            stage_start = time.perf_counter()
+            getattr(demo, method)()
+            demo.timings[stage] = time.perf_counter() - stage_start
+    print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {demo.work}")
+
+
+if __name__ == "__main__":
+    run_main(main)
