@@ -101,6 +101,11 @@ class ConstraintType:
         return self.template.format(*params)
 
 
+def _letter_share(response: str, case: Callable[[str], bool]) -> float:
+    letters = [char for char in response if char.isalpha()]
+    return sum(map(case, letters)) / len(letters) if letters else 0.0
+
+
 def _lowercase(response, params, request):
     return bool(re.search(r"[a-z]", response)) and response == response.lower()
 
@@ -114,9 +119,7 @@ def _max_words(response, params, request):
 
 
 def _bullets(response, params, request):
-    lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
-    bullets = [line for line in lines if re.match(r"[-*•] ", line)]
-    return len(bullets) == int(params[0])
+    return _bullet_count(response) == int(params[0])
 
 
 def _include(response, params, request):
@@ -155,6 +158,46 @@ def _repeats_request(response, params, request):
 def _quoted(response, params, request):
     text = response.strip()
     return len(text) >= 2 and text.startswith('"') and text.endswith('"')
+
+
+def _bullet_count(response: str) -> int:
+    return sum(1 for line in response.strip().splitlines() if re.match(r"\s*[-*•] ", line))
+
+
+def _json_credit(response, params, request):
+    text = _strip_fence(response).strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return 0.25 * text.startswith("{")
+    return 0.5 + 0.25 * (len(set(value) & set(params)) / len(params)) if isinstance(value, dict) else 0.25
+
+
+def _repeat_credit(response, params, request):
+    wanted, given = request.split(), response.strip().split()
+    matched = next((i for i, (a, b) in enumerate(zip(wanted, given)) if a != b), min(len(wanted), len(given)))
+    return 0.9 * matched / len(wanted)
+
+
+def _quoted_credit(response, params, request):
+    text = response.strip()
+    return 0.4 * (text[:1] == '"') + 0.4 * (text[-1:] == '"')
+
+
+# Partial credit of a response that fails a constraint: how close it comes, below 1 (the RL reward's
+# shaping: a constraint the model never meets at first still gives a group of samples a direction).
+# Types without an entry get 0.
+CREDITS = {
+    "lowercase": lambda response, params, request: 0.9 * _letter_share(response, str.islower),
+    "uppercase": lambda response, params, request: 0.9 * _letter_share(response, str.isupper),
+    "max_words": lambda response, params, request: 0.9 * int(params[0]) / max(len(_words(response)), 1),
+    "bullets": lambda response, params, request: 0.5 / (1 + abs(_bullet_count(response) - int(params[0]))),
+    "end_phrase": lambda response, params, request: 0.5 * (params[0] in response),
+    "no_commas": lambda response, params, request: 0.5 / (1 + response.count(",")),
+    "json_keys": _json_credit,
+    "repeat_request": _repeat_credit,
+    "quoted": _quoted_credit,
+}
 
 
 CONSTRAINT_TYPES = {kind.name: kind for kind in (
@@ -278,8 +321,28 @@ def check(prompt, response: str) -> dict[str, bool]:
             for name, params in instruction.constraints}
 
 
+def credit(prompt, response: str) -> dict[str, float]:
+    """{constraint type: 1.0 if satisfied, else its partial credit in [0, 1)} for every constraint."""
+    instruction = parse_instruction(prompt)
+    scores = {}
+    for name, params in instruction.constraints:
+        kind = CONSTRAINT_TYPES[name]
+        if kind.check(response, params, instruction.request):
+            scores[name] = 1.0
+        else:
+            partial = CREDITS.get(name)
+            scores[name] = min(float(partial(response, params, instruction.request)), 0.9) if partial else 0.0
+    return scores
+
+
 def score_response(prompt, response_text: str) -> float:
-    """The reward: the fraction of the prompt's constraints the response satisfies (0, 0.5 or 1)."""
+    """The RL reward: the mean over the prompt's constraints of 1 (satisfied) or the partial credit."""
+    scores = credit(prompt, response_text)
+    return sum(scores.values()) / len(scores)
+
+
+def satisfied_fraction(prompt, response_text: str) -> float:
+    """The strict score: the fraction of the prompt's constraints the response satisfies (0, 0.5 or 1)."""
     results = check(prompt, response_text)
     return sum(results.values()) / len(results)
 

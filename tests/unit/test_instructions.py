@@ -36,14 +36,20 @@ def test_each_checker_accepts_a_satisfying_answer_and_rejects_a_violating_one(na
     assert ifc.check(prompt, good) == {name: True}
     assert ifc.check(prompt, bad) == {name: False}
     assert ifc.check(prompt, "") == {name: False}  # an empty answer satisfies nothing
+    # The reward's partial credit: 1 exactly when satisfied, below 1 otherwise.
+    assert ifc.credit(prompt, good) == {name: 1.0}
+    assert 0.0 <= ifc.credit(prompt, bad)[name] < 1.0 and ifc.credit(prompt, "")[name] < 1.0
 
 
 def test_two_constraints_score_half_when_one_is_met_and_prompts_may_be_messages():
     item = ifc.Instruction(REQUEST, (("lowercase", ()), ("max_words", ("4",))))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": item.prompt}]
+    assert ifc.satisfied_fraction(messages, "run with it now.") == 1.0
+    assert ifc.satisfied_fraction(messages, "run into the strong wind.") == 0.5
+    assert ifc.satisfied_fraction(item.prompt, "Run into the strong wind.") == 0.0
+    # The reward adds partial credit: 5 words against a limit of 4 earns 0.9 x 4 / 5 of that constraint.
     assert ifc.score_response(messages, "run with it now.") == 1.0
-    assert ifc.score_response(messages, "run into the strong wind.") == 0.5
-    assert ifc.score_response(item.prompt, "Run into the strong wind.") == 0.0
+    assert ifc.score_response(messages, "run into the strong wind.") == pytest.approx((1 + 0.72) / 2)
     with pytest.raises(ValueError, match="no constraint found"):
         ifc.score_response("Tell me a joke.", "no")
 
@@ -128,3 +134,17 @@ def test_the_kl_to_the_base_is_the_mean_float64_log_ratio_of_the_sampled_answers
     expected = sum(ratios) / len(ratios)
     assert abs(expected) > 0.05  # the adapters moved the model: the check is not of zeros
     assert estimate == pytest.approx(expected, abs=1e-4)
+
+
+def test_partial_credit_grows_as_an_answer_comes_closer():
+    def reward(constraint, params, answer):
+        return ifc.score_response(ifc.Instruction(REQUEST, ((constraint, params),)).prompt, answer)
+
+    assert reward("lowercase", (), "ALL CAPS HERE") < reward("lowercase", (), "Mostly lower case") < 1.0
+    assert reward("max_words", ("4",), "one two three four five six seven eight") < reward(
+        "max_words", ("4",), "one two three four five") < reward("max_words", ("4",), "one two three four")
+    keys = ("advice", "why")
+    json_rewards = [reward("json_keys", keys, answer) for answer in
+                    ("Sure!", '{"x": 1}', '{"advice": 1}', '{"advice": 1, "why": 2}')]
+    assert json_rewards == sorted(set(json_rewards)) and json_rewards[-1] == 1.0
+    assert reward("repeat_request", (), "Fly it.") < reward("repeat_request", (), "Give some advice. Fly.") < 1.0
