@@ -6,10 +6,9 @@
 - held-out prompts answered greedily (chat batch mode, the user's path): the satisfaction rates of
   `aligner.demo.instructions.satisfaction` and the mean response length in words;
 - the general prompts answered greedily (shown before/after so a person can see the model still talks);
-- the KL to the base model on the general prompts: `kl_samples` answers per prompt sampled from the
-  checkpoint (temperature 1), each scored sum_t log pi(y_t) - log pi_base(y_t) (an unbiased estimate of
-  KL(pi || pi_base) per answer), averaged. An adapter checkpoint's base is its own model with the
-  adapters off; a whole-weight checkpoint has no base here (reported as 0, it is the base).
+- the KL to the base model (`--base`) on the general prompts: `kl_samples` answers per prompt sampled from
+  the checkpoint (temperature 1), each scored sum_t log pi(y_t) - log pi_base(y_t) (an unbiased estimate of
+  KL(pi || pi_base) per answer), averaged.
 """
 from __future__ import annotations
 
@@ -32,16 +31,14 @@ def _answers(model, cfg, prompts_file: Path, output_file: Path) -> list[dict]:
     return [json.loads(line) for line in output_file.read_text().splitlines()]
 
 
-def _kl_to_base(model, prompts: list[list[int]], samples: int, max_new_tokens: int, seed: int) -> float:
-    """Mean over sampled answers of sum_t log pi(y_t | .) - log pi_base(y_t | .), the base being the same
-    chunks with their adapters off."""
+def _kl_to_base(model, base_chunks, prompts: list[list[int]], samples: int, max_new_tokens: int,
+                seed: int) -> float:
+    """Mean over answers sampled from `model` of sum_t log pi(y_t | .) - log pi_base(y_t | .)."""
     import torch.nn.functional as F
 
     from aligner.generation.engine import SamplingParams
-    from aligner.models import lora
     from aligner.models.forward import forward_logits
 
-    chunks = model.chunks
     repeated = [prompt for prompt in prompts for _ in range(samples)]
     rollout = model.engine.generate(repeated, SamplingParams(
         max_new_tokens=max_new_tokens, temperature=1.0, greedy=False, seed=seed, stop_token_ids=model.stop_token_ids))
@@ -52,20 +49,33 @@ def _kl_to_base(model, prompts: list[list[int]], samples: int, max_new_tokens: i
             continue
         tokens = torch.tensor([prompt + rollout.response_tokens[row, :length].tolist()])
         targets = tokens[0, len(prompt):]
-        with lora.adapters_disabled(chunks):
-            logits = forward_logits(chunks, tokens[:, :-1], model.vocab_size)[0, len(prompt) - 1:]
+        logits = forward_logits(base_chunks, tokens[:, :-1], model.vocab_size)[0, len(prompt) - 1:]
         base = F.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, None])[:, 0]
         estimates.append(float(rollout.logprobs[row, :length].double().sum() - base.sum()))
     return sum(estimates) / len(estimates) if estimates else 0.0
 
 
+def _load_base(base: str | Path) -> list:
+    from aligner import checkpointing
+    from aligner.models.gpt import GPTConfig, build_model_chunks
+    from aligner.models.lora import load_merged
+    from aligner.runtime import distributed
+
+    model_cfg = GPTConfig.from_dict(checkpointing.read_meta(base)["model"])
+    chunks = build_model_chunks(model_cfg, distributed.ParallelConfig(), distributed.resolve_precision("auto"))
+    load_merged(base, chunks)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
+
+
 def evaluate(checkpoint: str | Path, heldout: str | Path, general: str | Path, output_dir: str | Path, *,
-             max_new_tokens: int = 64, batch_size: int = 32, kl_samples: int = 4, seed: int = 0) -> dict:
+             base: str | Path | None = None, max_new_tokens: int = 64, batch_size: int = 32, kl_samples: int = 4,
+             seed: int = 0) -> dict:
     from aligner.data.conversation import ChatEncoder
     from aligner.data.jsonl import read_jsonl
     from aligner.demo.instructions import satisfaction
     from aligner.generation.chat import ChatConfig, ChatSamplingConfig, encode_record, load_chat_model
-    from aligner.models import lora
     from aligner.runtime import distributed
 
     output_dir = Path(output_dir)
@@ -79,12 +89,12 @@ def evaluate(checkpoint: str | Path, heldout: str | Path, general: str | Path, o
         try:
             answered = _answers(model, cfg, Path(heldout), output_dir / "heldout_answers.jsonl")
             general_answers = _answers(model, cfg, Path(general), output_dir / "general_answers.jsonl")
-            kl = 0.0
-            if lora.has_adapters(model.chunks):
+            kl = None
+            if base is not None:
                 encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
                 prompts = [encode_record(model, encoder, record, str(general), line)
                            for line, record in read_jsonl(general)]
-                kl = _kl_to_base(model, prompts, kl_samples, max_new_tokens, seed)
+                kl = _kl_to_base(model, _load_base(base), prompts, kl_samples, max_new_tokens, seed)
         finally:
             distributed.shutdown()
     responses = [row["response"] or "" for row in answered]
@@ -102,19 +112,21 @@ def main(argv=None) -> None:
     parser.add_argument("--heldout", required=True, help="JSONL of held-out prompts")
     parser.add_argument("--general", required=True, help="JSONL of general prompts")
     parser.add_argument("--output", required=True, help="the result JSON; answers go beside it")
+    parser.add_argument("--base", default=None, help="the base model the KL is measured to (none: no KL)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--kl-samples", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     output = Path(args.output)
-    result = evaluate(args.checkpoint, args.heldout, args.general, output.with_suffix(""),
+    result = evaluate(args.checkpoint, args.heldout, args.general, output.with_suffix(""), base=args.base,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, kl_samples=args.kl_samples,
                       seed=args.seed)
     output.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.checkpoint}: held-out satisfaction {100 * result['prompt_level']:.1f} % of prompts, "
           f"{100 * result['constraint_level']:.1f} % of constraints ({result['prompts']} prompts); "
-          f"{result['mean_words']:.1f} words per answer; KL to the base {result['kl_to_base']:.3f}")
+          f"{result['mean_words']:.1f} words per answer"
+          + ("" if result["kl_to_base"] is None else f"; KL to the base {result['kl_to_base']:.3f}"))
 
 
 if __name__ == "__main__":

@@ -39,13 +39,16 @@ GRPO_OVERRIDES = [
     "advantage.estimator=grpo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
     "generation.micro_batch_size=32", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
     "trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=24", "optim.lr=3e-4",
-    "kl.init_coef=0.0", "checkpoint.save_interval=0", *LORA, *QUIET,
+    "kl.init_coef=0.05", "checkpoint.save_interval=0", *LORA, *QUIET,
 ]
 
-# DPO from the base model's own samples: 4 answers to each of 128 training prompts at T=1.
-DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 128, 4
+# Iterative DPO from the model's own samples: each round samples 4 answers to 128 new training prompts at
+# T=1 from the current model, pairs the checker's best with its worst, and trains new LoRA adapters on
+# the current model (merged), which is also the round's reference.
+DPO_ROUNDS, DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 2, 128, 4
 DPO_OVERRIDES = [
-    "dpo.beta=0.1", "dpo.reference_logprobs=swap", "data.max_seq_length=192", "data.split='100,0'",
+    "dpo.beta=0.1", "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
+    "data.split='100,0'",
     "trainer.max_epochs=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
     "trainer.val_check_interval=0", "optim.lr=3e-4", "optim.warmup_steps=0", "optim.decay_style=constant",
     *LORA, *QUIET,
@@ -79,7 +82,7 @@ class RealDemo:
         output = self.work / f"eval_{name}.json"
         run(f"evaluate {name}", [sys.executable, "-m", "aligner.demo.instruction_eval", "--checkpoint", checkpoint,
                                  "--heldout", self._need(self.data / "heldout.jsonl", "data"),
-                                 "--general", self.data / "general.jsonl", "--output", output,
+                                 "--general", self.data / "general.jsonl", "--output", output, "--base", self.base,
                                  "--max-new-tokens", str(MAX_NEW_TOKENS)])
         self.results[name] = json.loads(output.read_text())
         return self.results[name]
@@ -114,32 +117,40 @@ class RealDemo:
         self.evaluate("grpo", latest_checkpoint(out / "checkpoints"))
 
     def dpo(self) -> None:
-        from aligner.demo.instructions import score_response
-
         out = self.work / "dpo"
         shutil.rmtree(out, ignore_errors=True)
-        prompts = _read_jsonl(self._need(self.data / "train.jsonl", "data"))[-DPO_SAMPLE_PROMPTS:]
+        prompts = _read_jsonl(self._need(self.data / "train.jsonl", "data"))
+        policy = self.base
+        for round_index in range(1, DPO_ROUNDS + 1):
+            chosen = prompts[-round_index * DPO_SAMPLE_PROMPTS:][:DPO_SAMPLE_PROMPTS]  # new prompts each round
+            policy = self.dpo_round(out / f"round_{round_index}", policy, chosen)
+        self.evaluate("dpo", policy)
+
+    def dpo_round(self, out: Path, policy: Path, prompts: list[dict]) -> Path:
+        """Sample answers from `policy`, pair the checker's best with its worst, train DPO on `policy`."""
+        from aligner.demo.instructions import score_response
+
         repeated = _write_jsonl(out / "sample_prompts.jsonl", [row for row in prompts for _ in range(DPO_SAMPLES)])
-        run("dpo samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={self.base}",
-                            f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
-                            "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}", "batch_size=64"])
+        run(f"{out.name} samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={policy}",
+                                    f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
+                                    "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+                                    "batch_size=64"])
         samples = _read_jsonl(out / "samples.jsonl")
         pairs = []
         for start in range(0, len(samples), DPO_SAMPLES):
-            group = [row for row in samples[start:start + DPO_SAMPLES] if row.get("response")]
-            scored = sorted(group, key=lambda row: score_response(row["prompt"], row["response"]))
-            if len(scored) >= 2 and (score_response(scored[-1]["prompt"], scored[-1]["response"])
-                                     > score_response(scored[0]["prompt"], scored[0]["response"])):
-                pairs.append({"prompt": scored[-1]["prompt"], "chosen": scored[-1]["response"],
-                              "rejected": scored[0]["response"]})
-        print(f"dpo: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
+            scored = sorted((score_response(row["prompt"], row["response"]), index, row)
+                            for index, row in enumerate(samples[start:start + DPO_SAMPLES]) if row.get("response"))
+            if len(scored) >= 2 and scored[-1][0] > scored[0][0]:
+                pairs.append({"prompt": scored[-1][2]["prompt"], "chosen": scored[-1][2]["response"],
+                              "rejected": scored[0][2]["response"]})
+        print(f"{out.name}: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
         if not pairs:
-            raise SystemExit("dpo: no prompt had answers the checker ranks apart; sample more answers")
+            raise SystemExit(f"{out.name}: no prompt had answers the checker ranks apart; sample more answers")
         _write_jsonl(out / "pairs.jsonl", pairs)
-        run("dpo", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.base}",
-                    f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES,
-                    f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.evaluate("dpo", latest_checkpoint(out / "checkpoints"))
+        run(out.name, [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={policy}",
+                       f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES,
+                       f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+        return latest_checkpoint(out / "checkpoints")
 
     def report(self) -> None:
         for name in ("base", "grpo", "dpo"):
@@ -155,7 +166,7 @@ class RealDemo:
         rows = [("prompts satisfied", lambda r: f"{100 * r['prompt_level']:.1f} %"),
                 ("constraints satisfied", lambda r: f"{100 * r['constraint_level']:.1f} %"),
                 ("words per answer", lambda r: f"{r['mean_words']:.1f}"),
-                ("KL to base (general)", lambda r: f"{r['kl_to_base']:.3f}")]
+                ("KL to base (general)", lambda r: "-" if r["kl_to_base"] is None else f"{r['kl_to_base']:.3f}")]
         for label, cell in rows:
             print(f"{label:<24}" + "".join(f"{cell(self.results[name]):>12}" for name in names))
         for kind in types:
@@ -187,9 +198,10 @@ class RealDemo:
         if (self.work / "grpo").exists():
             rows = read_metrics(self.work / "grpo", "train", newest_attempt=True)
             left.plot([row["step"] for row in rows], [row["reward_mean"] for row in rows], label="GRPO reward")
-        if (self.work / "dpo").exists():
-            rows = read_metrics(self.work / "dpo", "train", newest_attempt=True)
-            left.plot([row["step"] for row in rows], [row["preference_loss"] for row in rows], label="DPO loss")
+        for round_dir in sorted((self.work / "dpo").glob("round_*")):
+            rows = read_metrics(round_dir, "train", newest_attempt=True)
+            left.plot([row["step"] for row in rows], [row["preference_loss"] for row in rows],
+                      label=f"DPO {round_dir.name.replace('_', ' ')} loss")
         left.set_xlabel("step")
         left.legend()
         names = list(self.results)

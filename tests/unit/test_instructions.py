@@ -91,8 +91,8 @@ def test_satisfaction_counts_prompts_and_constraints_per_type():
 
 
 def test_the_kl_to_the_base_is_the_mean_float64_log_ratio_of_the_sampled_answers(single_process):
-    """instruction_eval's KL estimate on a tiny adapted model: the engine's samples scored by an independent
-    float64 forward of the same adapted model built again and of its base built without adapters."""
+    """instruction_eval's KL estimate on a tiny adapted model against its base: the engine's samples scored by
+    an independent float64 forward of the same adapted model built again and of the base."""
     from types import SimpleNamespace
 
     import torch
@@ -108,7 +108,7 @@ def test_the_kl_to_the_base_is_the_mean_float64_log_ratio_of_the_sampled_answers
     _randomise_b(model)
     engine, prompts = make_engine(cfg, model), make_prompts(4)
     chat_model = SimpleNamespace(engine=engine, chunks=[model], stop_token_ids=[EOS], vocab_size=VOCAB)
-    estimate = _kl_to_base(chat_model, prompts, samples=3, max_new_tokens=8, seed=5)
+    estimate = _kl_to_base(chat_model, [make_model("llama")[1]], prompts, samples=3, max_new_tokens=8, seed=5)
 
     from aligner.generation.engine import SamplingParams
 
