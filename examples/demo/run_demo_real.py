@@ -39,7 +39,7 @@ GRPO_OVERRIDES = [
     "advantage.estimator=grpo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
     "generation.micro_batch_size=32", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
     "trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=24", "optim.lr=3e-4",
-    "kl.init_coef=0.05", "checkpoint.save_interval=0", *LORA, *QUIET,
+    "kl.init_coef=0.01", "checkpoint.save_interval=0", *LORA, *QUIET,
 ]
 
 # Iterative DPO from the model's own samples: each round samples 4 answers to 128 new training prompts at
