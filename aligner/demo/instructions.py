@@ -347,6 +347,22 @@ def satisfied_fraction(prompt, response_text: str) -> float:
     return sum(results.values()) / len(results)
 
 
+def best_worst_pairs(samples: Sequence[dict], group_size: int) -> list[dict]:
+    """DPO pairs from sampled answers: `samples` are {"prompt", "response"} rows, `group_size` adjacent rows per
+    prompt; each group whose best and worst answers score apart (`score_response`) gives
+    {"prompt", "chosen": best, "rejected": worst}; ties go to the earlier answer."""
+    pairs = []
+    for start in range(0, len(samples), group_size):
+        group = [row for row in samples[start:start + group_size] if row.get("response")]
+        scores = [score_response(row["prompt"], row["response"]) for row in group]
+        if len(group) < 2 or max(scores) == min(scores):
+            continue
+        best, worst = scores.index(max(scores)), scores.index(min(scores))
+        pairs.append({"prompt": group[best]["prompt"], "chosen": group[best]["response"],
+                      "rejected": group[worst]["response"]})
+    return pairs
+
+
 def satisfaction(prompts: Sequence, responses: Sequence[str]) -> dict:
     """Prompt-level (all constraints met) and constraint-level rates, overall and per constraint type."""
     if len(prompts) != len(responses) or not prompts:

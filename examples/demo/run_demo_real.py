@@ -128,7 +128,7 @@ class RealDemo:
 
     def dpo_round(self, out: Path, policy: Path, prompts: list[dict]) -> Path:
         """Sample answers from `policy`, pair the checker's best with its worst, train DPO on `policy`."""
-        from aligner.demo.instructions import score_response
+        from aligner.demo.instructions import best_worst_pairs
 
         repeated = _write_jsonl(out / "sample_prompts.jsonl", [row for row in prompts for _ in range(DPO_SAMPLES)])
         run(f"{out.name} samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={policy}",
@@ -136,13 +136,7 @@ class RealDemo:
                                     "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
                                     "batch_size=64"])
         samples = _read_jsonl(out / "samples.jsonl")
-        pairs = []
-        for start in range(0, len(samples), DPO_SAMPLES):
-            scored = sorted((score_response(row["prompt"], row["response"]), index, row)
-                            for index, row in enumerate(samples[start:start + DPO_SAMPLES]) if row.get("response"))
-            if len(scored) >= 2 and scored[-1][0] > scored[0][0]:
-                pairs.append({"prompt": scored[-1][2]["prompt"], "chosen": scored[-1][2]["response"],
-                              "rejected": scored[0][2]["response"]})
+        pairs = best_worst_pairs(samples, DPO_SAMPLES)
         print(f"{out.name}: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
         if not pairs:
             raise SystemExit(f"{out.name}: no prompt had answers the checker ranks apart; sample more answers")

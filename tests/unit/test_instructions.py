@@ -148,3 +148,13 @@ def test_partial_credit_grows_as_an_answer_comes_closer():
                     ("Sure!", '{"x": 1}', '{"advice": 1}', '{"advice": 1, "why": 2}')]
     assert json_rewards == sorted(set(json_rewards)) and json_rewards[-1] == 1.0
     assert reward("repeat_request", (), "Fly it.") < reward("repeat_request", (), "Give some advice. Fly.") < 1.0
+
+
+def test_dpo_pairs_take_each_prompts_best_and_worst_answer_and_skip_ties():
+    first = ifc.Instruction(REQUEST, (("lowercase", ()),)).prompt
+    second = ifc.Instruction(REQUEST, (("no_commas", ()),)).prompt
+    samples = [{"prompt": first, "response": "HALF lower"}, {"prompt": first, "response": "all lower"},
+               {"prompt": first, "response": "ALL UPPER"}, {"prompt": first, "response": None},
+               {"prompt": second, "response": "a, b"}, {"prompt": second, "response": "c, d"},
+               {"prompt": second, "response": "e, f"}, {"prompt": second, "response": "g, h"}]
+    assert ifc.best_worst_pairs(samples, 4) == [{"prompt": first, "chosen": "all lower", "rejected": "ALL UPPER"}]
