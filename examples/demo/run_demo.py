@@ -500,9 +500,10 @@ class Demo:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
         for note in self.notes:
             print(note)
-        print(f"{'model':<26}{'accuracy':>10}{'carry':>10}{'no carry':>10}")
+        width = max((len(name) for name, _ in self.table), default=24) + 2
+        print(f"{'model':<{width}}{'accuracy':>10}{'carry':>10}{'no carry':>10}")
         for name, result in self.table:
-            print(f"{name:<26}{result['all']:>10.1%}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
+            print(f"{name:<{width}}{result['all']:>10.1%}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
