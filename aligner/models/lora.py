@@ -206,8 +206,9 @@ def _initial_a(rank: int, in_features: int, seed: int, layer_number: int, target
 
 
 def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int, train_whole: Sequence[str] = ()) -> None:
-    """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else but the
-    parameters named `train_whole` + ... (e.g. a reward head's `output_layer.`), which keep training whole."""
+    """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else, except
+    the parameters whose names start with a `train_whole` prefix (a reward head's `output_layer.`): those keep
+    training whole (and are saved with the adapters)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
