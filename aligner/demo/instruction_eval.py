@@ -25,10 +25,11 @@ from aligner.config import run_main
 def _answers(model, cfg, prompts_file: Path, output_file: Path) -> list[dict]:
     import dataclasses
 
+    from aligner.data.jsonl import read_jsonl
     from aligner.generation.chat import answer_file
 
     answer_file(model, dataclasses.replace(cfg, prompts_file=str(prompts_file), output_file=str(output_file)))
-    return [json.loads(line) for line in output_file.read_text().splitlines()]
+    return [record for _, record in read_jsonl(output_file)]
 
 
 def _kl_to_base(model, base_chunks, prompts: list[list[int]], samples: int, max_new_tokens: int,

@@ -61,8 +61,10 @@ def _write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _records(path: Path) -> list[dict]:
+    from aligner.data.jsonl import read_jsonl  # (bad lines are reported with file and line)
+
+    return [record for _, record in read_jsonl(path)]
 
 
 class RealDemo:
@@ -88,11 +90,10 @@ class RealDemo:
         return self.results[name]
 
     def model(self) -> None:
-        gguf = self.work / "gguf_path.txt"
         run("fetch", [sys.executable, REPO_ROOT / "examples" / "nlp" / "data" / "fetch_real_model.py"])
         from aligner.hf.pinned import SMOLLM2_135M_INSTRUCT
 
-        gguf.parent.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.base, ignore_errors=True)
         run("import", [sys.executable, "-m", "aligner.hf", "import", "--gguf", SMOLLM2_135M_INSTRUCT.cached_path(),
                        "--output", self.base])
@@ -119,7 +120,7 @@ class RealDemo:
     def dpo(self) -> None:
         out = self.work / "dpo"
         shutil.rmtree(out, ignore_errors=True)
-        prompts = _read_jsonl(self._need(self.data / "train.jsonl", "data"))
+        prompts = _records(self._need(self.data / "train.jsonl", "data"))
         policy = self.base
         for round_index in range(1, DPO_ROUNDS + 1):
             chosen = prompts[-round_index * DPO_SAMPLE_PROMPTS:][:DPO_SAMPLE_PROMPTS]  # new prompts each round
@@ -135,7 +136,7 @@ class RealDemo:
                                     f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
                                     "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
                                     "batch_size=64"])
-        samples = _read_jsonl(out / "samples.jsonl")
+        samples = _records(out / "samples.jsonl")
         pairs = best_worst_pairs(samples, DPO_SAMPLES)
         print(f"{out.name}: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
         if not pairs:
