@@ -152,7 +152,7 @@ class AdvantageSection:
     lam: float = 0.95  # gae
     whiten_advantages: bool = True  # gae: masked, with the statistics of the global batch (across DP)
     whiten_rewards: bool = False  # gae: per-token rewards scaled to unit variance (mean kept)
-    group_std: bool = True  # grpo: divide by the group's reward std
+    group_std: bool = True  # grpo: divide the scores (not the KL penalty) by the group's score std
     std_eps: float = 1.0e-6
 
 

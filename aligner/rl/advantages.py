@@ -207,16 +207,23 @@ def rloo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
 # The group-mean estimators need 2 samples per prompt: the mean of one sample is the sample itself.
 @register_advantage_estimator("grpo", min_group_size=2)
 def grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
-    """GRPO (Shao et al. 2024): r_i minus the group mean, divided by (group std + eps) when settings.group_std.
+    """GRPO (Shao et al. 2024): r_i minus the group mean; with settings.group_std the score part is divided by
+    the group's score std (+ eps), the KL penalty part is not.
 
-    A group whose samples all scored the same gets advantage 0 whatever eps is.
+    Dividing the KL part too would turn a group whose scores tie (std 0) into advantages of about +-1 made of
+    the KL penalty alone, whatever its coefficient: a pull towards the reference as strong as the reward's.
+    DeepSeekMath keeps the KL out of the normalised reward for the same reason (a separate loss term). A group
+    whose samples all scored the same thus gets only its centred KL penalty (0 without one).
     """
     k = inputs.group_size
-
-    def centre(rewards: torch.Tensor) -> torch.Tensor:
-        centred = rewards - group_mean_baseline(rewards, k)
-        return centred / (group_std(rewards, k) + settings.std_eps) if settings.group_std else centred
-    return _sequence_estimate(inputs, centre)
+    rewards = sequence_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
+    if not settings.group_std:
+        return _sequence_estimate(inputs, lambda r: r - group_mean_baseline(r, k))
+    scores = inputs.scores.to(rewards.dtype)
+    penalties = scores - rewards  # kl_coef * the summed KL estimate
+    centred = (scores - group_mean_baseline(scores, k)) / (group_std(scores, k) + settings.std_eps)
+    centred = centred - (penalties - group_mean_baseline(penalties, k))
+    return Advantages(advantages=token_advantages(centred, inputs.mask), returns=None, sequence_rewards=rewards)
 
 
 @register_advantage_estimator("dr_grpo", min_group_size=2)

@@ -46,6 +46,7 @@ GRPO_OVERRIDES = [
 # T=1 from the current model, pairs the checker's best with its worst, and trains new LoRA adapters on
 # the current model (merged), which is also the round's reference.
 DPO_ROUNDS, DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 2, 128, 4
+DPO_SAMPLING = ["sampling.temperature=1.0"]
 DPO_OVERRIDES = [
     "dpo.beta=0.1", "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
     "data.split='100,0'",
@@ -134,7 +135,7 @@ class RealDemo:
         repeated = _write_jsonl(out / "sample_prompts.jsonl", [row for row in prompts for _ in range(DPO_SAMPLES)])
         run(f"{out.name} samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={policy}",
                                     f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
-                                    "sampling.temperature=1.0", f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+                                    *DPO_SAMPLING, f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
                                     "batch_size=64"])
         samples = _records(out / "samples.jsonl")
         pairs = best_worst_pairs(samples, DPO_SAMPLES)

@@ -112,7 +112,13 @@ def test_sequence_estimators_match_loops(name, k):
     result = A.compute_advantages(name, inputs, settings)
     rewards = ref_sequence_rewards(inputs)
     baseline, normalize = SEQUENCE_ESTIMATORS[name]
-    expected = ref_group_advantages(rewards, k, baseline, normalize, 1e-6)
+    if normalize:  # GRPO divides the scores by their group std, and subtracts the centred KL penalty as it is
+        scores = [float(score) for score in inputs.scores]
+        penalties = [score - reward for score, reward in zip(scores, rewards)]
+        expected = [a - b for a, b in zip(ref_group_advantages(scores, k, baseline, True, 1e-6),
+                                          ref_group_advantages(penalties, k, baseline, False, 1e-6))]
+    else:
+        expected = ref_group_advantages(rewards, k, baseline, normalize, 1e-6)
     assert result.returns is None
     torch.testing.assert_close(result.sequence_rewards, torch.tensor(rewards, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12)
@@ -135,6 +141,18 @@ def test_a_uniform_group_has_no_advantage(name):
     advantages = A.compute_advantages(name, inputs, A.AdvantageSettings(group_std=True, std_eps=1e-6)).advantages
     assert float(advantages[2:4].abs().max()) == 0.0  # std 0: still exactly 0, not 0 / eps blown up
     assert float(advantages[:2].abs().max()) > 0.0
+
+
+def test_grpo_keeps_the_kl_penalty_unscaled_in_a_group_whose_scores_tie():
+    # Dividing the penalised rewards by their std made a tied group's tiny KL differences into +-1 advantages.
+    inputs = make_inputs(seed=22, group_size=2, kl_coef=0.01)
+    inputs.scores[2:4] = 0.7
+    advantages = A.compute_advantages("grpo", inputs, A.AdvantageSettings(group_std=True, std_eps=1e-6)).advantages
+    kl_sums = [0.01 * sum(float(inputs.kl[b, t]) for t in range(LENGTHS[b])) for b in (2, 3)]
+    for row, other in ((2, 3), (3, 2)):
+        expected = -(kl_sums[row - 2] - kl_sums[other - 2]) / 2
+        assert abs(expected) > 1e-4
+        assert float(advantages[row, 0]) == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
