@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints/ci.txt
 
 install: $(STAMP)
 
-# The real-model demo: SmolLM2-135M-Instruct learns checkable instructions (GRPO and DPO with LoRA); its
+# The real-model demo: SmolLM2-135M-Instruct learns checkable instructions (RLOO and iterative DPO with LoRA); its
 # plot needs matplotlib (the demo extra).
 demo-real: install
 	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[demo]"

@@ -2,10 +2,11 @@
 checkable instructions ("answer in all lowercase", "at most 12 words", ...; aligner/demo/instructions.py).
 
 Stages, each the command a user would run (`--stages` re-runs a subset on earlier artefacts):
-  model   fetch the pinned GGUF file and import it (python -m aligner.hf import)
+  model   fetch the pinned GGUF file and import it (python -m aligner.hf import); --model: another chat model
   data    training prompts, held-out prompts (topics and parameters never seen in training), 5 general prompts
   base    evaluate the base model: held-out satisfaction (greedy), the general answers
-  grpo    GRPO with LoRA, the constraint checker as the reward function; evaluate
+  rloo    RLOO (the GRPO family's leave-one-out baseline) with LoRA, the constraint checker as the reward
+          function; evaluate
   dpo     DPO from the model's own samples: sample several answers per training prompt, rank them with the
           checker, pair the best with the worst, train LoRA adapters with DPO; evaluate
   report  the table (satisfaction overall and per constraint type, answer length, KL to the base on the
@@ -33,20 +34,27 @@ TRAIN_PROMPTS = 1024
 LORA = ["peft.scheme=lora", "peft.rank=16", "peft.alpha=32"]
 QUIET = ["logging.progress_bar=false"]
 
-# GRPO: 8 prompts x 4 samples per step, one update per step on LoRA adapters.
-GRPO_OVERRIDES = [
+# RLOO: 8 prompts x 4 samples per step at temperature 0.7, one update per step on LoRA adapters. RLOO, not
+# GRPO: its advantages keep the reward's scale, so the KL penalty weighs the same in every group. The KL
+# coefficient is what keeps the general answers: at 0.01 and 0.03 the policy learned to wrap every answer in
+# quotation marks ('"SmolLM"' for the capital of France); 0.05 keeps them (README, "Real model").
+RL_OVERRIDES = [
     "reward.source=function", "reward.function=aligner.demo.instructions:score_response",
-    "advantage.estimator=grpo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
-    "generation.micro_batch_size=32", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
-    "trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=24", "optim.lr=3e-4",
-    "kl.init_coef=0.01", "checkpoint.save_interval=0", *LORA, *QUIET,
+    "advantage.estimator=rloo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
+    "generation.temperature=0.7", "generation.micro_batch_size=32", "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4", "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
+    "trainer.max_steps=24", "optim.lr=6e-4", "kl.init_coef=0.05",
+    # the KL penalty's policy logprobs from the engine (same fp32 forward; mismatch ~3e-5): no extra pass
+    "loss.recompute_old_logprobs=false",
+    "checkpoint.save_interval=0", *LORA, *QUIET,
 ]
 
 # Iterative DPO from the model's own samples: each round samples 4 answers to 128 new training prompts at
-# T=1 from the current model, pairs the checker's best with its worst, and trains new LoRA adapters on
+# T=0.7 from the current model (at T=1 a 135M model's samples, trained on by the NLL term, taught it
+# "Rayleigh Scavenger Hunt"), pairs the checker's best with its worst, and trains new LoRA adapters on
 # the current model (merged), which is also the round's reference.
 DPO_ROUNDS, DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 2, 128, 4
-DPO_SAMPLING = ["sampling.temperature=1.0"]
+DPO_SAMPLING = ["sampling.temperature=0.7"]
 DPO_OVERRIDES = [
     "dpo.beta=0.1", "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
     "data.split='100,0'",
@@ -69,8 +77,9 @@ def _records(path: Path) -> list[dict]:
 
 
 class RealDemo:
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, source: Path | None = None):
         self.work = work
+        self.source = source  # the chat model to align; None: the pinned SmolLM2-135M-Instruct GGUF
         self.base = work / "base"
         self.data = work / "data"
         self.results: dict[str, dict] = {}
@@ -91,13 +100,20 @@ class RealDemo:
         return self.results[name]
 
     def model(self) -> None:
-        run("fetch", [sys.executable, REPO_ROOT / "examples" / "nlp" / "data" / "fetch_real_model.py"])
-        from aligner.hf.pinned import SMOLLM2_135M_INSTRUCT
+        if self.source is None:
+            run("fetch", [sys.executable, REPO_ROOT / "examples" / "nlp" / "data" / "fetch_real_model.py"])
+            from aligner.hf.pinned import SMOLLM2_135M_INSTRUCT
 
+            source = ["--gguf", SMOLLM2_135M_INSTRUCT.cached_path()]
+        elif not self.source.exists():
+            raise ConfigError(f"--model {self.source}: no such file or directory")
+        elif self.source.is_dir() or self.source.suffix == ".gguf":
+            source = ["--hf-dir" if self.source.is_dir() else "--gguf", self.source]
+        else:
+            raise ConfigError(f"--model {self.source}: give a Hugging Face model directory or a .gguf file")
         self.work.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.base, ignore_errors=True)
-        run("import", [sys.executable, "-m", "aligner.hf", "import", "--gguf", SMOLLM2_135M_INSTRUCT.cached_path(),
-                       "--output", self.base])
+        run("import", [sys.executable, "-m", "aligner.hf", "import", *source, "--output", self.base])
 
     def data_files(self) -> None:
         from aligner.demo import instructions
@@ -110,13 +126,13 @@ class RealDemo:
     def base_eval(self) -> None:
         self.evaluate("base", self._need(self.base, "model"))
 
-    def grpo(self) -> None:
-        out = self.work / "grpo"
+    def rloo(self) -> None:
+        out = self.work / "rloo"
         shutil.rmtree(out, ignore_errors=True)
-        run("grpo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", f"model.init_from={self.base}",
-                     f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *GRPO_OVERRIDES,
+        run("rloo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", f"model.init_from={self.base}",
+                     f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *RL_OVERRIDES,
                      f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.evaluate("grpo", latest_checkpoint(out / "checkpoints"))
+        self.evaluate("rloo", latest_checkpoint(out / "checkpoints"))
 
     def dpo(self) -> None:
         out = self.work / "dpo"
@@ -149,7 +165,7 @@ class RealDemo:
         return latest_checkpoint(out / "checkpoints")
 
     def report(self) -> None:
-        for name in ("base", "grpo", "dpo"):
+        for name in ("base", "rloo", "dpo"):
             if name not in self.results and (self.work / f"eval_{name}.json").exists():
                 self.results[name] = json.loads((self.work / f"eval_{name}.json").read_text())
         if not self.results:
@@ -191,9 +207,9 @@ class RealDemo:
             print("(no PNG: matplotlib is not installed; pip install 'aligner[demo]')")
             return
         figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        if (self.work / "grpo").exists():
-            rows = read_metrics(self.work / "grpo", "train", newest_attempt=True)
-            left.plot([row["step"] for row in rows], [row["reward_mean"] for row in rows], label="GRPO reward")
+        if (self.work / "rloo").exists():
+            rows = read_metrics(self.work / "rloo", "train", newest_attempt=True)
+            left.plot([row["step"] for row in rows], [row["reward_mean"] for row in rows], label="RLOO reward")
         for round_dir in sorted((self.work / "dpo").glob("round_*")):
             rows = read_metrics(round_dir, "train", newest_attempt=True)
             left.plot([row["step"] for row in rows], [row["preference_loss"] for row in rows],
@@ -208,20 +224,22 @@ class RealDemo:
         print(f"plot: {self.work / 'demo_real.png'}")
 
 
-STAGES = {"model": "model", "data": "data_files", "base": "base_eval", "grpo": "grpo", "dpo": "dpo",
+STAGES = {"model": "model", "data": "data_files", "base": "base_eval", "rloo": "rloo", "dpo": "dpo",
           "report": "report"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="results/demo_real")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Hugging Face chat model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    demo = RealDemo((REPO_ROOT / args.workdir).resolve())
+    demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve())
     started = time.perf_counter()
     for stage, method in STAGES.items():
         if stage in chosen:

@@ -11,8 +11,6 @@ import pytest
 from ..chat_tokenizers import build_chat_tokenizer
 from ..conftest import REPO_ROOT
 
-pytestmark = pytest.mark.slow
-
 
 def _replaced(overrides: list[str], **values) -> list[str]:
     """`overrides` with each dotted key in `values` (written with __ for dots) set to its new value."""
@@ -30,6 +28,7 @@ def demo_module(monkeypatch):
     return run_demo_real
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("single_process")
 def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wrote(tmp_path, monkeypatch,
                                                                                      demo_module, capfd):
@@ -51,8 +50,8 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
     monkeypatch.setattr(demo, "HELDOUT_PROMPTS", 12)
     monkeypatch.setattr(demo, "TRAIN_PROMPTS", 32)
     monkeypatch.setattr(demo, "MAX_NEW_TOKENS", 12)
-    monkeypatch.setattr(demo, "GRPO_OVERRIDES", _replaced(
-        demo.GRPO_OVERRIDES, data__max_prompt_length=400, rollout__prompts_per_step=2, trainer__global_batch_size=8,
+    monkeypatch.setattr(demo, "RL_OVERRIDES", _replaced(
+        demo.RL_OVERRIDES, data__max_prompt_length=400, rollout__prompts_per_step=2, trainer__global_batch_size=8,
         trainer__micro_batch_size=4, trainer__max_steps=2, generation__micro_batch_size=8,
         generation__max_new_tokens=6))
     monkeypatch.setattr(demo, "DPO_OVERRIDES", _replaced(
@@ -61,28 +60,28 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
     monkeypatch.setattr(demo, "DPO_ROUNDS", 2)
     monkeypatch.setattr(demo, "DPO_SAMPLE_PROMPTS", 8)
     monkeypatch.setattr(sys, "argv", ["run_demo_real.py", "--workdir", str(work), "--stages",
-                                      "data,base,grpo,dpo,report"])
+                                      "data,base,rloo,dpo,report"])
     demo.main()
     out = capfd.readouterr().out
 
     heldout = [json.loads(line) for line in (work / "data" / "heldout.jsonl").read_text().splitlines()]
     assert len(heldout) == 12 and len((work / "data" / "train.jsonl").read_text().splitlines()) == 32
-    results = {name: json.loads((work / f"eval_{name}.json").read_text()) for name in ("base", "grpo", "dpo")}
+    results = {name: json.loads((work / f"eval_{name}.json").read_text()) for name in ("base", "rloo", "dpo")}
     for name, result in results.items():
         assert result["prompts"] == 12, name
         assert result["kl_to_base"] is not None and len(result["general"]) == 5
     assert results["base"]["kl_to_base"] == pytest.approx(0.0, abs=1e-6)  # the base against itself
-    assert results["grpo"]["kl_to_base"] != 0.0  # the adapters moved the policy
+    assert results["rloo"]["kl_to_base"] != 0.0  # the adapters moved the policy
     # The base's table row is the checker's verdict on its held-out answers, as the report prints it.
     answers = [json.loads(line) for line in (work / "eval_base" / "heldout_answers.jsonl").read_text().splitlines()]
     expected = satisfaction([row["prompt"] for row in answers], [row["response"] for row in answers])
     assert results["base"]["prompt_level"] == expected["prompt_level"]
     table = next(line for line in out.splitlines() if line.startswith("prompts satisfied"))
     assert table.split()[2:] == [f"{100 * results[name]['prompt_level']:.1f}" if i % 2 == 0 else "%"
-                                 for name in ("base", "grpo", "dpo") for i in range(2)]
+                                 for name in ("base", "rloo", "dpo") for i in range(2)]
 
     # Iterative DPO: each round sampled from the previous round's policy, and its pairs are the checker's.
-    metrics = [json.loads(line) for line in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (work / "rloo" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics if row.get("split") == "train"] == [1, 2]
     for round_index in (1, 2):
         round_dir = work / "dpo" / f"round_{round_index}"
@@ -95,3 +94,14 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
         assert (work / "demo_real.png").stat().st_size > 0
     else:
         assert "no PNG: matplotlib is not installed" in out
+
+
+@pytest.mark.parametrize("name,message", [("model.txt", "give a Hugging Face model directory or a .gguf file"),
+                                          ("absent.gguf", "no such file or directory")])
+def test_a_model_that_is_neither_an_hf_directory_nor_a_gguf_file_is_one_clear_error(tmp_path, demo_module, name,
+                                                                                    message):
+    from aligner.runtime.errors import ConfigError
+
+    (tmp_path / "model.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match=f"--model {tmp_path / name}: {message}"):
+        demo_module.RealDemo(tmp_path / "work", tmp_path / name).model()
