@@ -43,7 +43,7 @@ RL_OVERRIDES = [
     "advantage.estimator=rloo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
     "generation.temperature=0.7", "generation.micro_batch_size=32", "rollout.prompts_per_step=8",
     "rollout.samples_per_prompt=4", "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
-    "trainer.max_steps=24", "optim.lr=6e-4", "kl.init_coef=0.05",
+    "trainer.max_steps=24", "optim.lr=1e-3", "kl.init_coef=0.05",
     # the KL penalty's policy logprobs from the engine (same fp32 forward; mismatch ~3e-5): no extra pass
     "loss.recompute_old_logprobs=false",
     "checkpoint.save_interval=0", *LORA, *QUIET,
