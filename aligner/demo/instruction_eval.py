@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     print(f"{args.checkpoint}: held-out satisfaction {100 * result['prompt_level']:.1f} % of prompts, "
           f"{100 * result['constraint_level']:.1f} % of constraints ({result['prompts']} prompts); "
           f"{result['mean_words']:.1f} words per answer"
-          + ("" if result["kl_to_base"] is None else f"; KL to the base {result['kl_to_base']:.3f}"))
+          + ("" if result["kl_to_base"] is None else f"; KL to the base {round(result['kl_to_base'], 3) + 0.0:.3f}"))
 
 
 if __name__ == "__main__":

@@ -178,7 +178,8 @@ class RealDemo:
         rows = [("prompts satisfied", lambda r: f"{100 * r['prompt_level']:.1f} %"),
                 ("constraints satisfied", lambda r: f"{100 * r['constraint_level']:.1f} %"),
                 ("words per answer", lambda r: f"{r['mean_words']:.1f}"),
-                ("KL to base (general)", lambda r: "-" if r["kl_to_base"] is None else f"{r['kl_to_base']:.3f}")]
+                ("KL to base (general)",  # (+ 0.0: the base against itself prints 0.000, not -0.000)
+                 lambda r: "-" if r["kl_to_base"] is None else f"{round(r['kl_to_base'], 3) + 0.0:.3f}")]
         for label, cell in rows:
             print(f"{label:<24}" + "".join(f"{cell(self.results[name]):>12}" for name in names))
         for kind in types:
