@@ -1,7 +1,7 @@
 """No process of ours outlives its parent: parent-death signals and megatron's checkpoint writers.
 
 Linux only: `PR_SET_PDEATHSIG` asks the kernel to send a signal to a process when the thread
-that created it exits (elsewhere `die_with_parent` does nothing and returns False). Three uses:
+that created it exits (elsewhere `die_with_parent` does nothing and returns False). Four uses:
 
 * children we start with `subprocess` (the PPO launcher's servers and actor): `preexec_die_with_parent`;
 * children forked by libraries from the main thread (megatron's checkpoint writer forks one
@@ -13,7 +13,8 @@ that created it exits (elsewhere `die_with_parent` does nothing and returns Fals
   SIGKILL or SIGTERM of the trainer leaves both behind, owned by PID 1, forever.
   `no_persistent_checkpoint_writers` replaces that queue with an in-process one: aligner saves
   synchronously, so the queue is written and read by the saving process only, and a save then
-  starts no process that outlives it.
+  starts no process that outlives it;
+* torchrun's workers, each in a session of its own: `stop_with_torchrun` (SIGTERM when the agent dies).
 """
 from __future__ import annotations
 
@@ -112,7 +113,26 @@ def no_persistent_checkpoint_writers() -> None:
     filesystem_async._results_queue = local_queue
 
 
+def stop_with_torchrun() -> bool:
+    """Under torchrun: SIGTERM this worker when the agent that started it dies; False elsewhere.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL of torchrun (what `kill -9 PID`
+    or a kill of its process group reaches) left every rank running, owned by PID 1. SIGTERM, not
+    SIGKILL: the worker stops as if torchrun had forwarded the signal (a trainer saves at the next step
+    boundary, a server stops serving). The agent starts workers from its main thread, which lives as
+    long as it does.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+    if parent == 1:  # torchrun died before this worker got here
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+    return die_with_parent(signal.SIGTERM, expected_parent=parent)
+
+
 def prepare() -> None:
     """Process hygiene every entry point gets (called by `distributed.initialize`)."""
     kill_forked_children_with_parent()
     no_persistent_checkpoint_writers()
+    stop_with_torchrun()

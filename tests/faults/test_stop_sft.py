@@ -224,6 +224,34 @@ def test_no_process_outlives_a_trainer_that_has_saved(sft_data, tmp_path, sig):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_workers_of_a_killed_torchrun_stop_and_save_instead_of_running_on(sft_data, tmp_path):
+    """torchrun starts each worker in a session of its own: a SIGKILL of torchrun (all `kill -9` or a killpg of
+    its group reaches) used to leave both ranks training, owned by PID 1. They now get SIGTERM as their parent
+    dies, and stop at one step with a complete checkpoint, as if torchrun had forwarded a SIGTERM."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port_block(1)}",
+               *_command(sft_data, tmp_path, "trainer.max_steps=100000")[1:]]
+    run = Run(command, tmp_path)
+    try:
+        run.wait_for_step(20)
+        workers = [child for child in psutil.Process(run.process.pid).children(recursive=True)
+                   if str(SFT_SCRIPT) in " ".join(child.cmdline())]
+        assert len(workers) == 2
+        os.kill(run.process.pid, signal.SIGKILL)  # torchrun only
+        assert run.wait() == -signal.SIGKILL
+        gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers still running after torchrun was killed: {alive}"
+        stderr = run.stderr()
+        assert not run.left_behind()
+    finally:
+        run.close()
+    stopped_at = max(_losses(tmp_path))
+    assert f"stopped at step {stopped_at} by SIGTERM" in stderr, stderr[-3000:]
+    assert (tmp_path / "ckpt" / f"step_{stopped_at:08d}").is_dir()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sft_data, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port_block(1)}",
