@@ -222,20 +222,28 @@ def test_no_process_outlives_a_trainer_that_has_saved(sft_data, tmp_path, sig):
         run.close()
 
 
+def _torchrun_command(sft_data, run: Path, *extra: str) -> list[str]:
+    """The SFT command under torchrun with 2 ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+            f"--master_port={free_port_block(1)}", *_command(sft_data, run, *extra)[1:]]
+
+
+def _workers(run: Run) -> list[psutil.Process]:
+    """The trainer processes torchrun started."""
+    return [child for child in psutil.Process(run.process.pid).children(recursive=True)
+            if str(SFT_SCRIPT) in " ".join(child.cmdline())]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_workers_of_a_killed_torchrun_stop_and_save_instead_of_running_on(sft_data, tmp_path):
     """torchrun starts each worker in a session of its own: a SIGKILL of torchrun (all `kill -9` or a killpg of
     its group reaches) used to leave both ranks training, owned by PID 1. They now get SIGTERM as their parent
     dies, and stop at one step with a complete checkpoint, as if torchrun had forwarded a SIGTERM."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port_block(1)}",
-               *_command(sft_data, tmp_path, "trainer.max_steps=100000")[1:]]
-    run = Run(command, tmp_path)
+    run = Run(_torchrun_command(sft_data, tmp_path, "trainer.max_steps=100000"), tmp_path)
     try:
         run.wait_for_step(20)
-        workers = [child for child in psutil.Process(run.process.pid).children(recursive=True)
-                   if str(SFT_SCRIPT) in " ".join(child.cmdline())]
+        workers = _workers(run)
         assert len(workers) == 2
         os.kill(run.process.pid, signal.SIGKILL)  # torchrun only
         assert run.wait() == -signal.SIGKILL
@@ -253,15 +261,11 @@ def test_workers_of_a_killed_torchrun_stop_and_save_instead_of_running_on(sft_da
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_one_rank_signalled_stops_both_at_one_step_with_a_complete_checkpoint(sft_data, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port_block(1)}",
-               *_command(sft_data, tmp_path, f"trainer.max_steps={MAX_STEPS}")[1:]]
+    command = _torchrun_command(sft_data, tmp_path, f"trainer.max_steps={MAX_STEPS}")
     run = Run(command, tmp_path)
     try:
         run.wait_for_step(20)
-        workers = [child for child in psutil.Process(run.process.pid).children(recursive=True)
-                   if str(SFT_SCRIPT) in " ".join(child.cmdline())]
-        ranks = {int(worker.environ()["RANK"]): worker for worker in workers}
+        ranks = {int(worker.environ()["RANK"]): worker for worker in _workers(run)}
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1].pid, signal.SIGTERM)  # only rank 1: rank 0 learns of it at the step boundary
         code = run.wait()
