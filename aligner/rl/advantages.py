@@ -212,7 +212,7 @@ def grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
 
     Dividing the KL part too would turn a group whose scores tie (std 0) into advantages of about +-1 made of
     the KL penalty alone, whatever its coefficient: a pull towards the reference as strong as the reward's.
-    DeepSeekMath keeps the KL out of the normalised reward for the same reason (a separate loss term). A group
+    DeepSeekMath keeps the KL out of the normalised reward too (a separate loss term). A group
     whose samples all scored the same thus gets only its centred KL penalty (0 without one).
     """
     k = inputs.group_size
