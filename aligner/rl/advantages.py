@@ -216,9 +216,9 @@ def grpo(inputs: AdvantageInputs, settings: AdvantageSettings) -> Advantages:
     whose samples all scored the same thus gets only its centred KL penalty (0 without one).
     """
     k = inputs.group_size
-    rewards = sequence_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
     if not settings.group_std:
         return _sequence_estimate(inputs, lambda r: r - group_mean_baseline(r, k))
+    rewards = sequence_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
     scores = inputs.scores.to(rewards.dtype)
     penalties = scores - rewards  # kl_coef * the summed KL estimate
     centred = (scores - group_mean_baseline(scores, k)) / (group_std(scores, k) + settings.std_eps)
