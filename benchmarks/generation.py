@@ -107,7 +107,7 @@ def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
     weights.append(segment.output_product)
     device = segment.output_weight.device
     inputs = [torch.randn(batch, w.shape[1], device=device, dtype=segment.output_weight.dtype).t() for w in weights]
-    product = (cpu_products.weight_times_columns if cpu_products.supported(device, segment.output_weight.dtype)
+    product = (cpu_products.weight_times_columns if cpu_products.available(device, segment.output_weight.dtype)
                else torch.mm)
 
     def run():

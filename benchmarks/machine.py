@@ -45,13 +45,13 @@ def timed(fn: Callable[[], object], device: torch.device = CPU) -> float:
 def matmul_rate(size: int = MATMUL_SIZE, device: torch.device = CPU, repeats: int = 20,
                 dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a [size, size] x [size, size] product in dtype (median of repeats): through BLAS and, on a
-    CPU where the project's products run on oneDNN (`aligner.runtime.cpu_products`), through oneDNN too;
+    CPU where oneDNN can run them (`aligner.runtime.cpu_products`, the native engine's products), through oneDNN too;
     the faster of the two, so a floor never sits below what the project's own products reach."""
     from aligner.runtime import cpu_products
 
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     products = [lambda: a @ b]
-    if cpu_products.supported(a.device, a.dtype):
+    if cpu_products.available(a.device, a.dtype):
         products.append(lambda: cpu_products.linear(a, b))
     best = 0.0
     for product in products:

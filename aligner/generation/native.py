@@ -344,7 +344,7 @@ class NativeEngine:
             self._mean_row = torch.full((1, hidden), 1.0 / hidden, dtype=torch.float32, device=device)
             self._norm_eps = torch.full((1, 1), self.cfg.norm_epsilon, dtype=torch.float32, device=device)
             self._zero = torch.zeros(1, 1, dtype=torch.float32, device=device)
-            self._onednn_products = cpu_products.supported(device, dtype)  # the decode products, see _wx
+            self._onednn_products = cpu_products.available(device, dtype)  # the decode products, see _wx
         self._pack_products()
         weights = self._weight_pointers()
         if weights != getattr(self, "_bound_weights", None):

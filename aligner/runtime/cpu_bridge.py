@@ -16,11 +16,12 @@ DDP buffers and checkpointing code:
    forward called directly (generation, single-stage evaluation) never pays for it.
 
 4. megatron's linear layers (ColumnParallelLinear, RowParallelLinear, the output layer, tied or
-   not) multiply with `torch.matmul`, which for fp32 on CPU is MKL; their forward and backward
-   products go through oneDNN instead (`cpu_products`, 1.5-5x faster per product on SmolLM2's
-   shapes), with megatron's tensor-parallel semantics (the input-gradient all-reduce of a
-   column-parallel layer). Sequence parallelism, gradient-accumulation fusion (CUDA only) and
-   deferred embedding wgrad keep megatron's own path, as do other dtypes.
+   not) multiply with `torch.matmul`, which for fp32 on CPU is MKL; on CPUs where MKL is the slower
+   (`cpu_products.training_backend()`: 1.5-5x per product on SmolLM2's shapes on an AMD EPYC) their
+   forward and backward products go through oneDNN instead, with megatron's tensor-parallel
+   semantics (the input-gradient all-reduce of a column-parallel layer). Sequence parallelism,
+   gradient-accumulation fusion (CUDA only) and deferred embedding wgrad keep megatron's own path,
+   as do other dtypes.
 
 5. glibc's malloc returns every freed block above its mmap threshold (at most 32 MB) to the kernel
    and maps it afresh at the next allocation, so each step's large tensors (logits, their gradients,
@@ -112,11 +113,7 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with
 
 def cpu_has_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 natively (without it torch emulates bf16 and it is slower than fp32)."""
-    try:
-        with open(cpuinfo) as handle:
-            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_products.cpu_info("flags", cpuinfo).split()
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
@@ -267,7 +264,7 @@ def _rows_to_shape(output_2d: torch.Tensor, input: torch.Tensor) -> torch.Tensor
 
 def _onednn_applies(input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer) -> bool:
     return (not gradient_accumulation_fusion and not sequence_parallel and grad_output_buffer is None
-            and weight.dtype == input.dtype and cpu_products.supported(input.device, input.dtype))
+            and weight.dtype == input.dtype and cpu_products.trains_with_onednn(input.device, input.dtype))
 
 
 def _onednn_linear_layers(mcore_layers) -> tuple:

@@ -464,6 +464,7 @@ def test_linear_layers_run_on_onednn_with_megatron_losses_and_gradients(
     from aligner.runtime import cpu_products
 
     cpu_bridge.apply()
+    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "onednn")  # whatever this CPU would choose
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=48,
                     make_vocab_size_divisible_by=8, max_position_embeddings=32,
                     tie_embeddings=tie_embeddings, add_bias_linear=add_bias_linear)
@@ -497,6 +498,64 @@ def test_linear_layers_run_on_onednn_with_megatron_losses_and_gradients(
         # fp32 round-off of a different summation order, relative to the tensor's scale
         scale = float(expected.abs().max())
         torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_linear_layers_keep_megatron_path_where_the_training_backend_is_blas(monkeypatch):
+    """ALIGNER_CPU_TRAINING_PRODUCTS=blas (auto on Intel's CPUs): megatron's own torch.matmul path, bit for bit."""
+    from megatron.core.tensor_parallel import layers
+
+    from aligner.models.gpt import GPTConfig
+    from aligner.runtime import cpu_products
+
+    cpu_bridge.apply()
+    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "blas")
+    for name in ("linear", "grad_input", "grad_weight"):
+        monkeypatch.setattr(cpu_products, name, lambda *args: pytest.fail("oneDNN path taken with the blas backend"))
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=48,
+                    make_vocab_size_divisible_by=8, max_position_embeddings=32)
+    losses, grads = _gpt_losses_and_grads(cfg, ())
+    with monkeypatch.context() as megatron_matmul:
+        for name in ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight"):
+            megatron_matmul.setattr(layers, name, getattr(layers, name).__wrapped__)
+        expected_losses, expected_grads = _gpt_losses_and_grads(cfg, ())
+    assert torch.equal(losses, expected_losses)
+    for name, expected in expected_grads.items():
+        assert torch.equal(grads[name], expected), name
+
+
+@pytest.mark.parametrize("setting, vendor, backend", [
+    ("auto", "GenuineIntel", "blas"), ("auto", "AuthenticAMD", "onednn"), ("", "GenuineIntel", "blas"),
+    ("auto", "", "onednn"), (" OneDNN ", "GenuineIntel", "onednn"), ("blas", "AuthenticAMD", "blas"),
+])
+def test_training_backend_is_blas_on_intel_and_onednn_elsewhere_unless_set(setting, vendor, backend):
+    from aligner.runtime import cpu_products
+
+    assert cpu_products.choose_training_backend(setting, vendor) == backend
+
+
+def test_training_backend_setting_errors_name_the_variable_and_the_choices(monkeypatch):
+    from aligner.runtime import cpu_products
+    from aligner.runtime.errors import ConfigError
+
+    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "mkl")
+    with pytest.raises(ConfigError, match=r"ALIGNER_CPU_TRAINING_PRODUCTS='mkl': choose one of auto, onednn, blas"):
+        cpu_products.training_backend()
+    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "onednn")
+    assert cpu_products.training_backend() == "onednn"
+    assert cpu_products.trains_with_onednn(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
+    assert not cpu_products.trains_with_onednn(torch.device("cpu"), torch.bfloat16)
+
+
+def test_cpu_info_reads_a_field_and_gives_empty_where_there_is_none(tmp_path):
+    from aligner.runtime import cpu_products
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512f\n\n"
+                       "processor\t: 1\nvendor_id\t: GenuineIntel\n")
+    assert cpu_products.cpu_info("vendor_id", str(cpuinfo)) == "AuthenticAMD"
+    assert cpu_products.cpu_info("flags", str(cpuinfo)).split() == ["fpu", "avx512f"]
+    assert cpu_products.cpu_info("model name", str(cpuinfo)) == ""
+    assert cpu_products.cpu_info("vendor_id", str(tmp_path / "missing")) == ""
 
 
 def test_linear_layers_keep_megatron_path_for_other_dtypes(monkeypatch):
