@@ -689,3 +689,47 @@ def test_freed_memory_is_reused_without_page_faults():
     # allocations about, that happened in 2 repeats of 4): some repeats, not all, must be free of faults.
     faults = [faults_of_a_filled_tensor() for _ in range(8)]
     assert faults.count(0) >= 3, faults
+
+
+def test_a_helper_thread_started_under_one_intra_op_thread_stays_serial_after_it():
+    """Patch 6: a thread whose first parallel loop ran under one_intra_op_thread keeps one intra-op thread
+    (no OpenMP team of its own) after the main thread's count is restored; checkpoint load and save run so."""
+    import threading
+
+    from megatron.core import dist_checkpointing
+
+    cpu_bridge.apply()
+    assert dist_checkpointing.load.one_intra_op_thread and dist_checkpointing.save.one_intra_op_thread
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen, resume, started = {}, threading.Event(), threading.Event()
+
+        def helper():
+            torch.ones(65536).add_(1)  # a parallel loop: the thread's team size is fixed here
+            seen["inside"] = torch.get_num_threads()
+            started.set()
+            resume.wait(timeout=30)
+            torch.ones(65536).add_(1)
+            seen["after"] = torch.get_num_threads()
+
+        thread = threading.Thread(target=helper)
+
+        @cpu_bridge.one_intra_op_thread
+        def start_helper():
+            seen["caller"] = torch.get_num_threads()
+            thread.start()
+            started.wait(timeout=30)
+
+        start_helper()
+        seen["restored"] = torch.get_num_threads()
+        resume.set()
+        thread.join(timeout=30)
+        assert seen == {"caller": 1, "inside": 1, "restored": 2, "after": 1}
+        # a thread started outside the scope takes the restored count (the test can tell the two apart)
+        outside = threading.Thread(target=lambda: seen.update(outside=torch.get_num_threads()))
+        outside.start()
+        outside.join(timeout=30)
+        assert seen["outside"] == 2
+    finally:
+        torch.set_num_threads(previous)
