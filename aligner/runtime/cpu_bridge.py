@@ -17,7 +17,7 @@ DDP buffers and checkpointing code:
 
 4. megatron's linear layers (ColumnParallelLinear, RowParallelLinear, the output layer, tied or
    not) multiply with `torch.matmul`, which for fp32 on CPU is MKL; on CPUs where MKL is the slower
-   (`cpu_products.training_backend()`: 1.5-5x per product on SmolLM2's shapes on an AMD EPYC) their
+   (`cpu_products.preferred_library()`: 1.5-5x per product on SmolLM2's shapes on an AMD EPYC) their
    forward and backward products go through oneDNN instead, with megatron's tensor-parallel
    semantics (the input-gradient all-reduce of a column-parallel layer). Sequence parallelism,
    gradient-accumulation fusion (CUDA only) and deferred embedding wgrad keep megatron's own path,
@@ -294,7 +294,7 @@ def _rows_to_shape(output_2d: torch.Tensor, input: torch.Tensor) -> torch.Tensor
 
 def _onednn_applies(input, weight, gradient_accumulation_fusion, sequence_parallel, grad_output_buffer) -> bool:
     return (not gradient_accumulation_fusion and not sequence_parallel and grad_output_buffer is None
-            and weight.dtype == input.dtype and cpu_products.trains_with_onednn(input.device, input.dtype))
+            and weight.dtype == input.dtype and cpu_products.onednn_preferred(input.device, input.dtype))
 
 
 def _onednn_linear_layers(mcore_layers) -> tuple:

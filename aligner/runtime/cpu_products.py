@@ -1,15 +1,17 @@
 """fp32 products on CPU through oneDNN's linear instead of BLAS (MKL), where that is the faster.
 
-Which library is faster depends on the CPU and the shapes (benchmarks/README.md, "Which library runs
-the CPU products"). On an AMD EPYC (AVX-512) MKL, torch's CPU BLAS for fp32, ran SmolLM2's shapes
-1.2-5x slower than oneDNN's linear, from a decode step's few columns to training's backward products.
-On an Intel Xeon (AVX-512, AMX) MKL was the faster for training (a SmolLM2 micro batch's forward and
-backward products 2.55 s against 3.26 s), while oneDNN on packed weights stayed the faster for decode
-steps at batch 8 and more. So the native engine's products use oneDNN wherever it can run them
-(`available`), and the CPU bridge sends training's through it only where `training_backend()` says
-so: oneDNN unless the CPU is Intel's; `ALIGNER_CPU_TRAINING_PRODUCTS=onednn|blas` overrides that.
+Which library is faster depends on the CPU and the shapes (benchmarks/README.md, "The Intel Xeon
+machine"). On an AMD EPYC (AVX-512) MKL, torch's CPU BLAS for fp32, ran SmolLM2's shapes 1.2-5x slower
+than oneDNN's linear, from a decode step's single column to training's backward products. On an Intel
+Xeon (AVX-512, AMX) MKL was the faster for training (a SmolLM2 micro batch's forward and backward
+products 2.55 s against 3.26 s) and for a decode step of one sequence (34.7 against 45.0 ms), while
+oneDNN on packed weights stayed the faster for decode steps of 8 to 64 sequences. So
+`preferred_library()` is BLAS on Intel's CPUs and oneDNN elsewhere (`ALIGNER_CPU_PRODUCTS=onednn|blas`
+overrides): the CPU bridge sends training's products, and the native engine the decode products of a
+single-sequence call, through the preferred library; the engine's other products use oneDNN wherever
+it can run them (`available`).
 
-It reads the weight as it is, transposed views included: no copy, so in-place weight updates are
+oneDNN's linear reads the weight as it is, transposed views included: no copy, so in-place weight updates are
 seen at once. The native engine's decode step keeps its activations feature-major
 ([features, batch]); here they are the transposes of contiguous token-major tensors, so neither
 side moves data. The CPU bridge routes megatron's linear layers through `linear`, `grad_input`
@@ -29,9 +31,9 @@ import torch
 
 from aligner.runtime.errors import ConfigError
 
-TRAINING_BACKEND_VARIABLE = "ALIGNER_CPU_TRAINING_PRODUCTS"
-TRAINING_BACKENDS = ("auto", "onednn", "blas")
-_training_backends: dict = {}  # the variable's value -> the backend it gives (the CPU's vendor read once)
+PREFERENCE_VARIABLE = "ALIGNER_CPU_PRODUCTS"
+LIBRARIES = ("auto", "onednn", "blas")
+_preferred_libraries: dict = {}  # the variable's value -> the library it gives (the CPU's vendor read once)
 
 
 def cpu_info(field: str, cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -47,35 +49,35 @@ def cpu_info(field: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     return ""
 
 
-def choose_training_backend(setting: str, vendor: str) -> str:
-    """"onednn" or "blas" for a value of ALIGNER_CPU_TRAINING_PRODUCTS and the CPU's vendor_id: auto (or
-    empty) is BLAS on Intel's CPUs, oneDNN on any other (see the module's docstring)."""
+def choose_library(setting: str, vendor: str) -> str:
+    """"onednn" or "blas" for a value of ALIGNER_CPU_PRODUCTS and the CPU's vendor_id: auto (or empty) is
+    BLAS on Intel's CPUs, oneDNN on any other (see the module's docstring)."""
     wanted = setting.strip().lower() or "auto"
-    if wanted not in TRAINING_BACKENDS:
-        raise ConfigError(f"{TRAINING_BACKEND_VARIABLE}={setting!r}: choose one of {', '.join(TRAINING_BACKENDS)}")
+    if wanted not in LIBRARIES:
+        raise ConfigError(f"{PREFERENCE_VARIABLE}={setting!r}: choose one of {', '.join(LIBRARIES)}")
     if wanted != "auto":
         return wanted
     return "blas" if vendor == "GenuineIntel" else "onednn"
 
 
-def training_backend() -> str:
-    """"onednn" or "blas": the library that runs megatron's fp32 linear layers on CPU in this process."""
-    setting = os.environ.get(TRAINING_BACKEND_VARIABLE, "auto")
-    backend = _training_backends.get(setting)
-    if backend is None:
-        backend = _training_backends[setting] = choose_training_backend(setting, cpu_info("vendor_id"))
-    return backend
+def preferred_library() -> str:
+    """"onednn" or "blas": the library for training's fp32 products and a single sequence's decode products."""
+    setting = os.environ.get(PREFERENCE_VARIABLE, "auto")
+    library = _preferred_libraries.get(setting)
+    if library is None:
+        library = _preferred_libraries[setting] = choose_library(setting, cpu_info("vendor_id"))
+    return library
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN can run the product: fp32 on a CPU with a oneDNN build (half types already go
-    through oneDNN in torch.mm). The native engine's products use it wherever it can."""
+    through oneDNN in torch.mm)."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def trains_with_onednn(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the CPU bridge runs a training product of this device and dtype through this module."""
-    return available(device, dtype) and training_backend() == "onednn"
+def onednn_preferred(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a product of this device and dtype goes through this module where both libraries can run it."""
+    return available(device, dtype) and preferred_library() == "onednn"
 
 
 # The row count oneDNN picks the packed layout for: one copy serves every row count (8, 32 and 64

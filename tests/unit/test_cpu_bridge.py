@@ -464,7 +464,7 @@ def test_linear_layers_run_on_onednn_with_megatron_losses_and_gradients(
     from aligner.runtime import cpu_products
 
     cpu_bridge.apply()
-    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "onednn")  # whatever this CPU would choose
+    monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "onednn")  # whatever this CPU would choose
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=48,
                     make_vocab_size_divisible_by=8, max_position_embeddings=32,
                     tie_embeddings=tie_embeddings, add_bias_linear=add_bias_linear)
@@ -500,15 +500,15 @@ def test_linear_layers_run_on_onednn_with_megatron_losses_and_gradients(
         torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
-def test_linear_layers_keep_megatron_path_where_the_training_backend_is_blas(monkeypatch):
-    """ALIGNER_CPU_TRAINING_PRODUCTS=blas (auto on Intel's CPUs): megatron's own torch.matmul path, bit for bit."""
+def test_linear_layers_keep_megatron_path_where_blas_is_preferred(monkeypatch):
+    """ALIGNER_CPU_PRODUCTS=blas (auto on Intel's CPUs): megatron's own torch.matmul path, bit for bit."""
     from megatron.core.tensor_parallel import layers
 
     from aligner.models.gpt import GPTConfig
     from aligner.runtime import cpu_products
 
     cpu_bridge.apply()
-    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "blas")
+    monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "blas")
     for name in ("linear", "grad_input", "grad_weight"):
         monkeypatch.setattr(cpu_products, name, lambda *args: pytest.fail("oneDNN path taken with the blas backend"))
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, ffn_hidden_size=48,
@@ -523,27 +523,27 @@ def test_linear_layers_keep_megatron_path_where_the_training_backend_is_blas(mon
         assert torch.equal(grads[name], expected), name
 
 
-@pytest.mark.parametrize("setting, vendor, backend", [
+@pytest.mark.parametrize("setting, vendor, library", [
     ("auto", "GenuineIntel", "blas"), ("auto", "AuthenticAMD", "onednn"), ("", "GenuineIntel", "blas"),
     ("auto", "", "onednn"), (" OneDNN ", "GenuineIntel", "onednn"), ("blas", "AuthenticAMD", "blas"),
 ])
-def test_training_backend_is_blas_on_intel_and_onednn_elsewhere_unless_set(setting, vendor, backend):
+def test_preferred_library_is_blas_on_intel_and_onednn_elsewhere_unless_set(setting, vendor, library):
     from aligner.runtime import cpu_products
 
-    assert cpu_products.choose_training_backend(setting, vendor) == backend
+    assert cpu_products.choose_library(setting, vendor) == library
 
 
-def test_training_backend_setting_errors_name_the_variable_and_the_choices(monkeypatch):
+def test_product_library_setting_errors_name_the_variable_and_the_choices(monkeypatch):
     from aligner.runtime import cpu_products
     from aligner.runtime.errors import ConfigError
 
-    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "mkl")
-    with pytest.raises(ConfigError, match=r"ALIGNER_CPU_TRAINING_PRODUCTS='mkl': choose one of auto, onednn, blas"):
-        cpu_products.training_backend()
-    monkeypatch.setenv(cpu_products.TRAINING_BACKEND_VARIABLE, "onednn")
-    assert cpu_products.training_backend() == "onednn"
-    assert cpu_products.trains_with_onednn(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
-    assert not cpu_products.trains_with_onednn(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "mkl")
+    with pytest.raises(ConfigError, match=r"ALIGNER_CPU_PRODUCTS='mkl': choose one of auto, onednn, blas"):
+        cpu_products.preferred_library()
+    monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "onednn")
+    assert cpu_products.preferred_library() == "onednn"
+    assert cpu_products.onednn_preferred(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
+    assert not cpu_products.onednn_preferred(torch.device("cpu"), torch.bfloat16)
 
 
 def test_cpu_info_reads_a_field_and_gives_empty_where_there_is_none(tmp_path):

@@ -323,8 +323,11 @@ def test_reward_model_with_lora_trains_adapters_and_head_which_the_server_loader
         critic = build_critic(_critic_config(final, tmp_path / "critic", offload=False))[0]
         tokens, lengths = right_padded(chosen[:4])
         stored = meta["reward"]["normalization"]
-        expected = (loaded.inference.token_scores(tokens, lengths)[..., 0] - stored["mean"][0]) / stored["std"][0]
-        assert (critic.values(tokens, lengths) - expected)[tokens != 0].abs().max() < 1e-5
+        raw = loaded.inference.token_scores(tokens, lengths)[..., 0]
+        expected = (raw - stored["mean"][0]) / stored["std"][0]
+        # merged (W + BA) x against W x + B (A x): fp32 round-off of ~1e-5 of the raw scores, in normalised units
+        tolerance = 1e-5 * float(raw[tokens != 0].abs().max()) / stored["std"][0]
+        assert (critic.values(tokens, lengths) - expected)[tokens != 0].abs().max() < tolerance
     finally:
         distributed.shutdown()
     margins = scores[:len(chosen)] - scores[len(chosen):]
@@ -365,7 +368,7 @@ def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference
         cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [
             f"model.init_from={base}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
             "data.max_seq_length=16", "trainer.max_steps=24", "trainer.global_batch_size=8",
-            "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=5e-2", "optim.warmup_steps=0",
+            "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=2e-2", "optim.warmup_steps=0",
             "optim.decay_style=constant", "dpo.beta=0.5", f"dpo.reference_logprobs={mode}", "peft.scheme=lora",
             "peft.rank=8", "checkpoint.save_at_end=false", "checkpoint.resume=false",
             f"checkpoint.save_dir={tmp_path / mode}", f"logging.log_dir={tmp_path / mode}",
@@ -380,7 +383,8 @@ def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference
     for mode, values in losses.items():
         assert values[0] == pytest.approx(math.log(2), abs=1e-6), mode
         assert sum(values[-3:]) / 3 < sum(values[:3]) / 3 - 0.05, (mode, [round(v, 3) for v in values][-6:])
-    # The same reference either way: the first steps agree (later ones part by Adam-amplified rounding at lr 5e-2).
+    # The same reference either way: the first steps agree (later ones part by Adam-amplified rounding at lr 2e-2;
+    # at 5e-2 a run could blow up mid-way and end no lower than it began, depending on the products' library).
     for a, b in zip(losses["precompute"][:6], losses["swap"][:6]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 

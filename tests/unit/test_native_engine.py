@@ -148,6 +148,43 @@ def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
     assert torch.allclose(rollout.logprobs, expected.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("library", ["blas", "onednn"])
+def test_a_single_sequence_decodes_on_the_preferred_library_with_the_same_tokens(monkeypatch, library):
+    """One sequence per call: the decode products on BLAS (the weights as they are) where BLAS is preferred,
+    on oneDNN (packed copies) otherwise; both give the rows of the many-sequence path within rounding."""
+    from aligner.runtime import cpu_products
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    cfg, model = make_model("llama")
+    prompt = make_prompts()[:1]
+    sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
+    expected = make_engine(cfg, model).generate(prompt * 2, sampling)  # two sequences: oneDNN, packed
+    monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, library)
+    engine = make_engine(cfg, model)
+    calls = {"onednn": 0, "blas": 0}
+    onednn_product, blas_product = cpu_products.weight_times_columns, torch.mm
+
+    def counted(name, product):
+        def call(*args):
+            calls[name] += 1
+            return product(*args)
+        return call
+
+    monkeypatch.setattr(cpu_products, "weight_times_columns", counted("onednn", onednn_product))
+    monkeypatch.setattr(torch, "mm", counted("blas", blas_product))
+    rollout = engine.generate(prompt, sampling)
+    products_per_step = 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer, and the output layer
+    decode_products = products_per_step * (sampling.max_new_tokens - 1)
+    assert calls[library] >= decode_products and calls["onednn" if library == "blas" else "blas"] < decode_products
+    assert engine._single_sequence_on_blas == (library == "blas")
+    assert torch.equal(rollout.response_tokens[0], expected.response_tokens[0])
+    assert torch.allclose(rollout.logprobs[0], expected.logprobs[0], atol=LOGPROB_TOLERANCE, rtol=0)
+    monkeypatch.undo()
+    engine.generate(prompt * 2, sampling)
+    assert not engine._single_sequence_on_blas  # many sequences: back on the packed oneDNN products
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_packed_weights_give_the_unpacked_rollouts(name):
     """pack_weights: the products read oneDNN's packed copies; the weights as they are must give the same rows."""

@@ -19,7 +19,7 @@ from tests.unit.test_cpu_bridge import VOCAB, _gpt_losses_and_grads
 def main() -> None:
     from megatron.core.tensor_parallel import layers
 
-    os.environ[cpu_products.TRAINING_BACKEND_VARIABLE] = "onednn"  # the path under test, whatever this CPU's choice
+    os.environ[cpu_products.PREFERENCE_VARIABLE] = "onednn"  # the path under test, whatever this CPU's choice
     initialize(ParallelConfig(tensor_model_parallel_size=2))
     assert cpu_bridge.is_applied()
     calls = {"count": 0}
