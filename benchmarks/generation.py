@@ -98,17 +98,19 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
 
 def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
     """The decode step's weight matmuls alone (W @ x with x [in, batch]) on the tensors the engine's products
-    read (the weights, or their packed copies), as it runs them: through oneDNN on a CPU in fp32
-    (`aligner.runtime.cpu_products`)."""
+    read (the weights, or their packed copies), as its last call ran them: through oneDNN on a CPU in fp32
+    (`aligner.runtime.cpu_products`), BLAS on the weights for a call of one sequence where BLAS is preferred."""
     from aligner.runtime import cpu_products
 
     segment = engine._segments[0]  # one process, one stage: every layer and the output layer
-    weights = [linear.product for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
-    weights.append(segment.output_product)
+    on_blas = engine._single_sequence_on_blas
+    linears = [linear for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
+    weights = [linear.weight if on_blas else linear.product for linear in linears]
+    weights.append(segment.output_weight if on_blas else segment.output_product)
     device = segment.output_weight.device
     inputs = [torch.randn(batch, w.shape[1], device=device, dtype=segment.output_weight.dtype).t() for w in weights]
-    product = (cpu_products.weight_times_columns if cpu_products.available(device, segment.output_weight.dtype)
-               else torch.mm)
+    product = (cpu_products.weight_times_columns
+               if cpu_products.available(device, segment.output_weight.dtype) and not on_blas else torch.mm)
 
     def run():
         for weight, x in zip(weights, inputs):
