@@ -540,6 +540,9 @@ def test_product_library_setting_errors_name_the_variable_and_the_choices(monkey
     monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "mkl")
     with pytest.raises(ConfigError, match=r"ALIGNER_CPU_PRODUCTS='mkl': choose one of auto, onednn, blas"):
         cpu_products.preferred_library()
+    monkeypatch.setattr(cpu_bridge, "_applied", False)  # as in a fresh process (restored after the test)
+    with pytest.raises(ConfigError, match="ALIGNER_CPU_PRODUCTS='mkl'"):
+        cpu_bridge.apply()  # refused before any patch is made
     monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, "onednn")
     assert cpu_products.preferred_library() == "onednn"
     assert cpu_products.onednn_preferred(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
