@@ -57,6 +57,7 @@ REAL_MODEL_SET = (
     Benchmark("bf16_vs_fp32", "benchmarks/precision.py", ("--model", "smollm2", "--threads", "{threads}")),
     Benchmark("continuous_batching", "benchmarks/continuous_batching.py",
               ("--model", "smollm2", "--threads", "{threads}")),
+    Benchmark("shared_prefill", "benchmarks/shared_prefill.py", ("--model", "smollm2", "--threads", "{threads}")),
 )
 
 # The toy-sized benchmarks (`make bench-toy`): per-call overheads on the 4-layer, 128-wide model.

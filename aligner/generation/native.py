@@ -22,7 +22,8 @@ megatron's own forward) in one tight loop over preallocated state:
 - continuous_batching=False keeps the static-batch loop as a reference (tests, benchmarks):
   chunks of max_batch_size prompts left-padded to the longest, every row at one shared column
   until the chunk's longest row ends;
-- prefills compute logits only for each prompt's last token; decode steps are single-token and
+- prefills compute logits only for each prompt's last token, and run a prompt admitted several times
+  at once (a group's samples) only once, copying its cache rows; decode steps are single-token and
   run feature-major ([features, batch] activations, see `_decode_forward`) because small-batch
   BLAS products are much faster that way round; on CPU the products are oneDNN's (`cpu_products`),
   on packed copies of the weights by default, except a single sequence's decode products where BLAS
@@ -199,6 +200,9 @@ class NativeEngine:
         cache row (see the module docstring); False runs the static-batch loop (chunks of
         max_batch_size rows, each decoded until its longest row ends), kept as the reference the
         tests and benchmarks/continuous_batching.py compare with: same tokens, logprobs within rounding.
+    shared_prefill: (continuous batching) a prompt admitted several times at once, as a group's samples
+        are, is prefilled once and its cache rows copied (`_prefill_rows`); False prefills every row,
+        the reference of the tests and benchmarks/shared_prefill.py.
     pack_weights: on the oneDNN path (fp32 on CPU) the products read copies of the weights in
         oneDNN's own blocked layout (`cpu_products.pack`) instead of the weights as they are: a
         faster decode step, for a second copy of the linear layers' weights in memory and a repack
@@ -223,6 +227,7 @@ class NativeEngine:
         static_decode: bool = False,
         cuda_graphs: bool = False,
         continuous_batching: bool = True,
+        shared_prefill: bool = True,
         pack_weights: bool = True,
     ):
         from megatron.core import parallel_state as ps
@@ -260,6 +265,7 @@ class NativeEngine:
         self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d]), see _reserve_cache
         self._static_decode = static_decode or cuda_graphs
         self.continuous_batching = continuous_batching
+        self.shared_prefill = shared_prefill
         self._cuda_graphs = cuda_graphs
         self._static_steps: dict = {}  # batch size -> _StaticDecodeStep over the current cache
         self._pack_weights = pack_weights
@@ -687,14 +693,28 @@ class NativeEngine:
     def _prefill_rows(self, prompts: list, first_row: int, keys, values) -> Optional[torch.Tensor]:
         """Prefill prompts into cache rows first_row ..: right-padded (the causal mask hides the padding
         from the real tokens; later decode steps mask and overwrite its columns). Returns each prompt's
-        last-token logits [rows, vocab_shard] on the last pipeline stage."""
-        lengths = [len(p) for p in prompts]
+        last-token logits [rows, vocab_shard] on the last pipeline stage.
+
+        A prompt admitted more than once (the samples of one prompt: GRPO/RLOO groups) is run once, in
+        the first of these rows, and its keys, values and logits copied to the others: a group of k
+        samples costs one prefill instead of k (copying its cache rows costs far less than the forward).
+        """
+        distinct, source = _distinct(prompts) if self.shared_prefill else (prompts, list(range(len(prompts))))
+        lengths = [len(p) for p in distinct]
         width = max(lengths)
-        tokens = torch.tensor([list(p) + [self.pad_id] * (width - len(p)) for p in prompts], device=self._device)
-        positions = self._columns[:width].expand(len(prompts), width)
-        rows = slice(first_row, first_row + len(prompts))
+        tokens = torch.tensor([list(p) + [self.pad_id] * (width - len(p)) for p in distinct], device=self._device)
+        positions = self._columns[:width].expand(len(distinct), width)
+        rows = slice(first_row, first_row + len(distinct))
         last = torch.tensor(lengths, device=self._device) - 1
-        return self._prefill_forward(tokens, positions, keys[:, rows], values[:, rows], None, last_columns=last)
+        logits = self._prefill_forward(tokens, positions, keys[:, rows], values[:, rows], None, last_columns=last)
+        if len(distinct) == len(prompts):
+            return logits
+        index = torch.tensor(source, device=self._device)
+        rows = slice(first_row, first_row + len(prompts))
+        # the filled columns of each row's first copy (advanced indexing reads a copy: sources stay intact)
+        keys[:, rows, :, :, :width] = keys[:, index + first_row, :, :, :width]
+        values[:, rows, :, :width] = values[:, index + first_row, :, :width]
+        return None if logits is None else logits[index]
 
     def _decode_rows(self, tokens, lengths: list, keys, values) -> Optional[torch.Tensor]:
         """One decode step of live rows 0 .. len(lengths) - 1, row b's token into its column lengths[b]."""
@@ -1098,6 +1118,18 @@ class NativeEngine:
         else:
             intermediate = self._activation(intermediate)
         return self._row_parallel_columns(layer.fc2, intermediate, hidden)
+
+
+def _distinct(prompts: list) -> tuple[list, list[int]]:
+    """(the distinct prompts in order of first occurrence, for each prompt the index of its distinct one)."""
+    first_of: dict = {}
+    distinct, source = [], []
+    for prompt in prompts:
+        index = first_of.setdefault(tuple(prompt), len(distinct))
+        if index == len(distinct):
+            distinct.append(prompt)
+        source.append(index)
+    return distinct, source
 
 
 class _DecodeInputs(NamedTuple):

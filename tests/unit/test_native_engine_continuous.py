@@ -260,3 +260,29 @@ def test_rollouts_stream_micro_batches_through_the_engine_with_the_same_rows(rou
         assert row.prompt == expected[index].prompt and torch.equal(row.response, expected[index].response)
         assert row.ended_with_stop == expected[index].ended_with_stop
         assert torch.allclose(row.logprobs, expected[index].logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [12, 5])
+def test_a_prompt_admitted_several_times_is_prefilled_once(rows):
+    """A group's samples (each prompt k times, adjacent): admitted together, the prompt runs through the
+    prefill once and its cache rows and logits are copied; the rollout is the one of prefilling every row.
+    With 5 cache rows the groups are split across admissions (refills), so copies land between other rows."""
+    cfg, model = make_model("llama")
+    distinct = mixed_prompts(3)  # lengths 1, 12, 5
+    prompts = [prompt for prompt in distinct for _ in range(4)]
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
+    shared = make_engine(cfg, model, max_batch_size=rows)
+    prefilled = []  # rows of each prefill forward
+    forward = shared._prefill_forward
+    shared._prefill_forward = lambda tokens, *args, **kwargs: (prefilled.append(tokens.shape[0]),
+                                                                forward(tokens, *args, **kwargs))[1]
+    got = shared.generate(prompts, sampling)
+    expected = make_engine(cfg, model, max_batch_size=rows, shared_prefill=False).generate(prompts, sampling)
+    assert_same_rollout(got, expected)
+    # each admission prefills its distinct prompts only: 3 rows for 12 admitted at once; with 5 rows the
+    # first admission holds prompts 0,0,0,0,1 (2 distinct), refills hold at most one new group each
+    assert prefilled == [3] if rows == 12 else (prefilled[0] == 2 and sum(prefilled) < len(prompts)), prefilled
+    samples = responses(got)
+    assert any(samples[i] != samples[i + 1] for i in range(3)), "a group's samples drew the same tokens"
+    training = training_logprobs(model, cfg, got, sampling.temperature)
+    assert float((got.logprobs - training).abs().max()) < LOGPROB_TOLERANCE
