@@ -47,6 +47,18 @@ def load_model(spec: str):
     return cfg, [chunk.eval() for chunk in chunks], Tokenizer(resolved.checkpoint_dir / checkpointing.TOKENIZER_DIR)
 
 
+def start(model: str, threads: int):
+    """(device, cfg, chunks, tokenizer): torch's threads set (0: its choice), one process group, the model loaded."""
+    from aligner.runtime import distributed, seeds
+
+    warnings.filterwarnings("ignore")
+    if threads:
+        torch.set_num_threads(threads)
+    distributed.initialize(distributed.ParallelConfig())
+    seeds.set_seed(0)
+    return (distributed.device(), *load_model(model))
+
+
 def make_prompts(tokenizer, count: int) -> list[list[int]]:
     """`count` windows of PROMPT_TEXT, 8 to 40 tokens long, from shifting starts."""
     text = tokenizer.encode(PROMPT_TEXT)
@@ -87,18 +99,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (medians reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's choice)")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from aligner.generation.engine import SamplingParams
     from aligner.generation.native import NativeEngine
-    from aligner.runtime import distributed, seeds
+    from aligner.runtime import distributed
 
-    distributed.initialize(distributed.ParallelConfig())
-    device = distributed.device()
-    seeds.set_seed(0)
-    cfg, chunks, tokenizer = load_model(args.model)
+    device, cfg, chunks, tokenizer = start(args.model, args.threads)
     stop = tokenizer.encode(args.stop)
     if len(stop) != 1:
         raise SystemExit(f"--stop {args.stop!r} is {len(stop)} tokens; give a text of one token")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch
 if not __package__:  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.continuous_batching import agreement, load_model, make_prompts  # noqa: E402
+from benchmarks.continuous_batching import agreement, make_prompts, start  # noqa: E402
 from benchmarks.machine import describe_peak_rss, load_average, timed  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
@@ -40,18 +39,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (medians reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's choice)")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from aligner.generation.engine import SamplingParams
     from aligner.generation.native import NativeEngine
-    from aligner.runtime import distributed, seeds
+    from aligner.runtime import distributed
 
-    distributed.initialize(distributed.ParallelConfig())
-    device = distributed.device()
-    seeds.set_seed(0)
-    cfg, chunks, tokenizer = load_model(args.model)
+    device, cfg, chunks, tokenizer = start(args.model, args.threads)
     prompts = [prompt for prompt in make_prompts(tokenizer, args.prompts) for _ in range(args.samples)]
     rows = len(prompts)
     engines = {shared: NativeEngine(chunks, cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,

@@ -23,7 +23,7 @@ real tokens: every caller (logprobs, entropy, values, the critic's loss) takes t
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,114 +88,230 @@ def _consecutive_pieces(positions: torch.Tensor, chunk_tokens: int) -> list[tupl
     return pieces
 
 
-def _scaled_piece(flat_logits: torch.Tensor, first: int, count: int, buffer: torch.Tensor, first_padded: int,
-                  temperature: float) -> torch.Tensor:
-    """Rows first..first+count of [tokens, vocab_shard] logits as fp32 / temperature, padded vocabulary
-    at -inf, written into `buffer` (reused across pieces: no fresh pages per piece)."""
-    piece = buffer[:count]
-    piece.copy_(flat_logits[first:first + count])
+def _scaled(piece: torch.Tensor, first_padded: int, temperature: float) -> torch.Tensor:
+    """A [count, vocab_shard] fp32 piece of logits, in place: the padded vocabulary at -inf, / temperature."""
     piece[:, first_padded:] = float("-inf")
     if temperature != 1.0:
         piece.div_(temperature)
     return piece
 
 
+def _scaled_piece(flat_logits: torch.Tensor, first: int, count: int, buffer: torch.Tensor, first_padded: int,
+                  temperature: float) -> torch.Tensor:
+    """Rows first..first+count of [tokens, vocab_shard] logits as fp32 / temperature, padded vocabulary
+    at -inf, written into `buffer` (reused across pieces: no fresh pages per piece)."""
+    piece = buffer[:count]
+    piece.copy_(flat_logits[first:first + count])
+    return _scaled(piece, first_padded, temperature)
+
+
+def _product_piece(rows: torch.Tensor, weight: torch.Tensor, first: int, count: int, buffer: torch.Tensor,
+                   first_padded: int, temperature: float) -> torch.Tensor:
+    """The output layer's logits of hidden rows first..first+count (rows [n, h] @ weight [vocab_shard, h]^T,
+    in the weight's dtype, as the layer computes them), as `_scaled_piece` returns them."""
+    piece = buffer[:count]
+    if weight.dtype == torch.float32:
+        torch.mm(rows[first:first + count], weight.t(), out=piece)
+    else:
+        piece.copy_(torch.mm(rows[first:first + count], weight.t()))
+    return _scaled(piece, first_padded, temperature)
+
+
+class _PieceStatistics(NamedTuple):
+    """What backward needs per position (besides the logits): all relative to the row's max."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor  # sum exp(x - max)
+    expected_logit: torch.Tensor  # E[x] - max under softmax(x)
+
+
+def _logprobs_and_entropy(piece_of, pieces, count, targets, vocab_start, shard, group, with_entropy, device):
+    """Forward of the selected-positions pass: (logprobs, entropy, _PieceStatistics) of `count` positions.
+
+    piece_of(index, length) -> the scaled fp32 logits of positions index..index+length ([length, shard],
+    a reused buffer: consumed before the next call). The same numbers as megatron's
+    vocab_parallel_cross_entropy (max-shifted log-sum-exp, all-reduced over the tensor-parallel group;
+    the target logit from the shard that holds it), with three floats kept per position.
+    """
+    row_max = torch.empty(count, dtype=torch.float32, device=device)
+    sum_exp = torch.empty_like(row_max)  # sum exp(x - max)
+    target_logit = torch.zeros_like(row_max)  # x[target] - max
+    expected_logit = torch.zeros_like(row_max)  # E[x - max]
+    local_targets = targets - vocab_start
+    on_shard = (local_targets >= 0) & (local_targets < shard)
+    longest = max((length for _, length in pieces), default=0)
+    weights_buffer = torch.empty(longest, shard, dtype=torch.float32, device=device) if with_entropy else None
+    if group is not None:
+        # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
+        for index, length in pieces:
+            row_max[index:index + length] = piece_of(index, length).amax(-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    for index, length in pieces:
+        part = slice(index, index + length)
+        piece = piece_of(index, length)
+        if group is None:
+            row_max[part] = piece.amax(-1)
+        piece.sub_(row_max[part].unsqueeze(1))  # x - max
+        piece_targets = local_targets[part].clamp(0, shard - 1).unsqueeze(1)
+        target_logit[part] = torch.where(on_shard[part], piece.gather(1, piece_targets).squeeze(1), 0.0)
+        if with_entropy:
+            weights = torch.exp(piece, out=weights_buffer[:length])
+            sum_exp[part] = weights.sum(-1)
+            # 0 stands in for the -inf of padded entries, whose weight is 0 (no 0 * -inf nan).
+            piece.masked_fill_(weights == 0, 0.0)
+            expected_logit[part] = (weights.mul_(piece)).sum(-1)
+        else:
+            sum_exp[part] = piece.exp_().sum(-1)
+    if group is not None:
+        sums = torch.stack([sum_exp, expected_logit, target_logit])
+        dist.all_reduce(sums, group=group)
+        sum_exp, expected_logit, target_logit = sums.unbind()
+    # Everything relative to the max, as megatron's loss log(sum exp(x - max)) - (x[target] - max):
+    # adding the max back first would cancel digits.
+    expected_logit = expected_logit / sum_exp
+    logprobs = target_logit - torch.log(sum_exp)
+    entropy = torch.log(sum_exp) - expected_logit
+    return logprobs, entropy, _PieceStatistics(row_max, sum_exp, expected_logit), local_targets, on_shard
+
+
+def _piece_gradients(piece_of, pieces, statistics: _PieceStatistics, local_targets, on_shard, grad_logprobs,
+                     grad_entropy, temperature, shard, device, take) -> None:
+    """Backward of the selected-positions pass: each piece's gradient of its logits, handed to
+    take(index, length, grad [length, shard] fp32, a reused buffer).
+
+    d logprob / dx = onehot - p and d entropy / dx = -p (x - E[x]) for x = logits / T, each rank
+    computing its own shard's part; the piece's softmax is recomputed from the saved sums.
+    """
+    row_max, sum_exp, expected_logit = statistics
+    longest = max((length for _, length in pieces), default=0)
+    probs_buffer = None if grad_entropy is None else torch.empty(longest, shard, dtype=torch.float32, device=device)
+    for index, length in pieces:
+        part = slice(index, index + length)
+        shifted = piece_of(index, length)
+        shifted.sub_(row_max[part].unsqueeze(1))  # x - max
+        if grad_entropy is None:  # the softmax in place: x - max is not needed after
+            grad = shifted.exp_().div_(sum_exp[part].unsqueeze(1)).mul_(-grad_logprobs[part].unsqueeze(1))
+        else:
+            probs = torch.exp(shifted, out=probs_buffer[:length]).div_(sum_exp[part].unsqueeze(1))
+            # -p (x - E[x]), with 0 for the padded entries (p = 0, x = -inf)
+            grad = shifted.sub_(expected_logit[part].unsqueeze(1)).masked_fill_(probs == 0, 0.0)
+            grad.mul_(probs).mul_(-grad_entropy[part].unsqueeze(1))
+            if grad_logprobs is not None:
+                grad.sub_(probs.mul_(grad_logprobs[part].unsqueeze(1)))
+        if grad_logprobs is not None:
+            hit = on_shard[part].nonzero().squeeze(1)
+            grad[hit, local_targets[part][hit]] += grad_logprobs[part][hit]
+        if temperature != 1.0:
+            grad.div_(temperature)
+        take(index, length, grad)
+
+
 class _SelectedLogprobsAndEntropy(torch.autograd.Function):
     """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at chosen rows of
-    [tokens, vocab_shard] logits, piece by piece.
-
-    The same numbers as megatron's vocab_parallel_cross_entropy (max-shifted log-sum-exp, all-reduced
-    over the tensor-parallel group; the target logit from the shard that holds it), but only at the
-    positions asked for, and without full-size copies: forward keeps per-position sums, backward
-    recomputes each piece's softmax. d logprob / dx = onehot - p and d entropy / dx = -p (x - E[x])
-    for x = logits / T, each rank computing its own shard's part.
+    [tokens, vocab_shard] logits, piece by piece (`_logprobs_and_entropy`, `_piece_gradients`), without
+    full-size copies: forward keeps three floats per position, backward recomputes each piece's softmax
+    into the gradient of the logits.
     """
 
     @staticmethod
     def forward(ctx, flat_logits, positions, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
                 with_entropy):
-        count = positions.numel()
-        row_max = torch.empty(count, dtype=torch.float32, device=flat_logits.device)
-        sum_exp = torch.empty_like(row_max)  # sum exp(x - max)
-        target_logit = torch.zeros_like(row_max)  # x[target] - max
-        expected_logit = torch.zeros_like(row_max)  # E[x - max]
-        shard = flat_logits.shape[-1]
-        local_targets = targets - vocab_start
-        on_shard = (local_targets >= 0) & (local_targets < shard)
         pieces = _consecutive_pieces(positions, chunk_tokens)
-        rows = min(chunk_tokens, count)
-        buffer = torch.empty(rows, shard, dtype=torch.float32, device=flat_logits.device)
-        weights_buffer = torch.empty_like(buffer) if with_entropy else None
+        buffer = torch.empty(min(chunk_tokens, positions.numel()), flat_logits.shape[-1], dtype=torch.float32,
+                             device=flat_logits.device)
 
         def piece_of(index, length):
             return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
 
-        if group is not None:
-            # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
-            for index, length in pieces:
-                row_max[index:index + length] = piece_of(index, length).amax(-1)
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        for index, length in pieces:
-            part = slice(index, index + length)
-            piece = piece_of(index, length)
-            if group is None:
-                row_max[part] = piece.amax(-1)
-            piece.sub_(row_max[part].unsqueeze(1))  # x - max
-            piece_targets = local_targets[part].clamp(0, shard - 1).unsqueeze(1)
-            target_logit[part] = torch.where(on_shard[part], piece.gather(1, piece_targets).squeeze(1), 0.0)
-            if with_entropy:
-                weights = torch.exp(piece, out=weights_buffer[:length])
-                sum_exp[part] = weights.sum(-1)
-                # 0 stands in for the -inf of padded entries, whose weight is 0 (no 0 * -inf nan).
-                piece.masked_fill_(weights == 0, 0.0)
-                expected_logit[part] = (weights.mul_(piece)).sum(-1)
-            else:
-                sum_exp[part] = piece.exp_().sum(-1)
-        if group is not None:
-            sums = torch.stack([sum_exp, expected_logit, target_logit])
-            dist.all_reduce(sums, group=group)
-            sum_exp, expected_logit, target_logit = sums.unbind()
-        # Everything relative to the max, as megatron's loss log(sum exp(x - max)) - (x[target] - max):
-        # adding the max back first would cancel digits.
-        expected_logit = expected_logit / sum_exp
-        logprobs = target_logit - torch.log(sum_exp)
-        entropy = torch.log(sum_exp) - expected_logit
-        ctx.save_for_backward(flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit)
+        logprobs, entropy, statistics, local_targets, on_shard = _logprobs_and_entropy(
+            piece_of, pieces, positions.numel(), targets, vocab_start, flat_logits.shape[-1], group, with_entropy,
+            flat_logits.device)
+        ctx.save_for_backward(flat_logits, positions, local_targets, on_shard, *statistics)
         ctx.settings = (first_padded, temperature, pieces)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        flat_logits, positions, local_targets, on_shard, row_max, sum_exp, expected_logit = ctx.saved_tensors
+        flat_logits, positions, local_targets, on_shard, *statistics = ctx.saved_tensors
         first_padded, temperature, pieces = ctx.settings
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
         grad_logits = torch.zeros_like(flat_logits)
         rows = max((length for _, length in pieces), default=0)
         buffer = torch.empty(rows, flat_logits.shape[-1], dtype=torch.float32, device=flat_logits.device)
-        probs_buffer = torch.empty_like(buffer) if grad_entropy is not None else None
-        for index, length in pieces:
-            part = slice(index, index + length)
+
+        def piece_of(index, length):
+            return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
+
+        def take(index, length, grad):
             first = int(positions[index])
-            shifted = _scaled_piece(flat_logits, first, length, buffer, first_padded, temperature)
-            shifted.sub_(row_max[part].unsqueeze(1))  # x - max
-            if grad_entropy is None:  # the softmax in place: x - max is not needed after
-                grad = shifted.exp_().div_(sum_exp[part].unsqueeze(1)).mul_(-grad_logprobs[part].unsqueeze(1))
-            else:
-                probs = torch.exp(shifted, out=probs_buffer[:length]).div_(sum_exp[part].unsqueeze(1))
-                # -p (x - E[x]), with 0 for the padded entries (p = 0, x = -inf)
-                grad = shifted.sub_(expected_logit[part].unsqueeze(1)).masked_fill_(probs == 0, 0.0)
-                grad.mul_(probs).mul_(-grad_entropy[part].unsqueeze(1))
-                if grad_logprobs is not None:
-                    grad.sub_(probs.mul_(grad_logprobs[part].unsqueeze(1)))
-            if grad_logprobs is not None:
-                hit = on_shard[part].nonzero().squeeze(1)
-                grad[hit, local_targets[part][hit]] += grad_logprobs[part][hit]
-            if temperature != 1.0:
-                grad.div_(temperature)
             grad_logits[first:first + length] = grad
+
+        _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
+                         grad_entropy, temperature, flat_logits.shape[-1], flat_logits.device, take)
         return grad_logits, None, None, None, None, None, None, None, None
+
+
+class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
+    """`_SelectedLogprobsAndEntropy` of the logits that the output layer would give hidden rows [n, h],
+    fused with that layer: each piece's logits are computed from its rows (rows @ weight^T) into a reused
+    buffer and dropped, in forward and again in backward, which hands on the rows' and the weight's
+    gradients. Neither the [n, vocab_shard] logits nor their gradient is ever held: for the price of one
+    more output-layer product (two at TP > 1, where the max pass recomputes the pieces too), the largest
+    activation and gradient of training are gone (DPO on SmolLM2 at 8 pairs x 512 tokens: 1-1.5 GB less
+    peak memory, benchmarks/README.md).
+
+    Tensor parallel as megatron's ColumnParallelLinear (no sequence parallelism): the rows are every
+    rank's, the weight this rank's vocabulary shard, and the rows' gradient is summed over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
+                with_entropy):
+        count = rows.shape[0]
+        pieces = [(index, min(chunk_tokens, count - index)) for index in range(0, count, chunk_tokens)]
+        buffer = torch.empty(min(chunk_tokens, count), weight.shape[0], dtype=torch.float32, device=rows.device)
+
+        def piece_of(index, length):
+            return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
+
+        logprobs, entropy, statistics, local_targets, on_shard = _logprobs_and_entropy(
+            piece_of, pieces, count, targets, vocab_start, weight.shape[0], group, with_entropy, rows.device)
+        ctx.save_for_backward(rows, weight, local_targets, on_shard, *statistics)
+        ctx.settings = (first_padded, temperature, pieces, group)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        rows, weight, local_targets, on_shard, *statistics = ctx.saved_tensors
+        first_padded, temperature, pieces, group = ctx.settings
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        grad_rows = torch.empty_like(rows)
+        # the weight's gradient summed piece by piece in fp32 (one rounding to a half dtype at the end)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        buffer = torch.empty(max((length for _, length in pieces), default=0), weight.shape[0], dtype=torch.float32,
+                             device=rows.device)
+
+        def piece_of(index, length):
+            return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
+
+        def take(index, length, grad):
+            part = slice(index, index + length)
+            grad = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)  # as the layer's backward
+            torch.mm(grad, weight, out=grad_rows[part])
+            if weight.dtype == torch.float32:
+                grad_weight.addmm_(grad.t(), rows[part])
+            else:
+                grad_weight.add_(torch.mm(grad.t(), rows[part]))
+
+        _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
+                         grad_entropy, temperature, weight.shape[0], rows.device, take)
+        if group is not None:  # megatron's copy_to_tensor_model_parallel_region: the input's gradient summed
+            dist.all_reduce(grad_rows, group=group)
+        return grad_rows, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def selected_logprobs_and_entropy(
@@ -219,23 +335,38 @@ def selected_logprobs_and_entropy(
     vocab_parallel_cross_entropy of the masked, scaled logits at those positions, without its
     full-size copies. chunk_tokens: positions per chunk (default `LOGPROB_CHUNK_TOKENS`).
     with_entropy=False skips the entropy's work (it is then meaningless and must not be used).
+    Given `HiddenStates` and more positions than one chunk, the output layer's product runs inside the
+    pass, piece by piece (`_OutputLayerLogprobsAndEntropy`), where the layer is that product alone
+    (`product_operands`): the memory of the [n, vocab] logits and their gradient for one more product
+    of the layer (benchmarks/README.md); up to one chunk, the layer runs once on all positions first.
     """
-    from megatron.core import parallel_state as ps
-
     from aligner.models.layers import HiddenStates
 
     positions = rows * logits.shape[1] + columns
+    chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
+    settings = dict(vocab_size=vocab_size, temperature=float(temperature), chunk_tokens=chunk_tokens,
+                    with_entropy=with_entropy)
     if isinstance(logits, HiddenStates):  # the output layer on these positions only, in their order
+        # More positions than one piece: fused with the layer's product, no [n, vocab] logits held
+        operands = logits.product_operands(positions) if len(positions) > chunk_tokens else None
+        if operands is not None:
+            return _apply(_OutputLayerLogprobsAndEntropy, *operands, targets, shard=operands[1].shape[0], **settings)
         flat_logits = logits.logits_at(positions)
         positions = torch.arange(len(positions), device=flat_logits.device)
     else:
         flat_logits = logits.reshape(-1, logits.shape[-1])  # a view: the model's logits are contiguous
-    shard = flat_logits.shape[-1]
+    return _apply(_SelectedLogprobsAndEntropy, flat_logits, positions, targets, shard=flat_logits.shape[-1],
+                  **settings)
+
+
+def _apply(function, first, second, targets, *, shard, vocab_size, temperature, chunk_tokens, with_entropy):
+    """function.apply with this rank's vocabulary shard (its first id, and its first padded column)."""
+    from megatron.core import parallel_state as ps
+
     vocab_start = ps.get_tensor_model_parallel_rank() * shard
     first_padded = min(max(vocab_size - vocab_start, 0), shard)
-    chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
-    return _SelectedLogprobsAndEntropy.apply(flat_logits, positions, targets, vocab_start, first_padded,
-                                             float(temperature), chunk_tokens, _tensor_parallel_group(), with_entropy)
+    return function.apply(first, second, targets, vocab_start, first_padded, temperature, chunk_tokens,
+                          _tensor_parallel_group(), with_entropy)
 
 
 def response_logprobs_and_entropy(

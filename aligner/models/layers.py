@@ -114,6 +114,20 @@ class HiddenStates:
     def new_zeros(self, *size, **kwargs) -> torch.Tensor:
         return self.tensor.new_zeros(*size, **kwargs)
 
+    def product_operands(self, flat_positions: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(the hidden rows at positions of the flattened [b * s] grid [n, h], in the weight's dtype; the layer's
+        weight [vocab_shard, h]) for a loss that runs the layer's product itself, piece by piece
+        (`aligner.generation.logprobs`): the layer is that product alone, with megatron's tensor-parallel
+        gradient rule. None where it does more (a bias, fused or deferred weight-gradient accumulation, a
+        gathered output): the loss then takes `logits_at`."""
+        layer = self.layer
+        if (layer.bias is not None or layer.gradient_accumulation_fusion or layer.gather_output
+                or layer.config.defer_embedding_wgrad_compute):
+            return None
+        weight = layer.weight if self.weight is None else self.weight
+        rows = self.tensor.reshape(-1, self.tensor.shape[-1]).index_select(0, flat_positions)
+        return rows.to(weight.dtype), weight  # as `logits_at` hands them to the layer
+
     def logits_at(self, flat_positions: torch.Tensor) -> torch.Tensor:
         """[n, vocab_shard] logits at positions of the flattened [b * s] grid (differentiable)."""
         rows = self.tensor.reshape(-1, self.tensor.shape[-1]).index_select(0, flat_positions)

@@ -7,8 +7,8 @@ streams, so they match TP=1 too, up to a draw landing within rounding of a CDF b
 logits differ by float rounding between layouts): at least 7 of 8 rows must match. The static
 decode step (static_decode=True, what CUDA graphs capture) is held to the same bounds against
 TP=1's default step, and so is continuous batching with refills (8 prompts, two of them repeated and
-prefilled once, 3 cache rows, early stops) against TP=1's static-batch loop. Models with live LoRA adapters (base + adapter checkpoints) are held
-to the same bounds.
+prefilled once, 3 cache rows, early stops) against TP=1's static-batch loop. Models with live LoRA
+adapters (base + adapter checkpoints) are held to the same bounds.
 """
 from __future__ import annotations
 

@@ -148,3 +148,78 @@ def test_no_positions_give_a_zero_loss_and_gradient():
     loss_sum, count = response_token_loss(leaf, tokens, torch.zeros(3, 9), VOCAB)
     loss_sum.backward()
     assert float(loss_sum) == 0 and int(count) == 0 and leaf.grad.eq(0).all()
+
+
+def output_layer_operands(dtype=torch.float32, seed=3, count=11, hidden=16):
+    """Hidden rows [count, hidden], an output weight over the padded vocabulary, targets in the real one."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(count, hidden, generator=generator).to(dtype)
+    weight = (torch.randn(PADDED, hidden, generator=generator) * 0.8).to(dtype)
+    return rows, weight, torch.randint(0, VOCAB, (count,), generator=generator)
+
+
+def fused_and_unfused(rows, weight, targets, temperature, chunk_tokens, with_entropy=True, grads=(0.6, -0.4)):
+    """(logprobs, entropy, rows' gradient, weight's gradient) of the fused pass and of the pass over the
+    layer's logits (rows @ weight^T, as the layer computes them), for the objective sum(a lp + b entropy)."""
+    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy, _SelectedLogprobsAndEntropy
+
+    results = []
+    for fused in (True, False):
+        rows_leaf, weight_leaf = rows.clone().requires_grad_(), weight.clone().requires_grad_()
+        settings = (targets, 0, VOCAB, temperature, chunk_tokens, None, with_entropy)
+        if fused:
+            logprobs, entropy = _OutputLayerLogprobsAndEntropy.apply(rows_leaf, weight_leaf, *settings)
+        else:
+            logits = rows_leaf @ weight_leaf.t()
+            logprobs, entropy = _SelectedLogprobsAndEntropy.apply(logits, torch.arange(len(rows)), *settings)
+        objective = grads[0] * logprobs.sum() + (grads[1] * entropy.sum() if with_entropy else 0.0)
+        objective.backward()
+        results.append((logprobs.detach(), entropy.detach(), rows_leaf.grad, weight_leaf.grad))
+    return results
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 1024])
+def test_the_pass_fused_with_the_output_layer_equals_the_pass_over_its_logits(temperature, chunk_tokens):
+    """Given hidden rows, the pass computes each piece's logits itself (never the [n, vocab] logits nor their
+    gradient): the same logprobs and entropies, and the rows' and weight's gradients of the unfused
+    layer + pass, in fp32; both against float64 over the real vocabulary."""
+    rows, weight, targets = output_layer_operands()
+    fused, unfused = fused_and_unfused(rows, weight, targets, temperature, chunk_tokens)
+    for name, got, want in zip(("logprobs", "entropy", "rows' gradient", "weight's gradient"), fused, unfused):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+    assert fused[3][VOCAB:].eq(0).all() and fused[3][:VOCAB].abs().sum() > 0  # padded vocabulary: no gradient
+    rows64, weight64 = rows.double().requires_grad_(), weight.double().requires_grad_()
+    log_softmax = torch.log_softmax((rows64 @ weight64[:VOCAB].t()) / temperature, dim=-1)
+    logprobs = log_softmax.gather(1, targets.unsqueeze(1)).squeeze(1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    (0.6 * logprobs.sum() - 0.4 * entropy.sum()).backward()
+    for name, got, want in zip(("logprobs", "entropy", "rows' gradient", "weight's gradient"), fused,
+                               (logprobs, entropy, rows64.grad, weight64.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_fused_pass_with_logprobs_only_and_in_bf16():
+    rows, weight, targets = output_layer_operands()
+    fused, unfused = fused_and_unfused(rows, weight, targets, 1.0, 4, with_entropy=False)
+    for got, want in zip((fused[0], *fused[2:]), (unfused[0], *unfused[2:])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # bf16 weights: the pieces' products run in bf16 as the layer's do; the gradients come back in bf16
+    rows, weight, targets = output_layer_operands(torch.bfloat16)
+    fused, unfused = fused_and_unfused(rows, weight, targets, 1.0, 4)
+    assert fused[2].dtype == fused[3].dtype == torch.bfloat16
+    torch.testing.assert_close(fused[0], unfused[0], rtol=0, atol=1e-5)  # the same bf16 logits, fp32 sums
+    for got, want in zip(fused[2:], unfused[2:]):  # one bf16 rounding apart (the weight's: summed in fp32 first)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_no_rows_give_empty_results_and_no_gradient():
+    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+
+    rows, weight, _ = output_layer_operands(count=0)
+    rows.requires_grad_(), weight.requires_grad_()
+    logprobs, entropy = _OutputLayerLogprobsAndEntropy.apply(rows, weight, torch.zeros(0, dtype=torch.long), 0,
+                                                             VOCAB, 1.0, 4, None, True)
+    assert logprobs.shape == entropy.shape == (0,)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert weight.grad is None or weight.grad.eq(0).all()

@@ -59,9 +59,40 @@ def main() -> None:
             value = value.float().reshape(1)
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
             result[f"chunk{chunk_tokens}/{name}"] = float(value)
+    result.update(fused_with_output_layer(rank, shard, group, temperature))
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     shutdown()
+
+
+def fused_with_output_layer(rank: int, shard: slice, group, temperature: float) -> dict:
+    """The pass fused with the output layer (hidden rows, this rank's weight shard) against float64 over the
+    whole vocabulary: logprobs, entropies, the rows' gradient (summed over the ranks) and this rank's
+    weight gradient, with pieces smaller than the rows (2) and one piece (1024)."""
+    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+    from tests.unit.test_chunked_logprobs import output_layer_operands
+
+    rows, weight, targets = output_layer_operands()
+    rows64, weight64 = rows.double().requires_grad_(), weight.double().requires_grad_()
+    log_softmax = torch.log_softmax((rows64 @ weight64[:VOCAB].t()) / temperature, dim=-1)
+    logprobs64 = log_softmax.gather(1, targets.unsqueeze(1)).squeeze(1)
+    entropy64 = -(log_softmax.exp() * log_softmax).sum(-1)
+    (0.6 * logprobs64.sum() - 0.4 * entropy64.sum()).backward()
+    expected = (logprobs64.detach(), entropy64.detach(), rows64.grad, weight64.grad[shard])
+    result = {}
+    for chunk_tokens in (2, 1024):
+        rows_leaf, weight_leaf = rows.clone().requires_grad_(), weight[shard].clone().requires_grad_()
+        vocab_start = rank * weight_leaf.shape[0]
+        first_padded = min(max(VOCAB - vocab_start, 0), weight_leaf.shape[0])
+        logprobs, entropy = _OutputLayerLogprobsAndEntropy.apply(rows_leaf, weight_leaf, targets, vocab_start,
+                                                                 first_padded, temperature, chunk_tokens, group, True)
+        (0.6 * logprobs.sum() - 0.4 * entropy.sum()).backward()
+        got = (logprobs.detach(), entropy.detach(), rows_leaf.grad, weight_leaf.grad)
+        for name, value, want in zip(("logprobs", "entropy", "rows_grad", "weight_grad"), got, expected):
+            difference = (value.double() - want).abs().max().float().reshape(1)
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            result[f"fused_chunk{chunk_tokens}/{name}_vs_float64"] = float(difference)
+    return result
 
 
 if __name__ == "__main__":
