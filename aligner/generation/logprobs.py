@@ -289,9 +289,11 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
         first_padded, temperature, pieces, group = ctx.settings
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
-        grad_rows = torch.empty_like(rows)
+        rows_need_grad, weight_needs_grad = ctx.needs_input_grad[:2]  # a frozen output layer (LoRA): no weight grad
+        grad_rows = torch.empty_like(rows) if rows_need_grad else None
         # the weight's gradient summed piece by piece in fp32 (one rounding to a half dtype at the end)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_needs_grad \
+            else None
         buffer = torch.empty(max((length for _, length in pieces), default=0), weight.shape[0], dtype=torch.float32,
                              device=rows.device)
 
@@ -301,7 +303,10 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
         def take(index, length, grad):
             part = slice(index, index + length)
             grad = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)  # as the layer's backward
-            torch.mm(grad, weight, out=grad_rows[part])
+            if grad_rows is not None:
+                torch.mm(grad, weight, out=grad_rows[part])
+            if grad_weight is None:
+                return
             if weight.dtype == torch.float32:
                 grad_weight.addmm_(grad.t(), rows[part])
             else:
@@ -309,9 +314,10 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
 
         _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
                          grad_entropy, temperature, weight.shape[0], rows.device, take)
-        if group is not None:  # megatron's copy_to_tensor_model_parallel_region: the input's gradient summed
-            dist.all_reduce(grad_rows, group=group)
-        return grad_rows, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        if group is not None and grad_rows is not None:  # megatron's copy_to_tensor_model_parallel_region:
+            dist.all_reduce(grad_rows, group=group)  # the input's gradient summed over the group
+        return (grad_rows, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None, None, None, None)
 
 
 def selected_logprobs_and_entropy(

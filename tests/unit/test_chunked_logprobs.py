@@ -213,6 +213,19 @@ def test_the_fused_pass_with_logprobs_only_and_in_bf16():
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+def test_a_frozen_output_weight_gets_no_gradient_and_the_rows_theirs():
+    """A frozen output layer (LoRA trains adapters elsewhere): no weight gradient is computed, the rows' is the same."""
+    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+
+    rows, weight, targets = output_layer_operands()
+    (_, _, expected_rows_grad, _), _ = fused_and_unfused(rows, weight, targets, 1.0, 4)
+    rows_leaf = rows.clone().requires_grad_()
+    logprobs, entropy = _OutputLayerLogprobsAndEntropy.apply(rows_leaf, weight, targets, 0, VOCAB, 1.0, 4, None, True)
+    (0.6 * logprobs.sum() - 0.4 * entropy.sum()).backward()
+    assert weight.grad is None
+    torch.testing.assert_close(rows_leaf.grad, expected_rows_grad, rtol=0, atol=0)
+
+
 def test_no_rows_give_empty_results_and_no_gradient():
     from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
 
