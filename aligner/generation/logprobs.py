@@ -117,6 +117,11 @@ def _product_piece(rows: torch.Tensor, weight: torch.Tensor, first: int, count: 
     return _scaled(piece, first_padded, temperature)
 
 
+def _piece_buffer(pieces, shard: int, device) -> torch.Tensor:
+    """An fp32 [longest piece, shard] buffer that every piece of a pass reuses (no fresh pages per piece)."""
+    return torch.empty(max((length for _, length in pieces), default=0), shard, dtype=torch.float32, device=device)
+
+
 class _PieceStatistics(NamedTuple):
     """What backward needs per position (besides the logits): all relative to the row's max."""
 
@@ -139,8 +144,7 @@ def _logprobs_and_entropy(piece_of, pieces, count, targets, vocab_start, shard, 
     expected_logit = torch.zeros_like(row_max)  # E[x - max]
     local_targets = targets - vocab_start
     on_shard = (local_targets >= 0) & (local_targets < shard)
-    longest = max((length for _, length in pieces), default=0)
-    weights_buffer = torch.empty(longest, shard, dtype=torch.float32, device=device) if with_entropy else None
+    weights_buffer = _piece_buffer(pieces, shard, device) if with_entropy else None
     if group is not None:
         # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
         for index, length in pieces:
@@ -183,8 +187,7 @@ def _piece_gradients(piece_of, pieces, statistics: _PieceStatistics, local_targe
     computing its own shard's part; the piece's softmax is recomputed from the saved sums.
     """
     row_max, sum_exp, expected_logit = statistics
-    longest = max((length for _, length in pieces), default=0)
-    probs_buffer = None if grad_entropy is None else torch.empty(longest, shard, dtype=torch.float32, device=device)
+    probs_buffer = None if grad_entropy is None else _piece_buffer(pieces, shard, device)
     for index, length in pieces:
         part = slice(index, index + length)
         shifted = piece_of(index, length)
@@ -217,8 +220,7 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
     def forward(ctx, flat_logits, positions, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
                 with_entropy):
         pieces = _consecutive_pieces(positions, chunk_tokens)
-        buffer = torch.empty(min(chunk_tokens, positions.numel()), flat_logits.shape[-1], dtype=torch.float32,
-                             device=flat_logits.device)
+        buffer = _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device)
 
         def piece_of(index, length):
             return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
@@ -238,8 +240,7 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
         grad_logits = torch.zeros_like(flat_logits)
-        rows = max((length for _, length in pieces), default=0)
-        buffer = torch.empty(rows, flat_logits.shape[-1], dtype=torch.float32, device=flat_logits.device)
+        buffer = _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device)
 
         def piece_of(index, length):
             return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
@@ -271,7 +272,7 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
                 with_entropy):
         count = rows.shape[0]
         pieces = [(index, min(chunk_tokens, count - index)) for index in range(0, count, chunk_tokens)]
-        buffer = torch.empty(min(chunk_tokens, count), weight.shape[0], dtype=torch.float32, device=rows.device)
+        buffer = _piece_buffer(pieces, weight.shape[0], rows.device)
 
         def piece_of(index, length):
             return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
@@ -294,8 +295,7 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
         # the weight's gradient summed piece by piece in fp32 (one rounding to a half dtype at the end)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_needs_grad \
             else None
-        buffer = torch.empty(max((length for _, length in pieces), default=0), weight.shape[0], dtype=torch.float32,
-                             device=rows.device)
+        buffer = _piece_buffer(pieces, weight.shape[0], rows.device)
 
         def piece_of(index, length):
             return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
