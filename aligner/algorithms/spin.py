@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Optional
 
 from aligner.algorithms.dpo import (
     REFERENCE_MODES,
@@ -90,7 +91,7 @@ class SPINDataConfig:
     train: list[DemonstrationFile] = field(default_factory=list)  # all files are used, concatenated
     max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: int = at_least(1, 8)
+    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 on CPU")
     chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
 

@@ -8,6 +8,7 @@ from torch.utils.data import Dataset
 
 from aligner.data.sampler import DistributedBatchSampler
 from aligner.data.sft import collate_sft
+from aligner.runtime import distributed
 
 
 class MicroBatchLoader:
@@ -25,7 +26,7 @@ class MicroBatchLoader:
 
     def __init__(self, dataset: Dataset, *, global_batch_size: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool,
-                 pad_id: int, pad_to_multiple_of: int = 8, collate_fn: Optional[Callable] = None,
+                 pad_id: int, pad_to_multiple_of: Optional[int] = None, collate_fn: Optional[Callable] = None,
                  packing=None):
         self.dataset = dataset
         self.sampler_args = dict(
@@ -35,7 +36,7 @@ class MicroBatchLoader:
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.pad_id = pad_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_multiple_of = distributed.pad_multiple(pad_to_multiple_of)
         # collate_fn(examples, pad_id, pad_to_multiple_of) -> dict of [rows, ...] tensors; a dataset
         # item may become several rows (a preference pair is two), sliced micro batch by micro batch.
         self.collate_fn = collate_fn or collate_sft

@@ -280,6 +280,15 @@ def resolve_precision(name: str) -> "torch.dtype":
     return dtype
 
 
+def pad_multiple(setting: "int | None") -> int:
+    """Rows of a batch are padded to a multiple of this many tokens. `setting` null: 8 on GPU (token
+    counts aligned for tensor-core GEMMs), 1 on CPU, where a padded slot is work and nothing else (the
+    demo's SFT step: 0.143 -> 0.093 s, rows of ~10 tokens padded to 16 before)."""
+    if setting is not None:
+        return setting
+    return 1 if cpu_bridge.needed() else 8
+
+
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a tensor for offloading: pinned when the model is on a GPU (fast, async-capable
     copies back), plain memory on CPU (pinning needs CUDA)."""

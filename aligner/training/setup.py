@@ -351,7 +351,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
 
 
 def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,
-                 pad_to_multiple_of: int, collate_fn: Optional[Callable] = None,
+                 pad_to_multiple_of: Optional[int], collate_fn: Optional[Callable] = None,
                  packing=None):
     """Micro-batch loader for this data-parallel rank (packing: its token budget, if any, forms the micro batches)."""
     from megatron.core import parallel_state as ps
@@ -400,7 +400,7 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
 
 
 def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool,
-                  pad_id: int, pad_to_multiple_of: int, collate_fn: Optional[Callable] = None,
+                  pad_id: int, pad_to_multiple_of: Optional[int], collate_fn: Optional[Callable] = None,
                   packing=None) -> tuple:
     """(train loader, validation loader or None); validation smaller than one global batch is off."""
     from aligner.training.metrics import get_logger
@@ -428,7 +428,7 @@ class DataSection:
     split: str = "98,2"
     max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: int = at_least(1, 8)
+    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 on CPU")
     # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
     # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
     chat_template: bool = True
@@ -436,7 +436,8 @@ class DataSection:
     @property
     def longest_row(self) -> tuple[int, str]:
         """(tokens, what they are) of the longest padded row a collated batch can have."""
-        padded = -(-self.max_seq_length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        multiple = distributed.pad_multiple(self.pad_to_multiple_of)
+        padded = -(-self.max_seq_length // multiple) * multiple
         return padded, "data.max_seq_length rounded up to data.pad_to_multiple_of"
 
 

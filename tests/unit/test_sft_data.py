@@ -366,6 +366,24 @@ def test_collate_unpacked_shifts_and_pads():
     assert padded["loss_mask"][:, 4:].sum() == 0
 
 
+
+def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(monkeypatch):
+    from aligner.data.loader import MicroBatchLoader
+    from aligner.runtime import cpu_bridge, distributed
+
+    examples = [{"tokens": torch.arange(1, n + 1), "loss_mask": torch.ones(n, dtype=torch.long)} for n in (5, 10, 7)]
+
+    def first_batch(**pad):
+        loader = MicroBatchLoader(examples, global_batch_size=3, micro_batch_size=3, data_parallel_rank=0,
+                                  data_parallel_size=1, seed=0, shuffle=False, pad_id=0, **pad)
+        return next(loader.iterate(0))[0]
+
+    assert distributed.pad_multiple(None) == 1 and distributed.pad_multiple(4) == 4
+    assert first_batch()["tokens"].shape == (3, 9)  # the longest row's 10 tokens, less the last (a label only)
+    assert first_batch(pad_to_multiple_of=8)["tokens"].shape == (3, 16)
+    monkeypatch.setattr(cpu_bridge, "needed", lambda: False)  # as on a GPU
+    assert distributed.pad_multiple(None) == 8 and first_batch()["tokens"].shape == (3, 16)
+
 def test_collate_packed_builds_segment_positions_and_block_causal_mask():
     pack = {
         "tokens": torch.tensor([1, 2, 3, 4, 5, 6]),

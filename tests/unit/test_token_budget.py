@@ -76,7 +76,7 @@ def test_config_errors_name_the_key():
         load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
                                                            "packing.enabled=false"])
     cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [*data, "packing.micro_batch_tokens=64",
-                                                             "data.max_seq_length=60"])
+                                                             "data.max_seq_length=60", "data.pad_to_multiple_of=8"])
     cfg.packing.check_layout(1, *cfg.data.longest_row)
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1"):
         cfg.packing.check_layout(2, *cfg.data.longest_row)
@@ -89,6 +89,9 @@ def test_config_errors_name_the_key():
     cfg.packing.row_length = 80
     with pytest.raises(ConfigError, match="at least packing.row_length = 80"):
         cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.data.pad_to_multiple_of, cfg.packing.row_length = None, None  # null on a CPU: no rounding
+    assert cfg.data.longest_row[0] == 65
+    cfg.packing.check_layout(1, 64, "a row")
     actor = _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size"):
         actor.cfg.validate(1)
