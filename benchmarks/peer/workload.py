@@ -19,7 +19,8 @@ forward. So `rl` (RLOO) compares each trainer as users run it, TRL doing one for
 DPO: both sides run the reference forward inside every step (TRL's default; ours `reference_logprobs=swap`).
 
 Not matched (cannot be, or does not change the work): the optimizer implementation (torch AdamW vs
-megatron's Adam with decoupled weight decay), padding (we pad to a multiple of 8, TRL to the longest row),
+megatron's Adam with decoupled weight decay), padding (SFT: both pad to the longest row, ours on CPU;
+DPO and RL: ours packed, TRL's padded to the longest row),
 SFT's loss mask (we train on assistant tokens, TRL on all tokens: SmolLM2's template has no generation
 tags for TRL's assistant_only_loss; the forward/backward over all tokens is the same), RLOO's loss
 aggregation details, the generation code (ours: the native KV-cached engine; TRL: transformers.generate).
