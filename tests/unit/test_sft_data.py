@@ -366,7 +366,6 @@ def test_collate_unpacked_shifts_and_pads():
     assert padded["loss_mask"][:, 4:].sum() == 0
 
 
-
 def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(monkeypatch):
     from aligner.data.loader import MicroBatchLoader
     from aligner.runtime import cpu_bridge, distributed
@@ -383,6 +382,7 @@ def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(mo
     assert first_batch(pad_to_multiple_of=8)["tokens"].shape == (3, 16)
     monkeypatch.setattr(cpu_bridge, "needed", lambda: False)  # as on a GPU
     assert distributed.pad_multiple(None) == 8 and first_batch()["tokens"].shape == (3, 16)
+
 
 def test_collate_packed_builds_segment_positions_and_block_causal_mask():
     pack = {

@@ -91,7 +91,10 @@ def test_config_errors_name_the_key():
         cfg.packing.check_layout(1, *cfg.data.longest_row)
     cfg.data.pad_to_multiple_of, cfg.packing.row_length = None, None  # null on a CPU: no rounding
     assert cfg.data.longest_row[0] == 65
-    cfg.packing.check_layout(1, 64, "a row")
+    with pytest.raises(ConfigError, match="data.max_seq_length rounded up to data.pad_to_multiple_of = 65"):
+        cfg.packing.check_layout(1, *cfg.data.longest_row)
+    cfg.data.max_seq_length = 64  # exactly one row of the budget
+    cfg.packing.check_layout(1, *cfg.data.longest_row)
     actor = _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size"):
         actor.cfg.validate(1)
