@@ -80,7 +80,7 @@ class RSDataConfig:
     max_prompt_length: int = at_least(1, 256)  # longer prompts are skipped
     chat_template: bool = True
     shuffle: bool = True
-    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 on CPU")
+    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
 
 
 @dataclass

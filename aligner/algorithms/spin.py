@@ -91,7 +91,7 @@ class SPINDataConfig:
     train: list[DemonstrationFile] = field(default_factory=list)  # all files are used, concatenated
     max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 on CPU")
+    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
     chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
 

@@ -428,7 +428,7 @@ class DataSection:
     split: str = "98,2"
     max_seq_length: int = at_least(2, 512)
     shuffle: bool = True
-    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 on CPU")
+    pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
     # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
     # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
     chat_template: bool = True

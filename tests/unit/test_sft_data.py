@@ -380,6 +380,11 @@ def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(mo
     assert distributed.pad_multiple(None) == 1 and distributed.pad_multiple(4) == 4
     assert first_batch()["tokens"].shape == (3, 9)  # the longest row's 10 tokens, less the last (a label only)
     assert first_batch(pad_to_multiple_of=8)["tokens"].shape == (3, 16)
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)  # as at TP=2
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    assert distributed.pad_multiple(None) == 2 and first_batch()["tokens"].shape == (3, 10)
     monkeypatch.setattr(cpu_bridge, "needed", lambda: False)  # as on a GPU
     assert distributed.pad_multiple(None) == 8 and first_batch()["tokens"].shape == (3, 16)
 
