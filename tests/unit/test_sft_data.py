@@ -384,7 +384,10 @@ def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(mo
 
     monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)  # as at TP=2
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
     assert distributed.pad_multiple(None) == 2 and first_batch()["tokens"].shape == (3, 10)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)  # MoE, EP=2
+    assert distributed.pad_multiple(None) == 8
     monkeypatch.setattr(cpu_bridge, "needed", lambda: False)  # as on a GPU
     assert distributed.pad_multiple(None) == 8 and first_batch()["tokens"].shape == (3, 16)
 
