@@ -50,7 +50,7 @@ import torch.distributed as dist
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
-from aligner.models.packing import PackingSection
+from aligner.models.packing import RLPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
@@ -256,7 +256,7 @@ class RLActorConfig(RunConfig):
     ptx: PTXSection = field(default_factory=PTXSection)
     ema: EMASection = field(default_factory=EMASection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
-    packing: PackingSection = field(default_factory=PackingSection)
+    packing: RLPackingSection = field(default_factory=RLPackingSection)
     logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
 
     @property
@@ -412,6 +412,9 @@ class PolicyMicrobatch:
 
     @property
     def real_tokens(self) -> int:
+        """Tokens the forward runs over, padding not counted (a shared prompt once)."""
+        if self.packed is not None:
+            return self.packed.real_tokens
         return int(self.prompt_lengths.sum() + self.response_lengths.sum())
 
 
@@ -843,8 +846,8 @@ class RLActor:
                                    vocab_size=model_cfg.vocab_size, packing=self.cfg.packing,
                                    pad_id=self.tokenizer.pad_id, temperature=self.temperature,
                                    response_width=self.response_width,
-                                   micro_batch_size=self.cfg.trainer.micro_batch_size,
-                                   plan=self.logprob_plan(rows))
+                                   micro_batch_size=self.rows_per_micro_batch, plan=self.logprob_plan(rows),
+                                   row_length=self.row_length, share_prompts=self.shares_prompts, trim=True)
         if budget:
             from aligner.runtime.distributed import device
 
@@ -1008,6 +1011,47 @@ class RLActor:
         return torch.randperm(rows, generator=generator)
 
     @property
+    def shares_prompts(self) -> bool:
+        """Whether packed rows hold the samples of one prompt with the prompt once (`packing.share_prompts`)."""
+        from aligner.models import packing
+
+        return packing.shares_prompts_here(self.cfg.packing, self.chunks[0])
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per packed row: packing.row_length; null: the padded row's length, twice that where
+        prompts are shared without a token budget (room for a group: prompt + samples; attention's cost
+        per token, which grows with the row, at most doubles)."""
+        packing = self.cfg.packing
+        if packing.row_length is not None:
+            return packing.row_length
+        return self.seq_length * (2 if self._doubles_rows else 1)
+
+    @property
+    def _doubles_rows(self) -> bool:
+        packing = self.cfg.packing
+        return packing.row_length is None and packing.micro_batch_tokens is None and self.shares_prompts
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Packed rows per micro batch: trainer.micro_batch_size (half that, at least 1, of the doubled
+        default rows: about as many token slots as before)."""
+        micro = self.cfg.trainer.micro_batch_size
+        return max(1, micro // 2) if self._doubles_rows else micro
+
+    def packed_rows_plan(self, lengths: list[int], rows, members: list[int]) -> list[list[int]]:
+        """Rows (indices into `members`) of the sequences `members` of `rows`: first fit, or with shared
+        prompts the samples of one prompt together (`packing.shared_prompt_rows`)."""
+        from aligner.models import packing
+
+        if not self.shares_prompts:
+            return packing.first_fit_rows(lengths, self.row_length)
+        ids = torch.tensor(members)
+        prompt_lengths = rows.prompt_lengths[ids]
+        return packing.shared_prompt_rows(lengths, prompt_lengths.tolist(),
+                                          packing.prompt_keys(rows.tokens[ids], prompt_lengths), self.row_length)
+
+    @property
     def uses_token_budget(self) -> bool:
         from aligner.models import packing
 
@@ -1058,24 +1102,22 @@ class RLActor:
         ids = torch.cat([self.minibatch_order(local, epoch, rank)[window] + rank * local
                          for rank in range(self.dp_size)]).tolist()
         lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
-        row_length = self.cfg.packing.row_length or self.seq_length
         plan = packing.plan_token_budget([[lengths[i]] for i in ids], self.dp_size,
-                                         self.cfg.packing.micro_batch_tokens, row_length)[self.dp_rank]
+                                         self.cfg.packing.micro_batch_tokens, self.row_length)[self.dp_rank]
         micro_batches = []
         for items in plan:
             members = [ids[i] for i in items]
             micro_batches.append([[members[i] for i in row]
-                                  for row in packing.first_fit_rows([lengths[j] for j in members], row_length)])
+                                  for row in self.packed_rows_plan([lengths[j] for j in members], rows, members)])
         return micro_batches
 
     def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
         """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
-        from aligner.models import packing
-
         lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
-        row_length = self.cfg.packing.row_length or self.seq_length
-        return [[[int(ids[i]) for i in row] for row in rows]
-                for rows in packing.plan_micro_batches(lengths, row_length, self.cfg.trainer.micro_batch_size)]
+        rows = self.packed_rows_plan(lengths, batch, ids.tolist())
+        per_micro_batch = self.rows_per_micro_batch
+        return [[[int(ids[i]) for i in row] for row in rows[start:start + per_micro_batch]]
+                for start in range(0, len(rows), per_micro_batch)]
 
     def logprob_plan(self, batch) -> list[list[list[int]]]:
         """The packed logprob pass's micro batches: the first epoch's, so the first minibatch's rows are
@@ -1118,7 +1160,7 @@ class RLActor:
                     for part in ids.split(micro)]
         lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
         sequences = [batch.tokens[row, :length] for row, length in enumerate(lengths)]
-        row_length = self.cfg.packing.row_length or self.seq_length
+        prompt_lengths = batch.prompt_lengths.tolist() if self.shares_prompts else None
         microbatches = []
         for rows in self.packed_plan(batch, ids) if plan is None else plan:
             if not rows:
@@ -1126,7 +1168,8 @@ class RLActor:
                 microbatches.append(microbatch(torch.zeros(0, dtype=torch.long), tokens=empty.tokens,
                                                position_ids=empty.position_ids, packed=empty))
                 continue
-            members, packed = packing.pack_micro_batch(sequences, rows, row_length, self.tokenizer.pad_id)
+            members, packed = packing.pack_micro_batch(sequences, rows, self.row_length, self.tokenizer.pad_id,
+                                                       prompt_lengths, trim=True)
             microbatches.append(microbatch(torch.tensor(members), tokens=packed.tokens,
                                            position_ids=packed.position_ids, packed=packed))
         return microbatches

@@ -247,7 +247,7 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
 
         def take(index, length, grad):
             first = int(positions[index])
-            grad_logits[first:first + length] = grad
+            grad_logits[first:first + length] += grad  # a position may repeat (a shared prompt's last token)
 
         _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
                          grad_entropy, temperature, flat_logits.shape[-1], flat_logits.device, take)
@@ -331,12 +331,13 @@ def selected_logprobs_and_entropy(
     chunk_tokens: Optional[int] = None,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy), each [n] float32 and differentiable, at n distinct positions of the logits.
+    """(logprobs, entropy), each [n] float32 and differentiable, at n positions of the logits.
 
     logits: [batch, seq, vocab_shard], this rank's tensor-parallel shard of the padded vocabulary, or the
     model's `HiddenStates` (the output layer is then applied at these positions only);
-    rows, columns: [n] long, the positions, each at most once; targets: [n] long, the token whose
-    logprob is taken at each (its logits being those of the position). Both are those of
+    rows, columns: [n] long, the positions (one may repeat: a shared prompt's last token predicts each
+    of its responses' first); targets: [n] long, the token whose logprob is taken at each (its logits
+    being those of the position). Both are those of
     softmax(logits / temperature) over the real vocabulary (`mask_padded_vocab`). Equal to megatron's
     vocab_parallel_cross_entropy of the masked, scaled logits at those positions, without its
     full-size copies. chunk_tokens: positions per chunk (default `LOGPROB_CHUNK_TOKENS`).

@@ -17,6 +17,7 @@ from aligner.models.packing import (
     packed_forward,
     packs_here,
     plan_micro_batches,
+    prompt_keys,
 )
 
 
@@ -34,15 +35,19 @@ def response_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs.response_logprobs_and_entropy` of the sequences of packed rows, read in place from
     the packed logits [R, L, vocab_shard] or `HiddenStates` (no per-sequence copy): [N, response_width] each, 0 after
-    each response's end."""
+    each response's end. With shared prompts the prompt's last column predicts every response's first token."""
     device = logits.device
     row_length = logits.shape[1]
     inside = logprobs.response_mask(response_lengths.to(device), response_width)
     steps = torch.arange(response_width, device=device)
-    # Flat column of the logits predicting response token j of sequence i, and of that token.
-    flat = (packed.starts.to(device) + prompt_lengths.to(device) - 1).unsqueeze(1) + steps
+    prompt_end = packed.starts.to(device) + prompt_lengths.to(device)  # one past each prompt's last token
+    first = packed.response_starts.to(device) if packed.shares_prompts else prompt_end
+    # Flat column of response token j of sequence i, and of the logits predicting it.
+    token = (first.unsqueeze(1) + steps)[inside]
+    flat = (first.unsqueeze(1) + steps - 1)
+    flat[:, 0] = prompt_end - 1
     flat = flat[inside]
-    targets = packed.tokens.to(device).reshape(-1)[flat + 1]
+    targets = packed.tokens.to(device).reshape(-1)[token]
     selected, entropy = logprobs.selected_logprobs_and_entropy(
         logits, flat // row_length, flat % row_length, targets, vocab_size=vocab_size, temperature=temperature,
         with_entropy=with_entropy)
@@ -88,14 +93,19 @@ def sequence_logprobs(
     response_width: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
     plan: Optional[list[list[list[int]]]] = None,
+    row_length: Optional[int] = None,
+    share_prompts: bool = False,
+    trim: bool = False,
 ) -> torch.Tensor:
     """`aligner.generation.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
-    packed rows when `packs_here(packing)` (rows of packing.row_length, default S; micro_batch_size
+    packed rows when `packs_here(packing)` (rows of `row_length`, default packing.row_length, else S; micro_batch_size
     packed rows per forward), else on the padded rows themselves.
 
     plan: the packed forwards, as row indices per packed row per forward (default: first fit over
     the whole batch). Where a sequence sits in a row changes its float rounding (~1e-6 relative), so
-    a caller that needs bit-equal numbers later lays the rows out the same way both times."""
+    a caller that needs bit-equal numbers later lays the rows out the same way both times.
+    share_prompts: rows of one prompt hold it once (`packing.shared_prompt_rows`; the caller checks
+    `packing.shares_prompts_here`); trim: each forward's rows cut to the longest of them (`packing.pack_rows`)."""
     width = int(response_lengths.max()) if response_width is None else response_width
     if not packs_here(packing):
         return logprobs.sequence_logprobs(model_chunks, tokens, prompt_lengths, response_lengths,
@@ -106,10 +116,12 @@ def sequence_logprobs(
     target = device()
     lengths = (prompt_lengths + response_lengths).tolist()
     sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
-    row_length = packing.row_length or tokens.shape[1]
+    row_length = row_length or packing.row_length or tokens.shape[1]
     result = torch.zeros(len(sequences), width, device=target)
-    for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences)):
-        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id)
+    prompts = (prompt_lengths.tolist(), prompt_keys(tokens, prompt_lengths)) if share_prompts else None
+    for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences), prompts):
+        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id,
+                                           prompts[0] if share_prompts else None, trim=trim)
         index = torch.tensor(members, device=target)
         result[index] = packed_sequence_logprobs(
             model_chunks[0], packed.to(target), prompt_lengths.to(target)[index], response_lengths.to(target)[index],

@@ -27,6 +27,14 @@ rank then runs the same number of micro batches (megatron's schedule and the gra
 it): the largest ones are split, and where nothing is left to split a rank runs empty micro
 batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
 
+Shared prompts (`PackingSection.share_prompts`, `shared_prompt_rows`): the samples of one prompt (a
+GRPO/RLOO group) laid in one row hold the prompt once, then each response, every response token
+attending to the prompt and its own response only, at the positions it has in its own sequence; the
+prompt's last position predicts every response's first token. The model then runs over the prompt
+once instead of once per sample. Such a row is a tree, not a chain of sequences: only the full mask
+of the local path expresses it (THD's cu_seqlens cannot), so `shares_prompts_here` says no on
+transformer-engine attention.
+
 megatron-core 0.16's GPTModel builds rotary embeddings for columns 0..S-1 whatever the position
 ids say; `gpt_model_class` returns a GPTModel whose rotary embedding follows `position_ids`
 instead, so the angles of a packed sequence's tokens are exactly those of its padded row.
@@ -80,6 +88,15 @@ class PackingSection:
                               f"{'packing.row_length' if self.row_length else longest_row_is} = {row}")
 
 
+@dataclass
+class RLPackingSection(PackingSection):
+    """The RL actor's `packing:` section: PackingSection, and whether samples of a prompt share it."""
+
+    # The samples of one prompt packed in one row hold the prompt once (the model runs over it once,
+    # not once per sample); local attention only (transformer-engine's THD packing cannot express it).
+    share_prompts: bool = True
+
+
 # ----------------------------------------------------------------------------- layout
 def first_fit_rows(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     """Sequence indices per row: first fit, longest first (ties by index, so every rank agrees)."""
@@ -109,32 +126,60 @@ class PackedRows:
     segment_ids: torch.Tensor  # [R, L]: the sequence's index in its row, -1 on padding
     starts: torch.Tensor  # [N] long
     lengths: torch.Tensor  # [N] long
+    # Shared prompts (`pack_rows` with prompt_lengths): the segment each token also attends to (a shared
+    # prompt's; else its own) [R, L], and per sequence the flat column of its first response token and
+    # its prompt's length [N]. None: every sequence laid out whole, from `starts`.
+    prefix_ids: Optional[torch.Tensor] = None
+    response_starts: Optional[torch.Tensor] = None
+    prompt_lengths: Optional[torch.Tensor] = None
 
     @property
     def row_length(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def shares_prompts(self) -> bool:
+        return self.response_starts is not None
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens the rows hold, padding not counted (a shared prompt once)."""
+        return int((self.segment_ids >= 0).sum())
+
     def sequence(self, index: int) -> torch.Tensor:
-        """The tokens of sequence `index` (in the caller's order), as laid out in the rows."""
+        """The tokens of sequence `index` (in the caller's order), as laid out in the rows (shared
+        prompts: its prompt, then its response)."""
         start, length = int(self.starts[index]), int(self.lengths[index])
-        return self.tokens.reshape(-1)[start:start + length]
+        flat = self.tokens.reshape(-1)
+        if not self.shares_prompts:
+            return flat[start:start + length]
+        prompt_length, response = int(self.prompt_lengths[index]), int(self.response_starts[index])
+        return torch.cat([flat[start:start + prompt_length], flat[response:response + length - prompt_length]])
 
     def to(self, device, non_blocking: bool = False) -> "PackedRows":
-        return PackedRows(*(tensor.to(device, non_blocking=non_blocking) for tensor in (
-            self.tokens, self.position_ids, self.segment_ids, self.starts, self.lengths)))
+        return PackedRows(*(None if tensor is None else tensor.to(device, non_blocking=non_blocking) for tensor in (
+            self.tokens, self.position_ids, self.segment_ids, self.starts, self.lengths, self.prefix_ids,
+            self.response_starts, self.prompt_lengths)))
 
     def attention_mask(self) -> torch.Tensor:
-        """[R, 1, L, L] bool, True = masked: causal within each sequence; padding sees only itself."""
+        """[R, 1, L, L] bool, True = masked: causal within each sequence (a shared prompt's responses:
+        within the prompt and their own tokens); padding sees only itself."""
         columns = torch.arange(self.row_length, device=self.tokens.device)
         causal = columns[None, :] <= columns[:, None]  # key <= query
         segments = self.segment_ids
-        attend = causal & (segments[:, :, None] == segments[:, None, :]) & (segments >= 0)[:, :, None]
+        same = segments[:, :, None] == segments[:, None, :]
+        if self.prefix_ids is not None:
+            same |= self.prefix_ids[:, :, None] == segments[:, None, :]
+        attend = causal & same & (segments >= 0)[:, :, None]
         attend |= torch.eye(self.row_length, dtype=torch.bool, device=self.tokens.device)  # no empty softmax row
         return ~attend[:, None]
 
     def packed_seq_params(self):
         """megatron's THD parameters for the rows flattened to one sequence (tail padding a sequence too)."""
         from megatron.core.packed_seq_params import PackedSeqParams
+
+        if self.shares_prompts:
+            raise ValueError("rows with shared prompts need a full attention mask; THD sequences cannot express them")
 
         segments = self.segment_ids.reshape(-1)
         flat = torch.arange(1, len(segments), device=segments.device)
@@ -146,25 +191,85 @@ class PackedRows:
 
 
 def pack_rows(sequences: Sequence[torch.Tensor], row_length: int, pad_id: int,
-              rows: Optional[list[list[int]]] = None) -> PackedRows:
-    """Lay 1-D token tensors end to end in rows of `row_length` (rows: the plan, default `first_fit_rows`)."""
+              rows: Optional[list[list[int]]] = None,
+              prompt_lengths: Optional[Sequence[int]] = None, trim: bool = False) -> PackedRows:
+    """Lay 1-D token tensors end to end in rows of `row_length` (rows: the plan, default `first_fit_rows`);
+    trim: rows only as long as the longest of them needs (no columns of padding in every row).
+
+    prompt_lengths: the sequences' prompt lengths, to share prompts: a sequence whose prompt equals
+    that of the group started by an earlier sequence of its row, adjacent in the plan (as
+    `shared_prompt_rows` places them), lays out only its response after the group's, attending to the
+    group's prompt (`PackedRows.prefix_ids`)."""
     lengths = [len(sequence) for sequence in sequences]
     rows = first_fit_rows(lengths, row_length) if rows is None else rows
     tokens = torch.full((len(rows), row_length), pad_id, dtype=torch.long)
     segment_ids = torch.full((len(rows), row_length), -1, dtype=torch.long)
     position_ids = torch.empty((len(rows), row_length), dtype=torch.long)
     starts = torch.zeros(len(sequences), dtype=torch.long)
+    shared = prompt_lengths is not None
+    prefix_ids = torch.full((len(rows), row_length), -1, dtype=torch.long) if shared else None
+    response_starts = torch.zeros(len(sequences), dtype=torch.long) if shared else None
+    column = segment = row = 0
+
+    def lay(values: torch.Tensor, first_position: int, prefix: int) -> int:
+        """Lays `values` at the row's next column (positions from first_position); returns its flat column."""
+        nonlocal column, segment
+        if column + len(values) > row_length:
+            raise ValueError(f"the sequences of packed row {row} need more than {row_length} tokens")
+        span = slice(column, column + len(values))
+        tokens[row, span] = values
+        segment_ids[row, span] = segment
+        position_ids[row, span] = torch.arange(first_position, first_position + len(values))
+        if shared:
+            prefix_ids[row, span] = prefix
+        first = row * row_length + column
+        column, segment = column + len(values), segment + 1
+        return first
+
     for row, members in enumerate(rows):
-        column = 0
-        for segment, index in enumerate(members):
-            length = lengths[index]
-            tokens[row, column:column + length] = torch.as_tensor(sequences[index], dtype=torch.long)
-            segment_ids[row, column:column + length] = segment
-            position_ids[row, column:column + length] = torch.arange(length)
-            starts[index] = row * row_length + column
-            column += length
+        column, segment, group = 0, 0, None  # group: (prompt tokens, its segment, its flat start)
+        for index in members:
+            sequence = torch.as_tensor(sequences[index], dtype=torch.long)
+            if not shared:
+                starts[index] = lay(sequence, 0, -1)
+                continue
+            prompt_length = int(prompt_lengths[index])
+            prompt = sequence[:prompt_length]
+            if group is None or not torch.equal(group[0], prompt):
+                group = (prompt, segment, lay(prompt, 0, segment))
+            starts[index] = group[2]
+            response_starts[index] = lay(sequence[prompt_length:], prompt_length, group[1])
         position_ids[row, column:] = torch.arange(row_length - column)
-    return PackedRows(tokens, position_ids, segment_ids, starts, torch.tensor(lengths, dtype=torch.long))
+    if trim and len(rows):
+        used = int((segment_ids >= 0).sum(1).max())
+        tokens, position_ids, segment_ids = tokens[:, :used], position_ids[:, :used], segment_ids[:, :used]
+        prefix_ids = None if prefix_ids is None else prefix_ids[:, :used]
+        starts = starts // row_length * used + starts % row_length
+        if shared:
+            response_starts = response_starts // row_length * used + response_starts % row_length
+    return PackedRows(tokens.contiguous(), position_ids.contiguous(), segment_ids.contiguous(), starts,
+                      torch.tensor(lengths, dtype=torch.long), None if prefix_ids is None else prefix_ids.contiguous(),
+                      response_starts,
+                      torch.tensor([int(n) for n in prompt_lengths], dtype=torch.long) if shared else None)
+
+
+def shared_prompt_rows(lengths: Sequence[int], prompt_lengths: Sequence[int], prompt_keys: Sequence,
+                       row_length: int) -> list[list[int]]:
+    """Sequence indices per row, the sequences of one prompt (equal `prompt_keys`) adjacent: each group
+    is cut into parts whose prompt once plus their responses fit a row (first fit, longest response
+    first), and the parts are laid out as `first_fit_rows` lays out sequences. `pack_rows` with the
+    prompt lengths then shares each part's prompt."""
+    groups: dict = {}
+    for index, key in enumerate(prompt_keys):
+        groups.setdefault((int(prompt_lengths[index]), key), []).append(index)
+    parts: list[list[int]] = []
+    sizes: list[int] = []
+    for (prompt_length, _), members in groups.items():
+        responses = [lengths[i] - prompt_length for i in members]
+        for part in first_fit_rows(responses, row_length - prompt_length):
+            parts.append(sorted(members[i] for i in part))
+            sizes.append(prompt_length + sum(responses[i] for i in part))
+    return [[index for part in row for index in parts[part]] for row in first_fit_rows(sizes, row_length)]
 
 
 def empty_packed_rows(pad_id: int) -> PackedRows:
@@ -284,6 +389,8 @@ def packed_forward(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
 
 def token_scores_at(output: torch.Tensor, packed: PackedRows, columns: torch.Tensor) -> torch.Tensor:
     """output [R, L, ...] at each sequence's own column `columns` [N] -> [N, ...]."""
+    if packed.shares_prompts:
+        raise ValueError("token_scores_at reads whole sequences; rows with shared prompts split them")
     flat = packed.starts.to(output.device) + columns.to(output.device)
     return output.reshape(-1, *output.shape[2:]).index_select(0, flat)
 
@@ -342,22 +449,41 @@ def packs_here(packing: Optional[PackingSection]) -> bool:
     return packing is not None and packing.enabled and ps.get_pipeline_model_parallel_world_size() == 1
 
 
-def plan_micro_batches(lengths: Sequence[int], row_length: int, rows_per_micro_batch: int) -> list[list[list[int]]]:
-    """Sequence indices per row per micro batch: `first_fit_rows`, then `rows_per_micro_batch` rows at a time."""
-    rows = first_fit_rows(lengths, row_length)
+def plan_micro_batches(lengths: Sequence[int], row_length: int, rows_per_micro_batch: int,
+                       prompts: Optional[tuple[Sequence[int], Sequence]] = None) -> list[list[list[int]]]:
+    """Sequence indices per row per micro batch: `first_fit_rows` (prompts given as (prompt lengths,
+    prompt keys): `shared_prompt_rows`), then `rows_per_micro_batch` rows at a time."""
+    rows = first_fit_rows(lengths, row_length) if prompts is None else shared_prompt_rows(lengths, *prompts,
+                                                                                            row_length)
     return [rows[start:start + rows_per_micro_batch] for start in range(0, len(rows), rows_per_micro_batch)]
 
 
 def pack_micro_batch(sequences: Sequence[torch.Tensor], rows: list[list[int]], row_length: int,
-                     pad_id: int) -> tuple[list[int], PackedRows]:
+                     pad_id: int, prompt_lengths: Optional[Sequence[int]] = None,
+                     trim: bool = False) -> tuple[list[int], PackedRows]:
     """(members, packed): the sequences named in `rows` (indices into `sequences`) as packed rows,
-    their order in `packed` being `members`."""
+    their order in `packed` being `members`; with `prompt_lengths` (of every sequence) prompts are
+    shared, and `trim` cuts the rows to the longest (`pack_rows`)."""
     members = [index for row in rows for index in row]
     local, position = [], 0
     for row in rows:
         local.append(list(range(position, position + len(row))))
         position += len(row)
-    return members, pack_rows([sequences[index] for index in members], row_length, pad_id, rows=local)
+    return members, pack_rows([sequences[index] for index in members], row_length, pad_id, rows=local,
+                              prompt_lengths=None if prompt_lengths is None
+                              else [prompt_lengths[index] for index in members], trim=trim)
+
+
+def shares_prompts_here(packing: Optional[PackingSection], model: torch.nn.Module) -> bool:
+    """Whether packed rows share prompts: asked for, packing here, and the local path's full mask
+    (transformer-engine's THD sequences cannot hold a tree)."""
+    return (packs_here(packing) and getattr(packing, "share_prompts", False)
+            and not uses_thd_attention(model))
+
+
+def prompt_keys(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> list[tuple]:
+    """Per right-padded row of `tokens` [B, S], its prompt's tokens (rows of one prompt: equal keys)."""
+    return [tuple(row[:length].tolist()) for row, length in zip(tokens.cpu(), prompt_lengths.tolist())]
 
 
 def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optional[int], pad_id: int) -> PackedRows:

@@ -140,6 +140,26 @@ def test_float64_reference_and_detached_entropy():
     assert not detached.requires_grad
 
 
+def test_a_repeated_position_gets_the_sum_of_its_gradients():
+    """Rows that share a prompt read its last position once per response (each with its own target):
+    the gradient there is the sum of both reads', as float64 autograd over the full log-softmax gives it."""
+    logits, tokens, _, _ = batch(4)
+    rows, columns = torch.tensor([1, 1, 1, 0, 1]), torch.tensor([2, 3, 2, 6, 2])  # (1, 2) read three times
+    targets = torch.tensor([5, 9, 11, 4, 5])
+    leaf = logits.clone().requires_grad_()
+    logprobs, entropy = selected_logprobs_and_entropy(leaf, rows, columns, targets, vocab_size=VOCAB,
+                                                      temperature=0.7, chunk_tokens=2)
+    (logprobs * torch.tensor([0.3, -1.0, 0.5, 2.0, 0.25]) + 0.1 * entropy).sum().backward()
+    reference = logits.double().clone().requires_grad_()
+    log_softmax = torch.log_softmax(mask_padded_vocab(reference, VOCAB)[rows, columns] / 0.7, dim=-1)
+    expected = log_softmax.gather(1, targets.unsqueeze(1)).squeeze(1)
+    expected_entropy = -(log_softmax.exp() * log_softmax.masked_fill(log_softmax.isinf(), 0)).sum(-1)
+    (expected * torch.tensor([0.3, -1.0, 0.5, 2.0, 0.25], dtype=torch.float64)
+     + 0.1 * expected_entropy).sum().backward()
+    torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=0, atol=1e-5)
+
+
 def test_no_positions_give_a_zero_loss_and_gradient():
     from aligner.algorithms.sft import response_token_loss
 

@@ -80,6 +80,20 @@ def _rollouts(seed=1):
     return tokens, prompts, responses
 
 
+def _group_rollouts(seed=4):
+    """Six rollouts of three prompts (3, 2 and 1 samples: a GRPO group's rows share their prompt's
+    tokens), in shuffled order, right-padded to 24 columns."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_tokens = [torch.randint(3, VOCAB, (n,), generator=generator) for n in (4, 6, 3)]
+    rows = [(0, 5), (1, 7), (0, 9), (2, 11), (1, 3), (0, 2)]  # (prompt, response length)
+    tokens = torch.zeros(len(rows), 24, dtype=torch.long)
+    for row, (prompt, response) in enumerate(rows):
+        sequence = torch.cat([prompt_tokens[prompt], torch.randint(3, VOCAB, (response,), generator=generator)])
+        tokens[row, :len(sequence)] = sequence
+    prompts = torch.tensor([len(prompt_tokens[p]) for p, _ in rows])
+    return tokens, prompts, torch.tensor([r for _, r in rows])
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_packed_logprob_pass_equals_the_padded_one(style):
     from aligner.generation import logprobs
@@ -100,7 +114,7 @@ def test_packed_logprob_pass_equals_the_padded_one(style):
     assert torch.equal(off, padded)
 
 
-def _policy_actor(cfg_settings):
+def _policy_actor(cfg_settings, model=None):
     """An RLActor with what policy_microbatches and scale_losses read (one process, no engine)."""
     import torch.distributed as dist
 
@@ -112,6 +126,7 @@ def _policy_actor(cfg_settings):
         "trainer.micro_batch_size=2", "loss.entropy_coef=0.01", *cfg_settings])
     actor = RLActor.__new__(RLActor)
     actor.cfg, actor.dp_group, actor.seq_length = cfg, dist.group.WORLD, 24
+    actor.chunks = [model if model is not None else _tiny_model("llama")]
     actor.tokenizer = type("Tokenizer", (), {"pad_id": 0})()
     actor.objective = PolicyObjective(VOCAB, 0.7, cfg.loss, cfg.clip_high, cfg.constant_normalizer, 0.0)
     return actor
@@ -139,7 +154,8 @@ def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregat
     ids = torch.tensor([4, 0, 2, 1, 3])
     results = {}
     for enabled in (False, True):
-        actor = _policy_actor([f"packing.enabled={str(enabled).lower()}", f"loss.aggregation={aggregation}"])
+        actor = _policy_actor([f"packing.enabled={str(enabled).lower()}", f"loss.aggregation={aggregation}",
+                               "packing.share_prompts=false"], model)
         microbatches = actor.scale_losses(actor.policy_microbatches(
             experience, ids, torch.arange(24).unsqueeze(0).expand(2, -1)))
         model.zero_grad(set_to_none=True)
@@ -243,32 +259,140 @@ def test_packed_reward_model_micro_batch_gives_the_padded_loss_and_gradients(kin
         torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
 
 
-def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_rows():
+@pytest.mark.parametrize("rollouts", [_rollouts, _group_rollouts])
+def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_rows(rollouts):
     """A sequence's rounding depends on its place in a packed row: the logprob pass packs the first
     epoch's minibatches, so the first minibatch's training logprobs are bit-equal to the old ones
-    (the ratio is exactly 1)."""
+    (the ratio is exactly 1); so with shared prompts too (`_group_rollouts`)."""
     from types import SimpleNamespace
 
     from aligner.generation.logprobs import response_mask
     from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs_and_entropy
 
     model = _tiny_model("llama").eval()
-    tokens, prompts, responses = _rollouts(seed=8)
+    tokens, prompts, responses = rollouts(seed=8)
+    count = len(tokens)
     mask = response_mask(responses, 12)
     batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
-    actor = _policy_actor(["trainer.global_batch_size=5"])
-    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
-        vocab_size=VOCAB), 0.7, 12
+    actor = _policy_actor([f"trainer.global_batch_size={count}"], model)
+    actor.model_cfg, actor.temperature, actor.response_width = SimpleNamespace(vocab_size=VOCAB), 0.7, 12
     actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
     old = actor.logprobs(batch)
     plan = actor.logprob_plan(batch)
-    assert sorted(i for micro in plan for row in micro for i in row) == list(range(5))
-    first = actor.minibatch_order(5, 0)
+    assert sorted(i for micro in plan for row in micro for i in row) == list(range(count))
+    first = actor.minibatch_order(count, 0)
     assert plan == actor.packed_plan(batch, first)
-    experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(5, 12), importance_weights=None)
+    experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(count, 12),
+                                 importance_weights=None)
     for microbatch in actor.policy_microbatches(experience, first, torch.arange(24).unsqueeze(0).expand(2, -1)):
         with torch.no_grad():
             trained, _ = packed_response_logprobs_and_entropy(
                 actor.objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
                 microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7, response_width=12)
         assert torch.equal(trained, microbatch.old_logprobs)
+        assert microbatch.packed.shares_prompts
+
+
+# ----------------------------------------------------------------------------- shared prompts
+def test_shared_prompt_rows_hold_each_prompt_once_and_keep_every_sequences_positions():
+    tokens, prompts, responses = _group_rollouts()
+    lengths = (prompts + responses).tolist()
+    keys = packing.prompt_keys(tokens, prompts)
+    assert keys[0] == keys[2] == keys[5] and keys[1] == keys[4] and len(set(keys)) == 3
+    # 40 tokens a row: prompt 0 (4 tokens) with its three responses (16) in one part, prompt 1 (6) with
+    # its two (10) in another, prompt 2's single sequence (14): first fit puts the parts of 20 and 16 together.
+    rows = packing.shared_prompt_rows(lengths, prompts.tolist(), keys, 40)
+    assert rows == [[0, 2, 5, 1, 4], [3]]
+    # 14 tokens a row: prompt 0's responses (9, 5, 2) cut into parts [9] and [5, 2] (13 and 11 tokens),
+    # prompt 1's (7, 3) into [7] and [3] (13 and 9), then the parts first fit, longest first
+    assert packing.shared_prompt_rows(lengths, prompts.tolist(), keys, 14) == [[3], [2], [1], [0, 5], [4]]
+    sequences = [tokens[i, :n] for i, n in enumerate(lengths)]
+    packed = packing.pack_rows(sequences, 40, 0, rows=rows, prompt_lengths=prompts.tolist())
+    assert packed.shares_prompts and packed.real_tokens == 4 + 16 + 6 + 10 + 14 == 50
+    assert int((packed.segment_ids[0] >= 0).sum()) == 36
+    for index, sequence in enumerate(sequences):
+        assert torch.equal(packed.sequence(index), sequence)
+        response = int(packed.response_starts[index])
+        flat_positions = packed.position_ids.reshape(-1)
+        assert flat_positions[response:response + int(responses[index])].tolist() == list(
+            range(int(prompts[index]), lengths[index]))
+    assert packed.starts[0] == packed.starts[2] == packed.starts[5] == 0  # one copy of prompt 0
+    attend = ~packed.attention_mask()[0, 0]
+    # response 2 (of prompt 0) sits after response 0: it sees prompt 0 and itself, not response 0
+    first, second = int(packed.response_starts[0]), int(packed.response_starts[2])
+    query = second + 3
+    assert attend[query].nonzero().squeeze(1).tolist() == [0, 1, 2, 3, *range(second, query + 1)]
+    assert not attend[first:first + 5, 4 + 16:].any()  # prompt 0's rows never see prompt 1's
+    trimmed = packing.pack_rows(sequences, 40, 0, rows=rows, prompt_lengths=prompts.tolist(), trim=True)
+    assert trimmed.tokens.shape == (2, 36)  # the longest row's 36 tokens, not 40 columns in each row
+    assert torch.equal(trimmed.attention_mask()[0], packed.attention_mask()[0, :, :36, :36])
+    for index, sequence in enumerate(sequences):
+        assert torch.equal(trimmed.sequence(index), sequence)
+    with pytest.raises(ValueError, match="THD sequences cannot express"):
+        packed.packed_seq_params()
+    with pytest.raises(ValueError, match="more than 12 tokens"):
+        packing.pack_rows(sequences, 12, 0, rows=[[3]], prompt_lengths=prompts.tolist())
+
+
+def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
+    """Three prompts' six rollouts: logprobs, the policy loss and every gradient from rows that hold
+    each prompt once equal the padded layout's within 1e-6 (float rounding of different sums), while
+    the model runs over 50 tokens instead of 64."""
+    from types import SimpleNamespace
+
+    from aligner.algorithms.rl_actor import Experience
+    from aligner.generation import logprobs
+    from aligner.generation.logprobs import response_mask
+
+    model = _tiny_model("llama")
+    tokens, prompts, responses = _group_rollouts()
+    model.eval()
+    padded = logprobs.sequence_logprobs([model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7,
+                                        response_width=12)
+    shared = packed_logprobs.sequence_logprobs(
+        [model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7, pad_id=0, response_width=12,
+        packing=packing.RLPackingSection(), row_length=48, share_prompts=True)
+    torch.testing.assert_close(shared, padded, atol=1e-6, rtol=0)
+    assert torch.all(shared[response_mask(responses, 12).logical_not()] == 0)
+
+    model.train()
+    generator = torch.Generator().manual_seed(5)
+    mask = response_mask(responses, 12)
+    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    experience = Experience(batch=batch, old_logprobs=torch.where(mask, -torch.rand(6, 12, generator=generator), 0),
+                            advantages=torch.randn(6, 12, generator=generator) * mask, importance_weights=None,
+                            returns=None, values=None, scores=None, sequence_rewards=None, metrics={})
+    results = {}
+    for share in (False, True):
+        actor = _policy_actor([f"packing.enabled={str(share).lower()}", "trainer.micro_batch_size=6"], model)
+        microbatches = actor.scale_losses(actor.policy_microbatches(
+            experience, torch.tensor([5, 3, 0, 1, 4, 2]), torch.arange(24).unsqueeze(0).expand(6, -1)))
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for microbatch in microbatches:
+            loss, _, report = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+            loss.backward()
+            total += float(loss)
+        count = len(microbatches)
+        results[share] = (sum(m.real_tokens for m in microbatches), total / count,
+                          {name: p.grad / count for name, p in model.named_parameters()}, microbatches)
+    (padded_tokens, padded_loss, padded_grads, _), (shared_tokens, shared_loss, shared_grads, packed) = \
+        results[False], results[True]
+    assert actor.shares_prompts and actor.row_length == 48 and actor.rows_per_micro_batch == 3
+    assert all(m.packed.shares_prompts for m in packed)
+    assert (padded_tokens, shared_tokens) == (64, 50)
+    assert shared_loss == pytest.approx(padded_loss, abs=1e-6)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_shared_prompts_are_off_where_asked_and_on_transformer_engine_attention():
+    model = _tiny_model("llama")
+    assert packing.shares_prompts_here(packing.RLPackingSection(), model)
+    assert not packing.shares_prompts_here(packing.PackingSection(), model)  # only the RL actor shares prompts
+    assert not packing.shares_prompts_here(packing.RLPackingSection(share_prompts=False), model)
+    assert not packing.shares_prompts_here(packing.RLPackingSection(enabled=False), model)
+    model._aligner_thd_attention = True  # as `uses_thd_attention` finds transformer-engine's attention
+    assert not packing.shares_prompts_here(packing.RLPackingSection(), model)
+    actor = _policy_actor(["packing.share_prompts=false"], model)
+    assert (actor.row_length, actor.rows_per_micro_batch) == (24, 2)
