@@ -1,15 +1,16 @@
-"""Packed RL rows that hold each prompt once against rows that repeat it per sample, one actor, steps alternating.
+"""Packed rows that hold each prompt once against rows that repeat it per sequence, one trainer, steps alternating.
 
     .venv/bin/python benchmarks/shared_prompts.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
-        [--task grpo|rl] [--steps 6] [--work DIR]
+        [--task grpo|rl|dpo] [--steps 6] [--work DIR]
 
-Builds our RL actor for `train_steps.py`'s workload of the task (same model, prompts, samples and sizes)
-and runs whole steps (generation, scoring, training) with `packing.share_prompts` on and off in turns
-(on, off, off, on, ...; the first step of each side is a warm-up), so load hits both alike. Only the
-training layout changes (the rows and their masks; with the default row length, rows twice as long in
-half as many per micro batch). Prints each side's median step and training-phase time, the tokens the
-training forward ran over per step, and `ratio shared_prompts_TASK VALUE` = median over pairs of
-(unshared step / shared step), `ratio shared_prompts_train_TASK VALUE` the same for the training phase.
+Builds our trainer for `train_steps.py`'s workload of the task (same model, data and sizes) and runs
+whole steps (RL: generation, scoring, training; DPO: the batch with its swapped-in reference pass and
+the update) with `packing.share_prompts` on and off in turns (on, off, off, on, ...; the first step of
+each side is a warm-up), so load hits both alike. Only the packed layout changes (which sequences
+share a row, the rows' masks and lengths). Prints each side's median step time (RL also its training
+phase), the tokens the training forwards ran over per step, and `ratio shared_prompts_TASK VALUE` =
+median over pairs of (unshared step / shared step); RL adds `ratio shared_prompts_train_TASK VALUE`,
+the same for the training phase.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--task", default="grpo", choices=("grpo", "rl"))
+    parser.add_argument("--task", default="grpo", choices=("grpo", "rl", "dpo"))
     parser.add_argument("--steps", type=int, default=6, help="steps per side, the first one untimed")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
@@ -40,53 +41,81 @@ def main() -> None:
         from peer.workload import aligner_overrides, default_workload, write_data
         from train_steps import toy_checkpoint
 
-        from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
         from aligner.config import CONF_DIR, load_config
 
         torch.set_num_threads(2)
         toy = args.model == "toy"
         resolved = resolve_model(str(toy_checkpoint()) if toy else args.model)
         work = default_workload(args.task, 2 * args.steps, warmup_steps=0, toy=toy)
+        rl = args.task != "dpo"
         with tempfile.TemporaryDirectory() as tmp:
             scratch = Path(args.work or tmp)
             data = write_data(work, scratch)
             yaml_name, overrides = aligner_overrides(work, resolved.checkpoint_dir, data, scratch / "ours")
-            actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))
+            if rl:
+                from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+
+                actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))
+                objective, packing_section = actor.objective, actor.cfg.packing
+
+                def step() -> tuple[float, float]:
+                    started = time.perf_counter()
+                    metrics = actor.train_step()
+                    actor.step += 1
+                    return time.perf_counter() - started, metrics["time_train"]
+
+                def close() -> None:
+                    actor.router.close()
+                    actor.reward_source.close()
+            else:
+                from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
+
+                cfg = load_config(DPOConfig, CONF_DIR / yaml_name, overrides)
+                trainer = build_dpo_trainer(cfg)
+                batches = trainer.train_loader.iterate(0)
+                objective, packing_section, close = trainer.objective, cfg.packing, trainer.metrics.close
+
+                def step() -> tuple[float, float]:
+                    started = time.perf_counter()
+                    trainer.train_step(next(batches), started=started)
+                    trainer.step += 1
+                    seconds = time.perf_counter() - started
+                    return seconds, seconds
             trained_tokens: list[int] = []
-            train_step = actor.policy.train_step
+            forward = objective.forward
 
-            def counting_train_step(microbatches):
-                trained_tokens.append(sum(m.real_tokens for m in microbatches))
-                return train_step(microbatches)
+            def counting_forward(model, batch):
+                output = forward(model, batch)
+                packed = batch.get("packed") if isinstance(batch, dict) else getattr(batch, "packed", None)
+                trained_tokens.append(0 if packed is None else packed.real_tokens)
+                return output
 
-            actor.policy.train_step = counting_train_step
+            objective.forward = counting_forward
             results: dict[bool, list[tuple[float, float, int]]] = {True: [], False: []}
             try:
                 for index in range(2 * args.steps):
                     shared = (index % 4) in (0, 3)  # on, off, off, on: each side goes first as often
-                    actor.cfg.packing.share_prompts = shared
+                    packing_section.share_prompts = shared
                     trained_tokens.clear()
-                    started = time.perf_counter()
-                    metrics = actor.train_step()
-                    seconds = time.perf_counter() - started
-                    actor.step += 1
-                    results[shared].append((seconds, metrics["time_train"], sum(trained_tokens)))
-                    print(f"  step {index + 1}: {'shared  ' if shared else 'unshared'} {seconds:.3f} s, training "
-                          f"{metrics['time_train']:.3f} s over {sum(trained_tokens)} tokens", file=sys.stderr,
-                          flush=True)
+                    seconds, train_seconds = step()
+                    results[shared].append((seconds, train_seconds, sum(trained_tokens)))
+                    print(f"  step {index + 1}: {'shared  ' if shared else 'unshared'} {seconds:.3f} s"
+                          + (f", training {train_seconds:.3f} s" if rl else "")
+                          + f" over {sum(trained_tokens)} tokens", file=sys.stderr, flush=True)
             finally:
-                actor.router.close()
-                actor.reward_source.close()
+                close()
         timed = {side: values[1:] for side, values in results.items()}
-        for side, label in ((True, "prompts shared"), (False, "prompt per sample")):
+        for side, label in ((True, "prompts shared"), (False, "prompt per sequence")):
             steps, trains, tokens = zip(*timed[side])
-            print(f"{args.task}: {label:<18} step median {statistics.median(steps):.3f} s (min {min(steps):.3f}, "
-                  f"max {max(steps):.3f}), training phase {statistics.median(trains):.3f} s, "
-                  f"{statistics.median(tokens):.0f} tokens trained on per step")
+            print(f"{args.task}: {label:<20} step median {statistics.median(steps):.3f} s (min {min(steps):.3f}, "
+                  f"max {max(steps):.3f})" + (f", training phase {statistics.median(trains):.3f} s" if rl else "")
+                  + f", {statistics.median(tokens):.0f} tokens in the training forwards per step")
         pairs = list(zip(timed[False], timed[True]))
         print(f"ratio shared_prompts_{args.task} {statistics.median(off[0] / on[0] for off, on in pairs):.3f}")
-        print(f"ratio shared_prompts_train_{args.task} {statistics.median(off[1] / on[1] for off, on in pairs):.3f}",
-              flush=True)
+        if rl:
+            print(f"ratio shared_prompts_train_{args.task} "
+                  f"{statistics.median(off[1] / on[1] for off, on in pairs):.3f}")
+        sys.stdout.flush()
 
     run_main(run)
 

@@ -22,7 +22,7 @@ import torch
 from aligner.algorithms.reward_model import pair_report, summarize_pairs
 from aligner.config import one_of
 from aligner.data.jsonl import DataError
-from aligner.models.packing import PackingSection
+from aligner.models.packing import PackingSection, SharedPromptPackingSection
 from aligner.rl import dpo_math
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
@@ -53,7 +53,7 @@ class DPOConfig(RunConfig):
     name: str = "gpt_dpo"
     dpo: DPOSection = field(default_factory=DPOSection)
     data: DataSection = field(default_factory=DataSection)
-    packing: PackingSection = field(default_factory=PackingSection)
+    packing: SharedPromptPackingSection = field(default_factory=SharedPromptPackingSection)
 
 
 def check_dpo_section(dpo: DPOSection) -> None:
@@ -148,7 +148,8 @@ def packed_rows(batch: dict, packing: Optional[PackingSection], pad_id: int):
     swapped-in reference pass, the training forward and the loss all read these rows."""
     from aligner.models.packing import packed_rows_of
 
-    return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], packing, pad_id)
+    return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], packing, pad_id,
+                          prompt_lengths=batch["prompt_lengths"])
 
 
 # ----------------------------------------------------------------------------- reference logprobs
@@ -232,6 +233,7 @@ def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, co
     data, loaders, trainer, resume. read_dataset(entry, tokenizer) loads one data file; make_objective(built)
     builds the objective. Returns (trainer, built, train_set, total_steps)."""
     from aligner.models import lora
+    from aligner.models.packing import shares_prompts_here
     from aligner.models.weight_swap import HostWeights
     from aligner.training import setup
     from aligner.training.metrics import get_logger
@@ -242,6 +244,8 @@ def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, co
     )
     logger = get_logger()
     model_cfg, trainer_cfg, pad_id = built.model_cfg, cfg.trainer, built.tokenizer.pad_id
+    if getattr(packing, "share_prompts", False) and not shares_prompts_here(packing, built.chunks[0]):
+        packing.share_prompts = False  # what runs: transformer-engine's THD packing cannot share a prompt
     _load_reference_weights(built, cfg.model.init_from)
     precompute = reference_mode == "precompute"
     # LoRA: the base model (adapters off) is the reference; otherwise the initial weights, held in host

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
-from aligner.models.packing import RLPackingSection
+from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
@@ -256,7 +256,7 @@ class RLActorConfig(RunConfig):
     ptx: PTXSection = field(default_factory=PTXSection)
     ema: EMASection = field(default_factory=EMASection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
-    packing: RLPackingSection = field(default_factory=RLPackingSection)
+    packing: SharedPromptPackingSection = field(default_factory=SharedPromptPackingSection)
     logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
 
     @property
@@ -1020,8 +1020,9 @@ class RLActor:
     @property
     def row_length(self) -> int:
         """Tokens per packed row: packing.row_length; null: the padded row's length, twice that where
-        prompts are shared without a token budget (room for a group: prompt + samples; attention's cost
-        per token, which grows with the row, at most doubles)."""
+        several samples of a prompt share it without a token budget (room for a group: prompt + samples;
+        attention's cost per token, which grows with the row, at most doubles). Rows are then cut to
+        the longest of each micro batch (`pack_rows(trim=True)`)."""
         packing = self.cfg.packing
         if packing.row_length is not None:
             return packing.row_length
@@ -1030,7 +1031,8 @@ class RLActor:
     @property
     def _doubles_rows(self) -> bool:
         packing = self.cfg.packing
-        return packing.row_length is None and packing.micro_batch_tokens is None and self.shares_prompts
+        return (packing.row_length is None and packing.micro_batch_tokens is None
+                and self.cfg.rollout.samples_per_prompt > 1 and self.shares_prompts)
 
     @property
     def rows_per_micro_batch(self) -> int:
@@ -1049,7 +1051,8 @@ class RLActor:
         ids = torch.tensor(members)
         prompt_lengths = rows.prompt_lengths[ids]
         return packing.shared_prompt_rows(lengths, prompt_lengths.tolist(),
-                                          packing.prompt_keys(rows.tokens[ids], prompt_lengths), self.row_length)
+                                          packing.prompt_keys(rows.tokens[ids], prompt_lengths), self.row_length,
+                                          no_more_rows=self.uses_token_budget)
 
     @property
     def uses_token_budget(self) -> bool:

@@ -89,11 +89,12 @@ class PackingSection:
 
 
 @dataclass
-class RLPackingSection(PackingSection):
-    """The RL actor's `packing:` section: PackingSection, and whether samples of a prompt share it."""
+class SharedPromptPackingSection(PackingSection):
+    """The `packing:` section of the RL actor and DPO: PackingSection, and whether sequences of one
+    prompt (a prompt's samples; a pair's chosen and rejected) share it in a packed row."""
 
-    # The samples of one prompt packed in one row hold the prompt once (the model runs over it once,
-    # not once per sample); local attention only (transformer-engine's THD packing cannot express it).
+    # Sequences of one prompt packed in one row hold the prompt once (the model runs over it once, not
+    # once per sequence); local attention only (transformer-engine's THD packing cannot express it).
     share_prompts: bool = True
 
 
@@ -254,11 +255,13 @@ def pack_rows(sequences: Sequence[torch.Tensor], row_length: int, pad_id: int,
 
 
 def shared_prompt_rows(lengths: Sequence[int], prompt_lengths: Sequence[int], prompt_keys: Sequence,
-                       row_length: int) -> list[list[int]]:
+                       row_length: int, no_more_rows: bool = False) -> list[list[int]]:
     """Sequence indices per row, the sequences of one prompt (equal `prompt_keys`) adjacent: each group
     is cut into parts whose prompt once plus their responses fit a row (first fit, longest response
     first), and the parts are laid out as `first_fit_rows` lays out sequences. `pack_rows` with the
-    prompt lengths then shares each part's prompt."""
+    prompt lengths then shares each part's prompt. no_more_rows: `first_fit_rows` of the sequences
+    where that needs fewer rows (a token budget planned the rows unshared; first fit of smaller parts
+    can, rarely, take more)."""
     groups: dict = {}
     for index, key in enumerate(prompt_keys):
         groups.setdefault((int(prompt_lengths[index]), key), []).append(index)
@@ -269,7 +272,11 @@ def shared_prompt_rows(lengths: Sequence[int], prompt_lengths: Sequence[int], pr
         for part in first_fit_rows(responses, row_length - prompt_length):
             parts.append(sorted(members[i] for i in part))
             sizes.append(prompt_length + sum(responses[i] for i in part))
-    return [[index for part in row for index in parts[part]] for row in first_fit_rows(sizes, row_length)]
+    shared = [[index for part in row for index in parts[part]] for row in first_fit_rows(sizes, row_length)]
+    if no_more_rows:
+        unshared = first_fit_rows(lengths, row_length)
+        return unshared if len(unshared) < len(shared) else shared
+    return shared
 
 
 def empty_packed_rows(pad_id: int) -> PackedRows:
@@ -486,23 +493,36 @@ def prompt_keys(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> list[tupl
     return [tuple(row[:length].tolist()) for row, length in zip(tokens.cpu(), prompt_lengths.tolist())]
 
 
-def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optional[int], pad_id: int) -> PackedRows:
+def pack_padded(tokens: torch.Tensor, lengths: torch.Tensor, row_length: Optional[int], pad_id: int,
+                prompt_lengths: Optional[torch.Tensor] = None, budgeted: bool = False) -> PackedRows:
     """Right-padded rows tokens [B, S] with real lengths [B], packed into rows of row_length (default S),
-    on the tokens' device."""
+    on the tokens' device. With `prompt_lengths` [B] rows of one prompt share it (`shared_prompt_rows`):
+    row_length null then means rows of up to 2 S (S under a token budget, `budgeted`) cut to the longest."""
     sequences = [row[:length] for row, length in zip(tokens.cpu(), lengths.tolist())]
-    return pack_rows(sequences, row_length or tokens.shape[1], pad_id).to(tokens.device)
+    if prompt_lengths is None:
+        return pack_rows(sequences, row_length or tokens.shape[1], pad_id).to(tokens.device)
+    capacity = row_length or tokens.shape[1] * (1 if budgeted else 2)
+    prompt_lengths = prompt_lengths.cpu()
+    rows = shared_prompt_rows(lengths.tolist(), prompt_lengths.tolist(), prompt_keys(tokens, prompt_lengths),
+                              capacity, no_more_rows=budgeted)
+    return pack_rows(sequences, capacity, pad_id, rows=rows, prompt_lengths=prompt_lengths.tolist(),
+                     trim=row_length is None).to(tokens.device)
 
 
 def packed_rows_of(batch: dict, lengths: torch.Tensor, packing: Optional[PackingSection],
-                   pad_id: int) -> Optional[PackedRows]:
+                   pad_id: int, prompt_lengths: Optional[torch.Tensor] = None) -> Optional[PackedRows]:
     """A collated micro batch's sequences (lengths [B]) as packed rows, built once and kept in
     batch["packed"] (its forward and its loss read the same rows); None where `packs_here` says no.
-    A micro batch of no rows (evening a token-budget plan) runs `empty_packed_rows`."""
+    A micro batch of no rows (evening a token-budget plan) runs `empty_packed_rows`. Given the rows'
+    `prompt_lengths`, rows of one prompt share it where packing.share_prompts says so (the builder
+    turns it off where the model's attention cannot: `shares_prompts_here`)."""
     if not packs_here(packing):
         return None
     if "packed" not in batch:
         tokens = batch["tokens"]
-        batch["packed"] = (pack_padded(tokens, lengths, packing.row_length, pad_id) if len(tokens)
+        shared = prompt_lengths if getattr(packing, "share_prompts", False) else None
+        batch["packed"] = (pack_padded(tokens, lengths, packing.row_length, pad_id, shared,
+                                       budgeted=packing.micro_batch_tokens is not None) if len(tokens)
                            else empty_packed_rows(pad_id).to(tokens.device))
     return batch["packed"]
 

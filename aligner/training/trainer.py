@@ -272,9 +272,10 @@ def batch_tokens(batch) -> torch.Tensor:
 
 
 def real_token_count(batch) -> int:
-    """Real (not padding) tokens in a micro batch's `tokens`, from the lengths the batch carries.
+    """Real (not padding) tokens the micro batch's forward ran over, from the lengths the batch carries.
 
-    A record (the RL actor's micro batches) says so itself, in `real_tokens`.
+    A record (the RL actor's micro batches) says so itself, in `real_tokens`; so do packed rows
+    (`batch["packed"]`, where a shared prompt counts once).
 
     Dict batches: `aligner.data.loader.row_lengths`.
     """
@@ -282,6 +283,8 @@ def real_token_count(batch) -> int:
 
     if not isinstance(batch, dict):
         return batch.real_tokens
+    if batch.get("packed") is not None:
+        return batch["packed"].real_tokens
     return int(row_lengths(batch).sum())
 
 

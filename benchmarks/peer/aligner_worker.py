@@ -5,7 +5,7 @@
 Builds the trainer exactly as its entry point does (conf yaml + `workload.aligner_overrides`), then runs
 one step per "step" command the way `fit` does: SFT/DPO fetch the next batch inside the step (DPO's
 swapped-in reference pass is part of it), the RL actor collects, scores and trains on one rollout batch.
-Reports the tokens of each step: SFT/DPO the real (unpadded) tokens trained on, RL the tokens generated
+Reports the tokens of each step: SFT/DPO the real (unpadded) tokens of the step's sequences, RL the tokens generated
 and the actor's `share_*` metrics (where the step's time went).
 """
 from __future__ import annotations
@@ -58,12 +58,16 @@ def main() -> None:
     trainer = build(load_config(schema, CONF_DIR / yaml_name, overrides))
     batches = trainer.train_loader.iterate(0)
 
+    from aligner.data.loader import row_lengths
+
     def step() -> float:
         started = time.perf_counter()  # as in Trainer.fit: fetching the batch belongs to the step
-        metrics = trainer.train_step(next(batches), started=started)
+        microbatches = next(batches)
+        trainer.train_step(microbatches, started=started)
         trainer.step += 1
         trainer.consumed_samples += work.global_batch_size
-        return metrics["tokens_per_second"] * metrics["step_time"]
+        # the sequences' tokens, as TRL counts them (the trainer's own count takes a shared prompt once)
+        return sum(int(row_lengths(batch).sum()) for batch in microbatches)
 
     serve_steps(step)
     trainer.metrics.close()

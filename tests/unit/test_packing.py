@@ -180,8 +180,9 @@ def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregat
 
 def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_sums(tmp_path,
                                                                                   arithmetic_tokenizer_dir):
-    """Six demo pairs in one micro batch: packed into rows of the batch's padded length, the DPO loss,
-    its report and the gradients equal the padded batch's within 1e-6; so do the reference sums."""
+    """Six demo pairs in one micro batch: packed into rows of the batch's padded length, or with each
+    pair's prompt held once (`SharedPromptPackingSection`), the DPO loss, its report and the gradients
+    equal the padded batch's within 1e-6; so do the reference sums."""
     from aligner.algorithms.dpo import DPOObjective, DPOSection, precompute_reference_logprobs
     from aligner.data.preference import PreferenceDataset, collate_preferences
     from aligner.demo import arithmetic
@@ -198,14 +199,17 @@ def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_su
     path = write_jsonl(tmp_path / "pairs.jsonl", arithmetic.preference_records(6, seed=5))
     dataset = PreferenceDataset.from_jsonl(path, tokenizer, 32)
     sums = {}
-    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+    layouts = (("padded", None), ("packed", packing.PackingSection()),
+               ("shared", packing.SharedPromptPackingSection()))
+    for name, section in layouts:
         precompute_reference_logprobs(dataset, [reference], vocab_size=cfg.vocab_size, pad_id=tokenizer.pad_id,
                                       pairs_per_forward=3, packing=section)
         sums[name] = dataset.reference_logprobs.clone()
     torch.testing.assert_close(sums["packed"], sums["padded"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sums["shared"], sums["padded"], atol=1e-6, rtol=0)
 
     results = {}
-    for name, section in (("padded", None), ("packed", packing.PackingSection())):
+    for name, section in layouts:
         batch = collate_preferences([dataset[i] for i in range(len(dataset))], tokenizer.pad_id, 8)
         objective = DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, section, tokenizer.pad_id)
         policy.zero_grad(set_to_none=True)
@@ -213,12 +217,17 @@ def test_packed_dpo_micro_batch_gives_the_padded_loss_gradients_and_reference_su
         loss_sum.backward()
         if section is not None:  # fewer rows than sequences: the padding really went away
             assert batch["packed"].tokens.shape[0] < batch["tokens"].shape[0]
+        real = int((batch["prompt_lengths"] + batch["response_lengths"]).sum())
+        if name == "shared":  # each pair's prompt once: the tokens run are the real ones less one prompt a pair
+            assert batch["packed"].shares_prompts
+            assert batch["packed"].real_tokens == real - int(batch["prompt_lengths"][0::2].sum())
         results[name] = (float(loss_sum), {key: float(value) for key, value in report.items()},
                          {key: p.grad.clone() for key, p in policy.named_parameters()})
-    assert results["packed"][0] == pytest.approx(results["padded"][0], abs=1e-6)
-    assert results["packed"][1] == pytest.approx(results["padded"][1], abs=1e-6)
-    for key, grad in results["padded"][2].items():
-        torch.testing.assert_close(results["packed"][2][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+    for name in ("packed", "shared"):
+        assert results[name][0] == pytest.approx(results["padded"][0], abs=1e-6)
+        assert results[name][1] == pytest.approx(results["padded"][1], rel=1e-6, abs=1e-6)  # fp32 sums up to ~20
+        for key, grad in results["padded"][2].items():
+            torch.testing.assert_close(results[name][2][key], grad, atol=1e-6, rtol=1e-5, msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize("kind", ["ranking", "regression"])
@@ -351,7 +360,7 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
                                         response_width=12)
     shared = packed_logprobs.sequence_logprobs(
         [model], tokens, prompts, responses, vocab_size=VOCAB, temperature=0.7, pad_id=0, response_width=12,
-        packing=packing.RLPackingSection(), row_length=48, share_prompts=True)
+        packing=packing.SharedPromptPackingSection(), row_length=48, share_prompts=True)
     torch.testing.assert_close(shared, padded, atol=1e-6, rtol=0)
     assert torch.all(shared[response_mask(responses, 12).logical_not()] == 0)
 
@@ -388,11 +397,14 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
 
 def test_shared_prompts_are_off_where_asked_and_on_transformer_engine_attention():
     model = _tiny_model("llama")
-    assert packing.shares_prompts_here(packing.RLPackingSection(), model)
+    assert packing.shares_prompts_here(packing.SharedPromptPackingSection(), model)
     assert not packing.shares_prompts_here(packing.PackingSection(), model)  # only the RL actor shares prompts
-    assert not packing.shares_prompts_here(packing.RLPackingSection(share_prompts=False), model)
-    assert not packing.shares_prompts_here(packing.RLPackingSection(enabled=False), model)
+    assert not packing.shares_prompts_here(packing.SharedPromptPackingSection(share_prompts=False), model)
+    assert not packing.shares_prompts_here(packing.SharedPromptPackingSection(enabled=False), model)
     model._aligner_thd_attention = True  # as `uses_thd_attention` finds transformer-engine's attention
-    assert not packing.shares_prompts_here(packing.RLPackingSection(), model)
-    actor = _policy_actor(["packing.share_prompts=false"], model)
-    assert (actor.row_length, actor.rows_per_micro_batch) == (24, 2)
+    assert not packing.shares_prompts_here(packing.SharedPromptPackingSection(), model)
+    model._aligner_thd_attention = False
+    for settings in (["packing.share_prompts=false"], ["rollout.samples_per_prompt=1"]):
+        actor = _policy_actor(settings, model)  # the padded row's length: no groups to make room for
+        assert (actor.row_length, actor.rows_per_micro_batch) == (24, 2)
+    assert _policy_actor(["packing.row_length=30"], model).row_length == 30

@@ -36,12 +36,19 @@ def test_sft_batch_counts_its_eos_tokens():
     assert batch["tokens"].shape == (3, 6) and real_token_count(batch) == 5 + 6 + 2
 
 
+@pytest.mark.usefixtures("single_process")  # packing asks megatron's parallel state for the layout
 def test_preference_batches_count_their_eos_tokens():
     items = [{"prompt": tensor([BOS, 5, 6]), "chosen": tensor([7, EOS]), "rejected": tensor([8, 9, EOS])},
              {"prompt": tensor([BOS, 4]), "chosen": tensor([EOS]), "rejected": tensor([3, 3, 3, EOS])}]
     batch = collate_preferences(items, PAD, pad_to_multiple_of=8)  # DPO and SPIN
     assert real_token_count(batch) == 5 + 6 + 3 + 6 == 20
     assert pad_compared_count(batch) == 20 - 4
+    # Packed with each pair's prompt once (what the forward runs): the prompts of 3 and 2 tokens count once.
+    from aligner.models.packing import SharedPromptPackingSection, packed_rows_of
+
+    packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], SharedPromptPackingSection(), PAD,
+                   prompt_lengths=batch["prompt_lengths"])
+    assert real_token_count(batch) == 20 - 3 - 2
 
 
 @pytest.mark.parametrize("kind", ["comparisons", "regression"])
