@@ -44,8 +44,9 @@ def response_logprobs_and_entropy(
     first = packed.response_starts.to(device) if packed.shares_prompts else prompt_end
     # Flat column of response token j of sequence i, and of the logits predicting it.
     token = (first.unsqueeze(1) + steps)[inside]
-    flat = (first.unsqueeze(1) + steps - 1)
-    flat[:, 0] = prompt_end - 1
+    flat = first.unsqueeze(1) + steps - 1
+    if response_width:
+        flat[:, 0] = prompt_end - 1
     flat = flat[inside]
     targets = packed.tokens.to(device).reshape(-1)[token]
     selected, entropy = logprobs.selected_logprobs_and_entropy(

@@ -27,13 +27,15 @@ rank then runs the same number of micro batches (megatron's schedule and the gra
 it): the largest ones are split, and where nothing is left to split a rank runs empty micro
 batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
 
-Shared prompts (`PackingSection.share_prompts`, `shared_prompt_rows`): the samples of one prompt (a
-GRPO/RLOO group) laid in one row hold the prompt once, then each response, every response token
-attending to the prompt and its own response only, at the positions it has in its own sequence; the
-prompt's last position predicts every response's first token. The model then runs over the prompt
-once instead of once per sample. Such a row is a tree, not a chain of sequences: only the full mask
-of the local path expresses it (THD's cu_seqlens cannot), so `shares_prompts_here` says no on
-transformer-engine attention.
+Shared prompts (`SharedPromptPackingSection.share_prompts`, `shared_prompt_rows`): the sequences of
+one prompt laid in one row (a GRPO/RLOO group's samples, a DPO pair's chosen and rejected) hold the
+prompt once, then each response, every response token attending to the prompt and its own response
+only, at the positions it has in its own sequence; the prompt's last position predicts every
+response's first token. The model then runs over the prompt once instead of once per sequence. Such a
+row is a tree, not a chain of sequences: only the full mask of the local path expresses it (THD's
+cu_seqlens cannot), so `shares_prompts_here` says no on transformer-engine attention. Rows holding
+groups are longer, so callers that double the default row length cut each micro batch's rows to the
+longest of them (`pack_rows(trim=True)`).
 
 megatron-core 0.16's GPTModel builds rotary embeddings for columns 0..S-1 whatever the position
 ids say; `gpt_model_class` returns a GPTModel whose rotary embedding follows `position_ids`

@@ -337,6 +337,9 @@ def test_shared_prompt_rows_hold_each_prompt_once_and_keep_every_sequences_posit
     assert torch.equal(trimmed.attention_mask()[0], packed.attention_mask()[0, :, :36, :36])
     for index, sequence in enumerate(sequences):
         assert torch.equal(trimmed.sequence(index), sequence)
+    none, _ = packed_logprobs.response_logprobs_and_entropy(
+        torch.zeros(*trimmed.tokens.shape, VOCAB), trimmed, prompts, responses, vocab_size=VOCAB, response_width=0)
+    assert none.shape == (6, 0)  # no response columns asked for: nothing read
     with pytest.raises(ValueError, match="THD sequences cannot express"):
         packed.packed_seq_params()
     with pytest.raises(ValueError, match="more than 12 tokens"):
