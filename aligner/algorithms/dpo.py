@@ -296,7 +296,8 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     from aligner.training.metrics import get_logger
 
     check_dpo_section(cfg.dpo)
-    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row,
+                             cfg.parallel.expert_model_parallel_size)
     row_length = cfg.packing.row_length
     if row_length is not None and row_length < cfg.data.max_seq_length:
         raise ConfigError(f"packing.row_length={row_length} must hold the longest pair's sequence: at least "

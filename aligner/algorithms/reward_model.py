@@ -197,7 +197,8 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
 
     reward = cfg.reward
     num_attributes = len(reward.attributes)
-    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row)
+    cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row,
+                             cfg.parallel.expert_model_parallel_size)
 
     def chunk_builder(model_cfg, config, **kwargs):
         return build_reward_model(model_cfg, config, num_attributes=num_attributes, head_seed=cfg.seed,

@@ -328,7 +328,8 @@ class RLActorConfig(RunConfig):
                               "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
         self.packing.check_layout(self.parallel.pipeline_model_parallel_size,
                                   self.data.max_prompt_length + gen.max_new_tokens,
-                                  "data.max_prompt_length + generation.max_new_tokens")
+                                  "data.max_prompt_length + generation.max_new_tokens",
+                                  self.parallel.expert_model_parallel_size)
         if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
             raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
                               "loss.recompute_old_logprobs=true")

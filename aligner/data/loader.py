@@ -69,7 +69,14 @@ class MicroBatchLoader:
             except StopIteration:
                 return
             # One collate over the whole step gives every micro batch the same padded length.
-            batch = self.collate_fn([self.dataset[i] for i in indices], self.pad_id, self.pad_to_multiple_of)
+            examples = [self.dataset[i] for i in indices]
+            batch = self.collate_fn(examples, self.pad_id, self.pad_to_multiple_of)
+            length = batch["tokens"].shape[1]
+            longest = distributed.longest_across_expert_ranks(length)
+            if longest != length:  # rounded up to a multiple of the longest: that length exactly
+                batch = self.collate_fn(examples, self.pad_id, longest)
+                if batch["tokens"].shape[1] != longest:
+                    raise RuntimeError(f"collating to {longest} tokens gave {batch['tokens'].shape[1]}")
             rows_per_item = batch["tokens"].shape[0] // len(indices)
             if budget:
                 yield self._token_budget_micro_batches(batch, rows_per_item)

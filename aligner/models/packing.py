@@ -73,9 +73,11 @@ class PackingSection:
         if self.micro_batch_tokens is not None and not self.enabled:
             raise ConfigError("packing.micro_batch_tokens forms packed micro batches: it needs packing.enabled=true")
 
-    def check_layout(self, pipeline_model_parallel_size: int, longest_row: int, longest_row_is: str) -> None:
-        """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send, and a
-        micro batch holds at least one packed row (`longest_row` tokens, the default row length)."""
+    def check_layout(self, pipeline_model_parallel_size: int, longest_row: int, longest_row_is: str,
+                     expert_model_parallel_size: int = 1) -> None:
+        """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send nor experts
+        split over ranks gather (EP > 1: equal token counts per rank), and a micro batch holds at least
+        one packed row (`longest_row` tokens, the default row length)."""
         from aligner.runtime.errors import ConfigError
 
         budget = self.micro_batch_tokens
@@ -84,6 +86,9 @@ class PackingSection:
         if pipeline_model_parallel_size > 1:
             raise ConfigError("packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size=1 (a pipeline "
                               "schedule sends one activation shape; packed micro batches vary)")
+        if expert_model_parallel_size > 1:
+            raise ConfigError("packing.micro_batch_tokens needs parallel.expert_model_parallel_size=1 (the experts' "
+                              "allgather dispatcher needs as many tokens on every rank; budgeted micro batches vary)")
         row = self.row_length or longest_row
         if budget < row:
             raise ConfigError(f"packing.micro_batch_tokens={budget} must hold one packed row: at least "
@@ -451,11 +456,14 @@ def gpt_model_class():
 
 # ----------------------------------------------------------------------------- logprob passes
 def packs_here(packing: Optional[PackingSection]) -> bool:
-    """Whether batches are packed at this layout: asked for, and one pipeline stage (a pipeline
-    schedule sends activations of one fixed [rows, length] shape between stages)."""
+    """Whether batches are packed at this layout: asked for, one pipeline stage (a pipeline schedule
+    sends activations of one fixed [rows, length] shape between stages), and experts not split over
+    ranks (megatron's allgather dispatcher gathers equally many tokens from each rank; packed rows
+    hold as many as each rank's sequences need)."""
     from megatron.core import parallel_state as ps
 
-    return packing is not None and packing.enabled and ps.get_pipeline_model_parallel_world_size() == 1
+    return (packing is not None and packing.enabled and ps.get_pipeline_model_parallel_world_size() == 1
+            and ps.get_expert_model_parallel_world_size() == 1)
 
 
 def plan_micro_batches(lengths: Sequence[int], row_length: int, rows_per_micro_batch: int,

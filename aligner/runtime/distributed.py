@@ -285,17 +285,27 @@ def pad_multiple(setting: "int | None") -> int:
     counts aligned for tensor-core GEMMs); on CPU, where a padded slot is work and nothing else (the
     demo's SFT step: 0.143 -> 0.093 s, rows of ~10 tokens padded to 16 before), the tensor-parallel
     size once the process groups exist (sequence parallelism splits the sequence over those ranks), else 1.
-    Experts split over ranks keep 8: megatron's allgather dispatcher gathers equally many tokens from
-    each rank, and rows rounded up to 8 make the ranks' batches equal far more often than unrounded ones."""
+    (Experts split over ranks need equal lengths on every rank: `longest_across_expert_ranks`.)"""
     if setting is not None:
         return setting
     if not cpu_bridge.needed():
         return 8
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized():
-        return 1
-    return 8 if ps.get_expert_model_parallel_world_size() > 1 else ps.get_tensor_model_parallel_world_size()
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def longest_across_expert_ranks(length: int) -> int:
+    """A micro batch's row length, made the same on every data-parallel rank where experts are split
+    over them (EP > 1): the largest rank's. megatron's allgather token dispatcher gathers equally many
+    tokens from each rank (rows per micro batch are equal; their lengths follow each rank's data)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
+        return length
+    value = torch.tensor([length], device=device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return int(value.item())
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:

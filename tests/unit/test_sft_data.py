@@ -386,10 +386,38 @@ def test_loader_pads_rows_to_the_longest_on_cpu_and_to_a_multiple_of_8_on_gpu(mo
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
     assert distributed.pad_multiple(None) == 2 and first_batch()["tokens"].shape == (3, 10)
-    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)  # MoE, EP=2
-    assert distributed.pad_multiple(None) == 8
     monkeypatch.setattr(cpu_bridge, "needed", lambda: False)  # as on a GPU
     assert distributed.pad_multiple(None) == 8 and first_batch()["tokens"].shape == (3, 16)
+
+
+def test_with_experts_split_over_ranks_every_rank_pads_to_the_longest_and_nothing_packs(monkeypatch, world_group):
+    """EP > 1: megatron's allgather dispatcher gathers as many tokens from every rank, so each step's
+    rows are padded to the longest of any data-parallel rank (a MAX over the group), packing is off and
+    token budgets are refused. (Two real ranks: tests/distributed/test_sft_parity.py's MoE EP=2 run.)"""
+    from megatron.core import parallel_state
+
+    from aligner.data.loader import MicroBatchLoader
+    from aligner.models.packing import PackingSection, packs_here
+    from aligner.runtime import distributed
+
+    examples = [{"tokens": torch.arange(1, n + 1), "loss_mask": torch.ones(n, dtype=torch.long)} for n in (5, 10, 7)]
+    loader = MicroBatchLoader(examples, global_batch_size=3, micro_batch_size=3, data_parallel_rank=0,
+                              data_parallel_size=1, seed=0, shuffle=False, pad_id=0)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
+    assert distributed.longest_across_expert_ranks(9) == 9 and packs_here(PackingSection())
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda: world_group)
+    assert distributed.longest_across_expert_ranks(9) == 9  # the MAX over this one-process group
+    assert not packs_here(PackingSection())
+    with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.expert_model_parallel_size=1"):
+        PackingSection(micro_batch_tokens=64).check_layout(1, 16, "x", expert_model_parallel_size=2)
+    # Another rank's rows are 16 long: this rank's step is collated again to exactly that length.
+    monkeypatch.setattr(distributed, "longest_across_expert_ranks", lambda length: max(length, 16))
+    batch = next(loader.iterate(0))[0]
+    assert batch["tokens"].shape == (3, 16) and batch["loss_mask"][:, 9:].sum() == 0
+    assert batch["tokens"][1, :9].tolist() == list(range(1, 10))
 
 
 def test_collate_packed_builds_segment_positions_and_block_causal_mask():
