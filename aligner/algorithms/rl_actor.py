@@ -1042,18 +1042,16 @@ class RLActor:
         micro = self.cfg.trainer.micro_batch_size
         return max(1, micro // 2) if self._doubles_rows else micro
 
-    def packed_rows_plan(self, lengths: list[int], rows, members: list[int]) -> list[list[int]]:
-        """Rows (indices into `members`) of the sequences `members` of `rows`: first fit, or with shared
-        prompts the samples of one prompt together (`packing.shared_prompt_rows`)."""
+    def prompts_of(self, rows, members: list[int]) -> Optional[tuple[list[int], list[tuple]]]:
+        """(prompt lengths, prompt keys) of the sequences `members` of `rows` where prompts are shared
+        (`packing.shared_prompt_rows` lays out each prompt's samples together), else None."""
         from aligner.models import packing
 
         if not self.shares_prompts:
-            return packing.first_fit_rows(lengths, self.row_length)
+            return None
         ids = torch.tensor(members)
         prompt_lengths = rows.prompt_lengths[ids]
-        return packing.shared_prompt_rows(lengths, prompt_lengths.tolist(),
-                                          packing.prompt_keys(rows.tokens[ids], prompt_lengths), self.row_length,
-                                          no_more_rows=self.uses_token_budget)
+        return prompt_lengths.tolist(), packing.prompt_keys(rows.tokens[ids], prompt_lengths)
 
     @property
     def uses_token_budget(self) -> bool:
@@ -1111,17 +1109,20 @@ class RLActor:
         micro_batches = []
         for items in plan:
             members = [ids[i] for i in items]
-            micro_batches.append([[members[i] for i in row]
-                                  for row in self.packed_rows_plan([lengths[j] for j in members], rows, members)])
+            member_lengths, prompts = [lengths[j] for j in members], self.prompts_of(rows, members)
+            layout = (packing.first_fit_rows(member_lengths, self.row_length) if prompts is None else
+                      packing.shared_prompt_rows(member_lengths, *prompts, self.row_length, no_more_rows=True))
+            micro_batches.append([[members[i] for i in row] for row in layout])
         return micro_batches
 
     def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
         """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
+        from aligner.models import packing
+
         lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
-        rows = self.packed_rows_plan(lengths, batch, ids.tolist())
-        per_micro_batch = self.rows_per_micro_batch
-        return [[[int(ids[i]) for i in row] for row in rows[start:start + per_micro_batch]]
-                for start in range(0, len(rows), per_micro_batch)]
+        return [[[int(ids[i]) for i in row] for row in rows]
+                for rows in packing.plan_micro_batches(lengths, self.row_length, self.rows_per_micro_batch,
+                                                       self.prompts_of(batch, ids.tolist()))]
 
     def logprob_plan(self, batch) -> list[list[list[int]]]:
         """The packed logprob pass's micro batches: the first epoch's, so the first minibatch's rows are

@@ -119,10 +119,12 @@ def sequence_logprobs(
     sequences = [tokens[row, :length] for row, length in enumerate(lengths)]
     row_length = row_length or packing.row_length or tokens.shape[1]
     result = torch.zeros(len(sequences), width, device=target)
-    prompts = (prompt_lengths.tolist(), prompt_keys(tokens, prompt_lengths)) if share_prompts else None
-    for rows in plan or plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences), prompts):
-        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id,
-                                           prompts[0] if share_prompts else None, trim=trim)
+    shared_lengths = prompt_lengths.tolist() if share_prompts else None
+    if not plan:
+        prompts = (shared_lengths, prompt_keys(tokens, prompt_lengths)) if share_prompts else None
+        plan = plan_micro_batches(lengths, row_length, micro_batch_size or len(sequences), prompts)
+    for rows in plan:
+        members, packed = pack_micro_batch(sequences, rows, row_length, pad_id, shared_lengths, trim=trim)
         index = torch.tensor(members, device=target)
         result[index] = packed_sequence_logprobs(
             model_chunks[0], packed.to(target), prompt_lengths.to(target)[index], response_lengths.to(target)[index],
