@@ -23,6 +23,7 @@ real tokens: every caller (logprobs, entropy, values, the critic's loss) takes t
 """
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -96,30 +97,94 @@ def _scaled(piece: torch.Tensor, first_padded: int, temperature: float) -> torch
     return piece
 
 
-def _scaled_piece(flat_logits: torch.Tensor, first: int, count: int, buffer: torch.Tensor, first_padded: int,
-                  temperature: float) -> torch.Tensor:
-    """Rows first..first+count of [tokens, vocab_shard] logits as fp32 / temperature, padded vocabulary
-    at -inf, written into `buffer` (reused across pieces: no fresh pages per piece)."""
-    piece = buffer[:count]
-    piece.copy_(flat_logits[first:first + count])
-    return _scaled(piece, first_padded, temperature)
-
-
-def _product_piece(rows: torch.Tensor, weight: torch.Tensor, first: int, count: int, buffer: torch.Tensor,
-                   first_padded: int, temperature: float) -> torch.Tensor:
-    """The output layer's logits of hidden rows first..first+count (rows [n, h] @ weight [vocab_shard, h]^T,
-    in the weight's dtype, as the layer computes them), as `_scaled_piece` returns them."""
-    piece = buffer[:count]
-    if weight.dtype == torch.float32:
-        torch.mm(rows[first:first + count], weight.t(), out=piece)
-    else:
-        piece.copy_(torch.mm(rows[first:first + count], weight.t()))
-    return _scaled(piece, first_padded, temperature)
-
-
 def _piece_buffer(pieces, shard: int, device) -> torch.Tensor:
     """An fp32 [longest piece, shard] buffer that every piece of a pass reuses (no fresh pages per piece)."""
     return torch.empty(max((length for _, length in pieces), default=0), shard, dtype=torch.float32, device=device)
+
+
+class _Pieces(abc.ABC):
+    """Pieces of [n, vocab_shard] logits as the passes read them: x / T minus the row's max over the real
+    vocabulary, the padded vocabulary at -inf, in one fp32 buffer that every piece reuses.
+
+    may_hold_inf: whether a piece may hold -inf (padded vocabulary, or logits handed in from outside), whose
+    zero softmax weight the entropy's terms must mask (0 * -inf is nan); the output layer's own logits are
+    finite, and without padding the masking passes are skipped."""
+
+    def __init__(self, buffer: torch.Tensor, first_padded: int, temperature: float, from_layer: bool):
+        self.buffer, self.first_padded, self.temperature = buffer, first_padded, temperature
+        self.may_hold_inf = first_padded < buffer.shape[1] or not from_layer
+
+    @abc.abstractmethod
+    def scaled(self, index: int, length: int) -> torch.Tensor:
+        """x / T of positions index..index+length in the buffer, padded vocabulary at -inf."""
+
+    def row_max(self, index: int, length: int) -> torch.Tensor:
+        """[length] max of x / T over the real vocabulary."""
+        return self.scaled(index, length).amax(-1)
+
+    def shifted(self, index: int, length: int, row_max: torch.Tensor, known: bool) -> torch.Tensor:
+        """x / T - row_max in the buffer; row_max [length] is filled in first unless known."""
+        piece = self.scaled(index, length)
+        if not known:
+            row_max.copy_(piece.amax(-1))
+        return piece.sub_(row_max.unsqueeze(1))
+
+
+class _LogitPieces(_Pieces):
+    """Pieces of given logits [tokens, vocab_shard] at positions (each piece a run of consecutive ones)."""
+
+    def __init__(self, flat_logits, positions, buffer, first_padded, temperature, from_layer):
+        super().__init__(buffer, first_padded, temperature, from_layer)
+        self.flat_logits, self.positions = flat_logits, positions
+
+    def _source(self, index: int, length: int) -> torch.Tensor:
+        first = int(self.positions[index])
+        return self.flat_logits[first:first + length]
+
+    def scaled(self, index, length):
+        piece = self.buffer[:length]
+        piece.copy_(self._source(index, length))
+        return _scaled(piece, self.first_padded, self.temperature)
+
+    def row_max(self, index, length):
+        source = self._source(index, length)
+        if source.dtype != torch.float32:
+            return super().row_max(index, length)
+        # max(x) / T is max(x / T) exactly (rounding is monotone): no copy of the piece for it
+        row_max = source[:, :self.first_padded].amax(-1)
+        return row_max if self.temperature == 1.0 else row_max.div_(self.temperature)
+
+    def shifted(self, index, length, row_max, known):
+        source = self._source(index, length)
+        if source.dtype != torch.float32:
+            return super().shifted(index, length, row_max, known)
+        if not known:
+            row_max.copy_(self.row_max(index, length))
+        # The copy into the buffer and the subtraction in one pass (the same values as copy, scale, subtract)
+        piece = self.buffer[:length]
+        if self.temperature == 1.0:
+            torch.sub(source, row_max.unsqueeze(1), out=piece)
+        else:
+            torch.div(source, self.temperature, out=piece).sub_(row_max.unsqueeze(1))
+        piece[:, self.first_padded:] = float("-inf")
+        return piece
+
+
+class _ProductPieces(_Pieces):
+    """Pieces of the output layer's logits of hidden rows [n, h] (rows @ weight [vocab_shard, h]^T, in the
+    weight's dtype, as the layer computes them), each computed into the buffer when read."""
+
+    def __init__(self, rows, weight, buffer, first_padded, temperature):
+        super().__init__(buffer, first_padded, temperature, from_layer=True)
+        self.rows, self.weight = rows, weight
+
+    def scaled(self, index, length):
+        piece = self.buffer[:length]
+        if self.weight.dtype == torch.float32:
+            torch.mm(self.rows[index:index + length], self.weight.t(), out=piece)
+        else:
+            piece.copy_(torch.mm(self.rows[index:index + length], self.weight.t()))
+        return _scaled(piece, self.first_padded, self.temperature)
 
 
 class _PieceStatistics(NamedTuple):
@@ -130,11 +195,11 @@ class _PieceStatistics(NamedTuple):
     expected_logit: torch.Tensor  # E[x] - max under softmax(x)
 
 
-def _logprobs_and_entropy(piece_of, pieces, count, targets, vocab_start, shard, group, with_entropy, device):
+def _logprobs_and_entropy(logits: _Pieces, pieces, count, targets, vocab_start, shard, group, with_entropy, device):
     """Forward of the selected-positions pass: (logprobs, entropy, _PieceStatistics) of `count` positions.
 
-    piece_of(index, length) -> the scaled fp32 logits of positions index..index+length ([length, shard],
-    a reused buffer: consumed before the next call). The same numbers as megatron's
+    logits: the pieces of positions index..index+length (`_Pieces`: a reused buffer, consumed before the
+    next piece is read). The same numbers as megatron's
     vocab_parallel_cross_entropy (max-shifted log-sum-exp, all-reduced over the tensor-parallel group;
     the target logit from the shard that holds it), with three floats kept per position.
     """
@@ -148,21 +213,18 @@ def _logprobs_and_entropy(piece_of, pieces, count, targets, vocab_start, shard, 
     if group is not None:
         # The maximum over the whole vocabulary first: every shard's sums are taken relative to it.
         for index, length in pieces:
-            row_max[index:index + length] = piece_of(index, length).amax(-1)
+            row_max[index:index + length] = logits.row_max(index, length)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     for index, length in pieces:
         part = slice(index, index + length)
-        piece = piece_of(index, length)
-        if group is None:
-            row_max[part] = piece.amax(-1)
-        piece.sub_(row_max[part].unsqueeze(1))  # x - max
+        piece = logits.shifted(index, length, row_max[part], known=group is not None)  # x - max
         piece_targets = local_targets[part].clamp(0, shard - 1).unsqueeze(1)
         target_logit[part] = torch.where(on_shard[part], piece.gather(1, piece_targets).squeeze(1), 0.0)
         if with_entropy:
             weights = torch.exp(piece, out=weights_buffer[:length])
             sum_exp[part] = weights.sum(-1)
-            # 0 stands in for the -inf of padded entries, whose weight is 0 (no 0 * -inf nan).
-            piece.masked_fill_(weights == 0, 0.0)
+            if logits.may_hold_inf:  # 0 stands in for -inf (padded entries), whose weight is 0: no 0 * -inf nan
+                piece.masked_fill_(weights == 0, 0.0)
             expected_logit[part] = (weights.mul_(piece)).sum(-1)
         else:
             sum_exp[part] = piece.exp_().sum(-1)
@@ -178,7 +240,7 @@ def _logprobs_and_entropy(piece_of, pieces, count, targets, vocab_start, shard, 
     return logprobs, entropy, _PieceStatistics(row_max, sum_exp, expected_logit), local_targets, on_shard
 
 
-def _piece_gradients(piece_of, pieces, statistics: _PieceStatistics, local_targets, on_shard, grad_logprobs,
+def _piece_gradients(logits: _Pieces, pieces, statistics: _PieceStatistics, local_targets, on_shard, grad_logprobs,
                      grad_entropy, temperature, shard, device, take) -> None:
     """Backward of the selected-positions pass: each piece's gradient of its logits, handed to
     take(index, length, grad [length, shard] fp32, a reused buffer).
@@ -190,14 +252,15 @@ def _piece_gradients(piece_of, pieces, statistics: _PieceStatistics, local_targe
     probs_buffer = None if grad_entropy is None else _piece_buffer(pieces, shard, device)
     for index, length in pieces:
         part = slice(index, index + length)
-        shifted = piece_of(index, length)
-        shifted.sub_(row_max[part].unsqueeze(1))  # x - max
+        shifted = logits.shifted(index, length, row_max[part], known=True)  # x - max
         if grad_entropy is None:  # the softmax in place: x - max is not needed after
             grad = shifted.exp_().div_(sum_exp[part].unsqueeze(1)).mul_(-grad_logprobs[part].unsqueeze(1))
         else:
             probs = torch.exp(shifted, out=probs_buffer[:length]).div_(sum_exp[part].unsqueeze(1))
             # -p (x - E[x]), with 0 for the padded entries (p = 0, x = -inf)
-            grad = shifted.sub_(expected_logit[part].unsqueeze(1)).masked_fill_(probs == 0, 0.0)
+            grad = shifted.sub_(expected_logit[part].unsqueeze(1))
+            if logits.may_hold_inf:
+                grad.masked_fill_(probs == 0, 0.0)
             grad.mul_(probs).mul_(-grad_entropy[part].unsqueeze(1))
             if grad_logprobs is not None:
                 grad.sub_(probs.mul_(grad_logprobs[part].unsqueeze(1)))
@@ -218,40 +281,43 @@ class _SelectedLogprobsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat_logits, positions, targets, vocab_start, first_padded, temperature, chunk_tokens, group,
-                with_entropy):
+                with_entropy, from_layer):
         pieces = _consecutive_pieces(positions, chunk_tokens)
-        buffer = _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device)
-
-        def piece_of(index, length):
-            return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
-
+        logits = _LogitPieces(flat_logits, positions, _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device),
+                              first_padded, temperature, from_layer)
         logprobs, entropy, statistics, local_targets, on_shard = _logprobs_and_entropy(
-            piece_of, pieces, positions.numel(), targets, vocab_start, flat_logits.shape[-1], group, with_entropy,
+            logits, pieces, positions.numel(), targets, vocab_start, flat_logits.shape[-1], group, with_entropy,
             flat_logits.device)
         ctx.save_for_backward(flat_logits, positions, local_targets, on_shard, *statistics)
-        ctx.settings = (first_padded, temperature, pieces)
+        ctx.settings = (first_padded, temperature, pieces, from_layer)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         flat_logits, positions, local_targets, on_shard, *statistics = ctx.saved_tensors
-        first_padded, temperature, pieces = ctx.settings
+        first_padded, temperature, pieces, from_layer = ctx.settings
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 9
-        grad_logits = torch.zeros_like(flat_logits)
-        buffer = _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device)
-
-        def piece_of(index, length):
-            return _scaled_piece(flat_logits, int(positions[index]), length, buffer, first_padded, temperature)
+            return (None,) * 10
+        # One piece over every row in order (the output layer applied at the read positions only): its
+        # gradient is the whole gradient, no zeroed [tokens, vocab] tensor to add it into.
+        whole = (flat_logits.dtype == torch.float32 and pieces == [(0, flat_logits.shape[0])]
+                 and int(positions[0]) == 0)
+        grad_logits = None if whole else torch.zeros_like(flat_logits)
+        logits = _LogitPieces(flat_logits, positions, _piece_buffer(pieces, flat_logits.shape[-1], flat_logits.device),
+                              first_padded, temperature, from_layer)
 
         def take(index, length, grad):
+            nonlocal grad_logits
+            if whole:
+                grad_logits = grad
+                return
             first = int(positions[index])
             grad_logits[first:first + length] += grad  # a position may repeat (a shared prompt's last token)
 
-        _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
+        _piece_gradients(logits, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
                          grad_entropy, temperature, flat_logits.shape[-1], flat_logits.device, take)
-        return grad_logits, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
@@ -272,13 +338,10 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
                 with_entropy):
         count = rows.shape[0]
         pieces = [(index, min(chunk_tokens, count - index)) for index in range(0, count, chunk_tokens)]
-        buffer = _piece_buffer(pieces, weight.shape[0], rows.device)
-
-        def piece_of(index, length):
-            return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
-
+        logits = _ProductPieces(rows, weight, _piece_buffer(pieces, weight.shape[0], rows.device), first_padded,
+                                temperature)
         logprobs, entropy, statistics, local_targets, on_shard = _logprobs_and_entropy(
-            piece_of, pieces, count, targets, vocab_start, weight.shape[0], group, with_entropy, rows.device)
+            logits, pieces, count, targets, vocab_start, weight.shape[0], group, with_entropy, rows.device)
         ctx.save_for_backward(rows, weight, local_targets, on_shard, *statistics)
         ctx.settings = (first_padded, temperature, pieces, group)
         ctx.set_materialize_grads(False)
@@ -295,10 +358,8 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
         # the weight's gradient summed piece by piece in fp32 (one rounding to a half dtype at the end)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_needs_grad \
             else None
-        buffer = _piece_buffer(pieces, weight.shape[0], rows.device)
-
-        def piece_of(index, length):
-            return _product_piece(rows, weight, index, length, buffer, first_padded, temperature)
+        logits = _ProductPieces(rows, weight, _piece_buffer(pieces, weight.shape[0], rows.device), first_padded,
+                                temperature)
 
         def take(index, length, grad):
             part = slice(index, index + length)
@@ -312,7 +373,7 @@ class _OutputLayerLogprobsAndEntropy(torch.autograd.Function):
             else:
                 grad_weight.add_(torch.mm(grad.t(), rows[part]))
 
-        _piece_gradients(piece_of, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
+        _piece_gradients(logits, pieces, _PieceStatistics(*statistics), local_targets, on_shard, grad_logprobs,
                          grad_entropy, temperature, weight.shape[0], rows.device, take)
         if group is not None and grad_rows is not None:  # megatron's copy_to_tensor_model_parallel_region:
             dist.all_reduce(grad_rows, group=group)  # the input's gradient summed over the group
@@ -360,20 +421,23 @@ def selected_logprobs_and_entropy(
             return _apply(_OutputLayerLogprobsAndEntropy, *operands, targets, shard=operands[1].shape[0], **settings)
         flat_logits = logits.logits_at(positions)
         positions = torch.arange(len(positions), device=flat_logits.device)
+        from_layer = True
     else:
         flat_logits = logits.reshape(-1, logits.shape[-1])  # a view: the model's logits are contiguous
-    return _apply(_SelectedLogprobsAndEntropy, flat_logits, positions, targets, shard=flat_logits.shape[-1],
-                  **settings)
+        from_layer = False  # may hold -inf (masked outside): the entropy's masking stays on
+    return _apply(_SelectedLogprobsAndEntropy, flat_logits, positions, targets, from_layer,
+                  shard=flat_logits.shape[-1], **settings)
 
 
-def _apply(function, first, second, targets, *, shard, vocab_size, temperature, chunk_tokens, with_entropy):
-    """function.apply with this rank's vocabulary shard (its first id, and its first padded column)."""
+def _apply(function, first, second, targets, *more, shard, vocab_size, temperature, chunk_tokens, with_entropy):
+    """function.apply with this rank's vocabulary shard (its first id, and its first padded column); `more`:
+    the function's arguments after with_entropy."""
     from megatron.core import parallel_state as ps
 
     vocab_start = ps.get_tensor_model_parallel_rank() * shard
     first_padded = min(max(vocab_size - vocab_start, 0), shard)
     return function.apply(first, second, targets, vocab_start, first_padded, temperature, chunk_tokens,
-                          _tensor_parallel_group(), with_entropy)
+                          _tensor_parallel_group(), with_entropy, *more)
 
 
 def response_logprobs_and_entropy(

@@ -160,6 +160,37 @@ def test_a_repeated_position_gets_the_sum_of_its_gradients():
     torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [2, 1024])
+def test_logits_without_padded_vocabulary_from_the_layer_and_from_outside(chunk_tokens):
+    """Without padded vocabulary the output layer's own logits skip the entropy's -inf masking, and one piece
+    over every row hands its gradient on whole; logits from outside keep the masking, so -inf entries in them
+    (masked upstream) still give finite entropies. Each against float64 autograd over the full log-softmax."""
+    from aligner.generation.logprobs import _apply, _SelectedLogprobsAndEntropy
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, VOCAB, generator=generator) * 4
+    targets = torch.randint(0, VOCAB, (6,), generator=generator)
+    weights = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.25, 1.5])
+    for from_layer, masked in ((True, False), (False, True)):
+        given = logits.clone()
+        if masked:
+            given[1, 7] = given[4, 0] = float("-inf")
+        leaf = given.clone().requires_grad_()
+        logprobs, entropy = _apply(_SelectedLogprobsAndEntropy, leaf, torch.arange(6), targets, from_layer,
+                                   shard=VOCAB, vocab_size=VOCAB, temperature=0.7, chunk_tokens=chunk_tokens,
+                                   with_entropy=True)
+        ((logprobs * weights).sum() + 0.1 * entropy.sum()).backward()
+        reference = given.double().requires_grad_()
+        log_softmax = torch.log_softmax(reference / 0.7, dim=-1)
+        expected = log_softmax.gather(1, targets.unsqueeze(1)).squeeze(1)
+        expected_entropy = -(log_softmax.exp() * log_softmax.masked_fill(log_softmax.isinf(), 0)).sum(-1)
+        ((expected * weights.double()).sum() + 0.1 * expected_entropy.sum()).backward()
+        assert torch.isfinite(entropy).all() and torch.isfinite(leaf.grad).all()
+        torch.testing.assert_close(logprobs.double(), expected.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=0, atol=1e-5)
+
+
 def test_no_positions_give_a_zero_loss_and_gradient():
     from aligner.algorithms.sft import response_token_loss
 
@@ -191,7 +222,7 @@ def fused_and_unfused(rows, weight, targets, temperature, chunk_tokens, with_ent
             logprobs, entropy = _OutputLayerLogprobsAndEntropy.apply(rows_leaf, weight_leaf, *settings)
         else:
             logits = rows_leaf @ weight_leaf.t()
-            logprobs, entropy = _SelectedLogprobsAndEntropy.apply(logits, torch.arange(len(rows)), *settings)
+            logprobs, entropy = _SelectedLogprobsAndEntropy.apply(logits, torch.arange(len(rows)), *settings, True)
         objective = grads[0] * logprobs.sum() + (grads[1] * entropy.sum() if with_entropy else 0.0)
         objective.backward()
         results.append((logprobs.detach(), entropy.detach(), rows_leaf.grad, weight_leaf.grad))
