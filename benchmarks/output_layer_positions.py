@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,57 +33,21 @@ def main() -> None:
 
     def run() -> None:
         import torch
-        from models import resolve_model
-        from peer.workload import aligner_overrides, default_workload, write_data
-
-        from aligner.config import CONF_DIR, load_config
+        from peer.ours import ours_for_task
 
         torch.set_num_threads(2)
-        resolved = resolve_model(args.model)
-        work = default_workload(args.task, 2 * args.steps, warmup_steps=0)
-        with tempfile.TemporaryDirectory() as tmp:
-            scratch = Path(args.work or tmp)
-            data = write_data(work, scratch)
-            yaml_name, overrides = aligner_overrides(work, resolved.checkpoint_dir, data, scratch / "ours")
-            if args.task == "rl":
-                from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
-
-                actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))
-                objective, close = actor.objective, actor.router.close
-
-                def step() -> tuple[float, float]:
-                    metrics = actor.train_step()
-                    actor.step += 1
-                    return metrics["time_train"], metrics["grad_norm"]
-            else:
-                if args.task == "sft":
-                    from aligner.algorithms.sft import SFTConfig as schema
-                    from aligner.algorithms.sft import build_sft_trainer as build
-                else:
-                    from aligner.algorithms.dpo import DPOConfig as schema
-                    from aligner.algorithms.dpo import build_dpo_trainer as build
-                trainer = build(load_config(schema, CONF_DIR / yaml_name, overrides))
-                batches = trainer.train_loader.iterate(0)
-                objective, close = trainer.objective, trainer.metrics.close
-
-                def step() -> tuple[float, float]:
-                    started = time.perf_counter()
-                    metrics = trainer.train_step(next(batches), started=started)
-                    trainer.step += 1
-                    return time.perf_counter() - started, metrics["loss"]
+        with ours_for_task(args.task, args.model, 2 * args.steps, args.work) as ours:
             times: dict[bool, list[float]] = {True: [], False: []}
             last: dict[bool, float] = {}
-            try:
-                for index in range(2 * args.steps):
-                    deferred = (index % 4) in (0, 3)  # on, off, off, on: each side goes first as often
-                    objective.reads_logits_at_positions = deferred
-                    seconds, value = step()
-                    times[deferred].append(seconds)
-                    last[deferred] = value
-                    print(f"  step {index + 1}: {'at positions' if deferred else 'full logits '} {seconds:.3f} s",
-                          file=sys.stderr, flush=True)
-            finally:
-                close()
+            for index in range(2 * args.steps):
+                deferred = (index % 4) in (0, 3)  # on, off, off, on: each side goes first as often
+                ours.objective.reads_logits_at_positions = deferred
+                metrics = ours.step()
+                seconds = metrics["time_train"] if args.task == "rl" else metrics["seconds"]
+                times[deferred].append(seconds)
+                last[deferred] = metrics["grad_norm"] if args.task == "rl" else metrics["loss"]
+                print(f"  step {index + 1}: {'at positions' if deferred else 'full logits '} {seconds:.3f} s",
+                      file=sys.stderr, flush=True)
         timed = {side: values[1:] for side, values in times.items()}
         what = "training phase" if args.task == "rl" else "step"
         for side, label in ((True, "at the read positions"), (False, "full logits")):

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,52 +35,16 @@ def main() -> None:
 
     def run() -> None:
         import torch
-        from models import resolve_model
-        from peer.workload import aligner_overrides, default_workload, write_data
+        from peer.ours import ours_for_task
         from train_steps import toy_checkpoint
-
-        from aligner.config import CONF_DIR, load_config
 
         torch.set_num_threads(2)
         toy = args.model == "toy"
-        resolved = resolve_model(str(toy_checkpoint()) if toy else args.model)
-        work = default_workload(args.task, 2 * args.steps, warmup_steps=0, toy=toy)
         rl = args.task != "dpo"
-        with tempfile.TemporaryDirectory() as tmp:
-            scratch = Path(args.work or tmp)
-            data = write_data(work, scratch)
-            yaml_name, overrides = aligner_overrides(work, resolved.checkpoint_dir, data, scratch / "ours")
-            if rl:
-                from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
-
-                actor = build_rl_actor(load_config(RLActorConfig, CONF_DIR / yaml_name, overrides))
-                objective, packing_section = actor.objective, actor.cfg.packing
-
-                def step() -> tuple[float, float]:
-                    started = time.perf_counter()
-                    metrics = actor.train_step()
-                    actor.step += 1
-                    return time.perf_counter() - started, metrics["time_train"]
-
-                def close() -> None:
-                    actor.router.close()
-                    actor.reward_source.close()
-            else:
-                from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
-
-                cfg = load_config(DPOConfig, CONF_DIR / yaml_name, overrides)
-                trainer = build_dpo_trainer(cfg)
-                batches = trainer.train_loader.iterate(0)
-                objective, packing_section, close = trainer.objective, cfg.packing, trainer.metrics.close
-
-                def step() -> tuple[float, float]:
-                    started = time.perf_counter()
-                    trainer.train_step(next(batches), started=started)
-                    trainer.step += 1
-                    seconds = time.perf_counter() - started
-                    return seconds, seconds
+        with ours_for_task(args.task, str(toy_checkpoint()) if toy else args.model, 2 * args.steps, args.work,
+                           toy=toy) as ours:
             trained_tokens: list[int] = []
-            forward = objective.forward
+            forward = ours.objective.forward
 
             def counting_forward(model, batch):
                 output = forward(model, batch)
@@ -90,20 +52,19 @@ def main() -> None:
                 trained_tokens.append(0 if packed is None else packed.real_tokens)
                 return output
 
-            objective.forward = counting_forward
+            ours.objective.forward = counting_forward
             results: dict[bool, list[tuple[float, float, int]]] = {True: [], False: []}
-            try:
-                for index in range(2 * args.steps):
-                    shared = (index % 4) in (0, 3)  # on, off, off, on: each side goes first as often
-                    packing_section.share_prompts = shared
-                    trained_tokens.clear()
-                    seconds, train_seconds = step()
-                    results[shared].append((seconds, train_seconds, sum(trained_tokens)))
-                    print(f"  step {index + 1}: {'shared  ' if shared else 'unshared'} {seconds:.3f} s"
-                          + (f", training {train_seconds:.3f} s" if rl else "")
-                          + f" over {sum(trained_tokens)} tokens", file=sys.stderr, flush=True)
-            finally:
-                close()
+            for index in range(2 * args.steps):
+                shared = (index % 4) in (0, 3)  # on, off, off, on: each side goes first as often
+                ours.config.packing.share_prompts = shared
+                trained_tokens.clear()
+                metrics = ours.step()
+                seconds = metrics["seconds"]
+                train_seconds = metrics["time_train"] if rl else seconds
+                results[shared].append((seconds, train_seconds, sum(trained_tokens)))
+                print(f"  step {index + 1}: {'shared  ' if shared else 'unshared'} {seconds:.3f} s"
+                      + (f", training {train_seconds:.3f} s" if rl else "")
+                      + f" over {sum(trained_tokens)} tokens", file=sys.stderr, flush=True)
         timed = {side: values[1:] for side, values in results.items()}
         for side, label in ((True, "prompts shared"), (False, "prompt per sequence")):
             steps, trains, tokens = zip(*timed[side])
