@@ -148,7 +148,7 @@ class _LogitPieces(_Pieces):
 
     def row_max(self, index, length):
         source = self._source(index, length)
-        if source.dtype != torch.float32:
+        if source.dtype != torch.float32 or self.first_padded == 0:  # a shard of padding only: -inf, as scaled
             return super().row_max(index, length)
         # max(x) / T is max(x / T) exactly (rounding is monotone): no copy of the piece for it
         row_max = source[:, :self.first_padded].amax(-1)

@@ -191,6 +191,19 @@ def test_logits_without_padded_vocabulary_from_the_layer_and_from_outside(chunk_
         torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=0, atol=1e-5)
 
 
+def test_a_row_maximum_read_from_the_logits_equals_the_scaled_pieces():
+    """The maximum of x / T is read from the logits themselves (no copy) where they are fp32: equal to the
+    maximum of the scaled piece, padded columns left out; a shard of padding only gives -inf."""
+    from aligner.generation.logprobs import _LogitPieces
+
+    logits = torch.randn(5, 16) * 3
+    for first_padded, temperature in ((16, 1.0), (11, 0.7), (0, 1.0)):
+        pieces = _LogitPieces(logits, torch.arange(5), torch.empty(5, 16), first_padded, temperature, True)
+        expected = pieces.scaled(1, 3).amax(-1)
+        assert torch.equal(pieces.row_max(1, 3), expected)
+        assert (first_padded == 0) == bool(expected.eq(float("-inf")).all())
+
+
 def test_no_positions_give_a_zero_loss_and_gradient():
     from aligner.algorithms.sft import response_token_loss
 
