@@ -1109,9 +1109,8 @@ class RLActor:
         micro_batches = []
         for items in plan:
             members = [ids[i] for i in items]
-            member_lengths, prompts = [lengths[j] for j in members], self.prompts_of(rows, members)
-            layout = (packing.first_fit_rows(member_lengths, self.row_length) if prompts is None else
-                      packing.shared_prompt_rows(member_lengths, *prompts, self.row_length, no_more_rows=True))
+            layout = packing.packed_rows_plan([lengths[j] for j in members], self.row_length,
+                                              self.prompts_of(rows, members), no_more_rows=True)
             micro_batches.append([[members[i] for i in row] for row in layout])
         return micro_batches
 

@@ -466,12 +466,20 @@ def packs_here(packing: Optional[PackingSection]) -> bool:
             and ps.get_expert_model_parallel_world_size() == 1)
 
 
+def packed_rows_plan(lengths: Sequence[int], row_length: int,
+                     prompts: Optional[tuple[Sequence[int], Sequence]] = None,
+                     no_more_rows: bool = False) -> list[list[int]]:
+    """Sequence indices per row: `first_fit_rows`, or with prompts given as (prompt lengths, prompt keys)
+    `shared_prompt_rows` (no_more_rows as there)."""
+    if prompts is None:
+        return first_fit_rows(lengths, row_length)
+    return shared_prompt_rows(lengths, *prompts, row_length, no_more_rows=no_more_rows)
+
+
 def plan_micro_batches(lengths: Sequence[int], row_length: int, rows_per_micro_batch: int,
                        prompts: Optional[tuple[Sequence[int], Sequence]] = None) -> list[list[list[int]]]:
-    """Sequence indices per row per micro batch: `first_fit_rows` (prompts given as (prompt lengths,
-    prompt keys): `shared_prompt_rows`), then `rows_per_micro_batch` rows at a time."""
-    rows = first_fit_rows(lengths, row_length) if prompts is None else shared_prompt_rows(lengths, *prompts,
-                                                                                            row_length)
+    """Sequence indices per row per micro batch: `packed_rows_plan`, then `rows_per_micro_batch` rows at a time."""
+    rows = packed_rows_plan(lengths, row_length, prompts)
     return [rows[start:start + rows_per_micro_batch] for start in range(0, len(rows), rows_per_micro_batch)]
 
 
