@@ -21,7 +21,7 @@ import torch
 
 MATMUL_SIZE = 1024
 GPU_MATMUL_SIZE = 8192  # large enough for a GPU's tensor cores to reach their sustained rate
-DRAM_BUFFER_BYTES = 512 * 2**20  # larger than any CPU's last-level cache here: the DRAM read rate
+DRAM_BUFFER_BYTES = 512 * 2**20  # beyond the last-level cache a VM gets here: the DRAM read rate
 GPU_BUFFER_BYTES = 2**30  # larger than an H100/H200 L2 cache: the HBM read rate
 CPU = torch.device("cpu")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
