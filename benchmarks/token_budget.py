@@ -12,6 +12,13 @@ A global minibatch of variable-length sequences is split over `--ranks` data-par
 RL lengths come in groups of `--samples` per prompt whose responses share a length scale (a hard
 prompt's samples all run long), the case that leaves one rank with far more tokens.
 
+--share-prompts: a group's samples (a pair's two sequences) hold one prompt, once per packed row as the
+trainers lay them out (`packing.share_prompts`), and the two layouts compared are token budgets both:
+  unshared  the plan counting every sequence with its own prompt, laid out sharing (as before the
+            plan knew of shared prompts);
+  budget    the plan counting each prompt once per micro batch (`plan_token_budget` with prompts; RL:
+            a prompt's samples planned together, `shared_prompt_parts`, as the RL actor plans them).
+
 Each rank's micro batches run forward + backward (the packed response logprobs summed) in this one
 process, rank after rank, layouts alternating per repeat so load hits both. A data-parallel step
 waits at the gradient all-reduce for its slowest rank, so the step time of a layout is its slowest
@@ -74,10 +81,23 @@ def make_items(args, generator) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-def plans(args, sizes: list[int], rows_of, sequences) -> dict[str, list[list[list[int]]]]:
-    """{layout: [rank][micro batch] -> item indices}."""
+def plans(args, sizes: list[int], rows_of, sequences, prompt_of) -> dict[str, list[list[list[list[int]]]]]:
+    """{layout: [rank][micro batch] -> sequence indices per item}."""
     from aligner.models import packing
 
+    items = [[len(sequences[r]) for r in rows] for rows in rows_of]
+    budget = args.micro * args.row_length
+    if args.share_prompts:
+        keys = [(prompt_of[r], tuple(sequences[r][:prompt_of[r]].tolist())) for r in range(len(sequences))]
+        unshared = packing.plan_token_budget(items, args.ranks, budget, args.row_length)
+        groups = rows_of
+        if args.task == "rl":  # as the RL actor: a prompt's samples that share a row, one item
+            groups = packing.shared_prompt_parts([len(s) for s in sequences], prompt_of, [k[1] for k in keys],
+                                                 args.row_length)
+        shared = packing.plan_token_budget([[len(sequences[r]) for r in group] for group in groups], args.ranks,
+                                           budget, args.row_length, [[keys[r] for r in group] for group in groups])
+        return {"unshared": [[[rows_of[i] for i in batch] for batch in plan] for plan in unshared],
+                "budget": [[[groups[i] for i in batch] for batch in plan] for plan in shared]}
     per_rank = len(sizes) // args.ranks
     fixed = []
     for rank in range(args.ranks):
@@ -88,9 +108,9 @@ def plans(args, sizes: list[int], rows_of, sequences) -> dict[str, list[list[lis
                           for start in range(0, len(rows), args.micro)])
         else:  # the loader: `micro` pairs per micro batch
             fixed.append([share[start:start + args.micro] for start in range(0, per_rank, args.micro)])
-    items = [[len(sequences[r]) for r in rows] for rows in rows_of]
-    budget = packing.plan_token_budget(items, args.ranks, args.micro * args.row_length, args.row_length)
-    return {"fixed": fixed, "budget": budget}
+    planned = packing.plan_token_budget(items, args.ranks, budget, args.row_length)
+    return {name: [[[rows_of[i] for i in batch] for batch in plan] for plan in by_rank]
+            for name, by_rank in (("fixed", fixed), ("budget", planned))}
 
 
 def main() -> None:
@@ -109,6 +129,9 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=8, help="random minibatches for the token and cell ratios")
     parser.add_argument("--threads", type=int, default=1, help="per simulated rank (a rank has its own cores)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="a group's samples (a pair) share one prompt, held once per packed row; compares the "
+                             "budget planned with each sequence's own prompt against planned with it once")
     args = parser.parse_args()
     args.row_length = args.max_prompt + args.max_new_tokens
     if args.repeats < 1 or args.draws < 1:
@@ -130,14 +153,20 @@ def main() -> None:
         generator = torch.Generator().manual_seed(seed)
         prompts, responses = make_items(args, generator)
         sequences, prompt_of, response_of, rows_of = [], [], [], []
-        for item_prompts, item_responses in zip(prompts, responses):
+        group_prompt = None
+        for index, (item_prompts, item_responses) in enumerate(zip(prompts, responses)):
             rows_of.append(list(range(len(sequences), len(sequences) + len(item_prompts))))
+            if index % (args.samples if args.task == "rl" else 1) == 0:  # a new prompt (with --share-prompts)
+                group_prompt = torch.randint(3, cfg.vocab_size, (item_prompts[0],), generator=generator)
             for prompt, response in zip(item_prompts, item_responses):
-                sequences.append(torch.randint(3, cfg.vocab_size, (prompt + response,), generator=generator))
+                sequence = torch.randint(3, cfg.vocab_size, (prompt + response,), generator=generator)
+                if args.share_prompts:
+                    sequence[:prompt] = group_prompt
+                sequences.append(sequence)
                 prompt_of.append(prompt)
                 response_of.append(response)
         sizes = [sum(len(sequences[r]) for r in rows) for rows in rows_of]
-        layouts = plans(args, sizes, rows_of, sequences)
+        layouts = plans(args, sizes, rows_of, sequences, prompt_of)
 
         def micro_batches(plan_of_rank):
             built = []
@@ -145,9 +174,13 @@ def main() -> None:
                 if not items:
                     built.append(None)
                     continue
-                members = [r for i in items for r in rows_of[i]]
-                rows = packing.first_fit_rows([len(sequences[r]) for r in members], args.row_length)
-                _, packed = packing.pack_micro_batch([sequences[r] for r in members], rows, args.row_length, 0)
+                members = [r for item in items for r in item]
+                lengths = [len(sequences[r]) for r in members]
+                shared = ([prompt_of[r] for r in members], [tuple(sequences[r][:prompt_of[r]].tolist())
+                                                           for r in members]) if args.share_prompts else None
+                rows = packing.packed_rows_plan(lengths, args.row_length, shared, no_more_rows=True)
+                _, packed = packing.pack_micro_batch([sequences[r] for r in members], rows, args.row_length, 0,
+                                                     prompt_lengths=shared and shared[0])
                 order = [members[i] for row in rows for i in row]
                 built.append((packed, torch.tensor([prompt_of[r] for r in order]),
                               torch.tensor([response_of[r] for r in order])))
@@ -157,7 +190,8 @@ def main() -> None:
         print(f"draw {seed}: {args.items} items ({len(sequences)} sequences, {sum(sizes)} tokens)")
         largest = {}
         for name, plan_by_rank in layouts.items():
-            rank_tokens = [sum(sizes[i] for batch in plan for i in batch) for plan in plan_by_rank]
+            rank_tokens = [sum(len(sequences[r]) for batch in plan for item in batch for r in item)
+                           for plan in plan_by_rank]
             cells = [sum(b[0].tokens.numel() for b in ranks if b is not None) for ranks in built[name]]
             largest[name] = (max(rank_tokens), max(cells))
             print(f"  {name:6s}: tokens per rank {rank_tokens} (largest / mean "
@@ -185,10 +219,11 @@ def main() -> None:
             logprobs.sum().backward()
         return time.perf_counter() - start, time.process_time() - cpu
 
-    run_rank(draws[0][0]["fixed"][0][:1])  # warm-up
-    steps = {"fixed": [], "budget": []}  # per repeat: (wall, cpu) summed over the draws' slowest ranks
+    baseline = "unshared" if args.share_prompts else "fixed"
+    run_rank(draws[0][0][baseline][0][:1])  # warm-up
+    steps = {baseline: [], "budget": []}  # per repeat: (wall, cpu) summed over the draws' slowest ranks
     for repeat in range(args.repeats):
-        for name in (("fixed", "budget") if repeat % 2 == 0 else ("budget", "fixed")):
+        for name in ((baseline, "budget") if repeat % 2 == 0 else ("budget", baseline)):
             wall_sum = cpu_sum = 0.0
             for built, _ in draws:  # one step per draw
                 model.zero_grad(set_to_none=True)
@@ -199,14 +234,14 @@ def main() -> None:
             print(f"  repeat {repeat} {name:6s}: {args.draws} steps (slowest rank each) {wall_sum:.2f} s wall, "
                   f"{cpu_sum:.2f} s cpu; load {load()}")
     best = {name: [min(step[kind] for step in steps[name]) for kind in (0, 1)] for name in steps}
-    print(f"{args.draws} steps, best of {args.repeats}: fixed {best['fixed'][0]:.2f} s wall "
-          f"{best['fixed'][1]:.2f} s cpu, budget {best['budget'][0]:.2f} s wall {best['budget'][1]:.2f} s cpu, "
+    print(f"{args.draws} steps, best of {args.repeats}: {baseline} {best[baseline][0]:.2f} s wall "
+          f"{best[baseline][1]:.2f} s cpu, budget {best['budget'][0]:.2f} s wall {best['budget'][1]:.2f} s cpu, "
           f"load {load()}")
-    name = f"token_budget_{args.task}_dp{args.ranks}"
-    print(ratio_line(f"{name}_step", best["fixed"][0] / best["budget"][0]))
-    print(ratio_line(f"{name}_step_cpu", best["fixed"][1] / best["budget"][1]))
-    for index, what in ((0, "tokens"), (1, "cells")):  # the largest rank's, fixed / budget, mean over the draws
-        print(ratio_line(f"{name}_{what}", sum(largest["fixed"][index] / largest["budget"][index]
+    name = f"token_budget_{args.task}_dp{args.ranks}" + ("_shared_prompts" if args.share_prompts else "")
+    print(ratio_line(f"{name}_step", best[baseline][0] / best["budget"][0]))
+    print(ratio_line(f"{name}_step_cpu", best[baseline][1] / best["budget"][1]))
+    for index, what in ((0, "tokens"), (1, "cells")):  # the largest rank's, baseline / budget, mean over the draws
+        print(ratio_line(f"{name}_{what}", sum(largest[baseline][index] / largest["budget"][index]
                                                for _, largest in draws) / len(draws)))
     distributed.shutdown()
 

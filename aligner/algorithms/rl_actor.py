@@ -1049,7 +1049,7 @@ class RLActor:
 
         if not self.shares_prompts:
             return None
-        ids = torch.tensor(members)
+        ids = torch.tensor(members, dtype=torch.long)  # long also when empty (an evened micro batch)
         prompt_lengths = rows.prompt_lengths[ids]
         return prompt_lengths.tolist(), packing.prompt_keys(rows.tokens[ids], prompt_lengths)
 
@@ -1095,7 +1095,8 @@ class RLActor:
     def budget_plan(self, rows, epoch: int, minibatch: int) -> list[list[list[int]]]:
         """This rank's token-budget micro batches of a minibatch, as row indices (into the rows of every
         rank, `all_ranks_rows`) per packed row per micro batch; an empty micro batch has no rows. The
-        minibatch holds every rank's share of it (each rank's own order), balanced across ranks."""
+        minibatch holds every rank's share of it (each rank's own order), balanced across ranks. Where
+        prompts are shared, a prompt's samples are planned together and its tokens counted once."""
         from aligner.models import packing
 
         local = rows.tokens.shape[0] // self.dp_size
@@ -1104,11 +1105,18 @@ class RLActor:
         ids = torch.cat([self.minibatch_order(local, epoch, rank)[window] + rank * local
                          for rank in range(self.dp_size)]).tolist()
         lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
-        plan = packing.plan_token_budget([[lengths[i]] for i in ids], self.dp_size,
-                                         self.cfg.packing.micro_batch_tokens, self.row_length)[self.dp_rank]
+        prompts = self.prompts_of(rows, ids)
+        if prompts is None:  # an item a sequence
+            items, item_prompts = [[position] for position in range(len(ids))], None
+        else:  # an item a prompt's samples that share a row with it once, counted so
+            items = packing.shared_prompt_parts([lengths[i] for i in ids], *prompts, self.row_length)
+            item_prompts = [[(prompts[0][p], prompts[1][p]) for p in item] for item in items]
+        plan = packing.plan_token_budget([[lengths[ids[p]] for p in item] for item in items], self.dp_size,
+                                         self.cfg.packing.micro_batch_tokens, self.row_length,
+                                         item_prompts)[self.dp_rank]
         micro_batches = []
-        for items in plan:
-            members = [ids[i] for i in items]
+        for batch in plan:
+            members = [ids[p] for item in batch for p in items[item]]
             layout = packing.packed_rows_plan([lengths[j] for j in members], self.row_length,
                                               self.prompts_of(rows, members), no_more_rows=True)
             micro_batches.append([[members[i] for i in row] for row in layout])

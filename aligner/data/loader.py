@@ -45,6 +45,8 @@ class MicroBatchLoader:
         self.steps_per_epoch = sampler.steps_per_epoch
         self.micro_batch_tokens = None if packing is None else packing.micro_batch_tokens
         self.row_length = None if packing is None else packing.row_length
+        # Pairs that share their prompt in a packed row (the DPO family) are planned with it once.
+        self.shares_prompts = getattr(packing, "share_prompts", False)
         self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
 
     def total_steps(self, max_steps: int, max_epochs: Optional[int]) -> int:
@@ -87,11 +89,16 @@ class MicroBatchLoader:
 
     def _token_budget_micro_batches(self, batch: dict, rows_per_item: int) -> list[dict]:
         """This rank's micro batches of a collated global batch (`plan_token_budget` over its items)."""
-        from aligner.models.packing import plan_token_budget
+        from aligner.models.packing import plan_token_budget, prompt_keys
 
         items = row_lengths(batch).reshape(-1, rows_per_item).tolist()  # [items][rows per item]
+        prompts = None
+        if self.shares_prompts and "prompt_lengths" in batch:  # as `packing.packed_rows_of` lays them out
+            prompt_lengths = batch["prompt_lengths"]
+            per_row = list(zip(prompt_lengths.tolist(), prompt_keys(batch["tokens"], prompt_lengths)))
+            prompts = [per_row[start:start + rows_per_item] for start in range(0, len(per_row), rows_per_item)]
         plan = plan_token_budget(items, self.data_parallel_size, self.micro_batch_tokens,
-                                 self.row_length or batch["tokens"].shape[1])  # the packed rows' length
+                                 self.row_length or batch["tokens"].shape[1], prompts)  # the packed rows' length
         micro_batches = []
         for members in plan[self.data_parallel_rank]:
             rows = torch.tensor([item * rows_per_item + row for item in members for row in range(rows_per_item)],

@@ -22,7 +22,8 @@ Token-budget micro batches (`micro_batch_tokens`, `plan_token_budget`): instead 
 sequences (or pairs) per micro batch, the global batch is split across the data-parallel ranks so
 their token totals are balanced (longest first, each to the rank with the fewest tokens), and each
 rank's share is cut into micro batches whose packed rows hold at most `micro_batch_tokens` tokens
-(first fit, longest first; the rows are `first_fit_rows` of the micro batch's sequences). Every
+(first fit, longest first; the rows are those the micro batch is laid out in: `first_fit_rows` of its
+sequences, or with shared prompts `shared_prompt_rows`, a prompt held once per row). Every
 rank then runs the same number of micro batches (megatron's schedule and the gradient sync expect
 it): the largest ones are split, and where nothing is left to split a rank runs empty micro
 batches (`empty_packed_rows`), whose loss and gradient are exactly zero.
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -261,24 +262,38 @@ def pack_rows(sequences: Sequence[torch.Tensor], row_length: int, pad_id: int,
                       torch.tensor([int(n) for n in prompt_lengths], dtype=torch.long) if shared else None)
 
 
+def shared_prompt_parts(lengths: Sequence[int], prompt_lengths: Sequence[int], prompt_keys: Sequence,
+                        row_length: int) -> list[list[int]]:
+    """Sequence indices per part: the sequences of one prompt (equal `prompt_keys`) cut into parts whose
+    prompt once plus their responses fit a row (first fit, longest response first)."""
+    groups: dict = {}
+    for index, key in enumerate(prompt_keys):
+        groups.setdefault((int(prompt_lengths[index]), key), []).append(index)
+    parts: list[list[int]] = []
+    for (prompt_length, _), members in groups.items():
+        responses = [lengths[i] - prompt_length for i in members]
+        parts += [sorted(members[i] for i in part) for part in first_fit_rows(responses, row_length - prompt_length)]
+    return parts
+
+
+def shared_tokens(lengths: Sequence[int], prompt_lengths: Sequence[int], prompt_keys: Sequence) -> int:
+    """Tokens of the sequences with each distinct prompt counted once: what rows sharing prompts hold at
+    the least (a prompt split over two rows is held twice)."""
+    prompts = {(int(length), key): int(length) for length, key in zip(prompt_lengths, prompt_keys)}
+    return sum(lengths) - sum(int(length) for length in prompt_lengths) + sum(prompts.values())
+
+
 def shared_prompt_rows(lengths: Sequence[int], prompt_lengths: Sequence[int], prompt_keys: Sequence,
                        row_length: int, no_more_rows: bool = False) -> list[list[int]]:
     """Sequence indices per row, the sequences of one prompt (equal `prompt_keys`) adjacent: each group
     is cut into parts whose prompt once plus their responses fit a row (first fit, longest response
     first), and the parts are laid out as `first_fit_rows` lays out sequences. `pack_rows` with the
     prompt lengths then shares each part's prompt. no_more_rows: `first_fit_rows` of the sequences
-    where that needs fewer rows (a token budget planned the rows unshared; first fit of smaller parts
-    can, rarely, take more)."""
-    groups: dict = {}
-    for index, key in enumerate(prompt_keys):
-        groups.setdefault((int(prompt_lengths[index]), key), []).append(index)
-    parts: list[list[int]] = []
-    sizes: list[int] = []
-    for (prompt_length, _), members in groups.items():
-        responses = [lengths[i] - prompt_length for i in members]
-        for part in first_fit_rows(responses, row_length - prompt_length):
-            parts.append(sorted(members[i] for i in part))
-            sizes.append(prompt_length + sum(responses[i] for i in part))
+    where that needs fewer rows (first fit of smaller parts can, rarely, take more); token budgets plan
+    and pack their micro batches with it (`packed_rows_plan`)."""
+    parts = shared_prompt_parts(lengths, prompt_lengths, prompt_keys, row_length)
+    sizes = [shared_tokens([lengths[i] for i in part], [prompt_lengths[i] for i in part],
+                           [prompt_keys[i] for i in part]) for part in parts]
     shared = [[index for part in row for index in parts[part]] for row in first_fit_rows(sizes, row_length)]
     if no_more_rows:
         unshared = first_fit_rows(lengths, row_length)
@@ -313,38 +328,69 @@ def balanced_partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(part) for part in members]
 
 
-def packed_cells(lengths: Sequence[int], row_length: int) -> int:
-    """Tokens of the packed rows (`first_fit_rows`, tail padding included) that hold `lengths`."""
-    return len(first_fit_rows(lengths, row_length)) * row_length
+class _BudgetItems:
+    """Items of a token budget (an item: the lengths of its sequences, kept in one micro batch) and how
+    any of them lay out together: `packed_rows_plan` of their sequences, with `prompts` (per item, per
+    sequence its (prompt length, prompt key)) sharing prompts as the packing of the micro batch will."""
+
+    def __init__(self, items: Sequence[Sequence[int]], row_length: int,
+                 prompts: Optional[Sequence[Sequence[tuple[int, Any]]]] = None):
+        self.items, self.row_length, self.prompts = items, row_length, prompts
+        self.sizes = [self.lower_bound([index]) for index in range(len(items))]
+
+    def _sequences(self, indices: Sequence[int]) -> tuple[list[int], Optional[tuple[list[int], list]]]:
+        """(lengths, (prompt lengths, prompt keys) or None) of the items' sequences, in order."""
+        lengths = [n for i in indices for n in self.items[i]]
+        if self.prompts is None:
+            return lengths, None
+        prompts = [prompt for i in indices for prompt in self.prompts[i]]
+        return lengths, ([length for length, _ in prompts], [key for _, key in prompts])
+
+    def cells(self, indices: Sequence[int]) -> int:
+        """Tokens of the packed rows (tail padding included) that hold the items `indices`."""
+        lengths, prompts = self._sequences(indices)
+        return len(packed_rows_plan(lengths, self.row_length, prompts, no_more_rows=True)) * self.row_length
+
+    def lower_bound(self, indices: Sequence[int]) -> int:
+        """At most `cells(indices)`, cheaper: the items' tokens, a shared prompt once."""
+        lengths, prompts = self._sequences(indices)
+        return sum(lengths) if prompts is None else shared_tokens(lengths, *prompts)
+
+    def micro_batches(self, indices: Sequence[int], budget: int) -> list[list[int]]:
+        """`token_budget_micro_batches` of the items `indices`, as indices into this layout's items."""
+        cut = token_budget_micro_batches([self.items[i] for i in indices], budget, self.row_length,
+                                         None if self.prompts is None else [self.prompts[i] for i in indices])
+        return [[indices[i] for i in batch] for batch in cut]
 
 
-def token_budget_micro_batches(items: Sequence[Sequence[int]], budget: int, row_length: int) -> list[list[int]]:
+def token_budget_micro_batches(items: Sequence[Sequence[int]], budget: int, row_length: int,
+                               prompts: Optional[Sequence[Sequence[tuple[int, Any]]]] = None) -> list[list[int]]:
     """Item indices per micro batch (an item: the lengths of its sequences, e.g. a pair's two), each
-    micro batch's packed rows (`first_fit_rows` of its sequences) holding at most `budget` tokens:
-    first fit, longest item first; an item that alone needs more is alone in its micro batch."""
+    micro batch's packed rows (`packed_rows_plan` of its sequences; with `prompts`, per item per sequence
+    its (prompt length, key), sharing prompts) holding at most `budget` tokens: first fit, largest item
+    first; an item that alone needs more is alone in its micro batch."""
+    layout = _BudgetItems(items, row_length, prompts)
     batches: list[list[int]] = []
-    contents: list[list[int]] = []  # sequence lengths per micro batch
-    for index in sorted(range(len(items)), key=lambda i: (-sum(items[i]), i)):
-        item = list(items[index])
-        target = next((batch for batch, lengths in enumerate(contents)
-                       if sum(lengths) + sum(item) <= budget  # cheap bound first: cells >= tokens
-                       and packed_cells(lengths + item, row_length) <= budget), None)
+    for index in sorted(range(len(items)), key=lambda i: (-layout.sizes[i], i)):
+        target = next((b for b, batch in enumerate(batches)
+                       if layout.lower_bound(batch + [index]) <= budget  # cheap bound first: cells >= tokens
+                       and layout.cells(batch + [index]) <= budget), None)
         if target is None:
             batches.append([])
-            contents.append([])
             target = len(batches) - 1
         batches[target].append(index)
-        contents[target] += item
     return batches
 
 
 def even_micro_batch_counts(per_rank: list[list[list[int]]], items: Sequence[Sequence[int]], budget: int,
-                            row_length: int) -> list[list[list[int]]]:
+                            row_length: int, prompts: Optional[Sequence[Sequence[tuple[int, Any]]]] = None
+                            ) -> list[list[list[int]]]:
     """Every rank's micro batches made as many as the most any rank has: the rank's largest micro
     batch (in tokens) of two or more items is split in two halves balanced by tokens (each re-cut to
     the budget, should first fit lay a half out worse than the whole), again and again; with nothing
-    left to split, empty micro batches ([]) fill the count."""
-    sizes = [sum(item) for item in items]
+    left to split, empty micro batches ([]) fill the count. `prompts` as in `token_budget_micro_batches`."""
+    layout = _BudgetItems(items, row_length, prompts)
+    sizes = layout.sizes
     evened = [[list(batch) for batch in batches] for batches in per_rank]
     while len({len(batches) for batches in evened}) > 1:
         target = max(len(batches) for batches in evened)
@@ -358,24 +404,23 @@ def even_micro_batch_counts(per_rank: list[list[list[int]]], items: Sequence[Seq
                 batch = batches[largest]
                 parts = []
                 for half in balanced_partition([sizes[i] for i in batch], 2):
-                    members = [batch[i] for i in half]
-                    parts += [[members[i] for i in part] for part in token_budget_micro_batches(
-                        [items[i] for i in members], budget, row_length)]
+                    parts += layout.micro_batches([batch[i] for i in half], budget)
                 batches[largest:largest + 1] = parts
     return evened
 
 
-def plan_token_budget(items: Sequence[Sequence[int]], ranks: int, budget: int,
-                      row_length: int) -> list[list[list[int]]]:
+def plan_token_budget(items: Sequence[Sequence[int]], ranks: int, budget: int, row_length: int,
+                      prompts: Optional[Sequence[Sequence[tuple[int, Any]]]] = None) -> list[list[list[int]]]:
     """[rank][micro batch] -> item indices of a global batch (an item: the lengths of its sequences):
     the items balanced across ranks by tokens, each rank's share cut into micro batches whose packed
     rows of `row_length` hold at most `budget` tokens, every rank with the same number of micro
-    batches (some possibly empty)."""
-    shares = balanced_partition([sum(item) for item in items], ranks)
-    per_rank = [[[share[i] for i in batch]
-                 for batch in token_budget_micro_batches([items[i] for i in share], budget, row_length)]
-                for share in shares]
-    return even_micro_batch_counts(per_rank, items, budget, row_length)
+    batches (some possibly empty). With `prompts` (per item, per sequence its (prompt length, prompt
+    key)) a micro batch's sequences of one prompt hold it once, as `packed_rows_plan` lays them out:
+    tokens and rows are counted so."""
+    layout = _BudgetItems(items, row_length, prompts)
+    shares = balanced_partition(layout.sizes, ranks)
+    per_rank = [layout.micro_batches(share, budget) for share in shares]
+    return even_micro_batch_counts(per_rank, items, budget, row_length, prompts)
 
 
 # ----------------------------------------------------------------------------- the forward

@@ -65,6 +65,45 @@ def test_uneven_counts_split_the_largest_micro_batch_then_add_empty_ones():
     assert plan[0] == [[0], []] and sorted(map(sorted, plan[1])) == [[1, 2, 3], [4, 5, 6]]
 
 
+def test_sequences_of_one_prompt_are_planned_with_the_prompt_once():
+    # Four samples of one prompt (6 prompt + 2 response tokens each), rows of 16, a budget of one row:
+    # shared they fill one row (6 + 4 x 2 = 14 tokens), unshared two (4 x 8).
+    items, prompts = [[8]] * 4, [[(6, "p")]] * 4
+    assert packing.plan_token_budget(items, 1, 16, 16, prompts) == [[[0, 1, 2, 3]]]
+    assert len(packing.plan_token_budget(items, 1, 16, 16)[0]) == 2
+    # The samples as one item (as the RL actor plans a prompt's samples): one prompt, 6 + 8 x 2 tokens,
+    # is cut by the rows (`shared_prompt_parts`), not by the budget.
+    assert packing.shared_prompt_parts([8] * 8, [6] * 8, ["p"] * 8, 16) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("per_item", [1, 2])  # samples (RL) or a pair's two sequences (DPO)
+def test_plans_sharing_prompts_keep_the_budget_as_the_rows_are_laid_out_and_need_fewer_micro_batches(per_item):
+    rng = random.Random(10 + per_item)
+    shared_total = unshared_total = 0
+    for _ in range(200):
+        count, ranks, row_length = rng.randint(1, 30), rng.randint(1, 4), rng.choice([16, 64])
+        budget = rng.randint(row_length, 4 * row_length)
+        items, prompts = [], []
+        for _ in range(count):
+            prompt = rng.randint(1, row_length // 2)
+            key = (prompt, rng.randint(0, 3))  # a few prompts of each length: groups
+            items.append([prompt + rng.randint(1, row_length - prompt) for _ in range(per_item)])
+            prompts.append([(prompt, key)] * per_item)
+        plan = packing.plan_token_budget(items, ranks, budget, row_length, prompts)
+        assert len({len(batches) for batches in plan}) == 1
+        assert sorted(i for batches in plan for batch in batches for i in batch) == list(range(count))
+        for batches in plan:
+            for batch in batches:  # the rows `packed_rows_plan` lays out, within the budget, or one item alone
+                lengths = [n for i in batch for n in items[i]]
+                layout = packing.packed_rows_plan(lengths, row_length, (
+                    [length for i in batch for length, _ in prompts[i]], [key for i in batch for _, key in prompts[i]]),
+                    no_more_rows=True)
+                assert len(batch) <= 1 or len(layout) * row_length <= budget
+        shared_total += len(plan[0])
+        unshared_total += len(packing.plan_token_budget(items, ranks, budget, row_length)[0])
+    assert shared_total < unshared_total
+
+
 def test_config_errors_name_the_key():
     from aligner.algorithms.dpo import DPOConfig
     from aligner.config import CONF_DIR, load_config
@@ -105,17 +144,20 @@ def test_config_errors_name_the_key():
 
 
 # ----------------------------------------------------------------------------- RL policy loss
-def _experience(rows, seed):
-    """`rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24 columns."""
+def _experience(rows, seed, samples=1):
+    """`rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24 columns; each `samples`
+    consecutive rollouts of one prompt."""
     from aligner.algorithms.rl_actor import Experience
     from aligner.generation.logprobs import response_mask
 
     generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(2, 10, (rows,), generator=generator)
+    prompts = torch.randint(2, 10, (rows // samples,), generator=generator).repeat_interleave(samples)
     responses = torch.randint(1, 13, (rows,), generator=generator)
     tokens = torch.zeros(rows, 24, dtype=torch.long)
     for row, sequence in enumerate(_sequences((prompts + responses).tolist(), seed)):
         tokens[row, :len(sequence)] = sequence
+        first = row - row % samples
+        tokens[row, :prompts[row]] = tokens[first, :prompts[row]]
     mask = response_mask(responses, 12)
     batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
     old = torch.where(mask, -torch.rand(rows, 12, generator=generator) * 3, 0)
@@ -169,6 +211,45 @@ def test_token_budget_policy_micro_batches_give_the_fixed_size_loss_and_gradient
         torch.testing.assert_close(budget_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budgets_plan_a_prompts_samples_with_the_prompt_once_and_give_the_fixed_size_loss(ranks):
+    """Groups of 4 samples of one prompt, budgets of 2 rows of 24 tokens: planned with the prompt held
+    once, they need fewer packed rows (and no more micro batches) than planned unshared, each at most 2
+    rows, and the loss and gradients equal the padded micro batches' within 1e-6."""
+    model = _tiny_model("llama").train()
+    per_rank = 8
+    experience = _experience(per_rank * ranks, seed=11, samples=4)
+    settings = [f"trainer.global_batch_size={per_rank * ranks}"]
+    fixed = _policy_actor(["packing.enabled=false", *settings])
+    fixed_batches = fixed.policy_microbatches(experience, torch.arange(per_rank * ranks),
+                                              torch.arange(24).unsqueeze(0).expand(2, -1))
+    counts = {}
+    for share in (True, False):
+        actor = _policy_actor(["packing.micro_batch_tokens=48", f"packing.share_prompts={str(share).lower()}",
+                               *settings])
+        assert actor.shares_prompts == share and actor.row_length == 24
+        actor.step, actor.dp_size = 0, ranks
+        plans = []
+        for rank in range(ranks):
+            actor.dp_rank = rank
+            plans.append(actor.budget_plan(experience.batch, epoch=0, minibatch=0))
+        assert len({len(plan) for plan in plans}) == 1
+        assert sorted(i for plan in plans for micro in plan for row in micro for i in row) == list(
+            range(per_rank * ranks))
+        assert all(len(micro) * 24 <= 48 for plan in plans for micro in plan)  # packed rows x their length
+        counts[share] = (len(plans[0]), sum(len(micro) for plan in plans for micro in plan))  # micro batches, rows
+        if share:
+            shared_actor = actor
+            batches = [batch for plan in plans for batch in actor.policy_microbatches(
+                experience, torch.arange(0), torch.arange(24)[None], plan)]
+    assert counts[True][0] <= counts[False][0] and counts[True][1] < counts[False][1]
+    assert shared_actor.prompts_of(experience.batch, []) == ([], [])  # an evened, empty micro batch
+    batch = experience.batch
+    assert sum(b.packed.real_tokens for b in batches) < int((batch.prompt_lengths + batch.response_lengths).sum())
+    _assert_same(_minibatch_loss_and_gradients(model, shared_actor, batches),
+                 _minibatch_loss_and_gradients(model, fixed, fixed_batches))
+
+
 def test_an_empty_policy_micro_batch_has_zero_loss_and_gradient():
     model = _tiny_model("llama").train()
     actor = _policy_actor(["packing.micro_batch_tokens=40"])
@@ -210,7 +291,7 @@ def test_with_token_budgets_the_first_minibatch_trains_on_the_logprob_pass_rows_
 
 
 # ----------------------------------------------------------------------------- DPO and reward models
-def _loader_steps(dataset, collate, ranks, budget, micro_batch_size=2, global_batch_size=8):
+def _loader_steps(dataset, collate, ranks, budget, micro_batch_size=2, global_batch_size=8, section=None):
     """Every rank's micro batches of the first step (budget None: micro_batch_size items each)."""
     from aligner.data.loader import MicroBatchLoader
 
@@ -219,7 +300,7 @@ def _loader_steps(dataset, collate, ranks, budget, micro_batch_size=2, global_ba
         loader = MicroBatchLoader(dataset, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                                   data_parallel_rank=rank, data_parallel_size=ranks, seed=3, shuffle=True, pad_id=0,
                                   pad_to_multiple_of=8, collate_fn=collate,
-                                  packing=packing.PackingSection(micro_batch_tokens=budget))
+                                  packing=section or packing.PackingSection(micro_batch_tokens=budget))
         steps.append(next(loader.iterate(0)))
     return steps
 
@@ -273,6 +354,51 @@ def test_token_budget_dpo_micro_batches_give_the_fixed_size_loss_and_gradients(t
             lengths = batch["prompt_lengths"] + batch["response_lengths"]
             assert int(lengths.sum()) <= 40 or len(lengths) == 2
     _assert_same(_global_loss_and_gradients(policy, objective, steps), fixed)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budget_dpo_pairs_sharing_their_prompt_are_planned_with_it_once(tmp_path, arithmetic_tokenizer_dir,
+                                                                             ranks):
+    """DPO with shared prompts: the loader plans each pair's prompt once, as the objective packs it, so a
+    micro batch's packed rows keep the budget (rows x length) while holding more than the budget of unshared
+    tokens; loss and gradients equal the fixed-size micro batches' within 1e-6."""
+    from aligner.algorithms.dpo import DPOObjective, DPOSection
+    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.demo import arithmetic
+    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.tokenizer import Tokenizer
+
+    from ..conftest import write_jsonl
+
+    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
+    torch.manual_seed(4)
+    policy = build_gpt_model(cfg, transformer_config(cfg))
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl",
+                                                       arithmetic.preference_records(16, seed=5)), tokenizer, 32)
+    generator = torch.Generator().manual_seed(6)
+    dataset.reference_logprobs = -torch.rand(len(dataset), 2, generator=generator) * 10
+
+    def objective(budget):
+        return DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size,
+                            packing.SharedPromptPackingSection(micro_batch_tokens=budget), tokenizer.pad_id)
+
+    fixed = _global_loss_and_gradients(policy, objective(None),
+                                       _loader_steps(dataset, collate_preferences, ranks, None))
+    budget = 32
+    section = packing.SharedPromptPackingSection(micro_batch_tokens=budget)
+    steps = _loader_steps(dataset, collate_preferences, ranks, budget, section=section)
+    shared = _global_loss_and_gradients(policy, objective(budget), steps)
+    assert len({len(microbatches) for microbatches in steps}) == 1
+    over_unshared = 0
+    for microbatches in steps:
+        for batch in microbatches:
+            rows, width = batch["packed"].tokens.shape[0], batch["tokens"].shape[1]
+            assert rows * width <= budget or len(batch["tokens"]) == 2  # one pair alone may need more
+            over_unshared += int((batch["prompt_lengths"] + batch["response_lengths"]).sum()) > budget
+    assert over_unshared > 0  # planned unshared, no micro batch would hold more than the budget of tokens
+    _assert_same(shared, fixed)
 
 
 @pytest.mark.parametrize("kind", ["ranking", "regression"])
