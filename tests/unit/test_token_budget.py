@@ -324,18 +324,17 @@ def _assert_same(first, second):
         torch.testing.assert_close(first[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_token_budget_dpo_micro_batches_give_the_fixed_size_loss_and_gradients(tmp_path, arithmetic_tokenizer_dir,
-                                                                               ranks):
+def _dpo_setup(tmp_path, tokenizer_dir):
+    """(a 2-layer policy, a DPO objective for a packing section, 16 arithmetic pairs with reference logprobs)."""
     from aligner.algorithms.dpo import DPOObjective, DPOSection
-    from aligner.data.preference import PreferenceDataset, collate_preferences
+    from aligner.data.preference import PreferenceDataset
     from aligner.demo import arithmetic
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.tokenizer import Tokenizer
 
     from ..conftest import write_jsonl
 
-    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
+    tokenizer = Tokenizer(tokenizer_dir)
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                     vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
     torch.manual_seed(4)
@@ -344,8 +343,20 @@ def test_token_budget_dpo_micro_batches_give_the_fixed_size_loss_and_gradients(t
                                                        arithmetic.preference_records(16, seed=5)), tokenizer, 32)
     generator = torch.Generator().manual_seed(6)
     dataset.reference_logprobs = -torch.rand(len(dataset), 2, generator=generator) * 10
-    objective = DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, packing.PackingSection(),
-                             tokenizer.pad_id)
+
+    def objective(section):
+        return DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size, section, tokenizer.pad_id)
+
+    return policy, objective, dataset
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budget_dpo_micro_batches_give_the_fixed_size_loss_and_gradients(tmp_path, arithmetic_tokenizer_dir,
+                                                                               ranks):
+    from aligner.data.preference import collate_preferences
+
+    policy, make_objective, dataset = _dpo_setup(tmp_path, arithmetic_tokenizer_dir)
+    objective = make_objective(packing.PackingSection())
     fixed = _global_loss_and_gradients(policy, objective, _loader_steps(dataset, collate_preferences, ranks, None))
     steps = _loader_steps(dataset, collate_preferences, ranks, 40)
     assert len({len(microbatches) for microbatches in steps}) == 1
@@ -362,34 +373,15 @@ def test_token_budget_dpo_pairs_sharing_their_prompt_are_planned_with_it_once(tm
     """DPO with shared prompts: the loader plans each pair's prompt once, as the objective packs it, so a
     micro batch's packed rows keep the budget (rows x length) while holding more than the budget of unshared
     tokens; loss and gradients equal the fixed-size micro batches' within 1e-6."""
-    from aligner.algorithms.dpo import DPOObjective, DPOSection
-    from aligner.data.preference import PreferenceDataset, collate_preferences
-    from aligner.demo import arithmetic
-    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-    from aligner.tokenizer import Tokenizer
+    from aligner.data.preference import collate_preferences
 
-    from ..conftest import write_jsonl
-
-    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                    vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
-    torch.manual_seed(4)
-    policy = build_gpt_model(cfg, transformer_config(cfg))
-    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl",
-                                                       arithmetic.preference_records(16, seed=5)), tokenizer, 32)
-    generator = torch.Generator().manual_seed(6)
-    dataset.reference_logprobs = -torch.rand(len(dataset), 2, generator=generator) * 10
-
-    def objective(budget):
-        return DPOObjective(DPOSection(beta=0.5, sft_loss_weight=0.3), cfg.vocab_size,
-                            packing.SharedPromptPackingSection(micro_batch_tokens=budget), tokenizer.pad_id)
-
-    fixed = _global_loss_and_gradients(policy, objective(None),
+    policy, make_objective, dataset = _dpo_setup(tmp_path, arithmetic_tokenizer_dir)
+    fixed = _global_loss_and_gradients(policy, make_objective(packing.SharedPromptPackingSection()),
                                        _loader_steps(dataset, collate_preferences, ranks, None))
     budget = 32
     section = packing.SharedPromptPackingSection(micro_batch_tokens=budget)
     steps = _loader_steps(dataset, collate_preferences, ranks, budget, section=section)
-    shared = _global_loss_and_gradients(policy, objective(budget), steps)
+    shared = _global_loss_and_gradients(policy, make_objective(section), steps)
     assert len({len(microbatches) for microbatches in steps}) == 1
     over_unshared = 0
     for microbatches in steps:
