@@ -156,7 +156,7 @@ def main() -> None:
         group_prompt = None
         for index, (item_prompts, item_responses) in enumerate(zip(prompts, responses)):
             rows_of.append(list(range(len(sequences), len(sequences) + len(item_prompts))))
-            if index % (args.samples if args.task == "rl" else 1) == 0:  # a new prompt (with --share-prompts)
+            if args.share_prompts and index % (args.samples if args.task == "rl" else 1) == 0:  # a new prompt
                 group_prompt = torch.randint(3, cfg.vocab_size, (item_prompts[0],), generator=generator)
             for prompt, response in zip(item_prompts, item_responses):
                 sequence = torch.randint(3, cfg.vocab_size, (prompt + response,), generator=generator)
