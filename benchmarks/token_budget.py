@@ -81,19 +81,19 @@ def make_items(args, generator) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-def plans(args, sizes: list[int], rows_of, sequences, prompt_of) -> dict[str, list[list[list[list[int]]]]]:
-    """{layout: [rank][micro batch] -> sequence indices per item}."""
+def plans(args, sizes: list[int], rows_of, sequences, keys) -> dict[str, list[list[list[list[int]]]]]:
+    """{layout: [rank][micro batch] -> sequence indices per item}; keys: per sequence (prompt length,
+    prompt tokens) with --share-prompts."""
     from aligner.models import packing
 
     items = [[len(sequences[r]) for r in rows] for rows in rows_of]
     budget = args.micro * args.row_length
     if args.share_prompts:
-        keys = [(prompt_of[r], tuple(sequences[r][:prompt_of[r]].tolist())) for r in range(len(sequences))]
         unshared = packing.plan_token_budget(items, args.ranks, budget, args.row_length)
         groups = rows_of
         if args.task == "rl":  # as the RL actor: a prompt's samples that share a row, one item
-            groups = packing.shared_prompt_parts([len(s) for s in sequences], prompt_of, [k[1] for k in keys],
-                                                 args.row_length)
+            groups = packing.shared_prompt_parts([len(s) for s in sequences], [k[0] for k in keys],
+                                                 [k[1] for k in keys], args.row_length)
         shared = packing.plan_token_budget([[len(sequences[r]) for r in group] for group in groups], args.ranks,
                                            budget, args.row_length, [[keys[r] for r in group] for group in groups])
         return {"unshared": [[[rows_of[i] for i in batch] for batch in plan] for plan in unshared],
@@ -166,7 +166,9 @@ def main() -> None:
                 prompt_of.append(prompt)
                 response_of.append(response)
         sizes = [sum(len(sequences[r]) for r in rows) for rows in rows_of]
-        layouts = plans(args, sizes, rows_of, sequences, prompt_of)
+        keys = [(prompt_of[r], tuple(sequences[r][:prompt_of[r]].tolist()))
+                for r in range(len(sequences))] if args.share_prompts else None
+        layouts = plans(args, sizes, rows_of, sequences, keys)
 
         def micro_batches(plan_of_rank):
             built = []
@@ -176,8 +178,7 @@ def main() -> None:
                     continue
                 members = [r for item in items for r in item]
                 lengths = [len(sequences[r]) for r in members]
-                shared = ([prompt_of[r] for r in members], [tuple(sequences[r][:prompt_of[r]].tolist())
-                                                           for r in members]) if args.share_prompts else None
+                shared = ([keys[r][0] for r in members], [keys[r][1] for r in members]) if keys else None
                 rows = packing.packed_rows_plan(lengths, args.row_length, shared, no_more_rows=True)
                 _, packed = packing.pack_micro_batch([sequences[r] for r in members], rows, args.row_length, 0,
                                                      prompt_lengths=shared and shared[0])

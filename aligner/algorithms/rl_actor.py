@@ -1116,10 +1116,13 @@ class RLActor:
                                          item_prompts)[self.dp_rank]
         micro_batches = []
         for batch in plan:
-            members = [ids[p] for item in batch for p in items[item]]
-            layout = packing.packed_rows_plan([lengths[j] for j in members], self.row_length,
-                                              self.prompts_of(rows, members), no_more_rows=True)
-            micro_batches.append([[members[i] for i in row] for row in layout])
+            positions = [p for item in batch for p in items[item]]
+            shared = None  # the minibatch's prompt keys, computed once above
+            if prompts is not None:
+                shared = ([prompts[0][p] for p in positions], [prompts[1][p] for p in positions])
+            layout = packing.packed_rows_plan([lengths[ids[p]] for p in positions], self.row_length, shared,
+                                              no_more_rows=True)
+            micro_batches.append([[ids[positions[i]] for i in row] for row in layout])
         return micro_batches
 
     def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:

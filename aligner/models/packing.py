@@ -292,8 +292,8 @@ def shared_prompt_rows(lengths: Sequence[int], prompt_lengths: Sequence[int], pr
     where that needs fewer rows (first fit of smaller parts can, rarely, take more); token budgets plan
     and pack their micro batches with it (`packed_rows_plan`)."""
     parts = shared_prompt_parts(lengths, prompt_lengths, prompt_keys, row_length)
-    sizes = [shared_tokens([lengths[i] for i in part], [prompt_lengths[i] for i in part],
-                           [prompt_keys[i] for i in part]) for part in parts]
+    # a part: its prompt once, then its responses
+    sizes = [int(prompt_lengths[part[0]]) + sum(lengths[i] - int(prompt_lengths[i]) for i in part) for part in parts]
     shared = [[index for part in row for index in parts[part]] for row in first_fit_rows(sizes, row_length)]
     if no_more_rows:
         unshared = first_fit_rows(lengths, row_length)
@@ -357,29 +357,27 @@ class _BudgetItems:
         return sum(lengths) if prompts is None else shared_tokens(lengths, *prompts)
 
     def micro_batches(self, indices: Sequence[int], budget: int) -> list[list[int]]:
-        """`token_budget_micro_batches` of the items `indices`, as indices into this layout's items."""
-        cut = token_budget_micro_batches([self.items[i] for i in indices], budget, self.row_length,
-                                         None if self.prompts is None else [self.prompts[i] for i in indices])
-        return [[indices[i] for i in batch] for batch in cut]
+        """The items `indices` (a list of this layout's items) cut into micro batches whose packed rows
+        hold at most `budget` tokens: first fit, largest item first (ties: earlier in `indices`); an item
+        that alone needs more is alone in its micro batch."""
+        batches: list[list[int]] = []
+        for _, index in sorted(enumerate(indices), key=lambda pair: (-self.sizes[pair[1]], pair[0])):
+            target = next((b for b, batch in enumerate(batches)
+                           if self.lower_bound(batch + [index]) <= budget  # cheap bound first: cells >= tokens
+                           and self.cells(batch + [index]) <= budget), None)
+            if target is None:
+                batches.append([])
+                target = len(batches) - 1
+            batches[target].append(index)
+        return batches
 
 
 def token_budget_micro_batches(items: Sequence[Sequence[int]], budget: int, row_length: int,
                                prompts: Optional[Sequence[Sequence[tuple[int, Any]]]] = None) -> list[list[int]]:
     """Item indices per micro batch (an item: the lengths of its sequences, e.g. a pair's two), each
     micro batch's packed rows (`packed_rows_plan` of its sequences; with `prompts`, per item per sequence
-    its (prompt length, key), sharing prompts) holding at most `budget` tokens: first fit, largest item
-    first; an item that alone needs more is alone in its micro batch."""
-    layout = _BudgetItems(items, row_length, prompts)
-    batches: list[list[int]] = []
-    for index in sorted(range(len(items)), key=lambda i: (-layout.sizes[i], i)):
-        target = next((b for b, batch in enumerate(batches)
-                       if layout.lower_bound(batch + [index]) <= budget  # cheap bound first: cells >= tokens
-                       and layout.cells(batch + [index]) <= budget), None)
-        if target is None:
-            batches.append([])
-            target = len(batches) - 1
-        batches[target].append(index)
-    return batches
+    its (prompt length, key), sharing prompts) holding at most `budget` tokens (`_BudgetItems.micro_batches`)."""
+    return _BudgetItems(items, row_length, prompts).micro_batches(range(len(items)), budget)
 
 
 def even_micro_batch_counts(per_rank: list[list[list[int]]], items: Sequence[Sequence[int]], budget: int,
