@@ -127,7 +127,8 @@ def _user_error_cases(root):
          f"GGUF file {root / 'nope.gguf'} does not exist"),
         ("garbage_gguf", ["import", "--gguf", str(garbage), "--output", out], f"{garbage}: not a readable GGUF file"),
         ("truncated_gguf", ["import", "--gguf", str(cut), "--output", out], f"{cut}: not a readable GGUF file"),
-        ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(root)], "is not empty"),
+        ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(truncated)],
+         "is not empty"),
     ]
 
 
