@@ -228,7 +228,7 @@ def _file_system_problem(error: BaseException) -> Optional[str]:
 def _replace_directory(staging: Path, output_dir: Path) -> None:
     """Put the complete `staging` in the place of `output_dir` by renames; old contents are deleted only once
     the new ones are in place (a crash in between leaves them in `<output>.replaced`)."""
-    if not (output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir()))):
+    if not (output_dir.is_dir() and any(output_dir.iterdir())):
         os.replace(staging, output_dir)  # onto nothing or an empty directory: one atomic rename
         return
     old = output_dir.with_name(output_dir.name + ".replaced")

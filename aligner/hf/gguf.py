@@ -81,7 +81,7 @@ def read_gguf_rope_scaling(path: Path, config) -> dict | None:
     scaling (`{arch}.rope.scaling.type` linear/yarn/longrope, a scaling factor, other divisors) is a
     ConfigError naming the key.
     """
-    import gguf
+    import gguf  # the optional extra; read_gguf_config checked it is there
 
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
@@ -120,11 +120,13 @@ def read_gguf_rope_scaling(path: Path, config) -> dict | None:
 def _llama3_factor(divisors: torch.Tensor, rope_theta: float, head_dim: int) -> float | None:
     """The llama3 scaling factor whose frequencies, as megatron computes them, are the base frequencies over
     `divisors` (float64, one per dimension pair); None if no factor gives them."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # megatron's import order
 
     if divisors.shape != (head_dim // 2,) or rope_theta != int(rope_theta) or torch.all(divisors == 1.0):
         return None
-    factor = float(divisors.max())  # the lowest frequencies are divided by the factor itself
+    # Dimensions whose wavelength exceeds the original context (Llama 3.x: the lowest frequencies) are divided
+    # by the factor itself; a file without any is refused by the check below.
+    factor = float(divisors.max())
     base = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     scaled = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=int(rope_theta), rope_scaling=True,
                              rope_scaling_factor=factor, use_cpu_initialization=True).inv_freq.double()
