@@ -7,6 +7,7 @@ SmolLM2's template (with its default system prompt).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -34,7 +35,10 @@ def byte_level_alphabet() -> list[str]:
 
 def write_tiny_llama_gguf(path: Path, *, seed: int = 0, num_layers: int = 2, hidden: int = 64, heads: int = 4,
                           kv_heads: int = 2, ffn: int = 128, context: int = 128, rope_base: float = 10000.0,
-                          tied: bool = True, architecture: str = "llama") -> Path:
+                          tied: bool = True, architecture: str = "llama", rope_scaling: Optional[dict] = None,
+                          rope_freqs: Optional[np.ndarray] = None) -> Path:
+    """rope_scaling: `{arch}.rope.scaling.<key>` metadata (e.g. {"type": "yarn", "factor": 4.0}); rope_freqs: the
+    per-dimension frequency divisors llama.cpp stores for Llama 3.x scaling (float32, head_dim / 2 values)."""
     import gguf
 
     tokens = SPECIAL_TOKENS + byte_level_alphabet() + [merge.replace(" ", "") for merge in MERGES]
@@ -52,6 +56,13 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, num_layers: int = 2, hid
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(rope_base)
     writer.add_rope_dimension_count(hidden // heads)
+    for key, value in (rope_scaling or {}).items():
+        if isinstance(value, str):
+            writer.add_string(f"{architecture}.rope.scaling.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{architecture}.rope.scaling.{key}", value)
+        else:
+            writer.add_float32(f"{architecture}.rope.scaling.{key}", value)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model("gpt2")
@@ -89,6 +100,8 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, num_layers: int = 2, hid
         add(f"{prefix}.ffn_gate.weight", matrix(ffn, hidden), q4)
         add(f"{prefix}.ffn_up.weight", matrix(ffn, hidden), q4)
         add(f"{prefix}.ffn_down.weight", matrix(hidden, ffn), q4)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32), f32)
     add("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), f32)
     if not tied:
         add("output.weight", matrix(vocab, hidden, 0.5), q8)

@@ -110,12 +110,6 @@ class ChatModel:
     chunks: list = field(default_factory=list)  # the model chunks the engine runs (for scoring beside it)
 
 
-def is_hf_model_dir(path: Path) -> bool:
-    from aligner.checkpointing import META_FILE
-
-    return (path / "config.json").is_file() and not (path / META_FILE).is_file()
-
-
 def _shared_temp_dir(stack: contextlib.ExitStack) -> Path:
     """A temporary directory made by rank 0 and known to every rank (one node)."""
     box = [stack.enter_context(tempfile.TemporaryDirectory(prefix="aligner_chat_")) if _is_rank_zero() else None]
@@ -133,7 +127,7 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner import checkpointing
     from aligner.data.steerlm import steering_for_checkpoint
     from aligner.generation.native import NativeEngine
-    from aligner.hf.convert import import_gguf, import_hf, read_hf_source
+    from aligner.hf.convert import import_gguf, import_hf, is_hf_model_dir, read_hf_source
     from aligner.hf.gguf import is_gguf_file
     from aligner.models import lora
     from aligner.models.gpt import GPTConfig, build_model_chunks

@@ -4,13 +4,16 @@
     python -m aligner.hf import --gguf FILE.gguf --output CHECKPOINT_DIR [--dtype float32|bfloat16]
     python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
     python -m aligner.hf export --checkpoint LORA_CHECKPOINT --output DIR [--lora merge|peft] [--base BASE_CHECKPOINT]
+    (either command: [--overwrite])
 
 Both run in one process at TP=1/PP=1; the imported checkpoint loads at any TP/PP layout, and a
 checkpoint saved at any layout can be exported. A LoRA adapter checkpoint exports merged into its
 base's weights (a plain HF model) or as a PEFT adapter directory for the HF export of its base. A GGUF
 file is dequantised (float32 keeps the values exactly); its tokenizer and chat template go into the
-checkpoint. User errors end with one line
-`error: ...` and exit status 2.
+checkpoint. The output is written into a sibling `<output>.incomplete` and renamed into place when
+complete; a non-empty output that is not the same command's earlier result is refused unless
+--overwrite, and an output that is (or holds, or lies inside) an input always. User errors end with
+one line `error: ...` and exit status 2.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     source = to_aligner.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-dir", help="directory with config.json, weights and tokenizer files")
     source.add_argument("--gguf", help="a .gguf file (needs the gguf extra: pip install 'aligner[gguf]')")
-    to_aligner.add_argument("--output", required=True, help="checkpoint directory to write")
+    to_aligner.add_argument("--output", required=True,
+                            help="checkpoint directory to write: new, empty, or an earlier import's checkpoint")
     to_aligner.add_argument(
         "--make-vocab-size-divisible-by", type=int, default=128,
         help="pad the vocabulary to a multiple of this (must be divisible by every TP size you will use)",
@@ -41,7 +45,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
     to_hf = commands.add_parser("export", help="aligner checkpoint -> HF model directory")
     to_hf.add_argument("--checkpoint", required=True, help="aligner checkpoint directory (any TP/PP layout)")
-    to_hf.add_argument("--output", required=True, help="new (or empty) directory for the HF model")
+    to_hf.add_argument("--output", required=True,
+                       help="directory for the HF model: new, empty, or an earlier export's directory")
     to_hf.add_argument("--arch", choices=ARCHS, default=None, help="default: the imported model's, else inferred")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="default: the imported model's, else float32")
@@ -50,6 +55,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
     to_hf.add_argument("--base", default=None,
                        help="a LoRA adapter checkpoint's base checkpoint (default: the path it recorded)")
+    for command in (to_aligner, to_hf):
+        command.add_argument("--overwrite", action="store_true",
+                             help="replace a non-empty --output that is not an earlier result of this command "
+                                  "(never an input)")
     return parser.parse_args(argv)
 
 
@@ -59,15 +68,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if args.command == "import" and args.gguf:
         path = import_gguf(args.gguf, args.output, dtype=args.dtype or "float32",
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite)
         print(f"imported {args.gguf} -> {path}")
     elif args.command == "import":
         if args.dtype is not None:
             raise ConfigError("--dtype applies to --gguf only; an HF directory keeps its weights' own dtype")
-        path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        path = import_hf(args.hf_dir, args.output, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         overwrite=args.overwrite)
         print(f"imported {args.hf_dir} -> {path}")
     else:
-        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base)
+        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base,
+                         overwrite=args.overwrite)
         print(f"exported {args.checkpoint} -> {path}")
 
 

@@ -8,6 +8,10 @@ Besides the files of `aligner.checkpointing`, an imported checkpoint holds `hf_s
 (the HF architecture, special token ids, dtype and generation config of the source), so an
 export writes back the same kind of model. Checkpoints without it (e.g. a training step saved
 by a trainer) export to the architecture inferred from the model config.
+
+Both directions write their output the same way (`_staged_output`): never into an input, never over a
+directory that is not their own earlier result unless told to, and through a staging directory that
+replaces the output only when complete.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,9 +38,14 @@ from aligner.hf.layout import (
     megatron_to_hf,
 )
 from aligner.models.gpt import GPTConfig
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, UserError
 
 HF_SOURCE_FILE = "hf_source.json"
+# What an export writes besides the HF files (its checkpoint and options); it marks the directory as an
+# export's, which a later export may replace.
+EXPORT_RECORD_FILE = "aligner_export.json"
+# The sibling an output is written into before it replaces the output (the checkpoints' convention).
+_STAGING_SUFFIX = ".incomplete"
 # Tokenizer files copied along with the weights (whatever of these the directory has).
 TOKENIZER_PATTERNS = (
     "tokenizer*.json",
@@ -51,6 +60,12 @@ TOKENIZER_PATTERNS = (
     "chat_template.json",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_hf_model_dir(path: str | os.PathLike) -> bool:
+    """A Hugging Face model directory (config.json), not an aligner checkpoint (meta.json)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / checkpointing.META_FILE).is_file()
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
@@ -178,33 +193,127 @@ def _model_config(hf_config: dict, source: Path, make_vocab_size_divisible_by: i
         raise ConfigError(f"{source}: {error}") from None
 
 
+def _refuse_output(output_dir: Path, inputs: Sequence[Path], record_file: str, overwrite: bool) -> None:
+    """Refuse an output that is, holds or lies inside an input (even with `overwrite`: replacing it would
+    delete the input), and a non-empty one that is not this command's earlier result (it holds `record_file`)
+    unless `overwrite`."""
+    output = output_dir.resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        relation = ("is" if output == source else "lies inside" if source in output.parents
+                    else "contains" if output in source.parents else None)
+        if relation is not None:
+            raise ConfigError(f"output {output_dir} {relation} the input {source}: writing it would destroy the input "
+                              "(also with --overwrite); choose another output directory")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputError(f"output {output_dir} is a file; choose a directory")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / record_file).is_file() and not overwrite:
+        raise OutputError(f"output directory {output_dir} is not empty and is not an earlier result of this command "
+                          f"(it has no {record_file}): choose a new directory, or pass --overwrite to replace all of "
+                          "its contents")
+
+
+def _file_system_problem(error: BaseException) -> Optional[str]:
+    """A failed write to the output in a few words (disk full, read-only, permission), or None if `error`
+    is not one (a user error already reads as one line; a bug keeps its traceback)."""
+    from safetensors import SafetensorError  # save_file's I/O errors are not OSErrors
+
+    if checkpointing.is_disk_full(error):
+        return "disk full (no space left on the device)"
+    if isinstance(error, UserError) or not isinstance(error, (OSError, SafetensorError)):
+        return None
+    return getattr(error, "strerror", None) or str(error)
+
+
+def _replace_directory(staging: Path, output_dir: Path) -> None:
+    """Put the complete `staging` in the place of `output_dir` by renames; old contents are deleted only once
+    the new ones are in place (a crash in between leaves them in `<output>.replaced`)."""
+    if not (output_dir.is_dir() and any(output_dir.iterdir())):
+        os.replace(staging, output_dir)  # onto nothing or an empty directory: one atomic rename
+        return
+    old = output_dir.with_name(output_dir.name + ".replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(output_dir, old)
+    try:
+        os.replace(staging, output_dir)
+    except BaseException:
+        os.replace(old, output_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _staged_output(output_dir: str | os.PathLike, *, inputs: Sequence[Path], record_file: str,
+                   overwrite: bool) -> Iterator[Path]:
+    """The directory an import or export writes its output into: a sibling `<output>.incomplete` that
+    replaces `output_dir` when the block ends without an error, and is removed when it fails or is
+    interrupted, so the output is either the old one or the complete new one.
+
+    The output is checked first (`_refuse_output`), before any work. A file-system failure while writing
+    (disk full, read-only, permission) is one OutputError naming the output. Every rank enters it; rank 0
+    does the file work (import's collective checkpoint save runs in between).
+    """
+    output_dir = Path(os.path.abspath(output_dir))  # also for ".": the staging directory is its sibling
+    _refuse_output(output_dir, inputs, record_file, overwrite)
+    staging = output_dir.with_name(output_dir.name + _STAGING_SUFFIX)
+    try:
+        if _is_rank_zero():
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier run
+            staging.mkdir(parents=True)
+        _barrier()
+        yield staging
+        _barrier()
+        if _is_rank_zero():
+            _replace_directory(staging, output_dir)
+    except BaseException as error:  # also interrupts: nothing partial stays behind
+        if _is_rank_zero():
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, checkpointing.CheckpointError) and str(staging) in str(error):
+            # the checkpoint save's own one line (disk full with the sizes, ...), about the output
+            raise OutputError(f"{str(error).replace(str(staging), str(output_dir))}; nothing was written") from error
+        problem = _file_system_problem(error)
+        if problem is not None:
+            raise OutputError(f"cannot write {output_dir}: {problem}; nothing was written") from error
+        raise
+    _barrier()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def import_hf(
     hf_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
     *,
     make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
 ) -> Path:
     """Convert an HF model directory (an architecture of layout.ARCHS) into an aligner checkpoint at `output_dir`.
 
     The weights are held in float32 (lossless for bf16/fp16 sources); the tokenizer files are
     copied into the checkpoint. Runs at TP=1/PP=1 in this process; the result loads at any layout.
+    `output_dir` must be new, empty or an earlier import's checkpoint, unless `overwrite`; never `hf_dir`.
     """
     hf_dir = Path(hf_dir)
-    hf_config = read_hf_config(hf_dir)
-    cfg, arch = _model_config(hf_config, hf_dir / "config.json", make_vocab_size_divisible_by)
-    hf_state = read_hf_state_dict(hf_dir)
-    generation_config = hf_dir / "generation_config.json"
-    source = {
-        "source_dir": str(hf_dir.resolve()),
-        "dtype": _torch_dtype_name(hf_state),
-        "generation_config": read_json(generation_config) if generation_config.is_file() else None,
-    }
-    with tempfile.TemporaryDirectory() as scratch:
-        tokenizer_dir = Path(scratch) / "tokenizer"
-        tokenizer_dir.mkdir()
-        has_tokenizer = bool(_copy_tokenizer_files(hf_dir, tokenizer_dir))
-        return _write_imported_checkpoint(cfg, arch, hf_config, hf_state, output_dir,
-                                          tokenizer_dir if has_tokenizer else None, source)
+    with _staged_output(output_dir, inputs=[hf_dir], record_file=HF_SOURCE_FILE, overwrite=overwrite) as staging:
+        hf_config = read_hf_config(hf_dir)
+        cfg, arch = _model_config(hf_config, hf_dir / "config.json", make_vocab_size_divisible_by)
+        hf_state = read_hf_state_dict(hf_dir)
+        generation_config = hf_dir / "generation_config.json"
+        source = {
+            "source_dir": str(hf_dir.resolve()),
+            "dtype": _torch_dtype_name(hf_state),
+            "generation_config": read_json(generation_config) if generation_config.is_file() else None,
+        }
+        with tempfile.TemporaryDirectory() as scratch:
+            tokenizer_dir = Path(scratch) / "tokenizer"
+            tokenizer_dir.mkdir()
+            has_tokenizer = bool(_copy_tokenizer_files(hf_dir, tokenizer_dir))
+            _write_imported_checkpoint(cfg, arch, hf_config, hf_state, staging,
+                                       tokenizer_dir if has_tokenizer else None, source)
+    return Path(output_dir)
 
 
 def import_gguf(
@@ -213,24 +322,27 @@ def import_gguf(
     *,
     dtype: str = "float32",
     make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
 ) -> Path:
     """Convert a GGUF file (dequantised to `dtype`: float32 | bfloat16) into an aligner checkpoint.
 
-    The config, tokenizer and chat template come from the file; then as `import_hf`.
+    The config (RoPE scaling included), tokenizer and chat template come from the file; then as `import_hf`.
     """
     from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
 
     torch_dtype(dtype)  # an unknown dtype fails before the file is read
     gguf_file = Path(gguf_file)
-    config = read_gguf_config(gguf_file)
-    hf_config = config.to_dict()
-    cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
-    tokenizer = read_gguf_tokenizer(gguf_file)
-    hf_state = read_gguf_state_dict(gguf_file, config, dtype)
-    source = {"source_file": str(gguf_file.resolve()), "dtype": dtype, "generation_config": None}
-    with tempfile.TemporaryDirectory() as scratch:
-        tokenizer.save_pretrained(scratch)
-        return _write_imported_checkpoint(cfg, arch, hf_config, hf_state, output_dir, Path(scratch), source)
+    with _staged_output(output_dir, inputs=[gguf_file], record_file=HF_SOURCE_FILE, overwrite=overwrite) as staging:
+        config = read_gguf_config(gguf_file)
+        hf_config = config.to_dict()
+        cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
+        tokenizer = read_gguf_tokenizer(gguf_file)
+        hf_state = read_gguf_state_dict(gguf_file, config, dtype)
+        source = {"source_file": str(gguf_file.resolve()), "dtype": dtype, "generation_config": None}
+        with tempfile.TemporaryDirectory() as scratch:
+            tokenizer.save_pretrained(scratch)
+            _write_imported_checkpoint(cfg, arch, hf_config, hf_state, staging, Path(scratch), source)
+    return Path(output_dir)
 
 
 def _write_imported_checkpoint(
@@ -238,12 +350,13 @@ def _write_imported_checkpoint(
     arch: str,
     hf_config: dict,
     hf_state: dict[str, torch.Tensor],
-    output_dir: str | os.PathLike,
+    output_dir: Path,
     tokenizer_dir: Optional[Path],
     source: dict,
-) -> Path:
-    """The one converter behind every import: HF-named weights -> TP=1 megatron model -> checkpoint,
-    plus `hf_source.json` (`source` and what export needs). Empties `hf_state` as it converts it."""
+) -> None:
+    """The one converter behind every import: HF-named weights -> TP=1 megatron model -> checkpoint in
+    `output_dir` (the staging directory), plus `hf_source.json` (`source` and what export needs). Empties
+    `hf_state` as it converts it."""
     megatron_state = hf_to_megatron({name: t.float() for name, t in hf_state.items()}, cfg, arch)
     hf_state.clear()
 
@@ -265,9 +378,7 @@ def _write_imported_checkpoint(
                 "pad_token_id": hf_config.get("pad_token_id"),
             }
             (final / HF_SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True))
-        if dist.is_initialized():
-            dist.barrier()
-    return final
+        _barrier()
 
 
 def read_hf_source(checkpoint_dir: str | os.PathLike) -> dict:
@@ -301,6 +412,7 @@ def export_hf(
     dtype: Optional[str] = None,
     lora: str = "merge",
     base: Optional[str | os.PathLike] = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write an aligner checkpoint as an HF model directory (config.json, model.safetensors, tokenizer).
 
@@ -311,15 +423,16 @@ def export_hf(
     either merged into the weights (lora="merge": a plain HF model) or as a PEFT adapter directory
     (lora="peft": adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained`
     on the HF export of the base).
+    `output_dir` must be new, empty or an earlier export's directory (it holds aligner_export.json), unless
+    `overwrite`; never the checkpoint or its base.
     """
     from safetensors.torch import save_file
 
     from aligner.models import lora as lora_adapters
 
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()):
-        # Never mix with (or delete) an existing model's files: stale shards would be loaded too.
-        raise OutputError(f"export output directory {output_dir} is not empty; choose a new directory")
+    inputs = [checkpoint_dir, *([Path(base)] if base is not None else [])]
+    _refuse_output(output_dir, inputs, EXPORT_RECORD_FILE, overwrite)  # before anything is read
     if lora not in LORA_EXPORTS:
         raise ConfigError(f"lora={lora!r}: choose one of {list(LORA_EXPORTS)}")
     meta = checkpointing.read_meta(checkpoint_dir)
@@ -335,46 +448,49 @@ def export_hf(
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported for export; choose one of {sorted(_DTYPES)}")
     hf_config = hf_config_from_gpt(cfg, arch, dtype=dtype, **_special_token_ids(checkpoint_dir, source))
+    record = {"checkpoint": str(checkpoint_dir.resolve()), "arch": arch, "dtype": dtype,
+              "base": None if base_dir is None else str(base_dir.resolve()), "lora": None if base_dir is None else lora}
 
-    with _single_model_parallel_group():
-        model = _build_model(cfg)
-        lora_adapters.load_for_inference(checkpoint_dir, [model], base_dir)
+    inputs += [base_dir] if base_dir is not None else []
+    with _staged_output(output_dir, inputs=inputs, record_file=EXPORT_RECORD_FILE, overwrite=overwrite) as staging:
+        with _single_model_parallel_group():
+            model = _build_model(cfg)
+            lora_adapters.load_for_inference(checkpoint_dir, [model], base_dir)
+            if lora == "peft":
+                adapters = {f"{module_name}.weight": (module.lora_a.detach(), module.lora_b.detach())
+                            for module_name, module in model.named_modules() if hasattr(module, "lora_a")}
+            elif base_dir is not None:
+                lora_adapters.merge([model])
+            megatron_state = {name: t for name, t in model.state_dict().items()
+                              if not name.endswith("_extra_state") and not lora_adapters.is_adapter_key(name)}
         if lora == "peft":
-            adapters = {f"{module_name}.weight": (module.lora_a.detach(), module.lora_b.detach())
-                        for module_name, module in model.named_modules() if hasattr(module, "lora_a")}
-        elif base_dir is not None:
-            lora_adapters.merge([model])
-        megatron_state = {name: t for name, t in model.state_dict().items()
-                          if not name.endswith("_extra_state") and not lora_adapters.is_adapter_key(name)}
-    if lora == "peft":
-        hf_adapters = lora_to_hf(adapters, cfg, arch)
-        hf_state = {f"base_model.model.{module}.lora_{part}.weight": tensor.to(_DTYPES[dtype])
-                    for module, pair in hf_adapters.items() for part, tensor in zip("AB", pair)}
-        adapter_config = {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft_meta["rank"], "lora_alpha": peft_meta["alpha"],
-            "lora_dropout": peft_meta["dropout"], "bias": "none", "use_rslora": False, "fan_in_fan_out": arch == "gpt2",
-            # the modules' last two name parts: GPT-2 has a c_proj in attention and in the MLP
-            "target_modules": sorted({".".join(module.split(".")[-2:]) for module in hf_adapters}),
-            "base_model_name_or_path": source.get("source_dir") or str(base_dir), "inference_mode": True,
-        }
-    else:
-        hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
-
-    if _is_rank_zero():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if lora == "peft":
-            (output_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-            save_file(hf_state, str(output_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+            hf_adapters = lora_to_hf(adapters, cfg, arch)
+            hf_state = {f"base_model.model.{module}.lora_{part}.weight": tensor.to(_DTYPES[dtype])
+                        for module, pair in hf_adapters.items() for part, tensor in zip("AB", pair)}
+            adapter_config = {
+                "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft_meta["rank"], "lora_alpha": peft_meta["alpha"],
+                "lora_dropout": peft_meta["dropout"], "bias": "none", "use_rslora": False,
+                "fan_in_fan_out": arch == "gpt2",
+                # the modules' last two name parts: GPT-2 has a c_proj in attention and in the MLP
+                "target_modules": sorted({".".join(module.split(".")[-2:]) for module in hf_adapters}),
+                "base_model_name_or_path": source.get("source_dir") or str(base_dir), "inference_mode": True,
+            }
         else:
-            hf_config.save_pretrained(str(output_dir))
-            save_file(hf_state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-            if source.get("generation_config"):
-                (output_dir / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
-        tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
-        if tokenizer_dir.is_dir():
-            for path in tokenizer_dir.iterdir():
-                if path.is_file():
-                    shutil.copy2(path, output_dir / path.name)
-    if dist.is_initialized():
-        dist.barrier()
+            hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
+
+        if _is_rank_zero():
+            if lora == "peft":
+                (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+                save_file(hf_state, str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+            else:
+                hf_config.save_pretrained(str(staging))
+                save_file(hf_state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+                if source.get("generation_config"):
+                    (staging / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
+            tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
+            if tokenizer_dir.is_dir():
+                for path in tokenizer_dir.iterdir():
+                    if path.is_file():
+                        shutil.copy2(path, staging / path.name)
+            (staging / EXPORT_RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     return output_dir

@@ -3,6 +3,10 @@
 The model config and the tokenizer (with its chat template) come from the file's metadata; the
 weights are dequantised under their Hugging Face names, so they take the same import path as an HF
 directory (aligner.hf.convert). The reader needs the `gguf` package (the `gguf` extra).
+
+RoPE scaling is read here from the file itself: transformers' reader (5.x) maps neither a Llama file's
+`{arch}.rope.scaling.*` keys nor its `rope_freqs` tensor into the config, so a scaled model would
+otherwise import as plain RoPE.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 
 from aligner.config import MissingExtraError
 from aligner.data.jsonl import DataError
+from aligner.hf.layout import MEGATRON_LLAMA3_ROPE
 from aligner.runtime.errors import ConfigError
 
 INSTALL_HINT = "reading GGUF files needs the gguf package: pip install 'aligner[gguf]'"
@@ -22,6 +27,12 @@ INSTALL_HINT = "reading GGUF files needs the gguf package: pip install 'aligner[
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # What a damaged or foreign file makes the metadata parser raise.
 _PARSE_ERRORS = (ValueError, struct.error, OSError, KeyError, IndexError, UnicodeDecodeError)
+# llama.cpp's tensor of per-dimension RoPE frequency divisors (Llama 3.x scaling): it rotates dimension
+# pair i at base_frequency[i] / rope_freqs[i].
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# How close the frequencies megatron computes for the scaling read from `rope_freqs` must be to the ones
+# the file prescribes: float32 rounding (both sides compute in float32), far below any change of factor.
+_ROPE_FREQS_RTOL = 1e-5
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -51,9 +62,75 @@ def read_gguf_config(path: str | os.PathLike):
         raise ConfigError(f"GGUF file {path} does not exist")
     _require_gguf_package()
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        scaling = read_gguf_rope_scaling(path, config)
+    except ConfigError:  # a ValueError too, but the file was read: it holds something unsupported
+        raise
     except _PARSE_ERRORS as error:
         raise DataError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+    if scaling is not None:
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    return config
+
+
+def read_gguf_rope_scaling(path: Path, config) -> dict | None:
+    """The RoPE scaling of a GGUF file as config `rope_parameters` entries (None: plain RoPE).
+
+    Llama 3.x scaling, which llama.cpp stores as the `rope_freqs` divisors, is read back into its factor
+    when megatron's llama3 scaling of that factor gives the frequencies the file prescribes; any other
+    scaling (`{arch}.rope.scaling.type` linear/yarn/longrope, a scaling factor, other divisors) is a
+    ConfigError naming the key.
+    """
+    import gguf  # the optional extra; read_gguf_config checked it is there
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    prefix = f"{arch}.rope."
+
+    def value(key: str):
+        field = reader.fields.get(prefix + key)
+        return None if field is None else field.contents()
+
+    def unsupported(key: str, found, why: str) -> ConfigError:
+        return ConfigError(f"{path}: {key}={found!r} is not supported: {why}")
+
+    scaling_type = value("scaling.type")
+    if scaling_type not in (None, "none"):
+        raise unsupported(prefix + "scaling.type", scaling_type,
+                          "only plain RoPE and Llama 3.x scaling (a rope_freqs tensor) are implemented")
+    for key in ("scaling.factor", "scale_linear"):  # llama.cpp scales positions linearly by either
+        factor = value(key)
+        if factor not in (None, 0.0, 1.0):
+            raise unsupported(prefix + key, factor, "linear RoPE scaling is not implemented")
+    divisors = next((tensor for tensor in reader.tensors if tensor.name == ROPE_FREQS_TENSOR), None)
+    if divisors is None:
+        return None
+    divisors = torch.from_numpy(gguf.quants.dequantize(divisors.data, divisors.tensor_type).copy()).double().flatten()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = _llama3_factor(divisors, config.rope_parameters["rope_theta"], head_dim)
+    if factor is None:
+        if torch.all(divisors == 1.0):
+            return None  # divisors of 1: plain RoPE
+        raise unsupported(ROPE_FREQS_TENSOR, [float(f"{divisor:.6g}") for divisor in divisors.tolist()],
+                          "these per-dimension RoPE divisors are not Llama 3.x scaling as megatron-core computes it "
+                          f"({', '.join(f'{key}={fixed:g}' for key, fixed in MEGATRON_LLAMA3_ROPE.items())})")
+    return {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3_ROPE}
+
+
+def _llama3_factor(divisors: torch.Tensor, rope_theta: float, head_dim: int) -> float | None:
+    """The llama3 scaling factor whose frequencies, as megatron computes them, are the base frequencies over
+    `divisors` (float64, one per dimension pair); None if no factor gives them."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # megatron's import order
+
+    if divisors.shape != (head_dim // 2,) or rope_theta != int(rope_theta) or torch.all(divisors == 1.0):
+        return None
+    # Dimensions whose wavelength exceeds the original context (Llama 3.x: the lowest frequencies) are divided
+    # by the factor itself; a file without any is refused by the check below.
+    factor = float(divisors.max())
+    base = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    scaled = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=int(rope_theta), rope_scaling=True,
+                             rope_scaling_factor=factor, use_cpu_initialization=True).inv_freq.double()
+    return factor if torch.allclose(scaled, base / divisors, rtol=_ROPE_FREQS_RTOL, atol=0.0) else None
 
 
 def read_gguf_tokenizer(path: str | os.PathLike):

@@ -278,6 +278,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     from pathlib import Path
 
     from aligner import checkpointing
+    from aligner.hf.convert import is_hf_model_dir
     from aligner.runtime import seeds
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
@@ -288,6 +289,10 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
         raise ConfigError(f"peft.scheme=lora trains adapters on a pretrained model: set {init_from_key}")
     if init_from:
         require_checkpoint_dir(init_from, init_from_key)
+        if is_hf_model_dir(init_from):
+            raise ConfigError(f"{init_from_key}={init_from} is a Hugging Face model directory, not an aligner "
+                              f"checkpoint: convert it first with `python -m aligner.hf import --hf-dir {init_from} "
+                              f"--output CHECKPOINT_DIR` and set {init_from_key} to CHECKPOINT_DIR")
     if tokenizer.path and not Path(tokenizer.path).is_dir():
         raise checkpointing.CheckpointError(f"tokenizer.path={tokenizer.path} is not a directory; expected an HF "
                                             "tokenizer directory (tokenizer.json / tokenizer_config.json)")

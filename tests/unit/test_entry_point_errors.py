@@ -96,6 +96,9 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
     checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
     _damaged_tokenizer(tokenizer_dir, checkpoint / "tokenizer", "tokenizer.json")
+    hf_model = root / "hf_model"  # an HF model directory given where a checkpoint belongs
+    shutil.copytree(tokenizer_dir, hf_model)
+    (hf_model / "config.json").write_text('{"model_type": "llama"}')
     sft = ["data.train=[{path: x.jsonl}]", f"logging.log_dir={root / 'logs'}"]
     return [
         ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
@@ -106,6 +109,9 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
          f"error: {bad_tokenizer_config / 'tokenizer_config.json'}:"),
         ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],
          f"error: {checkpoint / 'tokenizer' / 'tokenizer.json'}:"),
+        ("HF dir as init_from", [*sft, f"model.init_from={hf_model}"],
+         f"error: model.init_from={hf_model} is a Hugging Face model directory, not an aligner checkpoint: convert it "
+         f"first with `python -m aligner.hf import --hf-dir {hf_model} --output CHECKPOINT_DIR`"),
         ("log_dir", [sft[0], f"logging.log_dir={a_file / 'logs'}", "model.init_from=/nonexistent"],
          f"error: logging.log_dir={a_file / 'logs'} is not writable"),
     ]

@@ -7,10 +7,12 @@ The reference is transformers reading the same file: its config, its tokenizer a
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +88,60 @@ def test_gguf_import_in_bfloat16_rounds_the_dequantised_weights_and_exports_in_b
     assert (tmp_path / "export" / "chat_template.jinja").is_file()
 
 
+def llama_cpp_rope_divisors(rope_theta: float, head_dim: int, factor: float,
+                            high_freq_factor: float = 4.0) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for Llama 3.x RoPE scaling (low_freq_factor 1,
+    original context 8192): per dimension pair, what its base frequency (float32, as the converter computes
+    it) is divided by: 1 for short wavelengths, the factor for long ones, a smooth blend between."""
+    base = (1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).double()
+    wavelength = 2 * math.pi / base
+    blend = (8192 / wavelength - 1.0) / (high_freq_factor - 1.0)
+    medium = 1.0 / ((1.0 - blend) / factor + blend)
+    divisors = torch.where(wavelength < 8192 / high_freq_factor, torch.ones_like(base),
+                           torch.where(wavelength > 8192, torch.full_like(base, factor), medium))
+    return divisors.float().numpy()
+
+
+@pytest.mark.parametrize("rope_theta,head_dim,factor", [(10000.0, 16, 8.0), (500000.0, 128, 8.0), (500000.0, 64, 32.0)],
+                         ids=["tiny", "llama3.1_8b", "llama3.2_1b"])
+def test_gguf_rope_freqs_read_as_llama3_scaling_whose_frequencies_are_the_files(rope_theta, head_dim, factor, tmp_path):
+    """llama.cpp stores Llama 3.x scaling only as `rope_freqs` divisors (transformers' GGUF reader drops
+    them): the factor read back gives, in megatron and in transformers, base frequency / divisor."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from aligner.hf.gguf import read_gguf_config
+    from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt
+
+    divisors = llama_cpp_rope_divisors(rope_theta, head_dim, factor)
+    assert len(set(divisors.tolist())) > 2  # every band: kept, divided by the factor, blended
+    gguf_file = write_tiny_llama_gguf(tmp_path / "scaled.gguf", hidden=2 * head_dim, heads=2, kv_heads=1,
+                                      rope_base=rope_theta, rope_freqs=divisors)
+    cfg, _ = gpt_config_from_hf(read_gguf_config(gguf_file))
+    assert cfg.llama3_rope_scaling_factor == factor and cfg.rotary_base == rope_theta
+    expected = (1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+                / torch.from_numpy(divisors).double())
+    megatron = RotaryEmbedding(kv_channels=cfg.head_dim, rotary_percent=1.0, rotary_base=int(cfg.rotary_base),
+                               rope_scaling=True, rope_scaling_factor=cfg.llama3_rope_scaling_factor,
+                               use_cpu_initialization=True)
+    torch.testing.assert_close(megatron.inv_freq.double(), expected, rtol=1e-6, atol=0)
+    hf = LlamaRotaryEmbedding(hf_config_from_gpt(cfg, "llama"))  # what an export of the import computes
+    torch.testing.assert_close(hf.inv_freq.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_gguf_with_rope_freqs_imports_with_llama3_scaling_and_divisors_of_one_as_plain_rope(tmp_path):
+    from aligner import checkpointing
+    from aligner.hf import import_gguf
+    from aligner.hf.gguf import read_gguf_config
+
+    scaled = write_tiny_llama_gguf(tmp_path / "scaled.gguf", rope_freqs=llama_cpp_rope_divisors(10000.0, 16, 8.0))
+    import_gguf(scaled, tmp_path / "scaled")
+    assert checkpointing.read_meta(tmp_path / "scaled")["model"]["llama3_rope_scaling_factor"] == 8.0
+    plain = write_tiny_llama_gguf(tmp_path / "plain.gguf", rope_freqs=np.ones(8, dtype=np.float32),
+                                  rope_scaling={"type": "none"})
+    assert read_gguf_config(plain).rope_parameters["rope_type"] == "default"
+
+
 def _tiny_llama_config() -> dict:
     return {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
             "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 64}
@@ -113,6 +169,13 @@ def _user_error_cases(root):
     garbage.write_bytes(b"this is not a GGUF file" * 10)
     cut = root / "cut.gguf"
     cut.write_bytes(write_tiny_llama_gguf(root / "whole.gguf").read_bytes()[:20000])
+    yarn = write_tiny_llama_gguf(root / "yarn.gguf",
+                                 rope_scaling={"type": "yarn", "factor": 4.0, "original_context_length": 32})
+    linear = write_tiny_llama_gguf(root / "linear.gguf", rope_scaling={"type": "linear", "factor": 4.0})
+    linear_factor = write_tiny_llama_gguf(root / "linear_factor.gguf", rope_scaling={"factor": 4.0})
+    # Llama 3.x-style divisors, but with a high_freq_factor megatron's llama3 scaling does not take.
+    other_divisors = write_tiny_llama_gguf(root / "other_divisors.gguf",
+                                           rope_freqs=llama_cpp_rope_divisors(10000.0, 16, 8.0, high_freq_factor=2.0))
     out = str(root / "out")
     return [
         ("missing_dir", ["import", "--hf-dir", str(root / "nope"), "--output", out], f"{root / 'nope'} does not exist"),
@@ -127,7 +190,16 @@ def _user_error_cases(root):
          f"GGUF file {root / 'nope.gguf'} does not exist"),
         ("garbage_gguf", ["import", "--gguf", str(garbage), "--output", out], f"{garbage}: not a readable GGUF file"),
         ("truncated_gguf", ["import", "--gguf", str(cut), "--output", out], f"{cut}: not a readable GGUF file"),
-        ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(root)], "is not empty"),
+        ("gguf_yarn", ["import", "--gguf", str(yarn), "--output", out],
+         f"{yarn}: llama.rope.scaling.type='yarn' is not supported: only plain RoPE and Llama 3.x scaling"),
+        ("gguf_linear", ["import", "--gguf", str(linear), "--output", out],
+         f"{linear}: llama.rope.scaling.type='linear' is not supported"),
+        ("gguf_linear_factor", ["import", "--gguf", str(linear_factor), "--output", out],
+         f"{linear_factor}: llama.rope.scaling.factor=4.0 is not supported: linear RoPE scaling"),
+        ("gguf_other_rope_freqs", ["import", "--gguf", str(other_divisors), "--output", out],
+         f"{other_divisors}: rope_freqs.weight=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, "),
+        ("export_into_used_dir", ["export", "--checkpoint", str(root / "nope"), "--output", str(truncated)],
+         "is not empty"),
     ]
 
 
@@ -151,18 +223,24 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def test_hf_cli_user_errors_are_one_line_with_exit_status_2(tmp_path):
-    cases = _user_error_cases(tmp_path / "inputs")
+def run_cli_cases(arg_lists: list[list[str]]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of the HF CLI's main through run_main for each argument list, in one interpreter."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, "-c", _RUN_CASES, json.dumps([args for _, args, _ in cases])],
+    result = subprocess.run([sys.executable, "-c", _RUN_CASES, json.dumps(arg_lists)],
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
-    outcomes = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    return [tuple(outcome) for outcome in json.loads(result.stdout.split("RESULTS ", 1)[1])]
+
+
+def test_hf_cli_user_errors_are_one_line_with_exit_status_2(tmp_path):
+    cases = _user_error_cases(tmp_path / "inputs")
+    outcomes = run_cli_cases([args for _, args, _ in cases])
     for (name, _, expected), (status, stderr) in zip(cases, outcomes):
         lines = stderr.strip().splitlines()
         assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, status, stderr[-3000:])
         assert expected in lines[0], (name, lines[0])
+    assert not [path for path in (tmp_path / "inputs").iterdir() if path.name.startswith("out")]  # nothing written
 
 
 def test_gguf_import_without_the_gguf_package_names_the_extra(tmp_path):

@@ -332,7 +332,7 @@ def test_reading_hf_directories(tmp_path):
     assert sorted(state) == ["a", "b"] and torch.equal(state["b"], torch.zeros(3))
     # Export never writes into (or clears) a directory that already holds files.
     with pytest.raises(OutputError, match="not empty"):
-        export_hf(tmp_path / "no_checkpoint", tmp_path)
+        export_hf(tmp_path.with_name("no_checkpoint"), tmp_path)
 
 
 def test_llama3_rope_scaling_from_old_and_new_config_generations():
