@@ -82,6 +82,7 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        sequence_lengths=cfg.sequence_lengths(),
     )
     logger = get_logger()
     conditioning = AttributeConditioning(cfg.data.steerlm, built.tokenizer) if cfg.data.steerlm.enabled else None
