@@ -440,6 +440,11 @@ class DataSection:
     chat_template: bool = True
 
     @property
+    def sequence_length(self) -> tuple[int, str]:
+        """(positions, the setting that makes them) of the longest row the model sees (`RunConfig.sequence_lengths`)."""
+        return self.max_seq_length, f"data.max_seq_length={self.max_seq_length}"
+
+    @property
     def longest_row(self) -> tuple[int, str]:
         """(tokens, what they are) of the longest padded row a collated batch can have."""
         multiple = distributed.pad_multiple(self.pad_to_multiple_of)
@@ -465,6 +470,6 @@ class RunConfig:
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
         """The longest rows this run feeds its model, each (tokens, the settings that make them), which
-        `build_training_model` refuses above the model's positions. Rows of data.max_seq_length by default;
+        `build_training_model` refuses above the model's positions. The data section's rows by default;
         algorithms that generate override it (prompt + new tokens)."""
-        return [(self.data.max_seq_length, f"data.max_seq_length={self.data.max_seq_length}")]
+        return [self.data.sequence_length]

@@ -110,7 +110,8 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
         ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],
          f"error: {checkpoint / 'tokenizer' / 'tokenizer.json'}:"),
         ("positions", [*sft, f"model.init_from={short}", "data.max_seq_length=512"],
-         f"error: data.max_seq_length=512 is above {short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
+         f"error: data.max_seq_length=512 (511 positions, the last token a label) is above "
+         f"{short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
         ("log_dir", [sft[0], f"logging.log_dir={a_file / 'logs'}", "model.init_from=/nonexistent"],
          f"error: logging.log_dir={a_file / 'logs'} is not writable"),
     ]

@@ -14,10 +14,11 @@ from aligner.algorithms.kto import KTOConfig, build_kto_trainer
 from aligner.algorithms.rejection_sampling import RSConfig, build_rs_run
 from aligner.algorithms.reward_model import RewardModelConfig, build_reward_model_trainer
 from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
-from aligner.algorithms.sft import SFTConfig, build_sft_trainer
+from aligner.algorithms.sft import SFTConfig, SFTDataConfig, build_sft_trainer
 from aligner.algorithms.spin import SPINConfig, build_spin_run
 from aligner.config import CONF_DIR, ConfigError, load_config
 from aligner.models.gpt import GPTConfig
+from aligner.training.setup import DataSection
 
 from ..conftest import write_model_meta
 
@@ -25,17 +26,19 @@ POSITIONS = 128
 TRAIN = ["data.train=[{path: train.jsonl}]", "data.max_seq_length=512"]
 PROMPTS = ["data.prompts=prompts.jsonl", "data.max_prompt_length=64"]
 SEQ = r"data\.max_seq_length=512"
+SFT_SEQ = r"data\.max_seq_length=512 \(511 positions, the last token a label\)"  # (collate_sft)
 
 # (algorithm, schema, yaml, overrides beside model.init_from and checkpoint.save_dir, build, the setting named)
 CASES = [
-    ("sft", SFTConfig, "gpt_sft.yaml", TRAIN, build_sft_trainer, SEQ),
+    ("sft", SFTConfig, "gpt_sft.yaml", TRAIN, build_sft_trainer, SFT_SEQ),
     ("steerlm", SFTConfig, "gpt_sft.yaml", [*TRAIN, "data.steerlm.attributes=[quality]"],
-     build_sft_trainer, SEQ),
+     build_sft_trainer, SFT_SEQ),
     ("dpo", DPOConfig, "gpt_dpo.yaml", TRAIN, build_dpo_trainer, SEQ),
     ("kto", KTOConfig, "gpt_kto.yaml", TRAIN, build_kto_trainer, SEQ),
     ("reward model", RewardModelConfig, "training_rm.yaml", TRAIN, build_reward_model_trainer, SEQ),
     ("distillation", KDConfig, "gpt_knowledge_distillation.yaml",
-     ["data.train=[{path: train.jsonl, teacher_topk: train.topk}]", "data.max_seq_length=512"], build_kd_trainer, SEQ),
+     ["data.train=[{path: train.jsonl, teacher_topk: train.topk}]", "data.max_seq_length=512"], build_kd_trainer,
+     SFT_SEQ),
     ("spin", SPINConfig, "gpt_spin.yaml", [*TRAIN[:1], "data.max_seq_length=100", "spin.generation.max_new_tokens=412"],
      build_spin_run, r"data\.max_seq_length \+ spin\.generation\.max_new_tokens = 100 \+ 412 = 512"),
     ("rejection sampling", RSConfig, "gpt_rs.yaml",
@@ -73,8 +76,7 @@ def test_a_random_init_names_its_architecture_key(tmp_path, arithmetic_tokenizer
     cfg = load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [
         *TRAIN, f"tokenizer.path={arithmetic_tokenizer_dir}", "model.architecture.max_position_embeddings=256",
         f"checkpoint.save_dir={tmp_path / 'checkpoints'}"])
-    with pytest.raises(ConfigError, match=r"^data\.max_seq_length=512 is above "
-                                          r"model\.architecture\.max_position_embeddings=256: "):
+    with pytest.raises(ConfigError, match=rf"^{SFT_SEQ} is above model\.architecture\.max_position_embeddings=256: "):
         build_sft_trainer(cfg)
 
 
@@ -83,3 +85,14 @@ def test_rows_up_to_the_positions_are_accepted():
     model_cfg.check_sequence_lengths([(POSITIONS, "data.max_seq_length=128")], "model.max_position_embeddings")
     with pytest.raises(ConfigError, match=r"^data\.max_seq_length=129 is above model\.max_position_embeddings=128"):
         model_cfg.check_sequence_lengths([(POSITIONS + 1, "data.max_seq_length=129")], "model.max_position_embeddings")
+
+
+
+def test_an_sft_row_takes_one_position_less_than_its_tokens():
+    """SFT and distillation feed tokens[:-1] (the last token is only a label): positions + 1 tokens fit."""
+    model_cfg = GPTConfig.gpt2(max_position_embeddings=POSITIONS)
+    model_cfg.check_sequence_lengths([SFTDataConfig(max_seq_length=POSITIONS + 1).sequence_length], "limit")
+    with pytest.raises(ConfigError, match=r"^data\.max_seq_length=130 \(129 positions"):
+        model_cfg.check_sequence_lengths([SFTDataConfig(max_seq_length=POSITIONS + 2).sequence_length], "limit")
+    with pytest.raises(ConfigError, match=r"^data\.max_seq_length=129 is above limit=128"):  # DPO, KTO, RM rows
+        model_cfg.check_sequence_lengths([DataSection(max_seq_length=POSITIONS + 1).sequence_length], "limit")
