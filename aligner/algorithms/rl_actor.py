@@ -1433,8 +1433,8 @@ def build_teacher(init_from: str, parallel, built, sequence_lengths: list[tuple[
     from aligner.tokenizer import Tokenizer
 
     teacher_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
-    teacher_cfg.check_sequence_lengths(
-        sequence_lengths, f"the teacher's model.max_position_embeddings (teacher.init_from={init_from})")
+    teacher_cfg.check_sequence_lengths(sequence_lengths,
+                                       f"teacher.init_from={init_from}'s model.max_position_embeddings")
     tokenizer_dir = Path(init_from) / checkpointing.TOKENIZER_DIR
     if not tokenizer_dir.is_dir() or Tokenizer(tokenizer_dir).hf.get_vocab() != built.tokenizer.hf.get_vocab():
         raise ConfigError(f"teacher.init_from={init_from}: its tokenizer ({tokenizer_dir}) is not the policy's; "

@@ -167,8 +167,8 @@ class GPTConfig:
         """
         for tokens, setting in lengths:
             if tokens > self.max_position_embeddings:
-                raise ConfigError(f"{setting} is above {limit_key}={self.max_position_embeddings}: the model has no "
-                                  "positions past it; shorten the rows or start from a model with more positions")
+                raise ConfigError(f"{setting} is above {limit_key}={self.max_position_embeddings}: the model was not "
+                                  "trained on longer rows; lower the setting or start from a model with more positions")
 
     def _validate_moe(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         if not self.is_moe:

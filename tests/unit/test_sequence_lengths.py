@@ -13,7 +13,7 @@ from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
 from aligner.algorithms.kto import KTOConfig, build_kto_trainer
 from aligner.algorithms.rejection_sampling import RSConfig, build_rs_run
 from aligner.algorithms.reward_model import RewardModelConfig, build_reward_model_trainer
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor, build_teacher
 from aligner.algorithms.sft import SFTConfig, SFTDataConfig, build_sft_trainer
 from aligner.algorithms.spin import SPINConfig, build_spin_run
 from aligner.config import CONF_DIR, ConfigError, load_config
@@ -70,6 +70,15 @@ def test_rows_longer_than_the_positions_are_refused_before_the_model_is_built(
     with pytest.raises(ConfigError, match=rf"^{setting} is above {meta}'s model\.max_position_embeddings=128: "):
         build(cfg)
     assert not save_dir.exists()  # refused before the run started: nothing built, nothing written
+
+
+def test_an_rl_teacher_with_fewer_positions_is_refused(short_checkpoint):
+    """On-policy distillation: the teacher scores the rollouts too (checked before its chunks are built)."""
+    cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml",
+                      ["model.init_from=policy", *PROMPTS, "generation.max_new_tokens=448"])
+    limit = rf"teacher\.init_from={short_checkpoint}'s model\.max_position_embeddings=128"
+    with pytest.raises(ConfigError, match=rf"\+ generation\.max_new_tokens = 64 \+ 448 = 512 is above {limit}: "):
+        build_teacher(str(short_checkpoint), cfg.parallel, None, cfg.sequence_lengths())
 
 
 def test_a_random_init_names_its_architecture_key(tmp_path, arithmetic_tokenizer_dir):
