@@ -352,10 +352,11 @@ class AnswerWriter:
     def put(self, position: int, output: dict) -> None:
         self._ready[position] = output
         while self._next in self._ready:
-            line = json.dumps(self._ready.pop(self._next), ensure_ascii=False) + "\n"
+            line = memoryview((json.dumps(self._ready.pop(self._next), ensure_ascii=False) + "\n").encode("utf-8"))
             if self._file is not None:
                 try:
-                    self._file.write(line.encode("utf-8"))  # one write: a signal never leaves half a line
+                    while line:  # a raw write may take part of it (one write call for a line, in practice)
+                        line = line[self._file.write(line):]
                 except OSError as error:
                     raise OutputError(f"output_file={self.path}: cannot write answer {self._next + 1} of "
                                       f"{self.total} ({error.strerror or error}); the {self._next} before it "
