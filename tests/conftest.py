@@ -218,3 +218,18 @@ def sft_reference(tokenizer, prompt, answer, use_template: bool = True) -> tuple
     while start > 0 and example.loss_mask[start - 1]:
         start -= 1
     return example.tokens[:end], start
+
+
+def write_model_meta(directory: Path, model_cfg, tokenizer_dir: Path) -> Path:
+    """A checkpoint directory holding only what is read before a model is built: its aligner_meta.json
+    (this model config) and its tokenizer; returns the directory."""
+    import json
+    import shutil
+
+    from aligner import checkpointing
+
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"format": checkpointing.FORMAT, "model": model_cfg.to_dict()}
+    (directory / checkpointing.META_FILE).write_text(json.dumps(meta))
+    shutil.copytree(tokenizer_dir, directory / checkpointing.TOKENIZER_DIR)
+    return directory

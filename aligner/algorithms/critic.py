@@ -405,6 +405,7 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed,
         model=setup.ModelSection(init_from=cfg.critic.init_from), tokenizer=setup.TokenizerConfig(), optim=cfg.optim,
         save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
+        sequence_lengths=(),  # the actor's rollouts: each request is checked against the positions (servers/critic.py)
         chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
                                                                            head_seed=cfg.seed, train_bias=True, **kw),
         skip_prefixes=() if head_fits else (HEAD_STATE_PREFIX,),

@@ -219,6 +219,7 @@ def build_kd_trainer(cfg: KDConfig) -> Trainer:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        sequence_lengths=cfg.sequence_lengths(),
     )
     model_cfg = built.model_cfg
     top_ks = set()

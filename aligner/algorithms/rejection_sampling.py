@@ -99,6 +99,12 @@ class RSConfig(RunConfig):
     trainer: RSTrainerConfig = field(default_factory=RSTrainerConfig)
     data: RSDataConfig = field(default_factory=RSDataConfig)
 
+    def sequence_lengths(self) -> list[tuple[int, str]]:
+        # Generated and trained on alike: a prompt + its answer.
+        prompt, new = self.data.max_prompt_length, self.rs.generation.max_new_tokens
+        return [(prompt + new, f"data.max_prompt_length + rs.generation.max_new_tokens = {prompt} + {new} = "
+                               f"{prompt + new}")]
+
 
 def check_rs_config(cfg: RSConfig) -> None:
     rs = cfg.rs
@@ -297,6 +303,7 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        sequence_lengths=cfg.sequence_lengths(),
     )
     prompts = PromptDataset(cfg.data.prompts, built.tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)
     reward_source = build_reward_source(cfg.reward)  # the RL actor's: a function, or a reward-model server

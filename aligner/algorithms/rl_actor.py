@@ -290,6 +290,12 @@ class RLActorConfig(RunConfig):
         value = self.loss.constant_normalizer
         return float(self.generation.max_new_tokens if value is None else value)
 
+    def sequence_lengths(self) -> list[tuple[int, str]]:
+        # A rollout: a prompt + its response (the PTX rows are at most this long: `build_ptx_loader`).
+        prompt, new = self.data.max_prompt_length, self.generation.max_new_tokens
+        return [(prompt + new, f"data.max_prompt_length + generation.max_new_tokens = {prompt} + {new} = "
+                               f"{prompt + new}")]
+
     def validate(self, data_parallel_size: int) -> None:
         """Checks across sections (single values are checked when the config loads)."""
         rollout, loss, gen, trainer = self.rollout, self.loss, self.generation, self.trainer
@@ -1345,7 +1351,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
-        peft=peft,
+        peft=peft, sequence_lengths=cfg.sequence_lengths(),
     )
     cfg.validate(built.data_parallel_size)
     chunks, model_cfg, tokenizer, resume = built.chunks, built.model_cfg, built.tokenizer, built.resume_checkpoint
@@ -1355,7 +1361,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     # the base, i.e. the live model with its adapters off: no copy either.
     reference = teacher = None
     if cfg.measures_kl and cfg.teacher.init_from is not None:
-        teacher = build_teacher(cfg.teacher.init_from, cfg.parallel, built)
+        teacher = build_teacher(cfg.teacher.init_from, cfg.parallel, built, cfg.sequence_lengths())
     elif cfg.measures_kl and built.peft_meta is not None:
         reference = lora.BaseReference()
     elif cfg.measures_kl:
@@ -1417,15 +1423,18 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     return trainer
 
 
-def build_teacher(init_from: str, parallel, built) -> tuple:
+def build_teacher(init_from: str, parallel, built, sequence_lengths: list[tuple[int, str]]) -> tuple:
     """(chunks, GPTConfig) of the teacher at the policy's layout and precision, in eval mode. Refused unless
-    its tokenizer is the policy's: the teacher scores the policy's token ids."""
+    its tokenizer is the policy's (the teacher scores the policy's token ids) and its positions hold the
+    rollouts (`RLActorConfig.sequence_lengths`)."""
     from aligner import checkpointing
     from aligner.models import lora
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.tokenizer import Tokenizer
 
     teacher_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
+    teacher_cfg.check_sequence_lengths(sequence_lengths,
+                                       f"teacher.init_from={init_from}'s model.max_position_embeddings")
     tokenizer_dir = Path(init_from) / checkpointing.TOKENIZER_DIR
     if not tokenizer_dir.is_dir() or Tokenizer(tokenizer_dir).hf.get_vocab() != built.tokenizer.hf.get_vocab():
         raise ConfigError(f"teacher.init_from={init_from}: its tokenizer ({tokenizer_dir}) is not the policy's; "

@@ -21,6 +21,12 @@ class SFTDataConfig(DataSection):
     # SteerLM: attribute values of annotated records written into the prompt (aligner/data/steerlm.py)
     steerlm: SteerLMConfig = field(default_factory=SteerLMConfig)
 
+    @property
+    def sequence_length(self) -> tuple[int, str]:
+        # A row's last token is only a label (collate_sft): max_seq_length tokens take one position less.
+        positions = self.max_seq_length - 1
+        return positions, f"data.max_seq_length={self.max_seq_length} ({positions} positions, the last token a label)"
+
 
 @dataclass
 class SFTConfig(RunConfig):
@@ -82,6 +88,7 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        sequence_lengths=cfg.sequence_lengths(),
     )
     logger = get_logger()
     conditioning = AttributeConditioning(cfg.data.steerlm, built.tokenizer) if cfg.data.steerlm.enabled else None

@@ -104,6 +104,11 @@ class SPINConfig(RunConfig):
     trainer: SPINTrainerConfig = field(default_factory=SPINTrainerConfig)
     data: SPINDataConfig = field(default_factory=SPINDataConfig)
 
+    def sequence_lengths(self) -> list[tuple[int, str]]:
+        # The self-play engine's rows: a demonstration's prompt (under data.max_seq_length) + a generated answer.
+        seq, new = self.data.max_seq_length, self.spin.generation.max_new_tokens
+        return [(seq + new, f"data.max_seq_length + spin.generation.max_new_tokens = {seq} + {new} = {seq + new}")]
+
 
 def iteration_betas(spin: SPINSection) -> list[float]:
     """One beta per iteration from spin.kl_betas (a single value applies to all)."""
@@ -312,6 +317,7 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        sequence_lengths=cfg.sequence_lengths(),
     )
     demonstrations = []
     for entry in cfg.data.train:

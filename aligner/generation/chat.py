@@ -13,7 +13,9 @@ Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` b
   tokens at a time. /reset starts a new conversation, /exit (or end of input) quits.
 - Batch (prompts_file + output_file): each record is {"prompt": text}, {"prompt": [messages]} or
   {"messages": [{"role", "content"}, ...]} (ending with the turn to answer); each output line is
-  the input record plus "response" (and "error" if the record was too long).
+  the input record plus "response" (and "error" if the record was too long). output_file is
+  checked writable before the model is loaded, and its lines are written in input order as the
+  answers come, so a batch stopped by SIGTERM/SIGINT keeps the answers so far (it says how many).
 
 - steer (SteerLM): attribute values such as {correctness: 4} for a checkpoint trained with
   attribute-conditioned SFT; every prompt asks for them, rendered as in training
@@ -38,9 +40,9 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Iterator, Optional, 
 import torch.distributed as dist
 from omegaconf import MISSING
 
-from aligner.config import one_of
+from aligner.config import OutputError, one_of
 from aligner.generation.engine import SamplingParams, generate_requests
-from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig, rank_and_world_from_env
 from aligner.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -305,8 +307,72 @@ def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: st
         return encoder.prompt_tokens(prompt)
 
 
+def require_writable_output(cfg: ChatConfig) -> None:
+    """Batch mode, before the model is loaded: an OutputError naming output_file unless it can be written
+    (an existing file is opened for appending, so a refused run leaves it as it was) and is not the input."""
+    path = Path(cfg.output_file)
+    if path.exists() and Path(cfg.prompts_file).exists() and path.samefile(cfg.prompts_file):
+        raise OutputError(f"output_file={path} is the prompts_file: answering would overwrite the prompts")
+    existing = next(parent for parent in path.parents if parent.exists())
+    if not existing.is_dir():  # (mkdir would say "File exists")
+        raise OutputError(f"output_file={path} is not writable ({existing} is a file, not a directory)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent, prefix=".write_check_"):
+                pass
+    except OSError as error:
+        raise OutputError(f"output_file={path} is not writable ({error.strerror or error})") from None
+
+
+class AnswerWriter:
+    """Batch mode's output file (rank 0 writes it): each record's line goes out, unbuffered, once it and every
+    record before it are answered, so the file always holds whole lines: the answers so far, in input order."""
+
+    def __init__(self, path: Path, total: int):
+        self.path, self.total = path, total
+        self._ready: dict[int, dict] = {}
+        self._next = 0  # the position of the next line to write
+        self._file = None
+        if _is_rank_zero():
+            try:
+                self._file = open(path, "wb", buffering=0)
+            except OSError as error:
+                raise OutputError(f"output_file={path} is not writable ({error.strerror or error})") from None
+
+    def put(self, position: int, output: dict) -> None:
+        self._ready[position] = output
+        while self._next in self._ready:
+            line = memoryview((json.dumps(self._ready.pop(self._next), ensure_ascii=False) + "\n").encode("utf-8"))
+            if self._file is not None:
+                try:
+                    while line:  # a raw write may take part of it (one write call for a line, in practice)
+                        line = line[self._file.write(line):]
+                except OSError as error:
+                    raise OutputError(f"output_file={self.path}: cannot write answer {self._next + 1} of "
+                                      f"{self.total} ({error.strerror or error}); the {self._next} before it "
+                                      "are in the file") from None
+            self._next += 1
+
+    def written(self) -> int:
+        """Lines in the file (rank 0; counted, not tracked: a signal may land between a write and its count)."""
+        if self._file is None:
+            return self._next
+        self._file.flush()
+        with open(self.path, "rb") as handle:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
-    """Batch mode: one output line per input record; returns the number of records answered."""
+    """Batch mode: one output line per input record, written as the answers come; returns the number of
+    records answered. Interrupted (SIGTERM/SIGINT), it says how many answers the file holds and re-raises."""
     from aligner.data.conversation import ChatEncoder
     from aligner.data.jsonl import read_jsonl
 
@@ -315,7 +381,7 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
     records = list(read_jsonl(cfg.prompts_file))
     outputs: list[dict] = []
     pending: list[tuple[int, list[int]]] = []  # (position in outputs, prompt tokens)
-    for line, record in records:
+    for line, record in records:  # every record encoded (a bad one refused) before the output file is opened
         prompt = encode_record(model, encoder, record, cfg.prompts_file, line)
         outputs.append(dict(record))
         if len(prompt) + sampling.max_new_tokens > model.max_sequence_length:
@@ -330,16 +396,25 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
                       dataclasses.replace(sampling, seed=sampling.seed + start))
                      for start in range(0, len(pending), cfg.batch_size)])
     longest = max((len(p) for _, p in pending), default=0)
-    for start, rollout in generate_requests(model.engine, lambda: next(requests, None), longest_prompt=longest):
-        for row, (position, _) in enumerate(pending[start:start + cfg.batch_size]):
-            tokens = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
-            outputs[position]["response"] = response_text(model, tokens)
-    if _is_rank_zero():
-        path = Path(cfg.output_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as handle:
-            for output in outputs:
-                handle.write(json.dumps(output, ensure_ascii=False) + "\n")
+    generated = {position for position, _ in pending}
+    writer = AnswerWriter(Path(cfg.output_file), len(outputs))
+    try:
+        for position, output in enumerate(outputs):
+            if position not in generated:  # answered already: too long to generate
+                writer.put(position, output)
+        for start, rollout in generate_requests(model.engine, lambda: next(requests, None), longest_prompt=longest):
+            for row, (position, _) in enumerate(pending[start:start + cfg.batch_size]):
+                tokens = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
+                outputs[position]["response"] = response_text(model, tokens)
+                writer.put(position, outputs[position])
+    except KeyboardInterrupt:  # a signal (aligner.runtime.stopping): run_main says which and exits 128 + it
+        if _is_rank_zero():
+            written = writer.written()
+            print(f"{written} of {len(outputs)} answers written to {cfg.output_file} (in input order; the other "
+                  f"{len(outputs) - written} were not)", file=sys.stderr, flush=True)
+        raise
+    finally:
+        writer.close()
     return len(outputs)
 
 
@@ -348,6 +423,8 @@ def run_chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
     from aligner.runtime import distributed
 
     cfg.validate()
+    if cfg.prompts_file and rank_and_world_from_env()[0] == 0:  # rank 0 writes it; found before the model loads
+        require_writable_output(cfg)
     with contextlib.ExitStack() as stack:
         model = load_chat_model(cfg, stack)
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +153,22 @@ class GPTConfig:
         if self.llama3_rope_scaling_factor is not None and self.position_embedding_type != "rope":
             raise ConfigError("model.llama3_rope_scaling_factor needs model.position_embedding_type=rope")
         self._validate_moe(tensor_parallel_size, expert_parallel_size)
+
+    def check_sequence_lengths(self, lengths: Sequence[tuple[int, str]], limit_key: str) -> None:
+        """Refuse rows longer than the model has positions: `lengths` holds (tokens, the settings that make
+        them, e.g. "data.max_seq_length=512"); limit_key names where max_position_embeddings was set.
+
+        The limit is max_position_embeddings whatever the position embedding, as the reward and critic
+        servers and chat take it. Learned absolute positions (GPT-2) have that many rows in their table: a
+        longer row fails with an IndexError deep in the forward pass. RoPE computes any position, but
+        max_position_embeddings is the context the model was trained for (an HF import keeps HF's, which
+        counts any RoPE scaling): past it the model trains and scores silently on positions it never saw.
+        A model meant for longer rows says so in its config.
+        """
+        for tokens, setting in lengths:
+            if tokens > self.max_position_embeddings:
+                raise ConfigError(f"{setting} is above {limit_key}={self.max_position_embeddings}: the model was not "
+                                  "trained on longer rows; lower the setting or start from a model with more positions")
 
     def _validate_moe(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         if not self.is_moe:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -260,6 +260,7 @@ class TrainingModel:
 
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
+                         sequence_lengths: Sequence[tuple[int, str]],
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
                          model_overrides: Optional[dict] = None,
                          init_from_key: str = "model.init_from",
@@ -269,6 +270,8 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     chunk_builder builds one model chunk (GPT policy by default, a reward model for RM training);
     skip_prefixes names parameters that `init_from` does not provide (a fresh reward head);
     model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO);
+    sequence_lengths: the longest rows the run feeds the model, (tokens, the settings that make them), refused
+    here above the model's positions before anything is built (`RunConfig.sequence_lengths`);
     init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages;
     peft: LoRA adapters on the `init_from` weights, which stay frozen (checkpoints then hold the adapters only,
     so a resumed run loads the base from `init_from` again);
@@ -304,15 +307,18 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
         raise checkpointing.CheckpointError(f"{init_from_key}={init_from} holds no {checkpointing.TOKENIZER_DIR}/ "
                                             "directory; set tokenizer.path to the tokenizer to use")
     loaded_tokenizer = Tokenizer(tokenizer_dir)
-    data_parallel_size = distributed.initialize(parallel)
-    params_dtype = distributed.resolve_precision(precision)
     if init_from:
         model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
+        positions_key = f"{Path(init_from) / checkpointing.META_FILE}'s model.max_position_embeddings"
     else:
         model_cfg = GPTConfig.from_dict(model.architecture.to_dict())
         model_cfg.vocab_size = model_cfg.vocab_size or loaded_tokenizer.vocab_size
+        positions_key = "model.architecture.max_position_embeddings"
     if model_overrides:
         model_cfg = dataclasses.replace(model_cfg, **model_overrides)
+    model_cfg.check_sequence_lengths(sequence_lengths, positions_key)
+    data_parallel_size = distributed.initialize(parallel)
+    params_dtype = distributed.resolve_precision(precision)
     if loaded_tokenizer.vocab_size > model_cfg.vocab_size:
         raise checkpointing.CheckpointError(
             f"tokenizer {tokenizer_dir} has {loaded_tokenizer.vocab_size} tokens but the model's vocabulary is "
@@ -439,6 +445,11 @@ class DataSection:
     chat_template: bool = True
 
     @property
+    def sequence_length(self) -> tuple[int, str]:
+        """(positions, the setting that makes them) of the longest row the model sees (`RunConfig.sequence_lengths`)."""
+        return self.max_seq_length, f"data.max_seq_length={self.max_seq_length}"
+
+    @property
     def longest_row(self) -> tuple[int, str]:
         """(tokens, what they are) of the longest padded row a collated batch can have."""
         multiple = distributed.pad_multiple(self.pad_to_multiple_of)
@@ -461,3 +472,9 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def sequence_lengths(self) -> list[tuple[int, str]]:
+        """The longest rows this run feeds its model, each (tokens, the settings that make them), which
+        `build_training_model` refuses above the model's positions. The data section's rows by default;
+        algorithms that generate override it (prompt + new tokens)."""
+        return [self.data.sequence_length]

@@ -18,9 +18,10 @@ from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
+from aligner.models.gpt import GPTConfig
 from servers.critic import CriticServerConfig
 
-from ..conftest import REPO_ROOT, free_port_block, write_jsonl
+from ..conftest import REPO_ROOT, free_port_block, write_jsonl, write_model_meta
 
 SFT_REQUIRED = ["data.train=[{path: x.jsonl}]"]
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -99,6 +100,8 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     hf_model = root / "hf_model"  # an HF model directory given where a checkpoint belongs
     shutil.copytree(tokenizer_dir, hf_model)
     (hf_model / "config.json").write_text('{"model_type": "llama"}')
+    short = write_model_meta(root / "short", GPTConfig.gpt2(max_position_embeddings=128, vocab_size=32),
+                             tokenizer_dir)  # GPT-2's 128 learned positions (tests/unit/test_sequence_lengths.py)
     sft = ["data.train=[{path: x.jsonl}]", f"logging.log_dir={root / 'logs'}"]
     return [
         ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
@@ -112,6 +115,9 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
         ("HF dir as init_from", [*sft, f"model.init_from={hf_model}"],
          f"error: model.init_from={hf_model} is a Hugging Face model directory, not an aligner checkpoint: convert it "
          f"first with `python -m aligner.hf import --hf-dir {hf_model} --output CHECKPOINT_DIR`"),
+        ("positions", [*sft, f"model.init_from={short}", "data.max_seq_length=512"],
+         f"error: data.max_seq_length=512 (511 positions, the last token a label) is above "
+         f"{short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
         ("log_dir", [sft[0], f"logging.log_dir={a_file / 'logs'}", "model.init_from=/nonexistent"],
          f"error: logging.log_dir={a_file / 'logs'} is not writable"),
     ]
