@@ -345,7 +345,7 @@ def test_spin_refuses_a_conversation_that_does_not_end_with_the_reply(tmp_path, 
 
     only_reply = {"conversations": [{"from": "gpt", "value": "hi"}]}
     for record, message in (({"messages": PROMPTS[2]}, "'messages' ends with a user turn"),
-                            (only_reply, "'conversations' holds only the assistant's reply")):
+                            (only_reply, r"'conversations' opens with an assistant turn \(conversations\[0\]\)")):
         with pytest.raises(DataError, match=f"sft.jsonl:1: {message}"):
             load_demonstrations(write_jsonl(tmp_path / "sft.jsonl", [record]), tokenizers["smollm2"], 512)
 

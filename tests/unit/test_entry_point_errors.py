@@ -190,7 +190,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                              root / "tok"], f"error: {malformed / 'data.jsonl'}:2: invalid JSON"),
         ("annotate", [python, DATA / "steerlm" / "annotate.py", "--input", root / "missing.jsonl", "--output",
                       root / "out.jsonl", "--attributes", "correctness"],
-         f"error: {root / 'missing.jsonl'}:0: cannot open"),
+         f"error: {root / 'missing.jsonl'}: cannot open"),
         ("evaluate", [python, "-m", "aligner.demo.evaluate", "--checkpoint", root / "nope", "--prompts",
                       write_jsonl(root / "prompts.jsonl", [{"prompt": "1+1="}])],
          f"error: {root / 'nope'} is not an aligner"),
