@@ -356,3 +356,15 @@ def test_demo_preference_and_attribute_files_load_and_round_trip(tmp_path):
         assert tokenizer.decode(item["tokens"].tolist()) == record["text"]
         assert item["labels"].tolist() == [float(record["label"]["correctness"])]
         assert item["label_mask"].tolist() == [1.0]
+
+
+def test_a_server_request_with_a_lone_surrogate_is_a_row_error_naming_the_field(tmp_path, chat_tokenizers):
+    """A JSON request may escape a lone surrogate; the row is refused (a ValueError the server answers for
+    that row) naming the field, instead of the tokenizer's TypeError."""
+    from aligner.data.reward import RewardTokenLayout, request_sample_tokens
+
+    layout = RewardTokenLayout(chat_tokenizers["smollm2"])
+    payload = json.dumps({"prompt": [{"role": "user", "content": "hi \ud800"}], "response": "x"}).encode()
+    assert b"\\ud800" in payload
+    with pytest.raises(DataError, match=r"^field 'prompt\[0\]\.content' holds text that cannot be encoded as UTF-8"):
+        request_sample_tokens(payload, layout)
