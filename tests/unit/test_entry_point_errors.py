@@ -92,6 +92,10 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     a_file.write_text("not a directory")
     bad_yaml = root / "bad.yaml"
     bad_yaml.write_text("trainer:\n  max_steps: [1,\n")
+    dict_for_list = root / "dict_for_list.yaml"  # data.train is a list of entries
+    dict_for_list.write_text("data:\n  train:\n    path: x.jsonl\n")
+    unset_variable = root / "unset_variable.yaml"
+    unset_variable.write_text("data:\n  train:\n    - path: ${oc.env:ALIGNER_TEST_UNSET_VARIABLE}\n")
     bad_tokenizer = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer", "tokenizer.json")
     bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
     checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
@@ -100,6 +104,10 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     return [
         ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
         ("yaml", [*sft, "--config", bad_yaml], f"error: {bad_yaml}:3: invalid YAML"),
+        ("config type", [sft[1], "--config", dict_for_list],
+         f"error: {dict_for_list}:2: key 'data.train' is a mapping (key: value); expected a list"),
+        ("config variable", [sft[1], "--config", unset_variable],
+         f"error: {unset_variable}:3: key 'data.train[0].path': "),
         ("init_from", [*sft, "model.init_from=/nonexistent"], "error: model.init_from=/nonexistent does not exist"),
         ("tokenizer.json", [*sft, f"tokenizer.path={bad_tokenizer}"], f"error: {bad_tokenizer / 'tokenizer.json'}:"),
         ("tokenizer_config.json", [*sft, f"tokenizer.path={bad_tokenizer_config}"],
