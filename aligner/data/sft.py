@@ -65,8 +65,12 @@ def conversation_key(record: dict) -> Optional[str]:
     return next((key for key in CONVERSATION_KEYS if key in record), None)
 
 
-def parse_conversation(record: dict, path: str | Path, line: int) -> Messages:
-    """Validate a {"system", "conversations"} or {"messages"} record into role/content messages."""
+def parse_conversation(record: dict, path: str | Path, line: int, ends_with_reply: bool = True) -> Messages:
+    """Validate a {"system", "conversations"} or {"messages"} record into role/content messages.
+
+    ends_with_reply: refuse turns after the last assistant turn (training; annotation scores the
+    last reply of a conversation whatever follows it).
+    """
     key = conversation_key(record)
     if key is None:
         raise _no_known_layout(record, path, line)
@@ -74,7 +78,7 @@ def parse_conversation(record: dict, path: str | Path, line: int) -> Messages:
     if not any(message["role"] == "assistant" for message in messages):
         raise DataError(f"{path}:{line}: {key!r} has no assistant turn; there is nothing to train on")
     require_user_first(messages, key, path, line)
-    if messages[-1]["role"] != "assistant":
+    if ends_with_reply and messages[-1]["role"] != "assistant":
         # As a record without an assistant turn is refused: the turns after the last reply have
         # no loss, so such a record is most likely cut short or mis-exported.
         raise DataError(f"{path}:{line}: {key!r} ends with a {messages[-1]['role']} turn; an SFT conversation "
@@ -92,7 +96,7 @@ def prompt_and_answer(record: dict, path: str | Path, line: int) -> tuple[Prompt
         if "input" not in record and "output" not in record:
             raise _no_known_layout(record, path, line)
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
-    messages = parse_conversation(record, path, line)
+    messages = parse_conversation(record, path, line, ends_with_reply=False)
     last = max(index for index, message in enumerate(messages) if message["role"] == "assistant")
     prompt = messages[:last]
     if not prompt or prompt[-1]["role"] == "assistant":
