@@ -282,7 +282,7 @@ def _shape_problem(annotation: Any, value: Any, parts: list) -> Optional[tuple[l
             if found is not None:
                 return found
         return None
-    if annotation is not Any and isinstance(value, (dict, list)):
+    if annotation not in (Any, object) and isinstance(value, (dict, list)):
         expected = getattr(annotation, "__name__", str(annotation))
         return parts, f"is {_kind(value)}; expected a single value ({expected})"
     return None
