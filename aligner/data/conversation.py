@@ -3,8 +3,8 @@
 A prompt is a string, or a list of {"role", "content"} messages (system, user and assistant turns,
 "from"/"value" and the roles human/gpt accepted as in NeMo-Aligner's SFT files; a user turn comes
 before the first assistant turn, and the last turn is not the assistant's; content is text or
-OpenAI's list of text parts). An answer is a string, an assistant message, or a one-message list holding
-it (TRL's conversational layout).
+OpenAI's list of text parts). An answer is a string, an assistant message, or a one-message list
+holding it (TRL's conversational layout).
 
 `ChatEncoder` lays them out the same way for every algorithm, so a pair, a rollout and an SFT
 example of the same conversation are the same tokens:
