@@ -8,7 +8,10 @@ by `load_config` for every entry point, before anything is built.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, Type, TypeVar
 
@@ -127,9 +130,10 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
         from_file = OmegaConf.load(yaml_path)
         notes = (apply_renamed_keys(from_file, renames, str(yaml_path))
                  + drop_retired_keys(from_file, retired, str(yaml_path)))
+        _check_shapes(schema, from_file, lambda key: _in_file(yaml_path, key))
         merged = OmegaConf.merge(base, from_file)
     except OmegaConfBaseException as error:
-        raise ConfigError(f"{yaml_path}: {_describe(error)}") from None
+        raise ConfigError(f"{_in_file(yaml_path, getattr(error, 'full_key', None))}{_describe(error)}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{yaml_path}:{_yaml_problem(error)}") from None
     bad = [item for item in overrides if "=" not in item or item.startswith("=")]
@@ -141,18 +145,160 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
         except yaml.YAMLError as error:
             raise ConfigError(f"command-line override {item!r}: the value is not valid YAML "
                               f"({getattr(error, 'problem', None) or error})") from None
+    on_command_line = "command-line override: "
     try:
         from_command_line = OmegaConf.from_dotlist(list(overrides))
         notes += apply_renamed_keys(from_command_line, renames, "the command line")
         notes += drop_retired_keys(from_command_line, retired, "the command line")
+        _check_shapes(schema, from_command_line, lambda key: on_command_line)
         merged = OmegaConf.merge(merged, from_command_line)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{on_command_line}{_describe(error)}") from None
+    try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
-        raise ConfigError(f"command-line override: {_describe(error)}") from None
+        # Interpolations and missing values are resolved here, whichever source set them.
+        key = getattr(error, "full_key", None)
+        where = on_command_line if _set_by(from_command_line, key) else _in_file(yaml_path, key)
+        raise ConfigError(f"{where}{_describe(error)}") from None
     check_values(config)
     for note in notes:
         print(note, file=sys.stderr)
     return config
+
+
+# ----------------------------------------------------------------------------- where a bad value is
+def _key_parts(key: str) -> list[str | int]:
+    """omegaconf's full key "data.train[0].path" -> ["data", "train", 0, "path"]."""
+    return [int(part[1:-1]) if part.startswith("[") else part for part in re.findall(r"\[\d+\]|[^.\[\]]+", key)]
+
+
+def _dotted(parts: Sequence[str | int]) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts).lstrip(".")
+
+
+def _in_file(yaml_path: Path, key: Optional[str]) -> str:
+    """`path:line: ` of the line that sets a dotted key in a yaml file, or `path: ` where no line does."""
+    line = _yaml_line(yaml_path, _key_parts(key)) if key else None
+    return f"{yaml_path}:{line}: " if line else f"{yaml_path}: "
+
+
+def _yaml_line(yaml_path: Path, parts: Sequence[str | int]) -> Optional[int]:
+    """The 1-based line of a key (or list item) in a yaml file, from the parser's node marks."""
+    try:
+        node = yaml.compose(yaml_path.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return None
+    line = None
+    for part in parts:
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            entry = next(((key, value) for key, value in node.value if getattr(key, "value", None) == part), None)
+            if entry is None:
+                return None
+            line, node = entry[0].start_mark.line + 1, entry[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return None
+    return line
+
+
+def _set_by(node, key: Optional[str]) -> bool:
+    """Whether an omegaconf node (the command-line overrides) sets a dotted key, or a list that holds it
+    (a list is replaced whole, not merged)."""
+    if not key:
+        return False
+    value = OmegaConf.to_container(node, resolve=False)
+    for part in _key_parts(key):
+        if isinstance(value, list):
+            return True
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def _check_shapes(schema: type, node, where) -> None:
+    """Refuse a mapping where the schema has a list (or a list, a mapping or a value where another of
+    these belongs) before omegaconf's merge, which names no key for them. where(key) is the
+    message's prefix: the file and line, or the command line."""
+    found = _shape_problem(schema, OmegaConf.to_container(node, resolve=False), [])
+    if found is not None:
+        parts, problem = found
+        key = _dotted(parts)
+        raise ConfigError(f"{where(key)}key {key!r}{'' if problem.startswith('is ') else ':'} {problem}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping (key: value)"
+    if isinstance(value, list):
+        return "a list"
+    return f"the value {value!r}"
+
+
+def _shape_problem(annotation: Any, value: Any, parts: list) -> Optional[tuple[list, str]]:
+    """(key parts, what is wrong) of the first value of a yaml tree (plain dicts and lists) whose kind
+    (mapping, list, single value) is not the one its schema annotation asks for; None if all fit.
+    Values, types within a kind, unknown keys and interpolations are left to omegaconf."""
+    if value is None or (isinstance(value, str) and (value == "???" or "${" in value)):
+        return None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [member for member in typing.get_args(annotation) if member is not type(None)]
+        return _shape_problem(members[0], value, parts) if len(members) == 1 else None
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            names = [spec.name for spec in dataclasses.fields(annotation)]
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            return parts, f"is {_kind(value)}; expected a section of keys ({shown})"
+        try:
+            hints = typing.get_type_hints(annotation)
+        except (NameError, TypeError):  # an annotation that cannot be evaluated here: omegaconf checks it
+            return None
+        for name, item in value.items():
+            if name in hints and name in {spec.name for spec in dataclasses.fields(annotation)}:
+                found = _shape_problem(hints[name], item, parts + [name])
+                if found is not None:
+                    return found
+        return None
+    container = typing.get_origin(annotation) or annotation
+    arguments = typing.get_args(annotation)
+    if container in (list, tuple):
+        if not isinstance(value, list):
+            return parts, f"is {_kind(value)}; expected a list (- item lines, or [a, b])"
+        element = arguments[0] if arguments else Any
+        for index, item in enumerate(value):
+            found = _shape_problem(element, item, parts + [index]) or _entry_problem(element, item, parts + [index])
+            if found is not None:
+                return found
+        return None
+    if container is dict:
+        if not isinstance(value, dict):
+            return parts, f"is {_kind(value)}; expected a mapping (key: value lines)"
+        element = arguments[1] if len(arguments) == 2 else Any
+        for name, item in value.items():
+            found = _shape_problem(element, item, parts + [str(name)])
+            if found is not None:
+                return found
+        return None
+    if annotation not in (Any, object) and isinstance(value, (dict, list)):
+        expected = getattr(annotation, "__name__", str(annotation))
+        return parts, f"is {_kind(value)}; expected a single value ({expected})"
+    return None
+
+
+def _entry_problem(annotation: Any, value: Any, parts: list) -> Optional[tuple[list, str]]:
+    """omegaconf's complaint about one list entry of a section type (e.g. a data.train entry), with the
+    entry's full key: merged inside the list, its errors name only the field ('weight')."""
+    if not dataclasses.is_dataclass(annotation) or not isinstance(value, dict):
+        return None
+    try:
+        OmegaConf.merge(OmegaConf.structured(annotation), value)
+    except OmegaConfBaseException as error:
+        field = getattr(error, "full_key", None)
+        return parts + (_key_parts(field) if field else []), str(error).splitlines()[0]
+    return None
 
 
 def check_values(node: Any, prefix: str = "") -> None:

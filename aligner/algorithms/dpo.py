@@ -307,8 +307,9 @@ def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     def read_dataset(entry: DatasetEntry, tokenizer) -> PreferenceDataset:
         dataset = PreferenceDataset.from_jsonl(entry.path, tokenizer, cfg.data.max_seq_length,
                                                use_template=cfg.data.chat_template)
-        get_logger().info(f"{entry.path}: {dataset.stats.kept} pairs ({dataset.stats.dropped_too_long} dropped: "
-                          f"longer than {cfg.data.max_seq_length} tokens)")
+        stats = dataset.stats
+        get_logger().info(f"{entry.path}: {stats.kept} pairs ({stats.dropped_too_long} dropped: longer than "
+                          f"{cfg.data.max_seq_length} tokens; {stats.dropped_identical} dropped: chosen == rejected)")
         return dataset
 
     trainer, built, train_set, total_steps = build_with_reference(

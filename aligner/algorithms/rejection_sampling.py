@@ -322,6 +322,8 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
                               "its meta); use another checkpoint.save_dir or checkpoint.resume=false")
         first_iteration = done["iterations_done"]
         trainer.checkpoint_meta[META_KEY] = done
+    if prompts.skipped_note:
+        trainer.metrics.write(f"warning: {prompts.skipped_note}")
     trainer.metrics.write(
         f"{cfg.name}: {rs.num_iterations} iterations of {rs.prompts_per_iteration} prompts x {rs.samples_per_prompt} "
         f"samples, keep {rs.keep}{'' if rs.min_score is None else f' (score >= {rs.min_score})'}, "

@@ -1404,6 +1404,9 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
                       metrics=policy.metrics, ema=ema, teacher=teacher)
     if resume is not None:
         trainer.resume_from(resume)
+    for prompt_set in (prompts, validation):
+        if prompt_set is not None and prompt_set.skipped_note:
+            policy.metrics.write(f"warning: {prompt_set.skipped_note}")
     rollout = cfg.rollout
     policy.metrics.write(
         f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "

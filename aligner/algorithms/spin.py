@@ -150,12 +150,8 @@ def demonstration(record: dict, path: str, line: int):
     if key is None:
         raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response', 'conversations' "
                         f"or 'messages' (keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
-    messages = parse_conversation(record, path, line)  # the SFT reader's turns, system message included
-    if messages[-1]["role"] != "assistant":
-        raise DataError(f"{path}:{line}: {key!r} ends with a {messages[-1]['role']} turn; SPIN's demonstration is "
-                        "the last turn, which must be the assistant's reply")
-    if len(messages) == 1:
-        raise DataError(f"{path}:{line}: {key!r} holds only the assistant's reply; it needs a turn to reply to")
+    # The SFT reader's turns, system message included: they open with a user turn and end with the reply.
+    messages = parse_conversation(record, path, line)
     return messages[:-1], messages[-1]["content"]
 
 
@@ -177,7 +173,7 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
         if len(prompt_tokens) + len(answer_tokens) <= max_seq_length:
             demonstrations.append((prompt_tokens, answer_tokens))
     if not demonstrations:
-        raise DataError(f"{path}:0: no usable demonstrations (none fits max_seq_length={max_seq_length})")
+        raise DataError(f"{path}: no usable demonstrations (none fits max_seq_length={max_seq_length})")
     return demonstrations
 
 

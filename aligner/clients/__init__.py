@@ -6,6 +6,7 @@ readiness waits that end within their timeout, and PyTriton's exceptions turned 
   ServerUnavailableError  nobody answers at host:port, or the model is not ready, within the timeout
   ServerError             the server answered with an error (a rejected request, a failure while running)
   RequestTimeoutError     the server accepted the request but did not answer within timeout_s
+  RequestError            the request cannot be sent as given (e.g. text UTF-8 cannot encode); names the field
 
 All derive from ClientError. The clients are `aligner.clients.reward.RewardClient` and
 `aligner.clients.critic.CriticClient`; the wire protocol they share with the servers is
@@ -39,6 +40,20 @@ class ServerError(ClientError):
 
 class RequestTimeoutError(ClientError, TimeoutError):
     pass
+
+
+class RequestError(ClientError, ValueError):
+    pass
+
+
+def utf8_bytes(text: str, field: str) -> bytes:
+    """`text` as the UTF-8 bytes a request carries; a RequestError naming the request field if UTF-8
+    cannot encode it (a lone surrogate such as "\\ud800", which Python strings and JSON allow)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{field} holds text that cannot be encoded as UTF-8 (a lone surrogate such as \\ud800); "
+                           "send valid Unicode text") from None
 
 
 def server_message(text: str) -> str:

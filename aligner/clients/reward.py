@@ -21,10 +21,12 @@ import numpy as np
 from aligner.clients import (
     ClientError,
     ModelServerClient,
+    RequestError,
     RequestTimeoutError,
     ServerError,
     ServerUnavailableError,
     rejected_rows_message,
+    utf8_bytes,
 )
 from aligner.clients.protocol import (
     CONVERSATIONS,
@@ -38,7 +40,8 @@ from aligner.clients.protocol import (
     right_padded,
 )
 
-__all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "ClientError"]
+__all__ = ["RewardClient", "RewardServerError", "ServerUnavailableError", "RequestTimeoutError", "RequestError",
+           "ClientError"]
 
 class RewardServerError(ServerError):
     """The reward server rejected a request (the message says which sequence and why) or failed on it."""
@@ -78,7 +81,8 @@ class RewardClient(ModelServerClient):
             raise TypeError("infer_text_async takes a list of texts, not one string")
         if not texts:
             raise ValueError("infer_text_async needs at least one text")
-        sentences = np.array([[text.encode("utf-8")] for text in texts], dtype=object)  # [B, 1]
+        sentences = np.array([[utf8_bytes(text, f"texts[{row}]")] for row, text in enumerate(texts)],
+                             dtype=object)  # [B, 1]
         return self.infer_tensors_async({SENTENCES: sentences})
 
     def infer_text(self, texts: Sequence[str]) -> np.ndarray:
@@ -96,8 +100,12 @@ class RewardClient(ModelServerClient):
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"infer_conversations_async needs as many responses as prompts (at least one); "
                              f"got {len(prompts)} prompts and {len(responses)} responses")
-        rows = [[json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False).encode("utf-8")]
-                for prompt, response in zip(prompts, responses)]
+        rows = []
+        for row, (prompt, response) in enumerate(zip(prompts, responses)):
+            # Each side on its own first, so that an error names the field that holds the bad text.
+            utf8_bytes(json.dumps(prompt, ensure_ascii=False), f"prompts[{row}]")
+            utf8_bytes(json.dumps(response, ensure_ascii=False), f"responses[{row}]")
+            rows.append([json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False).encode("utf-8")])
         return self.infer_tensors_async({CONVERSATIONS: np.array(rows, dtype=object)})  # [B, 1]
 
     def infer_conversations(self, prompts: Sequence[Union[str, list]],

@@ -1,9 +1,10 @@
 """Prompts and answers as every data file gives them, and the one way they become tokens.
 
 A prompt is a string, or a list of {"role", "content"} messages (system, user and assistant turns,
-"from"/"value" and the roles human/gpt accepted as in NeMo-Aligner's SFT files; the last turn is
-not the assistant's). An answer is a string, an assistant message, or a one-message list holding
-it (TRL's conversational layout).
+"from"/"value" and the roles human/gpt accepted as in NeMo-Aligner's SFT files; a user turn comes
+before the first assistant turn, and the last turn is not the assistant's; content is text or
+OpenAI's list of text parts). An answer is a string, an assistant message, or a one-message list
+holding it (TRL's conversational layout).
 
 `ChatEncoder` lays them out the same way for every algorithm, so a pair, a rollout and an SFT
 example of the same conversation are the same tokens:
@@ -36,7 +37,13 @@ Messages = list  # of {"role": ..., "content": ...}
 
 
 def parse_messages(value: Any, what: str, path: str | Path, line: int) -> Messages:
-    """Validate a list of turns into {"role", "content"} messages with canonical roles."""
+    """Validate a list of turns into {"role", "content"} messages with canonical roles.
+
+    A turn's content is text, or OpenAI's list of content parts, of which only text parts
+    ({"type": "text", "text": ...}) are accepted, joined. User and assistant turns need non-blank
+    text; a system turn may be empty (that is how a conversation drops a template's default system
+    prompt, e.g. SmolLM2's).
+    """
     if not isinstance(value, list) or not value:
         raise DataError(f"{path}:{line}: {what} is {'an empty list' if value == [] else 'a ' + type(value).__name__}; "
                         "expected a non-empty list of {\"role\", \"content\"} messages")
@@ -48,6 +55,8 @@ def parse_messages(value: Any, what: str, path: str | Path, line: int) -> Messag
         role_key = "role" if "role" in turn else "from"
         content_key = "content" if "content" in turn else "value"
         role_name, content = turn.get(role_key), turn.get(content_key)
+        if isinstance(content, list):
+            content = _text_of_parts(content, f"{where}.{content_key}", path, line)
         if not isinstance(role_name, str) or not isinstance(content, str):
             raise DataError(f"{path}:{line}: {where} needs string 'role' (or 'from') and 'content' (or 'value'); "
                             f"keys present: {', '.join(sorted(map(repr, turn))) or 'none'}")
@@ -55,8 +64,33 @@ def parse_messages(value: Any, what: str, path: str | Path, line: int) -> Messag
         if role is None:
             raise DataError(f"{path}:{line}: {where} has unknown role {role_name!r}; "
                             "expected system, user/human or assistant/gpt")
+        if role != "system" and not content.strip():
+            raise DataError(f"{path}:{line}: {where} is a{'n' if role == 'assistant' else ''} {role} turn with empty "
+                            "content; expected non-empty text (only a system turn may be empty)")
         messages.append({"role": role, "content": content})
     return messages
+
+
+def _text_of_parts(parts: list, where: str, path: str | Path, line: int) -> str:
+    """The text of an OpenAI-style content-part list. Chat templates that take part lists print the
+    text parts back to back; templates that take only strings would print the list itself, so the
+    parts are joined here, as those templates would render them."""
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            found = f"a {kind!r} part" if isinstance(kind, str) else f"a {type(part).__name__}"
+            raise DataError(f"{path}:{line}: {where}[{index}] is {found}; expected text parts "
+                            '{"type": "text", "text": ...} only (images, audio and files are not supported)')
+    return "".join(part["text"] for part in parts)
+
+
+def require_user_first(messages: Messages, what: str, path: str | Path, line: int) -> None:
+    """Refuse a conversation whose first turn after any system turns is the assistant's: it has no
+    question to answer (and a chat template would render nothing before it)."""
+    first = next((index for index, message in enumerate(messages) if message["role"] != "system"), None)
+    if first is not None and messages[first]["role"] == "assistant":
+        raise DataError(f"{path}:{line}: {what!r} opens with an assistant turn ({what}[{first}]); a "
+                        "conversation opens with a user turn (after any system turns), which the assistant answers")
 
 
 def parse_prompt(record: dict, key: str, path: str | Path, line: int) -> Prompt:
@@ -71,6 +105,7 @@ def parse_prompt(record: dict, key: str, path: str | Path, line: int) -> Prompt:
         if messages[-1]["role"] == "assistant":
             raise DataError(f"{path}:{line}: {key!r} ends with an assistant turn; a prompt ends with the turn "
                             "the answer replies to (put the reply under the answer's key)")
+        require_user_first(messages, key, path, line)
         return messages
     raise DataError(f"{path}:{line}: key {key!r} is a {type(value).__name__}; "
                     "expected text or a list of {\"role\", \"content\"} messages")
@@ -90,8 +125,6 @@ def parse_answer(record: dict, key: str, path: str | Path, line: int) -> str:
         if len(messages) != 1 or messages[0]["role"] != "assistant":
             raise DataError(f"{path}:{line}: {key!r} holds {len(messages)} message(s) "
                             f"({', '.join(m['role'] for m in messages)}); expected one assistant message")
-        if not messages[0]["content"].strip():
-            raise DataError(f"{path}:{line}: {key!r} is an assistant message with empty content")
         return messages[0]["content"]
     raise DataError(f"{path}:{line}: key {key!r} is a {type(value).__name__}; "
                     "expected text or an assistant message {\"role\": \"assistant\", \"content\": ...}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from aligner.runtime.errors import UserError
 
@@ -25,38 +25,78 @@ def _where(path: str | Path, line: int) -> str:
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """Yield (1-based line number, record) for each non-blank line of a JSONL file.
 
-    A file that cannot be opened is reported at line 0 (the file as a whole).
+    Lines are decoded one by one, so bytes that are not UTF-8 are reported on their own line. A
+    string that UTF-8 cannot encode (a lone surrogate: "\\ud800" is valid JSON) is refused here,
+    naming its field, before a tokenizer fails on it far from the file.
     """
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except OSError as error:
         raise DataError(
-            f"{_where(path, 0)}cannot open data file ({error.strerror}); "
+            f"{path}: cannot open data file ({error.strerror}); "
             "expected a readable JSONL file with one JSON object per line"
         ) from error
-    line_number = 0
     with handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{_where(path, line_number)}not valid UTF-8 ({error.reason} at byte {error.start + 1} of the "
+                    "line); expected UTF-8 encoded JSONL"
+                ) from None
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"{_where(path, line_number)}invalid JSON ({error.msg} at column {error.colno}); "
+                    "expected one JSON object per line"
+                ) from None
+            if not isinstance(record, dict):
+                raise DataError(
+                    f"{_where(path, line_number)}found a JSON {type(record).__name__}; "
+                    "expected a JSON object ({...}) per line"
+                )
+            if "\\u" in text:  # a lone surrogate can only come from an escape such as \ud800
+                require_encodable(record, _where(path, line_number))
+            yield line_number, record
+
+
+def require_encodable(record: dict, where: str) -> None:
+    """Refuse a JSON object holding a string UTF-8 cannot encode (a lone surrogate), naming its field.
+
+    where: the message's prefix, e.g. "data.jsonl:3: ".
+    """
+    found = _unencodable(record, "")
+    if found is not None:
+        field, position = found
+        raise DataError(f"{where}{field} holds text that cannot be encoded as UTF-8 (a lone surrogate such as "
+                        f"\\ud800, at character {position + 1}); expected valid Unicode text")
+
+
+def _unencodable(value: Any, field: str) -> Optional[tuple[str, int]]:
+    """(which field, character index) of the first string UTF-8 cannot encode in a JSON value, or None."""
+    if isinstance(value, str):
         try:
-            for line_number, text in enumerate(handle, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as error:
-                    raise DataError(
-                        f"{_where(path, line_number)}invalid JSON ({error.msg} at column {error.colno}); "
-                        "expected one JSON object per line"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"{_where(path, line_number)}found a JSON {type(record).__name__}; "
-                        "expected a JSON object ({...}) per line"
-                    )
-                yield line_number, record
-        except UnicodeDecodeError as error:
-            raise DataError(
-                f"{_where(path, line_number + 1)}file is not valid UTF-8 ({error.reason}); expected UTF-8 encoded JSONL"
-            ) from None
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return field, error.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, int):
+            name = f"{field}[{key}]"
+        else:
+            name = f"{field}.{key}" if field else key
+            found = _unencodable(key, f"a key of {field!r}" if field else "a key")
+            if found is not None:
+                return found
+        found = _unencodable(item, name if isinstance(item, (dict, list)) else f"field {name!r}")
+        if found is not None:
+            return found
+    return None
 
 
 def read_json(path: str | Path) -> Any:

@@ -15,7 +15,11 @@ the conversation up to the end of the reply (what SFT puts loss on is the respon
 template the prompt ends with the generation prompt and a response with its end-of-turn token;
 without one (or `data.chat_template=false`) prompt = [bos] + prompt text, response = text + [eos].
 Pairs longer than max_seq_length are dropped and counted, never truncated (a cut response is a
-different response).
+different response). Pairs whose chosen and rejected responses are the same tokens are dropped and
+counted too: their margin is 0 whatever the weights, so no preference loss (DPO, IPO, RPO) has a
+gradient on them, yet each would take a slot in its batch, shrink the mean over the real pairs and
+pull the logged loss and accuracy toward a tie (only an SFT term on the chosen response could learn
+from one, and that is SFT data, not a preference).
 
 Rows are interleaved [chosen0, rejected0, chosen1, rejected1, ...] when collated, so a micro-batch
 slice of 2k rows always holds k whole pairs.
@@ -51,10 +55,11 @@ class PreferencePair:
 class PreferenceStats:
     records: int = 0
     dropped_too_long: int = 0
+    dropped_identical: int = 0  # chosen == rejected (the same tokens): no preference to learn
 
     @property
     def kept(self) -> int:
-        return self.records - self.dropped_too_long
+        return self.records - self.dropped_too_long - self.dropped_identical
 
 
 def _response_keys(record: dict, path, line: int) -> tuple[str, str]:
@@ -112,7 +117,7 @@ class PreferenceDataset(Dataset):
 
     def __init__(self, pairs: list[PreferencePair], source: str = "<memory>"):
         if not pairs:
-            raise DataError(f"{source}:0: no usable preference pairs")
+            raise DataError(f"{source}: no usable preference pairs")
         self.pairs = pairs
         self.source = source
         self.stats = PreferenceStats(records=len(pairs))
@@ -141,15 +146,18 @@ class PreferenceDataset(Dataset):
                 raise DataError(f"{path}:{line}: {'no' if with_rewards else ''} rewards here, but the file's "
                                 f"first record {'has' if with_rewards else 'has none'}; all records or none")
             stats.records += 1
+            if chosen == rejected:
+                stats.dropped_identical += 1
+                continue
             if len(prompt) + max(len(chosen), len(rejected)) > max_seq_length:
                 stats.dropped_too_long += 1
                 continue
             pairs.append(PreferencePair(prompt, chosen, rejected, rewards))
         if stats.records == 0:
-            raise DataError(f"{path}:0: the file holds no records; expected preference pairs in JSONL")
+            raise DataError(f"{path}: the file holds no records; expected preference pairs in JSONL")
         if not pairs:
-            raise DataError(f"{path}:0: no usable pairs: all {stats.records} are longer than "
-                            f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data")
+            raise DataError(f"{path}: no usable pairs among the {stats.records}: {stats.dropped_too_long} longer than "
+                            f"max_seq_length={max_seq_length}, {stats.dropped_identical} with chosen == rejected")
         dataset = cls(pairs, str(path))
         dataset.stats = stats
         return dataset

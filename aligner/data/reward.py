@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl, require_str
+from aligner.data.jsonl import DataError, read_jsonl, require_encodable, require_str
 from aligner.data.preference import parse_pair
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
@@ -173,7 +173,7 @@ class ComparisonDataset(Dataset):
         self.stats = RewardDataStats()
         records = list(read_jsonl(path))
         if not records:
-            raise DataError(f"{path}:0: the file holds no records; expected comparison pairs in JSONL")
+            raise DataError(f"{path}: the file holds no records; expected comparison pairs in JSONL")
         self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
         encode = RewardTokenLayout(tokenizer, append_eos, use_template)
         self.comparisons: list[Comparison] = []
@@ -186,7 +186,7 @@ class ComparisonDataset(Dataset):
             self.comparisons.append(comparison)
         if not self.comparisons:
             raise DataError(
-                f"{path}:0: no usable comparisons: all {self.stats.records} pairs have a sequence longer than "
+                f"{path}: no usable comparisons: all {self.stats.records} pairs have a sequence longer than "
                 f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
             )
 
@@ -308,6 +308,7 @@ def request_sample_tokens(payload: bytes, encode: RewardTokenLayout) -> list[int
     unknown = sorted(set(record) - set(REQUEST_KEYS))
     if unknown:
         raise DataError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected only 'prompt' and 'response'")
+    require_encodable(record, "")  # JSON may escape a lone surrogate that no tokenizer takes
     where = "request"
     try:
         prompt, response = parse_prompt(record, "prompt", where, 0), parse_answer(record, "response", where, 0)
@@ -341,7 +342,7 @@ class RegressionDataset(Dataset):
         self.stats = RewardDataStats()
         records = list(read_jsonl(path))
         if not records:
-            raise DataError(f"{path}:0: the file holds no records; expected {{\"text\", \"label\"}} or "
+            raise DataError(f"{path}: the file holds no records; expected {{\"text\", \"label\"}} or "
                             "{\"prompt\", \"response\", \"label\"} per line")
         encode = RewardTokenLayout(tokenizer, append_eos, use_template)
         self.examples: list[LabelledText] = []
@@ -357,7 +358,7 @@ class RegressionDataset(Dataset):
             self.examples.append(LabelledText(tokens, labels, label_mask))
         if not self.examples:
             raise DataError(
-                f"{path}:0: no usable examples: all {self.stats.records} texts are longer than "
+                f"{path}: no usable examples: all {self.stats.records} texts are longer than "
                 f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
             )
 

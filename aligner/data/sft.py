@@ -7,7 +7,8 @@ Three record formats are accepted, one per JSONL line (NeMo-Aligner's two and TR
   {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                 {"role": "assistant", "content": "..."}, ...]}
 Turns are parsed by `aligner.data.conversation.parse_messages` (role/content or from/value;
-system, user/human, assistant/gpt in any case); a "mask" key is accepted and ignored (the loss
+system, user/human, assistant/gpt in any case); a conversation opens with a user turn (after any
+system turns) and ends with the assistant's reply; a "mask" key is accepted and ignored (the loss
 always covers exactly the assistant turns). Tokens come from `ChatEncoder`: an input/output
 record is a one-turn conversation under the chat template, or [bos] + input, output + [eos]
 without one (or with `data.chat_template=false`).
@@ -23,7 +24,14 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from aligner.data.conversation import ChatEncoder, Messages, Prompt, parse_messages, template_errors
+from aligner.data.conversation import (
+    ChatEncoder,
+    Messages,
+    Prompt,
+    parse_messages,
+    require_user_first,
+    template_errors,
+)
 from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_str
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
@@ -57,17 +65,27 @@ def conversation_key(record: dict) -> Optional[str]:
     return next((key for key in CONVERSATION_KEYS if key in record), None)
 
 
-def parse_conversation(record: dict, path: str | Path, line: int) -> Messages:
-    """Validate a {"system", "conversations"} or {"messages"} record into role/content messages."""
+def parse_conversation(record: dict, path: str | Path, line: int, ends_with_reply: bool = True) -> Messages:
+    """Validate a {"system", "conversations"} or {"messages"} record into role/content messages.
+
+    ends_with_reply: refuse turns after the last assistant turn (training; annotation scores the
+    last reply of a conversation whatever follows it).
+    """
     key = conversation_key(record)
     if key is None:
         raise _no_known_layout(record, path, line)
     messages = parse_messages(record[key], key, path, line)
+    if not any(message["role"] == "assistant" for message in messages):
+        raise DataError(f"{path}:{line}: {key!r} has no assistant turn; there is nothing to train on")
+    require_user_first(messages, key, path, line)
+    if ends_with_reply and messages[-1]["role"] != "assistant":
+        # As a record without an assistant turn is refused: the turns after the last reply have
+        # no loss, so such a record is most likely cut short or mis-exported.
+        raise DataError(f"{path}:{line}: {key!r} ends with a {messages[-1]['role']} turn; an SFT conversation "
+                        "ends with the assistant's reply (nothing after it is trained on)")
     system = optional_str(record, "system", path, line) if key == "conversations" else ""
     if system.strip():
         messages.insert(0, {"role": "system", "content": system})
-    if not any(message["role"] == "assistant" for message in messages):
-        raise DataError(f"{path}:{line}: {key!r} has no assistant turn; there is nothing to train on")
     return messages
 
 
@@ -78,7 +96,7 @@ def prompt_and_answer(record: dict, path: str | Path, line: int) -> tuple[Prompt
         if "input" not in record and "output" not in record:
             raise _no_known_layout(record, path, line)
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
-    messages = parse_conversation(record, path, line)
+    messages = parse_conversation(record, path, line, ends_with_reply=False)
     last = max(index for index, message in enumerate(messages) if message["role"] == "assistant")
     prompt = messages[:last]
     if not prompt or prompt[-1]["role"] == "assistant":
@@ -142,7 +160,7 @@ class SFTDataset(Dataset):
             self.examples.append(example)
         if not self.examples:
             raise DataError(
-                f"{path}:0: no usable examples ({self.stats.records} records, {self.stats.dropped} dropped "
+                f"{path}: no usable examples ({self.stats.records} records, {self.stats.dropped} dropped "
                 f"because no response token fits in max_seq_length={max_seq_length})"
             )
 

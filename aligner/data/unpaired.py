@@ -77,7 +77,7 @@ class UnpairedDataset(Dataset):
 
     def __init__(self, examples: list[UnpairedExample], max_seq_length: int, source: str = "<memory>"):
         if len(examples) < 2:
-            raise DataError(f"{source}:0: KTO needs at least 2 usable examples (the KL estimate pairs each prompt "
+            raise DataError(f"{source}: KTO needs at least 2 usable examples (the KL estimate pairs each prompt "
                             f"with another example's completion), got {len(examples)}")
         self.examples, self.max_seq_length, self.source = examples, max_seq_length, source
         self.mismatched = _mismatched_indices([example.prompt for example in examples])
@@ -108,9 +108,9 @@ class UnpairedDataset(Dataset):
                 continue
             examples.append(UnpairedExample(prompt, completion, label))
         if stats.records == 0:
-            raise DataError(f"{path}:0: the file holds no records; expected {{prompt, completion, label}} lines")
+            raise DataError(f"{path}: the file holds no records; expected {{prompt, completion, label}} lines")
         if len(examples) < 2 and stats.dropped_too_long:
-            raise DataError(f"{path}:0: {len(examples)} usable examples: {stats.dropped_too_long} of {stats.records} "
+            raise DataError(f"{path}: {len(examples)} usable examples: {stats.dropped_too_long} of {stats.records} "
                             f"are longer than max_seq_length={max_seq_length}; raise it or shorten the data")
         dataset = cls(examples, max_seq_length, str(path))
         dataset.stats = UnpairedStats(stats.records, stats.dropped_too_long, dataset.stats.desirable,

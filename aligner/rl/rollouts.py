@@ -47,7 +47,8 @@ class PromptDataset:
     use_template=False), so prompt + generated answer is the SFT encoding of the conversation.
     """
 
-    def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True):
+    def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True,
+                 length_key: str = "data.max_prompt_length"):
         from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
         from aligner.data.jsonl import DataError, read_jsonl
 
@@ -55,6 +56,7 @@ class PromptDataset:
         self.prompts: list[Prompt] = []
         self.tokens: list[list[int]] = []
         self.too_long = 0
+        self.shortest_too_long: Optional[int] = None  # tokens of the shortest prompt skipped
         encoder = ChatEncoder(tokenizer, use_template)
         for line, record in read_jsonl(path):
             prompt = parse_prompt(record, "prompt", path, line)
@@ -62,12 +64,22 @@ class PromptDataset:
                 ids = encoder.prompt_tokens(prompt)
             if len(ids) > max_prompt_length:
                 self.too_long += 1  # a cut prompt would ask a different question: skip it
+                self.shortest_too_long = min(len(ids), self.shortest_too_long or len(ids))
                 continue
             self.prompts.append(prompt)
             self.tokens.append(ids)
+        # A chat template's own tokens count (SmolLM2's default system prompt alone is about 30), so a
+        # limit that fits the texts may still skip them all: say so, with the length that would fit.
+        self.skipped_note = "" if not self.too_long else (
+            f"{path}: {self.too_long} of {self.too_long + len(self.tokens)} prompts are longer than {length_key}="
+            f"{max_prompt_length} tokens as rendered (chat template included; the shortest of them has "
+            f"{self.shortest_too_long}) and are skipped")
         if not self.tokens:
-            raise DataError(f"{path}:0: no prompt fits in max_prompt_length={max_prompt_length} "
-                            f"({self.too_long} longer prompts skipped)")
+            if not self.too_long:
+                raise DataError(f"{path}: the file holds no prompts; expected {{\"prompt\": ...}} lines")
+            raise DataError(f"{path}: all {self.too_long} prompts are longer than {length_key}={max_prompt_length} "
+                            f"tokens as rendered (chat template included; the shortest has {self.shortest_too_long}): "
+                            f"raise {length_key} to at least {self.shortest_too_long}")
 
     def __len__(self) -> int:
         return len(self.tokens)

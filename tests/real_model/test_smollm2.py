@@ -166,3 +166,28 @@ def test_dpo_first_step_on_conversational_pairs_is_log_2(smollm2_checkpoint, tmp
     (first,) = metrics_rows(run_dir, "train")
     assert first["step"] == 1
     assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_default_system_prompt(smollm2_checkpoint,
+                                                                                                 tmp_path):
+    """SmolLM2's template renders its default system prompt (~30 tokens) into every prompt: the shipped
+    data.max_prompt_length leaves room for a short question, and a limit that no prompt fits is one line
+    naming the key and the shortest rendered length."""
+    from omegaconf import OmegaConf
+
+    from aligner.config import CONF_DIR
+    from aligner.data.jsonl import DataError
+    from aligner.rl.rollouts import PromptDataset
+    from aligner.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_checkpoint / "tokenizer")
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 12+7?"}, {"prompt": CONVERSATIONS[2]}])
+    for yaml_name in ("gpt_ppo_actor.yaml", "gpt_reinforce_actor.yaml"):
+        default = OmegaConf.load(CONF_DIR / yaml_name).data.max_prompt_length
+        prompts = PromptDataset(path, tokenizer, default)
+        assert len(prompts) == 2 and prompts.skipped_note == "", yaml_name
+    shortest = min(len(tokens) for tokens in prompts.tokens)
+    assert shortest > 30  # the default system prompt is in every rendering
+    with pytest.raises(DataError, match=rf"^{path}: all 2 prompts are longer than data.max_prompt_length="
+                                        rf"{shortest - 1} tokens as rendered .*at least {shortest}$"):
+        PromptDataset(path, tokenizer, shortest - 1)

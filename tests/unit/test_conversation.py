@@ -104,13 +104,36 @@ ASSISTANT = {"role": "assistant", "content": "hello"}
     ({"answer": [ASSISTANT, ASSISTANT]}, "answer", r"'answer' holds 2 message\(s\)"),
     ({"answer": ""}, "answer", "key 'answer' is empty"),
     ({"answer": {"role": "assistant", "content": " "}}, "answer",
-     "'answer' is an assistant message with empty content"),
+     r"answer\[0\] is an assistant turn with empty content"),
     ({"other": "x"}, "answer", "missing key 'answer'"),
+    # Empty turns are refused as an empty text prompt is; only a system turn may be empty.
+    ({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": " "}]}, "prompt",
+     r"prompt\[1\] is a user turn with empty content"),
+    # An assistant turn before any user turn answers nothing (a template renders nothing before it).
+    ({"prompt": [ASSISTANT, USER]}, "prompt", r"'prompt' opens with an assistant turn \(prompt\[0\]\); a "
+                                              "conversation opens with a user turn"),
+    ({"prompt": [{"role": "system", "content": "s"}, ASSISTANT, USER]}, "prompt",
+     r"opens with an assistant turn \(prompt\[1\]\)"),
+    # OpenAI content parts: text only.
+    ({"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                              {"type": "image_url", "image_url": {"url": "x.png"}}]}]}, "prompt",
+     r"prompt\[0\]\.content\[1\] is a 'image_url' part; expected text parts .*only"),
+    ({"prompt": [{"role": "user", "content": ["hi"]}]}, "prompt", r"prompt\[0\]\.content\[0\] is a str; expected"),
 ])
 def test_malformed_prompts_and_answers_name_file_line_and_key(record, key, message):
     parse = parse_prompt if key == "prompt" else parse_answer
     with pytest.raises(DataError, match=rf"^d\.jsonl:4: .*{message}"):
         parse(record, key, "d.jsonl", 4)
+
+
+def test_text_content_parts_are_joined_and_a_system_turn_may_be_empty():
+    """OpenAI's content-part lists: templates that take them print the text parts back to back."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "12+7?"}]
+    record = {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": parts}],
+              "answer": {"role": "assistant", "content": [{"type": "text", "text": "19"}]}}
+    assert parse_prompt(record, "prompt", "d.jsonl", 1) == [{"role": "system", "content": ""},
+                                                           {"role": "user", "content": "What is 12+7?"}]
+    assert parse_answer(record, "answer", "d.jsonl", 1) == "19"
 
 
 def test_answers_as_text_message_or_list_are_the_same_text():

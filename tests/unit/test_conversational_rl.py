@@ -345,7 +345,7 @@ def test_spin_refuses_a_conversation_that_does_not_end_with_the_reply(tmp_path, 
 
     only_reply = {"conversations": [{"from": "gpt", "value": "hi"}]}
     for record, message in (({"messages": PROMPTS[2]}, "'messages' ends with a user turn"),
-                            (only_reply, "'conversations' holds only the assistant's reply")):
+                            (only_reply, r"'conversations' opens with an assistant turn \(conversations\[0\]\)")):
         with pytest.raises(DataError, match=f"sft.jsonl:1: {message}"):
             load_demonstrations(write_jsonl(tmp_path / "sft.jsonl", [record]), tokenizers["smollm2"], 512)
 
@@ -455,3 +455,23 @@ def test_interactive_chat_honours_chat_template(tokenizers, chat_template):
         assert engine.prompts == [[tokenizer.bos_id] + tokenizer.encode("System: Answer briefly.\n")
                                   + tokenizer.encode("User: hello world\n") + tokenizer.encode("Assistant: ")]
 
+
+
+def test_prompts_longer_than_max_prompt_length_are_counted_and_all_skipped_is_one_line(tmp_path, tokenizers):
+    """A chat template's own tokens count (SmolLM2's default system prompt): the warning counts the skipped
+    prompts, and a file none of whose prompts fit says by how much, naming the key."""
+    tokenizer = tokenizers["smollm2"]
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": prompt} for prompt in PROMPTS])
+    lengths = sorted(len(ChatEncoder(tokenizer).prompt_tokens(prompt)) for prompt in CANONICAL)
+    prompts = PromptDataset(path, tokenizer, lengths[1])
+    assert (len(prompts), prompts.too_long) == (2, 2)
+    assert prompts.skipped_note == (f"{path}: 2 of 4 prompts are longer than data.max_prompt_length={lengths[1]} "
+                                    f"tokens as rendered (chat template included; the shortest of them has "
+                                    f"{lengths[2]}) and are skipped")
+    assert PromptDataset(path, tokenizer, lengths[-1]).skipped_note == ""
+    with pytest.raises(DataError, match=rf"^{path}: all 4 prompts are longer than data.max_prompt_length="
+                                        rf"{lengths[0] - 1} tokens as rendered \(chat template included; the shortest "
+                                        rf"has {lengths[0]}\): raise data.max_prompt_length to at least {lengths[0]}$"):
+        PromptDataset(path, tokenizer, lengths[0] - 1)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'empty.jsonl'}: the file holds no prompts"):
+        PromptDataset(write_jsonl(tmp_path / "empty.jsonl", []), tokenizer, 64)

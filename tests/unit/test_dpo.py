@@ -71,8 +71,23 @@ def test_data_errors_name_file_and_line(tmp_path, tokenizer):
     for records, message in cases:
         with pytest.raises(DataError, match=message):
             PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", records), tokenizer, 32)
-    with pytest.raises(DataError, match=r"bad.jsonl:0: no usable pairs: all 1 are longer than max_seq_length=4"):
+    with pytest.raises(DataError, match=r"bad.jsonl: no usable pairs among the 1: 1 longer than max_seq_length=4"):
         PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good]), tokenizer, 4)
+
+
+def test_pairs_whose_chosen_and_rejected_are_the_same_tokens_are_dropped_and_counted(tmp_path, tokenizer):
+    """Their margin is 0 whatever the weights: no preference loss has a gradient on them, yet they would
+    dilute their batch's mean and pull the logged loss and accuracy toward a tie."""
+    records = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+               {"prompt": "1+1=", "chosen": "2", "rejected": "2"},
+               {"prompt": "2+2=", "chosen": "4", "rejected": {"role": "assistant", "content": "4"}},
+               {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    dataset = PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, 32)
+    assert (dataset.stats.records, dataset.stats.dropped_identical, dataset.stats.kept, len(dataset)) == (4, 2, 2, 2)
+    assert all(item["chosen"].tolist() != item["rejected"].tolist() for item in dataset)
+    with pytest.raises(DataError, match=r"^\S*same.jsonl: no usable pairs among the 1: 0 longer than "
+                                        r"max_seq_length=32, 1 with chosen == rejected"):
+        PreferenceDataset.from_jsonl(write_jsonl(tmp_path / "same.jsonl", records[1:2]), tokenizer, 32)
 
 
 REJECTED_ANSWERS = {"text": "Lyon.", "message": {"role": "assistant", "content": "4, 6 and 8."},
@@ -128,7 +143,7 @@ USER, ASSISTANT = {"role": "user", "content": "1+1="}, {"role": "assistant", "co
     ({"prompt": [USER], "chosen": [USER], "rejected": "3"}, r"'chosen' holds 1 message\(s\) \(user\); expected one "
                                                             "assistant message"),
     ({"prompt": [USER], "chosen": "2", "rejected": {"role": "assistant", "content": ""}},
-     "'rejected' is an assistant message with empty content"),
+     r"rejected\[0\] is an assistant turn with empty content"),
     ({"chosen": [USER, ASSISTANT], "rejected": [{"role": "user", "content": "1+2="}, ASSISTANT]},
      "'chosen' and 'rejected' differ before their last message"),
     ({"chosen": [USER, ASSISTANT], "rejected": [USER]},

@@ -93,6 +93,10 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     a_file.write_text("not a directory")
     bad_yaml = root / "bad.yaml"
     bad_yaml.write_text("trainer:\n  max_steps: [1,\n")
+    dict_for_list = root / "dict_for_list.yaml"  # data.train is a list of entries
+    dict_for_list.write_text("data:\n  train:\n    path: x.jsonl\n")
+    unset_variable = root / "unset_variable.yaml"
+    unset_variable.write_text("data:\n  train:\n    - path: ${oc.env:ALIGNER_TEST_UNSET_VARIABLE}\n")
     bad_tokenizer = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer", "tokenizer.json")
     bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
     checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
@@ -106,6 +110,10 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     return [
         ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
         ("yaml", [*sft, "--config", bad_yaml], f"error: {bad_yaml}:3: invalid YAML"),
+        ("config type", [sft[1], "--config", dict_for_list],
+         f"error: {dict_for_list}:2: key 'data.train' is a mapping (key: value); expected a list"),
+        ("config variable", [sft[1], "--config", unset_variable],
+         f"error: {unset_variable}:3: key 'data.train[0].path': "),
         ("init_from", [*sft, "model.init_from=/nonexistent"], "error: model.init_from=/nonexistent does not exist"),
         ("tokenizer.json", [*sft, f"tokenizer.path={bad_tokenizer}"], f"error: {bad_tokenizer / 'tokenizer.json'}:"),
         ("tokenizer_config.json", [*sft, f"tokenizer.path={bad_tokenizer_config}"],
@@ -202,7 +210,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                              root / "tok"], f"error: {malformed / 'data.jsonl'}:2: invalid JSON"),
         ("annotate", [python, DATA / "steerlm" / "annotate.py", "--input", root / "missing.jsonl", "--output",
                       root / "out.jsonl", "--attributes", "correctness"],
-         f"error: {root / 'missing.jsonl'}:0: cannot open"),
+         f"error: {root / 'missing.jsonl'}: cannot open"),
         ("evaluate", [python, "-m", "aligner.demo.evaluate", "--checkpoint", root / "nope", "--prompts",
                       write_jsonl(root / "prompts.jsonl", [{"prompt": "1+1="}])],
          f"error: {root / 'nope'} is not an aligner"),

@@ -65,3 +65,22 @@ def test_clients_and_the_reward_server_spell_no_wire_name_themselves():
              ROOT / "servers/critic.py"]
     spelled = {path.name: sorted(_string_literals(path) & names) for path in files}
     assert spelled == {path.name: [] for path in files}
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda client: client.infer_text_async(["fine", "bad \ud800"]), r"texts\[1\]"),
+    (lambda client: client.infer_conversations_async(["fine", [{"role": "user", "content": "bad \udc00"}]],
+                                                     ["a", "b"]), r"prompts\[1\]"),
+    (lambda client: client.infer_conversations_async(["fine"], [{"role": "assistant", "content": "\ud800"}]),
+     r"responses\[0\]"),
+])
+def test_the_reward_client_refuses_text_utf8_cannot_encode_as_its_own_error_naming_the_field(call, field):
+    """A lone surrogate is a Python (and JSON) string but not UTF-8: refused before anything is sent, as a
+    ClientError (one line at an entry point), not a UnicodeEncodeError."""
+    from aligner.clients import ClientError
+    from aligner.clients.reward import RequestError, RewardClient
+
+    with RewardClient("127.0.0.1", 9, ready_timeout_s=0.1) as client:  # nothing listens: nothing is sent
+        with pytest.raises(RequestError, match=rf"^{field} holds text that cannot be encoded as UTF-8") as error:
+            call(client)
+    assert isinstance(error.value, ClientError)

@@ -109,12 +109,12 @@ def test_too_long_pairs_are_dropped_whole_and_counted(tmp_path, tokenizer):
     dataset = ComparisonDataset(write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, max_seq_length=5)
     assert (dataset.stats.records, dataset.stats.kept, dataset.stats.dropped_too_long) == (4, 2, 2)
     assert dataset[1]["chosen"].tolist() == [BOS] + ids("a b c") + [EOS]
-    with pytest.raises(DataError, match=r"pairs\.jsonl:0: no usable comparisons: all 4 pairs .*max_seq_length=3"):
+    with pytest.raises(DataError, match=r"pairs\.jsonl: no usable comparisons: all 4 pairs .*max_seq_length=3"):
         ComparisonDataset(tmp_path / "pairs.jsonl", tokenizer, max_seq_length=3)
 
 
 def test_empty_comparison_file_is_an_error(tmp_path, tokenizer):
-    with pytest.raises(DataError, match=r"empty\.jsonl:0: the file holds no records"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: the file holds no records"):
         ComparisonDataset(write_jsonl(tmp_path / "empty.jsonl", ["", " "]), tokenizer, 16)
 
 
@@ -205,9 +205,9 @@ def test_regression_drops_too_long_texts(tmp_path, tokenizer):
     dataset = RegressionDataset(write_jsonl(tmp_path / "labels.jsonl", records), tokenizer, 4, ATTRIBUTES)
     assert (dataset.stats.records, dataset.stats.kept, dataset.stats.dropped_too_long) == (2, 1, 1)
     assert dataset[0]["labels"].tolist() == [2.0, 0.0, 0.0]
-    with pytest.raises(DataError, match=r"labels\.jsonl:0: no usable examples"):
+    with pytest.raises(DataError, match=r"labels\.jsonl: no usable examples"):
         RegressionDataset(tmp_path / "labels.jsonl", tokenizer, 2, ATTRIBUTES)
-    with pytest.raises(DataError, match=r"empty\.jsonl:0: the file holds no records"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: the file holds no records"):
         RegressionDataset(write_jsonl(tmp_path / "empty.jsonl", [""]), tokenizer, 4, ATTRIBUTES)
 
 
@@ -356,3 +356,15 @@ def test_demo_preference_and_attribute_files_load_and_round_trip(tmp_path):
         assert tokenizer.decode(item["tokens"].tolist()) == record["text"]
         assert item["labels"].tolist() == [float(record["label"]["correctness"])]
         assert item["label_mask"].tolist() == [1.0]
+
+
+def test_a_server_request_with_a_lone_surrogate_is_a_row_error_naming_the_field(tmp_path, chat_tokenizers):
+    """A JSON request may escape a lone surrogate; the row is refused (a ValueError the server answers for
+    that row) naming the field, instead of the tokenizer's TypeError."""
+    from aligner.data.reward import RewardTokenLayout, request_sample_tokens
+
+    layout = RewardTokenLayout(chat_tokenizers["smollm2"])
+    payload = json.dumps({"prompt": [{"role": "user", "content": "hi \ud800"}], "response": "x"}).encode()
+    assert b"\\ud800" in payload
+    with pytest.raises(DataError, match=r"^field 'prompt\[0\]\.content' holds text that cannot be encoded as UTF-8"):
+        request_sample_tokens(payload, layout)

@@ -88,8 +88,26 @@ def test_read_jsonl_errors_name_file_and_line(tmp_path, bad_line, expected):
     assert expected in str(error.value) and "expected" in str(error.value)
 
 
+def test_read_jsonl_refuses_text_utf8_cannot_encode_naming_line_and_field(tmp_path):
+    """A lone surrogate is valid JSON ("\\ud800") but no tokenizer takes it: refused where it is read."""
+    lone = json.dumps({"messages": [{"role": "user", "content": "hi \ud800"}, {"role": "assistant", "content": "x"}]})
+    assert "\\ud800" in lone
+    path = write_jsonl(tmp_path / "data.jsonl", [{"a": "\U0001F600 \u00e9"}, lone])  # a valid pair, then a lone one
+    with pytest.raises(DataError, match=rf"^{path}:2: field 'messages\[0\]\.content' holds text that cannot be "
+                                        r"encoded as UTF-8 \(a lone surrogate such as \\ud800, at character 4\)"):
+        list(read_jsonl(path))
+    assert list(read_jsonl(write_jsonl(tmp_path / "ok.jsonl", [{"a": "\U0001F600"}]))) == [(1, {"a": "\U0001F600"})]
+
+
+def test_read_jsonl_names_the_line_of_bytes_that_are_not_utf8(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"".join(b'{"a": %d}\n' % index for index in range(5)) + b'{"a": "\xff"}\n{"a": 6}\n')
+    with pytest.raises(DataError, match=rf"^{path}:6: not valid UTF-8 \(invalid start byte at byte 8 of the line\)"):
+        list(read_jsonl(path))
+
+
 def test_read_jsonl_missing_file(tmp_path):
-    with pytest.raises(DataError, match=r"missing\.jsonl:0: cannot open data file"):
+    with pytest.raises(DataError, match=r"missing\.jsonl: cannot open data file"):
         list(read_jsonl(tmp_path / "missing.jsonl"))
 
 
@@ -221,6 +239,21 @@ ASSISTANT_TURN = {"from": "assistant", "value": "world"}
         ({"messages": [USER_TURN, {"role": "tool", "content": "x"}]}, r"messages\[1\] has unknown role 'tool'"),
         ({"messages": [USER_TURN]}, "'messages' has no assistant turn"),
         ({"messages": {"role": "user", "content": "x"}}, "messages is a dict; expected a non-empty list"),
+        # As an empty 'output' is: an empty turn has nothing to say (only a system turn may be empty).
+        ({"messages": [USER_TURN, {"role": "assistant", "content": " "}]},
+         r"messages\[1\] is an assistant turn with empty content"),
+        ({"conversations": [{"from": "user", "value": ""}, ASSISTANT_TURN]},
+         r"conversations\[0\] is a user turn with empty content"),
+        # Nothing after the last reply is trained on: a record cut short, refused like one with no reply.
+        ({"messages": [USER_TURN, ASSISTANT_TURN, USER_TURN]}, "'messages' ends with a user turn; an SFT "
+                                                               "conversation ends with the assistant's reply"),
+        ({"messages": [ASSISTANT_TURN, USER_TURN, ASSISTANT_TURN]},
+         r"'messages' opens with an assistant turn \(messages\[0\]\); a conversation opens with a user turn"),
+        ({"system": "be brief", "conversations": [ASSISTANT_TURN]}, "'conversations' opens with an assistant turn"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, ASSISTANT_TURN]},
+         r"messages\[0\]\.content\[0\] is a 'image' part; expected text parts"),
+        ({"messages": [{"role": "user", "content": "hello \ud800"}, ASSISTANT_TURN]},
+         r"field 'messages\[0\]\.content' holds text that cannot be encoded as UTF-8"),
     ],
 )
 def test_malformed_records_name_file_and_line(tmp_path, plain_tokenizer, record, expected):
@@ -228,6 +261,28 @@ def test_malformed_records_name_file_and_line(tmp_path, plain_tokenizer, record,
     path = write_jsonl(tmp_path / "data.jsonl", [good, "", record])
     with pytest.raises(DataError, match=rf"^{tmp_path}/data\.jsonl:3: .*{expected}"):
         SFTDataset(path, plain_tokenizer, 64)
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["plain", "chat"])
+def test_an_assistant_first_conversation_is_refused_for_the_right_reason(tmp_path, tokenizer_kind):
+    """With a chat template the rendering of the (empty) turns before it failed as 'an empty conversation'."""
+    tokenizer = make_tokenizer(tmp_path / "t", chat_template=CHAT_TEMPLATE if tokenizer_kind == "chat" else None)
+    path = write_jsonl(tmp_path / "data.jsonl", [{"messages": [ASSISTANT_TURN, USER_TURN, ASSISTANT_TURN]}])
+    with pytest.raises(DataError, match=rf"^{path}:1: 'messages' opens with an assistant turn") as error:
+        SFTDataset(path, tokenizer, 64)
+    assert "empty" not in str(error.value)
+
+
+def test_text_content_parts_give_the_tokens_of_the_joined_text(tmp_path, chat_tokenizer):
+    parts = {"role": "user", "content": [{"type": "text", "text": "how are"}, {"type": "text", "text": " you"}]}
+    plain = {"role": "user", "content": "how are you"}
+    answer_parts = {"role": "assistant", "content": [{"type": "text", "text": "fine"}]}
+    answer = {"role": "assistant", "content": "fine"}
+    with_parts = SFTDataset(write_jsonl(tmp_path / "a.jsonl", [{"messages": [parts, answer_parts]}]), chat_tokenizer,
+                            64)
+    as_text = SFTDataset(write_jsonl(tmp_path / "b.jsonl", [{"messages": [plain, answer]}]), chat_tokenizer, 64)
+    assert with_parts[0]["tokens"].tolist() == as_text[0]["tokens"].tolist()
+    assert with_parts[0]["loss_mask"].tolist() == as_text[0]["loss_mask"].tolist()
 
 
 def test_truncation_keeps_the_start_and_drops_examples_without_response(tmp_path, plain_tokenizer):
@@ -241,6 +296,10 @@ def test_truncation_keeps_the_start_and_drops_examples_without_response(tmp_path
     assert len(dataset) == 2
     assert dataset[1]["tokens"].tolist() == [BOS] + ids("how are a b c")
     assert dataset[1]["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1]
+    # A data-set-level error names the file without a line (no line is at fault).
+    path = write_jsonl(tmp_path / "long.jsonl", records[2:])
+    with pytest.raises(DataError, match=rf"^{path}: no usable examples \(1 records, 1 dropped"):
+        SFTDataset(path, plain_tokenizer, max_seq_length=6)
 
 
 # ---------------------------------------------------------------- conversational records on real chat templates

@@ -220,6 +220,8 @@ def test_the_sample_scored_for_each_record_layout():
         [{"role": "system", "content": "Be nice."}, user, reply, later[0]], "bye")
     assert annotate.record_sample({"messages": [user, reply]}, "d.jsonl", 3) == ([user], "hello")
     with pytest.raises(DataError, match="d.jsonl:4: 'messages': the last assistant turn does not follow"):
+        annotate.record_sample({"messages": [user, reply, reply]}, "d.jsonl", 4)
+    with pytest.raises(DataError, match=r"d.jsonl:4: 'messages' opens with an assistant turn \(messages\[0\]\)"):
         annotate.record_sample({"messages": [reply]}, "d.jsonl", 4)
     with pytest.raises(DataError, match="d.jsonl:5: 'conversations' has no assistant turn"):
         annotate.record_sample({"conversations": [user]}, "d.jsonl", 5)
