@@ -656,8 +656,8 @@ def _load_failure_detail(error: BaseException) -> str:
     messages = [str(cause) for cause in _causes(error) if str(cause) and not isinstance(cause, wrapper)]
     for message in messages:
         if (shape := _SHAPE_MISMATCH.search(message)) is not None:
-            loaded, expected, key = shape.groups()
-            return f"{key} has shape {loaded} in the checkpoint, {expected} in this model"
+            loaded, expected = ([int(size) for size in re.findall(r"\d+", text)] for text in shape.groups()[:2])
+            return f"{shape.group(3)} has shape {loaded} in the checkpoint, {expected} in this model"
     return (messages[0] if messages else str(error)).splitlines()[0][:500]
 
 
