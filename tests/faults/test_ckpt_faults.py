@@ -258,27 +258,23 @@ def _same_checkpoint_but_ids(first: Path, second: Path) -> bool:
 
 def test_a_second_run_on_a_live_runs_save_dir_is_refused_and_the_first_run_is_untouched(sft_data, reference,
                                                                                          tmp_path):
-    """Run A holds its save_dir (frozen by SIGSTOP just after it locked it); run B on the same save_dir is
-    refused in one line naming A, before building a model; A then finishes exactly as a solo run."""
+    """Run A trains (frozen by SIGSTOP once its model is built); run B on the same save_dir is refused in one
+    line naming A, before building a model; A then finishes exactly as a solo run."""
     reference_dir, expected = reference
     save_dir = tmp_path / "ckpt"
-    with open(tmp_path / "a.stderr", "w") as a_stderr:
-        first = subprocess.Popen(sft_command(sft_data, tmp_path), stdout=subprocess.DEVNULL, stderr=a_stderr,
-                                 cwd=REPO_ROOT, env=_env(), start_new_session=True)
+    with open(tmp_path / "a.stdout", "w") as a_stdout, open(tmp_path / "a.stderr", "w") as a_stderr:
+        first = subprocess.Popen(sft_command(sft_data, tmp_path), stdout=a_stdout, stderr=a_stderr, cwd=REPO_ROOT,
+                                 env={**_env(), "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
-        holder = None
-
-        def first_holds_the_lock() -> bool:
-            nonlocal holder
-            holder = run_lock.read_holder(save_dir)
-            return holder is not None and holder.pid == first.pid and holder.run_id is not None
-
-        assert _wait_for(first_holds_the_lock, first), (tmp_path / "a.stderr").read_text()[-3000:]
+        built = _wait_for(lambda: "parameters, layout" in (tmp_path / "a.stdout").read_text(), first)
+        assert built, (tmp_path / "a.stderr").read_text()[-3000:]
         os.kill(first.pid, signal.SIGSTOP)
         try:
             second = run_sft(sft_data, tmp_path / "b", save_dir=save_dir)
+            holder = run_lock.read_holder(save_dir)
         finally:
             os.kill(first.pid, signal.SIGCONT)
+        assert holder is not None and holder.pid == first.pid
         assert second.returncode == 2, second.stderr[-4000:]
         assert error_lines(second) == [
             f"error: checkpoint.save_dir={save_dir} is in use by run {holder.run_id} (pid {first.pid} on "
