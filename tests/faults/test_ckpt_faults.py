@@ -274,8 +274,8 @@ def test_a_second_run_on_a_live_runs_save_dir_is_refused_and_the_first_run_is_un
             holder = run_lock.read_holder(save_dir)
         finally:
             os.kill(first.pid, signal.SIGCONT)
-        assert holder is not None and holder.pid == first.pid
         assert second.returncode == 2, second.stderr[-4000:]
+        assert holder is not None and holder.pid == first.pid
         assert error_lines(second) == [
             f"error: checkpoint.save_dir={save_dir} is in use by run {holder.run_id} (pid {first.pid} on "
             f"{holder.host}, since {holder.since}): one run per save_dir; wait for that run to end (or stop it), set "
