@@ -17,6 +17,7 @@ would keep the lock after a kill -9 of the run. Each forked child closes its cop
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -132,11 +133,10 @@ def release(directory: str | os.PathLike) -> None:
     descriptor = _held.pop(str(Path(directory).resolve()), None)
     if descriptor is None:
         return
-    try:
+    with contextlib.suppress(OSError):  # else the record looks stale to the next run on this host: taken over
         os.ftruncate(descriptor, 0)
-    except OSError:  # the record then looks stale to the next run on this host, which takes it over
-        pass
-    fcntl.flock(descriptor, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):  # (a file system without flock)
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
     os.close(descriptor)
 
 
@@ -167,10 +167,8 @@ def _write(descriptor: int, holder: Holder) -> None:
 def _close_in_forked_child() -> None:
     """A forked child drops its copies of the locks (the parent keeps them) and never empties a record."""
     for descriptor in _held.values():
-        try:
+        with contextlib.suppress(OSError):
             os.close(descriptor)
-        except OSError:
-            pass
     _held.clear()
 
 
