@@ -49,8 +49,9 @@ def _kill_9(process: subprocess.Popen) -> None:
 
 
 def _dead_pid() -> int:
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(finished.stdout)
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    return finished.pid
 
 
 @pytest.fixture(autouse=True)
