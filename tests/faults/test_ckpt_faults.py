@@ -269,6 +269,8 @@ def test_a_second_run_on_a_live_runs_save_dir_is_refused_and_the_first_run_is_un
         built = _wait_for(lambda: "parameters, layout" in (tmp_path / "a.stdout").read_text(), first)
         assert built, (tmp_path / "a.stderr").read_text()[-3000:]
         os.kill(first.pid, signal.SIGSTOP)
+        in_progress = save_dir / "step_00000099.incomplete"  # stands for a save A is writing: B must not sweep it
+        in_progress.mkdir(parents=True)
         try:
             second = run_sft(sft_data, tmp_path / "b", save_dir=save_dir)
             holder = run_lock.read_holder(save_dir)
@@ -276,6 +278,7 @@ def test_a_second_run_on_a_live_runs_save_dir_is_refused_and_the_first_run_is_un
             os.kill(first.pid, signal.SIGCONT)
         assert second.returncode == 2, second.stderr[-4000:]
         assert holder is not None and holder.pid == first.pid
+        assert in_progress.is_dir()
         assert error_lines(second) == [
             f"error: checkpoint.save_dir={save_dir} is in use by run {holder.run_id} (pid {first.pid} on "
             f"{holder.host}, since {holder.since}): one run per save_dir; wait for that run to end (or stop it), set "
