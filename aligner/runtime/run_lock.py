@@ -12,7 +12,9 @@ flock belongs to the open file, which a fork shares: a forked child (megatron's 
 would keep the lock after a kill -9 of the run. Each forked child closes its copies at once
 (`os.register_at_fork`); closing a shared copy leaves the parent's lock in place.
 
-`py-filelock` is not used: it truncates the file before locking it, which would wipe a live holder's record.
+Written on fcntl rather than `filelock`: its flock lock records no holder (it keeps a pid only in its
+soft-lock fallback), and a refused run here must name the holder's host, pid, start and run id, read from
+the locked file itself, and forked children must drop their copies.
 """
 from __future__ import annotations
 
