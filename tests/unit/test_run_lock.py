@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from aligner import checkpointing
-from aligner.runtime import run_lock
+from aligner.runtime import run_lock, stopping
 
 from ..conftest import REPO_ROOT
 
@@ -24,7 +24,7 @@ from ..conftest import REPO_ROOT
 # (argv[2] seconds, then exits normally); with argv[3] == "fork" it first forks a child that sleeps on.
 _HOLDER = textwrap.dedent("""
     import os, sys, time
-    from aligner.runtime import run_lock
+    from aligner.runtime import run_lock, stopping
     run_lock.acquire(sys.argv[1])
     run_lock.record_run_id(sys.argv[1], "run-held")
     if sys.argv[3] == "fork" and os.fork() == 0:
@@ -143,3 +143,13 @@ def test_lock_wait_s_refuses_when_the_holder_outlives_it(tmp_path, monkeypatch):
             checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=print, lock_wait_s=0.3)
     finally:
         _kill_9(holder)
+
+
+def test_a_stop_that_exits_at_once_still_empties_the_record(tmp_path, monkeypatch):
+    """checkpoint.stop_grace_s passed: the process ends by os._exit (no atexit), and releases the lock first."""
+    run_lock.acquire(tmp_path)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stopping._grace_expired(signal.SIGTERM)
+    assert exits == [128 + signal.SIGTERM]
+    assert (tmp_path / run_lock.LOCK_FILE).read_text() == ""
