@@ -9,8 +9,9 @@ Training checkpoints live in `<save_dir>/step_<N>/`; a save is written to a temp
 and renamed only when complete, so a crash never leaves a half-written `step_<N>`.
 
 A training run has an id (`run_id` in the meta; a resumed run keeps the id of its checkpoint).
-`start_run` refuses a fresh run in a save_dir that already holds checkpoints, and pruning deletes
-only checkpoints that carry the run's own id, so one run never deletes or adopts another's.
+`start_run` locks the save_dir for the run (one live run per save_dir, `aligner.runtime.run_lock`) and
+refuses a fresh run in a save_dir that already holds checkpoints; pruning deletes only checkpoints that
+carry the run's own id, and a save never replaces another run's, so one run never deletes or adopts another's.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.config import OutputError, require_writable_dir
+from aligner.runtime import run_lock
 from aligner.runtime.errors import UserError
 
 META_FILE = "aligner_meta.json"
@@ -506,6 +509,16 @@ def save(
     def publish(manifest: dict) -> None:
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if final.exists():
+            # Replaced: this run's own newer checkpoint that a resume fell back from, or a damaged one whose meta
+            # is unreadable. Another run's is never deleted: under the save_dir lock it can only be there if
+            # something outside this run put it there, so this run's checkpoint is kept beside it.
+            owner = _run_id_of(final)
+            if run_id is not None and owner is not None and owner != run_id:
+                kept = final.with_name(f"{final.name}.run_{run_id}")
+                os.replace(staging, kept)
+                raise CheckpointError(f"cannot save {final}: it holds a checkpoint of another run ({owner}), which "
+                                      f"is not deleted; this run ({run_id}) saved its checkpoint as {kept}: is "
+                                      "another process writing to this checkpoint.save_dir?")
             shutil.rmtree(final)
         os.replace(staging, final)
 
@@ -536,12 +549,15 @@ def load(
     optimizer=None,
     load_rng: bool = False,
     skip_prefixes: Sequence[str] = (),
+    model_config: Optional[dict] = None,
 ) -> dict:
     """Load model (and optionally optimizer and RNG) state into the given layout; returns the meta.
 
     The files are checked against the checkpoint's manifest first (once per process and checkpoint).
     skip_prefixes: parameter names (per chunk) starting with these are not loaded and keep their
     current values, e.g. a reward head that an SFT checkpoint does not have.
+    model_config: this model's architecture (a GPTConfig dict): when the checkpoint does not fit, the
+    settings that differ from the checkpoint's are named.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -576,8 +592,13 @@ def load(
         damage = _read_failure(error)
         if damage is not None:  # a checkpoint without a manifest whose files are damaged
             raise CheckpointError(f"{checkpoint_dir} is damaged: {damage}") from error
+        differences = _architecture_differences(meta.get("model"), model_config)
+        if differences:
+            raise CheckpointError(f"{checkpoint_dir} holds a model of another architecture than this run's "
+                                  f"({differences}): give this run the settings the checkpoint was saved with, or "
+                                  "another checkpoint") from error
         missing = sorted(set(re.findall(r"KeyError\('([^']+)'", repr(error))))[:5]
-        detail = f"missing tensors {missing}" if missing else str(error).splitlines()[0][:500]
+        detail = f"missing tensors {missing}" if missing else _load_failure_detail(error)
         raise CheckpointError(
             f"{checkpoint_dir}: cannot load it into this model ({detail}); is it the right kind of checkpoint "
             f"(policy vs reward model) and architecture?"
@@ -614,6 +635,30 @@ def _read_failure(error: BaseException) -> Optional[str]:
         if isinstance(cause, (EOFError, OSError)):
             return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
     return None
+
+
+def _architecture_differences(saved: Optional[dict], wanted: Optional[dict]) -> str:
+    """'key: A in the checkpoint, B here' for each architecture setting that differs ('' if none or unknown)."""
+    if not saved or not wanted:
+        return ""
+    return "; ".join(f"{key}: {saved[key]} in the checkpoint, {wanted[key]} here"
+                     for key in sorted(set(saved) & set(wanted)) if saved[key] != wanted[key])
+
+
+# megatron's words for a tensor whose shape differs between the checkpoint and the model
+_SHAPE_MISMATCH = re.compile(r"shape mismatch for loaded \((.+?)\) and expected \((.+?)\) tensor for key (\S+)")
+
+
+def _load_failure_detail(error: BaseException) -> str:
+    """What a dist_checkpointing load failure says, from the exceptions it wraps (torch's
+    CheckpointException itself reads only 'CheckpointException ranks:dict_keys([0])')."""
+    wrapper = _torch_checkpoint_exception()
+    messages = [str(cause) for cause in _causes(error) if str(cause) and not isinstance(cause, wrapper)]
+    for message in messages:
+        if (shape := _SHAPE_MISMATCH.search(message)) is not None:
+            loaded, expected = ([int(size) for size in re.findall(r"\d+", text)] for text in shape.groups()[:2])
+            return f"{shape.group(3)} has shape {loaded} in the checkpoint, {expected} in this model"
+    return (messages[0] if messages else str(error)).splitlines()[0][:500]
 
 
 def _torch_checkpoint_exception() -> type:
@@ -708,13 +753,17 @@ class RunStart:
 
 
 def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int,
-              log: Callable[[str], None]) -> RunStart:
+              log: Callable[[str], None], lock_wait_s: float = 0.0) -> RunStart:
     """Start-up checks of a training run's checkpoint.save_dir, before the model is built (collective).
 
+    - save_dir must be writable; it is locked for this run (rank 0 holds `run_lock`'s lock until the
+      process ends): a save_dir another live run holds is refused, after waiting up to `lock_wait_s`
+      seconds for that run to end;
     - resume=false into a save_dir that holds complete checkpoints is refused (nothing is deleted);
-    - save_dir must be writable, with free space for one more checkpoint (the newest existing
-      checkpoint's size, else `estimated_bytes`);
-    - partial saves an interrupted run left behind (step_*.incomplete) are removed;
+    - there must be free space for one more checkpoint (the newest existing checkpoint's size, else
+      `estimated_bytes`);
+    - partial saves an interrupted run left behind (step_*.incomplete) are removed (under the lock: no
+      live run's);
     - with resume, the newest intact checkpoint is chosen (`latest_intact_checkpoint`) and its run id kept.
     """
     root = Path(save_dir)
@@ -728,10 +777,6 @@ def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int
                 f"and checkpoint.resume=false would mix this run with them: set "
                 f"checkpoint.resume=true to continue that run, choose another checkpoint.save_dir, or delete "
                 f"those step_* directories to start over")
-        try:
-            require_writable_dir(root, "checkpoint.save_dir")
-        except OutputError as error:
-            raise CheckpointError(str(error)) from None
         for partial in root.glob(f"step_*{_STAGING_SUFFIX}"):
             shutil.rmtree(partial, ignore_errors=True)
             log(f"removed {partial}, a partial save left by an interrupted run")
@@ -742,7 +787,61 @@ def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int
                 f"checkpoint.save_dir={root}: too little free space for a checkpoint: needs about {_size(needed)}, "
                 f"{_size(free)} free on {_mount_point(root)}")
 
-    _on_rank0(check)
-    resume_checkpoint = latest_intact_checkpoint(root, log) if resume else None
-    run_id = _on_rank0(lambda: (_run_id_of(resume_checkpoint) if resume_checkpoint else None) or uuid.uuid4().hex)
+    _lock_save_dir(root, lock_wait_s, log)
+    try:
+        _on_rank0(check)
+        resume_checkpoint = latest_intact_checkpoint(root, log) if resume else None
+        run_id = _on_rank0(lambda: (_run_id_of(resume_checkpoint) if resume_checkpoint else None) or uuid.uuid4().hex)
+        _on_rank0(lambda: run_lock.record_run_id(root, run_id))
+    except BaseException:
+        if _rank() == 0:
+            run_lock.release(root)
+        raise
     return RunStart(run_id, resume_checkpoint)
+
+
+_LOCK_POLL_S = 1.0  # while checkpoint.lock_wait_s waits: every rank meets rank 0 this often (no long collective)
+
+
+def _lock_save_dir(root: Path, wait_s: float, log: Callable[[str], None]) -> None:
+    """Rank 0 locks save_dir for this process (`run_lock`), waiting up to `wait_s` seconds for a holder to end;
+    every rank raises the same CheckpointError if it cannot."""
+    deadline = time.monotonic() + wait_s
+
+    def attempt() -> Optional[str]:
+        """None: locked; else the holder, while there is time left to wait for it."""
+        try:
+            require_writable_dir(root, "checkpoint.save_dir")
+        except OutputError as error:
+            raise CheckpointError(str(error)) from None
+        try:
+            stale = run_lock.acquire(root)
+        except run_lock.LockHeld as held:
+            if time.monotonic() < deadline:
+                return str(held.holder or "another process")
+            raise CheckpointError(_lock_held_message(root, held, wait_s)) from None
+        except OSError as error:
+            raise CheckpointError(f"checkpoint.save_dir={root}: cannot lock {run_lock.lock_file(root)} ({error})") \
+                from None
+        if stale is not None:
+            log(f"took over {run_lock.lock_file(root)} from {stale}, which ended without releasing it")
+        return None
+
+    waiting = False
+    while (holder := _on_rank0(attempt)) is not None:
+        if not waiting:
+            log(f"checkpoint.save_dir={root} is in use by {holder}: waiting up to checkpoint.lock_wait_s={wait_s:g} s "
+                "for it to end")
+            waiting = True
+        time.sleep(_LOCK_POLL_S)
+
+
+def _lock_held_message(root: Path, held: run_lock.LockHeld, wait_s: float) -> str:
+    waited = f" (still after checkpoint.lock_wait_s={wait_s:g} s)" if wait_s > 0 else ""
+    if not held.checkable:
+        return (f"checkpoint.save_dir={root} may be in use by {held.holder}{waited}: its lock file "
+                f"{held.lock_file} names a run on another host, which cannot be checked from here; if that run has "
+                f"ended, delete {held.lock_file} and start again, else choose another checkpoint.save_dir")
+    return (f"checkpoint.save_dir={root} is in use by {held.holder or 'another process'}{waited}: one run per "
+            f"save_dir; wait for that run to end (or stop it), set checkpoint.lock_wait_s to wait for it, or choose "
+            f"another checkpoint.save_dir")

@@ -83,6 +83,7 @@ class CriticTrainConfig:
 class CriticCheckpointConfig:
     save_dir: str = "results/critic/checkpoints"  # save() writes step_<N> here; a restart resumes from the newest
     keep_last: int = at_least(0, 2, "0: keep all")  # newest checkpoints kept
+    lock_wait_s: float = at_least(0.0, 0.0)  # one live critic per save_dir: seconds to wait for another to end
 
 
 @dataclass
@@ -404,7 +405,8 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed,
         model=setup.ModelSection(init_from=cfg.critic.init_from), tokenizer=setup.TokenizerConfig(), optim=cfg.optim,
-        save_dir=cfg.checkpoint.save_dir, resume=True, init_from_key="critic.init_from",
+        save_dir=cfg.checkpoint.save_dir, resume=True, lock_wait_s=cfg.checkpoint.lock_wait_s,
+        init_from_key="critic.init_from",
         sequence_lengths=(),  # the actor's rollouts: each request is checked against the positions (servers/critic.py)
         chunk_builder=lambda model_cfg, config, **kw: build_reward_model(model_cfg, config, num_attributes=1,
                                                                            head_seed=cfg.seed, train_bias=True, **kw),

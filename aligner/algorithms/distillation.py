@@ -218,7 +218,8 @@ def build_kd_trainer(cfg: KDConfig) -> Trainer:
     check_kd_config(cfg)
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        lock_wait_s=cfg.checkpoint.lock_wait_s, peft=cfg.peft,
         sequence_lengths=cfg.sequence_lengths(),
     )
     model_cfg = built.model_cfg

@@ -302,7 +302,8 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
     rs = cfg.rs
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        lock_wait_s=cfg.checkpoint.lock_wait_s, peft=cfg.peft,
         sequence_lengths=cfg.sequence_lengths(),
     )
     prompts = PromptDataset(cfg.data.prompts, built.tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)

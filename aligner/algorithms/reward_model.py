@@ -207,7 +207,8 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
-        sequence_lengths=cfg.sequence_lengths(), chunk_builder=chunk_builder, skip_prefixes=(HEAD_STATE_PREFIX,),
+        sequence_lengths=cfg.sequence_lengths(), lock_wait_s=cfg.checkpoint.lock_wait_s,
+        chunk_builder=chunk_builder, skip_prefixes=(HEAD_STATE_PREFIX,),
         peft=cfg.peft, train_whole_with_lora=(HEAD_STATE_PREFIX,),  # the fresh head trains beside the adapters
     )
     logger = get_logger()

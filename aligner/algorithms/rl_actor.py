@@ -1318,7 +1318,8 @@ class RLActor:
         from aligner import checkpointing
         from aligner.training import schedule
 
-        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True)
+        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True,
+                                  model_config=self.model_cfg.to_dict())
         changes = self.load_state_dict(meta["trainer_state"])
         self.saved = (self.step, self.critic_warmup_done)
         if self.metrics.progress is not None:
@@ -1350,7 +1351,8 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     peft = dataclasses.replace(cfg.peft, dropout=0.0) if loss.disable_dropout else cfg.peft
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, model_overrides=overrides,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        lock_wait_s=cfg.checkpoint.lock_wait_s, model_overrides=overrides,
         peft=peft, sequence_lengths=cfg.sequence_lengths(),
     )
     cfg.validate(built.data_parallel_size)

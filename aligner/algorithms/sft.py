@@ -87,7 +87,8 @@ def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     cfg.data.steerlm.validate()  # before the model is built: a typo in the format fails at once
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        lock_wait_s=cfg.checkpoint.lock_wait_s, peft=cfg.peft,
         sequence_lengths=cfg.sequence_lengths(),
     )
     logger = get_logger()

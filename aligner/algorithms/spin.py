@@ -312,7 +312,8 @@ def build_spin_run(cfg: SPINConfig) -> SPINRun:
         raise ConfigError("data.train is empty: give the SFT demonstrations as {path} entries")
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
-        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume, peft=cfg.peft,
+        optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
+        lock_wait_s=cfg.checkpoint.lock_wait_s, peft=cfg.peft,
         sequence_lengths=cfg.sequence_lengths(),
     )
     demonstrations = []

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from aligner.runtime import run_lock
 from aligner.runtime.errors import ConfigError
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -97,7 +98,7 @@ def _handler(signal_number: int, frame) -> None:
         if now - _state.received_at < DUPLICATE_WINDOW_S:
             return
         _write_line(f"{signal_name(signal_number)} again while stopping: exiting at once without a checkpoint")
-        os._exit(exit_code(signal_number))
+        _exit_now(signal_number)
     _state.signal_number, _state.received_at = signal_number, now
     if not _state.deferred:
         raise Interrupted(signal_number)
@@ -149,6 +150,13 @@ def _grace_expired(signal_number: int) -> None:
     where = f" after step {_state.last_step}" if _state.last_step is not None else ""
     _write_line(f"stopped{where} by {signal_name(signal_number)} without a checkpoint: checkpoint.stop_grace_s="
                 f"{_state.grace_s:g} s passed; resume with the same command (from the previous checkpoint)")
+    _exit_now(signal_number)
+
+
+def _exit_now(signal_number: int) -> None:
+    """Exit at once (no atexit handlers), but release the save_dir lock cleanly first: a record left behind
+    would look like a live run to a resume on another host (aligner/runtime/run_lock.py)."""
+    run_lock.release_all()
     os._exit(exit_code(signal_number))
 
 

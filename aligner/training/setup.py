@@ -261,6 +261,7 @@ class TrainingModel:
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
                          tokenizer: TokenizerConfig, optim: OptimConfig, save_dir: str, resume: bool,
                          sequence_lengths: Sequence[tuple[int, str]],
+                         lock_wait_s: float = 0.0,
                          chunk_builder: Callable = build_gpt_model, skip_prefixes: tuple = (),
                          model_overrides: Optional[dict] = None,
                          init_from_key: str = "model.init_from",
@@ -272,6 +273,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     model_overrides: GPTConfig fields replaced whatever the checkpoint says (e.g. dropout off for PPO);
     sequence_lengths: the longest rows the run feeds the model, (tokens, the settings that make them), refused
     here above the model's positions before anything is built (`RunConfig.sequence_lengths`);
+    lock_wait_s: seconds to wait for another run that holds save_dir to end (`checkpointing.start_run`);
     init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages;
     peft: LoRA adapters on the `init_from` weights, which stay frozen (checkpoints then hold the adapters only,
     so a resumed run loads the base from `init_from` again);
@@ -331,7 +333,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     stored_cfg = dataclasses.replace(model_cfg, vocab_size=padded_vocab_size(
         model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size))
     run = checkpointing.start_run(
-        save_dir, resume=resume, log=get_logger().info,  # rank 0 prints
+        save_dir, resume=resume, lock_wait_s=lock_wait_s, log=get_logger().info,  # rank 0 prints
         estimated_bytes=checkpointing.estimated_checkpoint_bytes(num_parameters(stored_cfg), params_dtype))
     latest = run.resume_checkpoint
     seeds.set_seed(seed)

@@ -45,6 +45,9 @@ class CheckpointConfig:
     keep_last: int = at_least(0, 2, "0: keep all")
     save_at_end: bool = True
     resume: bool = True  # continue from the newest checkpoint in save_dir if there is one
+    # One live run per save_dir: seconds to wait for a run that holds it to end (a Slurm requeue while the
+    # old job still stops) before refusing; 0 refuses at once
+    lock_wait_s: float = at_least(0.0, 0.0)
     # SIGTERM/SIGINT: stop at the next step boundary and save, within this many seconds of the
     # signal, else exit without the checkpoint (aligner/runtime/stopping.py)
     stop_grace_s: float = at_least(1.0, 600.0)
@@ -210,7 +213,8 @@ class Trainer:
         return self.save()
 
     def resume_from(self, checkpoint_dir: Path) -> None:
-        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True)
+        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True,
+                                  model_config=self.checkpoint_meta["model"])
         changes = self.load_state_dict(meta["trainer_state"])
         self.saved_step = self.step
         if self.metrics.progress is not None:

@@ -1,5 +1,6 @@
 """Checkpoint faults through the real SFT entry point: kill -9 (also mid-save) then resume, damaged
-shards, flipped bytes, a full or read-only save_dir, resume=false into a used save_dir.
+shards, flipped bytes, a full or read-only save_dir, resume=false into a used save_dir, a second run on a
+live run's save_dir, a resume with another architecture.
 
 Every run is a tiny SFT model (2 layers, 32 wide) on the demo's arithmetic task; a reference run
 without faults gives the losses a faulted-and-resumed run must reproduce bit for bit.
@@ -24,6 +25,7 @@ import pytest
 from aligner import checkpointing
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
+from aligner.runtime import run_lock
 
 from ..conftest import REPO_ROOT, write_jsonl
 
@@ -237,6 +239,74 @@ def test_resume_false_into_a_used_save_dir_is_refused_and_nothing_is_deleted(sft
         "continue that run, choose another checkpoint.save_dir, or delete those step_* directories to start over"]
     assert "parameters, layout" not in result.stdout  # refused before the model was built
     assert tree_digest(save_dir) == before
+
+
+def _same_checkpoint_but_ids(first: Path, second: Path) -> bool:
+    """Bit-identical files, but for what names the save itself: the run id in the meta (and so the manifest) and
+    the path and save id in torch's `.metadata` (whose tensor layout and storage records must be equal)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    own = {checkpointing.META_FILE, checkpointing.MANIFEST_FILE, ".metadata"}
+    metas = [checkpointing.read_meta(path) for path in (first, second)]
+    layouts = [FileSystemReader(str(path)).read_metadata() for path in (first, second)]
+    return ({name: digest for name, digest in tree_digest(first).items() if name not in own}
+            == {name: digest for name, digest in tree_digest(second).items() if name not in own}
+            and {**metas[0], "run_id": None} == {**metas[1], "run_id": None}
+            and all(getattr(layouts[0], part) == getattr(layouts[1], part)
+                    for part in ("state_dict_metadata", "planner_data", "storage_data")))
+
+
+def test_a_second_run_on_a_live_runs_save_dir_is_refused_and_the_first_run_is_untouched(sft_data, reference,
+                                                                                         tmp_path):
+    """Run A trains (frozen by SIGSTOP once its model is built); run B on the same save_dir is refused in one
+    line naming A, before building a model; A then finishes exactly as a solo run."""
+    reference_dir, expected = reference
+    save_dir = tmp_path / "ckpt"
+    with open(tmp_path / "a.stdout", "w") as a_stdout, open(tmp_path / "a.stderr", "w") as a_stderr:
+        first = subprocess.Popen(sft_command(sft_data, tmp_path), stdout=a_stdout, stderr=a_stderr, cwd=REPO_ROOT,
+                                 env={**_env(), "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        built = _wait_for(lambda: "parameters, layout" in (tmp_path / "a.stdout").read_text(), first)
+        assert built, (tmp_path / "a.stderr").read_text()[-3000:]
+        os.kill(first.pid, signal.SIGSTOP)
+        in_progress = save_dir / "step_00000099.incomplete"  # stands for a save A is writing: B must not sweep it
+        in_progress.mkdir(parents=True)
+        try:
+            second = run_sft(sft_data, tmp_path / "b", save_dir=save_dir)
+            holder = run_lock.read_holder(save_dir)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert second.returncode == 2, second.stderr[-4000:]
+        assert holder is not None and holder.pid == first.pid
+        assert in_progress.is_dir()
+        assert error_lines(second) == [
+            f"error: checkpoint.save_dir={save_dir} is in use by run {holder.run_id} (pid {first.pid} on "
+            f"{holder.host}, since {holder.since}): one run per save_dir; wait for that run to end (or stop it), set "
+            "checkpoint.lock_wait_s to wait for it, or choose another checkpoint.save_dir"]
+        assert "Traceback" not in second.stderr
+        assert "parameters, layout" not in second.stdout  # refused before the model was built
+        assert first.wait(timeout=120) == 0, (tmp_path / "a.stderr").read_text()[-3000:]
+    finally:
+        _kill_group(first)
+    assert dict(train_losses(tmp_path)) == expected
+    assert [step for step, _ in checkpointing.step_checkpoints(save_dir)] == [9, 12]
+    for step in (9, 12):
+        ours, solo = checkpointing.step_dir(save_dir, step), checkpointing.step_dir(reference_dir / "ckpt", step)
+        assert _same_checkpoint_but_ids(ours, solo)
+        assert checkpointing.verify(ours) is None
+        assert checkpointing.read_meta(ours)["run_id"] == holder.run_id
+    assert (save_dir / run_lock.LOCK_FILE).read_text() == ""  # released at the end
+
+
+def test_resuming_with_another_architecture_is_one_line_naming_what_differs(sft_data, reference, tmp_path):
+    reference_dir, _ = reference
+    save_dir = _copy_checkpoints(reference_dir, tmp_path)
+    result = run_sft(sft_data, tmp_path, "model.architecture.hidden_size=64")
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert error_lines(result) == [
+        f"error: {save_dir / 'step_00000012'} holds a model of another architecture than this run's (hidden_size: 32 "
+        "in the checkpoint, 64 here): give this run the settings the checkpoint was saved with, or another checkpoint"]
+    assert "Traceback" not in result.stderr
 
 
 # ----------------------------------------------------------------------------- full and read-only disks

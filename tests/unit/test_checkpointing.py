@@ -14,7 +14,7 @@ import torch
 from aligner import checkpointing
 from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-from aligner.runtime import seeds
+from aligner.runtime import run_lock, seeds
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -169,6 +169,42 @@ def test_a_real_kind_mismatch_keeps_the_kind_message(tmp_path):
         checkpointing.load(checkpoint, [build_gpt_model(wider, transformer_config(wider))])
 
 
+def test_another_architecture_is_one_line_naming_the_checkpoint_and_what_differs(tmp_path):
+    cfg, model = _model(0)
+    checkpoint = _save(tmp_path, 1, model, cfg)
+    wider = GPTConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=50,
+                           max_position_embeddings=16)
+    with pytest.raises(checkpointing.CheckpointError) as raised:
+        checkpointing.load(checkpoint, [build_gpt_model(wider, transformer_config(wider))],
+                           model_config=wider.to_dict())
+    assert str(raised.value) == (f"{checkpoint} holds a model of another architecture than this run's (hidden_size: "
+                                 "32 in the checkpoint, 64 here): give this run the settings the checkpoint was "
+                                 "saved with, or another checkpoint")
+    deeper = GPTConfig.gpt2(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=50,
+                            max_position_embeddings=16)
+    with pytest.raises(checkpointing.CheckpointError) as raised:  # without this run's settings: the tensor's shapes
+        checkpointing.load(checkpoint, [build_gpt_model(deeper, transformer_config(deeper))])
+    assert "CheckpointException" not in str(raised.value)
+    assert str(raised.value).startswith(f"{checkpoint}: cannot load it into this model (decoder.layers.")
+    assert "has shape [2, 32] in the checkpoint, [3, 32] in this model)" in str(raised.value)
+
+
+def test_a_save_never_replaces_another_runs_checkpoint(tmp_path):
+    cfg, model = _model(0)
+    theirs = _save(tmp_path, 5, model, cfg, run_id="run-a")
+    before = {path.relative_to(theirs): path.read_bytes() for path in theirs.rglob("*") if path.is_file()}
+    with pytest.raises(checkpointing.CheckpointError) as raised:
+        _save(tmp_path, 5, model, cfg, run_id="run-b")
+    kept = tmp_path / "step_00000005.run_run-b"
+    assert str(raised.value) == (f"cannot save {theirs}: it holds a checkpoint of another run (run-a), which is not "
+                                 f"deleted; this run (run-b) saved its checkpoint as {kept}: is another process "
+                                 "writing to this checkpoint.save_dir?")
+    assert {path.relative_to(theirs): path.read_bytes() for path in theirs.rglob("*") if path.is_file()} == before
+    assert checkpointing.verify(kept) is None and checkpointing.read_meta(kept)["run_id"] == "run-b"
+    assert [path for _, path in checkpointing.step_checkpoints(tmp_path)] == [theirs]
+    _save(tmp_path, 5, model, cfg, run_id="run-a")  # the run's own checkpoint of that step is replaced
+
+
 def test_files_are_split_over_ranks_by_size():
     sizes = [900, 10, 500, 500, 40, 300, 0, 7]
     for world in (1, 2, 3, 8, 11):
@@ -211,7 +247,9 @@ def test_start_run_refuses_a_used_save_dir_without_resume_and_deletes_nothing(tm
     for part in (f"checkpoint.save_dir={tmp_path}", "step_00000007", "checkpoint.resume=true",
                  "another checkpoint.save_dir", "delete"):
         assert part in message
-    assert sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*")) == before
+    after = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*"))
+    assert [path for path in after if path.name != run_lock.LOCK_FILE] == before
+    assert (tmp_path / run_lock.LOCK_FILE).read_text() == ""  # the refused run let go of the lock
 
 
 def test_start_run_keeps_the_resumed_run_id_and_gives_a_fresh_run_a_new_one(tmp_path):

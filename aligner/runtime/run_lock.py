@@ -1,0 +1,178 @@
+"""One run per directory: an exclusive lock on `<directory>/.aligner.lock`, held until the process ends.
+
+The lock is an OS file lock (`flock`) on that file, so the kernel drops it when the holder exits in any
+way, kill -9 included: a dead run never blocks the next. The file also holds a record of the holder
+(host, pid, start time, run id), which a refused run names. Some shared file systems keep flock per
+host (NFS mounted with `local_lock=flock` or `nolock`), so a run on another host gets the lock anyway;
+the record is the check left there: a record of this host whose flock could be taken (or whose process
+is gone) is stale and taken over; one of another host cannot be checked from here and is refused. A
+clean exit empties the record, so only a run that died leaves one.
+
+flock belongs to the open file, which a fork shares: a forked child (megatron's checkpoint writers)
+would keep the lock after a kill -9 of the run. Each forked child closes its copies at once
+(`os.register_at_fork`); closing a shared copy leaves the parent's lock in place.
+
+Written on fcntl rather than `filelock`: its flock lock records no holder (it keeps a pid only in its
+soft-lock fallback), and a refused run here must name the holder's host, pid, start and run id, read from
+the locked file itself, and forked children must drop their copies.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from aligner.runtime.errors import UserError
+
+LOCK_FILE = ".aligner.lock"
+# flock errors of a file system that does not lock (the record is then the only check)
+_NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+
+_held: dict[str, int] = {}  # resolved directory -> descriptor of its lock file, in this process
+
+
+@dataclass
+class Holder:
+    """A lock file's record of the process that holds (or held) it."""
+
+    host: str
+    pid: int
+    since: str  # UTC, ISO 8601
+    run_id: Optional[str] = None
+
+    def __str__(self) -> str:
+        run = f"run {self.run_id}" if self.run_id else "a run starting up"
+        return f"{run} (pid {self.pid} on {self.host}, since {self.since})"
+
+    @property
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def alive_here(self) -> bool:
+        """Whether the holder's pid runs on this host (only meaningful when `on_this_host`)."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            return True
+        return True
+
+
+class LockHeld(UserError):
+    """Another run holds the directory (`holder`: its record, None if unreadable or not written yet);
+    `checkable`: False when the holder is on another host and only its record says so."""
+
+    def __init__(self, directory: Path, holder: Optional[Holder], checkable: bool = True):
+        self.directory, self.holder, self.checkable = directory, holder, checkable
+        self.lock_file = directory / LOCK_FILE
+        super().__init__(f"{directory} is in use by {holder or 'another process'} ({self.lock_file})")
+
+
+def lock_file(directory: str | os.PathLike) -> Path:
+    return Path(directory) / LOCK_FILE
+
+
+def read_holder(directory: str | os.PathLike) -> Optional[Holder]:
+    """The record in a directory's lock file; None if there is none (or it is half-written or foreign)."""
+    try:
+        record = json.loads(lock_file(directory).read_text())
+        return Holder(str(record["host"]), int(record["pid"]), str(record["since"]), record.get("run_id"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def acquire(directory: str | os.PathLike) -> Optional[Holder]:
+    """Lock `directory` (which must exist) for this process, or raise LockHeld.
+
+    Returns the record of a dead holder that was taken over (None otherwise). Idempotent within a process.
+    """
+    directory = Path(directory)
+    key = str(directory.resolve())
+    if key in _held:
+        return None
+    descriptor = os.open(lock_file(directory), os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: a holder's record
+    try:
+        flock_held = _flock(descriptor)
+        previous = read_holder(directory)
+        if flock_held is False:
+            raise LockHeld(directory, previous)
+        if previous is not None and previous.pid != os.getpid():
+            # flock is exact between processes of one host: a record of this host is a dead run's
+            # (or, where there is no flock, one whose pid is gone). Another host cannot be checked.
+            if not previous.on_this_host:
+                raise LockHeld(directory, previous, checkable=False)
+            if flock_held is None and previous.alive_here():
+                raise LockHeld(directory, previous)
+        else:
+            previous = None
+    except BaseException:
+        os.close(descriptor)
+        raise
+    _held[key] = descriptor
+    _write(descriptor, Holder(socket.gethostname(), os.getpid(),
+                              time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+    return previous
+
+
+def record_run_id(directory: str | os.PathLike, run_id: str) -> None:
+    """Name the run in the record of a lock this process holds (known only once its checkpoint is chosen)."""
+    descriptor = _held[str(Path(directory).resolve())]
+    holder = read_holder(directory)
+    _write(descriptor, Holder(socket.gethostname(), os.getpid(), holder.since if holder else "?", run_id))
+
+
+def release(directory: str | os.PathLike) -> None:
+    """Empty the record and drop the lock (nothing if this process does not hold it)."""
+    descriptor = _held.pop(str(Path(directory).resolve()), None)
+    if descriptor is None:
+        return
+    with contextlib.suppress(OSError):  # else the record looks stale to the next run on this host: taken over
+        os.ftruncate(descriptor, 0)
+    with contextlib.suppress(OSError):  # (a file system without flock)
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
+    os.close(descriptor)
+
+
+def release_all() -> None:
+    for directory in list(_held):
+        release(directory)
+
+
+def _flock(descriptor: int) -> Optional[bool]:
+    """True: locked; False: another process holds it; None: this file system does not lock."""
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as error:
+        if error.errno in _NO_FLOCK_ERRNOS:
+            return None
+        raise
+    return True
+
+
+def _write(descriptor: int, holder: Holder) -> None:
+    text = json.dumps({"host": holder.host, "pid": holder.pid, "since": holder.since, "run_id": holder.run_id})
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, (text + "\n").encode(), 0)
+
+
+def _close_in_forked_child() -> None:
+    """A forked child drops its copies of the locks (the parent keeps them) and never empties a record."""
+    for descriptor in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
+atexit.register(release_all)
