@@ -5,10 +5,11 @@ way, kill -9 included: a dead run never blocks the next. The file also holds a r
 (host, pid, start time, run id), which a refused run names. Some shared file systems keep flock per
 host (NFS mounted with `local_lock=flock` or `nolock`), so a run on another host gets the lock anyway;
 the record is the check left there: a record of this host whose flock could be taken (or whose process
-is gone) is stale and taken over. Another host's pid cannot be checked from here, so while it holds the
-lock a daemon thread touches the file every HEARTBEAT_S seconds: a record of another host whose file has
-not been touched for STALE_AFTER_S is a dead run's (kill -9, node failure) and is taken over, a fresher
-one is refused. A clean exit empties the record, so only a run that died leaves one.
+is gone) is stale and taken over. Another host's pid cannot be checked from here, so a holder's daemon
+thread touches the file every HEARTBEAT_S seconds: a record of another host whose file has gone untouched
+for STALE_AFTER_S (by the file system's clock, so clock skew between hosts does not matter) is a dead
+run's (kill -9, node failure) and is taken over; a fresher one is refused. A clean exit empties the
+record, so only a run that died leaves one.
 
 flock belongs to the open file, which a fork shares: a forked child (megatron's checkpoint writers)
 would keep the lock after a kill -9 of the run. Each forked child closes its copies at once
