@@ -5,8 +5,11 @@ way, kill -9 included: a dead run never blocks the next. The file also holds a r
 (host, pid, start time, run id), which a refused run names. Some shared file systems keep flock per
 host (NFS mounted with `local_lock=flock` or `nolock`), so a run on another host gets the lock anyway;
 the record is the check left there: a record of this host whose flock could be taken (or whose process
-is gone) is stale and taken over; one of another host cannot be checked from here and is refused. A
-clean exit empties the record, so only a run that died leaves one.
+is gone) is stale and taken over. Another host's pid cannot be checked from here, so a holder's daemon
+thread touches the file every HEARTBEAT_S seconds: a record of another host whose file has gone untouched
+for STALE_AFTER_S (by the file system's clock, so clock skew between hosts does not matter) is a dead
+run's (kill -9, node failure) and is taken over; a fresher one is refused. A clean exit empties the
+record, so only a run that died leaves one.
 
 flock belongs to the open file, which a fork shares: a forked child (megatron's checkpoint writers)
 would keep the lock after a kill -9 of the run. Each forked child closes its copies at once
@@ -23,8 +26,11 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +42,25 @@ LOCK_FILE = ".aligner.lock"
 # flock errors of a file system that does not lock (the record is then the only check)
 _NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 
-_held: dict[str, int] = {}  # resolved directory -> descriptor of its lock file, in this process
+HEARTBEAT_S = 30.0  # how often a holder touches its lock file
+# A record of another host is a dead run's once its file has gone untouched this long. Several heartbeats, not
+# one: a loaded file server or a stalled process can delay a touch, and NFS clients cache a file's attributes
+# (mtime included) for up to 60 s by default (acregmax), so a reader may see a touch that late.
+STALE_AFTER_S = 4 * HEARTBEAT_S
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lock:
+    """A lock this process holds: its file's descriptor and the heartbeat that touches it."""
+
+    descriptor: int
+    stop: threading.Event
+    heartbeat: threading.Thread
+
+
+_held: dict[str, _Lock] = {}  # resolved directory -> its lock, in this process
 
 
 @dataclass
@@ -47,6 +71,8 @@ class Holder:
     pid: int
     since: str  # UTC, ISO 8601
     run_id: Optional[str] = None
+    # Not part of the record: for another host's, seconds since its heartbeat last touched the lock file.
+    silent_s: Optional[float] = None
 
     def __str__(self) -> str:
         run = f"run {self.run_id}" if self.run_id else "a run starting up"
@@ -68,11 +94,11 @@ class Holder:
 
 
 class LockHeld(UserError):
-    """Another run holds the directory (`holder`: its record, None if unreadable or not written yet);
-    `checkable`: False when the holder is on another host and only its record says so."""
+    """Another run holds the directory (`holder`: its record, None if unreadable or not written yet; one of
+    another host has `silent_s`)."""
 
-    def __init__(self, directory: Path, holder: Optional[Holder], checkable: bool = True):
-        self.directory, self.holder, self.checkable = directory, holder, checkable
+    def __init__(self, directory: Path, holder: Optional[Holder]):
+        self.directory, self.holder = directory, holder
         self.lock_file = directory / LOCK_FILE
         super().__init__(f"{directory} is in use by {holder or 'another process'} ({self.lock_file})")
 
@@ -90,10 +116,11 @@ def read_holder(directory: str | os.PathLike) -> Optional[Holder]:
         return None
 
 
-def acquire(directory: str | os.PathLike) -> Optional[Holder]:
+def acquire(directory: str | os.PathLike, heartbeat_s: float = HEARTBEAT_S) -> Optional[Holder]:
     """Lock `directory` (which must exist) for this process, or raise LockHeld.
 
     Returns the record of a dead holder that was taken over (None otherwise). Idempotent within a process.
+    `heartbeat_s`: how often the lock file is touched while held (shorter only in tests).
     """
     directory = Path(directory)
     key = str(directory.resolve())
@@ -107,34 +134,43 @@ def acquire(directory: str | os.PathLike) -> Optional[Holder]:
             raise LockHeld(directory, previous)
         if previous is not None and previous.pid != os.getpid():
             # flock is exact between processes of one host: a record of this host is a dead run's
-            # (or, where there is no flock, one whose pid is gone). Another host cannot be checked.
+            # (or, where there is no flock, one whose pid is gone). Another host's lives by its heartbeat.
             if not previous.on_this_host:
-                raise LockHeld(directory, previous, checkable=False)
-            if flock_held is None and previous.alive_here():
+                previous.silent_s = max(_file_system_now(directory) - os.fstat(descriptor).st_mtime, 0.0)
+                if previous.silent_s < STALE_AFTER_S:
+                    raise LockHeld(directory, previous)
+            elif flock_held is None and previous.alive_here():
                 raise LockHeld(directory, previous)
         else:
             previous = None
     except BaseException:
         os.close(descriptor)
         raise
-    _held[key] = descriptor
     _write(descriptor, Holder(socket.gethostname(), os.getpid(),
                               time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+    stop = threading.Event()
+    heartbeat = threading.Thread(target=_beat, args=(descriptor, lock_file(directory), heartbeat_s, stop),
+                                 name="aligner-lock-heartbeat", daemon=True)  # never keeps the process alive
+    _held[key] = _Lock(descriptor, stop, heartbeat)
+    heartbeat.start()
     return previous
 
 
 def record_run_id(directory: str | os.PathLike, run_id: str) -> None:
     """Name the run in the record of a lock this process holds (known only once its checkpoint is chosen)."""
-    descriptor = _held[str(Path(directory).resolve())]
+    descriptor = _held[str(Path(directory).resolve())].descriptor
     holder = read_holder(directory)
     _write(descriptor, Holder(socket.gethostname(), os.getpid(), holder.since if holder else "?", run_id))
 
 
 def release(directory: str | os.PathLike) -> None:
     """Empty the record and drop the lock (nothing if this process does not hold it)."""
-    descriptor = _held.pop(str(Path(directory).resolve()), None)
-    if descriptor is None:
+    lock = _held.pop(str(Path(directory).resolve()), None)
+    if lock is None:
         return
+    lock.stop.set()
+    lock.heartbeat.join()  # before the descriptor is closed: its number could be reused for another file
+    descriptor = lock.descriptor
     with contextlib.suppress(OSError):  # else the record looks stale to the next run on this host: taken over
         os.ftruncate(descriptor, 0)
     with contextlib.suppress(OSError):  # (a file system without flock)
@@ -160,6 +196,31 @@ def _flock(descriptor: int) -> Optional[bool]:
     return True
 
 
+def _beat(descriptor: int, path: Path, interval_s: float, stop: threading.Event) -> None:
+    """Touch the lock file every `interval_s` until `stop`. The file server stamps the time, which is what
+    another host compares with its own probe (`_file_system_now`)."""
+    failed = False
+    while not stop.wait(interval_s):
+        try:
+            os.utime(descriptor)
+        except OSError as error:
+            if not failed:  # the run goes on; say it once, not every heartbeat
+                _logger.warning(f"cannot touch {path} ({error}): while this lasts, a run on another host takes "
+                                f"this directory over once the file is {STALE_AFTER_S:g} s old")
+            failed = True
+
+
+def _file_system_now(directory: Path) -> float:
+    """Now by the file system's clock: the mtime of a file created in `directory`. Another host's heartbeat
+    was stamped by the same file server, so clock skew between the hosts does not enter the comparison."""
+    descriptor, probe = tempfile.mkstemp(prefix=f"{LOCK_FILE}.probe-", dir=directory)
+    try:
+        return os.fstat(descriptor).st_mtime
+    finally:
+        os.close(descriptor)
+        os.unlink(probe)
+
+
 def _write(descriptor: int, holder: Holder) -> None:
     text = json.dumps({"host": holder.host, "pid": holder.pid, "since": holder.since, "run_id": holder.run_id})
     os.ftruncate(descriptor, 0)
@@ -168,9 +229,9 @@ def _write(descriptor: int, holder: Holder) -> None:
 
 def _close_in_forked_child() -> None:
     """A forked child drops its copies of the locks (the parent keeps them) and never empties a record."""
-    for descriptor in _held.values():
+    for lock in _held.values():  # (the heartbeat threads are not forked)
         with contextlib.suppress(OSError):
-            os.close(descriptor)
+            os.close(lock.descriptor)
     _held.clear()
 
 

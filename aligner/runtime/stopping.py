@@ -155,7 +155,7 @@ def _grace_expired(signal_number: int) -> None:
 
 def _exit_now(signal_number: int) -> None:
     """Exit at once (no atexit handlers), but release the save_dir lock cleanly first: a record left behind
-    would look like a live run to a resume on another host (aligner/runtime/run_lock.py)."""
+    would hold off a resume on another host until its heartbeat counts as silent (aligner/runtime/run_lock.py)."""
     run_lock.release_all()
     os._exit(exit_code(signal_number))
 

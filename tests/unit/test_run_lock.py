@@ -1,15 +1,18 @@
 """One run per save_dir (aligner/runtime/run_lock.py, checkpointing.start_run): a live holder refuses a second
 run in one line, a killed one (also with a forked child still alive) or a stale record blocks nothing, a record
-of another host is refused, and checkpoint.lock_wait_s waits for the holder to end."""
+of another host is refused while its heartbeat is fresh and taken over once it is silent, and
+checkpoint.lock_wait_s waits for the holder to end."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -104,18 +107,84 @@ def test_a_stale_record_of_a_dead_pid_is_taken_over(tmp_path):
     assert run_lock.read_holder(tmp_path).pid == os.getpid()
 
 
-def test_a_record_of_another_host_is_refused_saying_it_cannot_be_checked(tmp_path):
-    other = {"host": "node-17", "pid": 4242, "since": "2026-01-01T00:00:00Z", "run_id": "elsewhere"}
-    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(other))
+_OTHER_HOST = {"host": "node-17", "pid": 4242, "since": "2026-01-01T00:00:00Z", "run_id": "elsewhere"}
+_OTHER_HOLDER = "run elsewhere (pid 4242 on node-17, since 2026-01-01T00:00:00Z)"
+
+
+def _record_of_another_host(directory: Path, heartbeat_age_s: float) -> Path:
+    """A lock file as a run on node-17 leaves it, last touched by its heartbeat `heartbeat_age_s` ago."""
+    lock_file = directory / run_lock.LOCK_FILE
+    lock_file.write_text(json.dumps(_OTHER_HOST))
+    touched = time.time() - heartbeat_age_s
+    os.utime(lock_file, (touched, touched))
+    return lock_file
+
+
+def _heartbeats() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "aligner-lock-heartbeat"]
+
+
+def test_a_record_of_another_host_with_a_fresh_heartbeat_is_refused_naming_it(tmp_path):
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=30)
     with pytest.raises(checkpointing.CheckpointError) as raised:
         checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=print)
+    message = re.fullmatch(
+        re.escape(f"checkpoint.save_dir={tmp_path} is in use by {_OTHER_HOLDER}, whose heartbeat in {lock_file} was "
+                  "last seen ") + r"(\d+)" + re.escape(
+            " s ago (a run on another host counts as ended after 120 s without one): one run per save_dir; wait for "
+            "that run to end (or stop it), set checkpoint.lock_wait_s to wait for it, or choose another "
+            "checkpoint.save_dir"), str(raised.value))
+    assert message and 30 <= int(message[1]) < 60
+    assert json.loads(lock_file.read_text()) == _OTHER_HOST  # left as it was
+    assert [path.name for path in tmp_path.iterdir()] == [run_lock.LOCK_FILE]  # no clock probe left behind
+
+
+def test_a_record_of_another_host_whose_heartbeat_is_silent_is_taken_over_naming_it(tmp_path):
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.STALE_AFTER_S + 80)
+    lines = []
+    run = checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=lines.append)
+    [line] = lines
+    taken_over = re.fullmatch(
+        re.escape(f"took over {lock_file} from {_OTHER_HOLDER}, whose heartbeat has been silent for ") + r"(\d+)"
+        + re.escape(" s (a run on another host counts as ended after 120 s)"), line)
+    assert taken_over and 200 <= int(taken_over[1]) < 230
+    mine = run_lock.read_holder(tmp_path)
+    assert (mine.host, mine.pid, mine.run_id) == (socket.gethostname(), os.getpid(), run.run_id)
+
+
+def test_the_holder_s_heartbeat_keeps_touching_the_lock_file_until_release(tmp_path):
     lock_file = tmp_path / run_lock.LOCK_FILE
-    assert str(raised.value) == (
-        f"checkpoint.save_dir={tmp_path} may be in use by run elsewhere (pid 4242 on node-17, since "
-        f"2026-01-01T00:00:00Z): its lock file {lock_file} names a run on another host, which cannot be checked "
-        f"from here; if that run has ended, delete {lock_file} and start again, else choose another "
-        "checkpoint.save_dir")
-    assert json.loads(lock_file.read_text()) == other  # left as it was
+    run_lock.acquire(tmp_path, heartbeat_s=0.05)
+    assert len(_heartbeats()) == 1
+    for _ in range(3):  # set back, and touched again by the next heartbeat
+        os.utime(lock_file, (1_000_000_000, 1_000_000_000))
+        deadline = time.monotonic() + 10
+        while lock_file.stat().st_mtime < time.time() - 60 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock_file.stat().st_mtime >= time.time() - 60
+    run_lock.release(tmp_path)
+    assert _heartbeats() == []  # stopped (and joined) by release
+    os.utime(lock_file, (1_000_000_000, 1_000_000_000))
+    time.sleep(0.2)
+    assert lock_file.stat().st_mtime == 1_000_000_000  # nothing touches a released lock
+
+
+def test_a_heartbeat_that_cannot_touch_the_file_says_so_once_and_the_run_goes_on(tmp_path, monkeypatch):
+    warnings, failures = [], []
+
+    def read_only(*args, **kwargs):
+        failures.append(args)
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(run_lock, "_logger", type("Log", (), {"warning": staticmethod(warnings.append)}))
+    run_lock.acquire(tmp_path, heartbeat_s=0.02)
+    monkeypatch.setattr(os, "utime", read_only)
+    deadline = time.monotonic() + 10
+    while len(failures) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(failures) >= 3 and len(_heartbeats()) == 1  # still beating
+    assert warnings == [f"cannot touch {tmp_path / run_lock.LOCK_FILE} ([Errno 30] Read-only file system): while this "
+                        "lasts, a run on another host takes this directory over once the file is 120 s old"]
 
 
 def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypatch):
@@ -131,6 +200,21 @@ def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypat
     assert lines[0].startswith(f"checkpoint.save_dir={tmp_path} is in use by run run-held (pid {holder.pid} on ")
     assert lines[0].endswith(": waiting up to checkpoint.lock_wait_s=60 s for it to end")
     assert len(lines) == 1  # the holder ended cleanly: nothing to take over
+    assert run_lock.read_holder(tmp_path).run_id == run.run_id
+
+
+def test_lock_wait_s_takes_over_a_record_of_another_host_once_its_heartbeat_goes_silent(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointing, "_LOCK_POLL_S", 0.1)
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.STALE_AFTER_S - 2)  # silent in 2 s
+    lines = []
+    started = time.monotonic()
+    run = checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=lines.append, lock_wait_s=60)
+    assert 1 < time.monotonic() - started < 30
+    assert lines[0] == (f"checkpoint.save_dir={tmp_path} is in use by {_OTHER_HOLDER}: waiting up to "
+                        "checkpoint.lock_wait_s=60 s for it to end")
+    assert re.fullmatch(re.escape(f"took over {lock_file} from {_OTHER_HOLDER}, whose heartbeat has been silent for ")
+                        + r"12\d s \(a run on another host counts as ended after 120 s\)", lines[1])
+    assert len(lines) == 2
     assert run_lock.read_holder(tmp_path).run_id == run.run_id
 
 
