@@ -36,11 +36,17 @@ def on_messages(value, otherwise=0.5):
 
 
 @pytest.fixture(scope="module")
-def actor(tmp_path_factory, arithmetic_tokenizer_dir):
+def tiny(tmp_path_factory, arithmetic_tokenizer_dir):
+    root = tmp_path_factory.mktemp("rewards")
+    return (root, *write_tiny_policy(root, arithmetic_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def actor(tiny):
+    """The actor, and megatron's parallel state for the module's tests."""
     from aligner.runtime import distributed
 
-    root = tmp_path_factory.mktemp("rewards")
-    policy, prompts = write_tiny_policy(root, arithmetic_tokenizer_dir)
+    root, policy, prompts = tiny
     trainer = build_rl_actor(load_config(RLActorConfig, GROUP_YAML, actor_settings(policy, prompts, root, FUNCTION)))
     yield trainer
     trainer.router.close()
@@ -110,6 +116,32 @@ def test_replace_mode_replaces_invalid_scores_counts_them_and_warns_once(actor, 
     assert warnings == [f"warning: reward function {FUNCTION} returned nan for the prompt at {actor.prompts.path}:"
                         f"{MESSAGES_LINE}: a score must be finite; replaced by reward.invalid_value=-1 "
                         "(reward.on_invalid=replace); further replacements are counted in the metrics"]
+
+
+def test_rejection_sampling_checks_its_scores_the_same_way(tiny, actor, monkeypatch):
+    from aligner.algorithms.rejection_sampling import RSConfig, build_rs_run
+
+    root, policy, prompts = tiny
+    cfg = load_config(RSConfig, CONF_DIR / "gpt_rs.yaml", [
+        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=32",
+        f"reward.function={FUNCTION}", "rs.prompts_per_iteration=4", "rs.samples_per_prompt=2",
+        "rs.generation.max_new_tokens=4", "rs.generation.batch_size=8", "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=4", f"checkpoint.save_dir={root / 'rs'}", f"logging.log_dir={root / 'rs'}",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0"])
+    monkeypatch.setitem(SCRIPT, "score", on_messages("0.5"))
+    run = build_rs_run(cfg)
+    try:
+        with pytest.raises(UserError, match=f"reward function {FUNCTION} returned '0.5' for the prompt at "
+                                            f"{prompts}:{MESSAGES_LINE}: a str is not a score"):
+            run.sample_and_score(0)
+        monkeypatch.setattr(cfg.reward, "on_invalid", "replace")
+        run.reward_source = build_reward_source(cfg.reward)
+        *_, scores, replaced = run.sample_and_score(0)
+        assert replaced == 2 and sorted(scores) == [0.0, 0.0] + [0.5] * 6
+    finally:
+        run.engine.free()
+        run.reward_source.close()
+        run.trainer.metrics.close()
 
 
 # ----------------------------------------------------------------------------- failures inside the function
