@@ -319,7 +319,7 @@ class RuleRewardSource:
                 call = self._call
                 left = _POLL_S if call is None else call.started + timeout - time.monotonic()
                 if left > 0:
-                    self._lock.wait(timeout=min(left, _POLL_S) if call is None else left)
+                    self._lock.wait(timeout=left)  # a call that starts meanwhile is seen within _POLL_S
                     continue
                 self._failure = RewardError(
                     f"{self.name} did not return within reward.timeout_s={timeout:g} s for the prompt at "

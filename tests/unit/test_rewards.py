@@ -202,6 +202,19 @@ def test_slow_calls_within_the_timeout_give_their_scores(actor, monkeypatch):
     assert [rows[position].score for position in range(8)] == [0.5] * 4 + [0.25] * 2 + [0.5] * 2
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("reward.timeout_s=0", "reward.timeout_s=0.0: must be > 0"),
+    ("reward.max_abs=inf", "reward.max_abs=inf: must be a finite number > 0"),
+    ("reward.invalid_value=nan", "reward.invalid_value=nan: must be a finite number with |invalid_value| <= max_abs"),
+    ("reward.invalid_value=-2e6", "reward.invalid_value=-2000000.0: must be a finite number"),
+    ("reward.on_invalid=skip", "reward.on_invalid='skip' is not one of error, replace"),
+])
+def test_check_settings_that_cannot_work_are_refused_when_the_config_loads(setting, message):
+    with pytest.raises(ConfigError) as raised:
+        load_config(RLActorConfig, GROUP_YAML, ["model.init_from=x", "data.prompts=p.jsonl", setting])
+    assert str(raised.value).startswith(message)
+
+
 # ----------------------------------------------------------------------------- loading the function
 @pytest.mark.parametrize("source, message", [
     ("import no_such_dependency_xyz\n", "ModuleNotFoundError: No module named 'no_such_dependency_xyz' (at {file}:1)"),
