@@ -36,11 +36,11 @@ from aligner.runtime.seeds import epoch_seed
 class PromptDataset:
     """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
 
-    prompts[i] is the prompt as the data gave it (what reward functions receive), record(i) where
-    (file:line, for messages about it), tokens[i] what
-    the policy is given (`ChatEncoder.prompt_tokens`: the chat template's rendering with the
-    generation prompt, a string being one user turn; [bos] + text without a template or with
-    use_template=False), so prompt + generated answer is the SFT encoding of the conversation.
+    prompts[i] is the prompt as the data gave it (what reward functions receive), record(i) where it
+    is ("file:line", for messages about its scores), tokens[i] what the policy is given
+    (`ChatEncoder.prompt_tokens`: the chat template's rendering with the generation prompt, a string
+    being one user turn; [bos] + text without a template or with use_template=False), so prompt +
+    generated answer is the SFT encoding of the conversation.
     """
 
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True):
