@@ -83,7 +83,7 @@ def main() -> None:
     from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
     from aligner.algorithms.sft import SFTObjective
     from aligner.config import CONF_DIR, load_config
-    from aligner.rl.rollouts import RuleRewardSource
+    from aligner.rl.rewards import RuleRewardSource
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -30,6 +30,7 @@ import torch
 
 from aligner.algorithms.rl_actor import ServerAddress
 from aligner.config import at_least, one_of
+from aligner.rl.rewards import RewardChecks
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
@@ -65,8 +66,9 @@ class RSSection:
 
 
 @dataclass
-class RSRewardSection:
-    """What scores the answers: a reward-model server or a Python function."""
+class RSRewardSection(RewardChecks):
+    """What scores the answers: a reward-model server or a Python function (and RewardChecks' checks of
+    the scores: timeout_s, max_abs, on_invalid, invalid_value)."""
 
     source: str = one_of(("server", "function"), "function")
     server: ServerAddress = field(default_factory=ServerAddress)
@@ -190,9 +192,10 @@ class RejectionSamplingRun:
         eos = self.built.tokenizer.eos_id
         return self.built.tokenizer.decode([t for t in ids if t != eos])
 
-    def sample_and_score(self, iteration: int) -> tuple[list[int], list[list[int]], list[str], list[float]]:
-        """(prompt indices, answers, their texts, scores) of this iteration, row r = prompt r // n, sample r % n; every
-        rank returns all of them (each replica generates and scores its share, then they are gathered)."""
+    def sample_and_score(self, iteration: int) -> tuple[list[int], list[list[int]], list[str], list[float], int]:
+        """(prompt indices, answers, their texts, scores, how many scores were invalid and replaced) of this
+        iteration, row r = prompt r // n, sample r % n; every rank returns all of them (each replica generates
+        and scores its share, then they are gathered)."""
         from aligner.rl.rollouts import gather_shares, generate_share
 
         n = self.cfg.rs.samples_per_prompt
@@ -203,15 +206,16 @@ class RejectionSamplingRun:
                                replica, replicas)
         mine = sorted(share)
         texts = [self.response_text(share[r]) for r in mine]  # decoded once: scored, then written to the JSONL
-        scores = []
+        scores, replaced = [], []
         if mine:
-            scores = self.reward_source.score_async(
+            checked = self.reward_source.score_async(
                 [rows[r] + share[r] for r in mine], [self.prompts.prompts[indices[r // n]] for r in mine],
-                texts).result().tolist()
-        scored = gather_shares({r: (share[r], text, score) for r, text, score in zip(mine, texts, scores)},
-                               replicas, group)
-        answers, texts, scores = zip(*(scored[r] for r in range(len(rows))))
-        return indices, list(answers), list(texts), [float(score) for score in scores]
+                texts, [self.prompts.record(indices[r // n]) for r in mine]).result()
+            scores, replaced = checked.values.tolist(), checked.replaced.tolist()
+        scored = gather_shares({r: (share[r], text, score, bad) for r, text, score, bad
+                                in zip(mine, texts, scores, replaced)}, replicas, group)
+        answers, texts, scores, replaced = zip(*(scored[r] for r in range(len(rows))))
+        return indices, list(answers), list(texts), [float(score) for score in scores], sum(replaced)
 
     def write_samples(self, iteration: int, indices, texts, scores, kept) -> Path:
         """Every sample of the iteration as JSONL (rank 0), written whole before it is renamed into place."""
@@ -248,7 +252,7 @@ class RejectionSamplingRun:
 
         cfg, trainer, rs = self.cfg, self.trainer, self.cfg.rs
         n = rs.samples_per_prompt
-        indices, answers, texts, scores = self.sample_and_score(iteration)
+        indices, answers, texts, scores, replaced = self.sample_and_score(iteration)
         eos = self.built.tokenizer.eos_id
         by_prompt = [scores[p * n:(p + 1) * n] for p in range(len(indices))]
         stopped = [[bool(answer) and answer[-1] == eos for answer in answers[p * n:(p + 1) * n]]
@@ -263,6 +267,8 @@ class RejectionSamplingRun:
                   "kept_score_mean": (sum(scores[p * n + s] for p in range(len(indices)) for s in range(n)
                                           if kept[p][s]) / len(samples)) if samples else float("nan"),
                   "stopped_fraction": sum(map(sum, stopped)) / len(scores)}
+        if cfg.reward.on_invalid == "replace":  # samples whose invalid score was replaced by reward.invalid_value
+            report["invalid_scores"] = replaced
         trainer.metrics.log(trainer.step, report, prefix="rs")
         trainer.metrics.write(f"rejection sampling iteration {iteration + 1}/{rs.num_iterations}: {len(scores)} "
                               f"samples, mean score {report['score_mean']:.4f}, best of {n} "
@@ -300,6 +306,7 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
 
     check_rs_config(cfg)
     rs = cfg.rs
+    reward_source = build_reward_source(cfg.reward)  # the RL actor's, before the model: a broken function fails fast
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
@@ -307,7 +314,6 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
         sequence_lengths=cfg.sequence_lengths(),
     )
     prompts = PromptDataset(cfg.data.prompts, built.tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)
-    reward_source = build_reward_source(cfg.reward)  # the RL actor's: a function, or a reward-model server
     most_kept = rs.prompts_per_iteration * (1 if rs.keep == "best" else rs.samples_per_prompt)
     steps_per_iteration = rs.epochs_per_iteration * math.floor(most_kept / cfg.trainer.global_batch_size)
     trainer = setup.build_trainer(cfg, built, SFTObjective(built.model_cfg.vocab_size),

@@ -52,6 +52,7 @@ from aligner.config import ConfigError, at_least, one_of
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
+from aligner.rl.rewards import RewardChecks, ScoreCheck, wait_for
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
@@ -82,9 +83,10 @@ class ServerAddress:
 
 
 @dataclass
-class RewardSection:
+class RewardSection(RewardChecks):
     # server: a reward-model server | combined: the critic server in combined mode (rewards come back with
-    # the values, one request) | function: a Python function
+    # the values, one request) | function: a Python function. The score checks (timeout_s, max_abs,
+    # on_invalid, invalid_value) are RewardChecks'.
     source: str = one_of(("server", "combined", "function"), "server")
     server: ServerAddress = field(default_factory=ServerAddress)
     function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
@@ -569,6 +571,9 @@ class RLActor:
         self.engine = engine
         self.router = router
         self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
+        critic_server = cfg.critic.server
+        self.combined_check = ScoreCheck(f"critic server {critic_server.host}:{critic_server.port} (combined mode)",
+                                         cfg.reward)
         self.critic = critic
         self.prompts = prompts
         self.validation_prompts = validation_prompts
@@ -782,7 +787,8 @@ class RLActor:
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
         given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
-        pending = []  # (micro-batch positions, reward future, values future)
+        records = [prompts.record(i) for i in indices]  # "file:line", for messages about a prompt's score
+        pending = []  # (micro-batch positions, pending scores, values future)
 
         def send_scoring(micro_indices, rollout):
             if not self.is_replica_leader:
@@ -794,7 +800,7 @@ class RLActor:
             rewards = None  # combined critic server: the rewards arrive with the values
             if self.reward_source is not None:
                 rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
-                                                         responses)
+                                                         responses, [records[i] for i in micro_indices])
             pending.append((micro_indices, rewards, values))
 
         tick = time.perf_counter()
@@ -811,16 +817,21 @@ class RLActor:
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
 
         tick = time.perf_counter()
+        critic = self.cfg.critic.server
         for micro_indices, rewards, values in pending:
-            inferred = values.result() if values is not None else None
-            scores = rewards.result() if rewards is not None else inferred.rewards
-            if scores is None:
+            inferred = wait_for(values, lambda: f"the critic server {critic.host}:{critic.port}") if (
+                values is not None) else None
+            if rewards is not None:
+                scores = rewards.result()
+            elif inferred.rewards is None:
                 raise ConfigError("reward.source=combined, but the critic server sent no rewards: start it in combined "
                                   "mode (combined.reward_model_init_from=<reward-model checkpoint>)")
+            else:
+                scores = self.combined_check(inferred.rewards.tolist(), [records[i] for i in micro_indices])
             value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
             for j, position in enumerate(micro_indices):
                 row = local[position]
-                row.score = float(scores[j])
+                row.score, row.score_replaced = float(scores.values[j]), bool(scores.replaced[j])
                 if value_rows is not None:
                     row.values = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
                                                     len(row.prompt), len(row.response))
@@ -903,18 +914,21 @@ class RLActor:
         lengths = batch.response_lengths.float()
         uniform_groups = (~advantages.informative_groups(raw_scores, k)).double().sum() if k > 1 else torch.zeros((),
                                                                                                        dtype=torch.float64)
+        replaced = torch.tensor([float(row.score_replaced) for row in batch.rows])
         sums = torch.cat([torch.stack([raw_scores, raw_scores.pow(2), kl.sum(dim=1), lengths,
                                        batch.ended_with_stop.float(), torch.ones_like(lengths),
-                                       estimated.sequence_rewards.float()], dim=1).double().sum(0),
+                                       estimated.sequence_rewards.float(), replaced], dim=1).double().sum(0),
                           uniform_groups.reshape(1)])
         dist.all_reduce(sums, group=group)
-        total, total_sq, kl_sum, length_sum, stopped, count, reward_sum, uniform = sums.tolist()
+        total, total_sq, kl_sum, length_sum, stopped, count, reward_sum, replaced_sum, uniform = sums.tolist()
         mean = total / count
         metrics = {
             "reward_mean": mean, "reward_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
             "response_length": length_sum / count, "stopped_fraction": stopped / count,
             "penalized_reward_mean": reward_sum / count,
         }
+        if cfg.reward.on_invalid == "replace":  # the step's rollouts whose invalid score was replaced
+            metrics["invalid_rewards"] = replaced_sum
         if reference_logprobs is not None:
             metrics["kl"] = kl_sum / count
         if k > 1:
@@ -1347,6 +1361,8 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     from aligner.training import setup
 
     loss = cfg.loss
+    if reward_source is None and cfg.reward.source != "combined":
+        reward_source = build_reward_source(cfg.reward)  # first: a reward function that cannot load fails in seconds
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
     peft = dataclasses.replace(cfg.peft, dropout=0.0) if loss.disable_dropout else cfg.peft
     built = setup.build_training_model(
@@ -1386,8 +1402,6 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length,
                                    cfg.data.chat_template)
     engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
-    if reward_source is None and cfg.reward.source != "combined":
-        reward_source = build_reward_source(cfg.reward)
     if critic is None and cfg.uses_critic:
         critic = build_critic_client(cfg.critic)
     ptx_loader = build_ptx_loader(cfg, tokenizer)
@@ -1501,16 +1515,17 @@ def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer
 
 
 def build_reward_source(section: RewardSection):
-    """What scores responses (source server or function; combined: the critic server sends them)."""
-    from aligner.rl.rollouts import RewardServerSource, RuleRewardSource
+    """What scores responses (source server or function; combined: the critic server sends them); the
+    section's RewardChecks check their scores."""
+    from aligner.rl.rewards import RewardServerSource, RuleRewardSource
 
     if section.source == "function":
-        return RuleRewardSource(section.function)
+        return RuleRewardSource(section.function, section)
     from aligner.clients.reward import RewardClient
 
     server = section.server
     return RewardServerSource(RewardClient(server.host, server.port, server.model_name, timeout_s=server.timeout_s,
-                                           ready_timeout_s=server.ready_timeout_s), section.attribute_index)
+                                           ready_timeout_s=server.ready_timeout_s), section.attribute_index, section)
 
 
 def build_critic_client(section: CriticSection):

@@ -15,25 +15,20 @@ Token in, token out: the prompt tokens and the engine's response ids go unchange
 model, the critic and the training batch; nothing is decoded and re-encoded on the way (a
 response's text re-encodes to other ids whenever the policy spelled a word in unusual pieces).
 
-Reward sources answer `score_async(sequences, prompts, response_texts) -> Future[[batch] float
-tensor]`: `RewardServerSource` (a reward-model or combined critic server, given the token ids) or
-`RuleRewardSource` (a Python function `fn(prompt, response_text) -> float` given the prompt as the
-data gave it, a string or a list of {"role", "content"} messages, for verifiable tasks such as the
-demo's arithmetic).
+The reward sources (a reward-model server, or a Python function `fn(prompt, response_text) -> float`
+given the prompt as the data gave it, for verifiable tasks such as the demo's arithmetic) and the
+checks of their scores are in `aligner.rl.rewards`.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from aligner.generation.engine import Rollout, SamplingParams, generate_requests
-from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import epoch_seed
 
 
@@ -41,10 +36,11 @@ from aligner.runtime.seeds import epoch_seed
 class PromptDataset:
     """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
 
-    prompts[i] is the prompt as the data gave it (what reward functions receive), tokens[i] what
-    the policy is given (`ChatEncoder.prompt_tokens`: the chat template's rendering with the
-    generation prompt, a string being one user turn; [bos] + text without a template or with
-    use_template=False), so prompt + generated answer is the SFT encoding of the conversation.
+    prompts[i] is the prompt as the data gave it (what reward functions receive), record(i) where it
+    is ("file:line", for messages about its scores), tokens[i] what the policy is given
+    (`ChatEncoder.prompt_tokens`: the chat template's rendering with the generation prompt, a string
+    being one user turn; [bos] + text without a template or with use_template=False), so prompt +
+    generated answer is the SFT encoding of the conversation.
     """
 
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True,
@@ -55,6 +51,7 @@ class PromptDataset:
         self.path = str(path)
         self.prompts: list[Prompt] = []
         self.tokens: list[list[int]] = []
+        self.lines: list[int] = []  # each prompt's line in the file
         self.too_long = 0
         self.shortest_too_long: Optional[int] = None  # tokens of the shortest prompt skipped
         encoder = ChatEncoder(tokenizer, use_template)
@@ -68,6 +65,7 @@ class PromptDataset:
                 continue
             self.prompts.append(prompt)
             self.tokens.append(ids)
+            self.lines.append(line)
         # A chat template's own tokens count (SmolLM2's default system prompt alone is about 30), so a
         # limit that fits the texts may still skip them all: say so, with the length that would fit.
         self.skipped_note = "" if not self.too_long else (
@@ -83,6 +81,10 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def record(self, index: int) -> str:
+        """Where prompt `index` is in the data: "file:line"."""
+        return f"{self.path}:{self.lines[index]}"
 
 
 class PromptOrder:
@@ -212,6 +214,7 @@ class RolloutRow:
     ended_with_stop: bool
     given_prompt: object = None  # the prompt as the data gave it (text or messages), for reward functions
     score: Optional[float] = None
+    score_replaced: bool = False  # the source's score was invalid: `score` is reward.invalid_value
     values: Optional[torch.Tensor] = None  # [len] the critic's value of each response token's state
 
 
@@ -280,63 +283,3 @@ def full_sequences(rollout: Rollout) -> list[list[int]]:
     return [list(rollout.prompt_tokens[row])
             + rollout.response_tokens[row, :int(rollout.response_lengths[row])].tolist()
             for row in range(len(rollout.prompt_tokens))]
-
-
-# ----------------------------------------------------------------------------- reward sources
-class RewardServerSource:
-    """Scores from a reward-model server (or a combined critic server's reward model), as futures."""
-
-    def __init__(self, client, attribute_index: int = 0):
-        self.client = client
-        self.attribute_index = attribute_index
-
-    def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str]) -> Future:
-        """Scores of prompt + response token ids (`sequences`); the model reads nothing else."""
-        answer: Future = Future()
-        sent = self.client.infer_async(sequences)
-
-        def settle(done: Future) -> None:
-            try:
-                answer.set_result(torch.as_tensor(done.result()[:, self.attribute_index], dtype=torch.float32))
-            except BaseException as error:  # noqa: BLE001 - the caller's future carries every failure
-                answer.set_exception(error)
-
-        sent.add_done_callback(settle)
-        return answer
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class RuleRewardSource:
-    """Scores from a Python function `fn(prompt, response_text) -> float`, named "module:function".
-
-    prompt: as the data gave it, a string or the list of {"role", "content"} messages the answer
-    replies to; response_text: the decoded response, without its stop token.
-    """
-
-    def __init__(self, function_path: str):
-        self.function = load_function(function_path)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rule-reward")
-
-    def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str]) -> Future:
-        return self._pool.submit(lambda: torch.tensor([float(self.function(p, r)) for p, r in
-                                                       zip(prompts, response_texts)], dtype=torch.float32))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
-
-def load_function(path: str) -> Callable:
-    """"package.module:function" -> the function, with an error that says what is wrong."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"reward function {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"reward function {path!r}: cannot import {module_name!r} ({error})") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
-    return function

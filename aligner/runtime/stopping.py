@@ -50,11 +50,13 @@ def exit_code(signal_number: int) -> int:
 
 
 class Interrupted(KeyboardInterrupt):
-    """A signal arrived outside a training loop (or a follower was told to stop)."""
+    """A signal arrived outside a training loop (or a follower was told to stop); `message`: the line
+    the entry point ends with."""
 
-    def __init__(self, signal_number: int):
-        super().__init__(f"interrupted by {signal_name(signal_number)}")
+    def __init__(self, signal_number: int, message: str = ""):
+        super().__init__(message or f"interrupted by {signal_name(signal_number)}")
         self.signal_number = signal_number
+        self.message = message or f"interrupted by {signal_name(signal_number)}; exiting"
 
     @property
     def exit_code(self) -> int:
@@ -65,9 +67,7 @@ class Stopped(Interrupted):
     """A training loop stopped at a step boundary on request; `message` says where and what was saved."""
 
     def __init__(self, signal_number: int, message: str):
-        super().__init__(signal_number)
-        self.message = message
-        self.args = (message,)
+        super().__init__(signal_number, message)
 
 
 @dataclass
@@ -127,6 +127,14 @@ def reset() -> None:
     if _state.watchdog is not None:
         _state.watchdog.cancel()
     _state.signal_number, _state.received_at, _state.watchdog, _state.last_step = 0, 0.0, None, None
+
+
+def abandoned(reason: str) -> Interrupted:
+    """The stop of a wait that would not reach the next step boundary in time (a reward call that does
+    not return): exit now, without a checkpoint of the step; `reason` says what was waited for."""
+    where = f" after step {_state.last_step}" if _state.last_step is not None else ""
+    return Interrupted(_state.signal_number, f"stopped{where} by {signal_name(_state.signal_number)} without a "
+                       f"checkpoint: {reason}; resume with the same command (from the previous checkpoint)")
 
 
 def _is_rank_zero() -> bool:
@@ -242,6 +250,6 @@ def exit_on_stop(stop: KeyboardInterrupt) -> None:
     if not isinstance(stop, Stopped):
         distributed.exiting_on_error()
     if _is_rank_zero():
-        _write_line(stop.message if isinstance(stop, Stopped)
+        _write_line(stop.message if isinstance(stop, Interrupted)
                     else f"interrupted by {signal_name(signal_number)}; exiting")
     raise SystemExit(exit_code(signal_number)) from None

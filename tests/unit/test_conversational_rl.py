@@ -17,7 +17,8 @@ import torch
 
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
-from aligner.rl.rollouts import PromptDataset, RuleRewardSource
+from aligner.rl.rewards import RuleRewardSource
+from aligner.rl.rollouts import PromptDataset
 
 from ..chat_tokenizers import build_chat_tokenizer
 from ..conftest import write_jsonl
@@ -174,9 +175,9 @@ class RecordingRewardSource(RuleRewardSource):
         super().__init__(f"{__name__}:recording_reward")
         self.sequences: list = []  # per call: the token ids the source was given
 
-    def score_async(self, sequences, prompts, response_texts):
+    def score_async(self, sequences, prompts, response_texts, records):
         self.sequences.append([list(sequence) for sequence in sequences])
-        return super().score_async(sequences, prompts, response_texts)
+        return super().score_async(sequences, prompts, response_texts, records)
 
 
 class RecordingCritic(NullCritic):

@@ -12,11 +12,11 @@ import torch
 
 from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
 from aligner.config import CONF_DIR, ConfigError, load_config
+from aligner.rl.rewards import load_function
 from aligner.rl.rollouts import (
     PromptOrder,
     RolloutBatch,
     RolloutRow,
-    load_function,
     micro_batch_seed,
     values_at_response,
 )

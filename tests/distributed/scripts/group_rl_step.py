@@ -11,11 +11,11 @@ import json
 import sys
 from concurrent.futures import Future
 
-import torch
 import torch.distributed as dist
 
 from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 from aligner.config import CONF_DIR, load_config
+from aligner.rl.rewards import Scores
 
 
 def ones_fraction(response_text: str) -> float:
@@ -23,9 +23,9 @@ def ones_fraction(response_text: str) -> float:
 
 
 class OnesReward:
-    def score_async(self, sequences, prompts, response_texts):
+    def score_async(self, sequences, prompts, response_texts, records):
         future: Future = Future()
-        future.set_result(torch.tensor([ones_fraction(text) for text in response_texts]))
+        future.set_result(Scores.of([ones_fraction(text) for text in response_texts]))
         return future
 
 

@@ -7,17 +7,17 @@ in process: this checks the actor's own computation (rollout, logprobs, minibatc
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
 from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
 from aligner.config import CONF_DIR, load_config
+from aligner.rl.rewards import Scores
 from tests.null_critic import NullCritic, done
 
 
 class DigitReward:
-    def score_async(self, sequences, prompts, response_texts):
-        return done(torch.tensor([float(sum(c.isdigit() for c in text)) for text in response_texts]))
+    def score_async(self, sequences, prompts, response_texts, records):
+        return done(Scores.of([float(sum(c.isdigit() for c in text)) for text in response_texts]))
 
 
 def main() -> None:
