@@ -154,8 +154,10 @@ def test_a_record_of_another_host_whose_heartbeat_is_silent_is_taken_over_naming
 
 def test_the_holder_s_heartbeat_keeps_touching_the_lock_file_until_release(tmp_path):
     lock_file = tmp_path / run_lock.LOCK_FILE
+    others = set(_heartbeats())  # locks that tests before this one built in this process still hold
     run_lock.acquire(tmp_path, heartbeat_s=0.05)
-    assert len(_heartbeats()) == 1
+    ours = [thread for thread in _heartbeats() if thread not in others]
+    assert len(ours) == 1
     for _ in range(3):  # set back, and touched again by the next heartbeat
         os.utime(lock_file, (1_000_000_000, 1_000_000_000))
         deadline = time.monotonic() + 10
@@ -163,7 +165,7 @@ def test_the_holder_s_heartbeat_keeps_touching_the_lock_file_until_release(tmp_p
             time.sleep(0.01)
         assert lock_file.stat().st_mtime >= time.time() - 60
     run_lock.release(tmp_path)
-    assert _heartbeats() == []  # stopped (and joined) by release
+    assert not ours[0].is_alive()  # stopped (and joined) by release
     os.utime(lock_file, (1_000_000_000, 1_000_000_000))
     time.sleep(0.2)
     assert lock_file.stat().st_mtime == 1_000_000_000  # nothing touches a released lock
@@ -177,12 +179,14 @@ def test_a_heartbeat_that_cannot_touch_the_file_says_so_once_and_the_run_goes_on
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setattr(run_lock, "_logger", type("Log", (), {"warning": staticmethod(warnings.append)}))
+    others = set(_heartbeats())  # locks that tests before this one built in this process still hold
     run_lock.acquire(tmp_path, heartbeat_s=0.02)
+    ours = [thread for thread in _heartbeats() if thread not in others]
     monkeypatch.setattr(os, "utime", read_only)
     deadline = time.monotonic() + 10
     while len(failures) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(failures) >= 3 and len(_heartbeats()) == 1  # still beating
+    assert len(failures) >= 3 and len(ours) == 1 and ours[0].is_alive()  # still beating
     assert warnings == [f"cannot touch {tmp_path / run_lock.LOCK_FILE} ([Errno 30] Read-only file system): while this "
                         "lasts, a run on another host takes this directory over once the file is 120 s old"]
 
