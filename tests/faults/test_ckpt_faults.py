@@ -28,6 +28,7 @@ from aligner.demo.tokenizer import train_char_tokenizer
 from aligner.runtime import run_lock
 
 from ..conftest import REPO_ROOT, write_jsonl
+from .conftest import tmpfs
 
 SFT_SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_sft.py"
 MAX_STEPS, SAVE_INTERVAL = 12, 3
@@ -310,18 +311,6 @@ def test_resuming_with_another_architecture_is_one_line_naming_what_differs(sft_
 
 
 # ----------------------------------------------------------------------------- full and read-only disks
-def _mount_tmpfs(target: Path, options: str) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {result.stderr.strip()}")
-
-
-def _unmount(target: Path) -> None:
-    subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
 def _tensor_bytes(checkpoint: Path) -> int:
     """Bytes of tensor data in a checkpoint, from torch's own metadata (what a save of it must write)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -352,13 +341,10 @@ def test_a_full_tmpfs_during_a_save_is_one_line_and_leaves_no_partial_directory(
     size = (tensor_bytes + footprint) // 2 // 4096 * 4096
     assert tensor_bytes < size < footprint
     mount = tmp_path / "small_disk"
-    _mount_tmpfs(mount, f"size={size}")
-    try:
+    with tmpfs(mount, f"size={size}"):
         result = run_sft(sft_data, tmp_path, save_dir=mount / "ckpt")
         _assert_disk_full_reported(result, mount / "ckpt", mount)
         assert sorted(dict(train_losses(tmp_path))) == [1, 2, 3]  # trained up to the first save
-    finally:
-        _unmount(mount)
 
 
 _FULL_DISK_WRAPPER = '''
@@ -397,16 +383,12 @@ def test_enospc_from_the_kernel_inside_megatrons_writers_is_one_line(sft_data, t
 @pytest.mark.parametrize("kind", ["read_only_mount", "under_a_file"])
 def test_an_unwritable_save_dir_is_refused_at_start_up(sft_data, tmp_path, kind):
     if kind == "read_only_mount":  # chmod does not stop root; a read-only mount does
-        save_dir = tmp_path / "read_only"
-        _mount_tmpfs(save_dir, "ro,size=1m")
+        with tmpfs(tmp_path / "read_only", "ro,size=1m") as save_dir:
+            result = run_sft(sft_data, tmp_path / "logs", save_dir=save_dir)
     else:
         (tmp_path / "a_file").write_text("")
         save_dir = tmp_path / "a_file" / "ckpt"
-    try:
         result = run_sft(sft_data, tmp_path / "logs", save_dir=save_dir)
-    finally:
-        if kind == "read_only_mount":
-            _unmount(save_dir)
     assert result.returncode == 2, result.stderr[-4000:]
     lines = error_lines(result)
     reason = "Read-only file system" if kind == "read_only_mount" else "Not a directory"

@@ -12,30 +12,13 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from aligner.training.metrics import METRICS_FILE, read_metrics
 
+from .conftest import tmpfs
 from .errors_sft import error_lines, run_sft, write_sft_inputs
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A tmpfs mounted at `path` for the block (root only); skips the test where it cannot be mounted."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _assert_one_error(result: subprocess.CompletedProcess, expected: str) -> None:

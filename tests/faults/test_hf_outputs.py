@@ -8,11 +8,10 @@ staging directory).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from aligner.hf.convert import EXPORT_RECORD_FILE, HF_SOURCE_FILE  # noqa: E402
 from ..chat_tokenizers import build_chat_tokenizer  # noqa: E402
 from ..unit.test_hf_gguf import run_cli_cases  # noqa: E402
 from ..unit.test_hf_layout import hf_config  # noqa: E402
+from .conftest import tmpfs  # noqa: E402
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -139,16 +139,6 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(converted, mon
 
 
 # ----------------------------------------------------------------------------- real read-only and full disks
-def _mount_tmpfs(target: Path, options: str) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-
-
 def _footprint(paths) -> int:
     """Bytes the files take on a tmpfs (whole 4 KiB pages)."""
     return sum(-(-path.stat().st_size // 4096) * 4096 for path in paths)
@@ -167,9 +157,9 @@ def test_read_only_and_full_outputs_are_one_line_through_the_cli_and_leave_nothi
     import_size = _footprint((root / "ckpt").rglob("*.distcp")) + 4096
     assert import_size < _footprint(path for path in (root / "ckpt").rglob("*") if path.is_file())
     mounts = [(read_only, "ro,size=1m"), (full_export, f"size={export_size}"), (full_import, f"size={import_size}")]
-    try:
+    with contextlib.ExitStack() as mounted:
         for mount, options in mounts:
-            _mount_tmpfs(mount, options)
+            mounted.enter_context(tmpfs(mount, options))
         cases = [
             (["import", "--hf-dir", str(root / "hf"), "--output", str(read_only / "ckpt")],
              f"error: cannot write {read_only / 'ckpt'}: Read-only file system; nothing was written"),
@@ -187,6 +177,4 @@ def test_read_only_and_full_outputs_are_one_line_through_the_cli_and_leave_nothi
             assert lines[0].endswith("nothing was written"), lines[0]
         for mount, _ in mounts:
             assert list(mount.iterdir()) == [], mount  # no output, no staging directory
-    finally:
-        for mount, _ in mounts:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
