@@ -12,9 +12,10 @@ PROMPT_LINES = ['{"prompt": "1+2="}', "", '{"prompt": "3+4="}',
 MESSAGES_LINE = 4
 
 
-def write_tiny_policy(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
-    """(a saved 1-layer, 16-wide random policy on the demo's character tokenizer, the prompt file) under root.
-    Initialises and shuts down megatron's parallel state in this process."""
+def save_random_policy(path: Path, tokenizer_dir: Path, *, seed: int, num_layers: int, hidden_size: int,
+                       num_attention_heads: int, num_query_groups: int, ffn_hidden_size: int) -> Path:
+    """A random-init GPT policy (64 positions) on a tokenizer, saved as a checkpoint at `path`. Initialises and
+    shuts down megatron's parallel state in this process."""
     from aligner import checkpointing
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.runtime import distributed, seeds
@@ -23,13 +24,20 @@ def write_tiny_policy(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
     tokenizer = Tokenizer(tokenizer_dir)
     distributed.initialize(distributed.ParallelConfig())
     try:
-        seeds.set_seed(5)
-        cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=32,
+        seeds.set_seed(seed)
+        cfg = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                        num_query_groups=num_query_groups, ffn_hidden_size=ffn_hidden_size,
                         vocab_size=tokenizer.vocab_size, max_position_embeddings=64)
-        policy = checkpointing.save(root / "policy", [build_gpt_model(cfg, transformer_config(cfg))],
-                                    model_config=cfg.to_dict(), tokenizer_dir=tokenizer_dir)
+        return checkpointing.save(path, [build_gpt_model(cfg, transformer_config(cfg))],
+                                  model_config=cfg.to_dict(), tokenizer_dir=tokenizer_dir)
     finally:
         distributed.shutdown()
+
+
+def write_tiny_policy(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
+    """(a saved 1-layer, 16-wide random policy on the demo's character tokenizer, the prompt file) under root."""
+    policy = save_random_policy(root / "policy", tokenizer_dir, seed=5, num_layers=1, hidden_size=16,
+                                num_attention_heads=2, num_query_groups=1, ffn_hidden_size=32)
     prompts = root / "prompts.jsonl"
     prompts.write_text("\n".join(PROMPT_LINES) + "\n")
     return policy, prompts

@@ -301,25 +301,14 @@ def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engin
 @pytest.fixture(scope="module")
 def tiny_policy_and_prompts(tmp_path_factory, arithmetic_tokenizer_dir):
     """A random-init 2-layer policy on the demo's character tokenizer, and 32 demo prompts."""
-    from aligner import checkpointing
     from aligner.demo import arithmetic
-    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-    from aligner.runtime import distributed, seeds
-    from aligner.tokenizer import Tokenizer
 
     from ..conftest import write_jsonl
+    from ..tiny_actor import save_random_policy
 
     root = tmp_path_factory.mktemp("rl_presets")
-    tokenizer = Tokenizer(arithmetic_tokenizer_dir)
-    distributed.initialize(distributed.ParallelConfig())
-    try:
-        seeds.set_seed(11)
-        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                        vocab_size=tokenizer.vocab_size, max_position_embeddings=64)
-        policy = checkpointing.save(root / "policy", [build_gpt_model(cfg, transformer_config(cfg))],
-                                    model_config=cfg.to_dict(), tokenizer_dir=arithmetic_tokenizer_dir)
-    finally:
-        distributed.shutdown()
+    policy = save_random_policy(root / "policy", arithmetic_tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
+                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
     return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
 
 
