@@ -400,7 +400,8 @@ def test_save_keeps_the_newest_and_a_restart_resumes(client, server, references,
     save_dir = references["root"] / "critic_checkpoints"
     paths = [client.save(step) for step in (3, 10, 12)]
     assert paths[-1] == str(save_dir / "step_00000012")
-    assert sorted(path.name for path in save_dir.iterdir()) == ["step_00000010", "step_00000012"]  # keep_last=2
+    # keep_last=2, beside the server's lock of its save_dir (aligner/runtime/run_lock.py)
+    assert sorted(path.name for path in save_dir.iterdir()) == [".aligner.lock", "step_00000010", "step_00000012"]
     meta = json.loads((save_dir / "step_00000012" / "aligner_meta.json").read_text())
     assert meta["trainer_state"]["critic_step"] == TRAIN_CALLS + 2 and meta["trainer_state"]["caller_step"] == 12
     saved_values = client.infer(rollout["sequences"]).values
