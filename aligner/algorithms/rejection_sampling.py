@@ -30,7 +30,7 @@ import torch
 
 from aligner.algorithms.rl_actor import ServerAddress
 from aligner.config import at_least, one_of
-from aligner.rl.rewards import RewardChecks
+from aligner.rl.rewards import RewardFunctionSettings
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
@@ -66,13 +66,13 @@ class RSSection:
 
 
 @dataclass
-class RSRewardSection(RewardChecks):
-    """What scores the answers: a reward-model server or a Python function (and RewardChecks' checks of
-    the scores: timeout_s, max_abs, on_invalid, invalid_value)."""
+class RSRewardSection(RewardFunctionSettings):
+    """What scores the answers: a reward-model server or Python functions (function / functions:
+    RewardFunctionSettings' keys; RewardChecks' checks of the scores: timeout_s, max_abs, on_invalid,
+    invalid_value)."""
 
     source: str = one_of(("server", "function"), "function")
     server: ServerAddress = field(default_factory=ServerAddress)
-    function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
     attribute_index: int = 0  # which output of a multi-attribute reward model is the score
 
 
@@ -112,8 +112,9 @@ def check_rs_config(cfg: RSConfig) -> None:
     rs = cfg.rs
     if rs.keep == "threshold" and rs.min_score is None:
         raise ConfigError("rs.keep=threshold keeps every answer scoring at least rs.min_score: set rs.min_score")
-    if cfg.reward.source == "function" and not cfg.reward.function:
-        raise ConfigError("reward.source=function needs reward.function=package.module:function")
+    if cfg.reward.source == "function" and not cfg.reward.function_entries():
+        raise ConfigError("reward.source=function needs reward.function=path/to/file.py:function (or "
+                          "package.module:function, or a weighted list in reward.functions)")
     if rs.generation.temperature <= 0:
         raise ConfigError(f"rs.generation.temperature must be > 0 (best-of-n needs different samples), got "
                           f"{rs.generation.temperature}")
@@ -210,7 +211,8 @@ class RejectionSamplingRun:
         if mine:
             checked = self.reward_source.score_async(
                 [rows[r] + share[r] for r in mine], [self.prompts.prompts[indices[r // n]] for r in mine],
-                texts, [self.prompts.record(indices[r // n]) for r in mine]).result()
+                texts, [self.prompts.record(indices[r // n]) for r in mine],
+                columns=[self.prompts.columns[indices[r // n]] for r in mine]).result()
             scores, replaced = checked.values.tolist(), checked.replaced.tolist()
         scored = gather_shares({r: (share[r], text, score, bad) for r, text, score, bad
                                 in zip(mine, texts, scores, replaced)}, replicas, group)
@@ -306,7 +308,8 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
 
     check_rs_config(cfg)
     rs = cfg.rs
-    reward_source = build_reward_source(cfg.reward)  # the RL actor's, before the model: a broken function fails fast
+    # The RL actor's, before the model: a function that cannot load or fails on the first record fails fast
+    reward_source = build_reward_source(cfg.reward, probe_prompts=cfg.data.prompts)
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,

@@ -52,7 +52,7 @@ from aligner.config import ConfigError, at_least, one_of
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
-from aligner.rl.rewards import RewardChecks, ScoreCheck, wait_for
+from aligner.rl.rewards import RewardFunctionSettings, ScoreCheck, wait_for
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
@@ -83,13 +83,12 @@ class ServerAddress:
 
 
 @dataclass
-class RewardSection(RewardChecks):
+class RewardSection(RewardFunctionSettings):
     # server: a reward-model server | combined: the critic server in combined mode (rewards come back with
-    # the values, one request) | function: a Python function. The score checks (timeout_s, max_abs,
-    # on_invalid, invalid_value) are RewardChecks'.
+    # the values, one request) | function: Python functions (function / functions: RewardFunctionSettings'
+    # keys). The score checks (timeout_s, max_abs, on_invalid, invalid_value) are RewardChecks'.
     source: str = one_of(("server", "combined", "function"), "server")
     server: ServerAddress = field(default_factory=ServerAddress)
-    function: Optional[str] = None  # "package.module:function": fn(prompt as in the data, response_text) -> float
     attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
     # Score shaping, in this order:
     missing_stop_penalty: Optional[float] = None  # score of a response that never stopped; null: off
@@ -343,8 +342,9 @@ class RLActorConfig(RunConfig):
                               "loss.recompute_old_logprobs=true")
         if gen.temperature <= 0:
             raise ConfigError("the actor samples its rollouts: generation.temperature must be > 0")
-        if self.reward.source == "function" and not self.reward.function:
-            raise ConfigError("reward.source=function needs reward.function='package.module:function'")
+        if self.reward.source == "function" and not self.reward.function_entries():
+            raise ConfigError("reward.source=function needs reward.function='path/to/file.py:function' (or "
+                              "'package.module:function', or a weighted list in reward.functions)")
         if self.reward.source == "combined" and not self.uses_critic:
             raise ConfigError(f"reward.source=combined takes the rewards from the critic server, but "
                               f"advantage.estimator={estimator.name} uses no critic: use reward.source=server")
@@ -571,6 +571,7 @@ class RLActor:
         self.engine = engine
         self.router = router
         self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
+        self.reward_names = list(getattr(reward_source, "names", ()))  # reward functions: metrics reward/<name>
         critic_server = cfg.critic.server
         self.combined_check = ScoreCheck(f"critic server {critic_server.host}:{critic_server.port} (combined mode)",
                                          cfg.reward)
@@ -787,6 +788,7 @@ class RLActor:
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
         given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
+        given_columns = [prompts.columns[i] for i in indices]  # the records' other columns, for reward functions
         records = [prompts.record(i) for i in indices]  # "file:line", for messages about a prompt's score
         pending = []  # (micro-batch positions, pending scores, values future)
 
@@ -800,7 +802,8 @@ class RLActor:
             rewards = None  # combined critic server: the rewards arrive with the values
             if self.reward_source is not None:
                 rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
-                                                         responses, [records[i] for i in micro_indices])
+                                                         responses, [records[i] for i in micro_indices],
+                                                         columns=[given_columns[i] for i in micro_indices])
             pending.append((micro_indices, rewards, values))
 
         tick = time.perf_counter()
@@ -832,6 +835,7 @@ class RLActor:
             for j, position in enumerate(micro_indices):
                 row = local[position]
                 row.score, row.score_replaced = float(scores.values[j]), bool(scores.replaced[j])
+                row.score_parts = {name: float(part[j]) for name, part in scores.parts.items()}
                 if value_rows is not None:
                     row.values = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
                                                     len(row.prompt), len(row.response))
@@ -915,18 +919,22 @@ class RLActor:
         uniform_groups = (~advantages.informative_groups(raw_scores, k)).double().sum() if k > 1 else torch.zeros((),
                                                                                                        dtype=torch.float64)
         replaced = torch.tensor([float(row.score_replaced) for row in batch.rows])
+        # Each reward function's own (unweighted) scores, summed over the batch with the rest
+        parts = torch.tensor([[row.score_parts[name] for name in self.reward_names] for row in batch.rows],
+                             dtype=torch.float64).reshape(len(batch.rows), len(self.reward_names)).sum(0)
         sums = torch.cat([torch.stack([raw_scores, raw_scores.pow(2), kl.sum(dim=1), lengths,
                                        batch.ended_with_stop.float(), torch.ones_like(lengths),
                                        estimated.sequence_rewards.float(), replaced], dim=1).double().sum(0),
-                          uniform_groups.reshape(1)])
+                          uniform_groups.reshape(1), parts])
         dist.all_reduce(sums, group=group)
-        total, total_sq, kl_sum, length_sum, stopped, count, reward_sum, replaced_sum, uniform = sums.tolist()
+        total, total_sq, kl_sum, length_sum, stopped, count, reward_sum, replaced_sum, uniform = sums[:9].tolist()
         mean = total / count
         metrics = {
             "reward_mean": mean, "reward_std": math.sqrt(max(total_sq / count - mean * mean, 0.0)),
             "response_length": length_sum / count, "stopped_fraction": stopped / count,
             "penalized_reward_mean": reward_sum / count,
         }
+        metrics.update({f"reward/{name}": part / count for name, part in zip(self.reward_names, sums[9:].tolist())})
         if cfg.reward.on_invalid == "replace":  # the step's rollouts whose invalid score was replaced
             metrics["invalid_rewards"] = replaced_sum
         if reference_logprobs is not None:
@@ -1362,7 +1370,8 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
 
     loss = cfg.loss
     if reward_source is None and cfg.reward.source != "combined":
-        reward_source = build_reward_source(cfg.reward)  # first: a reward function that cannot load fails in seconds
+        # First: a reward function that cannot load or fails on the first prompt record fails in seconds.
+        reward_source = build_reward_source(cfg.reward, probe_prompts=cfg.data.prompts)
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
     peft = dataclasses.replace(cfg.peft, dropout=0.0) if loss.disable_dropout else cfg.peft
     built = setup.build_training_model(
@@ -1514,13 +1523,20 @@ def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer
     return engine, router
 
 
-def build_reward_source(section: RewardSection):
+def build_reward_source(section: RewardSection, probe_prompts: Optional[str] = None):
     """What scores responses (source server or function; combined: the critic server sends them); the
-    section's RewardChecks check their scores."""
+    section's RewardChecks check their scores. Reward functions are called once on the first record of
+    the prompt file `probe_prompts` (when given) with the response "": one that fails there ends the run
+    before anything else is built."""
     from aligner.rl.rewards import RewardServerSource, RuleRewardSource
+    from aligner.rl.rollouts import first_prompt_record
 
     if section.source == "function":
-        return RuleRewardSource(section.function, section)
+        source = RuleRewardSource(section)
+        if probe_prompts is not None:
+            record, prompt, columns = first_prompt_record(probe_prompts)
+            source.probe(prompt, columns, record)
+        return source
     from aligner.clients.reward import RewardClient
 
     server = section.server

@@ -22,22 +22,30 @@ wait goes on while scores keep arriving, and ends the run once none arrived for 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
+import os
+import re
 import sys
 import threading
 import time
 import traceback
+import zlib
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+import psutil
 import torch
 
 from aligner.config import one_of
@@ -79,11 +87,47 @@ class RewardChecks:
 
 
 @dataclass
+class RewardFunctionEntry:
+    """One function of `reward.functions`."""
+
+    function: str = "???"  # "path/to/file.py:fn" (from the working directory) or "package.module:fn"
+    weight: float = 1.0  # the score is the sum of weight x each function's score
+    batched: bool = False  # one call per request: fn(prompts, responses, **columns as lists) -> list of scores
+    name: Optional[str] = None  # its metric, reward/<name>; null: the function's own name
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if not math.isfinite(self.weight):
+            return "weight", "must be a finite number"
+        return None
+
+
+@dataclass
+class RewardFunctionSettings(RewardChecks):
+    """The reward functions of a `reward:` section (source=function) and RewardChecks' checks of their scores."""
+
+    function: Optional[str] = None  # one function, weight 1: "path/to/file.py:fn" or "package.module:fn"
+    functions: list[RewardFunctionEntry] = field(default_factory=list)  # several, their scores summed by weight
+
+    def function_entries(self) -> list[tuple[str, RewardFunctionEntry]]:
+        """(its key, its entry) of each function to call: reward.function's, or each of reward.functions."""
+        if self.function:
+            return [("reward.function", RewardFunctionEntry(function=self.function))]
+        return [(f"reward.functions[{index}].function", entry) for index, entry in enumerate(self.functions)]
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        problem = super().check_fields()
+        if problem is None and self.function and self.functions:
+            return "functions", "set reward.function (one function) or reward.functions (a weighted list), not both"
+        return problem
+
+
+@dataclass
 class Scores:
     """The checked scores of one request."""
 
     values: torch.Tensor  # [B] float32
     replaced: torch.Tensor  # [B] bool: invalid, replaced by invalid_value (on_invalid=replace)
+    parts: dict = field(default_factory=dict)  # reward functions: each one's name -> its own scores [B]
 
     @classmethod
     def of(cls, values: Sequence[float]) -> "Scores":
@@ -130,7 +174,8 @@ class ScoreCheck:
         self.producer, self.checks = producer, checks
         self._warned = False  # on_invalid=replace: the first replacement is said in the log, the rest counted
 
-    def __call__(self, values: Sequence, records: Sequence[str]) -> Scores:
+    def __call__(self, values: Sequence, records: Sequence[str], strict: bool = False) -> Scores:
+        """strict: an invalid score is an error whatever on_invalid says (the probe before the model loads)."""
         if len(values) != len(records):
             raise RewardError(f"{self.producer} returned {len(values)} scores for {len(records)} responses")
         numbers_, replaced = [], []
@@ -138,7 +183,7 @@ class ScoreCheck:
             number, problem = score_problem(value, self.checks.max_abs)
             if problem is not None:
                 said = f"{self.producer} returned {_shown(value)} for the prompt at {record}: {problem}"
-                if self.checks.on_invalid == "error":
+                if strict or self.checks.on_invalid == "error":
                     raise RewardError(f"{said} (reward.on_invalid=replace would replace such scores by "
                                       "reward.invalid_value and count them)")
                 if not self._warned:
@@ -218,12 +263,14 @@ class RewardServerSource:
 
 @dataclass
 class _Job:
-    """One score_async request of a reward function: its calls run in order on the worker."""
+    """One score_async request of the reward functions: its calls run in order on the worker."""
 
     prompts: list
     responses: list
     records: list
+    columns: list  # each prompt record's other columns (dicts)
     future: Future
+    strict: bool = False  # the probe: an invalid score is an error whatever reward.on_invalid says
 
 
 @dataclass
@@ -231,22 +278,141 @@ class _Call:
     """The call the worker is in (read by the timeout watchdog)."""
 
     job: _Job
-    record: str
-    started: float
+    producer: str  # "reward function SPEC"
+    what: str  # "the prompt at FILE:LINE", or the batch's prompts
+    started: float  # time.monotonic()
+    started_wall: float  # time.time(): processes the call started are those created since
+
+
+class _GivenUp(Exception):
+    """The watchdog failed the running call's job: the worker ends without answering it."""
+
+
+@dataclass
+class RewardFunction:
+    """One loaded function of the `reward:` section, what its signature takes and how its scores count."""
+
+    key: str  # the setting that names it: reward.function, reward.functions[i].function
+    spec: str  # "path/to/file.py:fn" or "module:fn"
+    name: str  # its metric: reward/<name>
+    weight: float
+    batched: bool
+    function: Callable
+    takes_any_column: bool  # it has **kwargs: every column is passed
+    keywords: frozenset  # the column names it takes by keyword (not its first two parameters)
+    required: frozenset  # those without a default: a record must have them
+    check: ScoreCheck
+
+    @property
+    def producer(self) -> str:
+        return f"reward function {self.spec}"
+
+    def column_arguments(self, columns: dict, what: str) -> dict:
+        """The keyword arguments of one call: the columns its signature takes."""
+        given = {key: value for key, value in columns.items() if key in self.keywords or (
+            self.takes_any_column and key not in self.positional)}
+        missing = sorted(self.required - given.keys())
+        if missing:
+            raise RewardError(f"{self.producer} takes the column {missing[0]!r}, but the record of {what} has none "
+                              f"(its columns: {', '.join(sorted(columns)) or 'none besides the prompt'})")
+        return given
+
+    positional: frozenset = frozenset()  # the names of its first two parameters (never passed a column)
+
+
+def _function_parameters(function: Callable, said: str) -> tuple[bool, frozenset, frozenset, frozenset]:
+    """(takes **kwargs, keyword names, required keyword names, names of the two positional parameters) of
+    a reward function's signature; refuses one that cannot take (prompt, response) positionally."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to read (some builtins): (prompt, response) only
+        return False, frozenset(), frozenset(), frozenset()
+    try:
+        bound = signature.bind_partial("prompt", "response")
+    except TypeError as error:
+        raise ConfigError(f"{said}: the function must take (prompt, response, **columns): {error}") from None
+    positional = frozenset(bound.arguments)
+    parameters = list(signature.parameters.values())
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+    named = [parameter for parameter in parameters if parameter.name not in positional and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    required = frozenset(parameter.name for parameter in named if parameter.default is inspect.Parameter.empty)
+    return takes_any, frozenset(parameter.name for parameter in named), required, positional
+
+
+def load_reward_functions(settings: "RewardFunctionSettings") -> list[RewardFunction]:
+    """The functions of reward.function / reward.functions, imported and their signatures read; one line
+    naming the key for one that cannot work (see `load_function`)."""
+    functions, names = [], {}
+    for key, entry in settings.function_entries():
+        said = f"{key}={entry.function}"
+        function = load_function(entry.function, key)
+        takes_any, keywords, required, positional = _function_parameters(function, said)
+        name = entry.name or entry.function.rpartition(":")[2]
+        if name in names:
+            raise ConfigError(f"{said}: its metric name reward/{name} is {names[name]}'s too: give one of them a "
+                              "`name`")
+        names[name] = key
+        functions.append(RewardFunction(
+            key=key, spec=entry.function, name=name, weight=float(entry.weight), batched=entry.batched,
+            function=function, takes_any_column=takes_any, keywords=keywords, required=required,
+            check=ScoreCheck(f"reward function {entry.function}", settings), positional=positional))
+    if not functions:
+        raise ConfigError("reward.source=function needs reward.function='path/to/file.py:function' (or "
+                          "'module:function', or a list in reward.functions)")
+    return functions
+
+
+def _batch_scores(value, count: int, producer: str, what: str) -> list:
+    """A batched call's answer as a list of `count` values (each checked by its ScoreCheck)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 1:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise RewardError(f"{producer} returned {_shown(value)} for {what}: a batched function returns a list of "
+                          f"{count} scores, one per response")
+    return list(value)
+
+
+def _stop_processes_started_since(started_wall: float) -> list[int]:
+    """Terminate (then kill) this process's descendants created since `started_wall` (those a hung call
+    started: a subprocess it waits on); returns their pids."""
+    margin = 0.05  # create_time is rounded down to the clock tick
+    try:
+        children = [child for child in psutil.Process().children(recursive=True)
+                    if child.create_time() >= started_wall - margin]
+    except psutil.Error:
+        return []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=2.0)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return [child.pid for child in children]
 
 
 class RuleRewardSource:
-    """Scores from a Python function `fn(prompt, response_text) -> float`, named "module:function".
+    """Scores from Python functions (reward.function, or the weighted list reward.functions).
 
-    prompt: as the data gave it, a string or the list of {"role", "content"} messages the answer
-    replies to (a deep copy); response_text: the decoded response, without its stop token.
+    Each function is called fn(prompt, response, **columns) -> float, or with `batched` once per request
+    fn(prompts, responses, **columns as lists) -> list of floats. prompt: as the data gave it, a string or
+    the list of {"role", "content"} messages the answer replies to (a deep copy); response: the decoded
+    response, without its stop token; columns: the prompt record's other columns (a ground-truth answer, test
+    cases...), those its signature names, or all with **kwargs. The score is the sum of weight x each
+    function's score; `Scores.parts` keeps each function's own (metrics reward/<name>).
     """
 
-    def __init__(self, function_path: str, checks: Optional[RewardChecks] = None):
-        self.function = load_function(function_path)
-        self.name = f"reward function {function_path}"
-        self.checks = checks or RewardChecks()
-        self.check = ScoreCheck(self.name, self.checks)
+    def __init__(self, settings: "RewardFunctionSettings | str", checks: Optional[RewardChecks] = None):
+        if isinstance(settings, str):  # one function by its spec, with `checks` (tests, benchmarks)
+            base = checks or RewardChecks()
+            settings = RewardFunctionSettings(**{field_.name: getattr(base, field_.name)
+                                                 for field_ in dataclasses.fields(RewardChecks)}, function=settings)
+        self.functions = load_reward_functions(settings)
+        self.names = [function.name for function in self.functions]
+        self.name = "reward function" + ("s " if len(self.functions) > 1 else " ") + ", ".join(
+            function.spec for function in self.functions)
+        self.checks = settings
         self._lock = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._call: Optional[_Call] = None
@@ -258,8 +424,18 @@ class RuleRewardSource:
             threading.Thread(target=target, name=f"reward-function-{role}", daemon=True).start()
 
     def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str],
-                    records: Sequence[str]) -> PendingScores:
-        job = _Job(list(prompts), list(response_texts), list(records), Future())
+                    records: Sequence[str], columns: Optional[Sequence[dict]] = None) -> PendingScores:
+        columns = [{} for _ in prompts] if columns is None else list(columns)
+        return self._submit(_Job(list(prompts), list(response_texts), list(records), columns, Future()))
+
+    def probe(self, prompt, columns: dict, record: str) -> None:
+        """Call every function once on a prompt record with the response "" (before the model is built): an
+        exception, a missing column, a score that is not a valid number or a call past the timeout ends the
+        run here, naming the function, the record and what went wrong."""
+        where = f'{record} (the probe before the model loads: the first prompt record, with the response "")'
+        self._submit(_Job([prompt], [""], [where], [columns], Future(), strict=True)).result()
+
+    def _submit(self, job: _Job) -> PendingScores:
         with self._lock:
             if self._failure is not None:
                 job.future.set_exception(self._failure)
@@ -272,8 +448,7 @@ class RuleRewardSource:
         call = self._call
         if call is None:
             return f"the {self.name}"
-        return (f"the {self.name} (its call for the prompt at {call.record} running for "
-                f"{time.monotonic() - call.started:.0f} s)")
+        return f"the {call.producer} (its call for {call.what} running for {time.monotonic() - call.started:.0f} s)"
 
     def _work(self) -> None:
         while True:
@@ -283,24 +458,10 @@ class RuleRewardSource:
                 if self._closed:
                     return
                 job = self._jobs.popleft()
-            values, failure = [], None
-            for prompt, response, record in zip(job.prompts, job.responses, job.records):
-                with self._lock:
-                    self._call = _Call(job, record, time.monotonic())
-                try:
-                    values.append(self.function(copy.deepcopy(prompt), response))
-                except BaseException as error:  # noqa: BLE001 - SystemExit too: it would end only this thread
-                    failure = RewardError(f"{self.name} raised {describe_exception(error)} for the prompt at "
-                                          f"{record}")
-                with self._lock:
-                    self._call = None
-                    self._calls_done += 1
-                    if self._failure is not None:  # the watchdog gave this call up: its job has failed
-                        return
-                if failure is not None:
-                    break
             try:
-                result = self.check(values, job.records) if failure is None else failure
+                result = self._score(job)
+            except _GivenUp:
+                return
             except RewardError as error:
                 result = error
             with self._lock:
@@ -311,8 +472,52 @@ class RuleRewardSource:
                 else:
                     job.future.set_result(result)
 
+    def _score(self, job: _Job) -> Scores:
+        """Every function's checked scores of the job, and their weighted sum."""
+        total = torch.zeros(len(job.prompts), dtype=torch.float32)
+        replaced = torch.zeros(len(job.prompts), dtype=torch.bool)
+        parts = {}
+        for function in self.functions:
+            if function.batched:
+                what = _batch_description(job.records)
+                names = sorted({name for columns in job.columns for name in columns})
+                lists = {name: [columns.get(name) for columns in job.columns] for name in names}
+                answer = self._call_one(job, function, what, job.prompts, list(job.responses), lists)
+                values = _batch_scores(answer, len(job.prompts), function.producer, what)
+            else:
+                values = [self._call_one(job, function, f"the prompt at {record}", prompt, response, columns)
+                          for prompt, response, record, columns in zip(job.prompts, job.responses, job.records,
+                                                                       job.columns)]
+            scores = function.check(values, job.records, strict=job.strict)
+            parts[function.name] = scores.values
+            total += function.weight * scores.values
+            replaced |= scores.replaced
+        return Scores(total, replaced, parts)
+
+    def _call_one(self, job: _Job, function: RewardFunction, what: str, prompt, response, columns: dict):
+        """function(prompt, response, **the columns it takes) on deep copies (a function that edits them cannot
+        change the data set for later samples), watched by the timeout; an exception becomes one RewardError
+        line naming the function and `what`; _GivenUp once the watchdog has failed the job."""
+        with self._lock:
+            self._call = _Call(job, function.producer, what, time.monotonic(), time.time())
+        try:
+            arguments = copy.deepcopy(function.column_arguments(columns, what))
+            return function.function(copy.deepcopy(prompt), response, **arguments)
+        except RewardError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - SystemExit too: it would end only this thread
+            raise RewardError(f"{function.producer} raised {describe_exception(error)} for {what}") from None
+        finally:
+            with self._lock:
+                self._call = None
+                self._calls_done += 1
+                given_up = self._failure is not None
+            if given_up:  # the watchdog gave this call up: its job has failed
+                raise _GivenUp()
+
     def _watch(self) -> None:
-        """Fail the running call's job (and every queued one) once the call has run past timeout_s."""
+        """Fail the running call's job (and every queued one) once the call has run past timeout_s, after
+        stopping the processes the call started."""
         timeout = self.checks.timeout_s
         with self._lock:
             while not self._closed:
@@ -321,9 +526,11 @@ class RuleRewardSource:
                 if left > 0:
                     self._lock.wait(timeout=left)  # a call that starts meanwhile is seen within _POLL_S
                     continue
+                stopped = _stop_processes_started_since(call.started_wall)
                 self._failure = RewardError(
-                    f"{self.name} did not return within reward.timeout_s={timeout:g} s for the prompt at "
-                    f"{call.record} (raise reward.timeout_s if its calls take that long)")
+                    f"{call.producer} did not return within reward.timeout_s={timeout:g} s for {call.what} (raise "
+                    f"reward.timeout_s if its calls take that long)"
+                    + (f"; the {len(stopped)} process(es) it started were stopped" if stopped else ""))
                 for job in (call.job, *self._jobs):
                     if not job.future.done():
                         job.future.set_exception(self._failure)
@@ -335,6 +542,12 @@ class RuleRewardSource:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+
+
+def _batch_description(records: Sequence[str]) -> str:
+    shown = list(dict.fromkeys(records))
+    return (f"the batch of {len(records)} responses to the prompts at {', '.join(shown[:3])}"
+            f"{', ...' if len(shown) > 3 else ''}")
 
 
 def describe_exception(error: BaseException) -> str:
@@ -350,31 +563,66 @@ def describe_exception(error: BaseException) -> str:
     return f"{type(error).__name__}{f': {message}' if message else ''}{f' (at {where})' if where else ''}"
 
 
-def load_function(path: Optional[str]) -> Callable:
-    """"package.module:function" -> the function, with an error that says what is wrong (a module that
-    cannot be found, or fails while importing: the error and its file:line; no such function; a function
-    that cannot take (prompt, response_text))."""
-    module_name, _, attribute = (path or "").partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"reward.function={path!r} must look like 'package.module:function'")
+def load_function(spec: Optional[str], key: str = "reward.function") -> Callable:
+    """"path/to/file.py:function" (the file imported by its path, relative to the working directory) or
+    "package.module:function" (the working directory importable, after the installed packages) -> the
+    function. A ConfigError naming `key` says what is wrong: no such file or module, a module that fails
+    while importing (the error and its file:line), no such function."""
+    target, _, attribute = (spec or "").rpartition(":")
+    said = f"{key}={spec}"
+    if not target or not attribute:
+        raise ConfigError(f"{said}: expected 'path/to/file.py:function' or 'package.module:function'")
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        module, where = _import_file(Path(target), said), target
+    else:
+        module, where = _import_module(target, said), f"module {target}"
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(f"{said}: {where} has no function {attribute!r}")
+    return function
+
+
+def _import_file(path: Path, said: str):
+    """The module of a reward file, imported once per path (its directory importable, for helpers beside it)."""
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"{said}: there is no file {path} (a relative path is read from the working directory "
+                          f"{Path.cwd()})")
+    name = f"aligner_reward_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{zlib.crc32(str(path).encode()):08x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: dataclasses and pickling look their module up
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - whatever the file's own code raises (SyntaxError included)
+        del sys.modules[name]
+        raise ConfigError(f"{said}: importing {path} failed: {describe_exception(error)}") from None
+    return module
+
+
+def _import_module(module_name: str, said: str):
+    """`module_name` imported with the working directory on sys.path (after the installed packages: a
+    module there cannot shadow one a library imports later)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise ConfigError(f"reward function {path!r}: cannot import {module_name!r} ({error}; is its "
-                              "directory on PYTHONPATH?)") from None
-        raise ConfigError(f"reward function {path!r}: importing {module_name} failed: "
-                          f"{describe_exception(error)}") from None
+            raise ConfigError(f"{said}: cannot import {module_name!r} (no such module in the working directory "
+                              f"{cwd} or on PYTHONPATH; a file can be named as path/to/file.py:function)") from None
+        raise ConfigError(f"{said}: importing {module_name} failed: {describe_exception(error)}") from None
     except Exception as error:  # noqa: BLE001 - whatever the module's own code raises (SyntaxError included)
-        raise ConfigError(f"reward function {path!r}: importing {module_name} failed: "
-                          f"{describe_exception(error)}") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"reward function {path!r}: {module_name} has no function {attribute!r}")
-    try:
-        inspect.signature(function).bind("prompt", "response")
-    except TypeError as error:
-        raise ConfigError(f"reward function {path!r} must take (prompt, response_text): {error}") from None
-    except ValueError:  # no signature to read (some builtins): the first call will tell
-        pass
-    return function
+        raise ConfigError(f"{said}: importing {module_name} failed: {describe_exception(error)}") from None
+    top = module_name.split(".")[0]
+    own = Path(cwd) / f"{top}.py"
+    found = getattr(sys.modules.get(top), "__file__", None)
+    if own.is_file() and found is not None and Path(found).resolve() != own.resolve():
+        raise ConfigError(f"{said}: {top!r} is the module at {found}, not {own}: name the file instead "
+                          f"({top}.py:{said.rpartition(':')[2]})")
+    return module

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -36,8 +36,9 @@ from aligner.runtime.seeds import epoch_seed
 class PromptDataset:
     """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
 
-    prompts[i] is the prompt as the data gave it (what reward functions receive), record(i) where it
-    is ("file:line", for messages about its scores), tokens[i] what the policy is given
+    prompts[i] is the prompt as the data gave it (what reward functions receive), columns[i] the record's
+    other columns (a ground-truth answer, test cases...: reward functions receive them by keyword), record(i)
+    where it is ("file:line", for messages about its scores), tokens[i] what the policy is given
     (`ChatEncoder.prompt_tokens`: the chat template's rendering with the generation prompt, a string
     being one user turn; [bos] + text without a template or with use_template=False), so prompt +
     generated answer is the SFT encoding of the conversation.
@@ -50,6 +51,7 @@ class PromptDataset:
 
         self.path = str(path)
         self.prompts: list[Prompt] = []
+        self.columns: list[dict] = []  # each record without its prompt
         self.tokens: list[list[int]] = []
         self.lines: list[int] = []  # each prompt's line in the file
         self.too_long = 0
@@ -64,6 +66,7 @@ class PromptDataset:
                 self.shortest_too_long = min(len(ids), self.shortest_too_long or len(ids))
                 continue
             self.prompts.append(prompt)
+            self.columns.append(record_columns(record))
             self.tokens.append(ids)
             self.lines.append(line)
         # A chat template's own tokens count (SmolLM2's default system prompt alone is about 30), so a
@@ -85,6 +88,22 @@ class PromptDataset:
     def record(self, index: int) -> str:
         """Where prompt `index` is in the data: "file:line"."""
         return f"{self.path}:{self.lines[index]}"
+
+
+def record_columns(record: dict) -> dict:
+    """A prompt record's columns besides the prompt (what reward functions receive by keyword)."""
+    return {key: value for key, value in record.items() if key != "prompt"}
+
+
+def first_prompt_record(path) -> tuple[str, object, dict]:
+    """("file:line", prompt, other columns) of the first record of a prompt file: what the reward functions are
+    probed with before the model is built (no tokenizer needed)."""
+    from aligner.data.conversation import parse_prompt
+    from aligner.data.jsonl import DataError, read_jsonl
+
+    for line, record in read_jsonl(path):
+        return f"{path}:{line}", parse_prompt(record, "prompt", path, line), record_columns(record)
+    raise DataError(f"{path}: the file holds no prompts; expected {{\"prompt\": ...}} lines")
 
 
 class PromptOrder:
@@ -215,6 +234,7 @@ class RolloutRow:
     given_prompt: object = None  # the prompt as the data gave it (text or messages), for reward functions
     score: Optional[float] = None
     score_replaced: bool = False  # the source's score was invalid: `score` is reward.invalid_value
+    score_parts: dict = field(default_factory=dict)  # reward functions: each one's own score, by name
     values: Optional[torch.Tensor] = None  # [len] the critic's value of each response token's state
 
 

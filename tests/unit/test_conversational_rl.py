@@ -175,9 +175,9 @@ class RecordingRewardSource(RuleRewardSource):
         super().__init__(f"{__name__}:recording_reward")
         self.sequences: list = []  # per call: the token ids the source was given
 
-    def score_async(self, sequences, prompts, response_texts, records):
+    def score_async(self, sequences, prompts, response_texts, records, columns=None):
         self.sequences.append([list(sequence) for sequence in sequences])
-        return super().score_async(sequences, prompts, response_texts, records)
+        return super().score_async(sequences, prompts, response_texts, records, columns)
 
 
 class RecordingCritic(NullCritic):

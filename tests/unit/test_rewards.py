@@ -234,17 +234,18 @@ def test_a_module_that_fails_while_importing_is_one_line_with_its_error_and_file
         build_reward_source(section.reward)
     text = str(raised.value)
     assert "\n" not in text
-    assert text.startswith("reward function 'broken_reward:f': importing broken_reward failed: ")
+    assert text.startswith("reward.function=broken_reward:f: importing broken_reward failed: ")
     assert message.format(file=module) in text
     if message.startswith("SyntaxError"):
         assert text.endswith(f"(at {module}:2)")
 
 
 def test_a_function_that_cannot_take_prompt_and_response_is_refused_when_loaded():
-    from aligner.rl.rewards import load_function
+    from aligner.rl.rewards import RuleRewardSource
 
-    with pytest.raises(ConfigError, match=r"must take \(prompt, response_text\)"):
-        load_function("tests.unit.test_rewards:score")  # one argument
+    with pytest.raises(ConfigError, match=r"^reward.function=tests.unit.test_rewards:score: the function must take "
+                                          r"\(prompt, response, \*\*columns\): too many positional arguments$"):
+        RuleRewardSource("tests.unit.test_rewards:score")  # one argument
 
 
 def test_the_reward_function_loads_before_the_model_is_built(monkeypatch, tmp_path):

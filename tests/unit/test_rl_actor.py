@@ -255,7 +255,7 @@ def _experience_actor(cfg):
     from aligner.rl import advantages, ppo_math
 
     actor = RLActor.__new__(RLActor)
-    actor.cfg, actor.critic, actor.dp_group = cfg, None, dist.group.WORLD
+    actor.cfg, actor.critic, actor.dp_group, actor.reward_names = cfg, None, dist.group.WORLD, []
     actor.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
     actor.advantage_settings = advantages.AdvantageSettings(group_std=cfg.advantage.group_std,
                                                             std_eps=cfg.advantage.std_eps)

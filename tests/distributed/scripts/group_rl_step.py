@@ -23,7 +23,7 @@ def ones_fraction(response_text: str) -> float:
 
 
 class OnesReward:
-    def score_async(self, sequences, prompts, response_texts, records):
+    def score_async(self, sequences, prompts, response_texts, records, columns=None):
         future: Future = Future()
         future.set_result(Scores.of([ones_fraction(text) for text in response_texts]))
         return future

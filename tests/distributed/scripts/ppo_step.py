@@ -16,7 +16,7 @@ from tests.null_critic import NullCritic, done
 
 
 class DigitReward:
-    def score_async(self, sequences, prompts, response_texts, records):
+    def score_async(self, sequences, prompts, response_texts, records, columns=None):
         return done(Scores.of([float(sum(c.isdigit() for c in text)) for text in response_texts]))
 
 
