@@ -117,7 +117,7 @@ class RewardFunctionSettings(RewardChecks):
     def check_fields(self) -> Optional[tuple[str, str]]:
         problem = super().check_fields()
         if problem is None and self.function and self.functions:
-            return "functions", "set reward.function (one function) or reward.functions (a weighted list), not both"
+            return "function", "set reward.function (one function) or reward.functions (a weighted list), not both"
         return problem
 
 
@@ -281,7 +281,7 @@ class _Call:
     producer: str  # "reward function SPEC"
     what: str  # "the prompt at FILE:LINE", or the batch's prompts
     started: float  # time.monotonic()
-    started_wall: float  # time.time(): processes the call started are those created since
+    started_since_boot: float  # `_since_boot()`: processes the call started are those created since
 
 
 class _GivenUp(Exception):
@@ -373,13 +373,22 @@ def _batch_scores(value, count: int, producer: str, what: str) -> list:
     return list(value)
 
 
-def _stop_processes_started_since(started_wall: float) -> list[int]:
-    """Terminate (then kill) this process's descendants created since `started_wall` (those a hung call
-    started: a subprocess it waits on); returns their pids."""
-    margin = 0.05  # create_time is rounded down to the clock tick
+def _since_boot() -> float:
+    """Seconds since boot on the clock process start times are counted on (Linux: CLOCK_BOOTTIME, exact to
+    the clock tick; elsewhere the wall clock, which psutil's boot time may be off by a second)."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time() - psutil.boot_time()
+
+
+def _stop_processes_started_since(started: float) -> list[int]:
+    """Terminate (then kill) this process's descendants created since `started` (`_since_boot()`: those a
+    hung call started, such as a subprocess it waits on); returns their pids."""
+    margin = 0.02  # a start time is rounded down to the clock tick (10 ms)
     try:
+        boot = psutil.boot_time()
         children = [child for child in psutil.Process().children(recursive=True)
-                    if child.create_time() >= started_wall - margin]
+                    if child.create_time() - boot >= started - margin]
     except psutil.Error:
         return []
     for child in children:
@@ -499,7 +508,7 @@ class RuleRewardSource:
         change the data set for later samples), watched by the timeout; an exception becomes one RewardError
         line naming the function and `what`; _GivenUp once the watchdog has failed the job."""
         with self._lock:
-            self._call = _Call(job, function.producer, what, time.monotonic(), time.time())
+            self._call = _Call(job, function.producer, what, time.monotonic(), _since_boot())
         try:
             arguments = copy.deepcopy(function.column_arguments(columns, what))
             return function.function(copy.deepcopy(prompt), response, **arguments)
@@ -526,7 +535,7 @@ class RuleRewardSource:
                 if left > 0:
                     self._lock.wait(timeout=left)  # a call that starts meanwhile is seen within _POLL_S
                     continue
-                stopped = _stop_processes_started_since(call.started_wall)
+                stopped = _stop_processes_started_since(call.started_since_boot)
                 self._failure = RewardError(
                     f"{call.producer} did not return within reward.timeout_s={timeout:g} s for {call.what} (raise "
                     f"reward.timeout_s if its calls take that long)"
