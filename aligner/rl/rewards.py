@@ -1,24 +1,38 @@
 """Reward sources of the RL actors and rejection sampling, and the checks every score passes.
 
-    source = RuleRewardSource("package.module:function", checks)     # or RewardServerSource(client, ...)
-    pending = source.score_async(sequences, prompts, response_texts, records)   # scoring starts
-    scores = pending.result()                                        # Scores: values [B], replaced [B]
+    source = RuleRewardSource(reward_section)                       # or RewardServerSource(client, ...)
+    source.probe(prompt, columns, "prompts.jsonl:1")                 # once, before the model is built
+    pending = source.score_async(sequences, prompts, response_texts, records, columns)   # scoring starts
+    scores = pending.result()                                        # Scores: values [B], replaced [B], parts
 
-Sources answer `score_async(sequences, prompts, response_texts, records)`: sequences are the prompt +
+Sources answer `score_async(sequences, prompts, response_texts, records, columns)`: sequences are the prompt +
 response token ids (what a reward model reads), prompts as the data gave them (text or messages, what a
-reward function reads), records where each prompt came from ("file:line", for messages).
+reward function reads), records where each prompt came from ("file:line", for messages), columns each
+prompt record's other fields (a ground-truth answer, test cases: what a reward function takes by keyword).
+
+Reward functions (reward.function, or the weighted list reward.functions) are named "path/to/file.py:fn"
+(imported by its path, from the working directory) or "package.module:fn" (the working directory is
+importable). Each is called fn(prompt, response, **columns) -> float with the columns its signature names
+(every column with **kwargs; a two-argument fn(prompt, response_text) gets none), or, batched, once per
+request: fn(prompts, responses, **columns as lists) -> list of floats (TRL's reward_funcs take lists and
+the dataset's other columns as keyword lists the same way). The score is the sum of weight x each
+function's score; each function's own scores are kept (`Scores.parts`, the metrics reward/<name>).
+`probe` calls them once on the first prompt record with the response "" so that a function that cannot
+work ends the run before the model loads.
 
 Every score is checked where it is produced, by one `ScoreCheck`: a real number (int, float, a numpy
 scalar; not a str, bool, None or list), finite, |score| <= max_abs, one per response. A bad score ends
 the run with one line naming the function or server, the prompt's record and the value, or, with
 on_invalid=replace, is replaced by invalid_value and counted (each row says whether its score was).
 
-A reward function runs on a thread of its own, one call at a time, and gets a deep copy of its prompt
-(a function that edits it cannot change the data set for later samples). An exception inside it, or a
-call that runs longer than timeout_s, ends the run with one line naming the function and the prompt's
-record. A Python thread cannot be killed: the worker is a daemon thread, so the process exits without
-it. `PendingScores.result()` polls the stop flag (aligner/runtime/stopping.py): after SIGTERM/SIGINT the
-wait goes on while scores keep arriving, and ends the run once none arrived for STOP_PATIENCE_S.
+The functions run on a thread of their own, one call at a time, and get deep copies of the prompt and
+columns (a function that edits them cannot change the data set for later samples). An exception inside
+one, or a call that runs longer than timeout_s, ends the run with one line naming the function and the
+prompt's record; on a timeout the processes the call started (this process's descendants created since the
+call began) are terminated first. A Python thread cannot be killed: the worker is a daemon thread, so the
+process exits without it. `PendingScores.result()` polls the stop flag (aligner/runtime/stopping.py): after
+SIGTERM/SIGINT the wait goes on while scores keep arriving, and ends the run once none arrived for
+STOP_PATIENCE_S.
 """
 from __future__ import annotations
 

@@ -63,8 +63,10 @@ def short_checkpoint(request, tmp_path_factory, arithmetic_tokenizer_dir):
 
 @pytest.mark.parametrize("name, schema, yaml_name, overrides, build, setting", CASES, ids=[case[0] for case in CASES])
 def test_rows_longer_than_the_positions_are_refused_before_the_model_is_built(
-        tmp_path, short_checkpoint, name, schema, yaml_name, overrides, build, setting):
+        tmp_path, monkeypatch, short_checkpoint, name, schema, yaml_name, overrides, build, setting):
     save_dir = tmp_path / "checkpoints"
+    monkeypatch.chdir(tmp_path)  # the prompt file a reward function is probed on before the model (RS)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+2="}\n')
     cfg = load_config(schema, CONF_DIR / yaml_name, [f"model.init_from={short_checkpoint}", *overrides,
                                                      f"checkpoint.save_dir={save_dir}"])
     meta = short_checkpoint / "aligner_meta.json"

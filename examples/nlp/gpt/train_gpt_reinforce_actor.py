@@ -1,7 +1,7 @@
 """Group-baseline RL actor, no critic: RLOO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, REINFORCE++ (megatron TP/PP/DP).
 
     torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_reinforce_actor.py model.init_from=SFT_CHECKPOINT \
-        data.prompts=prompts.jsonl reward.source=function reward.function=package.module:function \
+        data.prompts=prompts.jsonl reward.source=function reward.function=myreward.py:function \
         [advantage.estimator=grpo ...] [key=value ...]
 
 The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; README "RL algorithms" lists each
