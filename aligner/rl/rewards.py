@@ -14,8 +14,9 @@ Reward functions (reward.function, or the weighted list reward.functions) are na
 (imported by its path, from the working directory) or "package.module:fn" (the working directory is
 importable). Each is called fn(prompt, response, **columns) -> float with the columns its signature names
 (every column with **kwargs; a two-argument fn(prompt, response_text) gets none), or, batched, once per
-request: fn(prompts, responses, **columns as lists) -> list of floats (TRL's reward_funcs take lists and
-the dataset's other columns as keyword lists the same way). The score is the sum of weight x each
+request: fn(prompts, responses, **columns as lists) -> list of floats. A batched function whose parameters
+use TRL's names gets TRL's call: fn(prompts=..., completions=..., **columns as lists) (TRL's reward_funcs
+take the batch and the dataset's other columns as keyword lists). The score is the sum of weight x each
 function's score; each function's own scores are kept (`Scores.parts`, the metrics reward/<name>).
 `probe` calls them once on the first prompt record with the response "" so that a function that cannot
 work ends the run before the model loads.
@@ -302,6 +303,18 @@ class _GivenUp(Exception):
     """The watchdog failed the running call's job: the worker ends without answering it."""
 
 
+@dataclass(frozen=True)
+class _Signature:
+    """What a reward function's signature takes."""
+
+    takes_any_column: bool = False  # **kwargs: every column is passed
+    keywords: frozenset = frozenset()  # the column names it takes by keyword
+    required: frozenset = frozenset()  # those without a default: a record must have them
+    positional: frozenset = frozenset()  # the names prompt(s) and response(s) go to (never a column's)
+    trl: bool = False  # TRL's names: completions (and prompts, if taken) passed by keyword
+    takes_prompts: bool = True  # trl: whether it takes `prompts`
+
+
 @dataclass
 class RewardFunction:
     """One loaded function of the `reward:` section, what its signature takes and how its scores count."""
@@ -312,9 +325,7 @@ class RewardFunction:
     weight: float
     batched: bool
     function: Callable
-    takes_any_column: bool  # it has **kwargs: every column is passed
-    keywords: frozenset  # the column names it takes by keyword (not its first two parameters)
-    required: frozenset  # those without a default: a record must have them
+    signature: _Signature
     check: ScoreCheck
 
     @property
@@ -323,35 +334,51 @@ class RewardFunction:
 
     def column_arguments(self, columns: dict, what: str) -> dict:
         """The keyword arguments of one call: the columns its signature takes."""
-        given = {key: value for key, value in columns.items() if key in self.keywords or (
-            self.takes_any_column and key not in self.positional)}
-        missing = sorted(self.required - given.keys())
+        taken = self.signature
+        given = {key: value for key, value in columns.items() if key in taken.keywords or (
+            taken.takes_any_column and key not in taken.positional)}
+        missing = sorted(taken.required - given.keys())
         if missing:
             raise RewardError(f"{self.producer} takes the column {missing[0]!r}, but the record of {what} has none "
                               f"(its columns: {', '.join(sorted(columns)) or 'none besides the prompt'})")
         return given
 
-    positional: frozenset = frozenset()  # the names of its first two parameters (never passed a column)
+    def __call__(self, prompt, response, columns: dict):
+        """One call: prompt(s) and response(s) positionally, or by TRL's keywords; `column_arguments`."""
+        if not self.signature.trl:
+            return self.function(prompt, response, **columns)
+        given = {"prompts": prompt} if self.signature.takes_prompts else {}
+        return self.function(completions=response, **given, **columns)
 
 
-def _function_parameters(function: Callable, said: str) -> tuple[bool, frozenset, frozenset, frozenset]:
-    """(takes **kwargs, keyword names, required keyword names, names of the two positional parameters) of
-    a reward function's signature; refuses one that cannot take (prompt, response) positionally."""
+TRL_NAMES = ("prompts", "completions")  # TRL's reward_funcs take the batch by these keywords
+
+
+def _function_parameters(function: Callable, said: str, batched: bool) -> _Signature:
+    """The signature of a reward function; refuses one that cannot take (prompt, response) positionally
+    (or, named as TRL names them, `completions` outside a batched entry)."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # no signature to read (some builtins): (prompt, response) only
-        return False, frozenset(), frozenset(), frozenset()
-    try:
-        bound = signature.bind_partial("prompt", "response")
-    except TypeError as error:
-        raise ConfigError(f"{said}: the function must take (prompt, response, **columns): {error}") from None
-    positional = frozenset(bound.arguments)
-    parameters = list(signature.parameters.values())
-    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
-    named = [parameter for parameter in parameters if parameter.name not in positional and parameter.kind in (
+        return _Signature()
+    parameters = signature.parameters
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    trl = "completions" in parameters
+    if trl and not batched:
+        raise ConfigError(f"{said}: the function takes TRL's `completions` (a batch of responses): list it in "
+                          "reward.functions with batched: true")
+    if trl:
+        positional = frozenset(TRL_NAMES)
+    else:
+        try:
+            positional = frozenset(signature.bind_partial("prompt", "response").arguments)
+        except TypeError as error:
+            raise ConfigError(f"{said}: the function must take (prompt, response, **columns): {error}") from None
+    named = [parameter for parameter in parameters.values() if parameter.name not in positional and parameter.kind in (
         inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     required = frozenset(parameter.name for parameter in named if parameter.default is inspect.Parameter.empty)
-    return takes_any, frozenset(parameter.name for parameter in named), required, positional
+    return _Signature(takes_any, frozenset(parameter.name for parameter in named), required, positional, trl,
+                      "prompts" in parameters or takes_any)
 
 
 def load_reward_functions(settings: "RewardFunctionSettings") -> list[RewardFunction]:
@@ -361,7 +388,7 @@ def load_reward_functions(settings: "RewardFunctionSettings") -> list[RewardFunc
     for key, entry in settings.function_entries():
         said = f"{key}={entry.function}"
         function = load_function(entry.function, key)
-        takes_any, keywords, required, positional = _function_parameters(function, said)
+        signature = _function_parameters(function, said, entry.batched)
         name = entry.name or entry.function.rpartition(":")[2]
         if name in names:
             raise ConfigError(f"{said}: its metric name reward/{name} is {names[name]}'s too: give one of them a "
@@ -369,8 +396,7 @@ def load_reward_functions(settings: "RewardFunctionSettings") -> list[RewardFunc
         names[name] = key
         functions.append(RewardFunction(
             key=key, spec=entry.function, name=name, weight=float(entry.weight), batched=entry.batched,
-            function=function, takes_any_column=takes_any, keywords=keywords, required=required,
-            check=ScoreCheck(f"reward function {entry.function}", settings), positional=positional))
+            function=function, signature=signature, check=ScoreCheck(f"reward function {entry.function}", settings)))
     if not functions:
         raise ConfigError("reward.source=function needs reward.function='path/to/file.py:function' (or "
                           "'module:function', or a list in reward.functions)")
@@ -525,7 +551,7 @@ class RuleRewardSource:
             self._call = _Call(job, function.producer, what, time.monotonic(), _since_boot())
         try:
             arguments = copy.deepcopy(function.column_arguments(columns, what))
-            return function.function(copy.deepcopy(prompt), response, **arguments)
+            return function(copy.deepcopy(prompt), response, arguments)
         except RewardError:
             raise
         except BaseException as error:  # noqa: BLE001 - SystemExit too: it would end only this thread

@@ -54,6 +54,12 @@ def one_number(prompts, responses):
     return 1.0
 
 
+def trl_accuracy(completions, answer, **kwargs):
+    """A TRL reward function: the batch by keyword (prompts among the other keywords)."""
+    SEEN.append(("trl_accuracy", completions, answer, kwargs))
+    return [float(completion.strip() == truth) for completion, truth in zip(completions, answer)]
+
+
 @pytest.fixture(autouse=True)
 def fresh_log():
     SEEN.clear()
@@ -122,6 +128,17 @@ def test_a_weighted_list_sums_the_scores_and_keeps_each_function_s():
 def test_a_batched_function_gets_lists_once_per_request():
     score(source([f"reward.functions=[{{function: {HERE}:lengths, batched: true}}]"]))
     assert SEEN == [("lengths", PROMPTS, RESPONSES, [column["answer"] for column in COLUMNS])]
+
+
+def test_a_trl_reward_function_gets_the_batch_by_trl_s_keywords():
+    scores = score(source([f"reward.functions=[{{function: {HERE}:trl_accuracy, batched: true}}]"]))
+    assert scores.values.tolist() == [1.0, 0.0, 1.0]
+    assert SEEN == [("trl_accuracy", RESPONSES, [column["answer"] for column in COLUMNS],
+                     {"prompts": PROMPTS, "level": [1, 2, 1]})]
+    with pytest.raises(ConfigError) as raised:
+        source([f"reward.function={HERE}:trl_accuracy"])
+    assert str(raised.value) == (f"reward.function={HERE}:trl_accuracy: the function takes TRL's `completions` (a "
+                                 "batch of responses): list it in reward.functions with batched: true")
 
 
 def test_a_batched_function_that_returns_no_list_is_one_line():
