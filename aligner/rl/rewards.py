@@ -29,11 +29,11 @@ on_invalid=replace, is replaced by invalid_value and counted (each row says whet
 The functions run on a thread of their own, one call at a time, and get deep copies of the prompt and
 columns (a function that edits them cannot change the data set for later samples). An exception inside
 one, or a call that runs longer than timeout_s, ends the run with one line naming the function and the
-prompt's record; on a timeout the processes the call started (this process's descendants created since the
-call began) are terminated first. A Python thread cannot be killed: the worker is a daemon thread, so the
-process exits without it. `PendingScores.result()` polls the stop flag (aligner/runtime/stopping.py): after
-SIGTERM/SIGINT the wait goes on while scores keep arriving, and ends the run once none arrived for
-STOP_PATIENCE_S.
+prompt's record; on a timeout, or when a stop request gives the wait up, the processes the call started
+(this process's descendants created since the call began) are terminated first. A Python thread cannot
+be killed: the worker is a daemon thread, so the process exits without it. `PendingScores.result()` polls
+the stop flag (aligner/runtime/stopping.py): after SIGTERM/SIGINT the wait goes on while scores keep
+arriving, and ends the run once none arrived for STOP_PATIENCE_S.
 """
 from __future__ import annotations
 
@@ -233,13 +233,19 @@ def wait_for(future: Future, waiting_for: Callable[[], str], progress: Callable[
 
 
 class PendingScores:
-    """Scores on their way; `result()` waits for them (see `wait_for`) and returns the checked `Scores`."""
+    """Scores on their way; `result()` waits for them (see `wait_for`) and returns the checked `Scores`.
+    on_abandon: called when a stop request gives the wait up (stops what the running call started)."""
 
-    def __init__(self, future: Future, waiting_for: Callable[[], str], progress: Callable[[], int] = lambda: 0):
-        self.future, self.waiting_for, self.progress = future, waiting_for, progress
+    def __init__(self, future: Future, waiting_for: Callable[[], str], progress: Callable[[], int] = lambda: 0,
+                 on_abandon: Callable[[], None] = lambda: None):
+        self.future, self.waiting_for, self.progress, self.on_abandon = future, waiting_for, progress, on_abandon
 
     def result(self) -> Scores:
-        return wait_for(self.future, self.waiting_for, self.progress)
+        try:
+            return wait_for(self.future, self.waiting_for, self.progress)
+        except stopping.Interrupted:
+            self.on_abandon()
+            raise
 
 
 # ----------------------------------------------------------------------------- sources
@@ -491,7 +497,13 @@ class RuleRewardSource:
             else:
                 self._jobs.append(job)
                 self._lock.notify_all()
-        return PendingScores(job.future, self.waiting_for, lambda: self._calls_done)
+        return PendingScores(job.future, self.waiting_for, lambda: self._calls_done, self._stop_running_call)
+
+    def _stop_running_call(self) -> None:
+        """Stop the processes the running call started (the run is given up while it hangs)."""
+        call = self._call
+        if call is not None:
+            _stop_processes_started_since(call.started_since_boot)
 
     def waiting_for(self) -> str:
         call = self._call

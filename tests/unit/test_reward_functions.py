@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -259,23 +260,47 @@ def test_a_missing_reward_file_names_the_working_directory(tmp_path, monkeypatch
                                  f"(a relative path is read from the working directory {tmp_path})")
 
 
-# ----------------------------------------------------------------------------- a call past the timeout
-def test_the_processes_a_call_past_the_timeout_started_are_stopped(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    (tmp_path / "spawning.py").write_text(textwrap.dedent(f"""
+# ----------------------------------------------------------------------------- a hung call's processes
+def spawning_function(directory) -> str:
+    """A reward file whose function starts a process, writes its pid, and waits on it (a sandbox that hangs)."""
+    (directory / "spawning.py").write_text(textwrap.dedent(f"""
         import subprocess, sys
 
         def f(prompt, response):
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            open({str(pid_file)!r}, "w").write(str(child.pid))
+            open({str(directory / "child.pid")!r}, "w").write(str(child.pid))
             child.wait()
             return 0.0
     """))
-    rule = RuleRewardSource(f"{tmp_path / 'spawning.py'}:f", RewardChecks(timeout_s=1.0))
+    return f"{directory / 'spawning.py'}:f"
+
+
+def stopped(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_processes_a_call_past_the_timeout_started_are_stopped(tmp_path):
+    rule = RuleRewardSource(spawning_function(tmp_path), RewardChecks(timeout_s=1.0))
     with pytest.raises(RewardError) as raised:
         rule.score_async([[1]], ["1+2="], ["3"], ["p.jsonl:1"]).result()
     assert str(raised.value) == (f"reward function {tmp_path / 'spawning.py'}:f did not return within "
                                  "reward.timeout_s=1 s for the prompt at p.jsonl:1 (raise reward.timeout_s if its "
                                  "calls take that long); the 1 process(es) it started were stopped")
-    child = int(pid_file.read_text())
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert stopped(int((tmp_path / "child.pid").read_text()))
+
+
+def test_the_processes_of_a_call_hung_at_a_stop_request_are_stopped(tmp_path, monkeypatch):
+    from aligner.rl import rewards
+    from aligner.runtime import stopping
+
+    monkeypatch.setattr(rewards, "STOP_PATIENCE_S", 0.4)
+    rule = RuleRewardSource(spawning_function(tmp_path), RewardChecks(timeout_s=60.0))
+    pending = rule.score_async([[1]], ["1+2="], ["3"], ["p.jsonl:1"])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int((tmp_path / "child.pid").read_text())
+    monkeypatch.setattr(stopping._state, "signal_number", 15)  # as the handler records a SIGTERM
+    with pytest.raises(stopping.Interrupted, match="sent no score for 0.4 s after the signal"):
+        pending.result()
+    assert stopped(child)
