@@ -62,7 +62,7 @@ def lr_warning(lr: float, method: str, lora: bool, num_parameters: float) -> Opt
     if row is None or lr <= 0:
         return None
     ratio = lr / row.lr
-    if 1 / FAR <= ratio <= FAR:
+    if 1 / FAR <= ratio * (1 + 1e-9) and ratio <= FAR * (1 + 1e-9):  # (1e-5 / 1e-6 is 10.000000000000002)
         return None
     how = f"{ratio:.0f}x above" if ratio > 1 else f"{1 / ratio:.0f}x below"
     kind = "LoRA" if lora else "full-weight"
