@@ -168,7 +168,7 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
     if cfg.model.init_from and cfg.LR_METHOD is not None:  # fine-tuning a pretrained model: is the lr a known one?
         warning = lr_warning(cfg.optim.lr, cfg.LR_METHOD, built.peft_meta is not None, num_parameters(model_cfg))
         if warning is not None:
-            get_logger().warning(f"warning: {warning}")
+            get_logger().info(f"warning: {warning}")  # (info: rank 0 alone prints it)
     scheduler = build_scheduler(built.optimizer, cfg.optim, total_steps if optimizer_steps is None else optimizer_steps)
     return Trainer(
         name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint, objective=objective,
@@ -188,7 +188,7 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 
     warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
     if optim.warmup_steps and optim.warmup_steps >= total_steps:
-        get_logger().warning(
+        get_logger().info(  # (info: rank 0 alone prints it)
             f"warning: optim.warmup_steps={optim.warmup_steps} is not shorter than the run's {total_steps} optimizer "
             f"steps: the warm-up is cut to {warmup}, so the first step trains at lr 0 and only the last at "
             f"optim.lr={optim.lr:g}; set optim.warmup_steps below {total_steps} (0: no warm-up)")
