@@ -188,10 +188,11 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 
     warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
     if optim.warmup_steps and optim.warmup_steps >= total_steps:
+        effect = (f"the warm-up is cut to {warmup}, so the first step trains at lr 0 and only the last at "
+                  f"optim.lr={optim.lr:g}" if warmup else "the warm-up is dropped")
         get_logger().info(  # (info: rank 0 alone prints it)
             f"warning: optim.warmup_steps={optim.warmup_steps} is not shorter than the run's {total_steps} optimizer "
-            f"steps: the warm-up is cut to {warmup}, so the first step trains at lr 0 and only the last at "
-            f"optim.lr={optim.lr:g}; set optim.warmup_steps below {total_steps} (0: no warm-up)")
+            f"steps: {effect}; set optim.warmup_steps below {total_steps} (0: no warm-up)")
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup else optim.lr,

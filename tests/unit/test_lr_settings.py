@@ -63,6 +63,9 @@ def test_a_warm_up_not_shorter_than_the_run_is_one_warning_line(capsys):
         "(0: no warm-up)"), lines
     _lrs(OptimConfig(lr=1e-5, warmup_steps=2), 3)
     assert "warning" not in capsys.readouterr().out
+    assert _lrs(OptimConfig(lr=1e-5, warmup_steps=5), 1) == [1e-5]  # one step: no warm-up at all
+    assert capsys.readouterr().out.strip().endswith("the run's 1 optimizer steps: the warm-up is dropped; set "
+                                                    "optim.warmup_steps below 1 (0: no warm-up)")
 
 
 def test_lr_far_from_the_known_rate_is_one_warning_and_toy_models_get_none():
