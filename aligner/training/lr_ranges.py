@@ -4,11 +4,11 @@ A run whose `optim.lr` is more than FAR times above or below the known rate for 
 adapters gets one warning line at start-up (never a refusal: the table is advice, not a limit). Toy
 models (fewer than SMALLEST_MODEL parameters) and random inits get no advice.
 
-Sources: TRL's trainer defaults (SFTConfig 2e-5, DPOConfig 1e-6, KTOConfig 1e-6, GRPOConfig 1e-6) for
-full-weight runs; LoRA adapters tolerate about 10x the full-weight rate (TRL's LoRA examples, LoRA
-papers); for models under 1B parameters, what the recipes in conf/recipes/ measured on
-SmolLM2-135M-Instruct (tests/real_model/test_recipes.py) and what examples/demo/run_demo_real.py runs
-(RLOO at 1e-3 and DPO at 3e-4 with rank-16 adapters).
+Sources: TRL's trainer defaults (SFTConfig 2e-5, DPOConfig 1e-6, GRPOConfig 1e-6) for full-weight runs;
+for models under 1B parameters, what the recipes in conf/recipes/ measured on SmolLM2-135M-Instruct
+(tests/real_model/test_recipes.py) and what examples/demo/run_demo_real.py runs (RLOO at 1e-3 and DPO at
+3e-4 with rank-16 adapters, which read those recipes). The LoRA rows for 1B+ models are the common rule
+that adapters take about 10x the full-weight rate, not a measurement.
 """
 from __future__ import annotations
 
