@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Type, TypeVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner.runtime.errors import ConfigError, UserError
@@ -121,21 +121,19 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     pairs): keys that are no longer settings, dropped with a 'deprecated' line.
     """
     yaml_path = Path(yaml_path)
-    if not yaml_path.is_file():
-        raise ConfigError(f"config file {yaml_path} does not exist")
     renames = getattr(schema, "RENAMED_KEYS", ())
     retired = getattr(schema, "RETIRED_KEYS", ())
-    base = OmegaConf.structured(schema)
-    try:
-        from_file = OmegaConf.load(yaml_path)
-        notes = (apply_renamed_keys(from_file, renames, str(yaml_path))
-                 + drop_retired_keys(from_file, retired, str(yaml_path)))
-        _check_shapes(schema, from_file, lambda key: _in_file(yaml_path, key))
-        merged = OmegaConf.merge(base, from_file)
-    except OmegaConfBaseException as error:
-        raise ConfigError(f"{_in_file(yaml_path, getattr(error, 'full_key', None))}{_describe(error)}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{yaml_path}:{_yaml_problem(error)}") from None
+    merged = OmegaConf.structured(schema)
+    notes, layers = [], []
+    for path, from_file in _config_files(yaml_path):  # the file it extends first, then the file itself
+        try:
+            notes += apply_renamed_keys(from_file, renames, str(path))
+            notes += drop_retired_keys(from_file, retired, str(path))
+            _check_shapes(schema, from_file, lambda key, path=path: _in_file(path, key))
+            merged = OmegaConf.merge(merged, from_file)
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"{_in_file(path, getattr(error, 'full_key', None))}{_describe(error)}") from None
+        layers.append((path, from_file))
     bad = [item for item in overrides if "=" not in item or item.startswith("=")]
     if bad:
         raise ConfigError(f"overrides must look like key=value (dotted keys allowed); got {bad}")
@@ -159,12 +157,44 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     except OmegaConfBaseException as error:
         # Interpolations and missing values are resolved here, whichever source set them.
         key = getattr(error, "full_key", None)
-        where = on_command_line if _set_by(from_command_line, key) else _in_file(yaml_path, key)
+        setting_file = next((path for path, node in reversed(layers) if _set_by(node, key)), yaml_path)
+        where = on_command_line if _set_by(from_command_line, key) else _in_file(setting_file, key)
         raise ConfigError(f"{where}{_describe(error)}") from None
     check_values(config)
     for note in notes:
         print(note, file=sys.stderr)
     return config
+
+
+EXTENDS_KEY = "extends"
+
+
+def _config_files(yaml_path: Path) -> list[tuple[Path, Any]]:
+    """[(path, its omegaconf node)] of a config file and the files it extends, the farthest first.
+
+    A file may start with `extends: OTHER.yaml` (relative to its own directory): it then holds only the
+    keys it changes, merged over OTHER's (the recipes in conf/recipes/ extend an entry point's yaml)."""
+    files, seen = [], []
+    path: Optional[Path] = yaml_path
+    while path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist" if not files else
+                              f"{_in_file(files[0][0], EXTENDS_KEY)}extends {path}, which does not exist")
+        if path.resolve() in seen:
+            raise ConfigError(f"{_in_file(files[0][0], EXTENDS_KEY)}extends {path}, which extends it back (a cycle)")
+        seen.append(path.resolve())
+        try:
+            node = OmegaConf.load(path)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}:{_yaml_problem(error)}") from None
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"{_in_file(path, getattr(error, 'full_key', None))}{_describe(error)}") from None
+        extends = node.pop(EXTENDS_KEY, None) if isinstance(node, DictConfig) else None
+        if extends is not None and not isinstance(extends, str):
+            raise ConfigError(f"{_in_file(path, EXTENDS_KEY)}{EXTENDS_KEY} must name one yaml file, got {extends!r}")
+        files.insert(0, (path, node))
+        path = path.parent / extends if extends else None
+    return files
 
 
 # ----------------------------------------------------------------------------- where a bad value is

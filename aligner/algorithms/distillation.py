@@ -132,6 +132,7 @@ class KDSection:
 class KDConfig(RunConfig):
     """conf/gpt_knowledge_distillation.yaml: the shared run sections plus `kd` and `data`."""
 
+    LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_knowledge_distillation"
     kd: KDSection = field(default_factory=KDSection)
     data: KDDataConfig = field(default_factory=KDDataConfig)

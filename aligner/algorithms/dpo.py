@@ -50,6 +50,7 @@ class DPOSection:
 class DPOConfig(RunConfig):
     """conf/gpt_dpo.yaml: the shared run sections plus `dpo` and `data`."""
 
+    LR_METHOD = "preference"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_dpo"
     dpo: DPOSection = field(default_factory=DPOSection)
     data: DataSection = field(default_factory=DataSection)

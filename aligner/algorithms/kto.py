@@ -42,6 +42,7 @@ class KTOSection:
 class KTOConfig(RunConfig):
     """conf/gpt_kto.yaml: the shared run sections plus `kto` and `data`."""
 
+    LR_METHOD = "preference"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_kto"
     kto: KTOSection = field(default_factory=KTOSection)
     data: DataSection = field(default_factory=DataSection)

@@ -95,6 +95,7 @@ class RSTrainerConfig:
 class RSConfig(RunConfig):
     """conf/gpt_rs.yaml: the shared run sections plus `rs`, `reward`, and RS's own `trainer` and `data`."""
 
+    LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_rs"
     rs: RSSection = field(default_factory=RSSection)
     reward: RSRewardSection = field(default_factory=RSRewardSection)

@@ -242,6 +242,7 @@ class RLActorConfig(RunConfig):
     """conf/gpt_ppo_actor.yaml, conf/gpt_reinforce_actor.yaml. trainer.global_batch_size = responses per
     minibatch (optimizer step); trainer.max_steps = rollout rounds; trainer.limit_val_samples = validation prompts."""
 
+    LR_METHOD = "rl"  # its row in aligner/training/lr_ranges.py
     RENAMED_KEYS: ClassVar[tuple] = _renamed_update_keys("ppo") + _renamed_update_keys("reinforce")
 
     name: str = "gpt_rl_actor"

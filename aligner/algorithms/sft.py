@@ -32,6 +32,7 @@ class SFTDataConfig(DataSection):
 class SFTConfig(RunConfig):
     """conf/gpt_sft.yaml: the shared run sections plus `data`."""
 
+    LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_sft"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
 

@@ -99,6 +99,7 @@ class SPINDataConfig:
 class SPINConfig(RunConfig):
     """conf/gpt_spin.yaml: the shared run sections plus `spin`, with SPIN's own `trainer` and `data`."""
 
+    LR_METHOD = "preference"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_spin"
     spin: SPINSection = field(default_factory=SPINSection)
     trainer: SPINTrainerConfig = field(default_factory=SPINTrainerConfig)

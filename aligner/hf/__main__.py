@@ -4,6 +4,7 @@
     python -m aligner.hf import --gguf FILE.gguf --output CHECKPOINT_DIR [--dtype float32|bfloat16]
     python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
     python -m aligner.hf export --checkpoint LORA_CHECKPOINT --output DIR [--lora merge|peft] [--base BASE_CHECKPOINT]
+        [--base-model HF_DIR_OR_HUB_ID]   (--lora peft: the base adapter_config.json names; default OUTPUT/base)
     (either command: [--overwrite])
 
 Both run in one process at TP=1/PP=1; the imported checkpoint loads at any TP/PP layout, and a
@@ -55,6 +56,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
     to_hf.add_argument("--base", default=None,
                        help="a LoRA adapter checkpoint's base checkpoint (default: the path it recorded)")
+    to_hf.add_argument("--base-model", default=None,
+                       help="--lora peft: the HF model (directory or Hub id) adapter_config.json names as the base, "
+                            "instead of the HF export of the base written to OUTPUT/base (the default, which "
+                            "AutoPeftModelForCausalLM.from_pretrained(OUTPUT) loads)")
     for command in (to_aligner, to_hf):
         command.add_argument("--overwrite", action="store_true",
                              help="replace a non-empty --output that is not an earlier result of this command "
@@ -78,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"imported {args.hf_dir} -> {path}")
     else:
         path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base,
-                         overwrite=args.overwrite)
+                         base_model=args.base_model, overwrite=args.overwrite)
         print(f"exported {args.checkpoint} -> {path}")
 
 

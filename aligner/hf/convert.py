@@ -402,6 +402,7 @@ def _special_token_ids(checkpoint_dir: Path, source: dict) -> dict[str, Optional
 
 LORA_EXPORTS = ("merge", "peft")
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_BASE_DIR = "base"  # a PEFT export's HF base, which its adapter_config.json names
 
 
 def export_hf(
@@ -412,6 +413,7 @@ def export_hf(
     dtype: Optional[str] = None,
     lora: str = "merge",
     base: Optional[str | os.PathLike] = None,
+    base_model: Optional[str] = None,
     overwrite: bool = False,
 ) -> Path:
     """Write an aligner checkpoint as an HF model directory (config.json, model.safetensors, tokenizer).
@@ -421,8 +423,11 @@ def export_hf(
     The checkpoint may have been saved at any TP/PP layout; it is loaded at TP=1/PP=1 here.
     A LoRA adapter checkpoint is loaded onto its base (`base`, default the path it recorded) and written
     either merged into the weights (lora="merge": a plain HF model) or as a PEFT adapter directory
-    (lora="peft": adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained`
-    on the HF export of the base).
+    (lora="peft": adapter_config.json + adapter_model.safetensors, plus the HF export of the base in
+    `<output>/base`, which adapter_config.json's base_model_name_or_path names by its absolute path, so
+    `peft.AutoPeftModelForCausalLM.from_pretrained(output)` loads base and adapters in one call).
+    base_model (lora="peft" only): name this HF model (a directory or a Hub id) as the base instead of writing
+    `<output>/base`, e.g. the Hub model the base checkpoint was imported from, to publish the adapters alone.
     `output_dir` must be new, empty or an earlier export's directory (it holds aligner_export.json), unless
     `overwrite`; never the checkpoint or its base.
     """
@@ -440,6 +445,11 @@ def export_hf(
     if peft_meta is None and (lora == "peft" or base is not None):
         raise ConfigError(f"{checkpoint_dir} is a whole model, not LoRA adapters: --lora peft and --base apply to "
                           "adapter checkpoints")
+    if base_model is not None and lora != "peft":
+        raise ConfigError("--base-model names the HF base of a PEFT adapter export: it needs --lora peft")
+    if base_model is not None and os.path.exists(base_model) and not is_hf_model_dir(base_model):
+        raise ConfigError(f"--base-model {base_model} is not a Hugging Face model directory (no config.json); "
+                          "give one, or a Hub model id")
     base_dir = lora_adapters.adapter_base(checkpoint_dir, peft_meta, base) if peft_meta is not None else None
     cfg = GPTConfig.from_dict(meta["model"])
     source = read_hf_source(checkpoint_dir) or (read_hf_source(base_dir) if base_dir is not None else {})
@@ -450,6 +460,8 @@ def export_hf(
     hf_config = hf_config_from_gpt(cfg, arch, dtype=dtype, **_special_token_ids(checkpoint_dir, source))
     record = {"checkpoint": str(checkpoint_dir.resolve()), "arch": arch, "dtype": dtype,
               "base": None if base_dir is None else str(base_dir.resolve()), "lora": None if base_dir is None else lora}
+    if lora == "peft":
+        record["base_model"] = base_model or str(output_dir.resolve() / PEFT_BASE_DIR)
 
     inputs += [base_dir] if base_dir is not None else []
     with _staged_output(output_dir, inputs=inputs, record_file=EXPORT_RECORD_FILE, overwrite=overwrite) as staging:
@@ -463,34 +475,51 @@ def export_hf(
                 lora_adapters.merge([model])
             megatron_state = {name: t for name, t in model.state_dict().items()
                               if not name.endswith("_extra_state") and not lora_adapters.is_adapter_key(name)}
+        # the merged model, or (PEFT) the base the adapters go onto: the same weights without them
+        hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
         if lora == "peft":
             hf_adapters = lora_to_hf(adapters, cfg, arch)
-            hf_state = {f"base_model.model.{module}.lora_{part}.weight": tensor.to(_DTYPES[dtype])
-                        for module, pair in hf_adapters.items() for part, tensor in zip("AB", pair)}
+            adapter_state = {f"base_model.model.{module}.lora_{part}.weight": tensor.to(_DTYPES[dtype])
+                             for module, pair in hf_adapters.items() for part, tensor in zip("AB", pair)}
             adapter_config = {
                 "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft_meta["rank"], "lora_alpha": peft_meta["alpha"],
                 "lora_dropout": peft_meta["dropout"], "bias": "none", "use_rslora": False,
                 "fan_in_fan_out": arch == "gpt2",
                 # the modules' last two name parts: GPT-2 has a c_proj in attention and in the MLP
                 "target_modules": sorted({".".join(module.split(".")[-2:]) for module in hf_adapters}),
-                "base_model_name_or_path": source.get("source_dir") or str(base_dir), "inference_mode": True,
+                "base_model_name_or_path": record["base_model"], "inference_mode": True,
             }
-        else:
-            hf_state = {name: t.to(_DTYPES[dtype]) for name, t in megatron_to_hf(megatron_state, cfg, arch).items()}
 
         if _is_rank_zero():
+            tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
             if lora == "peft":
                 (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-                save_file(hf_state, str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+                save_file(adapter_state, str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+                _copy_files(tokenizer_dir, staging)
+                if base_model is None:
+                    (staging / PEFT_BASE_DIR).mkdir()
+                    _write_hf_model(staging / PEFT_BASE_DIR, hf_config, hf_state, source, tokenizer_dir)
             else:
-                hf_config.save_pretrained(str(staging))
-                save_file(hf_state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-                if source.get("generation_config"):
-                    (staging / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
-            tokenizer_dir = checkpoint_dir / checkpointing.TOKENIZER_DIR
-            if tokenizer_dir.is_dir():
-                for path in tokenizer_dir.iterdir():
-                    if path.is_file():
-                        shutil.copy2(path, staging / path.name)
+                _write_hf_model(staging, hf_config, hf_state, source, tokenizer_dir)
             (staging / EXPORT_RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     return output_dir
+
+
+def _copy_files(source: Path, target: Path) -> None:
+    """The files (not directories) of `source`, if it exists, into `target`."""
+    if source.is_dir():
+        for path in source.iterdir():
+            if path.is_file():
+                shutil.copy2(path, target / path.name)
+
+
+def _write_hf_model(directory: Path, hf_config, hf_state: dict[str, torch.Tensor], source: dict,
+                    tokenizer_dir: Path) -> None:
+    """An HF model directory: config.json, model.safetensors, the source's generation config, the tokenizer."""
+    from safetensors.torch import save_file
+
+    hf_config.save_pretrained(str(directory))
+    save_file(hf_state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if source.get("generation_config"):
+        (directory / "generation_config.json").write_text(json.dumps(source["generation_config"], indent=2))
+    _copy_files(tokenizer_dir, directory)

@@ -19,7 +19,7 @@ STATE_KEY = "schedule_settings"  # where a trainer's state_dict records the sett
 def schedule_settings(optim, length: dict[str, int]) -> dict[str, Any]:
     """The settings an LR schedule is built from, by config key. optim: the `optim:` section;
     length: the settings that set the run's length, e.g. {"trainer.max_steps": 100}."""
-    return {"optim.lr": optim.lr, "optim.min_lr": optim.min_lr, "optim.warmup_steps": optim.warmup_steps,
+    return {"optim.lr": optim.lr, "optim.min_lr": optim.final_lr, "optim.warmup_steps": optim.warmup_steps,
             "optim.decay_style": optim.decay_style, **length}
 
 

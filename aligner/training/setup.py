@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -18,10 +18,12 @@ from aligner.models.lora import PEFTConfig
 from aligner.runtime import distributed
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
-from aligner.training.metrics import LoggingConfig
+from aligner.training.lr_ranges import lr_warning
+from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.trainer import CheckpointConfig, TrainerConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
+MIN_LR_FRACTION = 0.1  # optim.min_lr: null decays to this fraction of optim.lr
 
 
 @dataclass
@@ -29,7 +31,8 @@ class OptimConfig:
     """The `optim:` section."""
 
     lr: float = at_least(0.0, 1e-4)
-    min_lr: float = at_least(0.0, 1e-5)
+    # where the cosine/linear decay ends; null: 0.1 x lr (MIN_LR_FRACTION), so setting lr alone is enough
+    min_lr: Optional[float] = at_least(0.0, None, "null: 0.1 x lr")
     weight_decay: float = at_least(0.0, 0.01)
     betas: list = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
@@ -38,9 +41,15 @@ class OptimConfig:
     clip_grad: float = at_least(0.0, 1.0, "0: no clipping")
 
     def check_fields(self) -> Optional[tuple[str, str]]:
-        if self.decay_style != "constant" and self.min_lr > self.lr:
-            return "min_lr", f"the {self.decay_style} decay ends at min_lr, which must not exceed lr={self.lr}"
+        if self.decay_style != "constant" and self.min_lr is not None and self.min_lr > self.lr:
+            return "min_lr", (f"the {self.decay_style} decay ends at min_lr, which must not exceed lr={self.lr} "
+                              f"(null: {MIN_LR_FRACTION} x lr)")
         return None
+
+    @property
+    def final_lr(self) -> float:
+        """The rate the decay ends at: min_lr, or MIN_LR_FRACTION x lr when min_lr is null."""
+        return MIN_LR_FRACTION * self.lr if self.min_lr is None else self.min_lr
 
 
 def check_trainable(config) -> None:
@@ -96,7 +105,7 @@ def build_optimizer(chunks: list[torch.nn.Module], optim: OptimConfig, params_dt
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
-        min_lr=optim.min_lr,
+        min_lr=optim.final_lr,
         weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1],
@@ -156,6 +165,10 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
     from aligner.training.trainer import Trainer
 
     model_cfg = built.model_cfg
+    if cfg.model.init_from and cfg.LR_METHOD is not None:  # fine-tuning a pretrained model: is the lr a known one?
+        warning = lr_warning(cfg.optim.lr, cfg.LR_METHOD, built.peft_meta is not None, num_parameters(model_cfg))
+        if warning is not None:
+            get_logger().info(f"warning: {warning}")  # (info: rank 0 alone prints it)
     scheduler = build_scheduler(built.optimizer, cfg.optim, total_steps if optimizer_steps is None else optimizer_steps)
     return Trainer(
         name=cfg.name, trainer_cfg=cfg.trainer, checkpoint_cfg=cfg.checkpoint, objective=objective,
@@ -174,11 +187,17 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+    if optim.warmup_steps and optim.warmup_steps >= total_steps:
+        effect = (f"the warm-up is cut to {warmup}, so the first step trains at lr 0 and only the last at "
+                  f"optim.lr={optim.lr:g}" if warmup else "the warm-up is dropped")
+        get_logger().info(  # (info: rank 0 alone prints it)
+            f"warning: optim.warmup_steps={optim.warmup_steps} is not shorter than the run's {total_steps} optimizer "
+            f"steps: {effect}; set optim.warmup_steps below {total_steps} (0: no warm-up)")
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup else optim.lr,
         max_lr=optim.lr,
-        min_lr=optim.min_lr if optim.decay_style != "constant" else optim.lr,
+        min_lr=optim.final_lr if optim.decay_style != "constant" else optim.lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=max(total_steps, warmup + 1),
         lr_decay_style=optim.decay_style,
@@ -462,6 +481,9 @@ class DataSection:
 @dataclass
 class RunConfig:
     """The sections every training entry point's config has; algorithms add theirs (and `data`)."""
+
+    # The method's row in aligner/training/lr_ranges.py (sft | preference | rl) for the lr warning; None: no advice
+    LR_METHOD: ClassVar[Optional[str]] = None
 
     name: str = "run"
     seed: int = 1234

@@ -31,36 +31,37 @@ GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
 MAX_NEW_TOKENS = 48  # answers are cut here in training and evaluation alike
 HELDOUT_PROMPTS = 200
 TRAIN_PROMPTS = 1024
-LORA = ["peft.scheme=lora", "peft.rank=16", "peft.alpha=32"]
 QUIET = ["logging.progress_bar=false"]
+RECIPES = REPO_ROOT / "conf" / "recipes"  # the settings users copy; the demo adds only its own
 
-# RLOO: 8 prompts x 4 samples per step at temperature 0.7, one update per step on LoRA adapters. RLOO, not
-# GRPO: its advantages keep the reward's scale, so the KL penalty weighs the same in every group. The KL
-# coefficient is what keeps the general answers: at 0.01 and 0.03 the policy learned to wrap every answer in
-# quotation marks ('"SmolLM"' for the capital of France); 0.05 keeps them (README, "Real model").
+# The GRPO-family LoRA recipe (8 prompts x 4 samples per step at temperature 0.7, one update per step on rank-16
+# adapters, lr 1e-3, KL coefficient 0.05), with RLOO's estimator: its advantages keep the reward's scale, so the
+# KL penalty weighs the same in every group. The KL coefficient is what keeps the general answers: at 0.01 and
+# 0.03 the policy learned to wrap every answer in quotation marks ('"SmolLM"' for the capital of France); 0.05
+# keeps them (README, "Real model").
+RL_RECIPE = RECIPES / "smollm2_grpo_lora.yaml"
 RL_OVERRIDES = [
-    "reward.source=function", "reward.function=aligner.demo.instructions:score_response",
+    "reward.function=aligner.demo.instructions:score_response",
     "advantage.estimator=rloo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
-    "generation.temperature=0.7", "generation.micro_batch_size=32", "rollout.prompts_per_step=8",
-    "rollout.samples_per_prompt=4", "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
-    "trainer.max_steps=24", "optim.lr=1e-3", "kl.init_coef=0.05",
+    "generation.micro_batch_size=32", "trainer.max_steps=24",
     # the KL penalty's policy logprobs from the engine (same fp32 forward; mismatch ~3e-5): no extra pass
     "loss.recompute_old_logprobs=false",
-    "checkpoint.save_interval=0", *LORA, *QUIET,
+    "checkpoint.save_interval=0", *QUIET,
 ]
 
 # Iterative DPO from the model's own samples: each round samples 4 answers to 128 new training prompts at
 # T=0.7 from the current model (at T=1 a 135M model's samples, trained on by the NLL term, taught it
 # "Rayleigh Scavenger Hunt"), pairs the checker's best with its worst, and trains new LoRA adapters on
-# the current model (merged), which is also the round's reference.
+# the current model (merged), which is also the round's reference: the DPO LoRA recipe (rank 16, lr 3e-4,
+# beta 0.1) with an NLL term on the chosen answers, two epochs at a constant lr.
 DPO_ROUNDS, DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 2, 128, 4
 DPO_SAMPLING = ["sampling.temperature=0.7"]
+DPO_RECIPE = RECIPES / "smollm2_dpo_lora.yaml"
 DPO_OVERRIDES = [
-    "dpo.beta=0.1", "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
+    "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
     "data.split='100,0'",
     "trainer.max_epochs=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-    "trainer.val_check_interval=0", "optim.lr=3e-4", "optim.warmup_steps=0", "optim.decay_style=constant",
-    *LORA, *QUIET,
+    "trainer.val_check_interval=0", "optim.decay_style=constant", *QUIET,
 ]
 
 
@@ -129,7 +130,8 @@ class RealDemo:
     def rloo(self) -> None:
         out = self.work / "rloo"
         shutil.rmtree(out, ignore_errors=True)
-        run("rloo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", f"model.init_from={self.base}",
+        run("rloo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", "--config", RL_RECIPE,
+                     f"model.init_from={self.base}",
                      f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *RL_OVERRIDES,
                      f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.evaluate("rloo", latest_checkpoint(out / "checkpoints"))
@@ -159,7 +161,8 @@ class RealDemo:
         if not pairs:
             raise SystemExit(f"{out.name}: no prompt had answers the checker ranks apart; sample more answers")
         _write_jsonl(out / "pairs.jsonl", pairs)
-        run(out.name, [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={policy}",
+        run(out.name, [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", "--config", DPO_RECIPE,
+                       f"model.init_from={policy}",
                        f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES,
                        f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         return latest_checkpoint(out / "checkpoints")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -157,7 +158,7 @@ def test_dpo_first_step_on_conversational_pairs_is_log_2(smollm2_checkpoint, tmp
     ]
     train = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     run_dir = tmp_path / "dpo"
-    run_python(GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={smollm2_checkpoint}",
+    result = run_python(GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={smollm2_checkpoint}",
                f"data.train=[{{path: {train}}}]", "data.split='100,0'", "data.max_seq_length=96",
                "trainer.max_steps=1", "trainer.global_batch_size=2", "trainer.micro_batch_size=1",
                "trainer.val_check_interval=0", "checkpoint.save_at_end=false", "logging.progress_bar=false",
@@ -166,6 +167,10 @@ def test_dpo_first_step_on_conversational_pairs_is_log_2(smollm2_checkpoint, tmp
     (first,) = metrics_rows(run_dir, "train")
     assert first["step"] == 1
     assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # conf/gpt_dpo.yaml's toy lr on a real model: one warning line (aligner/training/lr_ranges.py)
+    assert re.search(r"warning: optim.lr=0.0001 is 100x above the 1e-06 known to work for full-weight preference "
+                     r"on a 13[45]M-parameter model \(.*\): it can wreck the model's general answers in a few steps; "
+                     r"see conf/recipes/\n", result.stdout), result.stdout[-3000:]
 
 
 def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_default_system_prompt(smollm2_checkpoint,

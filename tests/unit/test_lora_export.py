@@ -83,6 +83,34 @@ def test_peft_export_loads_onto_the_hf_base_with_the_adapted_logits(adapter_chec
     assert sum(1 for name in with_adapters.state_dict() if "lora_A" in name) == expected_modules
 
 
+def test_peft_export_loads_with_auto_peft_alone_with_the_merged_exports_logits(adapter_checkpoint, tmp_path):
+    """AutoPeftModelForCausalLM.from_pretrained(export): adapter_config.json names the base written beside the
+    adapters (the base checkpoint as an HF model), from any working directory; --base-model names another."""
+    arch, root, _, adapted = adapter_checkpoint
+    export_hf(root / "adapters", tmp_path / "peft", lora="peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "peft" / "base").resolve())
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft").eval()
+    export_hf(root / "adapters", tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    auto_logits, merged_logits = _hf_logits(auto), _hf_logits(merged)
+    print(f"\n[{arch}] AutoPeft vs merged: max |difference| {(auto_logits - merged_logits).abs().max():.1e}, "
+          f"max |logit| {merged_logits.abs().max():.2f}")
+    assert float((auto_logits - merged_logits).abs().max()) < TOLERANCE
+    assert float((auto_logits - adapted).abs().max()) < TOLERANCE
+    # the base written there is the base checkpoint itself: the logits of the HF model it was imported from
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "peft" / "base").eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(root / "hf").eval()
+    assert torch.equal(_hf_logits(base), _hf_logits(original))
+
+    export_hf(root / "adapters", tmp_path / "named", lora="peft", base_model=str(root / "hf"))
+    assert not (tmp_path / "named" / "base").exists()
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        root / "hf")
+    named = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "named").eval()
+    assert float((_hf_logits(named) - adapted).abs().max()) < TOLERANCE
+
+
 def test_the_cli_exports_adapters_and_errors_name_the_problem(adapter_checkpoint, tmp_path):
     from aligner.hf.__main__ import main
     from aligner.runtime.errors import ConfigError
@@ -96,6 +124,10 @@ def test_the_cli_exports_adapters_and_errors_name_the_problem(adapter_checkpoint
     assert not (tmp_path / "cli" / "model.safetensors").exists()
     with pytest.raises(ConfigError, match="is a whole model, not LoRA adapters"):
         export_hf(base, tmp_path / "a", lora="peft")
+    with pytest.raises(ConfigError, match=r"^--base-model names the HF base of a PEFT adapter export: it needs --lora"):
+        export_hf(root / "adapters", tmp_path / "d", base_model=str(root / "hf"))
+    with pytest.raises(ConfigError, match=rf"^--base-model {base} is not a Hugging Face model directory"):
+        export_hf(root / "adapters", tmp_path / "e", lora="peft", base_model=str(base))
     with pytest.raises(ConfigError, match="pass its new place with --base"):
         export_hf(root / "adapters", tmp_path / "b", base=tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="is not the model"):

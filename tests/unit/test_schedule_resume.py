@@ -18,7 +18,7 @@ class ParamGroups:
     """What OptimizerParamScheduler needs of an optimizer: parameter groups as megatron builds them."""
 
     def __init__(self, optim: OptimConfig):
-        self.param_groups = [{"max_lr": optim.lr, "min_lr": optim.min_lr, "lr": 0.0, "weight_decay": 0.0}
+        self.param_groups = [{"max_lr": optim.lr, "min_lr": optim.final_lr, "lr": 0.0, "weight_decay": 0.0}
                              for _ in range(2)]
 
 
