@@ -101,7 +101,7 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
     checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
     _damaged_tokenizer(tokenizer_dir, checkpoint / "tokenizer", "tokenizer.json")
-    hf_model = root / "hf_model"  # an HF model directory given where a checkpoint belongs
+    hf_model = root / "hf_model"  # an HF model directory whose config.json its import refuses
     shutil.copytree(tokenizer_dir, hf_model)
     (hf_model / "config.json").write_text('{"model_type": "llama"}')
     short = write_model_meta(root / "short", GPTConfig.gpt2(max_position_embeddings=128, vocab_size=32),
@@ -121,8 +121,7 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
         ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],
          f"error: {checkpoint / 'tokenizer' / 'tokenizer.json'}:"),
         ("HF dir as init_from", [*sft, f"model.init_from={hf_model}"],
-         f"error: model.init_from={hf_model} is a Hugging Face model directory, not an aligner checkpoint: convert it "
-         f"first with `python -m aligner.hf import --hf-dir {hf_model} --output CHECKPOINT_DIR`"),
+         f"error: model.init_from={hf_model}: {hf_model / 'config.json'}: "),
         ("positions", [*sft, f"model.init_from={short}", "data.max_seq_length=512"],
          f"error: data.max_seq_length=512 (511 positions, the last token a label) is above "
          f"{short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
@@ -203,7 +202,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                         "--log-dir", root / "launch"],
          "error: --reward-checkpoint=/nonexistent does not exist"),
         ("chat", [python, GPT / "chat.py", "init_from=/nonexistent"],
-         "error: init_from=/nonexistent is not a directory"),
+         "error: init_from=/nonexistent does not exist"),
         ("make_data", [python, DATA / "arithmetic" / "make_data.py", "--out-dir", a_file / "data", "--num-sft", "10"],
          f"error: {a_file / 'data' / 'sft_train.jsonl'}: cannot write it"),
         ("train_tokenizer", [python, DATA / "arithmetic" / "train_tokenizer.py", "--data-dir", malformed, "--out-dir",
