@@ -69,7 +69,7 @@ class ChatConfig:
 
     RENAMED_KEYS: ClassVar[tuple] = (("checkpoint", "init_from"),)
 
-    init_from: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
+    init_from: str = MISSING  # checkpoint, run dir (its latest), HF model dir or .gguf (aligner.hf.sources)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
     precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

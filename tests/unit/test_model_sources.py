@@ -210,3 +210,40 @@ def test_a_path_that_names_no_model_is_one_line_naming_the_key(tmp_path, make, m
         resolve_model_source(path, "teacher.init_from", print)
     assert str(refused.value).startswith(f"teacher.init_from={path} {message}")
     assert "\n" not in str(refused.value)
+
+
+# Two runs that start from the same HF directory at the same moment (each waits until both are ready).
+_START_TOGETHER = """
+import sys, time
+from pathlib import Path
+from aligner.hf.sources import resolve_model_source
+ready, other = Path(sys.argv[2] + ".ready"), Path(sys.argv[3] + ".ready")
+ready.touch()
+while not other.exists():
+    time.sleep(0.01)
+print("RESOLVED", resolve_model_source(sys.argv[1], "model.init_from", print))
+"""
+
+
+def test_runs_importing_the_same_source_at_once_share_one_import(tmp_path, hf_dir, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from ..conftest import REPO_ROOT
+
+    monkeypatch.setenv("ALIGNER_CACHE_DIR", str(tmp_path / "cache"))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", _START_TOGETHER, str(hf_dir), str(tmp_path / name),
+                              str(tmp_path / other)], env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE) for name, other in (("a", "b"), ("b", "a"))]
+    outputs = [run.communicate(timeout=240) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-3000:] for _, err in outputs]
+    target = tmp_path / "cache" / IMPORTS_DIR / source_digest(hf_dir, "hf")
+    lines = [line for out, _ in outputs for line in out.splitlines()]
+    assert [line for line in lines if line.startswith("RESOLVED")] == [f"RESOLVED {target}"] * 2
+    assert sum(": imported into the cache at " in line for line in lines) == 1
+    assert sum(": its import cached at " in line for line in lines) == 1
+    # one whole import, nothing staged left behind
+    assert sorted(path.name for path in target.parent.iterdir() if not path.name.endswith(".lock")) == [target.name]
+    assert (aligner_logits(target, TOKENS)[..., :100] - _hf_logits(hf_dir)).abs().max().item() < 1e-4
