@@ -31,7 +31,7 @@ from .test_hf_layout import hf_config  # noqa: E402
 TOKENS = torch.tensor([[1, 5, 9, 13, 4, 7, 2, 11]])
 
 
-def _write_hf_model(directory: Path, tokenizer_dir: Path, seed: int) -> Path:
+def write_hf_model(directory: Path, tokenizer_dir: Path, seed: int) -> Path:
     """A tiny random Llama saved by transformers, with the arithmetic tokenizer's files beside it."""
     model = transformers.LlamaForCausalLM(hf_config("llama"))
     generator = torch.Generator().manual_seed(seed)
@@ -50,21 +50,25 @@ def _hf_logits(hf_dir: Path) -> torch.Tensor:
         return model(TOKENS).logits.float()
 
 
-def _sft(tmp_path: Path, init_from: Path, name: str, *extra: str):
-    """One SFT step from `init_from` on arithmetic records; returns the trainer (fitted)."""
+def sft_overrides(tmp_path: Path, init_from: Path, name: str) -> list[str]:
+    """train_gpt_sft.py's settings for one step from `init_from` on arithmetic records (log and save dir: name)."""
     train = write_jsonl(tmp_path / "sft.jsonl", arithmetic.sft_records(16, seed=3))
-    cfg = load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [
-        f"model.init_from={init_from}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
-        "data.max_seq_length=32", "trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
-        "trainer.val_check_interval=0", "optim.lr=1e-3", "optim.min_lr=0", "checkpoint.save_at_end=false",
-        f"checkpoint.save_dir={tmp_path / name}", f"logging.log_dir={tmp_path / name}", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.peak_tflops=1.0", *extra])
+    return [f"model.init_from={init_from}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
+            "data.max_seq_length=32", "trainer.max_steps=1", "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=2", "trainer.val_check_interval=0", "optim.lr=1e-3", "optim.min_lr=0",
+            "checkpoint.save_at_end=false", f"checkpoint.save_dir={tmp_path / name}",
+            f"logging.log_dir={tmp_path / name}", "logging.progress_bar=false", "logging.tensorboard=false",
+            "logging.peak_tflops=1.0"]
+
+
+def _sft(tmp_path: Path, init_from: Path, name: str, *extra: str):
+    """One SFT step from `init_from` (`sft_overrides`), in this process."""
+    cfg = load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [*sft_overrides(tmp_path, init_from, name), *extra])
     trainer = build_sft_trainer(cfg)
     try:
         trainer.fit()
     finally:
         trainer.metrics.close()
-    return trainer
 
 
 @pytest.fixture
@@ -85,7 +89,7 @@ def log_lines() -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, arithmetic_tokenizer_dir) -> Path:
-    return _write_hf_model(tmp_path_factory.mktemp("sources") / "hf", arithmetic_tokenizer_dir, seed=0)
+    return write_hf_model(tmp_path_factory.mktemp("sources") / "hf", arithmetic_tokenizer_dir, seed=0)
 
 
 def test_sft_starts_from_an_hf_dir_imported_once_and_again_when_its_bytes_change(tmp_path, hf_dir, import_cache,
@@ -116,7 +120,7 @@ def test_sft_starts_from_an_hf_dir_imported_once_and_again_when_its_bytes_change
     assert (cached / checkpointing.META_FILE).stat().st_mtime_ns == meta_written
 
     # Other weights in the same directory (same names, same sizes): another key, imported again.
-    changed = _write_hf_model(tmp_path / "changed", arithmetic_tokenizer_dir, seed=1)
+    changed = write_hf_model(tmp_path / "changed", arithmetic_tokenizer_dir, seed=1)
     changed_digest = source_digest(changed, "hf")
     assert changed_digest != digest
     _sft(tmp_path, changed, "third")
