@@ -224,7 +224,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                                 "reward.function=m:f", "rs.keep=threshold", f"logging.log_dir={root / 'rs_logs'}"],
          "error: rs.keep=threshold keeps every answer scoring at least rs.min_score: set rs.min_score"),
         ("teacher top-k", [python, DATA / "compute_teacher_topk.py", "teacher=/nonexistent", "data.path=x.jsonl",
-                           f"output={root / 'x.topk'}"], "error: /nonexistent is not an aligner checkpoint"),
+                           f"output={root / 'x.topk'}"], "error: teacher=/nonexistent does not exist"),
         ("distillation", [python, GPT / "train_gpt_knowledge_distillation.py", "kd.kd_loss_weight=0",
                           "data.train=[{path: x.jsonl, teacher_topk: x.topk}]", f"logging.log_dir={root / 'kd_logs'}"],
          "error: kd.kd_loss_weight=0.0 and kd.sft_loss_weight=0.0: both must be >= 0 and one > 0"),
