@@ -26,6 +26,7 @@ from filelock import FileLock
 
 from aligner import checkpointing
 from aligner.config import require_writable_dir
+from aligner.hf import convert, gguf, layout
 from aligner.hf.convert import HF_SOURCE_FILE, import_gguf, import_hf, is_hf_model_dir
 from aligner.hf.gguf import is_gguf_file
 from aligner.runtime import distributed
@@ -33,8 +34,8 @@ from aligner.runtime.errors import ConfigError, UserError
 
 CACHE_ENV = "ALIGNER_CACHE_DIR"  # the cache's root; its imports live under imports/
 IMPORTS_DIR = "imports"
-# Part of every cache key: bump it when an import of the same bytes would come out differently.
-IMPORT_FORMAT = f"{checkpointing.FORMAT}/import-1"
+# The code an import runs; its bytes are part of every cache key, so a changed converter imports again.
+CONVERTER_MODULES = (convert, gguf, layout)
 
 CHECKPOINT, RUN, HF_DIR, GGUF = "checkpoint", "run", "hf", "gguf"
 EXPECTED = ("expected an aligner checkpoint, a run directory (its step_<N> checkpoints), a Hugging Face model "
@@ -73,11 +74,13 @@ def cache_dir() -> Path:
 
 
 def source_digest(path: str | os.PathLike, kind: str) -> str:
-    """The cache key of an HF directory or a GGUF file: sha256 over the import's format, the kind, and
-    each file's name, size and bytes (an HF directory's top-level files but hidden ones; a GGUF file's
-    bytes whatever its name)."""
+    """The cache key of an HF directory or a GGUF file: sha256 over the checkpoint format, the converter's
+    code, the kind, and each file's name, size and bytes (an HF directory's top-level files but hidden ones;
+    a GGUF file's bytes whatever its name)."""
     source = Path(path)
-    digest = hashlib.sha256(f"{IMPORT_FORMAT}\n{kind}\n".encode())
+    digest = hashlib.sha256(f"{checkpointing.FORMAT}\n{kind}\n".encode())
+    for module in CONVERTER_MODULES:
+        digest.update(Path(module.__file__).read_bytes())
     if kind == GGUF:
         files = [(source, "")]
     else:

@@ -251,3 +251,16 @@ def test_runs_importing_the_same_source_at_once_share_one_import(tmp_path, hf_di
     # one whole import, nothing staged left behind
     assert sorted(path.name for path in target.parent.iterdir() if not path.name.endswith(".lock")) == [target.name]
     assert (aligner_logits(target, TOKENS)[..., :100] - _hf_logits(hf_dir)).abs().max().item() < 1e-4
+
+
+def test_the_cache_key_covers_the_converters_code(tmp_path, hf_dir, monkeypatch):
+    """An edited converter (a fixed mapping, a new family) imports again instead of reusing an old import."""
+    import types
+
+    from aligner.hf import convert, gguf, layout, sources
+
+    before = source_digest(hf_dir, "hf")
+    edited = tmp_path / "layout.py"
+    edited.write_bytes(Path(layout.__file__).read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(sources, "CONVERTER_MODULES", (convert, gguf, types.SimpleNamespace(__file__=str(edited))))
+    assert source_digest(hf_dir, "hf") != before
