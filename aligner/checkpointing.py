@@ -687,17 +687,23 @@ def step_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+_RESUME_REMEDY = ("delete the damaged step_* directories to start over, or set checkpoint.resume=false with another "
+                  "checkpoint.save_dir")
+
+
 def latest_checkpoint(save_dir: str | os.PathLike) -> Optional[Path]:
     """The newest complete checkpoint under save_dir (unchecked; a resume uses `latest_intact_checkpoint`)."""
     found = step_checkpoints(save_dir)
     return found[-1][1] if found else None
 
 
-def latest_intact_checkpoint(save_dir: str | os.PathLike, log: Callable[[str], None]) -> Optional[Path]:
+def latest_intact_checkpoint(save_dir: str | os.PathLike, log: Callable[[str], None], *, verb: str = "resuming from",
+                             remedy: str = _RESUME_REMEDY) -> Optional[Path]:
     """The newest complete checkpoint under save_dir whose files match its manifest (collective).
 
     A damaged newer one is reported through `log` (its path and what is wrong) and skipped; None
-    if save_dir holds no checkpoint; a CheckpointError if every one is damaged.
+    if save_dir holds no checkpoint; a CheckpointError (ending with `remedy`) if every one is damaged.
+    verb: what the caller does with the checkpoint, for the lines on `log` (a resume; a start from a run dir).
     """
     found = _broadcast(step_checkpoints(save_dir) if _rank() == 0 else None)
     damaged = []
@@ -706,14 +712,12 @@ def latest_intact_checkpoint(save_dir: str | os.PathLike, log: Callable[[str], N
         if problem is None:
             _verified.add(str(path.resolve()))
             if damaged:
-                log(f"resuming from {path} instead: the newest intact checkpoint")
+                log(f"{verb} {path} instead: the newest intact checkpoint")
             return path
-        log(f"warning: {problem}; not resuming from it")
+        log(f"warning: {problem}; not {verb} it")
         damaged.append(problem)
     if damaged:
-        raise CheckpointError(f"no intact checkpoint to resume from in {save_dir}: {'; '.join(damaged)}; delete the "
-                              "damaged step_* directories to start over, or set checkpoint.resume=false with another "
-                              "checkpoint.save_dir")
+        raise CheckpointError(f"no intact checkpoint in {save_dir}: {'; '.join(damaged)}; {remedy}")
     return None
 
 

@@ -50,16 +50,6 @@ def require_writable_dir(path: str | Path, key: str) -> None:
         raise OutputError(f"{key}={path} is not writable ({error.strerror or error})") from None
 
 
-def require_checkpoint_dir(path: str | Path, key: str) -> None:
-    """Refuse a setting that should name a checkpoint directory (`model.init_from`, `critic.init_from`, ...)
-    but names nothing or a file, before anything is built."""
-    if not Path(path).exists():
-        raise ConfigError(f"{key}={path} does not exist; expected an aligner checkpoint directory (a step_<N> "
-                          "directory of an earlier run, or one written by python -m aligner.hf import)")
-    if not Path(path).is_dir():
-        raise ConfigError(f"{key}={path} is a file; expected an aligner checkpoint directory")
-
-
 def at_least(minimum: float, default: Any, meaning: str = "") -> Any:
     """A schema field whose value (unless null) must be >= minimum; `meaning` explains the edge
     value in the error, e.g. "0: only at the end"."""

@@ -83,7 +83,8 @@ from aligner.clients.protocol import (
     request_over_size_cap,
     token_outside_vocabulary,
 )
-from aligner.config import ConfigError, at_least, require_checkpoint_dir
+from aligner.config import ConfigError, at_least
+from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.reward import RewardInferenceConfig
 from aligner.runtime.distributed import ParallelConfig
 from servers.triton import CollectiveServing, ServerConfig, TritonModel
@@ -97,7 +98,7 @@ class RewardServerConfig:
 
     RENAMED_KEYS: ClassVar[tuple] = (("rm_model_file", "init_from"),)
 
-    init_from: str = MISSING  # reward-model checkpoint directory
+    init_from: str = MISSING  # reward-model checkpoint, or its training run's directory (the latest checkpoint)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     inference: RewardInferenceConfig = field(default_factory=RewardInferenceConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name=REWARD_MODEL))
@@ -275,16 +276,18 @@ def serve_reward_model(cfg: RewardServerConfig) -> None:
     """Load the checkpoint on every rank of the job and serve it until SIGINT/SIGTERM."""
     from aligner.models.reward import load_reward_model
     from aligner.runtime import distributed
+    from aligner.training.metrics import get_logger
     from servers.triton import check_ports_free, prepare_environment, serve
 
     cfg.validate()
-    require_checkpoint_dir(cfg.init_from, "init_from")
+    source_kind(cfg.init_from, "init_from")
     if distributed.rank_and_world_from_env()[0] == 0:  # fail before loading a model if Triton cannot start
         prepare_environment()
         check_ports_free(cfg.server)
+    checkpoint = resolve_model_source(cfg.init_from, "init_from", get_logger().info)  # a run dir: its latest
     data_parallel_size = distributed.initialize(cfg.parallel)
     try:
-        loaded = load_reward_model(cfg.init_from, micro_batch_size=cfg.inference.micro_batch_size,
+        loaded = load_reward_model(checkpoint, micro_batch_size=cfg.inference.micro_batch_size,
                                    normalize=cfg.normalize_rewards)
         serving = CollectiveServing(lambda tokens, lengths: loaded.inference.infer(tokens, lengths))
         server = RewardModelServer(loaded, serving, pad_sequence_length_to_multiple=cfg.pad_sequence_length_to_multiple,

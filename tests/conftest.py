@@ -58,6 +58,22 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 60
     return result.stdout
 
 
+@pytest.fixture(scope="session", autouse=True)
+def import_cache(tmp_path_factory) -> Path:
+    """The HF/GGUF import cache of every test (and the processes they start): a session directory, never
+    the user's ~/.cache/aligner (`aligner.hf.sources`)."""
+    from aligner.hf.sources import CACHE_ENV
+
+    directory = tmp_path_factory.mktemp("aligner_cache")
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(directory)
+    yield directory
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous
+
+
 @pytest.fixture(scope="module")
 def single_process():
     """megatron's parallel state in this one process (TP=PP=DP=1; gloo on CPU, nccl on a GPU)."""

@@ -33,12 +33,14 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
-from aligner.config import ConfigError, at_least, one_of, require_checkpoint_dir
+from aligner.config import ConfigError, at_least, one_of
 from aligner.generation.logprobs import response_mask, response_values
+from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import RewardInference, RewardInferenceConfig
 from aligner.rl.ppo_math import explained_variance, value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.training.metrics import get_logger
 from aligner.training.setup import OptimConfig
 
 LOGGER = logging.getLogger(__name__)
@@ -115,10 +117,19 @@ class CriticConfig:
                               "set); serve the reward model on its own, or set peft.scheme=none")
 
     def require_checkpoints(self) -> None:
-        """The checkpoints named exist (checked before anything slow: a server checks this before its ports)."""
-        require_checkpoint_dir(self.critic.init_from, "critic.init_from")
+        """The models named exist (checked before anything slow: a server checks this before its ports)."""
+        source_kind(self.critic.init_from, "critic.init_from")
         if self.combined.enabled:
-            require_checkpoint_dir(self.combined.reward_model_init_from, "combined.reward_model_init_from")
+            source_kind(self.combined.reward_model_init_from, "combined.reward_model_init_from")
+
+    def resolve_starts(self) -> None:
+        """Set each start to the checkpoint it names (a run directory's latest, an HF/GGUF source's cached
+        import: `aligner.hf.sources`); the critic reads them again later (its checkpoints record them)."""
+        log = get_logger().info  # rank 0 prints
+        self.critic.init_from = str(resolve_model_source(self.critic.init_from, "critic.init_from", log))
+        if self.combined.enabled:
+            self.combined.reward_model_init_from = str(resolve_model_source(
+                self.combined.reward_model_init_from, "combined.reward_model_init_from", log))
 
     def validate_layout(self, data_parallel_size: int) -> None:
         """Checks that need the data-parallel size (known once the job has started, or to a launcher)."""
@@ -398,6 +409,7 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
 
     cfg.validate()
     cfg.require_checkpoints()
+    cfg.resolve_starts()
     reward_init = cfg.combined.reward_model_init_from
     init_meta = checkpointing.read_meta(cfg.critic.init_from)
     # A one-attribute reward model's head is the critic's; any other checkpoint gives the body only.

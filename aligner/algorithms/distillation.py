@@ -20,6 +20,7 @@ import torch
 from aligner.algorithms.sft import SFTDataConfig, response_token_loss
 from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
+from aligner.hf.sources import resolve_model_source
 from aligner.rl import distillation_math
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -39,7 +40,7 @@ class TeacherData:
 class TeacherTopKConfig:
     """conf/teacher_topk.yaml."""
 
-    teacher: str = "???"  # the teacher checkpoint (an adapter checkpoint loads onto its base)
+    teacher: str = "???"  # checkpoint (adapters load onto their base), run dir, HF dir or .gguf (aligner.hf.sources)
     tokenizer_path: Optional[str] = None  # null: the teacher checkpoint's
     precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -75,8 +76,9 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
 
-    model_cfg = GPTConfig.from_dict(checkpointing.read_meta(cfg.teacher)["model"])  # first: a wrong path named
-    tokenizer = Tokenizer(cfg.tokenizer_path or Path(cfg.teacher) / checkpointing.TOKENIZER_DIR)
+    teacher = resolve_model_source(cfg.teacher, "teacher", get_logger().info)  # first: a wrong path named
+    model_cfg = GPTConfig.from_dict(checkpointing.read_meta(teacher)["model"])
+    tokenizer = Tokenizer(cfg.tokenizer_path or teacher / checkpointing.TOKENIZER_DIR)
     if distributed.initialize(cfg.parallel) != 1:
         raise ConfigError("the teacher pass runs one model replica: launch tensor_model_parallel_size x "
                           f"pipeline_model_parallel_size processes, not {dist.get_world_size()}")
@@ -84,7 +86,7 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
         if cfg.top_k > model_cfg.vocab_size:
             raise ConfigError(f"top_k={cfg.top_k} exceeds the teacher's vocabulary ({model_cfg.vocab_size})")
         chunks = build_model_chunks(model_cfg, cfg.parallel, distributed.resolve_precision(cfg.precision))
-        lora.load_for_inference(cfg.teacher, chunks)
+        lora.load_for_inference(teacher, chunks)
         dataset = SFTDataset(cfg.data.path, tokenizer, cfg.data.max_seq_length, use_template=cfg.data.chat_template)
         ids, logits, offsets = [], [], [0]
         for start in range(0, len(dataset), cfg.micro_batch_size):
@@ -95,7 +97,7 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
                 ids.append(example_ids)
                 logits.append(example_logits)
                 offsets.append(offsets[-1] + len(example_ids))
-        meta = {"teacher": str(Path(cfg.teacher).resolve()), "k": cfg.top_k, "examples": len(dataset),
+        meta = {"teacher": str(teacher.resolve()), "k": cfg.top_k, "examples": len(dataset),
                 "digest": examples_digest(dataset), "vocab_size": model_cfg.vocab_size, "data": cfg.data.path}
         path = Path(cfg.output)
         if dist.get_rank() == 0:

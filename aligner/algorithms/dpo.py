@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -217,7 +218,7 @@ class SwappedReferenceLoader:
 
 
 # ----------------------------------------------------------------------------- building a run
-def _load_reference_weights(built, init_from: Optional[str]) -> None:
+def _load_reference_weights(built, init_from: Optional[Path]) -> None:
     """Make the chunks hold the reference (initial) weights. A resumed run's chunks hold neither
     yet (the resume loads after this): load `init_from` so the reference is the run's start. With LoRA
     they hold the base already, the reference (their adapters are loaded by the resume)."""
@@ -249,7 +250,7 @@ def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, co
     model_cfg, trainer_cfg, pad_id = built.model_cfg, cfg.trainer, built.tokenizer.pad_id
     if getattr(packing, "share_prompts", False) and not shares_prompts_here(packing, built.chunks[0]):
         packing.share_prompts = False  # what runs: transformer-engine's THD packing cannot share a prompt
-    _load_reference_weights(built, cfg.model.init_from)
+    _load_reference_weights(built, built.init_from)
     precompute = reference_mode == "precompute"
     # LoRA: the base model (adapters off) is the reference; otherwise the initial weights, held in host
     # memory for the swap (None: the chunks hold them now and precomputing reads them in place).

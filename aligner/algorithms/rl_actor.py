@@ -49,12 +49,13 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.hf.sources import resolve_model_source
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.rl.rewards import RewardFunctionSettings, ScoreCheck, wait_for
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
-from aligner.training.metrics import LoggingConfig
+from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.setup import RunConfig
 
 # The settings that make each algorithm on conf/gpt_reinforce_actor.yaml (PPO is conf/gpt_ppo_actor.yaml:
@@ -1375,6 +1376,9 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         reward_source = build_reward_source(cfg.reward, probe_prompts=cfg.data.prompts)
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if loss.disable_dropout else None
     peft = dataclasses.replace(cfg.peft, dropout=0.0) if loss.disable_dropout else cfg.peft
+    teacher_from = None  # resolved before the policy's layout is set up (an HF/GGUF teacher is imported at TP=1)
+    if cfg.measures_kl and cfg.teacher.init_from is not None:
+        teacher_from = resolve_model_source(cfg.teacher.init_from, "teacher.init_from", get_logger().info)
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
@@ -1388,13 +1392,13 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     # A run that never measures the KL never reads it: no host copy of the weights. With LoRA it is
     # the base, i.e. the live model with its adapters off: no copy either.
     reference = teacher = None
-    if cfg.measures_kl and cfg.teacher.init_from is not None:
-        teacher = build_teacher(cfg.teacher.init_from, cfg.parallel, built, cfg.sequence_lengths())
+    if teacher_from is not None:
+        teacher = build_teacher(teacher_from, cfg.parallel, built, cfg.sequence_lengths())
     elif cfg.measures_kl and built.peft_meta is not None:
         reference = lora.BaseReference()
     elif cfg.measures_kl:
         if resume is not None:
-            lora.load_merged(cfg.model.init_from, chunks)
+            lora.load_merged(built.init_from, chunks)
         reference = HostWeights.snapshot(chunks)
     ema = None
     if cfg.ema.decay is not None:
@@ -1439,9 +1443,9 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
         f"TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
         f"DP={built.data_parallel_size}; {len(prompts)} prompts ({prompts.too_long} longer than "
         f"{cfg.data.max_prompt_length} tokens skipped); "
-        + (f"teacher {cfg.teacher.init_from} ({num_parameters(teacher[1]) / 1e6:.2f}M parameters) as the reference; "
+        + (f"teacher {teacher_from} ({num_parameters(teacher[1]) / 1e6:.2f}M parameters) as the reference; "
            if teacher is not None else
-           f"reference policy {cfg.model.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB); "
+           f"reference policy {built.init_from} on host memory ({reference.num_bytes / 2**20:.1f} MiB); "
            if isinstance(reference, HostWeights) else
            "reference policy: the base model with the LoRA adapters off (no copy); " if reference is not None
            else "no reference policy (fixed KL coefficient 0); ")
@@ -1452,7 +1456,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     return trainer
 
 
-def build_teacher(init_from: str, parallel, built, sequence_lengths: list[tuple[int, str]]) -> tuple:
+def build_teacher(init_from: Path, parallel, built, sequence_lengths: list[tuple[int, str]]) -> tuple:
     """(chunks, GPTConfig) of the teacher at the policy's layout and precision, in eval mode. Refused unless
     its tokenizer is the policy's (the teacher scores the policy's token ids) and its positions hold the
     rollouts (`RLActorConfig.sequence_lengths`)."""

@@ -2,8 +2,9 @@
 
 Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` below).
 
-- checkpoint: an aligner checkpoint directory, a Hugging Face model directory or a .gguf file;
-  the last two are imported on the fly into a temporary aligner checkpoint (aligner.hf).
+- init_from: an aligner checkpoint directory, a run directory (its latest intact checkpoint), a Hugging
+  Face model directory or a .gguf file; the last two are imported once into the import cache
+  (aligner.hf.sources).
 - Prompts are encoded as every algorithm encodes them (`aligner.data.conversation.ChatEncoder`):
   with the tokenizer's chat template and its generation prompt (`chat_template: true`, a text
   prompt being one user turn); without a template or with `chat_template=false`, a text prompt
@@ -68,7 +69,7 @@ class ChatConfig:
 
     RENAMED_KEYS: ClassVar[tuple] = (("checkpoint", "init_from"),)
 
-    init_from: str = MISSING  # aligner checkpoint dir, or an HF model dir / .gguf file (imported on the fly)
+    init_from: str = MISSING  # checkpoint, run dir (its latest), HF model dir or .gguf (aligner.hf.sources)
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer
     precision: str = one_of(PRECISIONS, "auto")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -112,12 +113,10 @@ class ChatModel:
     chunks: list = field(default_factory=list)  # the model chunks the engine runs (for scoring beside it)
 
 
-def _shared_temp_dir(stack: contextlib.ExitStack) -> Path:
-    """A temporary directory made by rank 0 and known to every rank (one node)."""
-    box = [stack.enter_context(tempfile.TemporaryDirectory(prefix="aligner_chat_")) if _is_rank_zero() else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+def _log(line: str) -> None:
+    """A start-up line on stderr (rank 0): stdout carries the conversation."""
+    if _is_rank_zero():
+        print(line, file=sys.stderr)
 
 
 def _is_rank_zero() -> bool:
@@ -129,23 +128,14 @@ def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     from aligner import checkpointing
     from aligner.data.steerlm import steering_for_checkpoint
     from aligner.generation.native import NativeEngine
-    from aligner.hf.convert import import_gguf, import_hf, is_hf_model_dir, read_hf_source
-    from aligner.hf.gguf import is_gguf_file
+    from aligner.hf.convert import read_hf_source
+    from aligner.hf.sources import resolve_model_source
     from aligner.models import lora
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
     from aligner.tokenizer import Tokenizer
 
-    checkpoint = Path(cfg.init_from)
-    gguf = is_gguf_file(checkpoint)
-    if not checkpoint.is_dir() and not gguf:
-        raise ConfigError(
-            f"init_from={checkpoint} is not a directory (an aligner checkpoint or an HF model dir) or a .gguf file")
-    distributed.initialize(ParallelConfig())  # TP=1 first: an HF import converts at TP=1
-    if gguf:
-        checkpoint = import_gguf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
-    elif is_hf_model_dir(checkpoint):
-        checkpoint = import_hf(checkpoint, _shared_temp_dir(stack) / "checkpoint")
+    checkpoint = resolve_model_source(cfg.init_from, "init_from", _log)  # an HF/GGUF source: imported at TP=1
     steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)
     if data_parallel != 1:

@@ -201,7 +201,8 @@ def _register_shutdown_at_exit() -> None:
 
 
 def is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Rank 0 of the job; before the process group starts, by the launcher's variables (torchrun's, Slurm's)."""
+    return dist.get_rank() == 0 if dist.is_initialized() else rank_and_world_from_env()[0] == 0
 
 
 def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from aligner.config import at_least, one_of, require_checkpoint_dir
+from aligner.config import at_least, one_of
+from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_gpt_model, build_model_chunks
 from aligner.models.lora import PEFTConfig
 from aligner.runtime import distributed
@@ -250,7 +252,7 @@ class DatasetEntry:
 class ModelSection:
     """The `model:` section."""
 
-    init_from: Optional[str] = None  # aligner checkpoint (HF import or an earlier run); None: random init
+    init_from: Optional[str] = None  # checkpoint, run dir, HF dir, .gguf (aligner.hf.sources); None: random init
     architecture: GPTConfig = field(default_factory=GPTConfig)  # used only for random init
     # none | selective | full: activations recomputed in backward (aligner.models.gpt.RECOMPUTE_SETTINGS)
     activation_recompute: str = one_of(ACTIVATION_RECOMPUTE, "none")
@@ -275,6 +277,7 @@ class TrainingModel:
     resume_checkpoint: Optional[object]  # newest intact checkpoint in checkpoint.save_dir, to resume from
     run_id: str  # this run's id in its checkpoints (a resumed run keeps its checkpoint's)
     peft_meta: Optional[dict] = None  # LoRA: its settings and the base checkpoint, recorded in every checkpoint
+    init_from: Optional[Path] = None  # the checkpoint model.init_from resolved to (aligner.hf.sources); None: random
 
 
 def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int, model: ModelSection,
@@ -293,37 +296,33 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     sequence_lengths: the longest rows the run feeds the model, (tokens, the settings that make them), refused
     here above the model's positions before anything is built (`RunConfig.sequence_lengths`);
     lock_wait_s: seconds to wait for another run that holds save_dir to end (`checkpointing.start_run`);
-    init_from_key: the config key of `model.init_from` in this entry point's yaml, for error messages;
+    init_from_key: the config key of `model.init_from` in this entry point's yaml, for messages;
+    model.init_from: any source `aligner.hf.sources` resolves (a checkpoint, a run directory, an HF directory or a
+    GGUF file, imported into the cache), resolved before anything is built; `TrainingModel.init_from` is the
+    checkpoint it resolved to;
     peft: LoRA adapters on the `init_from` weights, which stay frozen (checkpoints then hold the adapters only,
     so a resumed run loads the base from `init_from` again);
     train_whole_with_lora: parameter-name prefixes that still train whole under LoRA and are saved with the
     adapters (a reward model's or critic's head).
     """
-    from pathlib import Path
-
     from aligner import checkpointing
-    from aligner.hf.convert import is_hf_model_dir
     from aligner.runtime import seeds
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
 
-    init_from = model.init_from
     lora = peft is not None and peft.enabled
-    if lora and not init_from:
+    if lora and not model.init_from:
         raise ConfigError(f"peft.scheme=lora trains adapters on a pretrained model: set {init_from_key}")
-    if init_from:
-        require_checkpoint_dir(init_from, init_from_key)
-        if is_hf_model_dir(init_from):
-            raise ConfigError(f"{init_from_key}={init_from} is a Hugging Face model directory, not an aligner "
-                              f"checkpoint: convert it first with `python -m aligner.hf import --hf-dir {init_from} "
-                              f"--output CHECKPOINT_DIR` and set {init_from_key} to CHECKPOINT_DIR")
+    if model.init_from:
+        source_kind(model.init_from, init_from_key)  # a path that names no model fails before any work
     if tokenizer.path and not Path(tokenizer.path).is_dir():
         raise checkpointing.CheckpointError(f"tokenizer.path={tokenizer.path} is not a directory; expected an HF "
                                             "tokenizer directory (tokenizer.json / tokenizer_config.json)")
-    tokenizer_dir = tokenizer.path or (str(Path(init_from) / checkpointing.TOKENIZER_DIR) if init_from else None)
-    if tokenizer_dir is None:
+    if not tokenizer.path and not model.init_from:
         raise checkpointing.CheckpointError("set tokenizer.path "
-                                            f"(or {init_from_key} to a checkpoint that holds a tokenizer)")
+                                            f"(or {init_from_key} to a model that holds a tokenizer)")
+    init_from = resolve_model_source(model.init_from, init_from_key, get_logger().info) if model.init_from else None
+    tokenizer_dir = tokenizer.path or str(init_from / checkpointing.TOKENIZER_DIR)
     if not Path(tokenizer_dir).is_dir():
         raise checkpointing.CheckpointError(f"{init_from_key}={init_from} holds no {checkpointing.TOKENIZER_DIR}/ "
                                             "directory; set tokenizer.path to the tokenizer to use")
@@ -379,7 +378,7 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     optimizer = build_optimizer(chunks, optim, params_dtype)
     attach_grad_hooks(chunks, optimizer)
     return TrainingModel(model_cfg, chunks, optimizer, loaded_tokenizer, tokenizer_dir, data_parallel_size,
-                         params_dtype, latest, run.run_id, peft_meta)
+                         params_dtype, latest, run.run_id, peft_meta, init_from)
 
 
 def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, shuffle: bool, pad_id: int,

@@ -182,4 +182,4 @@ def test_missing_checkpoint_is_one_clear_line(tmp_path):
     result = subprocess.run([sys.executable, str(ENTRY_POINT), f"init_from={tmp_path / 'nope'}"], capture_output=True,
                             text=True, timeout=120, env=env, cwd=REPO_ROOT)
     assert result.returncode == 2
-    assert "is not a directory" in result.stderr
+    assert f"error: init_from={tmp_path / 'nope'} does not exist;" in result.stderr

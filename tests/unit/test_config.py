@@ -225,5 +225,5 @@ def test_chat_checkpoint_is_now_init_from(tmp_path, capsys):
     with pytest.raises(ConfigError, match="checkpoint is the old name of init_from; set only init_from"):
         load_config(ChatConfig, chat_yaml, ["checkpoint=/a", "init_from=/b"])
     with (contextlib.ExitStack() as stack,
-          pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} is not")):
+          pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} does not exist")):
         load_chat_model(cfg, stack)

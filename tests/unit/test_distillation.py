@@ -78,6 +78,16 @@ def _student_config(root, teacher, topk, name, *extra) -> KDConfig:
         "logging.peak_tflops=1.0", "logging.log_interval=100", "checkpoint.resume=false", *extra])
 
 
+def test_the_teacher_pass_from_the_teachers_run_directory_reads_its_latest_checkpoint(teacher_and_data, tmp_path):
+    from aligner.data.teacher_topk import TeacherTopK
+
+    root, teacher = teacher_and_data
+    from_checkpoint = TeacherTopK(_teacher_pass(root, teacher, tmp_path / "checkpoint.safetensors"))
+    from_run = TeacherTopK(_teacher_pass(root, teacher.parent, tmp_path / "run.safetensors"))
+    assert from_run.meta["teacher"] == str(teacher.resolve()) == from_checkpoint.meta["teacher"]
+    assert torch.equal(from_run.ids, from_checkpoint.ids) and torch.equal(from_run.logits, from_checkpoint.logits)
+
+
 def test_a_student_distils_the_teachers_top_k_and_other_data_is_refused(teacher_and_data):
     from aligner.data.teacher_topk import TeacherTopK
 

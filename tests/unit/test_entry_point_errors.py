@@ -99,11 +99,13 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     unset_variable.write_text("data:\n  train:\n    - path: ${oc.env:ALIGNER_TEST_UNSET_VARIABLE}\n")
     bad_tokenizer = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer", "tokenizer.json")
     bad_tokenizer_config = _damaged_tokenizer(tokenizer_dir, root / "bad_tokenizer_config", "tokenizer_config.json")
-    checkpoint = root / "checkpoint"  # an init_from whose stored tokenizer is damaged
-    _damaged_tokenizer(tokenizer_dir, checkpoint / "tokenizer", "tokenizer.json")
-    hf_model = root / "hf_model"  # an HF model directory given where a checkpoint belongs
+    checkpoint = write_model_meta(root / "checkpoint", GPTConfig.gpt2(max_position_embeddings=128, vocab_size=32),
+                                  _damaged_tokenizer(tokenizer_dir, root / "damaged", "tokenizer.json"))
+    interrupted_run = root / "run"  # a run directory with only a partial save
+    (interrupted_run / "step_00000002.incomplete").mkdir(parents=True)
+    hf_model = root / "hf_model"  # an HF model directory of an architecture the import refuses
     shutil.copytree(tokenizer_dir, hf_model)
-    (hf_model / "config.json").write_text('{"model_type": "llama"}')
+    (hf_model / "config.json").write_text('{"model_type": "bert"}')
     short = write_model_meta(root / "short", GPTConfig.gpt2(max_position_embeddings=128, vocab_size=32),
                              tokenizer_dir)  # GPT-2's 128 learned positions (tests/unit/test_sequence_lengths.py)
     sft = ["data.train=[{path: x.jsonl}]", f"logging.log_dir={root / 'logs'}"]
@@ -118,11 +120,12 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
         ("tokenizer.json", [*sft, f"tokenizer.path={bad_tokenizer}"], f"error: {bad_tokenizer / 'tokenizer.json'}:"),
         ("tokenizer_config.json", [*sft, f"tokenizer.path={bad_tokenizer_config}"],
          f"error: {bad_tokenizer_config / 'tokenizer_config.json'}:"),
-        ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],
+        ("checkpoint tokenizer", [*sft, f"model.init_from={checkpoint}"],  # an init_from whose tokenizer is damaged
          f"error: {checkpoint / 'tokenizer' / 'tokenizer.json'}:"),
+        ("run dir without a checkpoint", [*sft, f"model.init_from={interrupted_run}"],
+         f"error: model.init_from={interrupted_run} holds no complete checkpoint (only step_00000002.incomplete"),
         ("HF dir as init_from", [*sft, f"model.init_from={hf_model}"],
-         f"error: model.init_from={hf_model} is a Hugging Face model directory, not an aligner checkpoint: convert it "
-         f"first with `python -m aligner.hf import --hf-dir {hf_model} --output CHECKPOINT_DIR`"),
+         f"error: model.init_from={hf_model}: {hf_model / 'config.json'}: model_type='bert' is not supported"),
         ("positions", [*sft, f"model.init_from={short}", "data.max_seq_length=512"],
          f"error: data.max_seq_length=512 (511 positions, the last token a label) is above "
          f"{short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
@@ -203,7 +206,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                         "--log-dir", root / "launch"],
          "error: --reward-checkpoint=/nonexistent does not exist"),
         ("chat", [python, GPT / "chat.py", "init_from=/nonexistent"],
-         "error: init_from=/nonexistent is not a directory"),
+         "error: init_from=/nonexistent does not exist"),
         ("make_data", [python, DATA / "arithmetic" / "make_data.py", "--out-dir", a_file / "data", "--num-sft", "10"],
          f"error: {a_file / 'data' / 'sft_train.jsonl'}: cannot write it"),
         ("train_tokenizer", [python, DATA / "arithmetic" / "train_tokenizer.py", "--data-dir", malformed, "--out-dir",
@@ -221,7 +224,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                                 "reward.function=m:f", "rs.keep=threshold", f"logging.log_dir={root / 'rs_logs'}"],
          "error: rs.keep=threshold keeps every answer scoring at least rs.min_score: set rs.min_score"),
         ("teacher top-k", [python, DATA / "compute_teacher_topk.py", "teacher=/nonexistent", "data.path=x.jsonl",
-                           f"output={root / 'x.topk'}"], "error: /nonexistent is not an aligner checkpoint"),
+                           f"output={root / 'x.topk'}"], "error: teacher=/nonexistent does not exist"),
         ("distillation", [python, GPT / "train_gpt_knowledge_distillation.py", "kd.kd_loss_weight=0",
                           "data.train=[{path: x.jsonl, teacher_topk: x.topk}]", f"logging.log_dir={root / 'kd_logs'}"],
          "error: kd.kd_loss_weight=0.0 and kd.sft_loss_weight=0.0: both must be >= 0 and one > 0"),

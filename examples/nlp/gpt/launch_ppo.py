@@ -25,7 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line, require_checkpoint_dir, run_main
+from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line, run_main
+from aligner.hf.sources import source_kind
 from aligner.launcher import (
     ACTOR_EXIT_MARGIN_S,
     ManagedProcess,
@@ -63,7 +64,7 @@ def main() -> None:
         parser.error("give --critic-checkpoint (the critic's starting weights)")
     for flag, path in (("--reward-checkpoint", args.reward_checkpoint), ("--critic-checkpoint", critic_init)):
         if path:  # refused here, not after a server has started and failed
-            require_checkpoint_dir(path, flag)
+            source_kind(path, flag)
     log_dir = Path(args.log_dir)
 
     critic_args = [f"critic.init_from={critic_init}", f"server.port={args.critic_port}",
