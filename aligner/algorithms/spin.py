@@ -134,7 +134,7 @@ def dpo_section(spin: SPINSection, beta: float) -> DPOSection:
 def demonstration(record: dict, path: str, line: int):
     """(prompt, answer text) of one demonstration record; the prompt is text or messages.
 
-    {"input", "output"}; {"prompt", "response"} (a conversational prompt, the answer as text or an
+    {"input", "output"}; {"prompt", "response" or "completion"} (a conversational prompt, the answer as text or an
     assistant message); or a conversation, {"system"?, "conversations"} (the SFT file layout) or
     {"messages"}, whose last turn is the assistant's reply: the earlier turns are its prompt.
     """
@@ -144,12 +144,14 @@ def demonstration(record: dict, path: str, line: int):
 
     if "input" in record or "output" in record:
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
-    if "prompt" in record or "response" in record:
-        return parse_prompt(record, "prompt", path, line), parse_answer(record, "response", path, line)
+    if "prompt" in record or "response" in record or "completion" in record:
+        answer_key = "completion" if "completion" in record else "response"  # TRL's name, or the reward data's
+        return parse_prompt(record, "prompt", path, line), parse_answer(record, answer_key, path, line)
     key = conversation_key(record)
     if key is None:
-        raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response', 'conversations' "
-                        f"or 'messages' (keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
+        raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response' (or "
+                        f"'completion'), 'conversations' or 'messages' "
+                        f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
     # The SFT reader's turns, system message included: they open with a user turn and end with the reply.
     messages = parse_conversation(record, path, line)
     return messages[:-1], messages[-1]["content"]
@@ -162,11 +164,12 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
     reply. Records longer than max_seq_length are dropped.
     """
     from aligner.data.conversation import ChatEncoder, template_errors
-    from aligner.data.jsonl import DataError, read_jsonl
+    from aligner.data.jsonl import DataError
+    from aligner.data.records import read_records
 
     encoder = ChatEncoder(tokenizer, use_template)
     demonstrations = []
-    for line, record in read_jsonl(path):
+    for line, record in read_records(path):
         prompt, answer = demonstration(record, path, line)
         with template_errors(path, line):
             prompt_tokens, answer_tokens = encoder.sample_tokens(prompt, answer)

@@ -1,6 +1,7 @@
 """Preference data for DPO-style training: (prompt, chosen, rejected) with the prompt kept apart.
 
-One pair per JSONL line, in NeMo-Aligner's keys or the short ones (the demo's preference files):
+One pair per JSONL line or Parquet/Arrow row (`aligner.data.records`), in NeMo-Aligner's keys or the short
+ones (the demo's preference files):
   {"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}
   {"prompt": "12+7=", "chosen": "19", "rejected": "18"}
 optionally with given rewards for reward-aware losses (RPO): "chosen_reward", "rejected_reward".
@@ -35,7 +36,8 @@ import torch
 from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl
+from aligner.data.jsonl import DataError
+from aligner.data.records import read_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
@@ -126,13 +128,14 @@ class PreferenceDataset(Dataset):
     @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
                    use_template: bool = True) -> "PreferenceDataset":
-        """use_template: render with the tokenizer's chat template (`data.chat_template`)."""
+        """Pairs of a data file of any format (`aligner.data.records`); use_template: render with the tokenizer's
+        chat template (`data.chat_template`)."""
         if max_seq_length < 2:
             raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
                               f"got {max_seq_length}")
         encoder = ChatEncoder(tokenizer, use_template=use_template)
         pairs, stats, with_rewards = [], PreferenceStats(), None
-        for line, record in read_jsonl(path):
+        for line, record in read_records(path):
             chosen_key, rejected_key = _response_keys(record, path, line)
             prompt_text, chosen_text, rejected_text = parse_pair(record, chosen_key, rejected_key, path, line)
             with template_errors(path, line):

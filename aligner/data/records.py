@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from aligner.data.jsonl import DataError, read_jsonl, read_jsonl_offsets
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")  # .json: one object per line, as read_jsonl checks
 PARQUET_SUFFIXES = (".parquet",)
 ARROW_SUFFIXES = (".arrow", ".feather")
 FORMATS_HELP = ("a JSONL file (.jsonl), a Parquet file (.parquet), an Arrow file (.arrow) or a directory written "
@@ -49,26 +49,29 @@ class Row(int):
 
 
 def data_format(path: str | Path) -> str:
-    """"jsonl", "parquet", "arrow" or "datasets" (a save_to_disk directory), from the path; an error otherwise."""
+    """"jsonl", "parquet", "arrow" or "datasets" (a save_to_disk directory), from the path; an error otherwise.
+
+    A missing JSONL file is left to read_jsonl, whose message says why it cannot be opened."""
     path = Path(path)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = ", ".join(json.loads((path / "dataset_dict.json").read_text()).get("splits", []))
             raise DataError(f"{path}: a datasets DatasetDict (splits: {splits}); give one split's directory, "
                             f"e.g. {path / 'train'}")
-        if (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
+        if (path / "state.json").is_file():
             return "datasets"
         raise DataError(f"{path}: a directory that is not a datasets save_to_disk directory (no state.json); "
                         f"expected {FORMATS_HELP}")
+    suffix = path.suffix.lower()
+    kind = next((name for name, suffixes in (("jsonl", JSONL_SUFFIXES), ("parquet", PARQUET_SUFFIXES),
+                                             ("arrow", ARROW_SUFFIXES)) if suffix in suffixes), None)
+    if kind == "jsonl":
+        return kind
     if not path.exists():
         raise DataError(f"{path}: no such file; expected {FORMATS_HELP}")
-    suffix = path.suffix.lower()
-    for name, suffixes in (("jsonl", JSONL_SUFFIXES), ("parquet", PARQUET_SUFFIXES), ("arrow", ARROW_SUFFIXES)):
-        if suffix in suffixes:
-            return name
-    if suffix == ".json":
-        return "jsonl"  # one object per line: what read_jsonl checks, naming the line
-    raise DataError(f"{path}: unknown data format {suffix or '(no suffix)'!r}; expected {FORMATS_HELP}")
+    if kind is None:
+        raise DataError(f"{path}: unknown data format {suffix or '(no suffix)'!r}; expected {FORMATS_HELP}")
+    return kind
 
 
 class Records(Sequence):
@@ -168,7 +171,10 @@ def _arrow_file(path: str | Path) -> datasets.Dataset:
 
 def read_records(path: str | Path) -> Iterator[tuple[int | Row, dict]]:
     """(position, record) of every record of a data file in order: `read_jsonl` for any format."""
-    yield from open_records(path)
+    if data_format(path) == "jsonl":
+        yield from read_jsonl(path)  # one pass, without the offsets open_records keeps for indexing
+    else:
+        yield from open_records(path)
 
 
 # ----------------------------------------------------------------------------- checks before the model is built

@@ -35,8 +35,9 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl, require_encodable, require_str
+from aligner.data.jsonl import DataError, require_encodable, require_str
 from aligner.data.preference import parse_pair
+from aligner.data.records import read_records
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
@@ -171,7 +172,7 @@ class ComparisonDataset(Dataset):
         self.path = path
         self.max_seq_length = max_seq_length
         self.stats = RewardDataStats()
-        records = list(read_jsonl(path))
+        records = list(read_records(path))  # the text layout pairs consecutive records
         if not records:
             raise DataError(f"{path}: the file holds no records; expected comparison pairs in JSONL")
         self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
@@ -340,7 +341,7 @@ class RegressionDataset(Dataset):
         self.max_seq_length = max_seq_length
         self.attributes = list(attributes)
         self.stats = RewardDataStats()
-        records = list(read_jsonl(path))
+        records = list(read_records(path))
         if not records:
             raise DataError(f"{path}: the file holds no records; expected {{\"text\", \"label\"}} or "
                             "{\"prompt\", \"response\", \"label\"} per line")

@@ -1,6 +1,7 @@
 """Unpaired feedback for KTO: one completion per prompt, labelled desirable (true) or undesirable (false).
 
-One example per JSONL line, TRL's unpaired layout, plain or conversational:
+One example per JSONL line or Parquet/Arrow row (`aligner.data.records`), TRL's unpaired layout, plain or
+conversational:
   {"prompt": "12+7=", "completion": "19", "label": true}
   {"prompt": [{"role": "user", "content": "12+7="}], "completion": [{"role": "assistant", "content": "18"}],
    "label": false}
@@ -26,8 +27,9 @@ import torch
 from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, parse_answer, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl, require_key
+from aligner.data.jsonl import DataError, require_key
 from aligner.data.preference import collate_rows, stack_optional
+from aligner.data.records import read_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
@@ -93,7 +95,7 @@ class UnpairedDataset(Dataset):
                               f"got {max_seq_length}")
         encoder = ChatEncoder(tokenizer, use_template=use_template)
         examples, stats = [], UnpairedStats()
-        for line, record in read_jsonl(path):
+        for line, record in read_records(path):
             label = require_key(record, "label", path, line)
             if not isinstance(label, bool):
                 raise DataError(f"{path}:{line}: 'label' is {label!r}; expected true (desirable) or false "

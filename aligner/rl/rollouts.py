@@ -34,10 +34,12 @@ from aligner.runtime.seeds import epoch_seed
 
 # ----------------------------------------------------------------------------- prompts
 class PromptDataset:
-    """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
+    """Prompts of a data file (JSONL, Parquet, Arrow: `aligner.data.records`), `{"prompt": text or
+    [{"role", "content"}, ...]}` per record, other columns allowed.
 
-    prompts[i] is the prompt as the data gave it (what reward functions receive), record(i) where it
-    is ("file:line", for messages about its scores), tokens[i] what the policy is given
+    prompts[i] is the prompt as the data gave it (what reward functions receive), columns(i) its whole
+    record (every column, read from the file when asked), record(i) where it is ("file:line" or
+    "file:row N", for messages about its scores), tokens[i] what the policy is given
     (`ChatEncoder.prompt_tokens`: the chat template's rendering with the generation prompt, a string
     being one user turn; [bos] + text without a template or with use_template=False), so prompt +
     generated answer is the SFT encoding of the conversation.
@@ -46,16 +48,19 @@ class PromptDataset:
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True,
                  length_key: str = "data.max_prompt_length"):
         from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
-        from aligner.data.jsonl import DataError, read_jsonl
+        from aligner.data.jsonl import DataError
+        from aligner.data.records import open_records
 
         self.path = str(path)
         self.prompts: list[Prompt] = []
         self.tokens: list[list[int]] = []
-        self.lines: list[int] = []  # each prompt's line in the file
+        self.lines: list[int] = []  # each prompt's line (JSONL) or `Row` in the file
+        self.records = open_records(path)
+        self.positions: list[int] = []  # each prompt's index in self.records
         self.too_long = 0
         self.shortest_too_long: Optional[int] = None  # tokens of the shortest prompt skipped
         encoder = ChatEncoder(tokenizer, use_template)
-        for line, record in read_jsonl(path):
+        for position, (line, record) in enumerate(self.records):
             prompt = parse_prompt(record, "prompt", path, line)
             with template_errors(path, line):
                 ids = encoder.prompt_tokens(prompt)
@@ -66,6 +71,7 @@ class PromptDataset:
             self.prompts.append(prompt)
             self.tokens.append(ids)
             self.lines.append(line)
+            self.positions.append(position)
         # A chat template's own tokens count (SmolLM2's default system prompt alone is about 30), so a
         # limit that fits the texts may still skip them all: say so, with the length that would fit.
         self.skipped_note = "" if not self.too_long else (
@@ -81,6 +87,10 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def columns(self, index: int) -> dict:
+        """Prompt `index`'s whole record: every column of its line or row (a null column left out)."""
+        return self.records[self.positions[index]]
 
     def record(self, index: int) -> str:
         """Where prompt `index` is in the data: "file:line"."""

@@ -227,7 +227,7 @@ ASSISTANT_TURN = {"from": "assistant", "value": "world"}
         ({"input": "hello"}, "missing key 'output'"),
         ({"input": "hello", "output": ""}, "key 'output' is empty"),
         ({"input": 5, "output": "x"}, "key 'input' is a int; expected a string"),
-        ({"text": "hello"}, "neither 'input'/'output' nor 'conversations'/'messages'"),
+        ({"text": "hello"}, "none of 'input'/'output', 'prompt'/'completion', 'conversations' or 'messages'"),
         ({"conversations": "hello"}, "conversations is a str; expected a non-empty list"),
         ({"conversations": []}, "conversations is an empty list"),
         ({"conversations": [USER_TURN, "world"]}, r"conversations\[1\] is a str; expected a JSON object"),
