@@ -20,6 +20,8 @@ import torch
 from aligner.algorithms.sft import SFTDataConfig, response_token_loss
 from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.rl import distillation_math
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -135,6 +137,9 @@ class KDConfig(RunConfig):
     name: str = "gpt_knowledge_distillation"
     kd: KDSection = field(default_factory=KDSection)
     data: KDDataConfig = field(default_factory=KDDataConfig)
+
+    def data_layouts(self) -> Layouts:
+        return SFT_LAYOUTS
 
 
 def check_kd_config(cfg: KDConfig) -> None:

@@ -49,10 +49,13 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.rl.rewards import RewardChecks, ScoreCheck, wait_for
+from aligner.rl.rollouts import PROMPT_LAYOUTS
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
@@ -199,6 +202,9 @@ class RLDataSection:
     shuffle: bool = True
     chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
 
+    def sources(self) -> list[tuple[str, Optional[str]]]:
+        return [("data.prompts", self.prompts), ("data.validation_prompts", self.validation_prompts)]
+
 
 @dataclass
 class PolicySection:
@@ -291,6 +297,12 @@ class RLActorConfig(RunConfig):
     def constant_normalizer(self) -> float:
         value = self.loss.constant_normalizer
         return float(self.generation.max_new_tokens if value is None else value)
+
+    def data_layouts(self) -> Layouts:
+        return PROMPT_LAYOUTS
+
+    def data_sources(self) -> list[tuple[str, Optional[str], Optional[Layouts]]]:
+        return super().data_sources() + [("ptx.data", self.ptx.data, SFT_LAYOUTS)]
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
         # A rollout: a prompt + its response (the PTX rows are at most this long: `build_ptx_loader`).

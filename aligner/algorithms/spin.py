@@ -40,8 +40,10 @@ from aligner.algorithms.dpo import (
     precompute_reference_logprobs,
 )
 from aligner.config import at_least, one_of
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.runtime.errors import ConfigError
-from aligner.training.setup import RunConfig
+from aligner.training.setup import RunConfig, entry_sources
 from aligner.training.trainer import Trainer
 
 
@@ -94,6 +96,13 @@ class SPINDataConfig:
     pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
     chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
+    def sources(self) -> list[tuple[str, str]]:
+        return entry_sources("data.train", self.train)
+
+
+# `demonstration`'s layouts: an SFT record, or a prompt with its response
+DEMONSTRATION_LAYOUTS = Layouts("demonstration", SFT_LAYOUTS.choices + (("prompt", "response"),))
+
 
 @dataclass
 class SPINConfig(RunConfig):
@@ -108,6 +117,9 @@ class SPINConfig(RunConfig):
         # The self-play engine's rows: a demonstration's prompt (under data.max_seq_length) + a generated answer.
         seq, new = self.data.max_seq_length, self.spin.generation.max_new_tokens
         return [(seq + new, f"data.max_seq_length + spin.generation.max_new_tokens = {seq} + {new} = {seq + new}")]
+
+    def data_layouts(self) -> Layouts:
+        return DEMONSTRATION_LAYOUTS
 
 
 def iteration_betas(spin: SPINSection) -> list[float]:

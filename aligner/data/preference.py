@@ -37,12 +37,13 @@ from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt, template_errors
 from aligner.data.jsonl import DataError
-from aligner.data.records import read_records
+from aligner.data.records import Layouts, read_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 KEY_LAYOUTS = (("chosen_response", "rejected_response"), ("chosen", "rejected"))
 REWARD_KEYS = ("chosen_reward", "rejected_reward")
+PREFERENCE_LAYOUTS = Layouts("preference", KEY_LAYOUTS)  # "prompt" may be implicit in the conversations
 
 
 @dataclass

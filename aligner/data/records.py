@@ -185,6 +185,10 @@ class Layouts:
     what: str  # "SFT", "preference pairs", ...
     choices: tuple[tuple[str, ...], ...]
 
+    def with_columns(self, *columns: str) -> "Layouts":
+        """The same layouts, each also needing `columns` (e.g. SteerLM's annotated "attributes")."""
+        return Layouts(self.what, tuple(choice + columns for choice in self.choices))
+
     def describe(self) -> str:
         return " or ".join("/".join(repr(column) for column in choice) for choice in self.choices)
 

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, require_encodable, require_str
 from aligner.data.preference import parse_pair
-from aligner.data.records import read_records
+from aligner.data.records import Layouts, read_records
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
@@ -45,6 +45,8 @@ from aligner.tokenizer import Tokenizer
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 REQUEST_KEYS = ("prompt", "response")  # a conversational reward-server request: a regression record's sample
+COMPARISON_LAYOUTS = Layouts("reward-model comparison", (("chosen", "rejected"), ("text",)))
+REGRESSION_LAYOUTS = Layouts("attribute (regression)", (("text", "label"), ("prompt", "response", "label")))
 LABEL_EXAMPLE = "'helpfulness:4,correctness:3' or {\"helpfulness\": 4, \"correctness\": 3}"
 
 

@@ -41,13 +41,14 @@ from aligner.data.conversation import (
     template_errors,
 )
 from aligner.data.jsonl import DataError, optional_str, require_str
-from aligner.data.records import open_records
+from aligner.data.records import Layouts, open_records
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 CONVERSATION_KEYS = ("conversations", "messages")  # NeMo-Aligner's and TRL's key for a list of turns
 PROGRESS_BAR_MIN_RECORDS = 10_000
+SFT_LAYOUTS = Layouts("SFT", (("input", "output"), ("conversations",), ("messages",), ("prompt", "completion")))
 
 
 @dataclass

@@ -29,9 +29,11 @@ from torch.utils.data import Dataset
 from aligner.data.conversation import ChatEncoder, parse_answer, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, require_key
 from aligner.data.preference import collate_rows, stack_optional
-from aligner.data.records import read_records
+from aligner.data.records import Layouts, read_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
+
+UNPAIRED_LAYOUTS = Layouts("unpaired (KTO)", (("prompt", "completion", "label"),))
 
 
 @dataclass

@@ -28,11 +28,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from aligner.data.records import Layouts
 from aligner.generation.engine import Rollout, SamplingParams, generate_requests
 from aligner.runtime.seeds import epoch_seed
 
-
 # ----------------------------------------------------------------------------- prompts
+PROMPT_LAYOUTS = Layouts("prompt", (("prompt",),))
+
+
 class PromptDataset:
     """Prompts of a data file (JSONL, Parquet, Arrow: `aligner.data.records`), `{"prompt": text or
     [{"role", "content"}, ...]}` per record, other columns allowed.
