@@ -400,7 +400,7 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
             continue
         train_idx, val_idx = split_indices(len(dataset), split, seed)
         train_sets.append(IndexedSubset(dataset, train_idx))
-        if val_idx:
+        if len(val_idx):
             val_sets.append(IndexedSubset(dataset, val_idx))
     if len(train_sets) == 1:
         train_set = train_sets[0]
