@@ -20,7 +20,7 @@ import torch
 from aligner.algorithms.sft import SFTDataConfig, response_token_loss
 from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
-from aligner.data.records import Layouts
+from aligner.data.records import Layouts, check_data_source
 from aligner.data.sft import SFT_LAYOUTS
 from aligner.rl import distillation_math
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
@@ -32,7 +32,7 @@ from aligner.training.trainer import Trainer
 # ----------------------------------------------------------------------------- the teacher pass
 @dataclass
 class TeacherData:
-    path: str = "???"  # an SFT JSONL file (any layout train_gpt_sft.py reads)
+    path: str = "???"  # an SFT data file (any format and layout train_gpt_sft.py reads)
     max_seq_length: int = at_least(2, 512)  # as the student's data.max_seq_length
     chat_template: bool = True  # as the student's data.chat_template
 
@@ -79,6 +79,7 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
 
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(cfg.teacher)["model"])  # first: a wrong path named
     tokenizer = Tokenizer(cfg.tokenizer_path or Path(cfg.teacher) / checkpointing.TOKENIZER_DIR)
+    check_data_source("data.path", cfg.data.path, SFT_LAYOUTS)  # before the teacher is built
     if distributed.initialize(cfg.parallel) != 1:
         raise ConfigError("the teacher pass runs one model replica: launch tensor_model_parallel_size x "
                           f"pipeline_model_parallel_size processes, not {dist.get_world_size()}")

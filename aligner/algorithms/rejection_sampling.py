@@ -80,7 +80,7 @@ class RSRewardSection(RewardChecks):
 
 @dataclass
 class RSDataConfig:
-    prompts: str = "???"  # JSONL {"prompt": text or messages}
+    prompts: str = "???"  # a data file (JSONL, Parquet, Arrow, datasets dir) of {"prompt": text or messages}
     max_prompt_length: int = at_least(1, 256)  # longer prompts are skipped
     chat_template: bool = True
     shuffle: bool = True

@@ -184,7 +184,7 @@ class LossSection:
 
 @dataclass
 class PTXSection:
-    data: Optional[str] = None  # SFT-format JSONL for the pretraining/next-token loss mixture; null: off
+    data: Optional[str] = None  # SFT data (any format) for the pretraining/next-token loss mixture; null: off
     coef: float = 0.0
     max_seq_length: int = 512
 
@@ -196,7 +196,7 @@ class EMASection:
 
 @dataclass
 class RLDataSection:
-    prompts: str = "???"  # JSONL, {"prompt": text or [{"role", "content"}, ...]} per line
+    prompts: str = "???"  # JSONL/Parquet/Arrow/datasets dir, {"prompt": text or [{"role", "content"}, ...]} per record
     validation_prompts: Optional[str] = None
     max_prompt_length: int = at_least(1, 64)
     shuffle: bool = True
