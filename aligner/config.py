@@ -119,6 +119,7 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
         try:
             notes += apply_renamed_keys(from_file, renames, str(path))
             notes += drop_retired_keys(from_file, retired, str(path))
+            from_file = expand_path_shorthands(schema, from_file)
             _check_shapes(schema, from_file, lambda key, path=path: _in_file(path, key))
             merged = OmegaConf.merge(merged, from_file)
         except OmegaConfBaseException as error:
@@ -138,6 +139,7 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
         from_command_line = OmegaConf.from_dotlist(list(overrides))
         notes += apply_renamed_keys(from_command_line, renames, "the command line")
         notes += drop_retired_keys(from_command_line, retired, "the command line")
+        from_command_line = expand_path_shorthands(schema, from_command_line)
         _check_shapes(schema, from_command_line, lambda key: on_command_line)
         merged = OmegaConf.merge(merged, from_command_line)
     except OmegaConfBaseException as error:
@@ -237,6 +239,42 @@ def _set_by(node, key: Optional[str]) -> bool:
             return False
         value = value[part]
     return True
+
+
+def expand_path_shorthands(schema: type, node):
+    """An omegaconf node with each list of path entries given as a path or a list of paths written out as
+    entries: `data.train=a.parquet` -> [{path: a.parquet}], `data.train=[a.parquet, b.jsonl]` ->
+    [{path: a.parquet}, {path: b.jsonl}] (a list whose schema entries are sections with a `path` key)."""
+    container = OmegaConf.to_container(node, resolve=False)
+    expanded = _expand_paths(schema, container)
+    return node if expanded == container else OmegaConf.create(expanded)
+
+
+def _is_path_entry(annotation: Any) -> bool:
+    return dataclasses.is_dataclass(annotation) and "path" in {spec.name for spec in dataclasses.fields(annotation)}
+
+
+def _expand_paths(annotation: Any, value: Any) -> Any:
+    """`expand_path_shorthands` of a plain yaml tree (dicts and lists) under its schema annotation."""
+    if value is None or (isinstance(value, str) and (value == "???" or "${" in value)):
+        return value
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [member for member in typing.get_args(annotation) if member is not type(None)]
+        return _expand_paths(members[0], value) if len(members) == 1 else value
+    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+        try:
+            hints = typing.get_type_hints(annotation)
+        except (NameError, TypeError):  # an annotation that cannot be evaluated here: omegaconf checks it
+            return value
+        names = {spec.name for spec in dataclasses.fields(annotation)}
+        return {name: _expand_paths(hints[name], item) if name in names and name in hints else item
+                for name, item in value.items()}
+    arguments = typing.get_args(annotation)
+    if (typing.get_origin(annotation) or annotation) is list and arguments and _is_path_entry(arguments[0]):
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list):
+            return [{"path": item} if isinstance(item, str) else item for item in items]
+    return value
 
 
 def _check_shapes(schema: type, node, where) -> None:
@@ -395,14 +433,16 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
 
 
 def run_training(schema: Type[T], yaml_name: str, build, after_fit=None) -> None:
-    """The body of a training entry point: conf/<yaml_name> + command-line overrides -> schema ->
-    build(cfg) -> fit(); after_fit(trainer, cfg) runs on success; the metrics are closed either way."""
+    """The body of a training entry point: conf/<yaml_name> + command-line overrides -> schema (a
+    `RunConfig`) -> its data files checked -> build(cfg) -> fit(); after_fit(trainer, cfg) runs on success;
+    the metrics are closed either way."""
     from aligner.runtime.distributed import rank_and_world_from_env
 
     config_path, overrides = parse_command_line(CONF_DIR / yaml_name)
     cfg = load_config(schema, config_path, overrides)
     if rank_and_world_from_env()[0] == 0:  # rank 0 writes the metrics; found before minutes of model building
         require_writable_dir(cfg.logging.log_dir, "logging.log_dir")
+    cfg.check_data_sources()  # every data file exists and has its columns, before the model is built
     trainer = build(cfg)
     try:
         trainer.fit()

@@ -20,6 +20,8 @@ import torch
 from aligner.algorithms.sft import SFTDataConfig, response_token_loss
 from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
+from aligner.data.records import Layouts, check_data_source
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.hf.sources import resolve_model_source
 from aligner.rl import distillation_math
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
@@ -31,7 +33,7 @@ from aligner.training.trainer import Trainer
 # ----------------------------------------------------------------------------- the teacher pass
 @dataclass
 class TeacherData:
-    path: str = "???"  # an SFT JSONL file (any layout train_gpt_sft.py reads)
+    path: str = "???"  # an SFT data file (any format and layout train_gpt_sft.py reads)
     max_seq_length: int = at_least(2, 512)  # as the student's data.max_seq_length
     chat_template: bool = True  # as the student's data.chat_template
 
@@ -76,7 +78,8 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
 
-    teacher = resolve_model_source(cfg.teacher, "teacher", get_logger().info)  # first: a wrong path named
+    check_data_source("data.path", cfg.data.path, SFT_LAYOUTS)  # before the teacher is built
+    teacher = resolve_model_source(cfg.teacher, "teacher", get_logger().info)  # a wrong path named first
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(teacher)["model"])
     tokenizer = Tokenizer(cfg.tokenizer_path or teacher / checkpointing.TOKENIZER_DIR)
     if distributed.initialize(cfg.parallel) != 1:
@@ -138,6 +141,9 @@ class KDConfig(RunConfig):
     name: str = "gpt_knowledge_distillation"
     kd: KDSection = field(default_factory=KDSection)
     data: KDDataConfig = field(default_factory=KDDataConfig)
+
+    def data_layouts(self) -> Layouts:
+        return SFT_LAYOUTS
 
 
 def check_kd_config(cfg: KDConfig) -> None:

@@ -23,6 +23,8 @@ import torch
 from aligner.algorithms.reward_model import pair_report, summarize_pairs
 from aligner.config import one_of
 from aligner.data.jsonl import DataError
+from aligner.data.preference import PREFERENCE_LAYOUTS
+from aligner.data.records import Layouts
 from aligner.models.packing import PackingSection, SharedPromptPackingSection
 from aligner.rl import dpo_math
 from aligner.runtime.errors import ConfigError
@@ -56,6 +58,9 @@ class DPOConfig(RunConfig):
     dpo: DPOSection = field(default_factory=DPOSection)
     data: DataSection = field(default_factory=DataSection)
     packing: SharedPromptPackingSection = field(default_factory=SharedPromptPackingSection)
+
+    def data_layouts(self) -> Layouts:
+        return PREFERENCE_LAYOUTS
 
 
 def check_dpo_section(dpo: DPOSection) -> None:

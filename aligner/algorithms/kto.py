@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from aligner.config import one_of
+from aligner.data.records import Layouts
+from aligner.data.unpaired import UNPAIRED_LAYOUTS
 from aligner.rl import dpo_math, kto_math
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
@@ -46,6 +48,9 @@ class KTOConfig(RunConfig):
     name: str = "gpt_kto"
     kto: KTOSection = field(default_factory=KTOSection)
     data: DataSection = field(default_factory=DataSection)
+
+    def data_layouts(self) -> Layouts:
+        return UNPAIRED_LAYOUTS
 
 
 def check_kto_section(kto: KTOSection) -> None:

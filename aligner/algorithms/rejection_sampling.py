@@ -30,7 +30,9 @@ import torch
 
 from aligner.algorithms.rl_actor import ServerAddress
 from aligner.config import at_least, one_of
+from aligner.data.records import Layouts
 from aligner.rl.rewards import RewardFunctionSettings
+from aligner.rl.rollouts import PROMPT_LAYOUTS
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
@@ -78,11 +80,14 @@ class RSRewardSection(RewardFunctionSettings):
 
 @dataclass
 class RSDataConfig:
-    prompts: str = "???"  # JSONL {"prompt": text or messages}
+    prompts: str = "???"  # a data file (JSONL, Parquet, Arrow, datasets dir) of {"prompt": text or messages}
     max_prompt_length: int = at_least(1, 256)  # longer prompts are skipped
     chat_template: bool = True
     shuffle: bool = True
     pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
+
+    def sources(self) -> list[tuple[str, str]]:
+        return [("data.prompts", self.prompts)]
 
 
 @dataclass
@@ -101,6 +106,9 @@ class RSConfig(RunConfig):
     reward: RSRewardSection = field(default_factory=RSRewardSection)
     trainer: RSTrainerConfig = field(default_factory=RSTrainerConfig)
     data: RSDataConfig = field(default_factory=RSDataConfig)
+
+    def data_layouts(self) -> Layouts:
+        return PROMPT_LAYOUTS
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
         # Generated and trained on alike: a prompt + its answer.

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from aligner.config import one_of
+from aligner.data.records import Layouts
+from aligner.data.reward import COMPARISON_LAYOUTS, REGRESSION_LAYOUTS
 from aligner.models.packing import PackingSection, zero_loss
 from aligner.models.reward import REWARD_TYPES
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
@@ -45,6 +47,9 @@ class RewardModelConfig(RunConfig):
     reward: RewardSection = field(default_factory=RewardSection)
     data: RewardDataConfig = field(default_factory=RewardDataConfig)
     packing: PackingSection = field(default_factory=PackingSection)
+
+    def data_layouts(self) -> Layouts:
+        return REGRESSION_LAYOUTS if self.reward.type == "regression" else COMPARISON_LAYOUTS
 
 
 # ----------------------------------------------------------------------------- losses

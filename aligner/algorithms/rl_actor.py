@@ -49,11 +49,14 @@ import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.hf.sources import resolve_model_source
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, ppo_math
 from aligner.rl.rewards import RewardFunctionSettings, ScoreCheck, wait_for
+from aligner.rl.rollouts import PROMPT_LAYOUTS
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.setup import RunConfig
@@ -181,7 +184,7 @@ class LossSection:
 
 @dataclass
 class PTXSection:
-    data: Optional[str] = None  # SFT-format JSONL for the pretraining/next-token loss mixture; null: off
+    data: Optional[str] = None  # SFT data (any format) for the pretraining/next-token loss mixture; null: off
     coef: float = 0.0
     max_seq_length: int = 512
 
@@ -193,11 +196,14 @@ class EMASection:
 
 @dataclass
 class RLDataSection:
-    prompts: str = "???"  # JSONL, {"prompt": text or [{"role", "content"}, ...]} per line
+    prompts: str = "???"  # JSONL/Parquet/Arrow/datasets dir, {"prompt": text or [{"role", "content"}, ...]} per record
     validation_prompts: Optional[str] = None
     max_prompt_length: int = at_least(1, 64)
     shuffle: bool = True
     chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
+
+    def sources(self) -> list[tuple[str, Optional[str]]]:
+        return [("data.prompts", self.prompts), ("data.validation_prompts", self.validation_prompts)]
 
 
 @dataclass
@@ -292,6 +298,12 @@ class RLActorConfig(RunConfig):
     def constant_normalizer(self) -> float:
         value = self.loss.constant_normalizer
         return float(self.generation.max_new_tokens if value is None else value)
+
+    def data_layouts(self) -> Layouts:
+        return PROMPT_LAYOUTS
+
+    def data_sources(self) -> list[tuple[str, Optional[str], Optional[Layouts]]]:
+        return super().data_sources() + [("ptx.data", self.ptx.data, SFT_LAYOUTS)]
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
         # A rollout: a prompt + its response (the PTX rows are at most this long: `build_ptx_loader`).
@@ -790,7 +802,7 @@ class RLActor:
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
         given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
-        given_columns = [prompts.columns[i] for i in indices]  # the records' other columns, for reward functions
+        given_columns = [prompts.columns(i) for i in indices]  # the records' other columns, for reward functions
         records = [prompts.record(i) for i in indices]  # "file:line", for messages about a prompt's score
         pending = []  # (micro-batch positions, pending scores, values future)
 

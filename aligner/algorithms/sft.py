@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aligner.data.steerlm import CHECKPOINT_META_KEY, SteerLMConfig
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
+from aligner.data.steerlm import ATTRIBUTES_KEY, CHECKPOINT_META_KEY, SteerLMConfig
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -35,6 +37,9 @@ class SFTConfig(RunConfig):
     LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_sft"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
+
+    def data_layouts(self) -> Layouts:
+        return SFT_LAYOUTS.with_columns(ATTRIBUTES_KEY) if self.data.steerlm.enabled else SFT_LAYOUTS
 
 
 # ----------------------------------------------------------------------------- loss

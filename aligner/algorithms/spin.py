@@ -40,8 +40,10 @@ from aligner.algorithms.dpo import (
     precompute_reference_logprobs,
 )
 from aligner.config import at_least, one_of
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
 from aligner.runtime.errors import ConfigError
-from aligner.training.setup import RunConfig
+from aligner.training.setup import RunConfig, entry_sources
 from aligner.training.trainer import Trainer
 
 
@@ -94,6 +96,13 @@ class SPINDataConfig:
     pad_to_multiple_of: Optional[int] = at_least(1, None, "null: 8 on GPU, 1 (the TP size at TP > 1) on CPU")
     chat_template: bool = True  # render with the tokenizer's chat template (if it has one)
 
+    def sources(self) -> list[tuple[str, str]]:
+        return entry_sources("data.train", self.train)
+
+
+# `demonstration`'s layouts: an SFT record, or a prompt with its response
+DEMONSTRATION_LAYOUTS = Layouts("demonstration", SFT_LAYOUTS.choices + (("prompt", "response"),))
+
 
 @dataclass
 class SPINConfig(RunConfig):
@@ -109,6 +118,9 @@ class SPINConfig(RunConfig):
         # The self-play engine's rows: a demonstration's prompt (under data.max_seq_length) + a generated answer.
         seq, new = self.data.max_seq_length, self.spin.generation.max_new_tokens
         return [(seq + new, f"data.max_seq_length + spin.generation.max_new_tokens = {seq} + {new} = {seq + new}")]
+
+    def data_layouts(self) -> Layouts:
+        return DEMONSTRATION_LAYOUTS
 
 
 def iteration_betas(spin: SPINSection) -> list[float]:
@@ -135,7 +147,7 @@ def dpo_section(spin: SPINSection, beta: float) -> DPOSection:
 def demonstration(record: dict, path: str, line: int):
     """(prompt, answer text) of one demonstration record; the prompt is text or messages.
 
-    {"input", "output"}; {"prompt", "response"} (a conversational prompt, the answer as text or an
+    {"input", "output"}; {"prompt", "response" or "completion"} (a conversational prompt, the answer as text or an
     assistant message); or a conversation, {"system"?, "conversations"} (the SFT file layout) or
     {"messages"}, whose last turn is the assistant's reply: the earlier turns are its prompt.
     """
@@ -145,12 +157,14 @@ def demonstration(record: dict, path: str, line: int):
 
     if "input" in record or "output" in record:
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
-    if "prompt" in record or "response" in record:
-        return parse_prompt(record, "prompt", path, line), parse_answer(record, "response", path, line)
+    if "prompt" in record or "response" in record or "completion" in record:
+        answer_key = "completion" if "completion" in record else "response"  # TRL's name, or the reward data's
+        return parse_prompt(record, "prompt", path, line), parse_answer(record, answer_key, path, line)
     key = conversation_key(record)
     if key is None:
-        raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response', 'conversations' "
-                        f"or 'messages' (keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
+        raise DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'response' (or "
+                        f"'completion'), 'conversations' or 'messages' "
+                        f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
     # The SFT reader's turns, system message included: they open with a user turn and end with the reply.
     messages = parse_conversation(record, path, line)
     return messages[:-1], messages[-1]["content"]
@@ -163,11 +177,12 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
     reply. Records longer than max_seq_length are dropped.
     """
     from aligner.data.conversation import ChatEncoder, template_errors
-    from aligner.data.jsonl import DataError, read_jsonl
+    from aligner.data.jsonl import DataError
+    from aligner.data.records import read_records
 
     encoder = ChatEncoder(tokenizer, use_template)
     demonstrations = []
-    for line, record in read_jsonl(path):
+    for line, record in read_records(path):
         prompt, answer = demonstration(record, path, line)
         with template_errors(path, line):
             prompt_tokens, answer_tokens = encoder.sample_tokens(prompt, answer)

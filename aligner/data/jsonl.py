@@ -29,6 +29,12 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     string that UTF-8 cannot encode (a lone surrogate: "\\ud800" is valid JSON) is refused here,
     naming its field, before a tokenizer fails on it far from the file.
     """
+    for line_number, _, record in read_jsonl_offsets(path):
+        yield line_number, record
+
+
+def read_jsonl_offsets(path: str | Path) -> Iterator[tuple[int, int, dict]]:
+    """`read_jsonl` with each record's byte offset in the file: (line number, offset, record)."""
     try:
         handle = open(path, "rb")
     except OSError as error:
@@ -37,7 +43,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             "expected a readable JSONL file with one JSON object per line"
         ) from error
     with handle:
+        offset = 0
         for line_number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -61,7 +69,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
                 )
             if "\\u" in text:  # a lone surrogate can only come from an escape such as \ud800
                 require_encodable(record, _where(path, line_number))
-            yield line_number, record
+            yield line_number, start, record
 
 
 def require_encodable(record: dict, where: str) -> None:

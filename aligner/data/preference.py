@@ -1,6 +1,7 @@
 """Preference data for DPO-style training: (prompt, chosen, rejected) with the prompt kept apart.
 
-One pair per JSONL line, in NeMo-Aligner's keys or the short ones (the demo's preference files):
+One pair per JSONL line or Parquet/Arrow row (`aligner.data.records`), in NeMo-Aligner's keys or the short
+ones (the demo's preference files):
   {"prompt": "12+7=", "chosen_response": "19", "rejected_response": "18"}
   {"prompt": "12+7=", "chosen": "19", "rejected": "18"}
 optionally with given rewards for reward-aware losses (RPO): "chosen_reward", "rejected_reward".
@@ -31,16 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_messages, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl
+from aligner.data.jsonl import DataError
+from aligner.data.records import Layouts, open_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 KEY_LAYOUTS = (("chosen_response", "rejected_response"), ("chosen", "rejected"))
 REWARD_KEYS = ("chosen_reward", "rejected_reward")
+PREFERENCE_LAYOUTS = Layouts("preference", KEY_LAYOUTS)  # "prompt" may be implicit in the conversations
 
 
 @dataclass
@@ -126,47 +130,18 @@ class PreferenceDataset(Dataset):
     @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
                    use_template: bool = True) -> "PreferenceDataset":
-        """use_template: render with the tokenizer's chat template (`data.chat_template`)."""
-        if max_seq_length < 2:
-            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
-                              f"got {max_seq_length}")
-        encoder = ChatEncoder(tokenizer, use_template=use_template)
-        pairs, stats, with_rewards = [], PreferenceStats(), None
-        for line, record in read_jsonl(path):
-            chosen_key, rejected_key = _response_keys(record, path, line)
-            prompt_text, chosen_text, rejected_text = parse_pair(record, chosen_key, rejected_key, path, line)
-            with template_errors(path, line):
-                prompt, chosen = encoder.sample_tokens(prompt_text, chosen_text)
-                rejected = encoder.sample_tokens(prompt_text, rejected_text)[1]
-            rewards = _rewards(record, path, line)
-            if with_rewards is None:
-                with_rewards = rewards is not None
-            elif with_rewards != (rewards is not None):
-                # A batch mixing pairs with and without rewards has no consistent RPO target.
-                raise DataError(f"{path}:{line}: {'no' if with_rewards else ''} rewards here, but the file's "
-                                f"first record {'has' if with_rewards else 'has none'}; all records or none")
-            stats.records += 1
-            if chosen == rejected:
-                stats.dropped_identical += 1
-                continue
-            if len(prompt) + max(len(chosen), len(rejected)) > max_seq_length:
-                stats.dropped_too_long += 1
-                continue
-            pairs.append(PreferencePair(prompt, chosen, rejected, rewards))
-        if stats.records == 0:
-            raise DataError(f"{path}: the file holds no records; expected preference pairs in JSONL")
-        if not pairs:
-            raise DataError(f"{path}: no usable pairs among the {stats.records}: {stats.dropped_too_long} longer than "
-                            f"max_seq_length={max_seq_length}, {stats.dropped_identical} with chosen == rejected")
-        dataset = cls(pairs, str(path))
-        dataset.stats = stats
-        return dataset
+        """The pairs of a data file of any format (`aligner.data.records`), read lazily (`PreferenceFile`);
+        use_template: render with the tokenizer's chat template (`data.chat_template`)."""
+        return PreferenceFile(path, tokenizer, max_seq_length, use_template)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def pair(self, index: int) -> PreferencePair:
+        return self.pairs[index]
+
     def __getitem__(self, index: int) -> dict:
-        pair = self.pairs[index]
+        pair = self.pair(index)
         item = {
             "prompt": torch.tensor(pair.prompt, dtype=torch.long),
             "chosen": torch.tensor(pair.chosen, dtype=torch.long),
@@ -177,6 +152,58 @@ class PreferenceDataset(Dataset):
         if self.reference_logprobs is not None:
             item["reference_logprobs"] = self.reference_logprobs[index]
         return item
+
+
+class PreferenceFile(PreferenceDataset):
+    """The pairs of a data file: every record is tokenized once when built (a bad record fails now, naming its
+    file and line or row; the stats are known), then only the kept records' indices are kept (numpy) and a
+    pair is read and tokenized again when indexed, so a large file never sits in Python lists."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int, use_template: bool = True):
+        if max_seq_length < 2:
+            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a response token), "
+                              f"got {max_seq_length}")
+        self.encoder = ChatEncoder(tokenizer, use_template=use_template)
+        self.records, self.source, self.reference_logprobs = open_records(path), str(path), None
+        kept, stats, with_rewards = np.zeros(len(self.records), dtype=bool), PreferenceStats(), None
+        for index, (line, record) in enumerate(self.records):
+            pair = self._encode(record, line)
+            if with_rewards is None:
+                with_rewards = pair.rewards is not None
+            elif with_rewards != (pair.rewards is not None):
+                # A batch mixing pairs with and without rewards has no consistent RPO target.
+                raise DataError(f"{path}:{line}: {'no' if with_rewards else ''} rewards here, but the file's "
+                                f"first record {'has' if with_rewards else 'has none'}; all records or none")
+            stats.records += 1
+            if pair.chosen == pair.rejected:
+                stats.dropped_identical += 1
+            elif len(pair.prompt) + max(len(pair.chosen), len(pair.rejected)) > max_seq_length:
+                stats.dropped_too_long += 1
+            else:
+                kept[index] = True
+        if stats.records == 0:
+            raise DataError(f"{path}: the file holds no records; expected preference pairs in JSONL")
+        if not kept.any():
+            raise DataError(f"{path}: no usable pairs among the {stats.records}: {stats.dropped_too_long} longer than "
+                            f"max_seq_length={max_seq_length}, {stats.dropped_identical} with chosen == rejected")
+        self.indices = np.flatnonzero(kept)  # [pairs]: the record each pair comes from
+        self.stats = stats
+
+    def _encode(self, record: dict, line: int) -> PreferencePair:
+        path = self.source
+        chosen_key, rejected_key = _response_keys(record, path, line)
+        prompt_text, chosen_text, rejected_text = parse_pair(record, chosen_key, rejected_key, path, line)
+        with template_errors(path, line):
+            prompt, chosen = self.encoder.sample_tokens(prompt_text, chosen_text)
+            rejected = self.encoder.sample_tokens(prompt_text, rejected_text)[1]
+        return PreferencePair(prompt, chosen, rejected, _rewards(record, path, line))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def pair(self, index: int) -> PreferencePair:
+        position = int(self.indices[index])
+        return self._encode(self.records[position], self.records.where(position))
 
 
 def collate_rows(rows: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:

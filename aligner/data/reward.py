@@ -30,13 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from aligner.data.conversation import ChatEncoder, Prompt, parse_answer, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl, require_encodable, require_str
+from aligner.data.jsonl import DataError, require_encodable, require_str
 from aligner.data.preference import parse_pair
+from aligner.data.records import Layouts, Records, open_records
 from aligner.data.sft import PROGRESS_BAR_MIN_RECORDS
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
@@ -44,6 +46,8 @@ from aligner.tokenizer import Tokenizer
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 REQUEST_KEYS = ("prompt", "response")  # a conversational reward-server request: a regression record's sample
+COMPARISON_LAYOUTS = Layouts("reward-model comparison", (("chosen", "rejected"), ("text",)))
+REGRESSION_LAYOUTS = Layouts("attribute (regression)", (("text", "label"), ("prompt", "response", "label")))
 LABEL_EXAMPLE = "'helpfulness:4,correctness:3' or {\"helpfulness\": 4, \"correctness\": 3}"
 
 
@@ -74,11 +78,6 @@ class LabelledText:
 
 def _keys_present(record: dict) -> str:
     return ", ".join(sorted(map(repr, record))) or "none"
-
-
-def _progress(items: list, path: str | Path) -> Iterable:
-    quiet = len(items) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
-    return tqdm(items, desc=f"tokenizing {path}", disable=True if quiet else None)
 
 
 def _check_max_seq_length(max_seq_length: int) -> None:
@@ -129,37 +128,30 @@ def _detect_comparison_layout(record: dict, path: str | Path, line: int) -> str:
     )
 
 
-def _comparison_sequences(records: list[tuple[int, dict]], layout: str, path: str | Path,
-                          encode: RewardTokenLayout) -> list[tuple[list[int], list[int]]]:
-    """(chosen tokens, rejected tokens) per pair."""
-    if layout == "pairs":
-        sequences = []
-        for line, record in _progress(records, path):
-            prompt, chosen, rejected = parse_pair(record, "chosen", "rejected", path, line)
-            with template_errors(path, line):
-                sequences.append((encode.sample(prompt, chosen), encode.sample(prompt, rejected)))
-        return sequences
-    if len(records) % 2:
+def _text_of_comparison(record: dict, path: str | Path, line: int) -> str:
+    """A record of the 'text' comparison layout: its text."""
+    if "label" in record:
+        # An attribute file fed to the comparison reader would silently pair unrelated texts.
         raise DataError(
-            f"{path}:{records[-1][0]}: odd number of records ({len(records)}) in the 'text' comparison layout; "
-            "expected each chosen text to be followed by its rejected text on the next line"
+            f"{path}:{line}: record has a 'label' key, so this looks like attribute (regression) data; "
+            "comparison files in the 'text' layout hold only {\"text\"} lines, chosen then rejected"
         )
-    texts = []
-    for line, record in records:
-        if "label" in record:
-            # An attribute file fed to the comparison reader would silently pair unrelated texts.
-            raise DataError(
-                f"{path}:{line}: record has a 'label' key, so this looks like attribute (regression) data; "
-                "comparison files in the 'text' layout hold only {\"text\"} lines, chosen then rejected"
-            )
-        texts.append(require_str(record, "text", path, line))
-    return [(encode.text(chosen), encode.text(rejected)) for chosen, rejected in _progress(
-        list(zip(texts[::2], texts[1::2])), path)]
+    return require_str(record, "text", path, line)
+
+
+def _records_progress(records: Records, path: str | Path) -> Iterable:
+    """The records with a progress bar on rank 0 for a large file."""
+    quiet = len(records) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
+    return tqdm(records, total=len(records), desc=f"tokenizing {path}", disable=True if quiet else None)
 
 
 class ComparisonDataset(Dataset):
-    """Tokenized (chosen, rejected) pairs of one JSONL file, for a pairwise ranking loss.
+    """Tokenized (chosen, rejected) pairs of one data file (any format of `aligner.data.records`), for a
+    pairwise ranking loss.
 
+    Every pair is tokenized once when the dataset is built (a bad record fails now, naming its file and
+    line or row; the stats are known); then only the kept pairs' indices are kept (numpy), and a pair is
+    read and tokenized again when indexed.
     append_eos: end every sequence with eos (the reward is read at the last token, so the
     model sees the same end marker at training and at scoring time).
     use_template: render prompts with the tokenizer's chat template (`data.chat_template`).
@@ -171,30 +163,61 @@ class ComparisonDataset(Dataset):
         self.path = path
         self.max_seq_length = max_seq_length
         self.stats = RewardDataStats()
-        records = list(read_jsonl(path))
-        if not records:
-            raise DataError(f"{path}: the file holds no records; expected comparison pairs in JSONL")
-        self.layout = _detect_comparison_layout(records[0][1], path, records[0][0])
-        encode = RewardTokenLayout(tokenizer, append_eos, use_template)
-        self.comparisons: list[Comparison] = []
-        for chosen, rejected in _comparison_sequences(records, self.layout, path, encode):
-            comparison = Comparison(chosen, rejected)
+        self.records = open_records(path)
+        if not len(self.records):
+            raise DataError(f"{path}: the file holds no records; expected comparison pairs")
+        self.layout = _detect_comparison_layout(self.records[0], path, self.records.where(0))
+        if self.layout == "text" and len(self.records) % 2:
+            raise DataError(
+                f"{path}:{self.records.where(len(self.records) - 1)}: odd number of records ({len(self.records)}) in "
+                "the 'text' comparison layout; expected each chosen text to be followed by its rejected text on the "
+                "next line"
+            )
+        self.encode = RewardTokenLayout(tokenizer, append_eos, use_template)
+        pairs = len(self.records) // (2 if self.layout == "text" else 1)
+        kept = np.zeros(pairs, dtype=bool)
+        chosen_text = None
+        for position, (line, record) in enumerate(_records_progress(self.records, path)):
+            if self.layout == "pairs":
+                comparison = self._pair(record, line)
+            elif position % 2 == 0:
+                chosen_text = _text_of_comparison(record, path, line)
+                continue
+            else:
+                comparison = Comparison(self.encode.text(chosen_text), self.encode.text(
+                    _text_of_comparison(record, path, line)))
             self.stats.records += 1
             if max(len(comparison.chosen), len(comparison.rejected)) > max_seq_length:
                 self.stats.dropped_too_long += 1
                 continue
-            self.comparisons.append(comparison)
-        if not self.comparisons:
+            kept[self.stats.records - 1] = True
+        self.indices = np.flatnonzero(kept)  # [comparisons]: which pair of the file each one is
+        if not len(self.indices):
             raise DataError(
                 f"{path}: no usable comparisons: all {self.stats.records} pairs have a sequence longer than "
                 f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
             )
 
+    def _pair(self, record: dict, line: int) -> Comparison:
+        prompt, chosen, rejected = parse_pair(record, "chosen", "rejected", self.path, line)
+        with template_errors(self.path, line):
+            return Comparison(self.encode.sample(prompt, chosen), self.encode.sample(prompt, rejected))
+
+    def comparison(self, index: int) -> Comparison:
+        """Comparison `index`, read and tokenized."""
+        pair = int(self.indices[index])
+        if self.layout == "pairs":
+            return self._pair(self.records[pair], self.records.where(pair))
+        chosen, rejected = (self.records[position] for position in (2 * pair, 2 * pair + 1))
+        return Comparison(self.encode.text(_text_of_comparison(chosen, self.path, self.records.where(2 * pair))),
+                          self.encode.text(_text_of_comparison(rejected, self.path,
+                                                               self.records.where(2 * pair + 1))))
+
     def __len__(self) -> int:
-        return len(self.comparisons)
+        return len(self.indices)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        comparison = self.comparisons[index]
+        comparison = self.comparison(index)
         return {
             "chosen": torch.tensor(comparison.chosen, dtype=torch.long),
             "rejected": torch.tensor(comparison.rejected, dtype=torch.long),
@@ -319,7 +342,9 @@ def request_sample_tokens(payload: bytes, encode: RewardTokenLayout) -> list[int
 
 
 class RegressionDataset(Dataset):
-    """Tokenized samples with per-attribute labels (SteerLM attribute prediction) of one JSONL file.
+    """Tokenized samples with per-attribute labels (SteerLM attribute prediction) of one data file (any format
+    of `aligner.data.records`), tokenized once when built, then read and tokenized again when indexed (only the
+    kept records' indices are kept).
 
     attributes: the attribute names to predict; their order is the order of the output columns.
     use_template: render prompts with the tokenizer's chat template (`data.chat_template`).
@@ -340,33 +365,39 @@ class RegressionDataset(Dataset):
         self.max_seq_length = max_seq_length
         self.attributes = list(attributes)
         self.stats = RewardDataStats()
-        records = list(read_jsonl(path))
-        if not records:
+        self.records = open_records(path)
+        if not len(self.records):
             raise DataError(f"{path}: the file holds no records; expected {{\"text\", \"label\"}} or "
                             "{\"prompt\", \"response\", \"label\"} per line")
-        encode = RewardTokenLayout(tokenizer, append_eos, use_template)
-        self.examples: list[LabelledText] = []
-        for line, record in _progress(records, path):
-            tokens = regression_sample_tokens(record, encode, path, line)
-            if "label" not in record:
-                raise DataError(f"{path}:{line}: missing key 'label' (keys present: {_keys_present(record)})")
-            labels, label_mask = parse_label(record["label"], self.attributes, path, line)
+        self.encode = RewardTokenLayout(tokenizer, append_eos, use_template)
+        kept = np.zeros(len(self.records), dtype=bool)
+        for position, (line, record) in enumerate(_records_progress(self.records, path)):
+            example = self._example(record, line)
             self.stats.records += 1
-            if len(tokens) > max_seq_length:
+            if len(example.tokens) > max_seq_length:
                 self.stats.dropped_too_long += 1
                 continue
-            self.examples.append(LabelledText(tokens, labels, label_mask))
-        if not self.examples:
+            kept[position] = True
+        self.indices = np.flatnonzero(kept)  # [examples]: the record each one comes from
+        if not len(self.indices):
             raise DataError(
                 f"{path}: no usable examples: all {self.stats.records} texts are longer than "
                 f"max_seq_length={max_seq_length}; raise max_seq_length or shorten the data"
             )
 
+    def _example(self, record: dict, line: int) -> LabelledText:
+        tokens = regression_sample_tokens(record, self.encode, self.path, line)
+        if "label" not in record:
+            raise DataError(f"{self.path}:{line}: missing key 'label' (keys present: {_keys_present(record)})")
+        labels, label_mask = parse_label(record["label"], self.attributes, self.path, line)
+        return LabelledText(tokens, labels, label_mask)
+
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.indices)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        example = self.examples[index]
+        position = int(self.indices[index])
+        example = self._example(self.records[position], self.records.where(position))
         return {
             "tokens": torch.tensor(example.tokens, dtype=torch.long),
             "labels": torch.tensor(example.labels, dtype=torch.float32),

@@ -83,21 +83,25 @@ class DistributedBatchSampler:
         return self.dataset_length // self.global_batch_size
 
     def epoch_permutation(self, epoch: int) -> list[int]:
+        return self._epoch_order(epoch).tolist()
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """The epoch's order of the items, [dataset_length] int64 (not a list: 1M Python ints take 36 MB)."""
         if not self.shuffle:
-            return list(range(self.dataset_length))
+            return torch.arange(self.dataset_length)
         # One generator per epoch so an epoch's order does not depend on how we got there.
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return torch.randperm(self.dataset_length, generator=generator).tolist()
+        return torch.randperm(self.dataset_length, generator=generator)
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.consumed_samples // self.global_batch_size
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         per_rank = self.global_batch_size // self.data_parallel_size
         while self.epochs is None or epoch < self.epochs:
-            permutation = self.epoch_permutation(epoch)
+            permutation = self._epoch_order(epoch)
             for global_step in range(step_in_epoch, self.steps_per_epoch):
                 start = global_step * self.global_batch_size + self.data_parallel_rank * per_rank
                 rank_slice = permutation[start : start + per_rank]
                 for offset in range(0, per_rank, self.micro_batch_size):
-                    yield rank_slice[offset : offset + self.micro_batch_size]
+                    yield rank_slice[offset : offset + self.micro_batch_size].tolist()
             epoch, step_in_epoch = epoch + 1, 0

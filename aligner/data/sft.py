@@ -1,11 +1,15 @@
 """Supervised fine-tuning data: records -> (tokens, loss_mask), packing and collation.
 
-Three record formats are accepted, one per JSONL line (NeMo-Aligner's two and TRL's):
+Four record layouts are accepted, one record per JSONL line or Parquet/Arrow row (NeMo-Aligner's two and
+TRL's two; `aligner.data.records` reads the file):
   {"input": "<prompt>", "output": "<response>"}
   {"system": "...", "conversations": [{"from": "User", "value": "..."},
                                       {"from": "Assistant", "value": "..."}, ...]}
   {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                 {"role": "assistant", "content": "..."}, ...]}
+  {"prompt": "<text>" or [messages], "completion": "<text>" or [{"role": "assistant", "content": "..."}]}
+A prompt/completion record with a text prompt is an input/output record; with a conversational prompt the
+loss covers the completion only (TRL's prompt-completion format), not earlier assistant turns of the prompt.
 Turns are parsed by `aligner.data.conversation.parse_messages` (role/content or from/value;
 system, user/human, assistant/gpt in any case); a conversation opens with a user turn (after any
 system turns) and ends with the assistant's reply; a "mask" key is accepted and ignored (the loss
@@ -20,25 +24,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from aligner.data.blending import IndexedSubset
 from aligner.data.conversation import (
     ChatEncoder,
     Messages,
     Prompt,
+    parse_answer,
     parse_messages,
+    parse_prompt,
     require_user_first,
     template_errors,
 )
-from aligner.data.jsonl import DataError, optional_str, read_jsonl, require_str
+from aligner.data.jsonl import DataError, optional_str, require_str
+from aligner.data.records import Layouts, open_records
 from aligner.runtime.distributed import is_rank_zero
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
 CONVERSATION_KEYS = ("conversations", "messages")  # NeMo-Aligner's and TRL's key for a list of turns
 PROGRESS_BAR_MIN_RECORDS = 10_000
+SFT_LAYOUTS = Layouts("SFT", (("input", "output"), ("conversations",), ("messages",), ("prompt", "completion")))
 
 
 @dataclass
@@ -93,9 +103,11 @@ def prompt_and_answer(record: dict, path: str | Path, line: int) -> tuple[Prompt
     """(prompt, answer) of an SFT record: input and output, or a conversation cut before its last
     assistant turn and that turn's text (what a reward model scores as {"prompt", "response"})."""
     if conversation_key(record) is None:
-        if "input" not in record and "output" not in record:
-            raise _no_known_layout(record, path, line)
-        return require_str(record, "input", path, line), require_str(record, "output", path, line)
+        if "input" in record or "output" in record:
+            return require_str(record, "input", path, line), require_str(record, "output", path, line)
+        if "prompt" in record or "completion" in record:
+            return parse_prompt(record, "prompt", path, line), parse_answer(record, "completion", path, line)
+        raise _no_known_layout(record, path, line)
     messages = parse_conversation(record, path, line, ends_with_reply=False)
     last = max(index for index, message in enumerate(messages) if message["role"] == "assistant")
     prompt = messages[:last]
@@ -117,16 +129,29 @@ def encode_record(record: dict, tokenizer: Tokenizer, path: str | Path, line: in
         prompt, response = require_str(record, "input", path, line), require_str(record, "output", path, line)
         with template_errors(path, line):
             return SFTExample(*encoder.input_output_tokens(prompt, response))
+    if "prompt" in record or "completion" in record:
+        prompt, completion = parse_prompt(record, "prompt", path, line), parse_answer(record, "completion", path, line)
+        with template_errors(path, line):
+            if isinstance(prompt, str):  # one user turn: the tokens of the same {"input", "output"} record
+                return SFTExample(*encoder.input_output_tokens(prompt, completion))
+            prompt_tokens, completion_tokens = encoder.sample_tokens(prompt, completion)
+        return SFTExample(prompt_tokens + completion_tokens, [0] * len(prompt_tokens) + [1] * len(completion_tokens))
     raise _no_known_layout(record, path, line)
 
 
 def _no_known_layout(record: dict, path: str | Path, line: int) -> DataError:
-    return DataError(f"{path}:{line}: record has neither 'input'/'output' nor 'conversations'/'messages' "
+    return DataError(f"{path}:{line}: record has none of 'input'/'output', 'prompt'/'completion', 'conversations' "
+                     f"or 'messages' "
                      f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
 
 
 class SFTDataset(Dataset):
-    """Tokenized SFT examples of one JSONL file, truncated to max_seq_length.
+    """Tokenized SFT examples of one data file (any format of `aligner.data.records`), truncated to max_seq_length.
+
+    Every record is tokenized once when the dataset is built (so a bad record fails now, naming its
+    file and line or row, and the stats are known); only the kept records' indices and token counts are
+    kept (numpy), and an item is read and tokenized again when indexed: a large data set never sits
+    in Python lists.
 
     prepare_record: maps each (record, path, line) to the SFT record to encode, e.g. SteerLM's
     attribute conditioning (aligner/data/steerlm.py) writes the attribute values into the prompt.
@@ -140,39 +165,55 @@ class SFTDataset(Dataset):
         self.path = path
         self.max_seq_length = max_seq_length
         self.stats = SFTStats()
-        records = list(read_jsonl(path))
-        self.examples: list[SFTExample] = []
-        quiet = len(records) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
-        progress = tqdm(records, desc=f"tokenizing {path}", disable=True if quiet else None)
-        for line, record in progress:
-            if prepare_record is not None:
-                record = prepare_record(record, path, line)
-            example = encode_record(record, tokenizer, path, line, use_template)
+        self.records = open_records(path)
+        self.prepare_record, self.tokenizer, self.use_template = prepare_record, tokenizer, use_template
+        kept = np.zeros(len(self.records), dtype=bool)
+        lengths = np.zeros(len(self.records), dtype=np.int32)
+        quiet = len(self.records) <= PROGRESS_BAR_MIN_RECORDS or not is_rank_zero()
+        progress = tqdm(self.records, total=len(self.records), desc=f"tokenizing {path}",
+                        disable=True if quiet else None)
+        for index, (line, record) in enumerate(progress):
+            example = self._encode(record, line)
             self.stats.records += 1
-            if len(example.tokens) > max_seq_length:
-                # Keep the start: the prompt and the beginning of the response.
-                example = SFTExample(example.tokens[:max_seq_length], example.loss_mask[:max_seq_length])
+            if example.truncated:
                 self.stats.truncated += 1
             # The first token is never a label, so it alone cannot carry loss.
             if not any(example.loss_mask[1:]):
                 self.stats.dropped += 1
                 continue
-            self.examples.append(example)
-        if not self.examples:
+            kept[index], lengths[index] = True, len(example.tokens)
+        self.indices = np.flatnonzero(kept)  # [examples]: the record each example comes from
+        self.lengths = lengths[self.indices]  # [examples]: its tokens after truncation
+        if not len(self.indices):
             raise DataError(
                 f"{path}: no usable examples ({self.stats.records} records, {self.stats.dropped} dropped "
                 f"because no response token fits in max_seq_length={max_seq_length})"
             )
 
+    def _encode(self, record: dict, line: int) -> "_Encoded":
+        if self.prepare_record is not None:
+            record = self.prepare_record(record, self.path, line)
+        example = encode_record(record, self.tokenizer, self.path, line, self.use_template)
+        if len(example.tokens) <= self.max_seq_length:
+            return _Encoded(example.tokens, example.loss_mask, truncated=False)
+        # Keep the start: the prompt and the beginning of the response.
+        return _Encoded(example.tokens[:self.max_seq_length], example.loss_mask[:self.max_seq_length], truncated=True)
+
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.indices)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        example = self.examples[index]
+        position = int(self.indices[index])
+        example = self._encode(self.records[position], self.records.where(position))
         return {
             "tokens": torch.tensor(example.tokens, dtype=torch.long),
             "loss_mask": torch.tensor(example.loss_mask, dtype=torch.long),
         }
+
+
+@dataclass
+class _Encoded(SFTExample):
+    truncated: bool = False
 
 
 class PackedSFTDataset(Dataset):
@@ -185,7 +226,7 @@ class PackedSFTDataset(Dataset):
     """
 
     def __init__(self, dataset: Dataset, max_seq_length: int, seed: int = 0):
-        lengths = [len(dataset[index]["tokens"]) for index in range(len(dataset))]
+        lengths = example_lengths(dataset)
         too_long = [index for index, length in enumerate(lengths) if length > max_seq_length]
         if too_long:
             raise ConfigError(
@@ -219,6 +260,16 @@ class PackedSFTDataset(Dataset):
             "loss_mask": torch.cat([example["loss_mask"] for example in examples]),
             "segment_ids": torch.cat(segment_ids),
         }
+
+
+def example_lengths(dataset: Dataset) -> list[int]:
+    """Tokens of each item of an SFT dataset (or a subset or blend of them): from the token counts an
+    `SFTDataset` keeps, without tokenizing again; by indexing for other datasets."""
+    if isinstance(dataset, SFTDataset):
+        return dataset.lengths.tolist()
+    if isinstance(dataset, IndexedSubset) and isinstance(dataset.dataset, SFTDataset):
+        return dataset.dataset.lengths[dataset.indices].tolist()
+    return [len(dataset[index]["tokens"]) for index in range(len(dataset))]
 
 
 def collate_sft(examples: list[dict[str, torch.Tensor]], pad_id: int, pad_to_multiple_of: int = 1) -> dict:

@@ -1,6 +1,7 @@
 """Unpaired feedback for KTO: one completion per prompt, labelled desirable (true) or undesirable (false).
 
-One example per JSONL line, TRL's unpaired layout, plain or conversational:
+One example per JSONL line or Parquet/Arrow row (`aligner.data.records`), TRL's unpaired layout, plain or
+conversational:
   {"prompt": "12+7=", "completion": "19", "label": true}
   {"prompt": [{"role": "user", "content": "12+7="}], "completion": [{"role": "assistant", "content": "18"}],
    "label": false}
@@ -21,15 +22,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from aligner.data.conversation import ChatEncoder, parse_answer, parse_prompt, template_errors
-from aligner.data.jsonl import DataError, read_jsonl, require_key
+from aligner.data.jsonl import DataError, require_key
 from aligner.data.preference import collate_rows, stack_optional
+from aligner.data.records import Layouts, open_records
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
+
+UNPAIRED_LAYOUTS = Layouts("unpaired (KTO)", (("prompt", "completion", "label"),))
 
 
 @dataclass
@@ -76,53 +82,34 @@ class UnpairedDataset(Dataset):
     """
 
     def __init__(self, examples: list[UnpairedExample], max_seq_length: int, source: str = "<memory>"):
-        if len(examples) < 2:
-            raise DataError(f"{source}: KTO needs at least 2 usable examples (the KL estimate pairs each prompt "
-                            f"with another example's completion), got {len(examples)}")
         self.examples, self.max_seq_length, self.source = examples, max_seq_length, source
-        self.mismatched = _mismatched_indices([example.prompt for example in examples])
-        self.stats = UnpairedStats(records=len(examples), desirable=sum(e.desirable for e in examples),
-                                   undesirable=sum(not e.desirable for e in examples))
+        self._index([example.prompt for example in examples], [example.desirable for example in examples])
+
+    def _index(self, prompts: Sequence, labels: Sequence[bool]) -> None:
+        """Mismatched partners and stats from each example's prompt (tokens, or a key equal iff they are equal)."""
+        if len(prompts) < 2:
+            raise DataError(f"{self.source}: KTO needs at least 2 usable examples (the KL estimate pairs each prompt "
+                            f"with another example's completion), got {len(prompts)}")
+        self.mismatched = np.asarray(_mismatched_indices(prompts), dtype=np.int64)
+        self.stats = UnpairedStats(records=len(prompts), desirable=int(sum(labels)),
+                                   undesirable=len(labels) - int(sum(labels)))
         self.reference_logprobs = None
 
     @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer: Tokenizer, max_seq_length: int,
                    use_template: bool = True) -> "UnpairedDataset":
-        if max_seq_length < 2:
-            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a completion token), "
-                              f"got {max_seq_length}")
-        encoder = ChatEncoder(tokenizer, use_template=use_template)
-        examples, stats = [], UnpairedStats()
-        for line, record in read_jsonl(path):
-            label = require_key(record, "label", path, line)
-            if not isinstance(label, bool):
-                raise DataError(f"{path}:{line}: 'label' is {label!r}; expected true (desirable) or false "
-                                "(undesirable)")
-            prompt_text = parse_prompt(record, "prompt", path, line)
-            completion_text = parse_answer(record, "completion", path, line)
-            with template_errors(path, line):
-                prompt, completion = encoder.sample_tokens(prompt_text, completion_text)
-            stats.records += 1
-            if len(prompt) + len(completion) > max_seq_length:
-                stats.dropped_too_long += 1
-                continue
-            examples.append(UnpairedExample(prompt, completion, label))
-        if stats.records == 0:
-            raise DataError(f"{path}: the file holds no records; expected {{prompt, completion, label}} lines")
-        if len(examples) < 2 and stats.dropped_too_long:
-            raise DataError(f"{path}: {len(examples)} usable examples: {stats.dropped_too_long} of {stats.records} "
-                            f"are longer than max_seq_length={max_seq_length}; raise it or shorten the data")
-        dataset = cls(examples, max_seq_length, str(path))
-        dataset.stats = UnpairedStats(stats.records, stats.dropped_too_long, dataset.stats.desirable,
-                                      dataset.stats.undesirable)
-        return dataset
+        """The examples of a data file of any format (`aligner.data.records`), read lazily (`UnpairedFile`)."""
+        return UnpairedFile(path, tokenizer, max_seq_length, use_template)
+
+    def example(self, index: int) -> UnpairedExample:
+        return self.examples[index]
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.mismatched)
 
     def __getitem__(self, index: int) -> dict:
-        example = self.examples[index]
-        other = self.examples[self.mismatched[index]]
+        example = self.example(index)
+        other = self.example(int(self.mismatched[index]))
         room = self.max_seq_length - len(example.prompt)  # >= 1: the example itself fits
         item = {
             "prompt": torch.tensor(example.prompt, dtype=torch.long),
@@ -133,6 +120,56 @@ class UnpairedDataset(Dataset):
         if self.reference_logprobs is not None:
             item["reference_logprobs"] = self.reference_logprobs[index]
         return item
+
+
+class UnpairedFile(UnpairedDataset):
+    """The examples of a data file: every record is tokenized once when built (a bad record fails now, naming
+    its file and line or row), then only the kept records' indices, labels and a hash of each prompt's tokens
+    (to pick mismatched partners) are kept (numpy); an example is read and tokenized again when indexed."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, max_seq_length: int, use_template: bool = True):
+        if max_seq_length < 2:
+            raise ConfigError(f"max_seq_length must be at least 2 (a prompt token and a completion token), "
+                              f"got {max_seq_length}")
+        self.encoder, self.max_seq_length, self.source = ChatEncoder(tokenizer, use_template=use_template), \
+            max_seq_length, str(path)
+        self.records = open_records(path)
+        kept = np.zeros(len(self.records), dtype=bool)
+        prompt_keys = np.zeros(len(self.records), dtype=np.int64)
+        labels = np.zeros(len(self.records), dtype=bool)
+        records = dropped_too_long = 0
+        for index, (line, record) in enumerate(self.records):
+            example = self._encode(record, line)
+            records += 1
+            if len(example.prompt) + len(example.completion) > max_seq_length:
+                dropped_too_long += 1
+                continue
+            # Equal prompts hash alike; two different ones colliding (2^-64) would only pair an example with its
+            # own prompt's completion for the KL estimate.
+            kept[index], prompt_keys[index], labels[index] = True, hash(tuple(example.prompt)), example.desirable
+        if records == 0:
+            raise DataError(f"{path}: the file holds no records; expected {{prompt, completion, label}} lines")
+        if kept.sum() < 2 and dropped_too_long:
+            raise DataError(f"{path}: {int(kept.sum())} usable examples: {dropped_too_long} of {records} "
+                            f"are longer than max_seq_length={max_seq_length}; raise it or shorten the data")
+        self.indices = np.flatnonzero(kept)  # [examples]: the record each example comes from
+        self._index(prompt_keys[self.indices], labels[self.indices])
+        self.stats = UnpairedStats(records, dropped_too_long, self.stats.desirable, self.stats.undesirable)
+
+    def _encode(self, record: dict, line: int) -> UnpairedExample:
+        path = self.source
+        label = require_key(record, "label", path, line)
+        if not isinstance(label, bool):
+            raise DataError(f"{path}:{line}: 'label' is {label!r}; expected true (desirable) or false (undesirable)")
+        prompt_text = parse_prompt(record, "prompt", path, line)
+        completion_text = parse_answer(record, "completion", path, line)
+        with template_errors(path, line):
+            prompt, completion = self.encoder.sample_tokens(prompt_text, completion_text)
+        return UnpairedExample(prompt, completion, label)
+
+    def example(self, index: int) -> UnpairedExample:
+        position = int(self.indices[index])
+        return self._encode(self.records[position], self.records.where(position))
 
 
 def collate_unpaired(items: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:

@@ -28,17 +28,22 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from aligner.data.records import Layouts
 from aligner.generation.engine import Rollout, SamplingParams, generate_requests
 from aligner.runtime.seeds import epoch_seed
 
-
 # ----------------------------------------------------------------------------- prompts
-class PromptDataset:
-    """Prompts of a JSONL file, `{"prompt": text or [{"role", "content"}, ...]}` per line.
+PROMPT_LAYOUTS = Layouts("prompt", (("prompt",),))
 
-    prompts[i] is the prompt as the data gave it (what reward functions receive), columns[i] the record's
-    other columns (a ground-truth answer, test cases...: reward functions receive them by keyword), record(i)
-    where it is ("file:line", for messages about its scores), tokens[i] what the policy is given
+
+class PromptDataset:
+    """Prompts of a data file (JSONL, Parquet, Arrow: `aligner.data.records`), `{"prompt": text or
+    [{"role", "content"}, ...]}` per record, other columns allowed.
+
+    prompts[i] is the prompt as the data gave it (what reward functions receive), columns(i) the record's
+    other columns (a ground-truth answer, test cases...: reward functions receive them by keyword; read from the
+    file when asked), record(i) where it is ("file:line" or
+    "file:row N", for messages about its scores), tokens[i] what the policy is given
     (`ChatEncoder.prompt_tokens`: the chat template's rendering with the generation prompt, a string
     being one user turn; [bos] + text without a template or with use_template=False), so prompt +
     generated answer is the SFT encoding of the conversation.
@@ -47,17 +52,19 @@ class PromptDataset:
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True,
                  length_key: str = "data.max_prompt_length"):
         from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
-        from aligner.data.jsonl import DataError, read_jsonl
+        from aligner.data.jsonl import DataError
+        from aligner.data.records import open_records
 
         self.path = str(path)
         self.prompts: list[Prompt] = []
-        self.columns: list[dict] = []  # each record without its prompt
         self.tokens: list[list[int]] = []
-        self.lines: list[int] = []  # each prompt's line in the file
+        self.lines: list[int] = []  # each prompt's line (JSONL) or `Row` in the file
+        self.records = open_records(path)
+        self.positions: list[int] = []  # each prompt's index in self.records
         self.too_long = 0
         self.shortest_too_long: Optional[int] = None  # tokens of the shortest prompt skipped
         encoder = ChatEncoder(tokenizer, use_template)
-        for line, record in read_jsonl(path):
+        for position, (line, record) in enumerate(self.records):
             prompt = parse_prompt(record, "prompt", path, line)
             with template_errors(path, line):
                 ids = encoder.prompt_tokens(prompt)
@@ -66,9 +73,9 @@ class PromptDataset:
                 self.shortest_too_long = min(len(ids), self.shortest_too_long or len(ids))
                 continue
             self.prompts.append(prompt)
-            self.columns.append(record_columns(record))
             self.tokens.append(ids)
             self.lines.append(line)
+            self.positions.append(position)
         # A chat template's own tokens count (SmolLM2's default system prompt alone is about 30), so a
         # limit that fits the texts may still skip them all: say so, with the length that would fit.
         self.skipped_note = "" if not self.too_long else (
@@ -85,6 +92,10 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def columns(self, index: int) -> dict:
+        """Prompt `index`'s record without its prompt: the other columns of its line or row (a null one left out)."""
+        return record_columns(self.records[self.positions[index]])
+
     def record(self, index: int) -> str:
         """Where prompt `index` is in the data: "file:line"."""
         return f"{self.path}:{self.lines[index]}"
@@ -99,9 +110,10 @@ def first_prompt_record(path) -> tuple[str, object, dict]:
     """("file:line", prompt, other columns) of the first record of a prompt file: what the reward functions are
     probed with before the model is built (no tokenizer needed)."""
     from aligner.data.conversation import parse_prompt
-    from aligner.data.jsonl import DataError, read_jsonl
+    from aligner.data.jsonl import DataError
+    from aligner.data.records import open_records
 
-    for line, record in read_jsonl(path):
+    for line, record in open_records(path):
         return f"{path}:{line}", parse_prompt(record, "prompt", path, line), record_columns(record)
     raise DataError(f"{path}: the file holds no prompts; expected {{\"prompt\": ...}} lines")
 

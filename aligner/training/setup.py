@@ -14,6 +14,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 
 from aligner.config import at_least, one_of
+from aligner.data.records import Layouts, check_data_source
 from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_gpt_model, build_model_chunks
 from aligner.models.lora import PEFTConfig
@@ -417,7 +418,7 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
             continue
         train_idx, val_idx = split_indices(len(dataset), split, seed)
         train_sets.append(IndexedSubset(dataset, train_idx))
-        if val_idx:
+        if len(val_idx):
             val_sets.append(IndexedSubset(dataset, val_idx))
     if len(train_sets) == 1:
         train_set = train_sets[0]
@@ -450,6 +451,11 @@ def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, s
     return loader(train_set, shuffle), val_loader
 
 
+def entry_sources(key: str, entries: Sequence) -> list[tuple[str, str]]:
+    """(setting, path) of each entry of a list of data files, e.g. ("data.train[0].path", "sft.parquet")."""
+    return [(f"{key}[{index}].path", entry.path) for index, entry in enumerate(entries)]
+
+
 @dataclass
 class DataSection:
     """The fields every `data:` section has; algorithms add their own."""
@@ -463,6 +469,10 @@ class DataSection:
     # Render prompts and conversations with the tokenizer's chat template (a string prompt is one
     # user turn); false, or a tokenizer without one: the plain [bos] + prompt, response + [eos] layout.
     chat_template: bool = True
+
+    def sources(self) -> list[tuple[str, str]]:
+        """(setting, path) of each data file: the train entries, then the validation entries."""
+        return entry_sources("data.train", self.train) + entry_sources("data.validation", self.validation)
 
     @property
     def sequence_length(self) -> tuple[int, str]:
@@ -495,6 +505,21 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def data_layouts(self) -> Optional[Layouts]:
+        """The columns the records of `data`'s files need (each algorithm's reader says); None: not checked."""
+        return None
+
+    def data_sources(self) -> list[tuple[str, Optional[str], Optional[Layouts]]]:
+        """(setting, path or None, the columns its records need) of every data file the run reads."""
+        return [(key, path, self.data_layouts()) for key, path in self.data.sources()]
+
+    def check_data_sources(self) -> None:
+        """Refuse a missing, unreadable or unknown-format data file, or one without the columns its reader
+        needs, in one line naming the setting and the file: called by `run_training` before the model is
+        built, so a typo in a path costs seconds, not a model load."""
+        for key, path, layouts in self.data_sources():
+            check_data_source(key, path, layouts)
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
         """The longest rows this run feeds its model, each (tokens, the settings that make them), which

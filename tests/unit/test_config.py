@@ -75,7 +75,7 @@ def test_type_errors_and_malformed_overrides():
 @pytest.mark.parametrize("text, message", [
     ("data:\n  train:\n    path: x.jsonl\n",
      r":2: key 'data.train' is a mapping \(key: value\); expected a list"),
-    ("data:\n  train: x.jsonl\n", r":2: key 'data.train' is the value 'x.jsonl'; expected a list"),
+    ("data:\n  train: 5\n", r":2: key 'data.train' is the value 5; expected a list"),  # a path is a shorthand
     ("name: run\ntrainer: [1, 2]\n", r":2: key 'trainer' is a list; expected a section of keys \(max_steps, "),
     ("data: 5\n", r":1: key 'data' is the value 5; expected a section of keys"),
     ("trainer:\n  max_steps:\n    value: 3\n", r":2: key 'trainer.max_steps' is a mapping .*expected a single value"),

@@ -108,7 +108,8 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
     (hf_model / "config.json").write_text('{"model_type": "bert"}')
     short = write_model_meta(root / "short", GPTConfig.gpt2(max_position_embeddings=128, vocab_size=32),
                              tokenizer_dir)  # GPT-2's 128 learned positions (tests/unit/test_sequence_lengths.py)
-    sft = ["data.train=[{path: x.jsonl}]", f"logging.log_dir={root / 'logs'}"]
+    data = write_jsonl(root / "x.jsonl", [{"input": "1+1=", "output": "2"}])  # checked before the rest
+    sft = [f"data.train=[{{path: {data}}}]", f"logging.log_dir={root / 'logs'}"]
     return [
         ("max_steps", [*sft, "trainer.max_steps=-5"], "error: trainer.max_steps=-5 is out of range"),
         ("yaml", [*sft, "--config", bad_yaml], f"error: {bad_yaml}:3: invalid YAML"),
@@ -131,6 +132,17 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
          f"{short / 'aligner_meta.json'}'s model.max_position_embeddings=128"),
         ("log_dir", [sft[0], f"logging.log_dir={a_file / 'logs'}", "model.init_from=/nonexistent"],
          f"error: logging.log_dir={a_file / 'logs'} is not writable"),
+        # A model that would build: the missing file is found first (test_data_formats.py: it is not built).
+        ("missing data", [f"data.train=[{{path: {root / 'missing.jsonl'}}}]", sft[1],
+                          f"tokenizer.path={tokenizer_dir}"],
+         f"error: data.train[0].path: {root / 'missing.jsonl'}: cannot open data file (No such file or directory)"),
+        ("missing validation data", [*sft, f"data.validation={root / 'missing.parquet'}",
+                                     f"tokenizer.path={tokenizer_dir}"],
+         f"error: data.validation[0].path: {root / 'missing.parquet'}: no such file"),
+        ("data columns", [f"data.train={write_jsonl(root / 'pairs.jsonl', [{'prompt': 'a', 'chosen': 'b'}])}", sft[1],
+                          f"tokenizer.path={tokenizer_dir}"],
+         f"error: data.train[0].path: {root / 'pairs.jsonl'}: no 'input'/'output' or 'conversations' or 'messages' or "
+         "'prompt'/'completion' columns for SFT data (columns: 'prompt', 'chosen')"),
     ]
 
 
@@ -193,10 +205,12 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
     malformed.mkdir()
     (malformed / "data.jsonl").write_text('{"input": "1+1=", "output": "2"}\n{"input": "2+2=" "output"}\n')
     free = str(free_port_block())
+    prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": "1+1="}])  # data files are checked first
+    sft_data = write_jsonl(root / "sft.jsonl", [{"input": "1+1=", "output": "2"}])
     return [
         ("sft", [python, GPT / "train_gpt_sft.py", "data.train=[{path: x.jsonl}]", "trainer.max_steps=-5"],
          "error: trainer.max_steps=-5 is out of range"),
-        ("ppo", [python, GPT / "train_gpt_ppo_actor.py", "model.init_from=/nonexistent", "data.prompts=p.jsonl",
+        ("ppo", [python, GPT / "train_gpt_ppo_actor.py", "model.init_from=/nonexistent", f"data.prompts={prompts}",
                  f"logging.log_dir={root / 'ppo_logs'}"], "error: model.init_from=/nonexistent does not exist"),
         ("reward server", [python, GPT / "serve_reward_model.py", "init_from=/nonexistent", f"server.port={free}"],
          "error: init_from=/nonexistent does not exist"),
@@ -215,18 +229,19 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                       root / "out.jsonl", "--attributes", "correctness"],
          f"error: {root / 'missing.jsonl'}: cannot open"),
         ("evaluate", [python, "-m", "aligner.demo.evaluate", "--checkpoint", root / "nope", "--prompts",
-                      write_jsonl(root / "prompts.jsonl", [{"prompt": "1+1="}])],
+                      prompts],
          f"error: {root / 'nope'} is not an aligner"),
         ("run_demo", [python, REPO_ROOT / "examples" / "demo" / "run_demo.py", "--workdir", root / "demo",
                       "--stages", "dpo"],
          f"error: no checkpoint under {root / 'demo' / 'sft' / 'checkpoints'}: run the 'sft' stage first"),
-        ("rejection sampling", [python, GPT / "train_gpt_rs.py", "model.init_from=/x", "data.prompts=p.jsonl",
+        ("rejection sampling", [python, GPT / "train_gpt_rs.py", "model.init_from=/x", f"data.prompts={prompts}",
                                 "reward.function=m:f", "rs.keep=threshold", f"logging.log_dir={root / 'rs_logs'}"],
          "error: rs.keep=threshold keeps every answer scoring at least rs.min_score: set rs.min_score"),
         ("teacher top-k", [python, DATA / "compute_teacher_topk.py", "teacher=/nonexistent", "data.path=x.jsonl",
                            f"output={root / 'x.topk'}"], "error: teacher=/nonexistent does not exist"),
         ("distillation", [python, GPT / "train_gpt_knowledge_distillation.py", "kd.kd_loss_weight=0",
-                          "data.train=[{path: x.jsonl, teacher_topk: x.topk}]", f"logging.log_dir={root / 'kd_logs'}"],
+                          f"data.train=[{{path: {sft_data}, teacher_topk: x.topk}}]",
+                          f"logging.log_dir={root / 'kd_logs'}"],
          "error: kd.kd_loss_weight=0.0 and kd.sft_loss_weight=0.0: both must be >= 0 and one > 0"),
         ("hf", [python, "-m", "aligner.hf", "import", "--hf-dir", root / "nope", "--output", root / "imported"],
          f"error: HF model directory {root / 'nope'} does not exist"),

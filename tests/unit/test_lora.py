@@ -315,8 +315,9 @@ def test_reward_model_with_lora_trains_adapters_and_head_which_the_server_loader
         loaded = load_reward_model(final, micro_batch_size=8, normalize=False)
         assert lora.has_adapters(loaded.chunks)
         pairs = ComparisonDataset(tmp_path / "validation.jsonl", loaded.tokenizer, 16)
-        chosen = [list(map(int, pair.chosen)) for pair in pairs.comparisons]
-        rejected = [list(map(int, pair.rejected)) for pair in pairs.comparisons]
+        comparisons = [pairs.comparison(index) for index in range(len(pairs))]
+        chosen = [list(map(int, pair.chosen)) for pair in comparisons]
+        rejected = [list(map(int, pair.rejected)) for pair in comparisons]
         scores = loaded.inference.infer(*right_padded(chosen + rejected))[:, 0].double()
         # A critic may start from it (merged into its base): its values are the reward model's token scores
         # in normalised units.

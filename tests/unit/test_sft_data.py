@@ -227,7 +227,7 @@ ASSISTANT_TURN = {"from": "assistant", "value": "world"}
         ({"input": "hello"}, "missing key 'output'"),
         ({"input": "hello", "output": ""}, "key 'output' is empty"),
         ({"input": 5, "output": "x"}, "key 'input' is a int; expected a string"),
-        ({"text": "hello"}, "neither 'input'/'output' nor 'conversations'/'messages'"),
+        ({"text": "hello"}, "none of 'input'/'output', 'prompt'/'completion', 'conversations' or 'messages'"),
         ({"conversations": "hello"}, "conversations is a str; expected a non-empty list"),
         ({"conversations": []}, "conversations is an empty list"),
         ({"conversations": [USER_TURN, "world"]}, r"conversations\[1\] is a str; expected a JSON object"),
@@ -521,12 +521,12 @@ def test_sft_dataset_items_pack_and_collate(tmp_path, plain_tokenizer):
 
 
 def test_split_indices_is_a_deterministic_partition():
-    train, validation = split_indices(100, "95,5", seed=3)
+    train, validation = (part.tolist() for part in split_indices(100, "95,5", seed=3))
     assert (len(train), len(validation)) == (95, 5)
     assert sorted(train + validation) == list(range(100))
-    assert split_indices(100, [0.95, 0.05], seed=3) == (train, validation)
-    assert split_indices(100, "95,5", seed=4) != (train, validation)
-    assert split_indices(10, "1,0", seed=0)[1] == []
+    assert [part.tolist() for part in split_indices(100, [0.95, 0.05], seed=3)] == [train, validation]
+    assert [part.tolist() for part in split_indices(100, "95,5", seed=4)] != [train, validation]
+    assert split_indices(10, "1,0", seed=0)[1].tolist() == []
     assert [len(part) for part in split_indices(7, "2,1", seed=0)] == [5, 2]  # 4.67/2.33 rounded
     subset = IndexedSubset(list("abcdefghij"), [3, 1])
     assert (len(subset), subset[0], subset[1]) == (2, "d", "b")

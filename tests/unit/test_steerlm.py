@@ -225,7 +225,7 @@ def test_the_sample_scored_for_each_record_layout():
         annotate.record_sample({"messages": [reply]}, "d.jsonl", 4)
     with pytest.raises(DataError, match="d.jsonl:5: 'conversations' has no assistant turn"):
         annotate.record_sample({"conversations": [user]}, "d.jsonl", 5)
-    with pytest.raises(DataError, match="d.jsonl:6: record has neither"):
+    with pytest.raises(DataError, match="d.jsonl:6: record has none of"):
         annotate.record_sample({"text": "x"}, "d.jsonl", 6)
 
 
