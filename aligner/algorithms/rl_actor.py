@@ -1293,17 +1293,18 @@ class RLActor:
         return interval > 0 and (step == 1 or step % interval == 0 or step == self.cfg.trainer.max_steps)
 
     def log_samples(self, batch) -> None:
-        """The first logging.num_samples rollouts of this rank's batch: on the console (truncated) and as a
-        TensorBoard text table (whole)."""
+        """One rollout of each of this rank's first logging.num_samples prompts: on the console (truncated) and as
+        a TensorBoard text table (whole)."""
         from aligner.data.conversation import prompt_text
 
-        rows, count, width = [], min(self.cfg.logging.num_samples, len(batch.indices)), self.cfg.logging.sample_chars
-        for b in range(count):
+        picks = list(range(0, len(batch.indices), self.cfg.rollout.samples_per_prompt))[:self.cfg.logging.num_samples]
+        rows, count, width = [], len(picks), self.cfg.logging.sample_chars
+        for number, b in enumerate(picks):
             prompt = prompt_text(batch.rows[b].given_prompt)
             response = self.response_text(batch.rows[b].response)
             score = batch.rows[b].score
             rows.append(f"| {prompt!r} | {response!r} | {score:.3f} |")
-            self.metrics.write(f"sample {b + 1}/{count} at step {self.step + 1}: reward={score:.4g}\n"
+            self.metrics.write(f"sample {number + 1}/{count} at step {self.step + 1}: reward={score:.4g}\n"
                                f"  prompt:   {_truncated(prompt, width)}\n  response: {_truncated(response, width)}")
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
         self.metrics.log_text(self.step + 1, "samples", table)
