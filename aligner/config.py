@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import os
 import re
 import sys
 import textwrap
@@ -415,13 +416,17 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
     while index < len(argv):
         item = argv[index]
         if item in ("-h", "--help"):
-            print(f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
-                  f"default config: {config_path}\n"
-                  "nested keys are dotted, e.g. trainer.max_steps=10; a list or mapping is YAML, e.g. "
-                  "'data.train=[{path: a.jsonl}]'")
+            text = (f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
+                    f"default config: {config_path}\n"
+                    "nested keys are dotted, e.g. trainer.max_steps=10; a list or mapping is YAML, e.g. "
+                    "'data.train=[{path: a.jsonl}]'")
             if schema is not None:
-                print("\nkeys (default: the config file's value; ??? must be set):")
-                print("\n".join(describe_keys(schema, config_path)))
+                text += "\n\nkeys (default: the config file's value; ??? must be set):\n"
+                text += "\n".join(describe_keys(schema, config_path))
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:  # `--help | head`: the reader left; nothing else is worth saying
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0)
         if item == "--config":
             if index + 1 >= len(argv):
