@@ -415,19 +415,6 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
     index = 0
     while index < len(argv):
         item = argv[index]
-        if item in ("-h", "--help"):
-            text = (f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
-                    f"default config: {config_path}\n"
-                    "nested keys are dotted, e.g. trainer.max_steps=10; a list or mapping is YAML, e.g. "
-                    "'data.train=[{path: a.jsonl}]'")
-            if schema is not None:
-                text += "\n\nkeys (default: the config file's value; ??? must be set):\n"
-                text += "\n".join(describe_keys(schema, config_path))
-            try:
-                print(text, flush=True)
-            except BrokenPipeError:  # `--help | head`: the reader left; nothing else is worth saying
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise SystemExit(0)
         if item == "--config":
             if index + 1 >= len(argv):
                 raise ConfigError("--config needs a path")
@@ -436,9 +423,22 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
             continue
         if item.startswith("--config="):
             config_path = Path(item.split("=", 1)[1])
-        else:
+        elif item not in ("-h", "--help"):
             overrides.append(item)
         index += 1
+    if "-h" in argv or "--help" in argv:  # after the loop: the keys of the --config file, wherever it stands
+        text = (f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
+                f"config: {config_path}\n"
+                "nested keys are dotted, e.g. trainer.max_steps=10; a list or mapping is YAML, e.g. "
+                "'data.train=[{path: a.jsonl}]'")
+        if schema is not None:
+            text += "\n\nkeys (default: the config file's value; ??? must be set):\n"
+            text += "\n".join(describe_keys(schema, config_path))
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; nothing else is worth saying
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     return config_path, overrides
 
 

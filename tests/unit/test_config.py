@@ -135,7 +135,7 @@ def test_command_line_parsing():
 # ----------------------------------------------------------------------------- --help
 def _help_lines(capsys, schema, yaml_path) -> list[str]:
     with pytest.raises(SystemExit) as stop:
-        parse_command_line(yaml_path, ["a=1", "--help"], schema=schema)
+        parse_command_line("elsewhere.yaml", ["--help", "a=1", "--config", str(yaml_path)], schema=schema)
     assert stop.value.code == 0
     return capsys.readouterr().out.splitlines()
 
