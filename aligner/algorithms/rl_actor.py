@@ -11,6 +11,8 @@ An algorithm is a choice of registered pure functions, not a class:
                 + reward.overlong_buffer
   GSPO / CISPO  loss.policy_loss=gspo | cispo
 
+`algorithm=NAME` sets one of these (`ALGORITHMS`, below) under the keys the user sets.
+
 The estimators are in `aligner.rl.advantages`, the losses and their aggregation in
 `aligner.rl.policy_losses`, the train/inference mismatch and its correction in `aligner.rl.mismatch`;
 the trainer calls exactly those functions. Reads top to bottom: the config schema, the typed
