@@ -7,13 +7,20 @@ by `load_config` for every entry point, before anything is built.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import io
+import os
 import re
 import sys
+import textwrap
+import time
+import tokenize
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, Optional, Sequence, Type, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -109,6 +116,11 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
     A schema may list `RENAMED_KEYS` (a class attribute of (old dotted key, new dotted key) pairs): old names
     still load, with a 'deprecated' line on stderr; and `RETIRED_KEYS` ((old dotted key, what replaces it)
     pairs): keys that are no longer settings, dropped with a 'deprecated' line.
+
+    A schema may name `PRESETS = (key, {name: {dotted key: value}})`: the preset that `key` names (in the
+    file or on the command line) sets its keys directly under the source that names it, so the rest of that
+    source and everything after it win: `algorithm=dapo loss.clip_high=0.3` keeps 0.3 (`describe_preset`
+    says which preset keys were kept from the user).
     """
     yaml_path = Path(yaml_path)
     renames = getattr(schema, "RENAMED_KEYS", ())
@@ -144,6 +156,17 @@ def load_config(schema: Type[T], yaml_path: str | Path, overrides: Sequence[str]
         merged = OmegaConf.merge(merged, from_command_line)
     except OmegaConfBaseException as error:
         raise ConfigError(f"{on_command_line}{_describe(error)}") from None
+    preset_key, presets = getattr(schema, "PRESETS", (None, {}))
+    if preset_key is not None:
+        name, where, position = _preset_choice(preset_key, layers, from_command_line)
+        if name is not None:
+            if name not in presets:
+                raise ConfigError(f"{where}{preset_key}={name!r} is not one of {', '.join(presets)}")
+            preset = OmegaConf.from_dotlist([f"{key}={_dotlist_value(value)}" for key, value in presets[name].items()])
+            # Under the source that names it: that file's keys, the files extending it and the command line win.
+            nodes = [node for _, node in layers]
+            merged = OmegaConf.merge(OmegaConf.structured(schema), *nodes[:position], preset, *nodes[position:],
+                                     from_command_line)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
@@ -187,6 +210,48 @@ def _config_files(yaml_path: Path) -> list[tuple[Path, Any]]:
         files.insert(0, (path, node))
         path = path.parent / extends if extends else None
     return files
+
+
+def _preset_choice(key: str, layers: list, from_command_line) -> tuple[Optional[str], str, int]:
+    """(the preset a config names, where: the message prefix of the source naming it, the position of that source
+    among the config files (their count for the command line)); the command line wins, then the last file."""
+    named = OmegaConf.select(from_command_line, key, default=_ABSENT)
+    if named is not _ABSENT:
+        return named, "command-line override: ", len(layers)
+    for position in reversed(range(len(layers))):
+        path, node = layers[position]
+        named = OmegaConf.select(node, key, default=_ABSENT)
+        if named is not _ABSENT:
+            return named, _in_file(path, key), position
+    return None, "", 0
+
+
+def _dotlist_value(value: Any) -> str:
+    """A preset value as a dotlist override's text (YAML): null, true/false, numbers, strings."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def dotted_value(config: Any, key: str) -> Any:
+    """The value of a dotted key ("loss.clip_high") in a loaded config."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def describe_preset(config: Any) -> Optional[str]:
+    """One line naming the preset a loaded config chose and the settings it set, or None without one:
+    `algorithm=dapo: advantage.estimator=grpo loss.clip_high=0.28 ...; kept yours: loss.clip_high=0.3`."""
+    key, presets = getattr(type(config), "PRESETS", (None, {}))
+    name = dotted_value(config, key) if key is not None else None
+    if name is None:
+        return None
+    settings = presets[name]
+    applied = [f"{item}={_dotlist_value(value)}" for item, value in settings.items()
+               if dotted_value(config, item) == value]
+    kept = [f"{item}={_dotlist_value(dotted_value(config, item))}" for item, value in settings.items()
+            if dotted_value(config, item) != value]
+    return (f"{key}={name}: {' '.join(applied) or 'nothing'}"
+            + (f"; kept yours: {' '.join(kept)}" if kept else ""))
 
 
 # ----------------------------------------------------------------------------- where a bad value is
@@ -404,19 +469,16 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"{where}invalid YAML: {problem}{detail}"
 
 
-def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]] = None) -> tuple[Path, list[str]]:
-    """`[--config PATH] key=value ...` -> (config path, overrides)."""
+def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]] = None,
+                       schema: Optional[type] = None) -> tuple[Path, list[str]]:
+    """`[--config PATH] key=value ...` -> (config path, overrides). `--help` prints the usage and, given the
+    entry point's schema, every key with its default (the config file's) and comment, then exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path = Path(default_config)
     overrides = []
     index = 0
     while index < len(argv):
         item = argv[index]
-        if item in ("-h", "--help"):
-            print(f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
-                  f"default config: {config_path}\n"
-                  "keys: see the yaml; nested keys are dotted, e.g. trainer.max_steps=10")
-            raise SystemExit(0)
         if item == "--config":
             if index + 1 >= len(argv):
                 raise ConfigError("--config needs a path")
@@ -425,29 +487,160 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
             continue
         if item.startswith("--config="):
             config_path = Path(item.split("=", 1)[1])
-        else:
+        elif item not in ("-h", "--help"):
             overrides.append(item)
         index += 1
+    if "-h" in argv or "--help" in argv:  # after the loop: the keys of the --config file, wherever it stands
+        text = (f"usage: {Path(sys.argv[0]).name} [--config PATH] [key=value ...]\n"
+                f"config: {config_path}\n"
+                "nested keys are dotted, e.g. trainer.max_steps=10; a list or mapping is YAML, e.g. "
+                "'data.train=[{path: a.jsonl}]'")
+        if schema is not None:
+            text += "\n\nkeys (default: the config file's value; ??? must be set):\n"
+            text += "\n".join(describe_keys(schema, config_path))
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; nothing else is worth saying
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     return config_path, overrides
 
 
+# ----------------------------------------------------------------------------- --help: every key
+def describe_keys(schema: type, yaml_path: str | Path) -> list[str]:
+    """One line per key of `schema`: `key = default  # comment`, the default as the config file sets it (the
+    schema's where the file does not), the comment from the file's line or else from the schema's field,
+    with the field's allowed values."""
+    yaml_path = Path(yaml_path)
+    from_file = OmegaConf.load(yaml_path) if yaml_path.is_file() else OmegaConf.create()
+    merged = OmegaConf.merge(OmegaConf.structured(schema), from_file)
+    values = OmegaConf.to_container(merged, resolve=False)
+    file_comments = _yaml_comments(yaml_path.read_text()) if yaml_path.is_file() else {}
+    lines = []
+    for key, value, spec, owner in _leaves(schema, values, ""):
+        comment = file_comments.get(key) or (_field_comments(owner).get(spec.name, "") if spec else "")
+        allowed = []
+        if spec is not None and spec.metadata.get("choices"):
+            allowed.append("one of " + " | ".join(spec.metadata["choices"]))
+        if spec is not None and spec.metadata.get("minimum") is not None:
+            meaning = spec.metadata.get("meaning")
+            allowed.append(f">= {spec.metadata['minimum']}{f'; {meaning}' if meaning and not comment else ''}")
+        notes = "; ".join([comment] * bool(comment) + [part for part in allowed if part not in comment])
+        lines.append(f"  {key} = {_dotlist_value(value)}" + (f"  # {notes}" if notes else ""))
+    return lines
 
-def run_training(schema: Type[T], yaml_name: str, build, after_fit=None) -> None:
-    """The body of a training entry point: conf/<yaml_name> + command-line overrides -> schema (a
-    `RunConfig`) -> its data files checked -> build(cfg) -> fit(); after_fit(trainer, cfg) runs on success;
-    the metrics are closed either way."""
+
+def _leaves(annotation: Any, value: Any, prefix: str):
+    """(dotted key, value, its dataclass field or None, the dataclass that declares it) of each setting: the
+    schema's sections are walked, anything else (a value, a list, a mapping) is one setting."""
+    if not dataclasses.is_dataclass(annotation) or not isinstance(value, dict):
+        return
+    hints = typing.get_type_hints(annotation)
+    for spec in dataclasses.fields(annotation):
+        if spec.name not in value:
+            continue
+        key, item = f"{prefix}{spec.name}", value[spec.name]
+        field_type = hints.get(spec.name)
+        if dataclasses.is_dataclass(field_type) and isinstance(item, dict):
+            yield from _leaves(field_type, item, key + ".")
+        else:
+            owner = next(klass for klass in annotation.__mro__
+                         if spec.name in getattr(klass, "__annotations__", {}))
+            yield key, item, spec, owner
+
+
+_COMMENTS_CACHE: dict[type, dict[str, str]] = {}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field: its comment} of a dataclass's own fields, from its source: the comment lines right above a
+    field and the comment at the end of its line(s)."""
+    if cls in _COMMENTS_CACHE:
+        return _COMMENTS_CACHE[cls]
+    comments: dict[str, str] = {}
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (built in an interpreter)
+        return comments
+    by_line = {token.start[0]: token.string.lstrip("#").strip()
+               for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, line = [], node.lineno - 1
+        while line >= 1 and lines[line - 1].strip().startswith("#"):
+            above.insert(0, by_line[line])
+            line -= 1
+        trailing = [by_line[number] for number in range(node.lineno, node.end_lineno + 1)
+                    if number in by_line and not lines[number - 1].strip().startswith("#")]
+        comments[node.target.id] = " ".join(above + trailing)
+    _COMMENTS_CACHE[cls] = comments
+    return comments
+
+
+def _yaml_comments(text: str) -> dict[str, str]:
+    """{dotted key: comment} of a yaml file's `key: value  # comment` lines; a comment-only line indented past
+    its key continues the key's comment."""
+    comments: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []  # (indent, dotted key) of the keys enclosing the current line
+    last: Optional[tuple[int, str]] = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if stripped.startswith("#"):
+            if last is not None and indent > last[0]:
+                comments[last[1]] = f"{comments.get(last[1], '')} {stripped.lstrip('#').strip()}".strip()
+            continue
+        match = re.match(r"(\s*)([A-Za-z_][\w]*):(\s.*|)$", line)
+        if not match:
+            last = None if stripped else last
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        key = ".".join([parent for _, parent in stack] + [match.group(2)])
+        stack.append((indent, key))
+        comment = re.search(r"\s#\s?(.*)$", match.group(3))
+        if comment:
+            comments[key] = comment.group(1).strip()
+        last = (indent, key)
+    return comments
+
+
+def run_training(schema: Type[T], yaml_name: str, build, after_fit=None,
+                 next_commands: Optional[Callable[[Path], list[str]]] = None,
+                 argv: Optional[Sequence[str]] = None) -> None:
+    """The body of a training entry point: conf/<yaml_name> + command-line overrides (argv, default sys.argv)
+    -> schema -> its data files checked -> build(cfg) -> fit() -> the end-of-run summary
+    (MetricsLogger.run_summary, with next_commands(checkpoint), by default chat and export); after_fit(trainer,
+    cfg) runs on success before it. A run resumed with no step left (re-running a finished run) says so in one line, trains nothing and
+    returns; the metrics are closed either way."""
+    from aligner import checkpointing
     from aligner.runtime.distributed import rank_and_world_from_env
+    from aligner.training import metrics as run_metrics
 
-    config_path, overrides = parse_command_line(CONF_DIR / yaml_name)
+    started = time.monotonic()
+    config_path, overrides = parse_command_line(CONF_DIR / yaml_name, argv, schema=schema)
     cfg = load_config(schema, config_path, overrides)
     if rank_and_world_from_env()[0] == 0:  # rank 0 writes the metrics; found before minutes of model building
         require_writable_dir(cfg.logging.log_dir, "logging.log_dir")
     cfg.check_data_sources()  # every data file exists and has its columns, before the model is built
     trainer = build(cfg)
     try:
+        finished = trainer.nothing_to_train()
+        if finished is not None:
+            where, limit_key = finished
+            trainer.metrics.write(f"{where} in checkpoint.save_dir={cfg.checkpoint.save_dir}: nothing to train; to "
+                                  f"start fresh use another checkpoint.save_dir, to train on raise {limit_key}")
         trainer.fit()
-        if after_fit is not None:
-            after_fit(trainer, cfg)
+        if finished is None:
+            if after_fit is not None:
+                after_fit(trainer, cfg)
+            checkpoint = checkpointing.latest_checkpoint(cfg.checkpoint.save_dir)
+            commands = (next_commands or run_metrics.next_commands)(checkpoint) if checkpoint is not None else []
+            for line in trainer.metrics.run_summary(seconds=time.monotonic() - started, checkpoint=checkpoint,
+                                                    next_commands=commands):
+                trainer.metrics.write(line)
     finally:
         trainer.metrics.close()
 

@@ -160,14 +160,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def actor_command(script: Path, nproc: int, overrides: Sequence[str], stop_grace_s: Optional[float] = None) -> list:
+def actor_command(script: Path, nproc: int, overrides: Sequence[str], stop_grace_s: Optional[float] = None,
+                  master_port: int = 0) -> list:
     """The command of one process (nproc=1) or of torchrun with nproc workers; stop_grace_s: how long
-    torchrun lets its workers stop after it forwarded a SIGTERM (its default is 30 s)."""
+    torchrun lets its workers stop after it forwarded a SIGTERM (its default is 30 s); master_port: the
+    workers' rendezvous port (torchrun's --master_port), 0: a free one."""
     if nproc == 1:
         return [sys.executable, script, *overrides]
     shutdown = [f"--shutdown-timeout={math.ceil(stop_grace_s)}"] if stop_grace_s is not None else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", *shutdown, script, *overrides]
+            f"--master_port={master_port or free_port()}", *shutdown, script, *overrides]
 
 
 def run_processes(servers: Sequence[ManagedProcess], actor: ManagedProcess, *, ready_timeout_s: float = 300.0,

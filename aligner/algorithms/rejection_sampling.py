@@ -245,6 +245,13 @@ class RejectionSamplingRun:
             os.replace(partial, path)
         return path
 
+    def nothing_to_train(self) -> Optional[tuple[str, str]]:
+        """("already at iteration N of rs.num_iterations=N", its key) when a resumed run has no iteration left."""
+        iterations = self.cfg.rs.num_iterations
+        if self.first_iteration < iterations:
+            return None
+        return f"already at iteration {self.first_iteration} of rs.num_iterations={iterations}", "rs.num_iterations"
+
     def fit(self) -> None:
         from aligner.runtime import stopping
 

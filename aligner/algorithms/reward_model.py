@@ -6,6 +6,7 @@ trainer runs, reward normalisation, and `build_reward_model_trainer`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -260,6 +261,11 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
         f"{total_steps} steps of {trainer_cfg.global_batch_size}"
     )
     return trainer
+
+
+def serve_command(checkpoint: Path) -> list[str]:
+    """The end-of-run summary's next command for a trained reward model: serve it."""
+    return [f"python examples/nlp/gpt/serve_reward_model.py init_from={checkpoint}"]
 
 
 def finish_reward_model(trainer: Trainer, cfg: RewardModelConfig) -> None:

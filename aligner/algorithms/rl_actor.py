@@ -11,6 +11,8 @@ An algorithm is a choice of registered pure functions, not a class:
                 + reward.overlong_buffer
   GSPO / CISPO  loss.policy_loss=gspo | cispo
 
+`algorithm=NAME` sets one of these (`ALGORITHMS`, below) under the keys the user sets.
+
 The estimators are in `aligner.rl.advantages`, the losses and their aggregation in
 `aligner.rl.policy_losses`, the train/inference mismatch and its correction in `aligner.rl.mismatch`;
 the trainer calls exactly those functions. Reads top to bottom: the config schema, the typed
@@ -48,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
-from aligner.config import ConfigError, at_least, one_of
+from aligner.config import ConfigError, at_least, describe_preset, one_of
 from aligner.data.records import Layouts
 from aligner.data.sft import SFT_LAYOUTS
 from aligner.hf.sources import resolve_model_source
@@ -61,18 +63,26 @@ from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.setup import RunConfig
 
-# The settings that make each algorithm on conf/gpt_reinforce_actor.yaml (PPO is conf/gpt_ppo_actor.yaml:
-# advantage.estimator=gae with the critic server). The demo runs these; README's table shows them.
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "rloo": ("advantage.estimator=rloo",),
-    "grpo": ("advantage.estimator=grpo", "advantage.group_std=true"),
-    "dr_grpo": ("advantage.estimator=dr_grpo", "loss.aggregation=constant_sum"),
-    "reinforce_plus_plus": ("advantage.estimator=reinforce_plus_plus",),
-    "dapo": ("advantage.estimator=grpo", "loss.clip_ratio=0.2", "loss.clip_high=0.28", "loss.aggregation=token_mean",
-             "rollout.dynamic_sampling=true"),
-    "gspo": ("advantage.estimator=grpo", "loss.policy_loss=gspo", "loss.clip_ratio=3e-4", "loss.clip_high=4e-4",
-             "loss.aggregation=sequence_mean_token_mean"),
-    "cispo": ("advantage.estimator=grpo", "loss.policy_loss=cispo", "loss.clip_ratio=1.0", "loss.clip_high=4.0"),
+# The settings that make each algorithm: `algorithm=NAME` on either RL entry point sets them (under the
+# user's explicit keys, see aligner.config.load_config); README's table shows them. Each preset names every
+# key that tells the algorithms apart, so it means the same whatever the config file set before it. ppo needs
+# the critic server (train_gpt_ppo_actor.py / launch_ppo.py). DAPO's overlong shaping
+# (reward.overlong_buffer) depends on generation.max_new_tokens and is left to the user.
+_CLIPPED_TOKEN_MEAN = {"loss.policy_loss": "ppo_clip", "loss.clip_ratio": 0.2, "loss.clip_high": None,
+                       "loss.aggregation": "token_mean", "rollout.dynamic_sampling": False}
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "ppo": {"advantage.estimator": "gae", **_CLIPPED_TOKEN_MEAN},
+    "rloo": {"advantage.estimator": "rloo", **_CLIPPED_TOKEN_MEAN},
+    "grpo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN},
+    "dr_grpo": {"advantage.estimator": "dr_grpo", **_CLIPPED_TOKEN_MEAN, "loss.aggregation": "constant_sum"},
+    "reinforce_plus_plus": {"advantage.estimator": "reinforce_plus_plus", **_CLIPPED_TOKEN_MEAN},
+    "dapo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+             "loss.clip_high": 0.28, "rollout.dynamic_sampling": True},
+    "gspo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+             "loss.policy_loss": "gspo", "loss.clip_ratio": 3e-4, "loss.clip_high": 4e-4,
+             "loss.aggregation": "sequence_mean_token_mean"},
+    "cispo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+              "loss.policy_loss": "cispo", "loss.clip_ratio": 1.0, "loss.clip_high": 4.0},
 }
 
 
@@ -130,6 +140,8 @@ class GenerationSection:
     stop_strings: list = field(default_factory=list)
     micro_batch_size: int = at_least(1, 16)  # rollouts per router hand-out; the engine's cache rows (refilled)
     router: str = one_of(("dynamic", "static"), "dynamic")  # dynamic: a shared queue (slow ranks take fewer)
+    # the dynamic router's queue: a TCP port global rank 0 listens on ($MASTER_ADDR, else 127.0.0.1)
+    router_port: int = at_least(0, 0, "0: a free port")
     trtllm_work_dir: str = "results/trtllm"
 
 
@@ -223,8 +235,11 @@ class TeacherSection:
 
 @dataclass
 class RLLoggingConfig(LoggingConfig):
-    samples_interval: int = at_least(0, 10, "0: off")  # steps between tables of sample generations (TensorBoard text)
-    num_samples: int = at_least(0, 4)
+    # Sample completions (prompt, response, reward) on the console, truncated, and as a TensorBoard text table:
+    # at the first step, every this many steps and the last step
+    samples_interval: int = at_least(0, 10, "0: off")
+    num_samples: int = at_least(0, 2)  # completions shown each time
+    sample_chars: int = at_least(16, 160)  # the console shows at most this many characters of a prompt or response
 
 
 def _renamed_update_keys(section: str) -> tuple:
@@ -251,8 +266,10 @@ class RLActorConfig(RunConfig):
 
     LR_METHOD = "rl"  # its row in aligner/training/lr_ranges.py
     RENAMED_KEYS: ClassVar[tuple] = _renamed_update_keys("ppo") + _renamed_update_keys("reinforce")
+    PRESETS: ClassVar[tuple] = ("algorithm", ALGORITHMS)
 
     name: str = "gpt_rl_actor"
+    algorithm: Optional[str] = None  # a preset of ALGORITHMS (ppo | rloo | grpo | ...); null: the file's settings
     model: PolicySection = field(default_factory=PolicySection)
     data: RLDataSection = field(default_factory=RLDataSection)
     generation: GenerationSection = field(default_factory=GenerationSection)
@@ -394,6 +411,12 @@ def update_ema(ema: dict, params: dict, decay: float) -> None:
 def group_indices(prompt_indices: list[int], samples_per_prompt: int) -> list[int]:
     """Each prompt samples_per_prompt times, adjacent: rollout j is a sample of prompt_indices[j // k]."""
     return [index for index in prompt_indices for _ in range(samples_per_prompt)]
+
+
+def _truncated(text: str, width: int) -> str:
+    """A text on one console line: its repr (newlines visible), cut to `width` characters with ' ...'."""
+    shown = repr(text)
+    return shown if len(shown) <= width else shown[:width - 4] + " ..."
 
 
 # ----------------------------------------------------------------------------- records of a step
@@ -629,6 +652,13 @@ class RLActor:
         return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
                               stop_strings=list(gen.stop_strings), fixed_length=gen.fixed_length, seed=seed)
+
+    def nothing_to_train(self) -> Optional[tuple[str, str]]:
+        """("already at step N of trainer.max_steps=N", its key) when a resumed run has no step left, else None."""
+        max_steps = self.cfg.trainer.max_steps
+        if self.saved is None or self.step < max_steps:
+            return None
+        return f"already at step {self.step} of trainer.max_steps={max_steps}", "trainer.max_steps"
 
     # -- the loop
     def fit(self) -> None:
@@ -1036,9 +1066,10 @@ class RLActor:
                 minibatch_metrics.append(result)
         # Timings are measured for the whole step instead; the ratio's extremes are taken below.
         per_step = ("step_time", "time_data", "time_forward_backward", "time_optimizer", "consumed_samples",
-                    "tokens_per_second", "mfu", "ratio_max", "ratio_min")
+                    "tokens_per_second", "mfu", "ratio_max", "ratio_min", "tokens")
         averaged = {key: sum(m[key] for m in minibatch_metrics) / len(minibatch_metrics)
                     for key in minibatch_metrics[0] if key not in per_step}
+        averaged["tokens"] = sum(m["tokens"] for m in minibatch_metrics)  # trained over the step's minibatches
         averaged["ratio_max"] = max(m["ratio_max"] for m in minibatch_metrics)
         averaged["ratio_min"] = min(m["ratio_min"] for m in minibatch_metrics)
         # The first minibatch runs on the rollout policy's own weights: its ratio must be exactly 1.
@@ -1281,17 +1312,24 @@ class RLActor:
                 "time": timings["time_generation"] + timings["time_scoring_wait"]}
 
     def _should_log_samples(self) -> bool:
-        interval = self.cfg.logging.samples_interval
-        return interval > 0 and (self.step % interval == 0)
+        """At the step about to finish (self.step + 1): the first, every samples_interval-th, and the last."""
+        interval, step = self.cfg.logging.samples_interval, self.step + 1
+        return interval > 0 and (step == 1 or step % interval == 0 or step == self.cfg.trainer.max_steps)
 
     def log_samples(self, batch) -> None:
+        """One rollout of each of this rank's first logging.num_samples prompts: on the console (truncated) and as
+        a TensorBoard text table (whole)."""
         from aligner.data.conversation import prompt_text
 
-        rows = []
-        for b in range(min(self.cfg.logging.num_samples, len(batch.indices))):
+        picks = list(range(0, len(batch.indices), self.cfg.rollout.samples_per_prompt))[:self.cfg.logging.num_samples]
+        rows, count, width = [], len(picks), self.cfg.logging.sample_chars
+        for number, b in enumerate(picks):
             prompt = prompt_text(batch.rows[b].given_prompt)
             response = self.response_text(batch.rows[b].response)
-            rows.append(f"| {prompt!r} | {response!r} | {batch.rows[b].score:.3f} |")
+            score = batch.rows[b].score
+            rows.append(f"| {prompt!r} | {response!r} | {score:.3f} |")
+            self.metrics.write(f"sample {number + 1}/{count} at step {self.step + 1}: reward={score:.4g}\n"
+                               f"  prompt:   {_truncated(prompt, width)}\n  response: {_truncated(response, width)}")
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
         self.metrics.log_text(self.step + 1, "samples", table)
 
@@ -1367,6 +1405,15 @@ class RLActor:
 
 
 # ----------------------------------------------------------------------------- building a run
+def build_group_rl_actor(cfg: RLActorConfig) -> RLActor:
+    """`build_rl_actor` for train_gpt_reinforce_actor.py, whose yaml and launch start no critic server."""
+    if cfg.algorithm == "ppo":
+        raise ConfigError("algorithm=ppo trains a critic alongside the actor: use "
+                          "examples/nlp/gpt/train_gpt_ppo_actor.py (examples/nlp/gpt/launch_ppo.py starts the critic "
+                          "server with it)")
+    return build_rl_actor(cfg)
+
+
 def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RLActor:
     """Runtime, policy + reference weights, prompts, engine, router, reward source, critic client (when
     the estimator needs values), PTX data, EMA copy, optimizer and schedule; resumed from the newest
@@ -1449,6 +1496,9 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     for prompt_set in (prompts, validation):
         if prompt_set is not None and prompt_set.skipped_note:
             policy.metrics.write(f"warning: {prompt_set.skipped_note}")
+    preset = describe_preset(cfg)
+    if preset is not None:
+        policy.metrics.write(preset)
     rollout = cfg.rollout
     policy.metrics.write(
         f"{cfg.name}: {num_parameters(model_cfg) / 1e6:.2f}M parameters, layout "
@@ -1534,7 +1584,7 @@ def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer
                                    max_sequence_length=seq_length)
     if gen.router == "dynamic":
         router = DynamicRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group(),
-                               model_parallel_group=ps.get_model_parallel_group())
+                               model_parallel_group=ps.get_model_parallel_group(), port=gen.router_port)
     else:
         router = StaticRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
     return engine, router

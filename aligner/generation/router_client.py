@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.generation.work_queue import RouterError, WorkQueueClient, WorkQueueServer
+from aligner.runtime.errors import ConfigError
 
 T = TypeVar("T")
 GenerateFn = Callable[[list[int]], Sequence[Any]]  # micro-batch of item indices -> one result per index
@@ -125,7 +126,8 @@ class DynamicRouter:
     same `num_items`. data_parallel_group: ranks that generate different prompts (None: all
     ranks). model_parallel_group: the ranks of this replica that generate together (None: each
     rank is its own replica). host: interface rank 0 binds and the address the others connect to;
-    None: $MASTER_ADDR if set, else 127.0.0.1. timeout_s bounds connecting, each answer, and a
+    None: $MASTER_ADDR if set, else 127.0.0.1. port: the port it listens on (the RL actor's
+    generation.router_port); 0: a free one. timeout_s bounds connecting, each answer, and a
     whole round.
     """
 
@@ -143,7 +145,11 @@ class DynamicRouter:
         host = host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         is_global_zero = not dist.is_initialized() or dist.get_rank() == 0
         if is_global_zero:
-            self._server = WorkQueueServer(host, port)
+            try:
+                self._server = WorkQueueServer(host, port)
+            except OSError as error:
+                raise ConfigError(f"the rollout router cannot listen on {host}:{port} ({error.strerror or error}): "
+                                  "choose another generation.router_port (0: a free port)") from None
         address = [self._server.address if self._server else None]
         if dist.is_initialized():
             dist.broadcast_object_list(address, src=0)

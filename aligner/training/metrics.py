@@ -1,5 +1,10 @@
 """Metrics: a progress bar, a per-step metrics line, TensorBoard by default, W&B when configured.
 
+The console's per-step line is short by default (`SHORT_LINE`: step, loss, reward and KL where the run
+has them, lr, tokens/s, step time; `logging.console=full` prints every metric); the full set goes to
+metrics.jsonl, TensorBoard and W&B either way. The first step a process runs and the run's last step are
+always printed, whatever `logging.log_interval`; `run_summary` is the end-of-run report.
+
 Everything here acts on rank 0 only; other ranks get a logger whose methods do nothing.
 
 `<log_dir>/metrics.jsonl` holds one JSON row per logged metric set, `{"step", "split", ...}`,
@@ -25,7 +30,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from aligner.config import MissingExtraError, OutputError, at_least, require_writable_dir
+from aligner.config import MissingExtraError, OutputError, at_least, one_of, require_writable_dir
 from aligner.runtime import cpu_products
 from aligner.runtime.distributed import is_rank_zero
 
@@ -42,7 +47,8 @@ class LoggingConfig:
     """The `logging:` section."""
 
     log_dir: str = "results"
-    log_interval: int = at_least(1, 1)
+    log_interval: int = at_least(1, 1)  # steps between console lines (the first and last step always print)
+    console: str = one_of(("short", "full"), "short")  # per-step console line: short (SHORT_LINE) | full: every metric
     tensorboard: bool = True
     progress_bar: bool = True
     peak_tflops: Optional[float] = None  # per device, for the MFU estimate; None: measured (CPU) or table (GPU)
@@ -50,6 +56,10 @@ class LoggingConfig:
 
 
 METRICS_FILE = "metrics.jsonl"
+# The short console line: (label, metric key), each shown when the step reports it. The RL actor's
+# throughput is its generation's (rollout_tokens_per_second); the other trainers' is the update's.
+SHORT_LINE = (("loss", "loss"), ("reward", "reward_mean"), ("kl", "kl"), ("lr", "lr"),
+              ("tokens/s", "tokens_per_second"), ("gen tokens/s", "rollout_tokens_per_second"), ("time", "step_time"))
 RESUMED_FROM = "resumed_from"  # the split of a resume's marker row
 
 
@@ -206,7 +216,13 @@ class MetricsLogger:
 
     def __init__(self, config: LoggingConfig, run_name: str, total_steps: int, initial_step: int = 0, full_config=None):
         self.config = config
+        self.total_steps = total_steps
         self.enabled = is_rank_zero()
+        # This process's training steps, for the console's first line and the end-of-run summary.
+        self.steps_run = 0
+        self.step = initial_step  # the newest training step logged (or resumed from)
+        self.last_train: dict[str, float] = {}
+        self.tokens = {"trained": 0.0, "generated": 0.0}
         self.logger = get_logger()
         self.tensorboard = None
         self.wandb = None
@@ -275,14 +291,48 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{key}": value for key, value in metrics.items()}, step=step)
-        if step % max(self.config.log_interval, 1) == 0 or prefix != "train":
+        if prefix != "train":
             line = " ".join(f"{key}={_format(value)}" for key, value in metrics.items())
             self.write(f"{prefix} step {step}: {line}")
+            return
+        self.steps_run += 1
+        self.step = step
+        self.last_train = metrics
+        self.tokens["trained"] += metrics.get("tokens", 0.0)
+        self.tokens["generated"] += metrics.get("generated_tokens", 0.0)
+        if step % max(self.config.log_interval, 1) == 0 or step >= self.total_steps or self.steps_run == 1:
+            self.write(self.console_line(step, metrics))
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """The console's line of a training step: `step N/TOTAL: loss=... lr=... tokens/s=... time=...`
+        (`SHORT_LINE`), or every metric with logging.console=full."""
+        if self.config.console == "full":
+            shown = [f"{key}={_format(value)}" for key, value in metrics.items()]
+        else:
+            shown = [f"{label}={_short(key, metrics[key])}" for label, key in SHORT_LINE if key in metrics]
+        return f"step {step}/{self.total_steps}: {' '.join(shown)}"
+
+    def run_summary(self, *, seconds: float, checkpoint: Optional[Path],
+                    next_commands: list[str]) -> list[str]:
+        """The end-of-run report's lines: steps, time, final loss (and reward), tokens, checkpoint, next commands."""
+        last = self.last_train
+        finals = "".join(f", final {label} {_format(last[key])}" for label, key in (("loss", "loss"),
+                                                                                   ("reward", "reward_mean"))
+                         if key in last)
+        tokens = ", ".join(f"{count:,.0f} tokens {kind}" for kind, count in self.tokens.items() if count)
+        lines = [f"done: {self.steps_run} step(s) in {seconds:.1f} s, now at step {self.step}/{self.total_steps}"
+                 f"{finals}{'; ' + tokens if tokens else ''}",
+                 f"checkpoint: {checkpoint}" if checkpoint is not None else
+                 "checkpoint: none saved (checkpoint.save_at_end=false)"]
+        if checkpoint is not None:
+            lines += [f"next: {command}" for command in next_commands]
+        return lines
 
     def log_resume(self, step: int, checkpoint: str | Path, changed_settings: Optional[dict] = None) -> None:
         """The marker row of a resume from `checkpoint` at `step`: rows after it with a step > `step`
         re-run steps that earlier rows logged. changed_settings: {key: [old, new]} of the schedule
         settings that differ from the checkpoint's (see aligner.training.schedule)."""
+        self.step = step
         if not self.enabled:
             return
         self._write_row({"step": step, "split": RESUMED_FROM, "checkpoint": str(checkpoint),
@@ -322,6 +372,21 @@ class MetricsLogger:
                 tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _short(key: str, value: float) -> str:
+    """A value on the short console line: throughput in whole tokens, times in seconds, the rest `_format`."""
+    if key.endswith("tokens_per_second") and math.isfinite(value):
+        return f"{value:.0f}"
+    if key == "step_time" and math.isfinite(value):
+        return f"{value:.2f}s"
+    return _format(value)
+
+
+def next_commands(checkpoint: Path) -> list[str]:
+    """What a user usually runs on a trained policy's checkpoint: chat with it, export it to Hugging Face."""
+    return [f"python examples/nlp/gpt/chat.py init_from={checkpoint}",
+            f"python -m aligner.hf export --checkpoint {checkpoint} --output {checkpoint.parent / 'hf'}"]
 
 
 def _format(value: float) -> str:

@@ -103,6 +103,18 @@ class Trainer:
     def total_steps(self) -> int:
         return self.train_loader.total_steps(self.trainer_cfg.max_steps, self.trainer_cfg.max_epochs)
 
+    def nothing_to_train(self) -> Optional[tuple[str, str]]:
+        """("already at step N of KEY=...", the key that sets the length) when a resumed run has no step left
+        (re-running a finished run), else None."""
+        total = self.total_steps
+        if self.saved_step is None or self.step < total:  # a fresh run (max_steps=0 saves the start) or steps left
+            return None
+        limit = self.trainer_cfg.max_epochs
+        if limit is None:
+            return f"already at step {self.step} of trainer.max_steps={total}", "trainer.max_steps"
+        return (f"already at step {self.step} of {total} (trainer.max_epochs={limit}, trainer.max_steps="
+                f"{self.trainer_cfg.max_steps})", "trainer.max_epochs")
+
     # -- the loop
     def fit(self) -> None:
         total = self.total_steps
@@ -154,13 +166,15 @@ class Trainer:
         self.scheduler.step(increment=1)
         optimizer_done = time.perf_counter()
         elapsed = optimizer_done - started
-        tokens_per_second = global_token_count(microbatches) / elapsed
+        tokens = global_token_count(microbatches)
+        tokens_per_second = tokens / elapsed
         flops_per_token = transformer_flops_per_token(self.num_params, self.num_layers, self.hidden_size,
                                                       batch_tokens(microbatches[0]).shape[1])
         world = dist.get_world_size() if dist.is_initialized() else 1
         achieved = flops_per_token * tokens_per_second / world  # per device
         return {
             **self.objective.summarize(totals),
+            "tokens": tokens,
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "tokens_per_second": tokens_per_second,

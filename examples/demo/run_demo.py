@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-from aligner.algorithms.rl_actor import ALGORITHMS
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
 from aligner.runtime.distributed import PRECISIONS
@@ -99,8 +98,8 @@ PPO_CRITIC_OVERRIDES = [
     "inference.micro_batch_size=64",
 ]
 
-# The group methods: 10 steps of 64 prompts x 4 samples, no KL, each with its preset of
-# aligner.algorithms.rl_actor.ALGORITHMS (plus the extra settings listed in GROUP_RL_RUNS).
+# The group methods: 10 steps of 64 prompts x 4 samples, no KL, each with its preset (algorithm=NAME:
+# aligner.algorithms.rl_actor.ALGORITHMS) plus the extra settings listed in GROUP_RL_RUNS.
 GROUP_RL_OVERRIDES = [
     "data.max_prompt_length=8",
     "generation.max_new_tokens=6",
@@ -117,7 +116,7 @@ GROUP_RL_OVERRIDES = [
     "checkpoint.resume=false",
 ]
 
-GROUP_RL_RUNS = [  # (ALGORITHMS key, table row, extra settings)
+GROUP_RL_RUNS = [  # (algorithm=, table row, extra settings)
     ("rloo", "RLOO", ()),
     ("grpo", "GRPO", ()),
     ("dr_grpo", "Dr. GRPO", ()),
@@ -460,7 +459,7 @@ class Demo:
             run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
                         f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                        *GROUP_RL_OVERRIDES, *ALGORITHMS[algorithm], *extra, *self.precision,
+                        *GROUP_RL_OVERRIDES, f"algorithm={algorithm}", *extra, *self.precision,
                         f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
             self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
 

@@ -14,7 +14,7 @@ from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
-from aligner.config import CONF_DIR, ConfigError, load_config, parse_command_line
+from aligner.config import CONF_DIR, ConfigError, at_least, load_config, one_of, parse_command_line, run_training
 from servers.critic import CriticServerConfig
 
 from ..conftest import dotted_keys
@@ -31,7 +31,7 @@ def test_shipped_yaml_loads_and_overrides_apply():
     assert cfg.model.architecture.normalization == "RMSNorm"
 
 
-@pytest.mark.parametrize("schema, yaml_name, required", [
+ENTRY_POINT_CONFIGS = [
     (SFTConfig, "gpt_sft.yaml", ("data.train=[{path: x.jsonl}]",)),
     (RewardModelConfig, "training_rm.yaml", ("data.train=[{path: x.jsonl}]",)),
     (CriticServerConfig, "gpt_ppo_critic.yaml", ("critic.init_from=/checkpoint",)),
@@ -43,7 +43,10 @@ def test_shipped_yaml_loads_and_overrides_apply():
     (RSConfig, "gpt_rs.yaml", ("data.prompts=p.jsonl", "model.init_from=/checkpoint")),
     (KDConfig, "gpt_knowledge_distillation.yaml", ("data.train=[{path: x.jsonl, teacher_topk: x.topk}]",)),
     (TeacherTopKConfig, "teacher_topk.yaml", ("teacher=/checkpoint", "data.path=x.jsonl", "output=x.topk")),
-])
+]
+
+
+@pytest.mark.parametrize("schema, yaml_name, required", ENTRY_POINT_CONFIGS)
 def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name, required):
     """The yaml documents every key the entry point reads, and loads against its schema."""
     from omegaconf import OmegaConf
@@ -127,6 +130,76 @@ def test_command_line_parsing():
     assert str(path) == "x.yaml" and overrides == ["a=1", "b.c=2"]
     path, overrides = parse_command_line("default.yaml", ["--config=y.yaml"])
     assert str(path) == "y.yaml" and overrides == []
+
+
+# ----------------------------------------------------------------------------- --help
+def _help_lines(capsys, schema, yaml_path) -> list[str]:
+    with pytest.raises(SystemExit) as stop:
+        parse_command_line("elsewhere.yaml", ["--help", "a=1", "--config", str(yaml_path)], schema=schema)
+    assert stop.value.code == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("schema, yaml_name, required", ENTRY_POINT_CONFIGS)
+def test_help_lists_every_key_with_the_config_files_default(capsys, schema, yaml_name, required):
+    import yaml
+    from omegaconf import OmegaConf
+
+    lines = _help_lines(capsys, schema, CONF_DIR / yaml_name)
+    shown = {line.split(" = ", 1)[0].strip(): line.split(" = ", 1)[1] for line in lines if line.startswith("  ")}
+    keys = dotted_keys(OmegaConf.structured(schema))
+    leaves = {key for key in keys if not any(other.startswith(key + ".") for other in keys)}
+    assert set(shown) == leaves
+    # The default shown is the value the entry point runs with when the key is not set (required ones: ???).
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(CONF_DIR / yaml_name)))
+    for key, text in shown.items():
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        assert yaml.safe_load(text.split("  # ", 1)[0]) == value, key
+
+
+def test_help_shows_defaults_and_comments_from_the_file_and_the_schema(capsys, tmp_path):
+    """`key = default  # comment`: the file's comment (else the field's, above it and after it), with the
+    field's allowed values; the file's value is the default."""
+    path = tmp_path / "help.yaml"
+    path.write_text("section:\n  rate: 0.25   # set here for the test\nname: y\n")
+    lines = _help_lines(capsys, _HelpConfig, path)
+    assert lines[0].startswith("usage: ") and str(path) in lines[1]
+    assert "  section.rate = 0.25  # set here for the test; >= 0.0" in lines
+    assert "  section.mode = a  # how it runs: the first one; one of a | b" in lines
+    assert "  section.limit = null  # >= 1; null: no limit" in lines
+    assert "  name = y  # the run's name" in lines
+
+
+def test_help_of_a_training_entry_point_lists_optim_lr(capsys):
+    from aligner.algorithms.sft import build_sft_trainer
+
+    with pytest.raises(SystemExit) as stop:
+        run_training(SFTConfig, "gpt_sft.yaml", build_sft_trainer, argv=["--help"])
+    assert stop.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    import yaml
+
+    lr = load_config(SFTConfig, SFT_YAML, ["data.train=[{path: x.jsonl}]"]).optim.lr
+    shown = next(line for line in lines if line.startswith("  optim.lr = "))
+    assert yaml.safe_load(shown.removeprefix("  optim.lr = ").split("  # ")[0]) == lr
+    max_steps = next(line for line in lines if line.startswith("  trainer.max_steps = "))
+    assert "0: no training step" in max_steps  # its comment
+
+
+@dataclass
+class _HelpSection:
+    rate: float = at_least(0.0, 0.5)  # overridden by the file's comment
+    # how it runs:
+    mode: str = one_of(("a", "b"), "a")  # the first one
+    limit: int | None = at_least(1, None, "null: no limit")
+
+
+@dataclass
+class _HelpConfig:
+    section: _HelpSection = field(default_factory=_HelpSection)
+    name: str = "x"  # the run's name
 
 
 # ----------------------------------------------------------------------------- renamed keys

@@ -5,13 +5,14 @@ test_advantages.py, test_policy_losses.py and test_mismatch.py; end-to-end runs 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
-from aligner.config import CONF_DIR, ConfigError, load_config
+from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
 from aligner.rl.rewards import load_function
 from aligner.rl.rollouts import (
     PromptOrder,
@@ -158,11 +159,52 @@ def test_bad_settings_are_refused_with_the_key_named():
         load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, "reward.source=combined"]).validate(data_parallel_size=1)
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+GROUP_ALGORITHMS = sorted(set(ALGORITHMS) - {"ppo"})  # ppo needs the critic server
+
+
+@pytest.mark.parametrize("algorithm", GROUP_ALGORITHMS)
 def test_every_algorithm_preset_is_a_valid_config_of_the_group_yaml(algorithm):
-    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, *ALGORITHMS[algorithm]])
+    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, f"algorithm={algorithm}"])
     cfg.validate(data_parallel_size=2)
     assert not cfg.uses_critic and cfg.rollout.samples_per_prompt == 4
+
+
+def test_algorithm_sets_its_preset_under_the_keys_the_user_sets(tmp_path):
+    """algorithm=NAME sets every key of its preset over the config file; a key set on the command line wins,
+    before or after algorithm=; a file that names the algorithm keeps its own keys over the preset."""
+    base = [*REQUIRED, *FUNCTION_REWARD]
+    for yaml_path in (GROUP_YAML, PPO_YAML):
+        for name, preset in ALGORITHMS.items():
+            cfg = load_config(RLActorConfig, yaml_path, [*base, f"algorithm={name}"])
+            assert {key: dotted_value(cfg, key) for key in preset} == preset, (yaml_path.name, name)
+            assert cfg.uses_critic == (name == "ppo")
+    assert load_config(RLActorConfig, GROUP_YAML, base).advantage.estimator == "rloo"  # no algorithm: the file's
+    for order in (["loss.clip_high=0.3", "algorithm=dapo"], ["algorithm=dapo", "loss.clip_high=0.3"]):
+        cfg = load_config(RLActorConfig, GROUP_YAML, [*base, *order])
+        assert cfg.loss.clip_high == 0.3 and cfg.rollout.dynamic_sampling and cfg.advantage.estimator == "grpo"
+        assert describe_preset(cfg) == (
+            "algorithm=dapo: advantage.estimator=grpo advantage.group_std=true loss.policy_loss=ppo_clip "
+            "loss.clip_ratio=0.2 loss.aggregation=token_mean rollout.dynamic_sampling=true; kept yours: "
+            "loss.clip_high=0.3")
+    own = tmp_path / "gspo.yaml"
+    own.write_text("algorithm: gspo\nloss:\n  clip_high: 5.0e-4\n  epochs: 2\n")
+    cfg = load_config(RLActorConfig, own, [*base, "loss.clip_ratio=2e-4"])
+    assert (cfg.loss.policy_loss, cfg.loss.clip_ratio, cfg.loss.clip_high, cfg.loss.epochs) == ("gspo", 2e-4, 5e-4, 2)
+    assert cfg.advantage.estimator == "grpo" and cfg.loss.aggregation == "sequence_mean_token_mean"
+    assert describe_preset(load_config(RLActorConfig, GROUP_YAML, base)) is None
+    with pytest.raises(ConfigError, match=r"^command-line override: algorithm='grp' is not one of ppo, rloo, grpo"):
+        load_config(RLActorConfig, GROUP_YAML, [*base, "algorithm=grp"])
+    with pytest.raises(ConfigError, match=rf"^{own}:1: algorithm='gpso' is not one of"):
+        own.write_text("algorithm: gpso\n")
+        load_config(RLActorConfig, own, base)
+
+
+def test_the_group_entry_point_sends_algorithm_ppo_to_the_ppo_entry_point():
+    from aligner.algorithms.rl_actor import build_group_rl_actor
+
+    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "algorithm=ppo"])
+    with pytest.raises(ConfigError, match=r"^algorithm=ppo trains a critic .* use examples/nlp/gpt/train_gpt_ppo"):
+        build_group_rl_actor(cfg)  # refused before anything is built
 
 
 def test_old_ppo_and_reinforce_keys_still_load_with_a_deprecation_line(capsys):
@@ -325,7 +367,7 @@ def _tiny_actor_config(tiny_policy_and_prompts, name: str, *settings: str) -> RL
 
 
 @pytest.mark.parametrize("algorithm, extra", [
-    *[(name, ()) for name in sorted(ALGORITHMS)],
+    *[(name, ()) for name in GROUP_ALGORITHMS],
     ("grpo", ("loss.importance_sampling=token",)),
     ("grpo", ("loss.importance_sampling=sequence", "reward.overlong_buffer=2")),
 ])
@@ -335,7 +377,7 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
     from aligner.algorithms.rl_actor import build_rl_actor
 
     cfg = _tiny_actor_config(tiny_policy_and_prompts, f"{algorithm}_{len(extra)}", "optim.lr=1e-2",
-                             "kl.init_coef=0.05", "logging.samples_interval=1", *ALGORITHMS[algorithm], *extra)
+                             "kl.init_coef=0.05", "logging.samples_interval=1", f"algorithm={algorithm}", *extra)
     trainer = build_rl_actor(cfg)
     try:
         metrics = trainer.train_step()
@@ -447,13 +489,90 @@ def test_without_the_reference_pass_the_advantages_are_the_same_at_kl_coefficien
     assert "kl" not in skipped.metrics and measured.metrics["kl"] > 0
 
 
+def test_a_run_talks_preset_steps_samples_summary_and_its_router_port(single_process, tiny_policy_and_prompts,
+                                                                      monkeypatch):
+    """What the console shows of an RL run: the preset line, a short line for the first and the last step
+    although log_interval is longer than the run, sample completions (first and last step), the summary; the
+    router listens on generation.router_port; the same run again has nothing to train."""
+    import socket
+
+    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.training.metrics import MetricsLogger, read_metrics
+
+    from ..conftest import free_port_block
+
+    shown: list[str] = []
+    monkeypatch.setattr(MetricsLogger, "write", lambda self, message: shown.append(message))
+    port = free_port_block(1)
+    settings = ("algorithm=grpo", "kl.init_coef=0.05", "trainer.max_steps=2", "logging.log_interval=100",
+                "logging.samples_interval=5", "logging.num_samples=2", "logging.sample_chars=24",
+                f"generation.router_port={port}")
+    cfg = _tiny_actor_config(tiny_policy_and_prompts, "talks", *settings)
+    trainer = build_rl_actor(cfg)
+    try:
+        assert trainer.router._server.address[1] == port
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert trainer.nothing_to_train() is None
+        trainer.fit()
+        summary = trainer.metrics.run_summary(seconds=12.5, checkpoint=Path("ckpt/step_00000002"),
+                                              next_commands=["python chat.py"])
+    finally:
+        trainer.router.close()
+        trainer.metrics.close()
+    assert describe_preset(cfg) in shown and describe_preset(cfg).startswith("algorithm=grpo: advantage.estimator=grpo")
+    steps = [line for line in shown if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1/2", "step 2/2"]
+    rows = read_metrics(cfg.logging.log_dir, "train")
+    for line, row in zip(steps, rows):
+        assert 80 <= len(line) <= 200, line
+        fields = dict(part.split("=") for part in line.split(": ", 1)[1].split(" ") if "=" in part)
+        for label, key in (("loss", "loss"), ("reward", "reward_mean"), ("kl", "kl"), ("lr", "lr")):
+            # 4 decimals, or 4 significant digits below 1e-3
+            assert float(fields[label]) == pytest.approx(row[key], rel=1e-3, abs=5e-5), label
+        assert "tokens/s=" in line and fields["time"] == f"{row['step_time']:.2f}s"
+        assert len(row) > 40  # the full set still goes to metrics.jsonl
+    samples = [line for line in shown if line.startswith("sample ")]
+    assert [line.split(":")[0] for line in samples] == ["sample 1/2 at step 1", "sample 2/2 at step 1",
+                                                        "sample 1/2 at step 2", "sample 2/2 at step 2"]
+    for sample in samples:
+        head, prompt, response = sample.split("\n")
+        assert head.split(": ")[1].startswith("reward=")
+        assert prompt.startswith("  prompt:   '") and response.startswith("  response: ")
+        assert len(prompt.split(": ", 1)[1].strip()) <= 24 and len(response.split(": ", 1)[1].strip()) <= 24
+    assert summary[0].startswith(f"done: 2 step(s) in 12.5 s, now at step 2/2, final loss {rows[-1]['loss']:.4f}")
+    generated = sum(row["generated_tokens"] for row in rows)
+    assert f"{generated:,.0f} tokens generated" in summary[0]
+    assert summary[1:] == ["checkpoint: ckpt/step_00000002", "next: python chat.py"]
+
+    again = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "talks", *settings, "checkpoint.resume=true"))
+    try:
+        assert again.nothing_to_train() == ("already at step 2 of trainer.max_steps=2", "trainer.max_steps")
+    finally:
+        again.router.close()
+        again.metrics.close()
+
+
+def test_a_router_port_in_use_is_one_line_naming_the_key(single_process):
+    import socket
+
+    from aligner.generation.router_client import DynamicRouter
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"^the rollout router cannot listen on 127.0.0.1:{port} .*: choose "
+                                              r"another generation.router_port \(0: a free port\)$"):
+            DynamicRouter(micro_batch_size=4, host="127.0.0.1", port=port)
+
+
 def test_bf16_on_a_cpu_trains_through_an_fp32_main_copy_with_a_first_ratio_of_one(single_process,
                                                                                   tiny_policy_and_prompts):
     """precision=bf16 on a CPU: bf16 weights shared by engine and trainer, fp32 main copies in the optimizer."""
     from aligner.algorithms.rl_actor import build_rl_actor
 
     cfg = _tiny_actor_config(tiny_policy_and_prompts, "bf16", "optim.lr=1e-2", "kl.init_coef=0.05",
-                             "precision=bf16", *ALGORITHMS["grpo"])
+                             "precision=bf16", "algorithm=grpo")
     trainer = build_rl_actor(cfg)
     try:
         before = [p.detach().clone() for p in trainer.chunks[0].parameters()]
@@ -495,7 +614,7 @@ def test_grpo_with_lora_samples_from_the_current_adapters_against_the_base_as_re
     from aligner.models import lora
 
     settings = ("optim.lr=5e-2", "kl.init_coef=0.05", "peft.scheme=lora", "peft.rank=4", "peft.dropout=0.1",
-                "reward.function=tests.unit.test_rl_actor:response_length_reward", *ALGORITHMS["grpo"])
+                "reward.function=tests.unit.test_rl_actor:response_length_reward", "algorithm=grpo")
     cfg = _tiny_actor_config(tiny_policy_and_prompts, "lora", *settings)
     trainer = build_rl_actor(cfg)
     try:

@@ -9,7 +9,7 @@ from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
 
 
 def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "teacher_topk.yaml")
+    config_path, overrides = parse_command_line(CONF_DIR / "teacher_topk.yaml", schema=TeacherTopKConfig)
     print(compute_teacher_topk(load_config(TeacherTopKConfig, config_path, overrides)))
 
 

@@ -12,7 +12,7 @@ from aligner.generation.chat import ChatConfig, run_chat
 
 
 def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "chat.yaml")
+    config_path, overrides = parse_command_line(CONF_DIR / "chat.yaml", schema=ChatConfig)
     run_chat(load_config(ChatConfig, config_path, overrides))
 
 

@@ -47,8 +47,14 @@ def main() -> None:
     parser.add_argument("--log-dir", default="results/ppo")
     parser.add_argument("--actor-nproc", type=int, default=1, help="actor processes (torchrun when > 1)")
     parser.add_argument("--critic-nproc", type=int, default=1)
-    parser.add_argument("--critic-port", type=int, default=5560)
-    parser.add_argument("--reward-port", type=int, default=5555)
+    parser.add_argument("--critic-port", type=int, default=5560,
+                        help="the critic server's HTTP port (gRPC: +1, metrics: +2); its server.port")
+    parser.add_argument("--reward-port", type=int, default=5555,
+                        help="--reward server: the reward-model server's HTTP port (gRPC: +1, metrics: +2)")
+    parser.add_argument("--actor-master-port", type=int, default=0,
+                        help="--actor-nproc > 1: the actor workers' torchrun rendezvous port; 0: a free one")
+    parser.add_argument("--critic-master-port", type=int, default=0,
+                        help="--critic-nproc > 1: the critic workers' torchrun rendezvous port; 0: a free one")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
     parser.add_argument("--stop-grace", type=float, default=CheckpointConfig.stop_grace_s,
                         help="on SIGTERM/SIGINT: seconds the actor has to save a checkpoint "
@@ -85,10 +91,11 @@ def main() -> None:
     critic_args, actor_args = [*critic_args, *args.critic_arg], [*actor_args, *args.actor_arg]
     check_configs(critic_args, actor_args, args.critic_nproc)
     servers.append(ManagedProcess("critic_server", actor_command(
-        GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, critic_args),
+        GPT_EXAMPLES / "serve_ppo_critic.py", args.critic_nproc, critic_args, master_port=args.critic_master_port),
         log_dir / "critic_server.log"))
     actor = ManagedProcess("actor", actor_command(GPT_EXAMPLES / "train_gpt_ppo_actor.py", args.actor_nproc,
-                                                  actor_args, stop_grace_s=args.stop_grace),
+                                                  actor_args, stop_grace_s=args.stop_grace,
+                                                  master_port=args.actor_master_port),
                            log_dir / "actor.log")
     sys.exit(run_processes(servers, actor, ready_timeout_s=args.ready_timeout,
                            actor_stop_grace_s=args.stop_grace + ACTOR_EXIT_MARGIN_S))

@@ -17,7 +17,7 @@ from servers.critic import CriticServerConfig, serve_critic
 
 
 def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "gpt_ppo_critic.yaml")
+    config_path, overrides = parse_command_line(CONF_DIR / "gpt_ppo_critic.yaml", schema=CriticServerConfig)
     cfg = load_config(CriticServerConfig, config_path, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("servers").setLevel(logging.INFO)

@@ -14,7 +14,7 @@ from servers.reward_model import RewardServerConfig, serve_reward_model
 
 
 def main() -> None:
-    config_path, overrides = parse_command_line(CONF_DIR / "inference_rm.yaml")
+    config_path, overrides = parse_command_line(CONF_DIR / "inference_rm.yaml", schema=RewardServerConfig)
     cfg = load_config(RewardServerConfig, config_path, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("servers").setLevel(logging.INFO)

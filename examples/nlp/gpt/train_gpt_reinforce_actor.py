@@ -2,13 +2,14 @@
 
     torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_reinforce_actor.py model.init_from=SFT_CHECKPOINT \
         data.prompts=prompts.jsonl reward.source=function reward.function=myreward.py:function \
-        [advantage.estimator=grpo ...] [key=value ...]
+        [algorithm=grpo|dapo|gspo|cispo|rloo|reinforce_plus_plus|dr_grpo] [key=value ...]
 
-The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; README "RL algorithms" lists each
-algorithm's settings). With reward.source=server a reward-model server (serve_reward_model.py) must be up.
+The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; `algorithm=NAME` sets a preset, README
+"RL algorithms" lists each algorithm's settings; algorithm=ppo: train_gpt_ppo_actor.py). With
+reward.source=server a reward-model server (serve_reward_model.py) must be up.
 """
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+from aligner.algorithms.rl_actor import RLActorConfig, build_group_rl_actor
 from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(lambda: run_training(RLActorConfig, "gpt_reinforce_actor.yaml", build_rl_actor))
+    run_main(lambda: run_training(RLActorConfig, "gpt_reinforce_actor.yaml", build_group_rl_actor))
