@@ -613,8 +613,8 @@ def run_training(schema: Type[T], yaml_name: str, build, after_fit=None,
     """The body of a training entry point: conf/<yaml_name> + command-line overrides (argv, default sys.argv)
     -> schema -> its data files checked -> build(cfg) -> fit() -> the end-of-run summary
     (MetricsLogger.run_summary, with next_commands(checkpoint), by default chat and export); after_fit(trainer,
-    cfg) runs on success before it. A run resumed with no step left (re-running a finished run) says so in one line, trains nothing and
-    returns; the metrics are closed either way."""
+    cfg) runs on success before it. A run resumed with no step left (re-running a finished run) says so in one
+    line, trains nothing and returns; the metrics are closed either way."""
     from aligner import checkpointing
     from aligner.runtime.distributed import rank_and_world_from_env
     from aligner.training import metrics as run_metrics

@@ -53,19 +53,25 @@ def test_setting_lr_alone_decays_to_a_tenth_of_it():
         load_config(SFTConfig, CONF_DIR / "gpt_sft.yaml", [*SFT_REQUIRED, "optim.lr=5e-6", "optim.min_lr=1e-5"])
 
 
-def test_a_warm_up_not_shorter_than_the_run_is_one_warning_line(capsys):
+def test_a_warm_up_not_shorter_than_the_run_is_one_warning_line(caplog):
+    # caplog, not capsys: the aligner logger's console handler may hold the stdout of an earlier test
+    def logged() -> str:
+        text = "\n".join(record.getMessage() for record in caplog.records)
+        caplog.clear()
+        return text
+
     optim = OptimConfig(lr=1e-5, warmup_steps=10)
     assert _lrs(optim, 3) == pytest.approx([0.0, 5e-6, 1e-5])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    lines = [line for line in logged().splitlines() if "warning" in line]
     assert len(lines) == 1 and lines[0].endswith(
         "warning: optim.warmup_steps=10 is not shorter than the run's 3 optimizer steps: the warm-up is cut to 2, "
         "so the first step trains at lr 0 and only the last at optim.lr=1e-05; set optim.warmup_steps below 3 "
         "(0: no warm-up)"), lines
     _lrs(OptimConfig(lr=1e-5, warmup_steps=2), 3)
-    assert "warning" not in capsys.readouterr().out
+    assert "warning" not in logged()
     assert _lrs(OptimConfig(lr=1e-5, warmup_steps=5), 1) == [1e-5]  # one step: no warm-up at all
-    assert capsys.readouterr().out.strip().endswith("the run's 1 optimizer steps: the warm-up is dropped; set "
-                                                    "optim.warmup_steps below 1 (0: no warm-up)")
+    assert logged().strip().endswith("the run's 1 optimizer steps: the warm-up is dropped; set "
+                                     "optim.warmup_steps below 1 (0: no warm-up)")
 
 
 def test_lr_far_from_the_known_rate_is_one_warning_and_toy_models_get_none():
