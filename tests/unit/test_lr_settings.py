@@ -12,6 +12,7 @@ from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
 from aligner.training.lr_ranges import known_rate, lr_warning
+from aligner.training.metrics import get_logger
 from aligner.training.setup import OptimConfig, build_scheduler
 
 from .test_schedule_resume import ParamGroups
@@ -54,7 +55,10 @@ def test_setting_lr_alone_decays_to_a_tenth_of_it():
 
 
 def test_a_warm_up_not_shorter_than_the_run_is_one_warning_line(caplog):
-    # caplog, not capsys: the aligner logger's console handler may hold the stdout of an earlier test
+    # the log records, not capsys: the aligner logger's console handler may hold the stdout of an earlier test
+    get_logger().addHandler(caplog.handler)  # the aligner logger does not propagate to caplog's root handler
+    caplog.clear()
+
     def logged() -> str:
         text = "\n".join(record.getMessage() for record in caplog.records)
         caplog.clear()
@@ -72,6 +76,7 @@ def test_a_warm_up_not_shorter_than_the_run_is_one_warning_line(caplog):
     assert _lrs(OptimConfig(lr=1e-5, warmup_steps=5), 1) == [1e-5]  # one step: no warm-up at all
     assert logged().strip().endswith("the run's 1 optimizer steps: the warm-up is dropped; set "
                                      "optim.warmup_steps below 1 (0: no warm-up)")
+    get_logger().removeHandler(caplog.handler)
 
 
 def test_lr_far_from_the_known_rate_is_one_warning_and_toy_models_get_none():
