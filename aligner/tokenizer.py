@@ -47,9 +47,14 @@ class Tokenizer:
         self.bos_id: int | None = hf_tokenizer.bos_token_id
         self.pad_id: int = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size: int = len(hf_tokenizer)  # includes added tokens, unlike hf.vocab_size
+        # A fast tokenizer's Rust backend directly: the ids transformers' `encode` returns (it calls the same
+        # backend), without its ~30 us of Python per call, which dominate a large data set's tokenizing pass.
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without bos/eos."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
