@@ -2,7 +2,7 @@
 
     python -m aligner.hf import --hf-dir HF_MODEL_DIR --output CHECKPOINT_DIR [--make-vocab-size-divisible-by 128]
     python -m aligner.hf import --gguf FILE.gguf --output CHECKPOINT_DIR [--dtype float32|bfloat16]
-    python -m aligner.hf export --checkpoint CHECKPOINT_DIR --output HF_MODEL_DIR [--arch llama] [--dtype bfloat16]
+    python -m aligner.hf export --checkpoint CHECKPOINT_OR_RUN_DIR --output HF_DIR [--arch llama] [--dtype bfloat16]
     python -m aligner.hf export --checkpoint LORA_CHECKPOINT --output DIR [--lora merge|peft] [--base BASE_CHECKPOINT]
         [--base-model HF_DIR_OR_HUB_ID]   (--lora peft: the base adapter_config.json names; default OUTPUT/base)
     (either command: [--overwrite])
@@ -45,7 +45,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                  "(default float32, which keeps the values exactly)")
 
     to_hf = commands.add_parser("export", help="aligner checkpoint -> HF model directory")
-    to_hf.add_argument("--checkpoint", required=True, help="aligner checkpoint directory (any TP/PP layout)")
+    to_hf.add_argument("--checkpoint", required=True,
+                       help="aligner checkpoint directory (any TP/PP layout), or a run directory (its latest intact "
+                            "checkpoint)")
     to_hf.add_argument("--output", required=True,
                        help="directory for the HF model: new, empty, or an earlier export's directory")
     to_hf.add_argument("--arch", choices=ARCHS, default=None, help="default: the imported model's, else inferred")
@@ -70,6 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     from aligner.hf.convert import export_hf, import_gguf, import_hf
+    from aligner.hf.sources import RUN, resolve_model_source, source_kind
 
     if args.command == "import" and args.gguf:
         path = import_gguf(args.gguf, args.output, dtype=args.dtype or "float32",
@@ -82,9 +85,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          overwrite=args.overwrite)
         print(f"imported {args.hf_dir} -> {path}")
     else:
-        path = export_hf(args.checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base,
+        checkpoint = args.checkpoint
+        if source_kind(checkpoint, "--checkpoint") == RUN:  # a run directory: its latest intact checkpoint
+            checkpoint = resolve_model_source(checkpoint, "--checkpoint", print)
+        path = export_hf(checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base,
                          base_model=args.base_model, overwrite=args.overwrite)
-        print(f"exported {args.checkpoint} -> {path}")
+        print(f"exported {checkpoint} -> {path}")
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns worker processes that re-import __main__
