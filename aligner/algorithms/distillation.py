@@ -22,7 +22,7 @@ from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
 from aligner.data.records import Layouts, check_data_source
 from aligner.data.sft import SFT_LAYOUTS
-from aligner.hf.sources import resolve_model_source
+from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.rl import distillation_math
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -78,8 +78,9 @@ def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
     from aligner.tokenizer import Tokenizer
     from aligner.training.metrics import get_logger
 
-    check_data_source("data.path", cfg.data.path, SFT_LAYOUTS)  # before the teacher is built
-    teacher = resolve_model_source(cfg.teacher, "teacher", get_logger().info)  # a wrong path named first
+    source_kind(cfg.teacher, "teacher")  # first: a wrong path named (cheap)
+    check_data_source("data.path", cfg.data.path, SFT_LAYOUTS)  # before the teacher is imported or built
+    teacher = resolve_model_source(cfg.teacher, "teacher", get_logger().info)
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(teacher)["model"])
     tokenizer = Tokenizer(cfg.tokenizer_path or teacher / checkpointing.TOKENIZER_DIR)
     if distributed.initialize(cfg.parallel) != 1:

@@ -393,6 +393,18 @@ class RLActorConfig(RunConfig):
                               f"data.max_prompt_length + generation.max_new_tokens = {longest}")
 
 
+@dataclass
+class GroupRLActorConfig(RLActorConfig):
+    """train_gpt_reinforce_actor.py's schema: its yaml and launch start no critic server, so algorithm=ppo is
+    refused when the config loads (before its data files are read or anything is built)."""
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if self.algorithm == "ppo":
+            return "algorithm", ("PPO trains a critic alongside the actor: use examples/nlp/gpt/train_gpt_ppo_actor.py "
+                                 "(examples/nlp/gpt/launch_ppo.py starts the critic server with it)")
+        return None
+
+
 # ----------------------------------------------------------------------------- pure helpers
 def tf_adam_epsilon(epsilon: float, beta2: float, step: int) -> float:
     """PyTorch-Adam epsilon that reproduces TF's Adam at optimizer step `step` (1-based).
@@ -1405,15 +1417,6 @@ class RLActor:
 
 
 # ----------------------------------------------------------------------------- building a run
-def build_group_rl_actor(cfg: RLActorConfig) -> RLActor:
-    """`build_rl_actor` for train_gpt_reinforce_actor.py, whose yaml and launch start no critic server."""
-    if cfg.algorithm == "ppo":
-        raise ConfigError("algorithm=ppo trains a critic alongside the actor: use "
-                          "examples/nlp/gpt/train_gpt_ppo_actor.py (examples/nlp/gpt/launch_ppo.py starts the critic "
-                          "server with it)")
-    return build_rl_actor(cfg)
-
-
 def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RLActor:
     """Runtime, policy + reference weights, prompts, engine, router, reward source, critic client (when
     the estimator needs values), PTX data, EMA copy, optimizer and schedule; resumed from the newest

@@ -46,7 +46,7 @@ class WandbConfig:
 class LoggingConfig:
     """The `logging:` section."""
 
-    log_dir: str = "results"
+    log_dir: Optional[str] = None  # metrics.jsonl and TensorBoard; None: checkpoint.save_dir (see RunConfig)
     log_interval: int = at_least(1, 1)  # steps between console lines (the first and last step always print)
     console: str = one_of(("short", "full"), "short")  # per-step console line: short (SHORT_LINE) | full: every metric
     tensorboard: bool = True

@@ -506,6 +506,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def __post_init__(self):
+        if self.logging.log_dir is None:  # a run's logs beside its checkpoints, wherever save_dir points
+            self.logging.log_dir = self.checkpoint.save_dir
+
     def data_layouts(self) -> Optional[Layouts]:
         """The columns the records of `data`'s files need (each algorithm's reader says); None: not checked."""
         return None

@@ -214,7 +214,8 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
                  f"logging.log_dir={root / 'ppo_logs'}"], "error: model.init_from=/nonexistent does not exist"),
         ("reinforce algorithm=ppo", [python, GPT / "train_gpt_reinforce_actor.py", "model.init_from=/nonexistent",
                                      "data.prompts=p.jsonl", "algorithm=ppo", f"logging.log_dir={root / 'rl_logs'}"],
-         "error: algorithm=ppo trains a critic alongside the actor: use examples/nlp/gpt/train_gpt_ppo_actor.py"),
+         "error: algorithm='ppo': PPO trains a critic alongside the actor: use "
+         "examples/nlp/gpt/train_gpt_ppo_actor.py"),
         ("reward server", [python, GPT / "serve_reward_model.py", "init_from=/nonexistent", f"server.port={free}"],
          "error: init_from=/nonexistent does not exist"),
         ("critic server", [python, GPT / "serve_ppo_critic.py", "critic.init_from=/nonexistent", f"server.port={free}"],

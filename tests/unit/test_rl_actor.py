@@ -200,11 +200,12 @@ def test_algorithm_sets_its_preset_under_the_keys_the_user_sets(tmp_path):
 
 
 def test_the_group_entry_point_sends_algorithm_ppo_to_the_ppo_entry_point():
-    from aligner.algorithms.rl_actor import build_group_rl_actor
+    from aligner.algorithms.rl_actor import GroupRLActorConfig
 
-    cfg = load_config(RLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "algorithm=ppo"])
-    with pytest.raises(ConfigError, match=r"^algorithm=ppo trains a critic .* use examples/nlp/gpt/train_gpt_ppo"):
-        build_group_rl_actor(cfg)  # refused before anything is built
+    # refused when the config loads, before its data files are read or anything is built
+    with pytest.raises(ConfigError, match=r"^algorithm='ppo': PPO trains a critic .* use examples/nlp/gpt/train_gpt"):
+        load_config(GroupRLActorConfig, GROUP_YAML, [*REQUIRED, *FUNCTION_REWARD, "algorithm=ppo"])
+    assert load_config(RLActorConfig, PPO_YAML, [*REQUIRED, "algorithm=ppo"]).advantage.estimator == "gae"
 
 
 def test_old_ppo_and_reinforce_keys_still_load_with_a_deprecation_line(capsys):

@@ -8,8 +8,8 @@ The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; `algorithm=NAM
 "RL algorithms" lists each algorithm's settings; algorithm=ppo: train_gpt_ppo_actor.py). With
 reward.source=server a reward-model server (serve_reward_model.py) must be up.
 """
-from aligner.algorithms.rl_actor import RLActorConfig, build_group_rl_actor
+from aligner.algorithms.rl_actor import GroupRLActorConfig, build_rl_actor
 from aligner.config import run_main, run_training
 
 if __name__ == "__main__":
-    run_main(lambda: run_training(RLActorConfig, "gpt_reinforce_actor.yaml", build_group_rl_actor))
+    run_main(lambda: run_training(GroupRLActorConfig, "gpt_reinforce_actor.yaml", build_rl_actor))
