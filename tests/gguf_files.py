@@ -133,11 +133,13 @@ def transformers_reference(path: Path):
 
 
 def aligner_logits(checkpoint: Path, tokens):
-    """Logits of an aligner checkpoint loaded at TP=1 in this process (float32, [batch, seq, vocab], on the CPU;
-    the model runs where the runtime puts it: a GPU when there is one)."""
+    """Logits of an aligner checkpoint (a whole model, or LoRA adapters live on their base) loaded at TP=1 in
+    this process (float32, [batch, seq, vocab], on the CPU; the model runs where the runtime puts it: a GPU when
+    there is one)."""
     from aligner import checkpointing
     from aligner.models.forward import forward_logits
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+    from aligner.models.lora import load_for_inference
     from aligner.runtime import distributed, seeds
 
     distributed.initialize(distributed.ParallelConfig())
@@ -145,7 +147,7 @@ def aligner_logits(checkpoint: Path, tokens):
         seeds.set_seed(0)  # megatron's model-parallel RNG stream (the weights are loaded over the init)
         cfg = GPTConfig.from_dict(checkpointing.read_meta(checkpoint)["model"])
         model = build_gpt_model(cfg, transformer_config(cfg)).to(distributed.device())
-        checkpointing.load(checkpoint, [model])
+        load_for_inference(checkpoint, [model])  # an adapter checkpoint: onto its base, with live adapters
         return forward_logits([model], tokens, cfg.vocab_size)
     finally:
         distributed.shutdown()

@@ -30,10 +30,10 @@ def python_env() -> dict:
     return env
 
 
-def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python ARGS` from the repository root; fails the test with the output if it exits non-zero."""
+def run_python(*args: str, timeout: float = 600, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+    """`python ARGS` in `cwd` (the repository root); fails the test with the output if it exits non-zero."""
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                            env=python_env(), cwd=REPO_ROOT)
+                            env=python_env(), cwd=cwd)
     if result.returncode != 0:
         pytest.fail(f"python {' '.join(map(str, args))[:300]} exited {result.returncode}\n"
                     f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
