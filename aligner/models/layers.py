@@ -1,4 +1,5 @@
-"""Faster drop-in replacements for two megatron-core layers of the GPT model (same parameters, same numbers).
+"""Faster drop-in replacements for two megatron-core layers of the GPT model (same parameters, same numbers),
+and the layers Gemma 3 needs that megatron-core's local spec lacks.
 
 `FusedDotProductAttention`, the attention core of the local layer spec: torch's fused scaled-dot-product attention.
 
@@ -17,6 +18,13 @@ variant, query-key layer scaling, sliding windows) the layer runs megatron's own
 copy of the logits and of their gradient), or, inside `deferred_output_layer`, none at all: the model then
 returns its final hidden states (`HiddenStates`) and a loss computes the logits only at the positions it
 reads (response tokens, loss positions), not at prompts and padding.
+
+Gemma 3 (`GPTConfig.zero_centered_norm`, `post_layer_norms`, `scale_embeddings`, `local_rotary_base`):
+`ZeroCenteredRMSNorm` (x * (1 + weight), HF's Gemma3RMSNorm op for op), `RowParallelLinearWithPostNorm`
+(a row-parallel projection whose reduced output is normed: the post-attention and post-feedforward
+norms, before the residual add), `ScaledVocabParallelEmbedding` (embeddings times sqrt(hidden_size)),
+and `LocalGlobalRotaryEmbedding` with `LocalGlobalSelfAttention` (sliding-window layers rotate at
+their own base: the model's rotary embedding carries both layers' angles, each attention takes its own).
 """
 from __future__ import annotations
 
@@ -25,7 +33,9 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -168,3 +178,69 @@ def forward_deferred(model: torch.nn.Module, forward, *args):
     with deferred_output_layer(model) as layer:
         output = forward(model, *args)
     return output if layer is None else HiddenStates(output, layer, layer.deferred_weight)
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaling by (1 + weight), the weight stored zero-centred (Gemma's norm, with megatron's norm
+    constructor). Computed as HF's Gemma3RMSNorm: in fp32, scaled, then cast back to the input's dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        # megatron all-reduces the gradients of norms marked so across sequence-parallel ranks
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class RowParallelLinearWithPostNorm(RowParallelLinear):
+    """megatron's RowParallelLinear followed by a norm of its (reduced) output: Gemma's post-attention and
+    post-feedforward norms, applied before the residual add. The norm is `post_layernorm`."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        if bias is not None:  # a bias would have to be added before the norm (GPTConfig.validate refuses it)
+            raise ValueError("RowParallelLinearWithPostNorm has no place for a bias")
+        return self.post_layernorm(output), None
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """megatron's vocab-parallel embedding times sqrt(hidden_size), as HF's Gemma3TextScaledWordEmbedding
+    (the factor an fp32 scalar cast to the weight's dtype). A tied output layer reads the unscaled weight."""
+
+    def forward(self, input_):
+        scale = torch.tensor(self.embedding_dim ** 0.5).to(self.weight.dtype)
+        return super().forward(input_) * scale
+
+
+class LocalGlobalRotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding (the full-attention layers' frequencies) plus `local`, the sliding-window
+    layers' RotaryEmbedding: its embeddings are both layers' angles side by side, [..., 2 * dim]."""
+
+    local: RotaryEmbedding
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return torch.cat([super().forward(*args, **kwargs), self.local(*args, **kwargs)], dim=-1)
+
+
+class LocalGlobalSelfAttention(SelfAttention):
+    """megatron's SelfAttention taking its own half of a `LocalGlobalRotaryEmbedding`'s angles: the second
+    (local) half on sliding-window layers. `sliding_window_pattern` as GPTConfig's (None: every layer local)."""
+
+    def __init__(self, *args, sliding_window_pattern: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        pattern = sliding_window_pattern
+        self.is_local = pattern is None or self.layer_number % pattern != 0  # layer_number: 1-based, global
+
+    def forward(self, *args, rotary_pos_emb=None, **kwargs):
+        if isinstance(rotary_pos_emb, torch.Tensor):
+            rotary_pos_emb = rotary_pos_emb.chunk(2, dim=-1)[1 if self.is_local else 0]
+        return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
