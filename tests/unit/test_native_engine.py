@@ -33,6 +33,14 @@ CONFIGS = {
                            ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
                            max_position_embeddings=64, qk_layernorm=True, llama3_rope_scaling_factor=8.0,
                            num_moe_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
+    # Gemma 3-like: zero-centred and post-attention/MLP norms, scaled embeddings, gated GELU, q/k norm, softmax
+    # scale 24 ** -0.5, the first of every two layers a sliding-window layer rotating at its own base
+    "gemma": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                             ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                             max_position_embeddings=64, activation="geglu_tanh", qk_layernorm=True,
+                             zero_centered_norm=True, post_layer_norms=True, scale_embeddings=True,
+                             query_pre_attn_scalar=24.0, rotary_base=1000000.0, sliding_window=48,
+                             sliding_window_pattern=2, local_rotary_base=10000.0, tie_embeddings=True),
 }
 
 
@@ -530,6 +538,9 @@ def hf_family_config(family: str):
                                         tie_word_embeddings=True)
     if family == "qwen3":
         return transformers.Qwen3Config(**HF_BASE, head_dim=32)
+    if family == "gemma3":  # layer 1 in a 32-token window at RoPE base 10000, layer 2 global at 1e6
+        return transformers.Gemma3TextConfig(**HF_BASE, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
+                                             layer_types=["sliding_attention", "full_attention"])
     if family == "mixtral":
         return transformers.MixtralConfig(**HF_BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     return transformers.Qwen3MoeConfig(**HF_BASE, head_dim=32, num_experts=4, num_experts_per_tok=2,
@@ -558,7 +569,7 @@ def hf_and_megatron_models(family: str, directory):
     return hf_model, cfg, model
 
 
-@pytest.mark.parametrize("family", ["llama3_tied", "qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3_tied", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     hf_model, cfg, model = hf_and_megatron_models(family, tmp_path)
     prompts = make_prompts()
