@@ -426,6 +426,9 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             )
     if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
         raise ConfigError(f"model.rotary_base={cfg.rotary_base} is not an integer")
+    scalar = cfg.query_pre_attn_scalar
+    if arch == GEMMA3 and scalar is not None and scalar != int(scalar):
+        raise ConfigError(f"model.query_pre_attn_scalar={scalar} cannot be exported as {arch} (HF takes an integer)")
 
 
 def hf_config_from_gpt(
@@ -540,7 +543,7 @@ def _gemma3_hf_kwargs(cfg: GPTConfig) -> dict:
         attention_dropout=cfg.attention_dropout,
         initializer_range=cfg.init_method_std,
         tie_word_embeddings=cfg.tie_embeddings,
-        query_pre_attn_scalar=cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim,
+        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim),
         sliding_window=cfg.sliding_window,
         layer_types=layer_types,
         rope_parameters={_FULL: _hf_rope(cfg), _SLIDING: {"rope_type": "default", "rope_theta": float(local_base)}},

@@ -536,6 +536,10 @@ def hf_family_config(family: str):
     if family == "llama3_tied":
         return transformers.LlamaConfig(**dict(HF_BASE, max_position_embeddings=16384), rope_parameters=LLAMA3_ROPE,
                                         tie_word_embeddings=True)
+    if family == "llama3_2k":  # llama3 scaling with other parameters than Llama 3.1's (all three bands still hit)
+        rope = dict(LLAMA3_ROPE, factor=16.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                    original_max_position_embeddings=2048)
+        return transformers.LlamaConfig(**dict(HF_BASE, max_position_embeddings=8192), rope_parameters=rope)
     if family == "qwen3":
         return transformers.Qwen3Config(**HF_BASE, head_dim=32)
     if family == "gemma3":  # layer 1 in a 32-token window at RoPE base 10000, layer 2 global at 1e6
@@ -569,7 +573,7 @@ def hf_and_megatron_models(family: str, directory):
     return hf_model, cfg, model
 
 
-@pytest.mark.parametrize("family", ["llama3_tied", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3_tied", "llama3_2k", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     hf_model, cfg, model = hf_and_megatron_models(family, tmp_path)
     prompts = make_prompts()
