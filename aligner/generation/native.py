@@ -521,7 +521,7 @@ class NativeEngine:
             moe=mlp if is_moe else None,
             post_attention_norm=None if post_norms[0] is None else _norm(post_norms[0]),
             post_mlp_norm=None if post_norms[1] is None else _norm(post_norms[1]),
-            rope_half=None if is_local is None else int(is_local),
+            rope_half=None if is_local is None or self.cfg.rotary_bases[1] is None else int(is_local),
         )
 
     @contextlib.contextmanager

@@ -384,9 +384,10 @@ def layer_spec(cfg: GPTConfig):
     if cfg.post_layer_norms:
         attention.submodules.linear_proj = layers.RowParallelLinearWithPostNorm
         spec.submodules.mlp.submodules.linear_fc2 = layers.RowParallelLinearWithPostNorm
-    if cfg.rotary_bases[1] is not None:
+    if cfg.sliding_window is not None:
         attention.module = layers.LocalGlobalSelfAttention
-        attention.params = dict(attention.params, sliding_window_pattern=cfg.sliding_window_pattern)
+        attention.params = dict(attention.params, sliding_window=cfg.sliding_window,
+                                sliding_window_pattern=cfg.sliding_window_pattern)
     return spec
 
 

@@ -39,6 +39,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from aligner.runtime.errors import ConfigError
+
 
 class FusedDotProductAttention(DotProductAttention):
     """megatron's `DotProductAttention` (same constructor, same [sq, b, heads, dim] -> [sq, b, hidden]
@@ -232,15 +234,29 @@ class LocalGlobalRotaryEmbedding(RotaryEmbedding):
 
 
 class LocalGlobalSelfAttention(SelfAttention):
-    """megatron's SelfAttention taking its own half of a `LocalGlobalRotaryEmbedding`'s angles: the second
-    (local) half on sliding-window layers. `sliding_window_pattern` as GPTConfig's (None: every layer local)."""
+    """megatron's SelfAttention for models with sliding-window layers (`sliding_window_pattern` as GPTConfig's;
+    None: every layer in the window). Given a `LocalGlobalRotaryEmbedding`'s angles (twice the head width) it
+    takes its own half: the second (local) on sliding-window layers. Attention is full attention, equal to the
+    window's only up to `sliding_window` tokens: a longer causal row is refused here, the last guard behind the
+    length checks of the entry points (GPTConfig.check_sliding_window)."""
 
-    def __init__(self, *args, sliding_window_pattern: Optional[int] = None, **kwargs):
+    def __init__(self, *args, sliding_window: Optional[int] = None, sliding_window_pattern: Optional[int] = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         pattern = sliding_window_pattern
         self.is_local = pattern is None or self.layer_number % pattern != 0  # layer_number: 1-based, global
+        self.sliding_window = sliding_window
 
-    def forward(self, *args, rotary_pos_emb=None, **kwargs):
-        if isinstance(rotary_pos_emb, torch.Tensor):
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        config = self.config
+        rows = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+        # a mask or packed sequences: rows of several sequences, each checked where it was cut (the row is longer)
+        mask = args[0] if args else kwargs.get("attention_mask")
+        plain_rows = mask is None and kwargs.get("packed_seq_params") is None and not kwargs.get("inference_context")
+        if self.is_local and plain_rows and rows > self.sliding_window:
+            raise ConfigError(f"a row of {rows} tokens is longer than model.sliding_window={self.sliding_window}: "
+                              "sliding-window attention is not implemented (rows up to the window are exact)")
+        both_bases = 2 * self.hidden_size_per_attention_head  # a LocalGlobalRotaryEmbedding's width
+        if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.shape[-1] == both_bases:
             rotary_pos_emb = rotary_pos_emb.chunk(2, dim=-1)[1 if self.is_local else 0]
-        return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)

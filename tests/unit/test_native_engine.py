@@ -591,3 +591,15 @@ def test_moe_engine_refuses_cuda_graphs_with_a_reason():
     cfg, model = make_model("moe")
     with pytest.raises(ValueError, match="cuda_graphs=True cannot capture an MoE model"):
         make_engine(cfg, model, cuda_graphs=True)
+
+
+def test_gemma_rows_beyond_the_sliding_window_are_refused_by_engine_and_model():
+    cfg, model = make_model("gemma")  # sliding_window=48
+    engine = make_engine(cfg, model, max_sequence_length=64)
+    with pytest.raises(ValueError, match=r"^longest prompt \(40 tokens\) \+ max_new_tokens \(9\) is above "
+                                         r"model.sliding_window=48: sliding-window attention is not implemented"):
+        engine.generate([[5] * 40], SamplingParams(max_new_tokens=9, greedy=True))
+    assert engine.generate([[5] * 40], SamplingParams(max_new_tokens=8, greedy=True)).response_tokens.shape == (1, 8)
+    with pytest.raises(ValueError, match=r"a row of 49 tokens is longer than model.sliding_window=48"):
+        forward_logits([model], torch.full((1, 49), 5), VOCAB)
+    assert forward_logits([model], torch.full((1, 48), 5), VOCAB).shape == (1, 48, VOCAB)
