@@ -385,6 +385,9 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             add_qkv_bias=True,
             qk_layernorm=False,
             is_moe=False,
+            scale_embeddings=False,
+            query_pre_attn_scalar=None,
+            sliding_window=None,
         )
         if cfg.activation not in _GPT2_ACTIVATION_NAMES:
             raise ConfigError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")

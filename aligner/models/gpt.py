@@ -202,7 +202,9 @@ class GPTConfig:
                               "(model.add_bias_linear=true)")
         if self.local_rotary_base is not None and self.position_embedding_type != "rope":
             raise ConfigError("model.local_rotary_base needs model.position_embedding_type=rope")
-        gemma = [name for name in ("zero_centered_norm", "post_layer_norms", "local_rotary_base")
+        if self.post_layer_norms and self.is_moe:
+            raise ConfigError("model.post_layer_norms=true is implemented for dense MLPs (model.num_moe_experts=null)")
+        gemma = [name for name in ("zero_centered_norm", "post_layer_norms", "sliding_window", "local_rotary_base")
                  if getattr(self, name)]
         if gemma and self.transformer_impl != "local":
             raise ConfigError(f"model.{gemma[0]} is implemented for model.transformer_impl=local only")

@@ -518,3 +518,18 @@ def test_rows_longer_than_the_sliding_window_are_refused_in_one_line():
         cfg.check_sequence_lengths([(33, "data.max_seq_length=33")], "model.max_position_embeddings")
     no_window = GPTConfig(vocab_size=VOCAB, max_position_embeddings=64)
     no_window.check_sequence_lengths([(64, "data.max_seq_length=64")], "model.max_position_embeddings")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(post_layer_norms=True), "model.post_layer_norms needs model.zero_centered_norm=true"),
+    (dict(zero_centered_norm=True, post_layer_norms=True, num_moe_experts=4),
+     "model.post_layer_norms=true is implemented for dense MLPs"),
+    (dict(zero_centered_norm=True, normalization="LayerNorm"), "model.zero_centered_norm needs model.normalization"),
+    (dict(sliding_window=64, transformer_impl="transformer_engine"),
+     "model.sliding_window is implemented for model.transformer_impl=local only"),
+    (dict(llama3_rope_scaling_factor=8.0, llama3_rope_high_freq_factor=1.0),
+     "model.llama3_rope_high_freq_factor=1.0 must be above model.llama3_rope_low_freq_factor=1.0"),
+])
+def test_new_model_fields_refuse_combinations_they_do_not_implement(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(vocab_size=VOCAB, **overrides).validate()
