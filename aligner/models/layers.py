@@ -199,19 +199,27 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class RowParallelLinearWithPostNorm(RowParallelLinear):
-    """megatron's RowParallelLinear followed by a norm of its (reduced) output: Gemma's post-attention and
-    post-feedforward norms, applied before the residual add. The norm is `post_layernorm`."""
+class RowParallelLinearWithPostNorm:
+    """megatron's RowParallelLinear whose (reduced) output is normed by its `post_layernorm`: Gemma's post-attention
+    and post-feedforward norms, before the residual add.
 
-    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_layernorm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+    Constructing it gives a plain RowParallelLinear with the norm applied by a forward hook, so what wraps its
+    forward in place (a LoRA adapter's update, `aligner.models.lora`) comes before the norm, as HF PEFT's adapter
+    on o_proj / down_proj does. A class, not a function: megatron's build_module returns a spec's function
+    uncalled."""
 
-    def forward(self, input_):
-        output, bias = super().forward(input_)
-        if bias is not None:  # a bias would have to be added before the norm (GPTConfig.validate refuses it)
-            raise ValueError("RowParallelLinearWithPostNorm has no place for a bias")
-        return self.post_layernorm(output), None
+    def __new__(cls, input_size: int, output_size: int, *, config, **kwargs) -> RowParallelLinear:
+        linear = RowParallelLinear(input_size, output_size, config=config, **kwargs)
+        linear.post_layernorm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+        linear.register_forward_hook(_apply_post_norm)
+        return linear
+
+
+def _apply_post_norm(module, inputs, outputs):
+    output, bias = outputs
+    if bias is not None:  # a bias would have to be added before the norm (GPTConfig.validate refuses it)
+        raise ValueError("a row-parallel linear with a post norm has no place for a bias")
+    return module.post_layernorm(output), None
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
