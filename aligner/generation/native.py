@@ -63,11 +63,14 @@ rank returns the same Rollout.
 
 Model families: the rotary tables come from megatron's own RotaryEmbedding of the chunk (Llama 3.x
 scaling included, one fact); queries and keys get the per-head norm of megatron's qk_layernorm
-(Qwen3) before RoPE; an MoE layer's MLP is megatron's own MoELayer module (router, token dispatcher,
-experts), called token-major ([tokens, 1, hidden]) from both the prefill and the feature-major decode
-step. Generation with expert_model_parallel_size > 1 is refused (each data-parallel rank decodes its
-own prompts for its own number of steps, the MoE layer would need them in lockstep), and so is
-cuda_graphs=True for MoE models (tokens per expert change every step).
+(Qwen3) before RoPE; Gemma 3's zero-centred norms (x * (1 + w)), norms after attention and after the
+MLP, scaled embeddings, softmax scale and its sliding-window layers' own RoPE base (the tables hold
+both bases' angles side by side, each layer reads its half), with requests longer than the sliding
+window refused, as training refuses such rows; an MoE layer's MLP is megatron's own MoELayer module
+(router, token dispatcher, experts), called token-major ([tokens, 1, hidden]) from both the prefill
+and the feature-major decode step. Generation with expert_model_parallel_size > 1 is refused (each
+data-parallel rank decodes its own prompts for its own number of steps, the MoE layer would need them
+in lockstep), and so is cuda_graphs=True for MoE models (tokens per expert change every step).
 
 Not supported: the transformer-engine layer spec (its fused norm+linear weights have other
 names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).
@@ -124,6 +127,9 @@ class _Layer(NamedTuple):
     q_norm: Optional[_Norm] = None  # megatron's qk_layernorm: per-head norms of queries and keys
     k_norm: Optional[_Norm] = None
     moe: Optional[torch.nn.Module] = None  # megatron's own MoELayer (router, dispatcher, experts)
+    post_attention_norm: Optional[_Norm] = None  # Gemma: norms of the projections' outputs, before the residual
+    post_mlp_norm: Optional[_Norm] = None
+    rope_half: Optional[int] = None  # with a second RoPE base: 0 the full-attention layers' angles, 1 the local
 
 
 @dataclass
@@ -261,7 +267,8 @@ class NativeEngine:
         self._heads = model_cfg.num_attention_heads // self._tp_size
         self._groups = model_cfg.query_groups // self._tp_size
         self._head_dim = model_cfg.head_dim
-        self._scale = 1.0 / math.sqrt(self._head_dim)
+        scalar = model_cfg.query_pre_attn_scalar
+        self._scale = 1.0 / math.sqrt(self._head_dim) if scalar is None else scalar ** -0.5  # as megatron's
         self._kv_cache: Optional[tuple] = None  # (keys [L, B, G, d, T], values [L, B, G, T, d]), see _reserve_cache
         self._static_decode = static_decode or cuda_graphs
         self.continuous_batching = continuous_batching
@@ -499,6 +506,9 @@ class NativeEngine:
         mlp = submodule(param_names.MLP)
         is_moe = isinstance(mlp, MoELayer)
         q_norm, k_norm = (_optional_submodule(layer, name) for name in (param_names.Q_NORM, param_names.K_NORM))
+        post_norms = [_optional_submodule(layer, name)
+                      for name in (param_names.POST_ATTENTION_NORM, param_names.POST_MLP_NORM)]
+        is_local = getattr(submodule("self_attention"), "is_local", None)  # LocalGlobalSelfAttention's
         return _Layer(
             input_norm=_norm(submodule(param_names.INPUT_NORM)),
             qkv=_linear(submodule(param_names.QKV)),
@@ -509,6 +519,9 @@ class NativeEngine:
             q_norm=_norm(q_norm) if isinstance(getattr(q_norm, "weight", None), torch.Tensor) else None,
             k_norm=_norm(k_norm) if isinstance(getattr(k_norm, "weight", None), torch.Tensor) else None,
             moe=mlp if is_moe else None,
+            post_attention_norm=None if post_norms[0] is None else _norm(post_norms[0]),
+            post_mlp_norm=None if post_norms[1] is None else _norm(post_norms[1]),
+            rope_half=None if is_local is None or self.cfg.rotary_bases[1] is None else int(is_local),
         )
 
     @contextlib.contextmanager
@@ -534,7 +547,7 @@ class NativeEngine:
                         # (a packed copy has no storage pointer; its weight is in the tuple too)
                         pointers.extend(t.data_ptr() for t in part
                                         if isinstance(t, torch.Tensor) and t.layout == torch.strided)
-                    elif part is not None:  # an MoE layer: its router's and experts' parameters
+                    elif isinstance(part, torch.nn.Module):  # an MoE layer: its router's and experts' parameters
                         pointers.extend(p.data_ptr() for p in part.parameters())
             for tensor in (segment.word_embeddings, segment.position_embeddings, segment.output_weight):
                 pointers.append(None if tensor is None else tensor.data_ptr())
@@ -547,11 +560,24 @@ class NativeEngine:
 
         megatron applies x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]; that is
         roll(x, d/2) * [-sin, sin], which needs one roll instead of a split, a negation and a cat.
+        A second RotaryEmbedding (`local`: sliding-window layers at their own base) puts its tables beside
+        the first's, [max_len, 2 * head_dim]; each layer reads its half (`_layer_rope`).
         """
-        freqs = chunk.rotary_pos_emb.get_freqs_non_repeated(self.max_sequence_length).to(self._device)  # [T, d/2]
+        rotary = chunk.rotary_pos_emb
+        tables = [self._cos_sin(rotary)] + ([self._cos_sin(rotary.local)] if hasattr(rotary, "local") else [])
+        return tuple(torch.cat(parts, dim=-1) for parts in zip(*tables))
+
+    def _cos_sin(self, rotary) -> tuple:
+        freqs = rotary.get_freqs_non_repeated(self.max_sequence_length).to(self._device)  # [T, d/2]
         angles = torch.cat([freqs, freqs], dim=-1)
         sin = torch.sin(freqs)
         return torch.cos(angles).to(self._dtype), torch.cat([-sin, sin], dim=-1).to(self._dtype)
+
+    def _layer_rope(self, rope: Optional[tuple], layer: _Layer, dim: int) -> Optional[tuple]:
+        """The layer's (cos, sin) of rope, whose axis `dim` holds both bases' tables when there are two."""
+        if rope is None or layer.rope_half is None:
+            return rope
+        return tuple(table.narrow(dim, layer.rope_half * self._head_dim, self._head_dim) for table in rope)
 
     def _reserve_cache(self, rows: int, length: int) -> None:
         """Make the KV cache hold at least `rows` rows of `length` columns (prompt + new tokens).
@@ -597,6 +623,8 @@ class NativeEngine:
             if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
                 raise ValueError(f"prompt {index} has token ids outside [0, vocab_size={self.cfg.vocab_size})")
         longest = max(len(p) for p in prompts)
+        self.cfg.check_sliding_window(longest + sampling.max_new_tokens,
+                                      f"longest prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens})")
         if longest + sampling.max_new_tokens > self.max_sequence_length:
             raise ConfigError(
                 f"longest prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
@@ -931,6 +959,8 @@ class NativeEngine:
             outside = (local < 0) | (local >= weight.shape[0])
             hidden = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
             dist.all_reduce(hidden, group=self._tp_group)
+        if self.cfg.scale_embeddings:  # megatron's ScaledVocabParallelEmbedding: after the vocab-parallel sum
+            hidden = hidden * torch.tensor(self.cfg.hidden_size ** 0.5).to(hidden.dtype)
         if segment.position_embeddings is not None:
             hidden = hidden + F.embedding(positions, segment.position_embeddings)
         return hidden
@@ -948,6 +978,10 @@ class NativeEngine:
 
     # -- batch-major layers (prefill): [batch, seq, features], megatron's math step for step
     def _norm(self, x, norm: _Norm):
+        if self.cfg.zero_centered_norm:  # megatron's ZeroCenteredRMSNorm op for op
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.norm_epsilon)
+            return (normed * (1.0 + norm.weight.float())).type_as(x)
         if self.cfg.normalization == "LayerNorm":
             return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, self.cfg.norm_epsilon)
         if x.dtype != torch.float32:
@@ -984,7 +1018,7 @@ class NativeEngine:
         if layer.q_norm is not None:
             query_key = self._head_norm(query_key, layer, dim=4)
         if rope is not None:
-            cos, sin = rope
+            cos, sin = self._layer_rope(rope, layer, dim=-1)
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=-1), sin)
         key_cache[:, :, :, :seq] = query_key[:, :, :, per_group].permute(0, 2, 3, 1)
         value_cache[:, :, :seq] = qkv[:, :, :, per_group + 1].transpose(1, 2)
@@ -994,7 +1028,10 @@ class NativeEngine:
         probs = self._softmax(torch.baddbmm(mask, query, keys, alpha=self._scale))
         context = torch.bmm(probs, value_cache[:, :, :seq].reshape(batch * groups, seq, head_dim))
         context = context.view(batch, groups, per_group, seq, head_dim).permute(0, 3, 1, 2, 4)
-        hidden = hidden + self._row_parallel(context.reshape(batch, seq, self._heads * head_dim), layer.proj)
+        attention = self._row_parallel(context.reshape(batch, seq, self._heads * head_dim), layer.proj)
+        if layer.post_attention_norm is not None:
+            attention = self._norm(attention, layer.post_attention_norm)
+        hidden = hidden + attention
 
         normed = self._norm(hidden, layer.mlp_norm)
         if layer.moe is not None:  # megatron's MoE layer on [tokens, 1, hidden]: each token is routed alone
@@ -1011,7 +1048,10 @@ class NativeEngine:
             intermediate = self._activation(gate).mul_(up)
         else:
             intermediate = self._activation(self._adapted(self._linear(normed, fc1.product, fc1.bias), normed, fc1))
-        return self._row_parallel(intermediate, layer.fc2).add_(hidden)
+        output = self._row_parallel(intermediate, layer.fc2)
+        if layer.post_mlp_norm is not None:
+            output = self._norm(output, layer.post_mlp_norm)
+        return output.add_(hidden)
 
     def _head_norm(self, query_key, layer: _Layer, dim: int):
         """megatron's q/k norm: each query and key head normalised over its features (axis `dim`), before RoPE.
@@ -1028,7 +1068,7 @@ class NativeEngine:
         weight_shape = (-1,) + (1,) * (normed.dim() - dim - 1)  # along `dim`, broadcast over the axes after it
         for heads, norm in ((normed.narrow(dim - 1, 0, per_group), layer.q_norm),
                             (normed.narrow(dim - 1, per_group, 1), layer.k_norm)):
-            heads.mul_(norm.weight.view(weight_shape))
+            heads.mul_(self._norm_scale(norm.weight).view(weight_shape))
             if norm.bias is not None:
                 heads.add_(norm.bias.view(weight_shape))
         return normed.to(query_key.dtype)
@@ -1040,13 +1080,17 @@ class NativeEngine:
             return self._norm_columns(x.float(), norm).to(x.dtype)
         if self.cfg.normalization == "RMSNorm":
             inverse_rms = torch.addmm(self._norm_eps, self._mean_row, x * x).rsqrt_()  # [1, batch]
-            return (x * norm.weight_column).mul_(inverse_rms)
+            return (x * self._norm_scale(norm.weight_column)).mul_(inverse_rms)
         centered = x - torch.mm(self._mean_row, x)
         inverse_std = torch.addmm(self._norm_eps, self._mean_row, centered * centered).rsqrt_()
         normalized = centered.mul_(inverse_std)
         if norm.bias_column is None:
             return normalized.mul_(norm.weight_column)
         return torch.addcmul(norm.bias_column, normalized, norm.weight_column)
+
+    def _norm_scale(self, weight):
+        """What a norm multiplies by: its weight, or (1 + weight) in fp32 for zero-centred norms (Gemma)."""
+        return 1.0 + weight.float() if self.cfg.zero_centered_norm else weight
 
     # In-place adds below act on fresh matmul outputs only: fewer allocations in the hot loop.
     def _wx(self, weight, x):
@@ -1069,13 +1113,16 @@ class NativeEngine:
         out = self._adapted_columns(self._decode_product(linear.weight, linear.product, x), x, linear)
         return out if linear.bias is None else out.add_(linear.bias_column)
 
-    def _row_parallel_columns(self, linear: _Linear, x, residual):
-        """megatron's row-parallel linear (matmul, all-reduce, bias) plus the residual stream."""
+    def _row_parallel_columns(self, linear: _Linear, x, residual, post_norm: Optional[_Norm] = None):
+        """megatron's row-parallel linear (matmul, all-reduce, bias), its output's norm (Gemma's post norms)
+        where there is one, plus the residual stream."""
         out = self._adapted_columns(self._decode_product(linear.weight, linear.product, x), x, linear)
         if self._tp_size > 1:  # all_reduce wants a contiguous tensor: the product's token-major storage
             dist.all_reduce(out.t() if out.t().is_contiguous() else out, group=self._tp_group)
         if linear.bias is not None:
             out.add_(linear.bias_column)
+        if post_norm is not None:
+            out = self._norm_columns(out, post_norm)
         return out.add_(residual)
 
     def _decode_layer(self, layer: _Layer, hidden, key_cache, value_cache, inputs: "_DecodeInputs"):
@@ -1088,7 +1135,7 @@ class NativeEngine:
         if layer.q_norm is not None:
             query_key = self._head_norm(query_key, layer, dim=2)
         if inputs.rope is not None:
-            cos, sin = inputs.rope  # [d, batch], broadcast over [groups, per_group + 1, d, batch]
+            cos, sin = self._layer_rope(inputs.rope, layer, dim=0)  # [d, batch], over [groups, per_group + 1, d, batch]
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=2), sin)
         new_keys, new_values = query_key[:, per_group].permute(2, 0, 1), qkv[:, per_group + 1].permute(2, 0, 1)
         if inputs.column_index is None:  # each row at its own column (tensors: capturable in a graph)
@@ -1106,7 +1153,8 @@ class NativeEngine:
         probs = self._softmax(scores)
         context = torch.bmm(probs, value_cache.view(batch * groups, -1, head_dim)[:, :kv_len])
         # [batch, heads * d] read transposed by the product: no copy into feature-major order.
-        hidden = self._row_parallel_columns(layer.proj, context.view(batch, self._heads * head_dim).t(), hidden)
+        hidden = self._row_parallel_columns(layer.proj, context.view(batch, self._heads * head_dim).t(), hidden,
+                                            layer.post_attention_norm)
 
         if layer.moe is not None:  # megatron's MoE layer takes token-major [tokens, 1, hidden]
             routed, _ = layer.moe(self._norm_columns(hidden, layer.mlp_norm).t().reshape(batch, 1, -1))
@@ -1117,7 +1165,7 @@ class NativeEngine:
             intermediate = self._activation(gate).mul_(up)
         else:
             intermediate = self._activation(intermediate)
-        return self._row_parallel_columns(layer.fc2, intermediate, hidden)
+        return self._row_parallel_columns(layer.fc2, intermediate, hidden, layer.post_mlp_norm)
 
 
 def _distinct(prompts: list) -> tuple[list, list[int]]:

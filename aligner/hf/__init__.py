@@ -1,7 +1,7 @@
 """Hugging Face interop: import HF models as aligner checkpoints and export back.
 
 Architectures (layout.ARCHS): Llama (with Llama 3.x RoPE scaling), Qwen2, Qwen3, Mistral, Mixtral,
-Qwen3-MoE, GPT-2.
+Qwen3-MoE, GPT-2, Gemma 3 (text).
 
 `layout` holds the pure config and tensor transforms; `convert` does the file and megatron work;
 `sources` resolves every start (`model.init_from`, ...) to a checkpoint, importing HF/GGUF sources into a cache.

@@ -18,7 +18,6 @@ import torch
 
 from aligner.config import MissingExtraError
 from aligner.data.jsonl import DataError
-from aligner.hf.layout import MEGATRON_LLAMA3_ROPE
 from aligner.runtime.errors import ConfigError
 
 INSTALL_HINT = "reading GGUF files needs the gguf package: pip install 'aligner[gguf]'"
@@ -33,6 +32,9 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # How close the frequencies megatron computes for the scaling read from `rope_freqs` must be to the ones
 # the file prescribes: float32 rounding (both sides compute in float32), far below any change of factor.
 _ROPE_FREQS_RTOL = 1e-5
+# The llama3 scaling parameters besides the factor that a `rope_freqs` tensor is matched against (Llama 3.1's,
+# megatron-core's RotaryEmbedding defaults): llama.cpp keeps only the divisors they produce.
+LLAMA31_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -113,8 +115,8 @@ def read_gguf_rope_scaling(path: Path, config) -> dict | None:
             return None  # divisors of 1: plain RoPE
         raise unsupported(ROPE_FREQS_TENSOR, [float(f"{divisor:.6g}") for divisor in divisors.tolist()],
                           "these per-dimension RoPE divisors are not Llama 3.x scaling as megatron-core computes it "
-                          f"({', '.join(f'{key}={fixed:g}' for key, fixed in MEGATRON_LLAMA3_ROPE.items())})")
-    return {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3_ROPE}
+                          f"({', '.join(f'{key}={fixed:g}' for key, fixed in LLAMA31_ROPE.items())})")
+    return {"rope_type": "llama3", "factor": factor, **LLAMA31_ROPE}
 
 
 def _llama3_factor(divisors: torch.Tensor, rope_theta: float, head_dim: int) -> float | None:

@@ -15,6 +15,11 @@ Supported architectures (`arch` is the HF `model_type`):
   MoE layer for every MLP: a router (no bias) and SwiGLU experts, stored per expert on disk.
 - gpt2: LayerNorm, GELU, learned absolute positions, biases everywhere, Conv1D weights
   (stored [in, out], i.e. transposed relative to nn.Linear), q/k/v packed in `c_attn`.
+- gemma3_text (Gemma 3): the qwen3 attention with norms x * (1 + w) (kept zero-centred: megatron's
+  weights are HF's), norms also after attention and after the MLP, embeddings scaled by
+  sqrt(hidden_size), a gated GELU (tanh) MLP, softmax scale query_pre_attn_scalar ** -0.5, and
+  sliding-window layers (every sliding_window_pattern-th layer global) rotating at their own RoPE
+  base; rows longer than the window are refused (GPTConfig.check_sliding_window).
 
 Both HF Llama and megatron apply RoPE in the rotate-half (non-interleaved) convention, so q/k
 rows map over unpermuted; the parity tests check this numerically against `transformers`.
@@ -32,8 +37,9 @@ from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig, padded_vocab_size
 from aligner.runtime.errors import ConfigError
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2", "gemma3_text")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+GEMMA3 = "gemma3_text"
 MOE_ARCHS = ("mixtral", "qwen3_moe")
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 HF_ARCHITECTURES = {
@@ -44,20 +50,25 @@ HF_ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    GEMMA3: "Gemma3ForCausalLM",
 }
 # HF activation names -> GPTConfig.activation for GPT-2 (gelu_new is the tanh approximation).
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 # Class defaults of `tie_word_embeddings` when a config.json leaves it out.
-_TIE_DEFAULT = {arch: False for arch in LLAMA_FAMILY} | {"gpt2": True}
+_TIE_DEFAULT = {arch: False for arch in LLAMA_FAMILY} | {"gpt2": True, GEMMA3: True}
 # Class defaults of `head_dim` when a config.json leaves it out (else hidden_size // num_attention_heads).
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, GEMMA3: 256}
 # Non-parameter tensors some HF checkpoints carry (buffers recomputed by the model).
-_IGNORED_SUFFIXES = {arch: (".rotary_emb.inv_freq",) for arch in LLAMA_FAMILY} | {
+_IGNORED_SUFFIXES = {arch: (".rotary_emb.inv_freq",) for arch in (*LLAMA_FAMILY, GEMMA3)} | {
     "gpt2": (".attn.bias", ".attn.masked_bias"),
 }
-# The llama3 RoPE scaling parameters megatron-core's RotaryEmbedding fixes (only `factor` is free).
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# The llama3 RoPE scaling parameters (HF's names) other than `factor` -> GPTConfig's fields.
+LLAMA3_ROPE_FIELDS = {"low_freq_factor": "llama3_rope_low_freq_factor",
+                      "high_freq_factor": "llama3_rope_high_freq_factor",
+                      "original_max_position_embeddings": "llama3_rope_original_max_position_embeddings"}
+# Gemma 3's layer types (HF `layer_types`)
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 
 
 def _as_dict(hf_config: Any) -> dict:
@@ -72,8 +83,8 @@ def _unsupported(arch: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{arch} config: {field}={value!r} is not supported: {why}")
 
 
-def _rope(arch: str, config: dict) -> tuple[float, Optional[float]]:
-    """(RoPE base, llama3 scaling factor or None) from either config generation.
+def _rope(arch: str, config: dict) -> tuple[float, dict]:
+    """(RoPE base, GPTConfig's llama3 scaling fields: empty for plain RoPE) from either config generation.
 
     transformers 5 keeps everything in `rope_parameters`; older config.json files have
     `rope_theta` plus a `rope_scaling` dict (named in errors as the field the file has).
@@ -94,27 +105,28 @@ def _rope(arch: str, config: dict) -> tuple[float, Optional[float]]:
         raise _unsupported(arch, "rope_theta", theta, "megatron-core takes an integer rotary base")
     known = {"rope_type", "type", "rope_theta"}
     if rope_type == "default":
-        llama3_factor = None
+        llama3 = {}
     elif rope_type == "llama3":
-        known |= {"factor"} | set(MEGATRON_LLAMA3_ROPE)
-        defaults = dict(MEGATRON_LLAMA3_ROPE, original_max_position_embeddings=config["max_position_embeddings"])
-        for key, fixed in MEGATRON_LLAMA3_ROPE.items():
-            value = params.get(key, defaults[key])
-            if value != fixed:
-                raise _unsupported(arch, f"{field}.{key}", value,
-                                   f"megatron-core's llama3 RoPE scaling fixes {key}={fixed:g}")
-        if "factor" not in params:
-            raise ConfigError(f"{arch} config: {field}.factor is missing (rope_type llama3 needs a scaling factor)")
-        llama3_factor = float(params["factor"])
-        if llama3_factor < 1.0:
-            raise _unsupported(arch, f"{field}.factor", llama3_factor, "llama3 scaling needs factor >= 1")
+        known |= {"factor"} | set(LLAMA3_ROPE_FIELDS)
+        for key in ("factor", *LLAMA3_ROPE_FIELDS):
+            if key not in params:
+                raise ConfigError(f"{arch} config: {field}.{key} is missing (rope_type llama3 needs it)")
+        llama3 = dict(llama3_rope_scaling_factor=float(params["factor"]),
+                      llama3_rope_low_freq_factor=float(params["low_freq_factor"]),
+                      llama3_rope_high_freq_factor=float(params["high_freq_factor"]),
+                      llama3_rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        if llama3["llama3_rope_scaling_factor"] < 1.0:
+            raise _unsupported(arch, f"{field}.factor", params["factor"], "llama3 scaling needs factor >= 1")
+        if llama3["llama3_rope_high_freq_factor"] <= llama3["llama3_rope_low_freq_factor"]:
+            raise _unsupported(arch, f"{field}.high_freq_factor", params["high_freq_factor"],
+                               "it must be above low_freq_factor")
     else:
         raise _unsupported(arch, f"{field}.rope_type", rope_type,
                            "only plain RoPE and Llama 3.x (llama3) scaling are implemented")
     extra = sorted(set(params) - known)
     if extra:
         raise _unsupported(arch, field, params, f"keys {extra} change RoPE and are not mapped")
-    return theta, llama3_factor
+    return theta, llama3
 
 
 def _sliding_window_active(arch: str, config: dict) -> Optional[str]:
@@ -145,6 +157,8 @@ def gpt_config_from_hf(hf_config: Any, *, make_vocab_size_divisible_by: int = 12
         raise ConfigError(f"model_type={arch!r} is not supported; supported HF architectures: {list(ARCHS)}")
     if arch == "gpt2":
         cfg = _gpt2_config(config)
+    elif arch == GEMMA3:
+        cfg = _gemma3_config(config)
     else:
         cfg = _llama_family_config(arch, config)
     cfg.make_vocab_size_divisible_by = make_vocab_size_divisible_by
@@ -170,7 +184,7 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
     head_dim = config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch)  # None: hidden / heads (kept, for export)
     if head_dim is None and hidden % heads:
         raise _unsupported(arch, "hidden_size", hidden, f"not divisible by num_attention_heads={heads}; set head_dim")
-    rotary_base, llama3_factor = _rope(arch, config)
+    rotary_base, llama3 = _rope(arch, config)
     return GPTConfig(
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
@@ -185,7 +199,7 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
         activation="swiglu",
         position_embedding_type="rope",
         rotary_base=rotary_base,
-        llama3_rope_scaling_factor=llama3_factor,
+        **llama3,
         qk_layernorm=arch in QK_NORM_ARCHS,
         add_bias_linear=False,
         add_qkv_bias=arch == "qwen2",
@@ -194,6 +208,70 @@ def _llama_family_config(arch: str, config: dict) -> GPTConfig:
         attention_dropout=float(config.get("attention_dropout", 0.0)),
         init_method_std=config.get("initializer_range", 0.02),
         **(_moe_fields(arch, config) if arch in MOE_ARCHS else {}),
+    )
+
+
+def _gemma3_config(config: dict) -> GPTConfig:
+    arch = GEMMA3
+    activation = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+    if activation != "gelu_pytorch_tanh":
+        raise _unsupported(arch, "hidden_activation", activation, "the MLP must be gated GELU (tanh approximation)")
+    for field in ("attention_bias", "use_bidirectional_attention", "final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(field):
+            raise _unsupported(arch, field, config[field], "not implemented")
+    num_layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types") or [
+        _SLIDING if (i + 1) % config.get("sliding_window_pattern", 6) else _FULL for i in range(num_layers)]
+    window = config.get("sliding_window") if _SLIDING in layer_types else None
+    pattern = None  # every layer slides, or the index (1-based) of the first full one, repeating
+    if window is not None and _FULL in layer_types:
+        pattern = layer_types.index(_FULL) + 1
+    if window is not None and layer_types != [_SLIDING if pattern is None or (i + 1) % pattern else _FULL
+                                              for i in range(num_layers)]:
+        raise _unsupported(arch, "layer_types", layer_types,
+                           "sliding-window layers must repeat with one full-attention layer every N layers")
+    params = config.get("rope_parameters") or {}
+    if _FULL in params:  # transformers 5: one RoPE per layer type
+        full, local = params[_FULL], params.get(_SLIDING) or {}
+    else:  # older config.json: rope_theta (+ rope_scaling) on full layers, rope_local_base_freq on sliding ones
+        full = dict(params, rope_theta=config.get("rope_theta", 1_000_000.0), **(config.get("rope_scaling") or {}))
+        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    max_positions = config["max_position_embeddings"]
+    rotary_base, llama3 = _rope(arch, {"rope_parameters": full, "max_position_embeddings": max_positions})
+    local_base, local_scaling = _rope(arch, {"rope_parameters": {"rope_theta": 10_000.0, **local},
+                                             "max_position_embeddings": max_positions})
+    if local_scaling:
+        raise _unsupported(arch, f"rope_parameters.{_SLIDING}", local, "the sliding-window layers' RoPE is not scaled")
+    scalar = config.get("query_pre_attn_scalar", 256)
+    return GPTConfig(
+        num_layers=num_layers,
+        hidden_size=config["hidden_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_query_groups=config.get("num_key_value_heads") or config["num_attention_heads"],
+        ffn_hidden_size=config["intermediate_size"],
+        kv_channels=config.get("head_dim") or _HEAD_DIM_DEFAULT[arch],
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=max_positions,
+        normalization="RMSNorm",
+        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        activation="geglu_tanh",
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        **llama3,
+        qk_layernorm=True,
+        zero_centered_norm=True,
+        post_layer_norms=True,
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(scalar),
+        sliding_window=window,
+        sliding_window_pattern=pattern,
+        local_rotary_base=local_base if window is not None else None,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        tie_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[arch])),
+        hidden_dropout=0.0,
+        attention_dropout=float(config.get("attention_dropout") or 0.0),
+        init_method_std=config.get("initializer_range", 0.02),
     )
 
 
@@ -286,6 +364,8 @@ def infer_arch(cfg: GPTConfig) -> str:
     """The HF architecture a GPTConfig most naturally exports to."""
     if cfg.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if cfg.zero_centered_norm:
+        return GEMMA3
     if cfg.is_moe:
         return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
     if cfg.qk_layernorm:
@@ -305,6 +385,9 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             add_qkv_bias=True,
             qk_layernorm=False,
             is_moe=False,
+            scale_embeddings=False,
+            query_pre_attn_scalar=None,
+            sliding_window=None,
         )
         if cfg.activation not in _GPT2_ACTIVATION_NAMES:
             raise ConfigError(f"model.activation={cfg.activation!r} cannot be exported as gpt2")
@@ -313,6 +396,10 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
         if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
             raise ConfigError(f"model.kv_channels={cfg.kv_channels} cannot be exported as gpt2 "
                               "(head_dim = n_embd/n_head)")
+    elif arch == GEMMA3:
+        expected = dict(normalization="RMSNorm", activation="geglu_tanh", position_embedding_type="rope",
+                        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, is_moe=False,
+                        zero_centered_norm=True, post_layer_norms=True, scale_embeddings=True)
     else:
         expected = dict(
             normalization="RMSNorm",
@@ -322,6 +409,11 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             add_qkv_bias=arch == "qwen2",
             qk_layernorm=arch in QK_NORM_ARCHS,
             is_moe=arch in MOE_ARCHS,
+            zero_centered_norm=False,
+            post_layer_norms=False,
+            scale_embeddings=False,
+            query_pre_attn_scalar=None,
+            sliding_window=None,
         )
         if arch == "mixtral":
             # mixtral always renormalises the top-k weights (qwen3_moe says so in norm_topk_prob).
@@ -337,6 +429,9 @@ def check_exportable(cfg: GPTConfig, arch: str) -> None:
             )
     if arch != "gpt2" and cfg.rotary_base != int(cfg.rotary_base):
         raise ConfigError(f"model.rotary_base={cfg.rotary_base} is not an integer")
+    scalar = cfg.query_pre_attn_scalar
+    if arch == GEMMA3 and scalar is not None and scalar != int(scalar):
+        raise ConfigError(f"model.query_pre_attn_scalar={scalar} cannot be exported as {arch} (HF takes an integer)")
 
 
 def hf_config_from_gpt(
@@ -370,6 +465,9 @@ def hf_config_from_gpt(
             tie_word_embeddings=cfg.tie_embeddings,
         )
         config_class = transformers.GPT2Config
+    elif arch == GEMMA3:
+        kwargs = _gemma3_hf_kwargs(cfg)
+        config_class = transformers.Gemma3TextConfig
     else:
         config_class = {
             "llama": transformers.LlamaConfig,
@@ -395,9 +493,7 @@ def hf_config_from_gpt(
         )
         if cfg.kv_channels is not None:  # else the class default, hidden / heads (None in a mixtral config)
             kwargs["head_dim"] = cfg.kv_channels
-        rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
-        if cfg.llama3_rope_scaling_factor is not None:
-            rope = dict(rope, rope_type="llama3", factor=float(cfg.llama3_rope_scaling_factor), **MEGATRON_LLAMA3_ROPE)
+        rope = _hf_rope(cfg)
         if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
             kwargs["rope_parameters"] = rope
         else:  # transformers 4.x
@@ -422,6 +518,42 @@ def hf_config_from_gpt(
     config.architectures = [HF_ARCHITECTURES[arch]]
     config.dtype = dtype
     return config
+
+
+def _hf_rope(cfg: GPTConfig) -> dict:
+    """HF `rope_parameters` of the full-attention layers."""
+    rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    if cfg.llama3_rope_scaling_factor is not None:
+        rope = dict(rope, rope_type="llama3", factor=float(cfg.llama3_rope_scaling_factor),
+                    **{key: getattr(cfg, field) for key, field in LLAMA3_ROPE_FIELDS.items()})
+    return rope
+
+
+def _gemma3_hf_kwargs(cfg: GPTConfig) -> dict:
+    layer_types = [_SLIDING if cfg.is_sliding_window_layer(i + 1) else _FULL for i in range(cfg.num_layers)]
+    local_base = cfg.local_rotary_base if cfg.local_rotary_base is not None else cfg.rotary_base
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.query_groups,
+        head_dim=cfg.head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.norm_epsilon,
+        attention_dropout=cfg.attention_dropout,
+        initializer_range=cfg.init_method_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim),
+        sliding_window=cfg.sliding_window,
+        layer_types=layer_types,
+        rope_parameters={_FULL: _hf_rope(cfg), _SLIDING: {"rope_type": "default", "rope_theta": float(local_base)}},
+        attention_bias=False,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
 
 
 # HF names (relative to model.layers.{i}.) of an MoE layer's router and of expert e's
@@ -572,7 +704,13 @@ def _weight_table(cfg: GPTConfig, arch: str) -> list[_WeightPair]:
                 for hf_norm, mg_norm in (("q_norm", param_names.Q_NORM), ("k_norm", param_names.K_NORM)):
                     pair(f"{mg}{mg_norm}.weight", f"{attention}{hf_norm}.weight", (cfg.head_dim,))
             pair(f"{mg}{param_names.ATTENTION_OUT}.weight", f"{attention}o_proj.weight", (hidden, q_size))
-            pair(f"{mg}{param_names.PRE_MLP_NORM}.weight", f"{hf}post_attention_layernorm.weight", (hidden,))
+            if cfg.post_layer_norms:  # Gemma's sandwich norms
+                pair(f"{mg}{param_names.POST_ATTENTION_NORM}.weight", f"{hf}post_attention_layernorm.weight",
+                     (hidden,))
+                pair(f"{mg}{param_names.PRE_MLP_NORM}.weight", f"{hf}pre_feedforward_layernorm.weight", (hidden,))
+                pair(f"{mg}{param_names.POST_MLP_NORM}.weight", f"{hf}post_feedforward_layernorm.weight", (hidden,))
+            else:
+                pair(f"{mg}{param_names.PRE_MLP_NORM}.weight", f"{hf}post_attention_layernorm.weight", (hidden,))
             if cfg.is_moe:
                 pair(f"{mg}{param_names.ROUTER}.weight", hf + _MOE_NAMES[arch][0], (cfg.num_moe_experts, hidden))
             for hf_mlp, mg_mlp, gate_name, up_name, down_name in _mlp_name_pairs(cfg, arch, i):

@@ -29,10 +29,12 @@ MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
 
 _ACTIVATIONS = {
     "swiglu": F.silu,  # gated: silu(x W_gate) * (x W_up)
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # gated: gelu_tanh(x W_gate) * (x W_up) (Gemma)
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")  # fc1 holds [gate; up]
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -65,10 +67,28 @@ class GPTConfig:
     activation: str = one_of(tuple(_ACTIVATIONS), "swiglu")
     position_embedding_type: str = one_of(POSITION_EMBEDDINGS, "rope")
     rotary_base: float = 10000.0
-    # Llama 3.x RoPE scaling (HF rope_type "llama3") by this factor, with megatron's fixed
-    # low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192; None: plain RoPE.
+    # Llama 3.x RoPE scaling (HF rope_type "llama3") by this factor; None: plain RoPE. The three
+    # fields after it are the formula's other parameters (HF's names; defaults: Llama 3.1's).
     llama3_rope_scaling_factor: Optional[float] = None
+    llama3_rope_low_freq_factor: float = 1.0
+    llama3_rope_high_freq_factor: float = 4.0
+    llama3_rope_original_max_position_embeddings: int = 8192
     qk_layernorm: bool = False  # a norm over each query and key head before RoPE (Qwen3)
+    # Gemma 3: every norm scales by (1 + weight) (weights stored zero-centred, as HF stores them);
+    # norms also after attention and after the MLP, before each residual add ("sandwich" norms);
+    # embeddings multiplied by sqrt(hidden_size) (the tied output layer uses the unscaled weight);
+    # softmax scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    zero_centered_norm: bool = False
+    post_layer_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    # Sliding-window attention on all but every sliding_window_pattern-th layer (1-based: layers N,
+    # 2N, ... attend to every position; None: no layer does), those layers rotating with
+    # local_rotary_base. Rows longer than the window are refused (check_sequence_lengths): up to it,
+    # windowed attention is full attention, which is what is computed.
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: Optional[int] = None
+    local_rotary_base: Optional[float] = None  # RoPE base of the sliding-window layers; None: rotary_base
     # Mixture of experts (megatron-core's MoELayer in every layer): None is a dense MLP.
     num_moe_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None  # each expert's hidden size; None: ffn_hidden_size
@@ -134,6 +154,22 @@ class GPTConfig:
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
 
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    def is_sliding_window_layer(self, layer_number: int) -> bool:
+        """Whether 1-based layer `layer_number` (of the whole model) attends within the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_window_pattern is None or layer_number % self.sliding_window_pattern != 0
+
+    @property
+    def rotary_bases(self) -> tuple[float, Optional[float]]:
+        """(RoPE base of full-attention layers, of sliding-window layers or None where it is the same)."""
+        local = self.local_rotary_base
+        return self.rotary_base, (None if local is None or self.sliding_window is None else local)
+
     def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
         if self.vocab_size is None:
             raise ConfigError("model.vocab_size is not set (it is normally taken from the tokenizer)")
@@ -152,6 +188,26 @@ class GPTConfig:
             raise ConfigError(f"model.ffn_hidden_size={self.ffn_size} is not divisible by TP={tensor_parallel_size}")
         if self.llama3_rope_scaling_factor is not None and self.position_embedding_type != "rope":
             raise ConfigError("model.llama3_rope_scaling_factor needs model.position_embedding_type=rope")
+        if self.llama3_rope_high_freq_factor <= self.llama3_rope_low_freq_factor:
+            raise ConfigError(f"model.llama3_rope_high_freq_factor={self.llama3_rope_high_freq_factor} must be above "
+                              f"model.llama3_rope_low_freq_factor={self.llama3_rope_low_freq_factor}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.zero_centered_norm and self.normalization != "RMSNorm":
+            raise ConfigError("model.zero_centered_norm needs model.normalization=RMSNorm")
+        if self.post_layer_norms and not self.zero_centered_norm:
+            raise ConfigError("model.post_layer_norms needs model.zero_centered_norm=true (Gemma's norms)")
+        if self.post_layer_norms and self.add_bias_linear:
+            raise ConfigError("model.post_layer_norms=true has no place for the projections' biases "
+                              "(model.add_bias_linear=true)")
+        if self.local_rotary_base is not None and self.position_embedding_type != "rope":
+            raise ConfigError("model.local_rotary_base needs model.position_embedding_type=rope")
+        if self.post_layer_norms and self.is_moe:
+            raise ConfigError("model.post_layer_norms=true is implemented for dense MLPs (model.num_moe_experts=null)")
+        gemma = [name for name in ("zero_centered_norm", "post_layer_norms", "sliding_window", "local_rotary_base")
+                 if getattr(self, name)]
+        if gemma and self.transformer_impl != "local":
+            raise ConfigError(f"model.{gemma[0]} is implemented for model.transformer_impl=local only")
         self._validate_moe(tensor_parallel_size, expert_parallel_size)
 
     def check_sequence_lengths(self, lengths: Sequence[tuple[int, str]], limit_key: str) -> None:
@@ -169,6 +225,14 @@ class GPTConfig:
             if tokens > self.max_position_embeddings:
                 raise ConfigError(f"{setting} is above {limit_key}={self.max_position_embeddings}: the model was not "
                                   "trained on longer rows; lower the setting or start from a model with more positions")
+            self.check_sliding_window(tokens, setting)
+
+    def check_sliding_window(self, tokens: int, setting: str) -> None:
+        """Refuse rows longer than the sliding window: attention here is full attention, which equals the
+        model's windowed attention only up to the window."""
+        if self.sliding_window is not None and tokens > self.sliding_window:
+            raise ConfigError(f"{setting} is above model.sliding_window={self.sliding_window}: sliding-window "
+                              "attention is not implemented (rows up to the window are exact); lower the setting")
 
     def _validate_moe(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         if not self.is_moe:
@@ -259,7 +323,7 @@ def transformer_config(
         kv_channels=cfg.head_dim,
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
-        gated_linear_unit=cfg.activation == "swiglu",
+        gated_linear_unit=cfg.gated,
         activation_func=_ACTIVATIONS[cfg.activation],
         bias_activation_fusion=False,
         add_bias_linear=cfg.add_bias_linear,
@@ -284,6 +348,8 @@ def transformer_config(
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
         qk_layernorm=cfg.qk_layernorm,
+        layernorm_zero_centered_gamma=cfg.zero_centered_norm,
+        softmax_scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5,
         **moe,
         **RECOMPUTE_SETTINGS[activation_recompute],
         **cpu_bridge.transformer_config_overrides(),
@@ -306,13 +372,64 @@ def layer_spec(cfg: GPTConfig):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
         )
-    from aligner.models.layers import FusedDotProductAttention
+    from aligner.models import layers
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization
     )
-    spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
+    attention = spec.submodules.self_attention
+    attention.submodules.core_attention = layers.FusedDotProductAttention
+    if cfg.zero_centered_norm:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = layers.ZeroCenteredRMSNorm
+        if cfg.qk_layernorm:
+            attention.submodules.q_layernorm = attention.submodules.k_layernorm = layers.ZeroCenteredRMSNorm
+    if cfg.post_layer_norms:
+        attention.submodules.linear_proj = layers.RowParallelLinearWithPostNorm
+        spec.submodules.mlp.submodules.linear_fc2 = layers.RowParallelLinearWithPostNorm
+    if cfg.sliding_window is not None:
+        attention.module = layers.LocalGlobalSelfAttention
+        attention.params = dict(attention.params, sliding_window=cfg.sliding_window,
+                                sliding_window_pattern=cfg.sliding_window_pattern)
     return spec
+
+
+def decoder_spec(cfg: GPTConfig, config, vp_stage: Optional[int] = None):
+    """What GPTModel takes as its layer spec: `layer_spec`, or, with zero-centred norms, the block's
+    submodules (its layers and a zero-centred final norm: megatron's block otherwise builds its default)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from aligner.models import layers
+
+    spec = layer_spec(cfg)
+    if not cfg.zero_centered_norm:
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=layers.ZeroCenteredRMSNorm)
+
+
+def configure_rotary_embedding(rotary, cfg: GPTConfig) -> None:
+    """Set a GPTModel's rotary frequencies (megatron's RotaryEmbedding at cfg.rotary_base) to the model's: the
+    one place they are made, read by training and by the native engine alike.
+
+    Llama 3.x scaling is megatron's own formula (`_apply_scaling`, HF's `_compute_llama3_parameters`) with the
+    config's four parameters; sliding-window layers with their own base get a second RotaryEmbedding
+    (`layers.LocalGlobalRotaryEmbedding`)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from aligner.models import layers
+
+    if cfg.llama3_rope_scaling_factor is not None:
+        rotary.inv_freq = rotary._apply_scaling(
+            rotary.inv_freq, factor=cfg.llama3_rope_scaling_factor, low_freq_factor=cfg.llama3_rope_low_freq_factor,
+            high_freq_factor=cfg.llama3_rope_high_freq_factor,
+            original_max_position_embeddings=cfg.llama3_rope_original_max_position_embeddings)
+    local_base = cfg.rotary_bases[1]
+    if local_base is not None:
+        local = RotaryEmbedding(kv_channels=cfg.head_dim, rotary_percent=1.0,
+                                rotary_interleaved=rotary.rotary_interleaved, rotary_base=int(local_base),
+                                use_cpu_initialization=True, cp_group=rotary.cp_group)
+        rotary.__class__ = layers.LocalGlobalRotaryEmbedding
+        rotary.local = local
 
 
 def _patch_moe_without_transformer_engine() -> None:
@@ -336,6 +453,7 @@ def build_gpt_model(
     """One model chunk for this pipeline stage (and virtual stage); parallel_state must be initialised."""
     from megatron.core import parallel_state
 
+    from aligner.models import layers
     from aligner.models.packing import gpt_model_class
 
     if pre_process is None:
@@ -350,7 +468,7 @@ def build_gpt_model(
     # megatron's GPTModel, with rotary embeddings at the position ids (packed rows restart them).
     model = gpt_model_class()(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=decoder_spec(cfg, config, vp_stage),
         vocab_size=vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -358,14 +476,14 @@ def build_gpt_model(
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
         rotary_base=int(cfg.rotary_base),
-        rope_scaling=cfg.llama3_rope_scaling_factor is not None,
-        rope_scaling_factor=cfg.llama3_rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    if cfg.position_embedding_type == "rope":
+        configure_rotary_embedding(model.rotary_pos_emb, cfg)
+    if cfg.scale_embeddings and pre_process:
+        model.embedding.word_embeddings.__class__ = layers.ScaledVocabParallelEmbedding
     if post_process:
-        from aligner.models.layers import make_output_layer_batch_major
-
-        make_output_layer_batch_major(model)
+        layers.make_output_layer_batch_major(model)
     return model
 
 
@@ -435,16 +553,16 @@ def num_parameters(cfg: GPTConfig) -> int:
                                             cfg.head_dim, cfg.ffn_size)
     norm = hidden * (2 if cfg.normalization == "LayerNorm" else 1)
     attention = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
-    mlp = hidden * ffn * (2 if cfg.activation == "swiglu" else 1) + ffn * hidden
+    mlp = hidden * ffn * (2 if cfg.gated else 1) + ffn * hidden
     if cfg.is_moe:  # every expert plus the router (all parameters, not the active ones)
         expert_ffn = cfg.expert_ffn_size
-        mlp = cfg.num_moe_experts * (hidden * expert_ffn * (2 if cfg.activation == "swiglu" else 1)
+        mlp = cfg.num_moe_experts * (hidden * expert_ffn * (2 if cfg.gated else 1)
                                      + expert_ffn * hidden) + cfg.num_moe_experts * hidden
     if cfg.qk_layernorm:
         attention += 2 * head_dim * (2 if cfg.normalization == "LayerNorm" else 1)
     if cfg.add_bias_linear:
         attention += hidden
-        mlp += ffn * (2 if cfg.activation == "swiglu" else 1) + hidden
+        mlp += ffn * (2 if cfg.gated else 1) + hidden
     if cfg.add_qkv_bias or cfg.add_bias_linear:
         attention += (heads + 2 * groups) * head_dim
     per_layer = attention + mlp + 2 * norm

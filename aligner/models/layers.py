@@ -1,4 +1,5 @@
-"""Faster drop-in replacements for two megatron-core layers of the GPT model (same parameters, same numbers).
+"""Faster drop-in replacements for two megatron-core layers of the GPT model (same parameters, same numbers),
+and the layers Gemma 3 needs that megatron-core's local spec lacks.
 
 `FusedDotProductAttention`, the attention core of the local layer spec: torch's fused scaled-dot-product attention.
 
@@ -17,6 +18,13 @@ variant, query-key layer scaling, sliding windows) the layer runs megatron's own
 copy of the logits and of their gradient), or, inside `deferred_output_layer`, none at all: the model then
 returns its final hidden states (`HiddenStates`) and a loss computes the logits only at the positions it
 reads (response tokens, loss positions), not at prompts and padding.
+
+Gemma 3 (`GPTConfig.zero_centered_norm`, `post_layer_norms`, `scale_embeddings`, `local_rotary_base`):
+`ZeroCenteredRMSNorm` (x * (1 + weight), HF's Gemma3RMSNorm op for op), `RowParallelLinearWithPostNorm`
+(a row-parallel projection whose reduced output is normed: the post-attention and post-feedforward
+norms, before the residual add), `ScaledVocabParallelEmbedding` (embeddings times sqrt(hidden_size)),
+and `LocalGlobalRotaryEmbedding` with `LocalGlobalSelfAttention` (sliding-window layers rotate at
+their own base: the model's rotary embedding carries both layers' angles, each attention takes its own).
 """
 from __future__ import annotations
 
@@ -25,9 +33,13 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from aligner.runtime.errors import ConfigError
 
 
 class FusedDotProductAttention(DotProductAttention):
@@ -168,3 +180,91 @@ def forward_deferred(model: torch.nn.Module, forward, *args):
     with deferred_output_layer(model) as layer:
         output = forward(model, *args)
     return output if layer is None else HiddenStates(output, layer, layer.deferred_weight)
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaling by (1 + weight), the weight stored zero-centred (Gemma's norm, with megatron's norm
+    constructor). Computed as HF's Gemma3RMSNorm: in fp32, scaled, then cast back to the input's dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        # megatron all-reduces the gradients of norms marked so across sequence-parallel ranks
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class RowParallelLinearWithPostNorm:
+    """megatron's RowParallelLinear whose (reduced) output is normed by its `post_layernorm`: Gemma's post-attention
+    and post-feedforward norms, before the residual add.
+
+    Constructing it gives a plain RowParallelLinear with the norm applied by a forward hook, so what wraps its
+    forward in place (a LoRA adapter's update, `aligner.models.lora`) comes before the norm, as HF PEFT's adapter
+    on o_proj / down_proj does. A class, not a function: megatron's build_module returns a spec's function
+    uncalled."""
+
+    def __new__(cls, input_size: int, output_size: int, *, config, **kwargs) -> RowParallelLinear:
+        linear = RowParallelLinear(input_size, output_size, config=config, **kwargs)
+        linear.post_layernorm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+        linear.register_forward_hook(_apply_post_norm)
+        return linear
+
+
+def _apply_post_norm(module, inputs, outputs):
+    output, bias = outputs
+    if bias is not None:  # a bias would have to be added before the norm (GPTConfig.validate refuses it)
+        raise ValueError("a row-parallel linear with a post norm has no place for a bias")
+    return module.post_layernorm(output), None
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """megatron's vocab-parallel embedding times sqrt(hidden_size), as HF's Gemma3TextScaledWordEmbedding
+    (the factor an fp32 scalar cast to the weight's dtype). A tied output layer reads the unscaled weight."""
+
+    def forward(self, input_):
+        scale = torch.tensor(self.embedding_dim ** 0.5).to(self.weight.dtype)
+        return super().forward(input_) * scale
+
+
+class LocalGlobalRotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding (the full-attention layers' frequencies) plus `local`, the sliding-window
+    layers' RotaryEmbedding: its embeddings are both layers' angles side by side, [..., 2 * dim]."""
+
+    local: RotaryEmbedding
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return torch.cat([super().forward(*args, **kwargs), self.local(*args, **kwargs)], dim=-1)
+
+
+class LocalGlobalSelfAttention(SelfAttention):
+    """megatron's SelfAttention for models with sliding-window layers (`sliding_window_pattern` as GPTConfig's;
+    None: every layer in the window). Given a `LocalGlobalRotaryEmbedding`'s angles (twice the head width) it
+    takes its own half: the second (local) on sliding-window layers. Attention is full attention, equal to the
+    window's only up to `sliding_window` tokens: a longer causal row is refused here, the last guard behind the
+    length checks of the entry points (GPTConfig.check_sliding_window)."""
+
+    def __init__(self, *args, sliding_window: Optional[int] = None, sliding_window_pattern: Optional[int] = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        pattern = sliding_window_pattern
+        self.is_local = pattern is None or self.layer_number % pattern != 0  # layer_number: 1-based, global
+        self.sliding_window = sliding_window
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        config = self.config
+        rows = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+        # a mask or packed sequences: rows of several sequences, each checked where it was cut (the row is longer)
+        mask = args[0] if args else kwargs.get("attention_mask")
+        plain_rows = mask is None and kwargs.get("packed_seq_params") is None and not kwargs.get("inference_context")
+        if self.is_local and plain_rows and rows > self.sliding_window:
+            raise ConfigError(f"a row of {rows} tokens is longer than model.sliding_window={self.sliding_window}: "
+                              "sliding-window attention is not implemented (rows up to the window are exact)")
+        both_bases = 2 * self.hidden_size_per_attention_head  # a LocalGlobalRotaryEmbedding's width
+        if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.shape[-1] == both_bases:
+            rotary_pos_emb = rotary_pos_emb.chunk(2, dim=-1)[1 if self.is_local else 0]
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)

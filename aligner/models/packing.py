@@ -455,7 +455,14 @@ def token_scores_at(output: torch.Tensor, packed: PackedRows, columns: torch.Ten
 # ----------------------------------------------------------------------------- rotary positions
 def rotary_embedding_at(rotary, position_ids: torch.Tensor) -> torch.Tensor:
     """megatron's rotary embedding [S, B, 1, dim] at each row's own positions ([B, S]), computed as
-    `RotaryEmbedding.get_emb` does for columns (the same products, so equal positions give equal bits)."""
+    `RotaryEmbedding.get_emb` does for columns (the same products, so equal positions give equal bits).
+    A `LocalGlobalRotaryEmbedding` gives both its embeddings side by side, as its forward does."""
+    local = getattr(rotary, "local", None)
+    own = _rotary_embedding_at(rotary, position_ids)
+    return own if local is None else torch.cat([own, _rotary_embedding_at(local, position_ids)], dim=-1)
+
+
+def _rotary_embedding_at(rotary, position_ids: torch.Tensor) -> torch.Tensor:
     inv_freq = rotary.inv_freq.to(position_ids.device)
     seq = position_ids.t().to(inv_freq.dtype)  # [S, B]
     if rotary.seq_len_interpolation_factor is not None:

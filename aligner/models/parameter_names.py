@@ -24,6 +24,9 @@ MLP = "mlp"  # a dense layer's MLP, or an MoE layer (router and experts)
 LINEAR_FC1, LINEAR_FC2 = "linear_fc1", "linear_fc2"  # relative to an MLP; SwiGLU's fc1 is [gate; up]
 FC1, FC2 = f"{MLP}.{LINEAR_FC1}", f"{MLP}.{LINEAR_FC2}"
 ROUTER = f"{MLP}.router"  # MoE layers
+# Gemma's norms after attention and after the MLP (of the projections' outputs, before the residual add)
+POST_ATTENTION_NORM = f"{ATTENTION_OUT}.post_layernorm"
+POST_MLP_NORM = f"{FC2}.post_layernorm"
 
 # Transformer-engine layer specs fuse the pre-attention / pre-MLP norms into the next linear layer:
 # their parameter names -> the local spec's.

@@ -40,6 +40,7 @@ FAMILIES = {
     "gpt2": "gpt2",
     "mixtral": "mixtral",  # 4 experts, top-2, renormalised
     "qwen3_moe": "qwen3_moe",  # q/k norm, 4 experts, top-2 of the full softmax (norm_topk_prob=false)
+    "gemma3": "gemma3_text",  # layer 1 sliding-window (RoPE base 10000), layer 2 global (1e6); tied
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
@@ -64,6 +65,9 @@ def hf_config(family: str):
     if family == "mixtral":
         return transformers.MixtralConfig(**dict(llama_family, intermediate_size=48), num_local_experts=4,
                                           num_experts_per_tok=2, sliding_window=None)
+    if family == "gemma3":  # the rows (24 tokens) fit the window: windowed attention is full attention
+        return transformers.Gemma3TextConfig(**llama_family, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
+                                             layer_types=["sliding_attention", "full_attention"])
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**llama_family, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=48, norm_topk_prob=False)

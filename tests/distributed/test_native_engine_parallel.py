@@ -29,8 +29,9 @@ def test_tp2_pp2_vpp_generation_matches_tp1(tmp_path, torchrun):
     assert lines, stdout[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     print(json.dumps(result, indent=1))
-    assert set(result) == {"llama/tp2", "gpt2/tp2", "moe/tp2", "llama/pp2", "gpt2/pp2", "moe/pp2", "llama/pp2_vpp2",
-                           "llama_lora/tp2", "gpt2_lora/tp2", "llama_lora/pp2", "sampling_helpers_tp2"}
+    assert set(result) == {"llama/tp2", "gpt2/tp2", "moe/tp2", "gemma/tp2", "llama/pp2", "gpt2/pp2", "moe/pp2",
+                           "gemma/pp2", "llama/pp2_vpp2", "llama_lora/tp2", "gpt2_lora/tp2", "llama_lora/pp2",
+                           "sampling_helpers_tp2"}
     assert all(result.pop("sampling_helpers_tp2").values())
     for layout, cases in result.items():
         assert cases["greedy"]["same_rows"] == cases["greedy"]["rows"], layout

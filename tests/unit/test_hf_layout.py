@@ -31,7 +31,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.2's
 
 
+GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=24,
+              sliding_window=32, sliding_window_pattern=2)  # layers 1 and 3 in the window, 2 and 4 global
+
+
 def hf_config(arch: str, **overrides):
+    if arch == "gemma3_text":
+        return transformers.Gemma3TextConfig(**dict(GEMMA3, **overrides))
     if arch == "gpt2":
         values = dict(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=2, n_positions=32, n_inner=96)
         values.update(overrides)
@@ -82,6 +89,10 @@ ROUND_TRIP_CASES = [
     ("mixtral", {}),
     ("qwen3_moe", {}),
     ("qwen3_moe", dict(norm_topk_prob=False, num_experts_per_tok=1)),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=4096, low_freq_factor=2.0,
+                                        high_freq_factor=8.0, factor=16.0))),  # not Llama 3.1's values
+    ("gemma3_text", {}),
+    ("gemma3_text", dict(tie_word_embeddings=False, sliding_window_pattern=6, num_hidden_layers=6)),
 ]
 
 
@@ -221,11 +232,16 @@ UNSUPPORTED = [
      "rope_parameters.rope_type='yarn'"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}),
      "rope_parameters.rope_type='dynamic'"),
-    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, low_freq_factor=2.0)), "rope_parameters.low_freq_factor=2.0"),
-    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, high_freq_factor=8.0)), "rope_parameters.high_freq_factor=8.0"),
-    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=4096),
-                   max_position_embeddings=8192),
-     "rope_parameters.original_max_position_embeddings=4096"),
+    ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, low_freq_factor=4.0)), "rope_parameters.high_freq_factor=4.0"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+    ("gemma3_text", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"]),
+     "layer_types="),
+    ("gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}),
+     "rope_parameters.rope_type='yarn'"),
     ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, partial_rotary_factor=0.5)), "partial_rotary_factor=0.5"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window=16"),
@@ -343,29 +359,44 @@ def test_llama3_rope_scaling_from_old_and_new_config_generations():
     assert (cfg.rotary_base, cfg.llama3_rope_scaling_factor) == (500000.0, 32.0)
     assert gpt_config_from_hf(hf_config("llama", rope_parameters=LLAMA3_ROPE))[0].llama3_rope_scaling_factor == 32.0
     assert gpt_config_from_hf(hf_config("llama"))[0].llama3_rope_scaling_factor is None
-    raw["rope_scaling"] = dict(raw["rope_scaling"], high_freq_factor=2.0)
+    raw["rope_scaling"] = dict(raw["rope_scaling"], high_freq_factor=1.0)
     with pytest.raises(ValueError,
-                       match=r"rope_scaling.high_freq_factor=2.0 is not supported: .*fixes high_freq_factor=4"):
+                       match=r"rope_scaling.high_freq_factor=1.0 is not supported: it must be above low_freq_factor"):
+        gpt_config_from_hf(raw)
+    del raw["rope_scaling"]["original_max_position_embeddings"]
+    with pytest.raises(ValueError, match=r"rope_scaling.original_max_position_embeddings is missing"):
         gpt_config_from_hf(raw)
 
 
-@pytest.mark.parametrize("theta,factor", [(500000.0, 8.0), (500000.0, 32.0), (10000.0, 4.0)])
-def test_megatron_llama3_rotary_frequencies_equal_transformers(theta, factor):
-    """The one fact the whole scaling rests on: megatron's scaled inverse frequencies are HF's."""
+@pytest.mark.parametrize("theta,factor,low,high,original", [
+    (500000.0, 8.0, 1.0, 4.0, 8192), (500000.0, 32.0, 1.0, 4.0, 8192), (10000.0, 4.0, 1.0, 4.0, 8192),
+    (500000.0, 16.0, 2.0, 8.0, 4096), (10000.0, 8.0, 1.0, 2.0, 2048), (1000000.0, 4.0, 0.5, 3.0, 32768)])
+def test_megatron_llama3_rotary_frequencies_equal_transformers(theta, factor, low, high, original):
+    """The one fact the whole scaling rests on: the model's scaled inverse frequencies (as the megatron model
+    builds them, `configure_rotary_embedding`) are HF's, computed here in float64."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = dict(LLAMA3_ROPE, rope_theta=theta, factor=factor)
-    config = hf_config("llama", rope_parameters=rope, head_dim=64, max_position_embeddings=16384)
+    from aligner.models.gpt import configure_rotary_embedding
+
+    rope = dict(LLAMA3_ROPE, rope_theta=theta, factor=factor, low_freq_factor=low, high_freq_factor=high,
+                original_max_position_embeddings=original)
+    config = hf_config("llama", rope_parameters=rope, head_dim=64, max_position_embeddings=4 * original)
     cfg, _ = gpt_config_from_hf(config)
     megatron = RotaryEmbedding(kv_channels=cfg.head_dim, rotary_percent=1.0, rotary_base=int(cfg.rotary_base),
-                               rope_scaling=True, rope_scaling_factor=cfg.llama3_rope_scaling_factor,
                                use_cpu_initialization=True)
-    hf = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
-    plain = 1.0 / theta ** (torch.arange(0, 64, 2).float() / 64)
+    configure_rotary_embedding(megatron, cfg)
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.float64)
+        try:
+            hf_inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        finally:
+            torch.set_default_dtype(torch.float32)
+    plain = 1.0 / theta ** (torch.arange(0, 64, 2).double() / 64)
     # Low frequencies are divided by the factor, high ones kept, the band between smoothed.
-    assert (hf.inv_freq < plain).any() and (hf.inv_freq == plain).any()
-    torch.testing.assert_close(megatron.inv_freq, hf.inv_freq, rtol=1e-6, atol=0)
-    assert float(hf.attention_scaling) == 1.0  # llama3 does not rescale cos/sin
+    assert (hf_inv_freq < plain * (1 - 1e-9)).any() and (hf_inv_freq == plain).any()
+    torch.testing.assert_close(megatron.inv_freq.double(), hf_inv_freq.double(), rtol=1e-6, atol=0)
+    assert float(attention_scaling) == 1.0  # llama3 does not rescale cos/sin
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -446,3 +477,59 @@ def test_new_families_infer_their_export_arch_and_refuse_the_others():
     qwen3, _ = gpt_config_from_hf(hf_config("qwen3"))
     with pytest.raises(ValueError, match="model.num_moe_experts=None cannot be exported as qwen3_moe"):
         check_exportable(qwen3, "qwen3_moe")
+
+
+def test_gemma3_config_and_weight_names():
+    config = hf_config("gemma3_text")
+    cfg, arch = gpt_config_from_hf(config)
+    assert arch == "gemma3_text" and infer_arch(cfg) == "gemma3_text"
+    assert (cfg.activation, cfg.qk_layernorm, cfg.zero_centered_norm, cfg.post_layer_norms, cfg.scale_embeddings,
+            cfg.tie_embeddings) == ("geglu_tanh", True, True, True, True, True)
+    assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.sliding_window, cfg.sliding_window_pattern,
+            cfg.rotary_base, cfg.local_rotary_base) == (16, 24.0, 32, 2, 1e6, 1e4)
+    assert [cfg.is_sliding_window_layer(n) for n in range(1, 5)] == [True, False, True, False]
+    hf_state = saved_state_dict(config)
+    megatron_state = hf_to_megatron(hf_state, cfg, arch)
+    layer, hf_layer = "decoder.layers.1.", "model.layers.1."
+    for megatron_name, hf_name in (("input_layernorm", "input_layernorm"),
+                                   ("self_attention.linear_proj.post_layernorm", "post_attention_layernorm"),
+                                   ("pre_mlp_layernorm", "pre_feedforward_layernorm"),
+                                   ("mlp.linear_fc2.post_layernorm", "post_feedforward_layernorm"),
+                                   ("self_attention.q_layernorm", "self_attn.q_norm")):
+        # zero-centred, as HF stores them (megatron's norm scales by 1 + weight too)
+        assert torch.equal(megatron_state[f"{layer}{megatron_name}.weight"], hf_state[f"{hf_layer}{hf_name}.weight"])
+    # An older config.json: rope_theta and rope_local_base_freq, the pattern as an int
+    raw = dict(model_type="gemma3_text", **{k: v for k, v in GEMMA3.items()}, rope_theta=500000.0,
+               rope_local_base_freq=20000.0)
+    legacy, _ = gpt_config_from_hf(raw)
+    assert (legacy.rotary_base, legacy.local_rotary_base, legacy.sliding_window_pattern) == (500000.0, 20000.0, 2)
+    llama, _ = gpt_config_from_hf(hf_config("llama"))
+    with pytest.raises(ValueError, match="model.activation=.swiglu. cannot be exported as gemma3_text"):
+        check_exportable(llama, "gemma3_text")
+    with pytest.raises(ValueError, match="model.activation=.geglu_tanh. cannot be exported as llama"):
+        check_exportable(cfg, "llama")
+
+
+def test_rows_longer_than_the_sliding_window_are_refused_in_one_line():
+    cfg, _ = gpt_config_from_hf(hf_config("gemma3_text"))
+    cfg.check_sequence_lengths([(32, "data.max_seq_length=32")], "model.max_position_embeddings")
+    with pytest.raises(ValueError, match=r"^data.max_seq_length=33 is above model.sliding_window=32: sliding-window "
+                                         r"attention is not implemented \(rows up to the window are exact\)"):
+        cfg.check_sequence_lengths([(33, "data.max_seq_length=33")], "model.max_position_embeddings")
+    no_window = GPTConfig(vocab_size=VOCAB, max_position_embeddings=64)
+    no_window.check_sequence_lengths([(64, "data.max_seq_length=64")], "model.max_position_embeddings")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(post_layer_norms=True), "model.post_layer_norms needs model.zero_centered_norm=true"),
+    (dict(zero_centered_norm=True, post_layer_norms=True, num_moe_experts=4),
+     "model.post_layer_norms=true is implemented for dense MLPs"),
+    (dict(zero_centered_norm=True, normalization="LayerNorm"), "model.zero_centered_norm needs model.normalization"),
+    (dict(sliding_window=64, transformer_impl="transformer_engine"),
+     "model.sliding_window is implemented for model.transformer_impl=local only"),
+    (dict(llama3_rope_scaling_factor=8.0, llama3_rope_high_freq_factor=1.0),
+     "model.llama3_rope_high_freq_factor=1.0 must be above model.llama3_rope_low_freq_factor=1.0"),
+])
+def test_new_model_fields_refuse_combinations_they_do_not_implement(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(vocab_size=VOCAB, **overrides).validate()

@@ -33,7 +33,7 @@ def _randomise_b(model, seed: int = 7) -> None:
             module.lora_b.copy_(0.05 * torch.randn(module.lora_b.shape, generator=generator))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen", "gemma"])
 def test_zero_b_gives_exactly_the_base_logits_and_only_adapters_train(single_process, name):
     cfg, model, peft = _adapted(name)
     base = forward_logits([model], TOKENS, VOCAB)
@@ -80,7 +80,7 @@ def test_adapters_disabled_runs_the_base_exactly(single_process):
     assert not torch.equal(forward_logits([model], TOKENS, VOCAB), base)  # on again after the block
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen", "gemma"])
 @pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
 def test_the_native_engine_generates_with_the_live_adapters(single_process, name, pack_weights):
     """Rollouts read the adapters as they are now: equal to the training forward of the adapted model,

@@ -33,6 +33,14 @@ CONFIGS = {
                            ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
                            max_position_embeddings=64, qk_layernorm=True, llama3_rope_scaling_factor=8.0,
                            num_moe_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
+    # Gemma 3-like: zero-centred and post-attention/MLP norms, scaled embeddings, gated GELU, q/k norm, softmax
+    # scale 24 ** -0.5, the first of every two layers a sliding-window layer rotating at its own base
+    "gemma": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                             ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                             max_position_embeddings=64, activation="geglu_tanh", qk_layernorm=True,
+                             zero_centered_norm=True, post_layer_norms=True, scale_embeddings=True,
+                             query_pre_attn_scalar=24.0, rotary_base=1000000.0, sliding_window=48,
+                             sliding_window_pattern=2, local_rotary_base=10000.0, tie_embeddings=True),
 }
 
 
@@ -528,8 +536,15 @@ def hf_family_config(family: str):
     if family == "llama3_tied":
         return transformers.LlamaConfig(**dict(HF_BASE, max_position_embeddings=16384), rope_parameters=LLAMA3_ROPE,
                                         tie_word_embeddings=True)
+    if family == "llama3_2k":  # llama3 scaling with other parameters than Llama 3.1's (all three bands still hit)
+        rope = dict(LLAMA3_ROPE, factor=16.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                    original_max_position_embeddings=2048)
+        return transformers.LlamaConfig(**dict(HF_BASE, max_position_embeddings=8192), rope_parameters=rope)
     if family == "qwen3":
         return transformers.Qwen3Config(**HF_BASE, head_dim=32)
+    if family == "gemma3":  # layer 1 in a 32-token window at RoPE base 10000, layer 2 global at 1e6
+        return transformers.Gemma3TextConfig(**HF_BASE, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
+                                             layer_types=["sliding_attention", "full_attention"])
     if family == "mixtral":
         return transformers.MixtralConfig(**HF_BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     return transformers.Qwen3MoeConfig(**HF_BASE, head_dim=32, num_experts=4, num_experts_per_tok=2,
@@ -558,7 +573,7 @@ def hf_and_megatron_models(family: str, directory):
     return hf_model, cfg, model
 
 
-@pytest.mark.parametrize("family", ["llama3_tied", "qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3_tied", "llama3_2k", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     hf_model, cfg, model = hf_and_megatron_models(family, tmp_path)
     prompts = make_prompts()
@@ -576,3 +591,15 @@ def test_moe_engine_refuses_cuda_graphs_with_a_reason():
     cfg, model = make_model("moe")
     with pytest.raises(ValueError, match="cuda_graphs=True cannot capture an MoE model"):
         make_engine(cfg, model, cuda_graphs=True)
+
+
+def test_gemma_rows_beyond_the_sliding_window_are_refused_by_engine_and_model():
+    cfg, model = make_model("gemma")  # sliding_window=48
+    engine = make_engine(cfg, model, max_sequence_length=64)
+    with pytest.raises(ValueError, match=r"^longest prompt \(40 tokens\) \+ max_new_tokens \(9\) is above "
+                                         r"model.sliding_window=48: sliding-window attention is not implemented"):
+        engine.generate([[5] * 40], SamplingParams(max_new_tokens=9, greedy=True))
+    assert engine.generate([[5] * 40], SamplingParams(max_new_tokens=8, greedy=True)).response_tokens.shape == (1, 8)
+    with pytest.raises(ValueError, match=r"a row of 49 tokens is longer than model.sliding_window=48"):
+        forward_logits([model], torch.full((1, 49), 5), VOCAB)
+    assert forward_logits([model], torch.full((1, 48), 5), VOCAB).shape == (1, 48, VOCAB)

