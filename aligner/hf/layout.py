@@ -477,20 +477,7 @@ def hf_config_from_gpt(
             "mixtral": transformers.MixtralConfig,
             "qwen3_moe": transformers.Qwen3MoeConfig,
         }[arch]
-        kwargs = dict(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.ffn_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.query_groups,
-            hidden_act="silu",
-            max_position_embeddings=cfg.max_position_embeddings,
-            rms_norm_eps=cfg.norm_epsilon,
-            attention_dropout=cfg.attention_dropout,
-            initializer_range=cfg.init_method_std,
-            tie_word_embeddings=cfg.tie_embeddings,
-        )
+        kwargs = dict(_rms_norm_family_kwargs(cfg), hidden_act="silu")
         if cfg.kv_channels is not None:  # else the class default, hidden / heads (None in a mixtral config)
             kwargs["head_dim"] = cfg.kv_channels
         rope = _hf_rope(cfg)
@@ -529,9 +516,8 @@ def _hf_rope(cfg: GPTConfig) -> dict:
     return rope
 
 
-def _gemma3_hf_kwargs(cfg: GPTConfig) -> dict:
-    layer_types = [_SLIDING if cfg.is_sliding_window_layer(i + 1) else _FULL for i in range(cfg.num_layers)]
-    local_base = cfg.local_rotary_base if cfg.local_rotary_base is not None else cfg.rotary_base
+def _rms_norm_family_kwargs(cfg: GPTConfig) -> dict:
+    """The HF config fields the Llama-style families and Gemma 3 name alike."""
     return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -539,13 +525,21 @@ def _gemma3_hf_kwargs(cfg: GPTConfig) -> dict:
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.query_groups,
-        head_dim=cfg.head_dim,
-        hidden_activation="gelu_pytorch_tanh",
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.norm_epsilon,
         attention_dropout=cfg.attention_dropout,
         initializer_range=cfg.init_method_std,
         tie_word_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _gemma3_hf_kwargs(cfg: GPTConfig) -> dict:
+    layer_types = [_SLIDING if cfg.is_sliding_window_layer(i + 1) else _FULL for i in range(cfg.num_layers)]
+    local_base = cfg.local_rotary_base if cfg.local_rotary_base is not None else cfg.rotary_base
+    return dict(
+        _rms_norm_family_kwargs(cfg),
+        head_dim=cfg.head_dim,
+        hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=int(cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim),
         sliding_window=cfg.sliding_window,
         layer_types=layer_types,
