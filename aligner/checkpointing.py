@@ -87,7 +87,7 @@ def _all_gather(value: Any) -> list:
     return gathered
 
 
-def _on_rank0(work: Callable[[], Any]) -> Any:
+def on_rank0(work: Callable[[], Any]) -> Any:
     """Run `work` on rank 0 only and return its result on every rank.
 
     An exception on rank 0 is raised on every rank (the original there, a CheckpointError with its
@@ -523,12 +523,12 @@ def save(
         os.replace(staging, final)
 
     try:
-        _on_rank0(prepare)
+        on_rank0(prepare)
         dist_checkpointing.save(state, str(staging))
         _barrier()
-        _on_rank0(write_meta)
+        on_rank0(write_meta)
         manifest = build_manifest(staging)
-        _on_rank0(lambda: publish(manifest))
+        on_rank0(lambda: publish(manifest))
     except BaseException as error:  # also torch's CheckpointException, a BaseException, and interrupts
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -793,10 +793,10 @@ def start_run(save_dir: str | os.PathLike, *, resume: bool, estimated_bytes: int
 
     _lock_save_dir(root, lock_wait_s, log)
     try:
-        _on_rank0(check)
+        on_rank0(check)
         resume_checkpoint = latest_intact_checkpoint(root, log) if resume else None
-        run_id = _on_rank0(lambda: (_run_id_of(resume_checkpoint) if resume_checkpoint else None) or uuid.uuid4().hex)
-        _on_rank0(lambda: run_lock.record_run_id(root, run_id))
+        run_id = on_rank0(lambda: (_run_id_of(resume_checkpoint) if resume_checkpoint else None) or uuid.uuid4().hex)
+        on_rank0(lambda: run_lock.record_run_id(root, run_id))
     except BaseException:
         if _rank() == 0:
             run_lock.release(root)
@@ -835,7 +835,7 @@ def _lock_save_dir(root: Path, wait_s: float, log: Callable[[str], None]) -> Non
         return None
 
     waiting = False
-    while (holder := _on_rank0(attempt)) is not None:
+    while (holder := on_rank0(attempt)) is not None:
         if not waiting:
             log(f"checkpoint.save_dir={root} is in use by {holder}: waiting up to checkpoint.lock_wait_s={wait_s:g} s "
                 "for it to end")

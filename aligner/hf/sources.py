@@ -120,7 +120,7 @@ def _cached_import(source: Path, kind: str, key: str, log: Callable[[str], None]
         digest = source_digest(source, kind)
         return digest, _is_cached(cache_dir() / IMPORTS_DIR / digest)
 
-    digest, cached = checkpointing._on_rank0(find)  # rank 0 reads the source; every rank gets the answer
+    digest, cached = checkpointing.on_rank0(find)  # rank 0 reads the source; every rank gets the answer
     imports = cache_dir() / IMPORTS_DIR
     target = imports / digest
     if not cached:
@@ -132,7 +132,7 @@ def _cached_import(source: Path, kind: str, key: str, log: Callable[[str], None]
             return _is_cached(target)  # another run may have imported it while this one waited
 
         try:
-            if not checkpointing._on_rank0(lock_and_look_again):
+            if not checkpointing.on_rank0(lock_and_look_again):
                 try:
                     if kind == GGUF:
                         import_gguf(source, target)
