@@ -221,7 +221,7 @@ class RejectionSamplingRun:
             checked = self.reward_source.score_async(
                 [rows[r] + share[r] for r in mine], [self.prompts.prompts[indices[r // n]] for r in mine],
                 texts, [self.prompts.record(indices[r // n]) for r in mine],
-                columns=[self.prompts.columns[indices[r // n]] for r in mine]).result()
+                columns=[self.prompts.columns(indices[r // n]) for r in mine]).result()
             scores, replaced = checked.values.tolist(), checked.replaced.tolist()
         scored = gather_shares({r: (share[r], text, score, bad) for r, text, score, bad
                                 in zip(mine, texts, scores, replaced)}, replicas, group)

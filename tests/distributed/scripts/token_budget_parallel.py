@@ -111,12 +111,13 @@ def main() -> None:
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.tokenizer import Tokenizer
 
-    with tempfile.TemporaryDirectory() as directory:
-        train_char_tokenizer(["0123456789+="], Path(directory))
-        tokenizer = Tokenizer(directory)
-        records = Path(directory) / "pairs.jsonl"
-        records.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.preference_records(16, seed=5)))
-        dataset = PreferenceDataset.from_jsonl(records, tokenizer, 32)
+    scratch = tempfile.TemporaryDirectory()  # removed at exit: the data file is read lazily while training
+    directory = scratch.name
+    train_char_tokenizer(["0123456789+="], Path(directory))
+    tokenizer = Tokenizer(directory)
+    records = Path(directory) / "pairs.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in arithmetic.preference_records(16, seed=5)))
+    dataset = PreferenceDataset.from_jsonl(records, tokenizer, 32)
     dataset.reference_logprobs = -torch.rand(len(dataset), 2, generator=torch.Generator().manual_seed(6)) * 10
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                     vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=8, max_position_embeddings=64)
