@@ -69,9 +69,22 @@ def data_format(path: str | Path) -> str:
         return kind
     if not path.exists():
         raise DataError(f"{path}: no such file; expected {FORMATS_HELP}")
-    if kind is None:
-        raise DataError(f"{path}: unknown data format {suffix or '(no suffix)'!r}; expected {FORMATS_HELP}")
-    return kind
+    return kind or _sniffed_format(path)
+
+
+# The first bytes of a Parquet file, an Arrow IPC file and an Arrow IPC stream (a continuation marker).
+MAGIC_BYTES = ((b"PAR1", "parquet"), (b"ARROW1", "arrow"), (b"\xff\xff\xff\xff", "arrow"))
+
+
+def _sniffed_format(path: Path) -> str:
+    """The format of a file whose suffix names none: Parquet and Arrow by their first bytes, anything else
+    JSONL (a .txt of JSON lines; a CSV then fails on its first line, named). A FIFO or device is not read
+    ahead: JSONL."""
+    if not path.is_file():
+        return "jsonl"
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    return next((kind for magic, kind in MAGIC_BYTES if head.startswith(magic)), "jsonl")
 
 
 class Records(Sequence):

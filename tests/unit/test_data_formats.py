@@ -85,11 +85,20 @@ def test_jsonl_positions_are_its_lines_and_its_errors_stay_by_line(tmp_path):
         open_records(bad)
 
 
-def test_unknown_formats_and_dataset_dicts_are_refused_naming_the_file(tmp_path):
+def test_other_suffixes_are_read_by_their_bytes_and_dataset_dicts_are_refused_naming_the_file(tmp_path):
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n")
-    with pytest.raises(DataError, match=rf"^{csv}: unknown data format '.csv'; expected a JSONL file"):
+    with pytest.raises(DataError, match=rf"^{csv}:1: invalid JSON"):  # not Parquet or Arrow: JSONL, line 1 named
         open_records(csv)
+    text = tmp_path / "data.txt"
+    text.write_text('{"a": 1}\n')
+    assert list(open_records(text)) == [(1, {"a": 1})]
+    records = [{"a": 1}, {"a": 2}]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "parquet.dat"))
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    stream = next((tmp_path / "saved").glob("*.arrow")).rename(tmp_path / "stream.bin")
+    for unnamed in (tmp_path / "parquet.dat", stream):  # by their magic bytes
+        assert [record for _, record in open_records(unnamed)] == records, unnamed
     with pytest.raises(DataError, match=rf"^{tmp_path / 'no.parquet'}: no such file"):
         open_records(tmp_path / "no.parquet")
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a"}])}).save_to_disk(str(tmp_path / "dd"))
