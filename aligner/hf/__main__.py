@@ -72,7 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     from aligner.hf.convert import export_hf, import_gguf, import_hf
-    from aligner.hf.sources import RUN, resolve_model_source, source_kind
+    from aligner.hf.sources import is_run_directory, resolve_model_source
 
     if args.command == "import" and args.gguf:
         path = import_gguf(args.gguf, args.output, dtype=args.dtype or "float32",
@@ -86,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"imported {args.hf_dir} -> {path}")
     else:
         checkpoint = args.checkpoint
-        if source_kind(checkpoint, "--checkpoint") == RUN:  # a run directory: its latest intact checkpoint
+        if is_run_directory(checkpoint):  # its latest intact checkpoint; any other path is export_hf's to judge
             checkpoint = resolve_model_source(checkpoint, "--checkpoint", print)
         path = export_hf(checkpoint, args.output, arch=args.arch, dtype=args.dtype, lora=args.lora, base=args.base,
                          base_model=args.base_model, overwrite=args.overwrite)

@@ -66,6 +66,14 @@ def source_kind(path: str | os.PathLike, key: str) -> str:
                       f"config.json or step_<N> checkpoint); {EXPECTED}")
 
 
+def is_run_directory(path: str | os.PathLike) -> bool:
+    """Whether `path` is a run directory (step_<N> checkpoints, no checkpoint or HF model of its own)."""
+    try:
+        return source_kind(path, "path") == RUN
+    except ConfigError:
+        return False
+
+
 def cache_dir() -> Path:
     """The cache's root: $ALIGNER_CACHE_DIR, else $XDG_CACHE_HOME/aligner, else ~/.cache/aligner."""
     if os.environ.get(CACHE_ENV):

@@ -132,10 +132,13 @@ def test_launch_ppo_refuses_a_batch_mismatch_before_starting_anything(tmp_path):
     """One line naming both keys, exit 2, and no process started (no log written)."""
     import subprocess
 
+    from aligner.checkpointing import META_FILE
+
     from ..conftest import REPO_ROOT
 
     checkpoint = tmp_path / "rm"
     checkpoint.mkdir()
+    (checkpoint / META_FILE).write_text("{}")  # a checkpoint by its paths (what is checked before the batches)
     log_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "nlp" / "gpt" / "launch_ppo.py"), "--reward-checkpoint",

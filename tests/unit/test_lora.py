@@ -258,8 +258,10 @@ def test_spin_with_lora_retakes_the_adapters_as_each_iterations_reference(lora_b
 
 
 def test_lora_without_a_base_fails_with_one_line(tmp_path):
+    data = tmp_path / "x.jsonl"  # data files are checked first: a real one
+    data.write_text('{"input": "1+1=", "output": "2"}\n')
     no_base = subprocess.run([sys.executable, str(SFT_SCRIPT), "peft.scheme=lora", "tokenizer.path=/tmp",
-                              "data.train=[{path: /tmp/x.jsonl}]", f"checkpoint.save_dir={tmp_path / 'a'}"],
+                              f"data.train={data}", f"checkpoint.save_dir={tmp_path / 'a'}"],
                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert no_base.returncode != 0
     assert "peft.scheme=lora trains adapters on a pretrained model: set model.init_from" in no_base.stderr
