@@ -151,3 +151,18 @@ def aligner_logits(checkpoint: Path, tokens):
         return forward_logits([model], tokens, cfg.vocab_size)
     finally:
         distributed.shutdown()
+
+
+def logits_against_transformers(checkpoint: Path, hf_model, prompts: list[list[int]], name: str):
+    """(aligner logits, transformers logits) of the prompts cut to the shortest one's length (causal attention:
+    rows of one length need no padding), printing their largest difference beside the largest logit."""
+    import torch
+
+    length = min(map(len, prompts))
+    tokens = torch.tensor([prompt[:length] for prompt in prompts])
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+    logits = aligner_logits(checkpoint, tokens)
+    print(f"\n[real_model] {name} max |logit difference| {(logits - expected).abs().max().item():.2e}, "
+          f"max |logit| {expected.abs().max().item():.1f}")
+    return logits, expected

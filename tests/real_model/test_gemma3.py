@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ..conftest import REPO_ROOT, metrics_rows, write_jsonl
-from ..gguf_files import aligner_logits
+from ..gguf_files import logits_against_transformers
 from .conftest import run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -42,14 +42,8 @@ def test_import_logits_match_transformers_on_the_same_dequantised_weights(gemma3
     tokenizer = Tokenizer(gemma3_checkpoint / "tokenizer")
     prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in PROMPTS]
     assert prompts == [hf_tokenizer(text).input_ids for text in PROMPTS]
-    length = min(map(len, prompts))  # causal attention: rows cut to one length need no padding
-    tokens = torch.tensor([prompt[:length] for prompt in prompts])
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-    logits = aligner_logits(gemma3_checkpoint, tokens)
-    difference = (logits - expected).abs().max().item()
-    print(f"\n[real_model] Gemma 3 max |logit difference| {difference:.2e}, max |logit| {expected.abs().max():.1f}")
-    assert difference < LOGIT_TOLERANCE
+    logits, expected = logits_against_transformers(gemma3_checkpoint, hf_model, prompts, "Gemma 3")
+    assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
-from ..gguf_files import aligner_logits
+from ..gguf_files import logits_against_transformers
 from .conftest import run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -57,15 +57,8 @@ def test_import_logits_match_transformers_on_the_same_dequantised_weights(smollm
     assert prompts == [_hf_prompt(hf_tokenizer, messages) for messages in CONVERSATIONS]
     assert read_hf_source(smollm2_checkpoint)["dtype"] == "float32"
 
-    # Causal attention: rows cut to one length need no padding.
-    length = min(map(len, prompts))
-    tokens = torch.tensor([prompt[:length] for prompt in prompts])
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-    logits = aligner_logits(smollm2_checkpoint, tokens)
-    difference = (logits - expected).abs().max().item()
-    print(f"\n[real_model] max |logit difference| {difference:.2e}, max |logit| {expected.abs().max().item():.1f}")
-    assert difference < LOGIT_TOLERANCE
+    logits, expected = logits_against_transformers(smollm2_checkpoint, hf_model, prompts, "SmolLM2")
+    assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
