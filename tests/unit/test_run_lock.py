@@ -187,7 +187,9 @@ def test_a_heartbeat_that_cannot_touch_the_file_says_so_once_and_the_run_goes_on
     while len(failures) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(failures) >= 3 and len(ours) == 1 and ours[0].is_alive()  # still beating
-    assert warnings == [f"cannot touch {tmp_path / run_lock.LOCK_FILE} ([Errno 30] Read-only file system): while this "
+    # Locks that earlier tests' runs still hold beat too and meet the same utime: only this lock's lines count.
+    ours_warned = [line for line in warnings if line.startswith(f"cannot touch {tmp_path / run_lock.LOCK_FILE} ")]
+    assert ours_warned == [f"cannot touch {tmp_path / run_lock.LOCK_FILE} ([Errno 30] Read-only file system): while this "
                         "lasts, a run on another host takes this directory over once the file is 120 s old"]
 
 
