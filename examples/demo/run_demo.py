@@ -33,6 +33,7 @@ from pathlib import Path
 
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.demo.intervals import format_interval
 from aligner.runtime.distributed import PRECISIONS
 from aligner.runtime.errors import ConfigError
 from aligner.training.metrics import read_metrics
@@ -263,6 +264,16 @@ def evaluate_reward_model(stage: str, checkpoint: Path, flag: str, data_file: Pa
     return json.loads(output.read_text())
 
 
+def format_table(table: list[tuple[str, dict]]) -> str:
+    """The accuracy table: each row's held-out accuracy with its 95 % interval over the problems."""
+    width = max((len(name) for name, _ in table), default=24) + 2
+    lines = [f"{'model':<{width}}{'accuracy [95 % interval]':>26}{'carry':>10}{'no carry':>10}"]
+    for name, result in table:
+        overall = format_interval(result["all"], result["num_carry"] + result["num_no_carry"])
+        lines.append(f"{name:<{width}}{overall:>26}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
+    return "\n".join(lines)
+
+
 class Demo:
     """The pipeline's stages; each one reads what earlier stages wrote under `work` (so a stage can be
     re-run alone with --stages) and adds rows to the accuracy table."""
@@ -274,7 +285,8 @@ class Demo:
         self.table: list[tuple[str, dict]] = []
         self.notes: list[str] = []
         self.timings: dict[str, float] = {}
-        self.precision = [f"precision={args.precision}"]  # every training run's; evaluation stays as it is
+        # Every training run's precision and seed (data order, sampling); evaluation stays as it is.
+        self.run_settings = [f"precision={args.precision}", *([] if args.seed is None else [f"seed={args.seed}"])]
 
     @property
     def sft_checkpoint(self) -> Path:
@@ -306,7 +318,8 @@ class Demo:
         run("tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", self.data,
                           "--out-dir", self.tokenizer])
         common = [f"tokenizer.path={self.tokenizer}", f"data.train=[{{path: {self.data / 'sft_train.jsonl'}}}]",
-                  f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES, *self.precision]
+                  f"data.validation=[{{path: {self.data / 'sft_validation.jsonl'}}}]", *SFT_OVERRIDES,
+                  *self.run_settings]
         if self.args.sft_steps is not None:
             common.append(f"trainer.max_steps={self.args.sft_steps}")
         init, sft_dir = self.work / "init", self.work / "sft"
@@ -338,7 +351,7 @@ class Demo:
                              f"model.init_from={self.sft_checkpoint}",
                              f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                              f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *RM_OVERRIDES,
-                             *rm_steps, *self.precision, f"checkpoint.save_dir={rm_dir / 'checkpoints'}",
+                             *rm_steps, *self.run_settings, f"checkpoint.save_dir={rm_dir / 'checkpoints'}",
                              f"logging.log_dir={rm_dir}"])
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
@@ -349,7 +362,7 @@ class Demo:
             "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
             f"data.train=[{{path: {self.data / 'attributes_train.jsonl'}}}]",
             f"data.validation=[{{path: {self.data / 'attributes_validation.jsonl'}}}]", *RM_OVERRIDES, *rm_steps,
-            *self.precision,
+            *self.run_settings,
             f"checkpoint.save_dir={attribute_dir / 'checkpoints'}", f"logging.log_dir={attribute_dir}"])
         attribute_result = evaluate_reward_model("evaluate attribute reward model", self.attribute_rm_checkpoint,
                                                  "--attributes", self.data / "attributes_validation.jsonl",
@@ -362,12 +375,12 @@ class Demo:
         ppo_dir = self.work / "ppo"
         shutil.rmtree(ppo_dir, ignore_errors=True)
         actor = [f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
-                 "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES, *self.precision]
+                 "reward.function=aligner.demo.arithmetic:score_response", *PPO_ACTOR_OVERRIDES, *self.run_settings]
         run("ppo", [sys.executable, GPT_EXAMPLES / "launch_ppo.py", "--reward", "function",
                     "--critic-checkpoint", self.rm_checkpoint, "--log-dir", ppo_dir,
                     "--critic-port", str(PPO_CRITIC_PORT),
                     *[f"--actor-arg={arg}" for arg in actor],
-                    *[f"--critic-arg={arg}" for arg in [*PPO_CRITIC_OVERRIDES, *self.precision]]])
+                    *[f"--critic-arg={arg}" for arg in [*PPO_CRITIC_OVERRIDES, *self.run_settings]]])
         self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
 
     # -- 8: DPO on the preference pairs (the reward model's training data)
@@ -377,14 +390,14 @@ class Demo:
         run("dpo", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
                     f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                     f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
-                    *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+                    *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
         out = self.work / "dpo_lora"
         shutil.rmtree(out, ignore_errors=True)
         run("dpo lora", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
                          f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                          f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
-                         *DPO_LORA_OVERRIDES, *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}",
+                         *DPO_LORA_OVERRIDES, *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}",
                          f"logging.log_dir={out}"])
         # (the evaluation loads the adapter checkpoint onto its base: lora.load_for_inference)
         self.table.append(("DPO, LoRA rank 16", self.greedy("dpo_lora", latest_checkpoint(out / "checkpoints"))))
@@ -403,7 +416,7 @@ class Demo:
                 for pair in pairs for side in ("chosen", "rejected")))
         run("kto", [sys.executable, GPT_EXAMPLES / "train_gpt_kto.py", f"model.init_from={self.sft_checkpoint}",
                     f"data.train=[{{path: {files['train']}}}]", f"data.validation=[{{path: {files['validation']}}}]",
-                    *KTO_OVERRIDES, *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}",
+                    *KTO_OVERRIDES, *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}",
                     f"logging.log_dir={out}"])
         self.table.append(("KTO", self.greedy("kto", latest_checkpoint(out / "checkpoints"))))
 
@@ -414,7 +427,7 @@ class Demo:
         run("rejection sampling", [
             sys.executable, GPT_EXAMPLES / "train_gpt_rs.py", f"model.init_from={self.sft_checkpoint}",
             f"data.prompts={self.data / 'rl_prompts.jsonl'}", "reward.source=function",
-            "reward.function=aligner.demo.arithmetic:score_response", *RS_OVERRIDES, *self.precision,
+            "reward.function=aligner.demo.arithmetic:score_response", *RS_OVERRIDES, *self.run_settings,
             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("rejection sampling, best of 4", self.greedy("rs", latest_checkpoint(out / "checkpoints"))))
 
@@ -428,7 +441,7 @@ class Demo:
         run("kd teacher pass", [sys.executable, DATA_SCRIPTS.parent / "compute_teacher_topk.py", f"teacher={teacher}",
                                 f"data.path={data}", "data.max_seq_length=32", "top_k=4", "micro_batch_size=256",
                                 f"output={topk}"])
-        common = [f"tokenizer.path={self.tokenizer}", *STUDENT_ARCHITECTURE, *STUDENT_OVERRIDES, *self.precision]
+        common = [f"tokenizer.path={self.tokenizer}", *STUDENT_ARCHITECTURE, *STUDENT_OVERRIDES, *self.run_settings]
         run("kd student", [sys.executable, GPT_EXAMPLES / "train_gpt_knowledge_distillation.py", *common,
                            f"data.train=[{{path: {data}, teacher_topk: {topk}}}]",
                            f"checkpoint.save_dir={out / 'student' / 'checkpoints'}",
@@ -448,7 +461,7 @@ class Demo:
         shutil.rmtree(out, ignore_errors=True)
         run("spin", [sys.executable, GPT_EXAMPLES / "train_gpt_spin.py", f"model.init_from={self.sft_checkpoint}",
                      f"data.train=[{{path: {self.data / 'sft_correct_train.jsonl'}}}]", *SPIN_OVERRIDES,
-                     *self.precision, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+                     *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.table.append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
 
     # -- 11: the group methods (no critic; k samples per prompt), each the same actor with its preset
@@ -459,7 +472,7 @@ class Demo:
             run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
                         f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                        *GROUP_RL_OVERRIDES, f"algorithm={algorithm}", *extra, *self.precision,
+                        *GROUP_RL_OVERRIDES, f"algorithm={algorithm}", *extra, *self.run_settings,
                         f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
             self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
 
@@ -487,7 +500,7 @@ class Demo:
                 server.wait(timeout=60)
         run("steerlm sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", f"model.init_from={self.sft_checkpoint}",
                             f"data.train=[{{path: {annotated}}}]", "data.steerlm.attributes=[correctness]",
-                            "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES, *self.precision,
+                            "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES, *self.run_settings,
                             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         checkpoint = latest_checkpoint(out / "checkpoints")
         self.table.append(("SteerLM, correctness=4",
@@ -499,10 +512,7 @@ class Demo:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
         for note in self.notes:
             print(note)
-        width = max((len(name) for name, _ in self.table), default=24) + 2
-        print(f"{'model':<{width}}{'accuracy':>10}{'carry':>10}{'no carry':>10}")
-        for name, result in self.table:
-            print(f"{name:<{width}}{result['all']:>10.1%}{result['carry']:>10.1%}{result['no_carry']:>10.1%}")
+        print(format_table(self.table))
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
@@ -518,6 +528,8 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated subset of {','.join(STAGES)} "
                              "(later stages reuse earlier ones' artefacts)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="every training run's seed (data order, sampling); default: each yaml's")
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
                         help="every training run's precision (auto: fp32 on CPU; bf16 is fast on CPUs with "
                              "AVX512-BF16/AMX)")

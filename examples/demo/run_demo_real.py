@@ -25,6 +25,7 @@ from run_demo import REPO_ROOT, run
 
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.demo.intervals import format_interval
 from aligner.runtime.errors import ConfigError
 
 GPT_EXAMPLES = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -78,9 +79,11 @@ def _records(path: Path) -> list[dict]:
 
 
 class RealDemo:
-    def __init__(self, work: Path, source: Path | None = None):
+    def __init__(self, work: Path, source: Path | None = None, seed: int | None = None):
         self.work = work
         self.source = source  # the chat model to align; None: the pinned SmolLM2-135M-Instruct GGUF
+        # The RL and DPO runs' seed (sampling, data order) and the DPO rounds' sampling seed; None: the yamls'.
+        self.seed = seed
         self.base = work / "base"
         self.data = work / "data"
         self.results: dict[str, dict] = {}
@@ -90,6 +93,9 @@ class RealDemo:
         if not path.exists():
             raise ConfigError(f"{path} is missing: run the '{stage}' stage first (--stages {stage},...)")
         return path
+
+    def _seed(self, key: str = "seed") -> list[str]:
+        return [] if self.seed is None else [f"{key}={self.seed}"]
 
     def evaluate(self, name: str, checkpoint: Path) -> dict:
         output = self.work / f"eval_{name}.json"
@@ -132,7 +138,7 @@ class RealDemo:
         shutil.rmtree(out, ignore_errors=True)
         run("rloo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", "--config", RL_RECIPE,
                      f"model.init_from={self.base}",
-                     f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *RL_OVERRIDES,
+                     f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *RL_OVERRIDES, *self._seed(),
                      f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.evaluate("rloo", latest_checkpoint(out / "checkpoints"))
 
@@ -154,6 +160,7 @@ class RealDemo:
         run(f"{out.name} samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={policy}",
                                     f"prompts_file={repeated}", f"output_file={out / 'samples.jsonl'}",
                                     *DPO_SAMPLING, f"sampling.max_new_tokens={MAX_NEW_TOKENS}",
+                                    *self._seed("sampling.seed"),
                                     "batch_size=64"])
         samples = _records(out / "samples.jsonl")
         pairs = best_worst_pairs(samples, DPO_SAMPLES)
@@ -163,7 +170,7 @@ class RealDemo:
         _write_jsonl(out / "pairs.jsonl", pairs)
         run(out.name, [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", "--config", DPO_RECIPE,
                        f"model.init_from={policy}",
-                       f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES,
+                       f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES, *self._seed(),
                        f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         return latest_checkpoint(out / "checkpoints")
 
@@ -175,22 +182,22 @@ class RealDemo:
             raise ConfigError(f"no evaluation under {self.work}: run the other stages first")
         names = list(self.results)
         types = sorted({kind for result in self.results.values() for kind in result["per_type"]})
-        print("\n" + "=" * 72)
+        print("\n" + "=" * 90)
         print(f"held-out instruction following ({HELDOUT_PROMPTS} prompts, greedy, {MAX_NEW_TOKENS} new tokens)")
-        print(f"{'':<24}" + "".join(f"{name:>12}" for name in names))
-        rows = [("prompts satisfied", lambda r: f"{100 * r['prompt_level']:.1f} %"),
+        print(f"{'':<24}" + "".join(f"{name:>22}" for name in names))
+        rows = [("prompts satisfied", lambda r: format_interval(r["prompt_level"], r["prompts"])),
                 ("constraints satisfied", lambda r: f"{100 * r['constraint_level']:.1f} %"),
                 ("words per answer", lambda r: f"{r['mean_words']:.1f}"),
                 ("KL to base (general)",  # (+ 0.0: the base against itself prints 0.000, not -0.000)
                  lambda r: "-" if r["kl_to_base"] is None else f"{round(r['kl_to_base'], 3) + 0.0:.3f}")]
         for label, cell in rows:
-            print(f"{label:<24}" + "".join(f"{cell(self.results[name]):>12}" for name in names))
+            print(f"{label:<24}" + "".join(f"{cell(self.results[name]):>22}" for name in names))
         for kind in types:
             cells = []
             for name in names:
                 rate = self.results[name]["per_type"].get(kind)
                 cells.append(f"{100 * rate[0]:.0f} % ({rate[1]})" if rate else "-")
-            print(f"  {kind:<22}" + "".join(f"{cell:>12}" for cell in cells))
+            print(f"  {kind:<22}" + "".join(f"{cell:>22}" for cell in cells))
         print("\ngeneral prompts:")
         for index, item in enumerate(self.results[names[0]]["general"]):
             print(f"- {item['prompt'][0]['content']}")
@@ -238,12 +245,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="a Hugging Face chat model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the RLOO and DPO runs' seed (sampling, data order); default: the recipes'")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve())
+    demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve(), args.seed)
     started = time.perf_counter()
     for stage, method in STAGES.items():
         if stage in chosen:

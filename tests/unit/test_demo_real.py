@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from aligner.demo.intervals import format_interval
+
 from ..chat_tokenizers import build_chat_tokenizer
 from ..conftest import REPO_ROOT
 
@@ -77,8 +79,8 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
     expected = satisfaction([row["prompt"] for row in answers], [row["response"] for row in answers])
     assert results["base"]["prompt_level"] == expected["prompt_level"]
     table = next(line for line in out.splitlines() if line.startswith("prompts satisfied"))
-    assert table.split()[2:] == [f"{100 * results[name]['prompt_level']:.1f}" if i % 2 == 0 else "%"
-                                 for name in ("base", "rloo", "dpo") for i in range(2)]
+    assert table.split()[2:] == " ".join(format_interval(results[name]["prompt_level"], 12)
+                                         for name in ("base", "rloo", "dpo")).split()
 
     # Iterative DPO: each round sampled from the previous round's policy, and its pairs are the checker's.
     metrics = [json.loads(line) for line in (work / "rloo" / "metrics.jsonl").read_text().splitlines()]
