@@ -34,7 +34,7 @@ lint: install
 # The docs site (mkdocs.yml) into site/; --strict: a warning (a broken internal link) fails the build. The
 # configuration reference is generated from the schemas at build time; tests/unit/test_docs.py builds it too.
 docs: install
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: install real-model lint
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
