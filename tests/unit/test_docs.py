@@ -61,6 +61,27 @@ def test_a_broken_internal_link_fails_the_build(tmp_path):
     assert "guides/missing.md" in result.stdout + result.stderr
 
 
+def _github_anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", ["README.md", "benchmarks/README.md"])
+def test_the_readmes_links_point_at_files_and_headings_that_exist(page):
+    """The READMEs are outside the docs site (mkdocs does not check them): every relative link names a file
+    of the repository, and a #fragment a heading of that page."""
+    source = REPO_ROOT / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", source.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, fragment = target.partition("#")
+        linked = (source.parent / path).resolve() if path else source
+        assert linked.exists(), f"{page}: link to {target}: no such file"
+        if fragment:
+            headings = re.findall(r"(?m)^#+ (.*)$", linked.read_text())
+            anchors = {_github_anchor(heading) for heading in headings}
+            assert fragment in anchors, f"{page}: link to {target}: no such heading"
+
+
 def _code_lines(text: str):
     """(line number, line) of each line inside a fenced code block or an indented (4-space) code block."""
     fenced = False
