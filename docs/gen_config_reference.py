@@ -63,6 +63,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _code_cell(text: str) -> str:
+    """A table cell in backticks: Python-Markdown's tables do not split a code span at its pipes."""
+    return f"`{text.replace('`', '')}`".replace("\n", " ")
+
+
 def reference_page(entry: EntryPoint) -> str:
     from aligner.config import key_rows
 
@@ -73,7 +78,7 @@ def reference_page(entry: EntryPoint) -> str:
              f"`python {entry.script} --help` prints the same keys.", "",
              "| Key | Type | Default | Allowed | Comment |", "|---|---|---|---|---|"]
     for row in key_rows(entry.schema, entry.yaml_path):
-        lines.append(f"| `{row.key}` | `{_cell(row.type)}` | `{_cell(row.default)}` | {_cell(row.allowed)} | "
+        lines.append(f"| `{row.key}` | {_code_cell(row.type)} | {_code_cell(row.default)} | {_cell(row.allowed)} | "
                      f"{_cell(row.comment)} |")
     return "\n".join(lines) + "\n"
 
