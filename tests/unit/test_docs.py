@@ -5,6 +5,7 @@ key in one line)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -30,8 +31,7 @@ ENTRY_SCRIPT = re.compile(r"(?:^|\s)(?:python\s+|torchrun\s.*?)?(examples/nlp/gp
 def _mkdocs(config_file: Path, site_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config_file),
                            "--site-dir", str(site_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(REPO_ROOT), "NO_MKDOCS_2_WARNING": "1", "OMP_NUM_THREADS": "1",
-                               "PATH": "/usr/bin:/bin", "HOME": str(site_dir.parent)})
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "NO_MKDOCS_2_WARNING": "1"})
 
 
 def test_the_docs_site_builds_strict_with_the_generated_reference(tmp_path):
