@@ -82,6 +82,19 @@ def test_the_readmes_links_point_at_files_and_headings_that_exist(page):
             assert fragment in anchors, f"{page}: link to {target}: no such heading"
 
 
+def test_the_readmes_algorithm_table_names_every_entry_point_and_existing_configs():
+    """One row per algorithm: every training/serving script of examples/nlp/gpt/ is named, and every script
+    and yaml the table names exists."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    table = readme[readme.index("## Algorithms"):].split("\n\n## ")[0]
+    named = set(re.findall(r"`(\w+\.(?:py|yaml))`", table))
+    scripts = {path.name for path in (REPO_ROOT / "examples" / "nlp" / "gpt").glob("*.py")}
+    assert scripts <= named, f"README's algorithm table lacks {sorted(scripts - named)}"
+    for name in named:
+        where = REPO_ROOT / "examples" / "nlp" / "gpt" / name if name.endswith(".py") else CONF_DIR / name
+        assert where.is_file(), f"README's algorithm table names {name}: no such file"
+
+
 def _code_lines(text: str):
     """(line number, line) of each line inside a fenced code block or an indented (4-space) code block."""
     fenced = False
