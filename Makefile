@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model lint test test-fast test-faults test-gpu demo demo-real bench bench-toy clean
+.PHONY: install real-model lint docs test test-fast test-faults test-gpu demo demo-real bench bench-toy clean
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[test,gguf]"
+	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[test,gguf,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +30,11 @@ real-model: install
 # ruff's rules and limits are in pyproject.toml ([tool.ruff]); `make test` runs it before the tests.
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The docs site (mkdocs.yml) into site/; --strict: a warning (a broken internal link) fails the build. The
+# configuration reference is generated from the schemas at build time; tests/unit/test_docs.py builds it too.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: install real-model lint
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests

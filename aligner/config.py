@@ -507,26 +507,58 @@ def parse_command_line(default_config: str | Path, argv: Optional[Sequence[str]]
 
 
 # ----------------------------------------------------------------------------- --help: every key
-def describe_keys(schema: type, yaml_path: str | Path) -> list[str]:
-    """One line per key of `schema`: `key = default  # comment`, the default as the config file sets it (the
-    schema's where the file does not), the comment from the file's line or else from the schema's field,
-    with the field's allowed values."""
+class KeyRow(typing.NamedTuple):
+    """One setting of an entry point's schema, as `--help` and the docs' configuration reference show it."""
+    key: str  # dotted
+    default: str  # the config file's value (the schema's where the file does not set it), as a dotlist value
+    type: str  # the field's annotation, e.g. `int | None`
+    allowed: str  # the field's declared choices or minimum, '' if none
+    comment: str  # the config file's comment on its line, else the schema field's comment
+
+
+def key_rows(schema: type, yaml_path: str | Path) -> list[KeyRow]:
+    """Every key of `schema` with its default as `yaml_path` sets it, its type, allowed values and comment."""
     yaml_path = Path(yaml_path)
     from_file = OmegaConf.load(yaml_path) if yaml_path.is_file() else OmegaConf.create()
     merged = OmegaConf.merge(OmegaConf.structured(schema), from_file)
     values = OmegaConf.to_container(merged, resolve=False)
     file_comments = _yaml_comments(yaml_path.read_text()) if yaml_path.is_file() else {}
-    lines = []
+    rows = []
     for key, value, spec, owner in _leaves(schema, values, ""):
-        comment = file_comments.get(key) or (_field_comments(owner).get(spec.name, "") if spec else "")
+        comment = file_comments.get(key) or _field_comments(owner).get(spec.name, "")
         allowed = []
-        if spec is not None and spec.metadata.get("choices"):
+        if spec.metadata.get("choices"):
             allowed.append("one of " + " | ".join(spec.metadata["choices"]))
-        if spec is not None and spec.metadata.get("minimum") is not None:
+        if spec.metadata.get("minimum") is not None:
             meaning = spec.metadata.get("meaning")
             allowed.append(f">= {spec.metadata['minimum']}{f'; {meaning}' if meaning and not comment else ''}")
-        notes = "; ".join([comment] * bool(comment) + [part for part in allowed if part not in comment])
-        lines.append(f"  {key} = {_dotlist_value(value)}" + (f"  # {notes}" if notes else ""))
+        type_name = _type_name(typing.get_type_hints(owner).get(spec.name, spec.type))
+        rows.append(KeyRow(key, _dotlist_value(value), type_name, "; ".join(allowed), comment))
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    """`Optional[list[str]]` -> 'list[str] | None'; a class -> its name."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(member) for member in arguments)
+    if origin is not None:
+        inner = ", ".join(_type_name(argument) for argument in arguments)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if inner else getattr(origin, "__name__", "")
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def describe_keys(schema: type, yaml_path: str | Path) -> list[str]:
+    """One line per key of `schema` (`--help`): `key = default  # comment`, the default as the config file sets
+    it (the schema's where the file does not), the comment from the file's line or else from the schema's
+    field, with the field's allowed values."""
+    lines = []
+    for row in key_rows(schema, yaml_path):
+        allowed = [part for part in row.allowed.split("; ") if part and part not in row.comment]
+        notes = "; ".join([row.comment] * bool(row.comment) + allowed)
+        lines.append(f"  {row.key} = {row.default}" + (f"  # {notes}" if notes else ""))
     return lines
 
 

@@ -37,7 +37,7 @@ copy when every row writes the same column (else one scatter per cache); the att
 transposed by the projection (no copy); the rows' masks and rotary columns built once per step for
 all layers; a sampling path that draws and takes the logprob in one pass.
 
-Speed against HF `generate` and the arithmetic floor, and what was tried to go faster:
+Speed against HF `generate` and the arithmetic floor: docs/results/benchmarks.md; how it is measured:
 benchmarks/README.md (generation.py).
 
 Static decode step (`static_decode=True`) and CUDA graphs (`cuda_graphs=True`, GPU only): the
