@@ -188,9 +188,10 @@ def test_a_heartbeat_that_cannot_touch_the_file_says_so_once_and_the_run_goes_on
         time.sleep(0.01)
     assert len(failures) >= 3 and len(ours) == 1 and ours[0].is_alive()  # still beating
     # Locks that earlier tests' runs still hold beat too and meet the same utime: only this lock's lines count.
-    ours_warned = [line for line in warnings if line.startswith(f"cannot touch {tmp_path / run_lock.LOCK_FILE} ")]
-    assert ours_warned == [f"cannot touch {tmp_path / run_lock.LOCK_FILE} ([Errno 30] Read-only file system): while this "
-                        "lasts, a run on another host takes this directory over once the file is 120 s old"]
+    lock_file = tmp_path / run_lock.LOCK_FILE
+    ours_warned = [line for line in warnings if line.startswith(f"cannot touch {lock_file} ")]
+    assert ours_warned == [f"cannot touch {lock_file} ([Errno 30] Read-only file system): while this lasts, a run "
+                           "on another host takes this directory over once the file is 120 s old"]
 
 
 def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypatch):
