@@ -14,6 +14,30 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def live_processes_in_group(pgid: int, timeout_s: float = 30.0) -> list[str]:
+    """The processes of process group `pgid` still running after up to `timeout_s` ("pid command" each; [] once
+    all are gone). Zombies do not count: an orphan (tritonserver outliving the rank that started it) is reaped
+    by PID 1 when PID 1 gets to it, and until then it exists but runs nothing. The wait is there because a
+    group's last members exit a moment after the process the test waited for."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # exited while we looked
+                continue
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(f"{entry.name} {stat[stat.index('(') + 1:stat.rindex(')')]}")
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
 def free_port_block(count: int = 3) -> int:
     """A port p with p .. p+count-1 free on 127.0.0.1 (a server's HTTP, gRPC, metrics).
 

@@ -4,7 +4,6 @@ the model is split. Every layout answers as the single-process references do: pe
 and the first train call's loss and gradient norm (float64 reference)."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from aligner.clients.critic import CriticClient
-from tests.conftest import free_port_block
+from tests.conftest import free_port_block, live_processes_in_group
 from tests.functional.test_critic_server import float64_reference, pool, references, rollout, start_server  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -43,11 +42,11 @@ def test_two_rank_critic_matches_single_process(references, pool, rollout, layou
         assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
         assert metrics["critic_step"] == 1.0
 
-        code, _ = server.stop(signal.SIGINT, group=True)
+        # torchrun and two ranks winding down on 2 busy cores can pass the one-process bound (20 s)
+        code, _ = server.stop(signal.SIGINT, group=True, timeout_s=60)
         log = server.log()
         assert "rank 1: rank 0 stopped serving" in log, log[-6000:]
         assert 'serve_ppo_critic.py", line' not in log, log[-6000:]
-        with pytest.raises(ProcessLookupError):
-            os.killpg(server.process.pid, 0)
+        assert live_processes_in_group(server.process.pid) == []  # nothing left running (workers, tritonserver)
     finally:
         server.kill()

@@ -6,7 +6,6 @@ follower after rank 0's STOP.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from aligner.clients.reward import RewardClient
+from tests.conftest import live_processes_in_group
 from tests.functional.test_reward_server import (
     ENTRY_POINT,
     ServerProcess,
@@ -62,14 +62,14 @@ def test_tp2_server_matches_tp1_and_stops_cleanly(tp1_reference, tmp_path):
         assert tp_difference < 1e-5
         assert np.abs(singles - reference[:8]).max() < 1e-5
 
-        code, elapsed = server.stop(signal.SIGINT, group=True)  # Ctrl-C: every process gets SIGINT
+        # Ctrl-C: every process gets SIGINT (torchrun and two ranks on 2 busy cores can pass the one-process 20 s)
+        code, elapsed = server.stop(signal.SIGINT, group=True, timeout_s=60)
         print(f"all ranks exited {elapsed:.1f} s after SIGINT (torchrun exit code {code})")
         log = server.log()
         assert "rank 1: rank 0 stopped serving" in log, log[-6000:]
         # torchrun itself reports the SIGINT with a traceback; no worker may fail (their tracebacks
         # would pass through the entry point).
         assert 'serve_reward_model.py", line' not in log, log[-6000:]
-        with pytest.raises(ProcessLookupError):  # nothing left in the process group (workers, tritonserver)
-            os.killpg(server.process.pid, 0)
+        assert live_processes_in_group(server.process.pid) == []  # nothing left running (workers, tritonserver)
     finally:
         server.kill()
