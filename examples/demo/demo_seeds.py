@@ -82,9 +82,14 @@ def real(workdir: Path, seeds: list[int], stages: str) -> list[str]:
     for seed in seeds:
         work = workdir / f"seed_{seed}"
         if work != first:
-            for name in ("base", "data"):
-                shutil.rmtree(work / name, ignore_errors=True)
-                shutil.copytree(first / name, work / name)
+            work.mkdir(parents=True, exist_ok=True)
+            for name in ("base", "data"):  # read only by the later stages: linked, not copied (the base is ~0.5 GB)
+                link = work / name
+                if link.is_symlink() or link.is_file():
+                    link.unlink()
+                elif link.exists():
+                    shutil.rmtree(link)
+                link.symlink_to(first / name, target_is_directory=True)
             shutil.copy(first / "eval_base.json", work / "eval_base.json")
         _run([sys.executable, DEMO / "run_demo_real.py", "--workdir", work, "--seed", seed, "--stages", own])
         results[seed] = {name: _read(work / f"eval_{name}.json") for name in ("base", "rloo", "dpo")}
