@@ -425,10 +425,11 @@ def wait_models_ready(server: ServerConfig, model_names: Sequence[str], log_file
 class TritonProcesses:
     """Triton's own process (`tritonserver`) and the processes it starts, watched while serving.
 
-    When `tritonserver` is killed, the Python-backend stub it started (and the stub's helpers) stay
-    alive, owned by PID 1; `end_leftovers` ends the ones seen while Triton ran. When a stub dies,
-    Triton stays up but answers every request for that model with an error and never restarts it:
-    `dead_backend` reports it, and the server stops as it does when Triton dies.
+    When `tritonserver` is killed, or PyTriton's stop gives up waiting for it (seen under load: a SIGKILL of the
+    PPO launcher left the critic's stub running), the Python-backend stub it started (and the stub's helpers)
+    stay alive, owned by PID 1; `end_leftovers`, called after every stop, ends the ones seen while Triton ran.
+    When a stub dies, Triton stays up but answers every request for that model with an error and never restarts
+    it: `dead_backend` reports it, and the server stops as it does when Triton dies.
     """
 
     def __init__(self, triton):
@@ -577,7 +578,7 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
     finally:
         with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
             triton.stop()
-            if processes is not None and not stopped_cleanly:  # a clean stop ends them through Triton
+            if processes is not None:  # a killed tritonserver, or a stop that timed out, leaves its stubs behind
                 processes.end_leftovers()
             if collective is not None:
                 collective.stop()
