@@ -20,14 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aligner.data.jsonl import DataError, read_jsonl, read_jsonl_offsets
+
+if TYPE_CHECKING:
+    import datasets
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")  # .json: one object per line, as read_jsonl checks
 PARQUET_SUFFIXES = (".parquet",)
@@ -156,11 +158,20 @@ def _present(record: dict) -> dict:
     return {key: value for key, value in record.items() if value is not None}
 
 
+def _datasets():
+    """The `datasets` library, imported at the first Parquet, Arrow or directory read: with pandas it adds ~1 s
+    to the start of every process, and JSONL, what most runs read, does not need it."""
+    import datasets
+
+    return datasets
+
+
 def open_records(path: str | Path) -> Records:
     """The records of a data file or directory (any format of `data_format`); errors name the file."""
     kind = data_format(path)
     if kind == "jsonl":
         return JsonlRecords(path)
+    datasets = _datasets()
     try:
         if kind == "parquet":
             dataset = datasets.Dataset.from_parquet(str(path))
@@ -177,6 +188,7 @@ def open_records(path: str | Path) -> Records:
 
 def _arrow_file(path: str | Path) -> datasets.Dataset:
     """An Arrow IPC stream (what datasets writes) or IPC file (Feather v2), memory-mapped either way."""
+    datasets = _datasets()
     try:
         return datasets.Dataset.from_file(str(path))
     except pa.ArrowInvalid:
@@ -214,12 +226,13 @@ def first_columns(path: str | Path) -> tuple[str, ...]:
     """The columns of a data file's first record (JSONL) or schema (Arrow layouts), read cheaply; errors name
     the file (and the line of a bad first JSONL record)."""
     kind = data_format(path)
+    if kind == "jsonl":
+        first = next(iter(read_jsonl(path)), None)
+        if first is None:
+            raise DataError(f"{path}: the file holds no records")
+        return tuple(first[1])
+    datasets = _datasets()
     try:
-        if kind == "jsonl":
-            first = next(iter(read_jsonl(path)), None)
-            if first is None:
-                raise DataError(f"{path}: the file holds no records")
-            return tuple(first[1])
         if kind == "parquet":
             schema = pq.read_schema(str(path))
         elif kind == "datasets":
@@ -227,8 +240,6 @@ def first_columns(path: str | Path) -> tuple[str, ...]:
         else:
             schema = _arrow_file(path).data.schema
     except (OSError, ValueError, pa.ArrowException, datasets.exceptions.DatasetsError) as error:
-        if isinstance(error, DataError):
-            raise
         raise DataError(f"{path}: cannot read it as {kind} data ({type(error).__name__}: "
                         f"{str(error).splitlines()[0] if str(error) else ''}); expected {FORMATS_HELP}") from None
     return tuple(schema.names)
