@@ -36,8 +36,14 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
+# The unit tier in two processes of one thread each (pytest-xdist, a file per worker: its module fixtures are built
+# once): its tests are single-threaded Python, which one process runs on one core. Then every other tier in one
+# process: they start torchrun jobs, servers and timed faults that need the cores to themselves. Both always run.
 test: install real-model lint
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
+	status=0; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/unit || status=1; \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests --ignore=tests/unit || status=1; \
+	exit $$status
 
 # The single-process unit tests (tests/unit); `make test` runs every tier.
 test-fast: install
