@@ -54,6 +54,11 @@ def stop_token_of(cfg, model, prompts, new_tokens: int) -> int:
     return int(counts.argmax())
 
 
+# The KV-cached decode against one full forward of the finished rows: other products, summed in other orders.
+# 1e-5 held on the Intel Xeon; on an AMD EPYC the Gemma-style model (scaled embeddings, logprobs down to -4.6)
+# measured 1.38e-5 (min-new-tokens). A wrong position or mask moves a logprob by far more than 3e-5.
+DECODE_VS_FULL_FORWARD_TOLERANCE = 3e-5
+
 SAMPLINGS = {
     "greedy": dict(greedy=True),
     "t1.3": dict(temperature=1.3, seed=4),
@@ -75,7 +80,7 @@ def test_continuous_batching_gives_the_static_batch_rollout(name, case):
     lengths = continuous.response_lengths
     assert continuous.ended_with_stop.any() and lengths.min() < lengths.max()  # early stops happened
     expected = training_logprobs(model, cfg, continuous, 1.0 if sampling.is_greedy else sampling.temperature)
-    assert float((continuous.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+    assert float((continuous.logprobs - expected).abs().max()) < DECODE_VS_FULL_FORWARD_TOLERANCE
 
 
 def test_greedy_rows_equal_full_forward_decoding():
