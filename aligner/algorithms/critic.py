@@ -38,7 +38,8 @@ from aligner.generation.logprobs import response_mask, response_values
 from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import RewardInference, RewardInferenceConfig
-from aligner.rl.ppo_math import explained_variance, value_loss
+from aligner.rl.masked import explained_variance
+from aligner.rl.ppo_math import value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.training.metrics import get_logger
 from aligner.training.setup import OptimConfig

@@ -32,7 +32,7 @@ from aligner.algorithms.rl_actor import ServerAddress
 from aligner.config import at_least, one_of
 from aligner.data.records import Layouts
 from aligner.rl.rewards import RewardFunctionSettings
-from aligner.rl.rollouts import PROMPT_LAYOUTS
+from aligner.generation.rollouts import PROMPT_LAYOUTS
 from aligner.runtime.errors import ConfigError
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
@@ -174,7 +174,7 @@ class RejectionSamplingRun:
         from aligner.generation.native import NativeEngine
 
         self.cfg, self.trainer, self.built, self.prompts = cfg, trainer, built, prompts
-        self.metrics = trainer.metrics  # what `aligner.config.run_training` closes
+        self.metrics = trainer.metrics  # what `aligner.training.run.run_training` closes
         self.reward_source = reward_source
         self.first_iteration = first_iteration
         tokenizer = built.tokenizer
@@ -206,7 +206,7 @@ class RejectionSamplingRun:
         """(prompt indices, answers, their texts, scores, how many scores were invalid and replaced) of this
         iteration, row r = prompt r // n, sample r % n; every rank returns all of them (each replica generates
         and scores its share, then they are gathered)."""
-        from aligner.rl.rollouts import gather_shares, generate_share
+        from aligner.generation.rollouts import gather_shares, generate_share
 
         n = self.cfg.rs.samples_per_prompt
         indices = self.iteration_prompts(iteration)
@@ -319,7 +319,7 @@ def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
     from aligner import checkpointing
     from aligner.algorithms.rl_actor import build_reward_source
     from aligner.algorithms.sft import SFTObjective
-    from aligner.rl.rollouts import PromptDataset
+    from aligner.generation.rollouts import PromptDataset
     from aligner.training import setup
 
     check_rs_config(cfg)

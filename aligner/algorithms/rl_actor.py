@@ -56,9 +56,9 @@ from aligner.data.sft import SFT_LAYOUTS
 from aligner.hf.sources import resolve_model_source
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
-from aligner.rl import advantages, mismatch, policy_losses, ppo_math
+from aligner.rl import advantages, masked, mismatch, policy_losses, ppo_math
 from aligner.rl.rewards import RewardFunctionSettings, ScoreCheck, wait_for
-from aligner.rl.rollouts import PROMPT_LAYOUTS
+from aligner.generation.rollouts import PROMPT_LAYOUTS
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.setup import RunConfig
@@ -436,7 +436,7 @@ def _truncated(text: str, width: int) -> str:
 class Experience:
     """This rank's rollouts of a step with everything the update needs ([B, T] over response tokens)."""
 
-    batch: object  # aligner.rl.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
+    batch: object  # aligner.generation.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
     # [B, T] the rollout policy's (recomputed by the trainer, or the engine's); None: the update's own
     # forward gives them (`RLActorConfig.old_logprobs_in_update`)
     old_logprobs: Optional[torch.Tensor]
@@ -567,7 +567,7 @@ class PolicyObjective:
         with torch.no_grad():
             valid = mask.bool()
             ratio = terms.ratio.detach()
-            log_ratio = ppo_math.zero_off_mask(logprobs.detach() - old_logprobs, mask)
+            log_ratio = masked.zero_off_mask(logprobs.detach() - old_logprobs, mask)
             report = {
                 "policy_loss_sum": policy_sum.detach(), "count": count.detach().float(),
                 "entropy_sum": entropy_sum.detach(), "tokens": valid.sum().float(),
@@ -609,7 +609,7 @@ class RLActor:
                  validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None, teacher=None):
         from megatron.core import parallel_state as ps
 
-        from aligner.rl.rollouts import PromptOrder
+        from aligner.generation.rollouts import PromptOrder
 
         self.cfg = cfg
         self.policy = policy  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, train_step
@@ -830,7 +830,7 @@ class RLActor:
         return [merged[position] for position in range(count)]
 
     def to_batch(self, mine: list[tuple]):
-        from aligner.rl.rollouts import RolloutBatch
+        from aligner.generation.rollouts import RolloutBatch
 
         return RolloutBatch.from_rows(mine, self.tokenizer.pad_id, seq_length=self.seq_length,
                                       response_width=self.response_width)
@@ -839,7 +839,7 @@ class RLActor:
                            prompts=None, with_values: bool = True) -> tuple[dict, float]:
         """Generate the prompts `indices` through the router and score them; returns (this replica's rows
         by position in `indices`, response tokens generated over all ranks). Collective."""
-        from aligner.rl.rollouts import collect_rollouts, full_sequences, values_at_response
+        from aligner.generation.rollouts import collect_rollouts, full_sequences, values_at_response
 
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
@@ -999,9 +999,9 @@ class RLActor:
             metrics["uniform_group_fraction"] = uniform / (count / k)
         if values is not None:
             metrics.update({
-                "values_mean": float(ppo_math.masked_mean(values, mask, group=group)),
-                "returns_mean": float(ppo_math.masked_mean(estimated.returns, mask, group=group)),
-                "explained_variance": float(ppo_math.explained_variance(values, estimated.returns, mask, group=group)),
+                "values_mean": float(masked.masked_mean(values, mask, group=group)),
+                "returns_mean": float(masked.masked_mean(estimated.returns, mask, group=group)),
+                "explained_variance": float(masked.explained_variance(values, estimated.returns, mask, group=group)),
             })
         weights = None
         if cfg.loss.recompute_old_logprobs and old_logprobs is not None:  # the engine's against the trainer's
@@ -1429,7 +1429,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     from aligner.models import lora
     from aligner.models.gpt import num_parameters
     from aligner.models.weight_swap import HostWeights
-    from aligner.rl.rollouts import PromptDataset
+    from aligner.generation.rollouts import PromptDataset
     from aligner.training import setup
 
     loss = cfg.loss
@@ -1599,7 +1599,7 @@ def build_reward_source(section: RewardSection, probe_prompts: Optional[str] = N
     the prompt file `probe_prompts` (when given) with the response "": one that fails there ends the run
     before anything else is built."""
     from aligner.rl.rewards import RewardServerSource, RuleRewardSource
-    from aligner.rl.rollouts import first_prompt_record
+    from aligner.generation.rollouts import first_prompt_record
 
     if section.source == "function":
         source = RuleRewardSource(section)

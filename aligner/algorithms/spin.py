@@ -203,7 +203,7 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
     whatever the number of replicas.
     """
     from aligner.data.preference import PreferencePair
-    from aligner.rl.rollouts import gather_shares, generate_share
+    from aligner.generation.rollouts import gather_shares, generate_share
 
     share = generate_share(engine, [prompt for prompt, _ in demonstrations], sampling, batch_size, replica, replicas)
     answers = gather_shares(share, replicas, group)  # demonstration index -> the model's response ids
@@ -223,7 +223,7 @@ class SPINRun:
         from aligner.generation.native import NativeEngine
 
         self.cfg, self.trainer, self.built = cfg, trainer, built
-        self.metrics = trainer.metrics  # what `aligner.config.run_training` closes
+        self.metrics = trainer.metrics  # what `aligner.training.run.run_training` closes
         self.demonstrations = demonstrations
         self.betas = iteration_betas(cfg.spin)
         self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.config import OutputError
-from aligner.data.jsonl import DataError, read_json
 from aligner.hf.layout import (
     gpt_config_from_hf,
     hf_config_from_gpt,
@@ -38,7 +37,8 @@ from aligner.hf.layout import (
     megatron_to_hf,
 )
 from aligner.models.gpt import GPTConfig
-from aligner.runtime.errors import ConfigError, UserError
+from aligner.runtime.errors import ConfigError, DataError, UserError
+from aligner.runtime.files import read_json
 
 HF_SOURCE_FILE = "hf_source.json"
 # What an export writes besides the HF files (its checkpoint and options); it marks the directory as an
