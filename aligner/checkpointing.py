@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from aligner.config import OutputError, require_writable_dir
-from aligner.runtime import run_lock
+from aligner.runtime import run_lock, seeds
+from aligner.runtime.distributed import device
 from aligner.runtime.errors import DataError, UserError
 from aligner.runtime.files import read_json
 
@@ -428,8 +429,6 @@ def _state_bytes(state: dict) -> tuple[int, int]:
               and is_main_replica(value.replica_id)]
     totals = [sum(tensor.numel() * tensor.element_size() for tensor in stored), len(stored)]
     if dist.is_initialized() and _world() > 1:
-        from aligner.runtime.distributed import device
-
         reduced = torch.tensor(totals, dtype=torch.int64, device=device())
         dist.all_reduce(reduced)
         totals = [int(value) for value in reduced.tolist()]
@@ -473,8 +472,6 @@ def save(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from aligner.runtime import seeds
 
     final = Path(checkpoint_dir)
     staging = final.with_name(final.name + _STAGING_SUFFIX)
@@ -630,8 +627,6 @@ def load(
     if "optimizer" in request:
         optimizer.load_state_dict(loaded["optimizer"])
     if load_rng:
-        from aligner.runtime import seeds
-
         seeds.set_rng_state(loaded["rng_state"])
     meta["rng_restored"] = load_rng
     return meta

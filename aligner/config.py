@@ -25,6 +25,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from aligner.clients import ClientError  # the clients stand alone, so theirs is not a UserError
+from aligner.runtime import distributed, stopping
 from aligner.runtime.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -642,9 +644,6 @@ def run_main(main) -> None:
     """Run an entry point; user errors (a `UserError`: config, data, checkpoint, output, launch, a missing
     extra; or a `ClientError`: a server that cannot be reached) end with one clear line, exit 2. Any
     other exception is a bug: it keeps its traceback (exit 1)."""
-    from aligner.clients import ClientError  # the clients stand alone, so theirs is not a UserError
-    from aligner.runtime import stopping
-
     stopping.install()
     try:
         main()
@@ -652,7 +651,5 @@ def run_main(main) -> None:
         stopping.exit_on_stop(stop)
     except (UserError, ClientError) as error:
         print(f"error: {error}", file=sys.stderr)
-        from aligner.runtime import distributed
-
         distributed.exiting_on_error()
         raise SystemExit(2) from None

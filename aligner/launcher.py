@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from aligner.config import ConfigError
 from aligner.runtime import processes, stopping
 from aligner.runtime.errors import UserError
 
@@ -129,8 +130,6 @@ def check_critic_fits_actor(critic_cfg, actor_cfg, critic_data_parallel_size: Op
     critic_cfg: the critic server's config (servers/critic.py); actor_cfg: the PPO actor's config;
     critic_data_parallel_size: the critic job's data-parallel size, if known.
     """
-    from aligner.config import ConfigError
-
     rollouts, rollouts_key = actor_rollouts_per_step(actor_cfg)
     train, server = critic_cfg.train, critic_cfg.server
     if rollouts % train.global_batch_size:
