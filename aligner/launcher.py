@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from aligner.config import ConfigError
 from aligner.runtime import processes, stopping
-from aligner.runtime.errors import UserError
+from aligner.runtime.errors import ConfigError, UserError
 
 READY_MARKER = "server ready on"
 STOP_GRACE_S = 20.0  # how long a server may take to exit after SIGTERM
