@@ -162,7 +162,6 @@ class AttributeConditioning:
             raise DataError(f"{where}record has no {ATTRIBUTES_KEY!r} (keys present: "
                             f"{', '.join(sorted(map(repr, record))) or 'none'}); SteerLM training needs annotated "
                             "records: run examples/nlp/data/steerlm/annotate.py on the SFT data first")
-        # torch and the tokenizer stack: not at config import
         label, mask = parse_label(record[ATTRIBUTES_KEY], self.cfg.attributes, path, line)
         values = {name: value for name, value, present in zip(self.cfg.attributes, label, mask) if present}
         try:
