@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 
 from aligner.config import OutputError, require_writable_dir
-from aligner.runtime import run_lock
-from aligner.runtime.errors import UserError
+from aligner.runtime import run_lock, seeds
+from aligner.runtime.distributed import device
+from aligner.runtime.errors import DataError, UserError
+from aligner.runtime.files import read_json
 
 META_FILE = "aligner_meta.json"
 MANIFEST_FILE = "aligner_manifest.json"
@@ -168,16 +170,26 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
         part._aligner_load_prepared = True
 
 
+# A chunk that trains only part of its weights carries the predicate (chunk, state-dict key) -> saved under
+# this attribute, set by what narrows it (`models.lora.apply_lora`: the adapters and the modules trained
+# whole); checkpointing reads it from the chunks, so it imports nothing from the model layer.
+SAVED_KEY_ATTR = "checkpoint_saved_key"
+
+
+def saved_key_predicate(chunks: Sequence[torch.nn.Module]) -> Optional[Callable[[torch.nn.Module, str], bool]]:
+    """The predicate of (unwrapped) chunks that save only part of their state (adapters); None: they save all."""
+    return next((getattr(chunk, SAVED_KEY_ATTR) for chunk in chunks if hasattr(chunk, SAVED_KEY_ATTR)), None)
+
+
 def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
     """Sharded state dict of the (possibly virtual-pipeline) model chunks, DDP wrappers unwrapped; of chunks
     with LoRA adapters, the adapters' entries only."""
-    from aligner.models import lora
-
     chunks = unwrap_chunks(model_chunks)
     states = [chunk.sharded_state_dict() for chunk in chunks]
-    if lora.has_adapters(chunks):  # LoRA training: the adapters (and any head trained whole) only; the base
+    is_saved = saved_key_predicate(chunks)
+    if is_saved is not None:  # LoRA training: the adapters (and any head trained whole) only; the base
         # stays in model.init_from
-        states = [{key: value for key, value in state.items() if lora.is_saved_key(chunk, key)}
+        states = [{key: value for key, value in state.items() if is_saved(chunk, key)}
                   for chunk, state in zip(chunks, states)]
     if len(chunks) == 1:
         return states[0]
@@ -197,8 +209,6 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict:
             f"{checkpoint_dir} is not an aligner checkpoint (no {META_FILE}); expected a directory "
             f"written by aligner (a training step_<N> directory or an HF import)"
         )
-    from aligner.data.jsonl import DataError, read_json
-
     try:
         meta = read_json(path)
     except DataError as error:  # e.g. cut short by a full disk: `path:line: not valid JSON (...)`
@@ -419,8 +429,6 @@ def _state_bytes(state: dict) -> tuple[int, int]:
               and is_main_replica(value.replica_id)]
     totals = [sum(tensor.numel() * tensor.element_size() for tensor in stored), len(stored)]
     if dist.is_initialized() and _world() > 1:
-        from aligner.runtime.distributed import device
-
         reduced = torch.tensor(totals, dtype=torch.int64, device=device())
         dist.all_reduce(reduced)
         totals = [int(value) for value in reduced.tolist()]
@@ -464,8 +472,6 @@ def save(
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from aligner.runtime import seeds
 
     final = Path(checkpoint_dir)
     staging = final.with_name(final.name + _STAGING_SUFFIX)
@@ -564,9 +570,8 @@ def load(
 
     _verify_once(checkpoint_dir)  # first: a damaged meta file is named as damage
     meta = read_meta(checkpoint_dir)
-    from aligner.models import lora
-
-    adapters_here = lora.has_adapters(unwrap_chunks(model_chunks))
+    is_saved = saved_key_predicate(unwrap_chunks(model_chunks))
+    adapters_here = is_saved is not None
     if "peft" in meta and not adapters_here:
         raise CheckpointError(f"{checkpoint_dir} holds LoRA adapters only (base model: {meta['peft']['base']}), not a "
                               "whole model; load it with its base (peft.scheme=lora, model.init_from=the base)")
@@ -611,7 +616,7 @@ def load(
         result = chunk.load_state_dict(state, strict=not skip_prefixes and not adapters_here)
         if adapters_here:
             missing_saved = [key for key in result.missing_keys
-                             if lora.is_saved_key(chunk, key) and not key.startswith(tuple(skip_prefixes))]
+                             if is_saved(chunk, key) and not key.startswith(tuple(skip_prefixes))]
             if result.unexpected_keys or missing_saved:
                 raise CheckpointError(f"{checkpoint_dir}: its adapters do not match this run's peft settings "
                                       f"(missing {missing_saved[:3]}, unexpected {result.unexpected_keys[:3]})")
@@ -622,8 +627,6 @@ def load(
     if "optimizer" in request:
         optimizer.load_state_dict(loaded["optimizer"])
     if load_rng:
-        from aligner.runtime import seeds
-
         seeds.set_rng_state(loaded["rng_state"])
     meta["rng_restored"] = load_rng
     return meta

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from aligner.runtime import processes, stopping
-from aligner.runtime.errors import UserError
+from aligner.runtime.errors import ConfigError, UserError
 
 READY_MARKER = "server ready on"
 STOP_GRACE_S = 20.0  # how long a server may take to exit after SIGTERM
@@ -129,8 +129,6 @@ def check_critic_fits_actor(critic_cfg, actor_cfg, critic_data_parallel_size: Op
     critic_cfg: the critic server's config (servers/critic.py); actor_cfg: the PPO actor's config;
     critic_data_parallel_size: the critic job's data-parallel size, if known.
     """
-    from aligner.config import ConfigError
-
     rollouts, rollouts_key = actor_rollouts_per_step(actor_cfg)
     train, server = critic_cfg.train, critic_cfg.server
     if rollouts % train.global_batch_size:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from aligner.data.jsonl import DataError, read_json
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, DataError
+from aligner.runtime.files import read_json
 
 # Chat layout for tokenizers without a chat template: each segment is encoded
 # on its own, the assistant reply is followed by eos, e.g.

@@ -33,15 +33,29 @@ import numpy as np
 import torch
 from omegaconf import MISSING
 
+from aligner import checkpointing
 from aligner.config import ConfigError, at_least, one_of
 from aligner.generation.logprobs import response_mask, response_values
 from aligner.hf.sources import resolve_model_source, source_kind
+from aligner.models.forward import run_microbatches
 from aligner.models.lora import PEFTConfig, load_merged
-from aligner.models.reward import RewardInference, RewardInferenceConfig
-from aligner.rl.ppo_math import explained_variance, value_loss
-from aligner.runtime.distributed import PRECISIONS, ParallelConfig
+from aligner.models.reward import (
+    HEAD_STATE_PREFIX,
+    RewardInference,
+    RewardInferenceConfig,
+    RewardModelInfo,
+    RewardNormalization,
+    build_reward_model,
+    fold_normalization_into_head,
+)
+from aligner.models.weight_swap import HostWeights
+from aligner.rl.masked import explained_variance
+from aligner.rl.ppo_math import value_loss
+from aligner.runtime.distributed import PRECISIONS, ParallelConfig, host_copy
+from aligner.training import schedule, setup
 from aligner.training.metrics import get_logger
 from aligner.training.setup import OptimConfig
+from aligner.training.trainer import reduce_reports
 
 LOGGER = logging.getLogger(__name__)
 
@@ -153,8 +167,6 @@ def move_optimizer_state(optimizer, to_host: bool) -> int:
 
     Scalar entries (Adam's `step`) stay where they are: torch's Adam keeps them on the CPU.
     """
-    from aligner.runtime.distributed import host_copy
-
     handled = 0
     for inner in _inner_optimizers(optimizer):
         for param, state in inner.state.items():
@@ -246,8 +258,6 @@ class Critic:
 
     @property
     def reward_tokenizer_dir(self) -> Optional[Path]:
-        from aligner import checkpointing
-
         init_from = self.cfg.combined.reward_model_init_from
         return Path(init_from) / checkpointing.TOKENIZER_DIR if self.combined else None
 
@@ -300,9 +310,6 @@ class Critic:
             lr=per_step[-1]["lr"], critic_step=float(self.step))
 
     def _optimizer_step(self, microbatches: list[CriticTrainBatch]) -> dict[str, float]:
-        from aligner.models.forward import run_microbatches
-        from aligner.training.trainer import reduce_reports
-
         clip_val = self.cfg.train.clip_val
         seq_length, micro_batch_size = microbatches[0].tokens.shape[1], microbatches[0].rows
 
@@ -344,21 +351,15 @@ class Critic:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        from aligner.training import schedule
-
         return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
                 schedule.STATE_KEY: self.schedule_settings()}
 
     def schedule_settings(self) -> dict:
-        from aligner.training import schedule
-
         return schedule.schedule_settings(self.cfg.optim, {"train.max_steps": self.cfg.train.max_steps})
 
     def save(self, step: int) -> Path:
         """checkpoint.save_dir/step_<step>: model, optimizer, LR schedule and critic step (step: the
         caller's, so the actor's and the critic's checkpoints pair up); prunes to checkpoint.keep_last."""
-        from aligner import checkpointing
-
         with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
             path = checkpointing.save(
                 checkpointing.step_dir(self.cfg.checkpoint.save_dir, step), self.chunks,
@@ -375,9 +376,6 @@ class Critic:
         return path
 
     def resume_from(self, checkpoint_dir) -> None:
-        from aligner import checkpointing
-        from aligner.training import schedule
-
         with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
             meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer)
         state = meta.get("trainer_state", {})
@@ -396,17 +394,6 @@ def build_critic(cfg: CriticConfig) -> tuple[Critic, int]:
     """Every rank: start the job, build the critic (critic.init_from, or resumed from
     checkpoint.save_dir), load the reward model's weights in combined mode. Returns (critic,
     data-parallel size)."""
-    from aligner import checkpointing
-    from aligner.models.reward import (
-        HEAD_STATE_PREFIX,
-        RewardModelInfo,
-        RewardNormalization,
-        build_reward_model,
-        fold_normalization_into_head,
-    )
-    from aligner.models.weight_swap import HostWeights
-    from aligner.training import setup
-
     cfg.validate()
     cfg.require_checkpoints()
     cfg.resolve_starts()

@@ -17,15 +17,31 @@ from typing import Optional
 
 import torch
 
+from aligner import checkpointing
 from aligner.algorithms.sft import SFTDataConfig, response_token_loss
 from aligner.config import at_least, one_of
 from aligner.data.jsonl import DataError
 from aligner.data.records import Layouts, check_data_source
-from aligner.data.sft import SFT_LAYOUTS
+from aligner.data.sft import SFT_LAYOUTS, SFTDataset, collate_sft
+from aligner.data.teacher_topk import (
+    DistillationDataset,
+    TeacherTopK,
+    collate_distillation,
+    examples_digest,
+    loss_positions,
+    write_teacher_topk,
+)
 from aligner.hf.sources import resolve_model_source, source_kind
+from aligner.models import lora
+from aligner.models.forward import forward_logits
+from aligner.models.gpt import GPTConfig, build_model_chunks, mask_padded_vocab, num_parameters
 from aligner.rl import distillation_math
+from aligner.runtime import distributed
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
+from aligner.tokenizer import Tokenizer
+from aligner.training import setup
+from aligner.training.metrics import get_logger
 from aligner.training.setup import DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -54,8 +70,6 @@ class TeacherTopKConfig:
 
 def topk_at_loss_positions(logits: torch.Tensor, items: list[dict], k: int) -> list[tuple[torch.Tensor, ...]]:
     """Per example, the teacher's (ids, logits) [loss positions, k] from full-vocabulary logits [B, S, V]."""
-    from aligner.data.teacher_topk import loss_positions
-
     out = []
     for row, item in enumerate(items):
         values, ids = torch.topk(logits[row, loss_positions(item)].float(), k, dim=-1)
@@ -67,16 +81,6 @@ def topk_at_loss_positions(logits: torch.Tensor, items: list[dict], k: int) -> l
 def compute_teacher_topk(cfg: TeacherTopKConfig) -> Path:
     """Run the teacher over the SFT file and write its top-k file (every TP/PP rank takes part; rank 0 writes)."""
     import torch.distributed as dist
-
-    from aligner import checkpointing
-    from aligner.data.sft import SFTDataset, collate_sft
-    from aligner.data.teacher_topk import examples_digest, write_teacher_topk
-    from aligner.models import lora
-    from aligner.models.forward import forward_logits
-    from aligner.models.gpt import GPTConfig, build_model_chunks
-    from aligner.runtime import distributed
-    from aligner.tokenizer import Tokenizer
-    from aligner.training.metrics import get_logger
 
     source_kind(cfg.teacher, "teacher")  # first: a wrong path named (cheap)
     check_data_source("data.path", cfg.data.path, SFT_LAYOUTS)  # before the teacher is imported or built
@@ -169,8 +173,6 @@ def student_logprobs_at(logits: torch.Tensor, rows: torch.Tensor, columns: torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    from aligner.models.gpt import mask_padded_vocab
-
     selected = mask_padded_vocab(logits[rows, columns].float(), vocab_size)  # [n, shard]
     shard = selected.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * shard
@@ -218,12 +220,6 @@ class KDObjective:
 def build_kd_trainer(cfg: KDConfig) -> Trainer:
     """Runtime, tokenizer, student, data with the teacher's top-k, optimizer, metrics, resume."""
     import functools
-
-    from aligner.data.sft import SFTDataset
-    from aligner.data.teacher_topk import DistillationDataset, TeacherTopK, collate_distillation
-    from aligner.models.gpt import num_parameters
-    from aligner.training import setup
-    from aligner.training.metrics import get_logger
 
     check_kd_config(cfg)
     built = setup.build_training_model(

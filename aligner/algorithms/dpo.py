@@ -23,11 +23,28 @@ import torch
 from aligner.algorithms.reward_model import pair_report, summarize_pairs
 from aligner.config import one_of
 from aligner.data.jsonl import DataError
-from aligner.data.preference import PREFERENCE_LAYOUTS
+from aligner.data.preference import PREFERENCE_LAYOUTS, PreferenceDataset, collate_preferences
 from aligner.data.records import Layouts
-from aligner.models.packing import PackingSection, SharedPromptPackingSection
+from aligner.generation import logprobs
+from aligner.generation.logprobs import response_logprobs
+from aligner.generation.packed_logprobs import packed_sequence_logprobs, response_logprobs_and_entropy
+from aligner.models import lora
+from aligner.models.gpt import num_parameters
+from aligner.models.lora import load_merged
+from aligner.models.packing import (
+    PackingSection,
+    SharedPromptPackingSection,
+    forward_batch,
+    packed_rows_of,
+    shares_prompts_here,
+    zero_loss,
+)
+from aligner.models.weight_swap import HostWeights
 from aligner.rl import dpo_math
+from aligner.runtime.distributed import device
 from aligner.runtime.errors import ConfigError
+from aligner.training import setup
+from aligner.training.metrics import get_logger
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -97,23 +114,15 @@ class DPOObjective:
         return packed_rows(batch, self.packing, self.pad_id)
 
     def forward(self, model, batch):
-        from aligner.models.packing import forward_batch
-
         return forward_batch(model, batch, self.packed_rows(batch))
 
     def loss(self, batch, logits):
-        from aligner.generation.logprobs import response_logprobs
-
         dpo = self.dpo
         lengths = batch["response_lengths"]
         if not len(lengths):  # an empty micro batch of a token-budget plan
-            from aligner.models.packing import zero_loss
-
             return zero_loss(logits), torch.tensor(0, dtype=torch.int), {}
         packed = self.packed_rows(batch)
         if packed is not None:  # read in place from the packed rows
-            from aligner.generation.packed_logprobs import response_logprobs_and_entropy
-
             token_logprobs, _ = response_logprobs_and_entropy(
                 logits, packed, batch["prompt_lengths"], lengths, vocab_size=self.vocab_size,
                 response_width=int(lengths.max()), with_entropy=False)  # [rows, width]
@@ -153,8 +162,6 @@ class DPOObjective:
 def packed_rows(batch: dict, packing: Optional[PackingSection], pad_id: int):
     """The micro batch's packed rows (None: padded rows), built once and carried in the batch: the
     swapped-in reference pass, the training forward and the loss all read these rows."""
-    from aligner.models.packing import packed_rows_of
-
     return packed_rows_of(batch, batch["prompt_lengths"] + batch["response_lengths"], packing, pad_id,
                           prompt_lengths=batch["prompt_lengths"])
 
@@ -164,10 +171,6 @@ def _summed_logprobs(chunks, batch: dict, vocab_size: int, packing: Optional[Pac
                      pad_id: int = 0) -> torch.Tensor:
     """Summed response logprobs [rows] of a collated preference batch under the chunks' current
     weights, one forward (no grad; collective over the model-parallel group); packed rows with `packing`."""
-    from aligner.generation import logprobs
-    from aligner.generation.packed_logprobs import packed_sequence_logprobs
-    from aligner.runtime.distributed import device
-
     packed = packed_rows(batch, packing, pad_id)
     width = int(batch["response_lengths"].max())
     if packed is None:
@@ -189,8 +192,6 @@ def precompute_reference_logprobs(dataset, chunks, *, vocab_size: int, pad_id: i
     """Store the chunks' summed logprobs of every item's two responses in `dataset.reference_logprobs`
     ([items, 2]: chosen and rejected, or KTO's completion and mismatched completion, as `collate_fn`
     interleaves them; default collate_preferences). Every data-parallel rank computes the whole set."""
-    from aligner.data.preference import collate_preferences
-
     collate = collate_fn or collate_preferences
     dataset.reference_logprobs = None  # items without them while computing
     sums = []
@@ -228,8 +229,6 @@ def _load_reference_weights(built, init_from: Optional[Path]) -> None:
     yet (the resume loads after this): load `init_from` so the reference is the run's start. With LoRA
     they hold the base already, the reference (their adapters are loaded by the resume)."""
     if built.resume_checkpoint is not None and init_from and built.peft_meta is None:
-        from aligner.models.lora import load_merged
-
         load_merged(init_from, built.chunks)
 
 
@@ -239,12 +238,6 @@ def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, co
     else the initial weights, precomputed into the data or held in host memory and swapped in each step),
     data, loaders, trainer, resume. read_dataset(entry, tokenizer) loads one data file; make_objective(built)
     builds the objective. Returns (trainer, built, train_set, total_steps)."""
-    from aligner.models import lora
-    from aligner.models.packing import shares_prompts_here
-    from aligner.models.weight_swap import HostWeights
-    from aligner.training import setup
-    from aligner.training.metrics import get_logger
-
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,
         optim=cfg.optim, save_dir=cfg.checkpoint.save_dir, resume=cfg.checkpoint.resume,
@@ -300,10 +293,6 @@ def build_with_reference(cfg, *, reference_mode: str, read_dataset: Callable, co
 
 def build_dpo_trainer(cfg: DPOConfig) -> Trainer:
     """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
-    from aligner.data.preference import PreferenceDataset, collate_preferences
-    from aligner.models.gpt import num_parameters
-    from aligner.training.metrics import get_logger
-
     check_dpo_section(cfg.dpo)
     cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row,
                              cfg.parallel.expert_model_parallel_size)

@@ -19,9 +19,13 @@ import torch
 
 from aligner.config import one_of
 from aligner.data.records import Layouts
-from aligner.data.unpaired import UNPAIRED_LAYOUTS
+from aligner.data.unpaired import UNPAIRED_LAYOUTS, UnpairedDataset, collate_unpaired
+from aligner.generation.logprobs import response_logprobs
+from aligner.models.gpt import num_parameters
+from aligner.models.packing import forward_batch
 from aligner.rl import dpo_math, kto_math
 from aligner.runtime.errors import ConfigError
+from aligner.training.metrics import get_logger
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -79,13 +83,9 @@ class KTOObjective:
         self.vocab_size = vocab_size
 
     def forward(self, model, batch):
-        from aligner.models.packing import forward_batch
-
         return forward_batch(model, batch, None)
 
     def loss(self, batch, logits):
-        from aligner.generation.logprobs import response_logprobs
-
         kto = self.kto
         lengths = batch["response_lengths"]
         token_logprobs = response_logprobs(logits, batch["tokens"], batch["prompt_lengths"], lengths,
@@ -134,10 +134,6 @@ class KTOObjective:
 # ----------------------------------------------------------------------------- building a run
 def build_kto_trainer(cfg: KTOConfig) -> Trainer:
     """Runtime, tokenizer, model, reference logprobs, data, optimizer, metrics, resume: ready to `fit()`."""
-    from aligner.data.unpaired import UnpairedDataset, collate_unpaired
-    from aligner.models.gpt import num_parameters
-    from aligner.training.metrics import get_logger
-
     check_kto_section(cfg.kto)
     kto = cfg.kto
 

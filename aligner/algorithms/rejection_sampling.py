@@ -28,12 +28,18 @@ from typing import Optional
 
 import torch
 
-from aligner.algorithms.rl_actor import ServerAddress
+from aligner import checkpointing
+from aligner.algorithms.rl_actor import ServerAddress, build_reward_source
+from aligner.algorithms.sft import SFTObjective
 from aligner.config import at_least, one_of
 from aligner.data.records import Layouts
+from aligner.generation.engine import SamplingParams
+from aligner.generation.native import NativeEngine
+from aligner.generation.rollouts import PROMPT_LAYOUTS, PromptDataset, gather_shares, generate_share
 from aligner.rl.rewards import RewardFunctionSettings
-from aligner.rl.rollouts import PROMPT_LAYOUTS
+from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError
+from aligner.training import setup
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
 
@@ -171,10 +177,8 @@ class RejectionSamplingRun:
     def __init__(self, cfg: RSConfig, trainer: Trainer, built, prompts, reward_source, first_iteration: int):
         from megatron.core import parallel_state as ps
 
-        from aligner.generation.native import NativeEngine
-
         self.cfg, self.trainer, self.built, self.prompts = cfg, trainer, built, prompts
-        self.metrics = trainer.metrics  # what `aligner.config.run_training` closes
+        self.metrics = trainer.metrics  # what `aligner.training.run.run_training` closes
         self.reward_source = reward_source
         self.first_iteration = first_iteration
         tokenizer = built.tokenizer
@@ -192,8 +196,6 @@ class RejectionSamplingRun:
         return [self.order[(iteration * count + i) % len(self.order)] for i in range(count)]
 
     def sampling(self, iteration: int):
-        from aligner.generation.engine import SamplingParams
-
         generation = self.cfg.rs.generation
         return SamplingParams(max_new_tokens=generation.max_new_tokens, temperature=generation.temperature,
                               top_k=generation.top_k, top_p=generation.top_p, seed=self.cfg.seed + iteration)
@@ -206,8 +208,6 @@ class RejectionSamplingRun:
         """(prompt indices, answers, their texts, scores, how many scores were invalid and replaced) of this
         iteration, row r = prompt r // n, sample r % n; every rank returns all of them (each replica generates
         and scores its share, then they are gathered)."""
-        from aligner.rl.rollouts import gather_shares, generate_share
-
         n = self.cfg.rs.samples_per_prompt
         indices = self.iteration_prompts(iteration)
         rows = [self.prompts.tokens[index] for index in indices for _ in range(n)]
@@ -253,8 +253,6 @@ class RejectionSamplingRun:
         return f"already at iteration {self.first_iteration} of rs.num_iterations={iterations}", "rs.num_iterations"
 
     def fit(self) -> None:
-        from aligner.runtime import stopping
-
         try:
             with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
                 for iteration in range(self.first_iteration, self.cfg.rs.num_iterations):
@@ -266,8 +264,6 @@ class RejectionSamplingRun:
             self.reward_source.close()
 
     def run_iteration(self, iteration: int, stop) -> None:
-        from aligner.training import setup
-
         cfg, trainer, rs = self.cfg, self.trainer, self.cfg.rs
         n = rs.samples_per_prompt
         indices, answers, texts, scores, replaced = self.sample_and_score(iteration)
@@ -316,12 +312,6 @@ class RejectionSamplingRun:
 
 def build_rs_run(cfg: RSConfig) -> RejectionSamplingRun:
     """Runtime, model, prompts, reward source, SFT objective, optimizer, metrics, resume: ready to `fit()`."""
-    from aligner import checkpointing
-    from aligner.algorithms.rl_actor import build_reward_source
-    from aligner.algorithms.sft import SFTObjective
-    from aligner.rl.rollouts import PromptDataset
-    from aligner.training import setup
-
     check_rs_config(cfg)
     rs = cfg.rs
     # The RL actor's, before the model: a function that cannot load or fails on the first record fails fast

@@ -12,11 +12,29 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from aligner import checkpointing
 from aligner.config import one_of
 from aligner.data.records import Layouts
-from aligner.data.reward import COMPARISON_LAYOUTS, REGRESSION_LAYOUTS
-from aligner.models.packing import PackingSection, zero_loss
-from aligner.models.reward import REWARD_TYPES
+from aligner.data.reward import (
+    COMPARISON_LAYOUTS,
+    REGRESSION_LAYOUTS,
+    ComparisonDataset,
+    RegressionDataset,
+    collate_comparisons,
+    collate_regression,
+)
+from aligner.models.gpt import num_parameters
+from aligner.models.packing import PackingSection, forward_batch, packed_rows_of, token_scores_at, zero_loss
+from aligner.models.reward import (
+    HEAD_STATE_PREFIX,
+    REWARD_TYPES,
+    RewardInference,
+    build_reward_model,
+    scores_at_last_token,
+)
+from aligner.runtime.distributed import device
+from aligner.training import setup
+from aligner.training.metrics import get_logger
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -99,8 +117,6 @@ class SequenceScores:
         self.packing = packing
 
     def forward(self, model, batch):
-        from aligner.models.packing import forward_batch, packed_rows_of
-
         # pad id 0: a packed row's padding is never attended to nor read
         return forward_batch(model, batch, packed_rows_of(batch, batch["lengths"], self.packing, 0))
 
@@ -111,9 +127,6 @@ class SequenceScores:
 
     def last_token_scores(self, batch, scores: torch.Tensor) -> torch.Tensor:
         """Each sequence's scores at its last token, [batch, attributes] (float32)."""
-        from aligner.models.packing import packed_rows_of, token_scores_at
-        from aligner.models.reward import scores_at_last_token
-
         packed = packed_rows_of(batch, batch["lengths"], self.packing, 0)
         if packed is not None:
             return token_scores_at(scores.float(), packed, batch["lengths"] - 1)
@@ -174,8 +187,6 @@ def reward_normalization(inference, loader, max_samples: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from aligner.runtime.distributed import device
-
     rewards = []
     seen = 0
     for microbatches in loader.iterate(0, epochs=1, limit_samples=max_samples):
@@ -195,12 +206,6 @@ def reward_normalization(inference, loader, max_samples: int) -> dict:
 
 # ----------------------------------------------------------------------------- building a run
 def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
-    from aligner.data.reward import ComparisonDataset, RegressionDataset, collate_comparisons, collate_regression
-    from aligner.models.gpt import num_parameters
-    from aligner.models.reward import HEAD_STATE_PREFIX, build_reward_model
-    from aligner.training import setup
-    from aligner.training.metrics import get_logger
-
     reward = cfg.reward
     num_attributes = len(reward.attributes)
     cfg.packing.check_layout(cfg.parallel.pipeline_model_parallel_size, *cfg.data.longest_row,
@@ -251,8 +256,6 @@ def build_reward_model_trainer(cfg: RewardModelConfig) -> Trainer:
     metrics = trainer.metrics
     if built.resume_checkpoint is not None:
         trainer.resume_from(built.resume_checkpoint)
-        from aligner import checkpointing
-
         trainer.checkpoint_meta["reward"] = checkpointing.read_meta(built.resume_checkpoint).get("reward", reward_meta)
     metrics.write(
         f"{cfg.name}: {reward.type} over {reward.attributes}, {num_parameters(model_cfg) / 1e6:.2f}M parameters, "
@@ -270,8 +273,6 @@ def serve_command(checkpoint: Path) -> list[str]:
 
 def finish_reward_model(trainer: Trainer, cfg: RewardModelConfig) -> None:
     """After training: measure and store the reward normalisation, then save the final checkpoint."""
-    from aligner.models.reward import RewardInference
-
     if cfg.reward.normalize:
         inference = RewardInference(trainer.chunks, len(cfg.reward.attributes), cfg.trainer.micro_batch_size)
         # The reference set: validation data if any, else training data.

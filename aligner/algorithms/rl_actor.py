@@ -49,17 +49,44 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from aligner import checkpointing
+from aligner.algorithms.sft import response_token_loss
+from aligner.clients.critic import CriticClient
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
+from aligner.clients.reward import RewardClient
 from aligner.config import ConfigError, at_least, describe_preset, one_of
+from aligner.data.conversation import prompt_text
 from aligner.data.records import Layouts
-from aligner.data.sft import SFT_LAYOUTS
+from aligner.data.sft import SFT_LAYOUTS, SFTDataset
+from aligner.generation.engine import SamplingParams
+from aligner.generation.logprobs import response_logprobs_and_entropy
+from aligner.generation.native import NativeEngine
+from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_pass
+from aligner.generation.packed_logprobs import sequence_logprobs
+from aligner.generation.rollouts import (
+    PROMPT_LAYOUTS,
+    PromptDataset,
+    PromptOrder,
+    RolloutBatch,
+    collect_rollouts,
+    first_prompt_record,
+    full_sequences,
+    values_at_response,
+)
+from aligner.generation.router_client import DynamicRouter, StaticRouter, rebalance_rollouts
+from aligner.generation.trtllm import TensorRTLLMEngine
 from aligner.hf.sources import resolve_model_source
-from aligner.models.gpt import ACTIVATION_RECOMPUTE
-from aligner.models.packing import SharedPromptPackingSection
-from aligner.rl import advantages, mismatch, policy_losses, ppo_math
-from aligner.rl.rewards import RewardFunctionSettings, ScoreCheck, wait_for
-from aligner.rl.rollouts import PROMPT_LAYOUTS
+from aligner.models import lora, packing
+from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_model_chunks, num_parameters
+from aligner.models.packing import SharedPromptPackingSection, packed_forward, zero_loss
+from aligner.models.weight_swap import HostWeights, named_parameters
+from aligner.rl import advantages, masked, mismatch, policy_losses, ppo_math
+from aligner.rl.rewards import RewardFunctionSettings, RewardServerSource, RuleRewardSource, ScoreCheck, wait_for
+from aligner.runtime import stopping
+from aligner.runtime.distributed import device
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
+from aligner.tokenizer import Tokenizer
+from aligner.training import schedule, setup
 from aligner.training.metrics import LoggingConfig, get_logger
 from aligner.training.setup import RunConfig
 
@@ -436,7 +463,7 @@ def _truncated(text: str, width: int) -> str:
 class Experience:
     """This rank's rollouts of a step with everything the update needs ([B, T] over response tokens)."""
 
-    batch: object  # aligner.rl.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
+    batch: object  # aligner.generation.rollouts.RolloutBatch: tokens, lengths, mask, engine logprobs, rows
     # [B, T] the rollout policy's (recomputed by the trainer, or the engine's); None: the update's own
     # forward gives them (`RLActorConfig.old_logprobs_in_update`)
     old_logprobs: Optional[torch.Tensor]
@@ -522,24 +549,16 @@ class PolicyObjective:
 
     def forward(self, model, batch):
         if getattr(batch, "packed", None) is not None:
-            from aligner.models.packing import packed_forward
-
             return packed_forward(model, batch.packed.to(batch.tokens.device))
         return model(batch.tokens, batch.position_ids, None)
 
     def loss(self, batch, logits):
         one = torch.tensor(1, dtype=torch.int)
         if isinstance(batch, PTXMicrobatch):
-            from aligner.algorithms.sft import response_token_loss
-
             loss_sum, tokens = response_token_loss(logits, batch.labels, batch.loss_mask, self.vocab_size)
             return loss_sum * batch.loss_scale, one, {"ptx_loss_sum": loss_sum.detach(),
                                                       "ptx_tokens": tokens.detach().float()}
-        from aligner.generation.logprobs import response_logprobs_and_entropy
-
         if batch.packed is not None and batch.packed.lengths.numel() == 0:  # evens a token-budget plan's count
-            from aligner.models.packing import zero_loss
-
             return zero_loss(logits), one, {}
         mask = batch.mask
         width = mask.shape[1]
@@ -547,8 +566,6 @@ class PolicyObjective:
         # chunked pass (vocab-parallel, never gathered), both 0 off `mask`; packed rows are read in place.
         entropy_grad = self.entropy_coef != 0 and torch.is_grad_enabled()
         if batch.packed is not None:
-            from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_pass
-
             logprobs, entropy = packed_pass(
                 logits, batch.packed, batch.prompt_lengths, batch.response_lengths, vocab_size=self.vocab_size,
                 temperature=self.temperature, response_width=width, entropy_grad=entropy_grad)
@@ -567,7 +584,7 @@ class PolicyObjective:
         with torch.no_grad():
             valid = mask.bool()
             ratio = terms.ratio.detach()
-            log_ratio = ppo_math.zero_off_mask(logprobs.detach() - old_logprobs, mask)
+            log_ratio = masked.zero_off_mask(logprobs.detach() - old_logprobs, mask)
             report = {
                 "policy_loss_sum": policy_sum.detach(), "count": count.detach().float(),
                 "entropy_sum": entropy_sum.detach(), "tokens": valid.sum().float(),
@@ -608,8 +625,6 @@ class RLActor:
     def __init__(self, cfg: RLActorConfig, *, policy, reference, engine, router, reward_source, critic, prompts,
                  validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None, teacher=None):
         from megatron.core import parallel_state as ps
-
-        from aligner.rl.rollouts import PromptOrder
 
         self.cfg = cfg
         self.policy = policy  # aligner.training.trainer.Trainer: chunks, optimizer, scheduler, train_step
@@ -658,8 +673,6 @@ class RLActor:
 
     # -- sampling settings
     def sampling(self, greedy: bool = False, seed: int = 0):
-        from aligner.generation.engine import SamplingParams
-
         gen = self.cfg.generation
         return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
@@ -674,8 +687,6 @@ class RLActor:
 
     # -- the loop
     def fit(self) -> None:
-        from aligner.runtime import stopping
-
         max_steps = self.cfg.trainer.max_steps
         try:
             with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
@@ -751,8 +762,6 @@ class RLActor:
             metrics.update(self.update_policy(experience))
             timings["time_train"] = time.perf_counter() - tick
             if self.ema is not None:
-                from aligner.models.weight_swap import named_parameters
-
                 update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
             if self.cfg.measures_kl:
                 self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
@@ -775,8 +784,6 @@ class RLActor:
     # -- 1-2: rollouts and their scores
     def collect_batch(self, timings: dict):
         """This rank's RolloutBatch of the step (k samples per prompt, scored) and the rollout metrics."""
-        from aligner.generation.router_client import rebalance_rollouts
-
         rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         timings["time_generation"] = timings["time_scoring_wait"] = 0.0
         if not rollout.dynamic_sampling:
@@ -830,8 +837,6 @@ class RLActor:
         return [merged[position] for position in range(count)]
 
     def to_batch(self, mine: list[tuple]):
-        from aligner.rl.rollouts import RolloutBatch
-
         return RolloutBatch.from_rows(mine, self.tokenizer.pad_id, seq_length=self.seq_length,
                                       response_width=self.response_width)
 
@@ -839,8 +844,6 @@ class RLActor:
                            prompts=None, with_values: bool = True) -> tuple[dict, float]:
         """Generate the prompts `indices` through the router and score them; returns (this replica's rows
         by position in `indices`, response tokens generated over all ranks). Collective."""
-        from aligner.rl.rollouts import collect_rollouts, full_sequences, values_at_response
-
         prompts = self.prompts if prompts is None else prompts
         step_prompts = [prompts.tokens[i] for i in indices]
         given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
@@ -915,8 +918,6 @@ class RLActor:
         With token budgets every rank computes the rows the first epoch trains on it (of the rollouts of
         all ranks); the sum over ranks (each row nonzero on one rank only, so exact) hands each rank its
         own rows."""
-        from aligner.generation.packed_logprobs import sequence_logprobs
-
         budget = self.uses_token_budget
         rows = self.all_ranks_rows(batch) if budget else batch
         chunks, model_cfg = (self.chunks, self.model_cfg) if teacher is None else teacher
@@ -927,8 +928,6 @@ class RLActor:
                                    micro_batch_size=self.rows_per_micro_batch, plan=self.logprob_plan(rows),
                                    row_length=self.row_length, share_prompts=self.shares_prompts, trim=True)
         if budget:
-            from aligner.runtime.distributed import device
-
             result = result.to(device())
             dist.all_reduce(result, group=self.dp_group)
             local = batch.tokens.shape[0]
@@ -999,9 +998,9 @@ class RLActor:
             metrics["uniform_group_fraction"] = uniform / (count / k)
         if values is not None:
             metrics.update({
-                "values_mean": float(ppo_math.masked_mean(values, mask, group=group)),
-                "returns_mean": float(ppo_math.masked_mean(estimated.returns, mask, group=group)),
-                "explained_variance": float(ppo_math.explained_variance(values, estimated.returns, mask, group=group)),
+                "values_mean": float(masked.masked_mean(values, mask, group=group)),
+                "returns_mean": float(masked.masked_mean(estimated.returns, mask, group=group)),
+                "explained_variance": float(masked.explained_variance(values, estimated.returns, mask, group=group)),
             })
         weights = None
         if cfg.loss.recompute_old_logprobs and old_logprobs is not None:  # the engine's against the trainer's
@@ -1099,8 +1098,6 @@ class RLActor:
     @property
     def shares_prompts(self) -> bool:
         """Whether packed rows hold the samples of one prompt with the prompt once (`packing.share_prompts`)."""
-        from aligner.models import packing
-
         return packing.shares_prompts_here(self.cfg.packing, self.chunks[0])
 
     @property
@@ -1130,8 +1127,6 @@ class RLActor:
     def prompts_of(self, rows, members: list[int]) -> Optional[tuple[list[int], list[tuple]]]:
         """(prompt lengths, prompt keys) of the sequences `members` of `rows` where prompts are shared
         (`packing.shared_prompt_rows` lays out each prompt's samples together), else None."""
-        from aligner.models import packing
-
         if not self.shares_prompts:
             return None
         ids = torch.tensor(members, dtype=torch.long)  # long also when empty (an evened micro batch)
@@ -1140,8 +1135,6 @@ class RLActor:
 
     @property
     def uses_token_budget(self) -> bool:
-        from aligner.models import packing
-
         return self.cfg.packing.micro_batch_tokens is not None and packing.packs_here(self.cfg.packing)
 
     def all_ranks_rows(self, batch):
@@ -1170,8 +1163,6 @@ class RLActor:
         """Every data-parallel rank's `tensor` (each [B, ...], equal B), concatenated in rank order."""
         if self.dp_size == 1:
             return tensor
-        from aligner.runtime.distributed import device
-
         local = tensor.to(device())
         parts = [torch.empty_like(local) for _ in range(self.dp_size)]
         dist.all_gather(parts, local.contiguous(), group=self.dp_group)
@@ -1182,8 +1173,6 @@ class RLActor:
         rank, `all_ranks_rows`) per packed row per micro batch; an empty micro batch has no rows. The
         minibatch holds every rank's share of it (each rank's own order), balanced across ranks. Where
         prompts are shared, a prompt's samples are planned together and its tokens counted once."""
-        from aligner.models import packing
-
         local = rows.tokens.shape[0] // self.dp_size
         minibatch_rows = self.cfg.trainer.global_batch_size // self.dp_size
         window = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
@@ -1212,8 +1201,6 @@ class RLActor:
 
     def packed_plan(self, batch, ids: torch.Tensor) -> list[list[list[int]]]:
         """Packed micro batches of the rows `ids` of `batch`: row indices per packed row per micro batch."""
-        from aligner.models import packing
-
         lengths = (batch.prompt_lengths[ids] + batch.response_lengths[ids]).tolist()
         return [[[int(ids[i]) for i in row] for row in rows]
                 for rows in packing.plan_micro_batches(lengths, self.row_length, self.rows_per_micro_batch,
@@ -1242,8 +1229,6 @@ class RLActor:
         the same tokens; or as `plan` says (packed rows of experience rows per micro batch, a token-budget
         plan: `budget_plan`). Every loss aggregation is a sum over sequences, so the minibatch loss is
         the same whichever micro batch a sequence lands in."""
-        from aligner.models import packing
-
         batch, weights, old_logprobs = experience.batch, experience.importance_weights, experience.old_logprobs
 
         def microbatch(part: torch.Tensor, **layout) -> PolicyMicrobatch:
@@ -1331,8 +1316,6 @@ class RLActor:
     def log_samples(self, batch) -> None:
         """One rollout of each of this rank's first logging.num_samples prompts: on the console (truncated) and as
         a TensorBoard text table (whole)."""
-        from aligner.data.conversation import prompt_text
-
         picks = list(range(0, len(batch.indices), self.cfg.rollout.samples_per_prompt))[:self.cfg.logging.num_samples]
         rows, count, width = [], len(picks), self.cfg.logging.sample_chars
         for number, b in enumerate(picks):
@@ -1347,8 +1330,6 @@ class RLActor:
 
     # -- checkpoints
     def state_dict(self) -> dict:
-        from aligner.training import schedule
-
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
                 "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
@@ -1356,8 +1337,6 @@ class RLActor:
     def load_state_dict(self, state: dict) -> dict[str, tuple]:
         """Continue from a checkpoint's trainer state under this run's schedule settings; returns
         {key: (checkpoint value, current value)} of the settings that changed."""
-        from aligner.training import schedule
-
         self.step = state["step"]
         self.optimizer_steps = state["optimizer_steps"]
         self.kl_controller.load_state_dict(state["kl"])
@@ -1367,8 +1346,6 @@ class RLActor:
                                         self.policy.schedule_settings)
 
     def save(self) -> Path:
-        from aligner import checkpointing
-
         save_dir = self.cfg.checkpoint.save_dir
         extra_meta = {key: value for key, value in self.policy.checkpoint_meta.items() if key != "model"}  # peft
         path = checkpointing.save(
@@ -1394,16 +1371,11 @@ class RLActor:
 
     def save_unless_saved(self) -> Path:
         """The checkpoint of the current step (and warm-up round): saved now unless this run already wrote it."""
-        from aligner import checkpointing
-
         if self.saved == (self.step, self.critic_warmup_done):
             return checkpointing.step_dir(self.cfg.checkpoint.save_dir, self.step)
         return self.save()
 
     def resume_from(self, checkpoint_dir: Path) -> None:
-        from aligner import checkpointing
-        from aligner.training import schedule
-
         meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True,
                                   model_config=self.model_cfg.to_dict())
         changes = self.load_state_dict(meta["trainer_state"])
@@ -1425,13 +1397,6 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     critic / reward_source: objects with the client interfaces (`CriticClient`, `score_async`);
     None builds them from the config (tests pass in-process ones).
     """
-    from aligner import checkpointing
-    from aligner.models import lora
-    from aligner.models.gpt import num_parameters
-    from aligner.models.weight_swap import HostWeights
-    from aligner.rl.rollouts import PromptDataset
-    from aligner.training import setup
-
     loss = cfg.loss
     if reward_source is None and cfg.reward.source != "combined":
         # First: a reward function that cannot load or fails on the first prompt record fails in seconds.
@@ -1525,11 +1490,6 @@ def build_teacher(init_from: Path, parallel, built, sequence_lengths: list[tuple
     """(chunks, GPTConfig) of the teacher at the policy's layout and precision, in eval mode. Refused unless
     its tokenizer is the policy's (the teacher scores the policy's token ids) and its positions hold the
     rollouts (`RLActorConfig.sequence_lengths`)."""
-    from aligner import checkpointing
-    from aligner.models import lora
-    from aligner.models.gpt import GPTConfig, build_model_chunks
-    from aligner.tokenizer import Tokenizer
-
     teacher_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
     teacher_cfg.check_sequence_lengths(sequence_lengths,
                                        f"teacher.init_from={init_from}'s model.max_position_embeddings")
@@ -1552,9 +1512,6 @@ def build_ptx_loader(cfg: RLActorConfig, tokenizer):
         return None
     from megatron.core import parallel_state as ps
 
-    from aligner.data.sft import SFTDataset
-    from aligner.training import setup
-
     seq_length = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
     if cfg.ptx.max_seq_length > seq_length + 1:
         raise ConfigError(f"ptx.max_seq_length={cfg.ptx.max_seq_length} must be at most data.max_prompt_length + "
@@ -1569,18 +1526,12 @@ def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer
     """The generation engine on this replica and the router that hands it prompts (collective)."""
     from megatron.core import parallel_state as ps
 
-    from aligner.generation.router_client import DynamicRouter, StaticRouter
-
     seq_length = max_prompt_length + gen.max_new_tokens
     if gen.engine == "native":
-        from aligner.generation.native import NativeEngine
-
         engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                               max_batch_size=gen.micro_batch_size, max_sequence_length=seq_length,
                               decode=tokenizer.decode)
     else:
-        from aligner.generation.trtllm import TensorRTLLMEngine
-
         engine = TensorRTLLMEngine(model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                                    work_dir=Path(gen.trtllm_work_dir) / f"replica_{ps.get_data_parallel_rank()}",
                                    max_batch_size=gen.micro_batch_size, max_input_len=max_prompt_length,
@@ -1598,25 +1549,18 @@ def build_reward_source(section: RewardSection, probe_prompts: Optional[str] = N
     section's RewardChecks check their scores. Reward functions are called once on the first record of
     the prompt file `probe_prompts` (when given) with the response "": one that fails there ends the run
     before anything else is built."""
-    from aligner.rl.rewards import RewardServerSource, RuleRewardSource
-    from aligner.rl.rollouts import first_prompt_record
-
     if section.source == "function":
         source = RuleRewardSource(section)
         if probe_prompts is not None:
             record, prompt, columns = first_prompt_record(probe_prompts)
             source.probe(prompt, columns, record)
         return source
-    from aligner.clients.reward import RewardClient
-
     server = section.server
     return RewardServerSource(RewardClient(server.host, server.port, server.model_name, timeout_s=server.timeout_s,
                                            ready_timeout_s=server.ready_timeout_s), section.attribute_index, section)
 
 
 def build_critic_client(section: CriticSection):
-    from aligner.clients.critic import CriticClient
-
     server = section.server
     return CriticClient(server.host, server.port, infer_model=server.model_name, timeout_s=server.timeout_s,
                         ready_timeout_s=server.ready_timeout_s)

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from aligner.data.records import Layouts
-from aligner.data.sft import SFT_LAYOUTS
-from aligner.data.steerlm import ATTRIBUTES_KEY, CHECKPOINT_META_KEY, SteerLMConfig
+from aligner.data.sft import SFT_LAYOUTS, PackedSFTDataset, SFTDataset
+from aligner.data.steerlm import ATTRIBUTES_KEY, CHECKPOINT_META_KEY, AttributeConditioning, SteerLMConfig
+from aligner.generation.logprobs import selected_logprobs_and_entropy
+from aligner.models.gpt import num_parameters
+from aligner.training import setup
+from aligner.training.metrics import get_logger
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig
 from aligner.training.trainer import Trainer
 
@@ -52,8 +56,6 @@ def response_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: t
     global batch (across micro batches and data-parallel ranks): the loss is then the same
     whatever the parallel layout or micro-batch split.
     """
-    from aligner.generation.logprobs import selected_logprobs_and_entropy
-
     # Only the positions that carry loss are computed (`selected_logprobs_and_entropy`: no full-size copies).
     rows, columns = loss_mask.nonzero(as_tuple=True)
     logprobs, _ = selected_logprobs_and_entropy(logits, rows, columns, labels[rows, columns], vocab_size=vocab_size,
@@ -84,12 +86,6 @@ class SFTObjective:
 # ----------------------------------------------------------------------------- building a run
 def build_sft_trainer(cfg: SFTConfig) -> Trainer:
     """Runtime, tokenizer, model, optimizer, data, metrics, resume: a trainer ready to `fit()`."""
-    from aligner.data.sft import PackedSFTDataset, SFTDataset
-    from aligner.data.steerlm import AttributeConditioning
-    from aligner.models.gpt import num_parameters
-    from aligner.training import setup
-    from aligner.training.metrics import get_logger
-
     cfg.data.steerlm.validate()  # before the model is built: a typo in the format fails at once
     built = setup.build_training_model(
         parallel=cfg.parallel, precision=cfg.precision, seed=cfg.seed, model=cfg.model, tokenizer=cfg.tokenizer,

@@ -40,9 +40,20 @@ from aligner.algorithms.dpo import (
     precompute_reference_logprobs,
 )
 from aligner.config import at_least, one_of
-from aligner.data.records import Layouts
-from aligner.data.sft import SFT_LAYOUTS
+from aligner.data.conversation import ChatEncoder, parse_answer, parse_prompt, template_errors
+from aligner.data.jsonl import DataError, require_str
+from aligner.data.preference import PreferenceDataset, PreferencePair, collate_preferences
+from aligner.data.records import Layouts, read_records
+from aligner.data.sft import SFT_LAYOUTS, conversation_key, parse_conversation
+from aligner.generation.engine import SamplingParams
+from aligner.generation.native import NativeEngine
+from aligner.generation.rollouts import gather_shares, generate_share
+from aligner.models import lora
+from aligner.models.weight_swap import HostWeights
+from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError
+from aligner.training import setup
+from aligner.training.metrics import get_logger
 from aligner.training.setup import RunConfig, entry_sources
 from aligner.training.trainer import Trainer
 
@@ -151,10 +162,6 @@ def demonstration(record: dict, path: str, line: int):
     assistant message); or a conversation, {"system"?, "conversations"} (the SFT file layout) or
     {"messages"}, whose last turn is the assistant's reply: the earlier turns are its prompt.
     """
-    from aligner.data.conversation import parse_answer, parse_prompt
-    from aligner.data.jsonl import DataError, require_str
-    from aligner.data.sft import conversation_key, parse_conversation
-
     if "input" in record or "output" in record:
         return require_str(record, "input", path, line), require_str(record, "output", path, line)
     if "prompt" in record or "response" in record or "completion" in record:
@@ -176,10 +183,6 @@ def load_demonstrations(path: str, tokenizer, max_seq_length: int,
     lays them out: prompt + response is the SFT encoding of the conversation up to the end of the
     reply. Records longer than max_seq_length are dropped.
     """
-    from aligner.data.conversation import ChatEncoder, template_errors
-    from aligner.data.jsonl import DataError
-    from aligner.data.records import read_records
-
     encoder = ChatEncoder(tokenizer, use_template)
     demonstrations = []
     for line, record in read_records(path):
@@ -202,9 +205,6 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
     each batch samples with a seed of its own first index: every rank returns the same pairs,
     whatever the number of replicas.
     """
-    from aligner.data.preference import PreferencePair
-    from aligner.rl.rollouts import gather_shares, generate_share
-
     share = generate_share(engine, [prompt for prompt, _ in demonstrations], sampling, batch_size, replica, replicas)
     answers = gather_shares(share, replicas, group)  # demonstration index -> the model's response ids
     pairs = [PreferencePair(list(prompt), list(response), answers[index])
@@ -220,10 +220,8 @@ class SPINRun:
     def __init__(self, cfg: SPINConfig, trainer: Trainer, built, demonstrations: list):
         from megatron.core import parallel_state as ps
 
-        from aligner.generation.native import NativeEngine
-
         self.cfg, self.trainer, self.built = cfg, trainer, built
-        self.metrics = trainer.metrics  # what `aligner.config.run_training` closes
+        self.metrics = trainer.metrics  # what `aligner.training.run.run_training` closes
         self.demonstrations = demonstrations
         self.betas = iteration_betas(cfg.spin)
         self.engine = NativeEngine(built.chunks, built.model_cfg, pad_id=built.tokenizer.pad_id,
@@ -246,8 +244,6 @@ class SPINRun:
                 "spin.num_iterations")
 
     def sampling(self, iteration: int):
-        from aligner.generation.engine import SamplingParams
-
         generation = self.cfg.spin.generation
         return SamplingParams(max_new_tokens=generation.max_new_tokens, greedy=generation.greedy,
                               temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p,
@@ -259,8 +255,6 @@ class SPINRun:
         return [self.demonstrations[self.order[(start + i) % len(self.order)]] for i in range(needed)]
 
     def fit(self) -> None:
-        from aligner.runtime import stopping
-
         with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
             self._iterate(stop)
         self.engine.free()
@@ -270,11 +264,6 @@ class SPINRun:
                 "checkpoint")
 
     def _iterate(self, stop) -> None:
-        from aligner.data.preference import PreferenceDataset, collate_preferences
-        from aligner.models import lora
-        from aligner.models.weight_swap import HostWeights
-        from aligner.training import setup
-
         cfg, trainer, built = self.cfg, self.trainer, self.built
         vocab_size = built.model_cfg.vocab_size
         first_iteration = trainer.step // cfg.spin.steps_per_iteration  # > 0 after a resume
@@ -328,9 +317,6 @@ class SPINRun:
 
 def build_spin_run(cfg: SPINConfig) -> SPINRun:
     """Runtime, tokenizer, model, demonstrations, optimizer and schedule, metrics: a run ready to `fit()`."""
-    from aligner.training import setup
-    from aligner.training.metrics import get_logger
-
     spin = cfg.spin
     iteration_betas(spin)
     if not cfg.data.train:

@@ -11,11 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from aligner.runtime.errors import UserError
-
-
-class DataError(UserError, ValueError):
-    """A data file is missing, unreadable or holds a malformed record."""
+from aligner.runtime.errors import DataError
 
 
 def _where(path: str | Path, line: int) -> str:
@@ -105,25 +101,6 @@ def _unencodable(value: Any, field: str) -> Optional[tuple[str, int]]:
         if found is not None:
             return found
     return None
-
-
-def read_json(path: str | Path) -> Any:
-    """The JSON value of a whole file (a config, a tokenizer file, checkpoint metadata).
-
-    A file that is not valid JSON (e.g. cut short by a crash or a full disk) fails as
-    `path:line: not valid JSON (...)`; one that cannot be opened as `path: cannot read it (...)`.
-    """
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as error:
-        raise DataError(f"{path}: cannot read it ({error.strerror or error})") from error
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path}: not valid JSON (not UTF-8 text: {error.reason})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        message = error.msg.removesuffix(" at")  # "Unterminated string starting at" + the position
-        raise DataError(f"{_where(path, error.lineno)}not valid JSON ({message} at column {error.colno})") from None
 
 
 def require_key(record: dict, key: str, path: str | Path, line: int) -> Any:

@@ -8,6 +8,7 @@ from torch.utils.data import Dataset
 
 from aligner.data.sampler import DistributedBatchSampler
 from aligner.data.sft import collate_sft
+from aligner.models.packing import plan_token_budget, prompt_keys
 from aligner.runtime import distributed
 
 
@@ -89,8 +90,6 @@ class MicroBatchLoader:
 
     def _token_budget_micro_batches(self, batch: dict, rows_per_item: int) -> list[dict]:
         """This rank's micro batches of a collated global batch (`plan_token_budget` over its items)."""
-        from aligner.models.packing import plan_token_budget, prompt_keys
-
         items = row_lengths(batch).reshape(-1, rows_per_item).tolist()  # [items][rows per item]
         prompts = None
         if self.shares_prompts and "prompt_lengths" in batch:  # as `packing.packed_rows_of` lays them out

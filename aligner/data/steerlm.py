@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from aligner import config
+from aligner import checkpointing, config
 from aligner.config import one_of
 from aligner.data.jsonl import DataError
+from aligner.data.reward import parse_label
+from aligner.data.sft import conversation_key, parse_conversation
 from aligner.runtime.errors import ConfigError
 
 FORMATS = ("named", "values")
@@ -160,10 +162,6 @@ class AttributeConditioning:
             raise DataError(f"{where}record has no {ATTRIBUTES_KEY!r} (keys present: "
                             f"{', '.join(sorted(map(repr, record))) or 'none'}); SteerLM training needs annotated "
                             "records: run examples/nlp/data/steerlm/annotate.py on the SFT data first")
-        # torch and the tokenizer stack: not at config import
-        from aligner.data.reward import parse_label
-        from aligner.data.sft import conversation_key, parse_conversation
-
         label, mask = parse_label(record[ATTRIBUTES_KEY], self.cfg.attributes, path, line)
         values = {name: value for name, value, present in zip(self.cfg.attributes, label, mask) if present}
         try:
@@ -212,8 +210,6 @@ def steering_for_checkpoint(checkpoint_dir: str | Path, values: Optional[Mapping
 
     values None: no steering asked for (None is returned whatever the checkpoint).
     """
-    from aligner import checkpointing
-
     if values is None:
         return None
     cfg = conditioning_from_meta(checkpointing.read_meta(checkpoint_dir))

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from aligner.data.jsonl import DataError
+from aligner.data.sft import collate_sft
 
 
 def examples_digest(dataset) -> str:
@@ -107,8 +108,6 @@ def collate_distillation(items: list[dict], pad_id: int, pad_to_multiple_of: int
                          k: Optional[int] = None) -> dict:
     """`collate_sft` plus teacher_ids [B, S, k] long and teacher_logits [B, S, k] float at the loss positions
     (zeros elsewhere, where the loss mask is 0)."""
-    from aligner.data.sft import collate_sft
-
     batch = collate_sft([{key: item[key] for key in ("tokens", "loss_mask")} for item in items], pad_id,
                         pad_to_multiple_of)
     rows, seq_len = batch["tokens"].shape

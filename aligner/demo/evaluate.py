@@ -7,8 +7,19 @@ from typing import Optional
 
 import torch
 
+from aligner import checkpointing
+from aligner.checkpointing import CheckpointError
 from aligner.config import run_main
+from aligner.data.jsonl import read_jsonl, require_str
+from aligner.data.reward import ComparisonDataset, RegressionDataset
+from aligner.data.steerlm import condition_prompt, parse_requested_values, steering_for_checkpoint
 from aligner.demo.arithmetic import accuracy_by_carry
+from aligner.generation.reference import generate_full_forward
+from aligner.models import lora
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.reward import load_reward_model
+from aligner.runtime import distributed, seeds
+from aligner.tokenizer import Tokenizer
 
 
 def evaluate_arithmetic(model_chunks, tokenizer, prompts_path: str | Path, *, temperature: float = 0.0,
@@ -20,10 +31,6 @@ def evaluate_arithmetic(model_chunks, tokenizer, prompts_path: str | Path, *, te
     (attribute values, e.g. {"correctness": 4}) and `steerlm` (the checkpoint's SteerLMConfig),
     the prompt asks for those values the way attribute-conditioned SFT rendered them.
     """
-    from aligner.data.jsonl import read_jsonl, require_str
-    from aligner.data.steerlm import condition_prompt
-    from aligner.generation.reference import generate_full_forward
-
     records = [(line, record) for line, record in read_jsonl(prompts_path)][:limit]
     prompts = [require_str(record, "prompt", prompts_path, line) for line, record in records]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
@@ -48,13 +55,6 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, prompts_path: str | Path, *,
 
     steer: attribute values to ask a SteerLM (attribute-conditioned) checkpoint for.
     """
-    from aligner import checkpointing
-    from aligner.data.steerlm import steering_for_checkpoint
-    from aligner.models import lora
-    from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
-    from aligner.runtime import distributed, seeds
-    from aligner.tokenizer import Tokenizer
-
     steerlm = steering_for_checkpoint(checkpoint_dir, steer)  # before loading: a mismatch fails fast
     distributed.initialize(distributed.ParallelConfig())
     seeds.set_seed(seed)
@@ -81,10 +81,6 @@ def _rewards(loaded, sequences: list, batch_size: int = 256) -> torch.Tensor:
 
 def reward_model_accuracy(checkpoint_dir: str | Path, comparisons_path: str | Path, max_seq_length: int = 512) -> dict:
     """Share of held-out pairs where the reward model scores the chosen response higher."""
-    from aligner.data.reward import ComparisonDataset
-    from aligner.models.reward import load_reward_model
-    from aligner.runtime import distributed
-
     distributed.initialize(distributed.ParallelConfig())
     loaded = load_reward_model(checkpoint_dir, micro_batch_size=64)
     pairs = ComparisonDataset(comparisons_path, loaded.tokenizer, max_seq_length)
@@ -97,10 +93,6 @@ def reward_model_accuracy(checkpoint_dir: str | Path, comparisons_path: str | Pa
 def reward_model_correlation(checkpoint_dir: str | Path, attributes_path: str | Path,
                              max_seq_length: int = 512) -> dict:
     """Pearson correlation between predicted and labelled attribute values, per attribute."""
-    from aligner.data.reward import RegressionDataset
-    from aligner.models.reward import load_reward_model
-    from aligner.runtime import distributed
-
     distributed.initialize(distributed.ParallelConfig())
     loaded = load_reward_model(checkpoint_dir, micro_batch_size=64)
     data = RegressionDataset(attributes_path, loaded.tokenizer, max_seq_length, list(loaded.info.attributes))
@@ -145,9 +137,6 @@ def main(argv=None) -> None:
         parser.error("give --prompts (policy), --comparisons or --attributes (reward models)")
     steer = None
     if args.steer is not None:
-        from aligner.checkpointing import CheckpointError
-        from aligner.data.steerlm import parse_requested_values, steering_for_checkpoint
-
         try:
             steer = parse_requested_values(args.steer)
             steering_for_checkpoint(args.checkpoint, steer)  # the checkpoint was conditioned on these attributes

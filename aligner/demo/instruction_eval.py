@@ -19,14 +19,21 @@ from pathlib import Path
 
 import torch
 
+from aligner import checkpointing
 from aligner.config import run_main
+from aligner.data.conversation import ChatEncoder
+from aligner.data.jsonl import read_jsonl
+from aligner.demo.instructions import satisfaction
+from aligner.generation.chat import ChatConfig, ChatSamplingConfig, answer_file, encode_record, load_chat_model
+from aligner.generation.engine import SamplingParams
+from aligner.models.forward import forward_logits
+from aligner.models.gpt import GPTConfig, build_model_chunks
+from aligner.models.lora import load_merged
+from aligner.runtime import distributed
 
 
 def _answers(model, cfg, prompts_file: Path, output_file: Path) -> list[dict]:
     import dataclasses
-
-    from aligner.data.jsonl import read_jsonl
-    from aligner.generation.chat import answer_file
 
     answer_file(model, dataclasses.replace(cfg, prompts_file=str(prompts_file), output_file=str(output_file)))
     return [record for _, record in read_jsonl(output_file)]
@@ -36,9 +43,6 @@ def _kl_to_base(model, base_chunks, prompts: list[list[int]], samples: int, max_
                 seed: int) -> float:
     """Mean over answers sampled from `model` of sum_t log pi(y_t | .) - log pi_base(y_t | .)."""
     import torch.nn.functional as F
-
-    from aligner.generation.engine import SamplingParams
-    from aligner.models.forward import forward_logits
 
     repeated = [prompt for prompt in prompts for _ in range(samples)]
     rollout = model.engine.generate(repeated, SamplingParams(
@@ -57,11 +61,6 @@ def _kl_to_base(model, base_chunks, prompts: list[list[int]], samples: int, max_
 
 
 def _load_base(base: str | Path) -> list:
-    from aligner import checkpointing
-    from aligner.models.gpt import GPTConfig, build_model_chunks
-    from aligner.models.lora import load_merged
-    from aligner.runtime import distributed
-
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(base)["model"])
     chunks = build_model_chunks(model_cfg, distributed.ParallelConfig(), distributed.resolve_precision("auto"))
     load_merged(base, chunks)
@@ -73,12 +72,6 @@ def _load_base(base: str | Path) -> list:
 def evaluate(checkpoint: str | Path, heldout: str | Path, general: str | Path, output_dir: str | Path, *,
              base: str | Path | None = None, max_new_tokens: int = 64, batch_size: int = 32, kl_samples: int = 4,
              seed: int = 0) -> dict:
-    from aligner.data.conversation import ChatEncoder
-    from aligner.data.jsonl import read_jsonl
-    from aligner.demo.instructions import satisfaction
-    from aligner.generation.chat import ChatConfig, ChatSamplingConfig, encode_record, load_chat_model
-    from aligner.runtime import distributed
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     # (batch mode: prompts_file set when the engine is built, which sizes its cache for batch_size rows)

@@ -41,10 +41,21 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Iterator, Optional, 
 import torch.distributed as dist
 from omegaconf import MISSING
 
+from aligner import checkpointing
 from aligner.config import OutputError, one_of
+from aligner.data.conversation import ChatEncoder, parse_prompt, template_errors
+from aligner.data.jsonl import DataError, read_jsonl
+from aligner.data.steerlm import condition_messages, condition_prompt, steering_for_checkpoint
 from aligner.generation.engine import SamplingParams, generate_requests
+from aligner.generation.native import NativeEngine
+from aligner.hf.convert import read_hf_source
+from aligner.hf.sources import resolve_model_source
+from aligner.models import lora
+from aligner.models.gpt import GPTConfig, build_model_chunks
+from aligner.runtime import distributed, seeds
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig, rank_and_world_from_env
 from aligner.runtime.errors import ConfigError
+from aligner.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from aligner.data.conversation import ChatEncoder
@@ -125,16 +136,6 @@ def _is_rank_zero() -> bool:
 
 def load_chat_model(cfg: ChatConfig, stack: contextlib.ExitStack) -> ChatModel:
     """Start the runtime, import an HF directory if given one, load the checkpoint, build the engine."""
-    from aligner import checkpointing
-    from aligner.data.steerlm import steering_for_checkpoint
-    from aligner.generation.native import NativeEngine
-    from aligner.hf.convert import read_hf_source
-    from aligner.hf.sources import resolve_model_source
-    from aligner.models import lora
-    from aligner.models.gpt import GPTConfig, build_model_chunks
-    from aligner.runtime import distributed, seeds
-    from aligner.tokenizer import Tokenizer
-
     checkpoint = resolve_model_source(cfg.init_from, "init_from", _log)  # an HF/GGUF source: imported at TP=1
     steerlm = steering_for_checkpoint(checkpoint, cfg.steer)  # an error before loading if they do not fit
     data_parallel = distributed.initialize(cfg.parallel)
@@ -201,14 +202,10 @@ def stream_reply(model: ChatModel, prompt: list[int], sampling: SamplingParams, 
 
 def steered_messages(model: ChatModel, messages: list[dict]) -> list[dict]:
     """The messages as the model sees them: with the requested attribute values when steering."""
-    from aligner.data.steerlm import condition_messages
-
     return messages if model.steer is None else condition_messages(messages, model.steer, model.steerlm)
 
 
 def steered_prompt(model: ChatModel, prompt: str) -> str:
-    from aligner.data.steerlm import condition_prompt
-
     return prompt if model.steer is None else condition_prompt(prompt, model.steer, model.steerlm)
 
 
@@ -244,7 +241,6 @@ def _read_lines(stream: TextIO, out: TextIO) -> Iterator[Optional[str]]:
 
 def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
     """The read-reply loop; returns the number of replies given."""
-    from aligner.data.conversation import ChatEncoder
 
     def write(text: str) -> None:
         if _is_rank_zero():
@@ -285,9 +281,6 @@ def chat_interactive(model: ChatModel, cfg: ChatConfig, stream: TextIO = sys.std
 def encode_record(model: ChatModel, encoder: ChatEncoder, record: dict, path: str, line: int) -> list[int]:
     """Prompt tokens of one batch-mode record, {"prompt": text or messages} or {"messages": [...]},
     steered when asked to (`ChatEncoder.prompt_tokens` of the steered prompt)."""
-    from aligner.data.conversation import parse_prompt, template_errors
-    from aligner.data.jsonl import DataError
-
     if "messages" not in record and "prompt" not in record:
         raise DataError(f"{path}:{line}: record has neither 'prompt' nor 'messages' "
                         f"(keys present: {', '.join(sorted(map(repr, record))) or 'none'})")
@@ -363,9 +356,6 @@ class AnswerWriter:
 def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
     """Batch mode: one output line per input record, written as the answers come; returns the number of
     records answered. Interrupted (SIGTERM/SIGINT), it says how many answers the file holds and re-raises."""
-    from aligner.data.conversation import ChatEncoder
-    from aligner.data.jsonl import read_jsonl
-
     encoder = ChatEncoder(model.tokenizer, cfg.chat_template)
     sampling = cfg.sampling_params(model.stop_token_ids)
     records = list(read_jsonl(cfg.prompts_file))
@@ -410,8 +400,6 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
 
 def run_chat(cfg: ChatConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     """Load the model and run batch or interactive mode (the whole entry point)."""
-    from aligner.runtime import distributed
-
     cfg.validate()
     if cfg.prompts_file and rank_and_world_from_env()[0] == 0:  # rank 0 writes it; found before the model loads
         require_writable_output(cfg)

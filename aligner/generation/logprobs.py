@@ -29,6 +29,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from aligner.models.deferred_output import HiddenStates, forward_deferred
+from aligner.models.forward import run_microbatches
+
 
 def pack_sequences(prompts: Sequence[Sequence[int]], response_tokens: torch.Tensor, response_lengths: torch.Tensor,
                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,8 +411,6 @@ def selected_logprobs_and_entropy(
     (`product_operands`): the memory of the [n, vocab] logits and their gradient for one more product
     of the layer (benchmarks/README.md); up to one chunk, the layer runs once on all positions first.
     """
-    from aligner.models.layers import HiddenStates
-
     positions = rows * logits.shape[1] + columns
     chunk_tokens = max(1, int(chunk_tokens or LOGPROB_CHUNK_TOKENS))
     settings = dict(vocab_size=vocab_size, temperature=float(temperature), chunk_tokens=chunk_tokens,
@@ -518,9 +519,6 @@ def sequence_logprobs(
     micro_batch_size: rows per forward (default: all at once).
     """
     from megatron.core import parallel_state as ps
-
-    from aligner.models.forward import run_microbatches
-    from aligner.models.layers import forward_deferred
 
     batch, seq = tokens.shape
     width = int(response_lengths.max()) if response_width is None else response_width

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from aligner.generation import logprobs
+from aligner.models.deferred_output import forward_deferred
 from aligner.models.packing import (
     PackedRows,
     PackingSection,
@@ -19,6 +20,7 @@ from aligner.models.packing import (
     plan_micro_batches,
     prompt_keys,
 )
+from aligner.runtime.distributed import device
 
 
 def response_logprobs_and_entropy(
@@ -71,8 +73,6 @@ def packed_sequence_logprobs(
 ) -> torch.Tensor:
     """Response logprobs [N, response_width] of the N sequences of `packed` (on the model's device),
     one forward of the chunk (one pipeline stage: `packs_here`)."""
-    from aligner.models.layers import forward_deferred
-
     model.eval()
     logprobs, _ = response_logprobs_and_entropy(
         forward_deferred(model, packed_forward, packed), packed, prompt_lengths, response_lengths,
@@ -112,8 +112,6 @@ def sequence_logprobs(
         return logprobs.sequence_logprobs(model_chunks, tokens, prompt_lengths, response_lengths,
                                           vocab_size=vocab_size, temperature=temperature, response_width=width,
                                           micro_batch_size=micro_batch_size)
-    from aligner.runtime.distributed import device
-
     target = device()
     lengths = (prompt_lengths + response_lengths).tolist()
     sequences = [tokens[row, :length] for row, length in enumerate(lengths)]

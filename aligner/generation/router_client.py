@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from aligner.generation.engine import Rollout
 from aligner.generation.work_queue import RouterError, WorkQueueClient, WorkQueueServer
 from aligner.runtime.errors import ConfigError
 
@@ -261,8 +262,6 @@ def rebalance_rollouts(local: Mapping[int, T], num_items: int, *, data_parallel_
 # ----------------------------------------------------------------------------- Rollout rows
 def concat_rollouts(rollouts: Sequence, pad_id: int):
     """One batch `Rollout` from several, response columns right-padded to the widest (pad_id, logprob 0)."""
-    from aligner.generation.engine import Rollout
-
     if not rollouts:
         raise ValueError("no rollouts to concatenate")
     width = max(r.response_tokens.shape[1] for r in rollouts)

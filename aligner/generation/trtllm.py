@@ -42,9 +42,12 @@ import torch
 
 from aligner.config import MissingExtraError
 from aligner.generation.engine import Rollout, SamplingParams
+from aligner.generation.router_client import concat_rollouts
 from aligner.hf.layout import check_exportable, infer_arch, unpack_qkv
+from aligner.models import lora
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
+from aligner.runtime import cpu_bridge
 from aligner.runtime.errors import ConfigError
 from aligner.runtime.seeds import TRTLLM_SEED_RANGE, derive_seed
 
@@ -494,8 +497,6 @@ class TensorRTLLMEngine:
         self._trtllm = require_tensorrt_llm()
         from megatron.core import parallel_state as ps
 
-        from aligner.runtime import cpu_bridge
-
         if cpu_bridge.needed():
             raise ConfigError("the TensorRT-LLM engine needs a CUDA GPU; use generation.engine=native on CPU")
         if ps.get_pipeline_model_parallel_world_size() != 1:
@@ -521,8 +522,6 @@ class TensorRTLLMEngine:
     # -- GenerationEngine
     def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
         from megatron.core.utils import unwrap_model
-
-        from aligner.models import lora
 
         if lora.has_adapters(unwrap_model(list(model_chunks))):  # its engine holds the weights alone
             raise ConfigError("generation.engine=trtllm does not apply LoRA adapters; use generation.engine=native, "
@@ -612,8 +611,6 @@ class TensorRTLLMEngine:
                 outputs.get("log_probs").cpu() if outputs.get("log_probs") is not None else None,
                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=stop_ids, pad_id=self.pad_id,
             ))
-        from aligner.generation.router_client import concat_rollouts
-
         return concat_rollouts(parts, self.pad_id)
 
     def free(self) -> None:

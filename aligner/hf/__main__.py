@@ -22,7 +22,9 @@ import argparse
 from typing import Optional, Sequence
 
 from aligner.config import run_main
+from aligner.hf.convert import export_hf, import_gguf, import_hf
 from aligner.hf.layout import ARCHS
+from aligner.hf.sources import is_run_directory, resolve_model_source
 from aligner.runtime.errors import ConfigError
 
 
@@ -71,9 +73,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    from aligner.hf.convert import export_hf, import_gguf, import_hf
-    from aligner.hf.sources import is_run_directory, resolve_model_source
-
     if args.command == "import" and args.gguf:
         path = import_gguf(args.gguf, args.output, dtype=args.dtype or "float32",
                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite)

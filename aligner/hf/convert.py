@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.config import OutputError
-from aligner.data.jsonl import DataError, read_json
+from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
 from aligner.hf.layout import (
     gpt_config_from_hf,
     hf_config_from_gpt,
@@ -37,8 +37,11 @@ from aligner.hf.layout import (
     lora_to_hf,
     megatron_to_hf,
 )
-from aligner.models.gpt import GPTConfig
-from aligner.runtime.errors import ConfigError, UserError
+from aligner.models import lora as lora_adapters
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
+from aligner.runtime.errors import ConfigError, DataError, UserError
+from aligner.runtime.files import read_json
 
 HF_SOURCE_FILE = "hf_source.json"
 # What an export writes besides the HF files (its checkpoint and options); it marks the directory as an
@@ -129,8 +132,6 @@ def _single_model_parallel_group() -> Iterator[None]:
     """TP=1/PP=1 parallel state for the duration (started here unless the caller already has it)."""
     from megatron.core import parallel_state
 
-    from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
-
     if parallel_state.model_parallel_is_initialized():
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -155,8 +156,6 @@ def _single_model_parallel_group() -> Iterator[None]:
 def _build_model(cfg: GPTConfig) -> torch.nn.Module:
     """The TP=1 model; its random initial weights are overwritten, so the caller's RNG is left alone."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-
-    from aligner.models.gpt import build_gpt_model, transformer_config
 
     with torch.random.fork_rng(devices=[]):
         if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
@@ -328,8 +327,6 @@ def import_gguf(
 
     The config (RoPE scaling included), tokenizer and chat template come from the file; then as `import_hf`.
     """
-    from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
-
     torch_dtype(dtype)  # an unknown dtype fails before the file is read
     gguf_file = Path(gguf_file)
     with _staged_output(output_dir, inputs=[gguf_file], record_file=HF_SOURCE_FILE, overwrite=overwrite) as staging:
@@ -432,8 +429,6 @@ def export_hf(
     `overwrite`; never the checkpoint or its base.
     """
     from safetensors.torch import save_file
-
-    from aligner.models import lora as lora_adapters
 
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     inputs = [checkpoint_dir, *([Path(base)] if base is not None else [])]

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from aligner.config import MissingExtraError
-from aligner.data.jsonl import DataError
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, DataError
 
 INSTALL_HINT = "reading GGUF files needs the gguf package: pip install 'aligner[gguf]'"
 # float32 keeps the values exactly as the gguf package dequantises them (every block format decodes

@@ -32,10 +32,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from aligner.data.jsonl import DataError
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig, padded_vocab_size
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, DataError
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2", "gemma3_text")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from aligner.config import REPO_ROOT
-from aligner.data.jsonl import DataError
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, DataError
 
 MODEL_CACHE = REPO_ROOT / ".cache" / "models"
 

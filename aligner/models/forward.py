@@ -7,6 +7,10 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from aligner.models.deferred_output import HiddenStates, forward_deferred
+from aligner.models.packing import PackedRows
+from aligner.runtime.distributed import device
+
 
 def run_microbatches(
     model_chunks: Sequence[torch.nn.Module],
@@ -24,12 +28,9 @@ def run_microbatches(
     forward_fn(model, batch) -> output tensor of the chunk; loss_fn(batch, output) -> the
     (loss_sum, num_tokens, reported) triple megatron expects with per-token loss. Returns the
     reported dicts (only on the last pipeline stage; an empty list elsewhere).
-    defer_output_layer: the last stage's loss_fn gets `layers.HiddenStates` instead of the logits.
+    defer_output_layer: the last stage's loss_fn gets `deferred_output.HiddenStates` instead of the logits.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from aligner.models.layers import HiddenStates, forward_deferred
-    from aligner.runtime.distributed import device
 
     target = device()
     batches: Iterator = iter(microbatches)
@@ -59,8 +60,6 @@ def run_microbatches(
 def batch_to_device(batch, target):
     """A micro batch (a dict, or a dataclass record) with its tensors on `target`; a dict's packed
     rows (`PackedRows`) too."""
-    from aligner.models.packing import PackedRows
-
     if dataclasses.is_dataclass(batch):
         return dataclasses.replace(batch, **{spec.name: getattr(batch, spec.name).to(target, non_blocking=True)
                                              for spec in dataclasses.fields(batch)
@@ -90,8 +89,6 @@ def forward_logits(
     Meant for evaluation and tests, not for the training hot path.
     """
     from megatron.core import parallel_state as ps
-
-    from aligner.runtime.distributed import device
 
     batch_size, seq_length = tokens.shape
     if position_ids is None:

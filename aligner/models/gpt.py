@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.config import MissingExtraError, check_values, one_of
+from aligner.models.packing import gpt_model_class
 from aligner.runtime import cpu_bridge, distributed
 from aligner.runtime.distributed import ParallelConfig
 from aligner.runtime.errors import ConfigError
@@ -372,7 +373,7 @@ def layer_spec(cfg: GPTConfig):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm
         )
-    from aligner.models import layers
+    from aligner.models import layers  # imports megatron-core: see "Imported inside functions" in layers.py
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization
@@ -398,7 +399,7 @@ def decoder_spec(cfg: GPTConfig, config, vp_stage: Optional[int] = None):
     submodules (its layers and a zero-centred final norm: megatron's block otherwise builds its default)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from aligner.models import layers
+    from aligner.models import layers  # imports megatron-core: see "Imported inside functions" in layers.py
 
     spec = layer_spec(cfg)
     if not cfg.zero_centered_norm:
@@ -416,7 +417,7 @@ def configure_rotary_embedding(rotary, cfg: GPTConfig) -> None:
     (`layers.LocalGlobalRotaryEmbedding`)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from aligner.models import layers
+    from aligner.models import layers  # imports megatron-core: see "Imported inside functions" in layers.py
 
     if cfg.llama3_rope_scaling_factor is not None:
         rotary.inv_freq = rotary._apply_scaling(
@@ -453,8 +454,7 @@ def build_gpt_model(
     """One model chunk for this pipeline stage (and virtual stage); parallel_state must be initialised."""
     from megatron.core import parallel_state
 
-    from aligner.models import layers
-    from aligner.models.packing import gpt_model_class
+    from aligner.models import layers  # imports megatron-core: see "Imported inside functions" in layers.py
 
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

@@ -15,9 +15,9 @@ Where megatron's core does something SDPA does not (attention dropout while trai
 variant, query-key layer scaling, sliding windows) the layer runs megatron's own forward.
 
 `BatchMajorOutputLayer`, GPTModel's output layer computing its logits in [batch, seq] order (no transposed
-copy of the logits and of their gradient), or, inside `deferred_output_layer`, none at all: the model then
-returns its final hidden states (`HiddenStates`) and a loss computes the logits only at the positions it
-reads (response tokens, loss positions), not at prompts and padding.
+copy of the logits and of their gradient), or, inside `deferred_output.deferred_output_layer`, none at all:
+the model then returns its final hidden states (`deferred_output.HiddenStates`) and a loss computes the
+logits only at the positions it reads (response tokens, loss positions), not at prompts and padding.
 
 Gemma 3 (`GPTConfig.zero_centered_norm`, `post_layer_norms`, `scale_embeddings`, `local_rotary_base`):
 `ZeroCenteredRMSNorm` (x * (1 + weight), HF's Gemma3RMSNorm op for op), `RowParallelLinearWithPostNorm`
@@ -25,11 +25,16 @@ Gemma 3 (`GPTConfig.zero_centered_norm`, `post_layer_norms`, `scale_embeddings`,
 norms, before the residual add), `ScaledVocabParallelEmbedding` (embeddings times sqrt(hidden_size)),
 and `LocalGlobalRotaryEmbedding` with `LocalGlobalSelfAttention` (sliding-window layers rotate at
 their own base: the model's rotary embedding carries both layers' angles, each attention takes its own).
+
+Imported inside functions. This is the one module of the library that imports megatron-core at import time
+(its classes subclass megatron-core's), so `aligner.models.gpt` imports it inside the functions that build a
+model: an entry point prints --help or a config error without loading megatron-core, and megatron-core is
+first imported after `aligner/__init__.py` has silenced its import-time notices. Every other import of the
+library's own modules sits at the top of its file (tests/unit/test_layering.py counts them).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +89,9 @@ class BatchMajorOutputLayer(ColumnParallelLinear):
     changes its input in place; GPTModel's `_postprocess` turns this off when given labels).
     """
 
+    can_defer = True  # how `deferred_output` (which does not import megatron-core) recognises this layer
     batch_major = True
-    deferred = False  # set by `deferred_output_layer`: return the hidden states, batch-major
+    deferred = False  # set by `deferred_output.deferred_output_layer`: return the hidden states, batch-major
     deferred_weight: Optional[torch.Tensor] = None  # the weight GPTModel passed (tied embeddings), for them
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -99,87 +105,17 @@ class BatchMajorOutputLayer(ColumnParallelLinear):
                                        runtime_gather_output=runtime_gather_output)
         return logits.transpose(0, 1), bias
 
+    def column_parallel_forward(self, input_, weight=None):
+        """megatron's own ColumnParallelLinear forward ([s, b, h] -> [s, b, vocab_shard]): the product that
+        `deferred_output.HiddenStates.logits_at` runs on the rows a loss reads."""
+        return ColumnParallelLinear.forward(self, input_, weight=weight)
+
 
 def make_output_layer_batch_major(model: torch.nn.Module) -> None:
     """Turn a GPTModel's output layer (megatron's ColumnParallelLinear, built by GPTModel itself) into a
     `BatchMajorOutputLayer`: the same module and parameters, only its forward differs."""
     if type(model.output_layer) is ColumnParallelLinear:
         model.output_layer.__class__ = BatchMajorOutputLayer
-
-
-class HiddenStates:
-    """A GPT chunk's output inside `deferred_output_layer`: its final hidden states [b, s, h] (or packed
-    rows [R, L, h]) and the output layer not yet applied. `logits_at` runs that layer (the same module,
-    parameters and tensor-parallel function as the full product) on the rows a loss reads."""
-
-    def __init__(self, tensor: torch.Tensor, layer: BatchMajorOutputLayer, weight: Optional[torch.Tensor]):
-        self.tensor, self.layer, self.weight = tensor, layer, weight
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
-
-    def new_zeros(self, *size, **kwargs) -> torch.Tensor:
-        return self.tensor.new_zeros(*size, **kwargs)
-
-    def product_operands(self, flat_positions: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(the hidden rows at positions of the flattened [b * s] grid [n, h], in the weight's dtype; the layer's
-        weight [vocab_shard, h]) for a loss that runs the layer's product itself, piece by piece
-        (`aligner.generation.logprobs`): the layer is that product alone, with megatron's tensor-parallel
-        gradient rule. None where it does more (a bias, fused or deferred weight-gradient accumulation, a
-        gathered output): the loss then takes `logits_at`."""
-        layer = self.layer
-        if (layer.bias is not None or layer.gradient_accumulation_fusion or layer.gather_output
-                or layer.config.defer_embedding_wgrad_compute):
-            return None
-        weight = layer.weight if self.weight is None else self.weight
-        rows = self.tensor.reshape(-1, self.tensor.shape[-1]).index_select(0, flat_positions)
-        return rows.to(weight.dtype), weight  # as `logits_at` hands them to the layer
-
-    def logits_at(self, flat_positions: torch.Tensor) -> torch.Tensor:
-        """[n, vocab_shard] logits at positions of the flattened [b * s] grid (differentiable)."""
-        rows = self.tensor.reshape(-1, self.tensor.shape[-1]).index_select(0, flat_positions)
-        weight = self.layer.weight if self.weight is None else self.weight
-        # A bf16 model's wrapper hands its output over in fp32: the rows go back to the weights' dtype
-        # (exactly: they were computed in it), as the layer would have received them.
-        rows = rows.to(weight.dtype)
-        logits, _ = ColumnParallelLinear.forward(self.layer, rows.unsqueeze(1), weight=self.weight)
-        return logits.squeeze(1)
-
-
-def _output_layer(model: torch.nn.Module) -> Optional[BatchMajorOutputLayer]:
-    from megatron.core.utils import unwrap_model
-
-    layer = getattr(unwrap_model(model), "output_layer", None)
-    return layer if isinstance(layer, BatchMajorOutputLayer) and not layer.sequence_parallel else None
-
-
-@contextlib.contextmanager
-def deferred_output_layer(model: torch.nn.Module) -> Iterator[Optional[BatchMajorOutputLayer]]:
-    """Within the block the chunk's forward skips its output layer and returns the hidden states;
-    yields that layer (None where the chunk has none: an earlier pipeline stage, a reward model, or
-    sequence parallelism, whose layer gathers the sequence first: there the logits come as before)."""
-    layer = _output_layer(model)
-    if layer is None:
-        yield None
-        return
-    layer.deferred = True
-    try:
-        yield layer
-    finally:
-        layer.deferred = False
-
-
-def forward_deferred(model: torch.nn.Module, forward, *args):
-    """forward(model, *args) with the output layer deferred: `HiddenStates` where the chunk has the
-    layer, else the chunk's own output."""
-    with deferred_output_layer(model) as layer:
-        output = forward(model, *args)
-    return output if layer is None else HiddenStates(output, layer, layer.deferred_weight)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):

@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from aligner import checkpointing
 from aligner.config import at_least, one_of
 from aligner.models import parameter_names as names
 from aligner.runtime.errors import ConfigError
@@ -68,10 +70,6 @@ class PEFTConfig:
 def checkpoint_meta(peft: PEFTConfig, base_dir, train_whole: Sequence[str] = ()) -> dict:
     """The `peft` section of an adapter checkpoint's meta: the settings, the modules trained whole beside the
     adapters, the base's path and a digest of its manifest (which recognises the base wherever it is moved)."""
-    from pathlib import Path
-
-    from aligner import checkpointing
-
     return {**peft.to_dict(), "train_whole": list(train_whole), "base": str(Path(base_dir).resolve()),
             "base_fingerprint": checkpointing.fingerprint(base_dir)}
 
@@ -84,10 +82,6 @@ def config_of(meta: dict) -> PEFTConfig:
 def adapter_base(checkpoint_dir, peft_meta: dict, base=None):
     """The base checkpoint of an adapter checkpoint: `base` if given, else the path it recorded; it must be
     the same model (same manifest digest) when the adapter checkpoint recorded one."""
-    from pathlib import Path
-
-    from aligner import checkpointing
-
     base_dir = Path(base) if base is not None else Path(peft_meta["base"])
     if not (base_dir / checkpointing.META_FILE).is_file():
         raise ConfigError(f"{checkpoint_dir} holds LoRA adapters whose base checkpoint {base_dir} is not an aligner "
@@ -104,8 +98,6 @@ def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=N
     """Load a checkpoint into freshly built (unwrapped) chunks: a whole model as it is, an adapter checkpoint
     onto its base (`adapter_base`) with live adapters. Returns whether the chunks now have adapters.
     skip_prefixes: parameters the checkpoint does not provide (as in `checkpointing.load`)."""
-    from aligner import checkpointing
-
     peft_meta = checkpointing.read_meta(checkpoint_dir).get("peft")
     if peft_meta is None:
         checkpointing.load(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
@@ -122,8 +114,6 @@ def load_for_inference(checkpoint_dir, chunks: Sequence[torch.nn.Module], base=N
 def load_merged(checkpoint_dir, chunks: Sequence[torch.nn.Module], skip_prefixes: Sequence[str] = ()) -> None:
     """Load a checkpoint as whole weights into chunks without adapters: an adapter checkpoint is loaded onto
     its base and merged into it, so any run may start from the result of a LoRA run."""
-    from aligner import checkpointing
-
     chunks = checkpointing.unwrap_chunks(chunks)
     if "peft" not in checkpointing.read_meta(checkpoint_dir):
         checkpointing.load(checkpoint_dir, chunks, skip_prefixes=skip_prefixes)
@@ -249,6 +239,7 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int, t
                 # ranks); the whole one is a duplicate, counted once.
                 set_tensor_model_parallel_attributes(getattr(module, split[0]), True, split[1], 1)
         chunk.lora_train_whole = tuple(train_whole)
+        setattr(chunk, checkpointing.SAVED_KEY_ATTR, is_saved_key)  # checkpoints hold what is_saved_key keeps
         for name, param in chunk.named_parameters():
             whole = name.startswith(chunk.lora_train_whole) and param.requires_grad  # (a frozen bias stays so)
             param.requires_grad = name.endswith(ADAPTER_SUFFIXES) or whole
@@ -309,6 +300,7 @@ def remove_adapters(chunks: Sequence[torch.nn.Module]) -> None:
             delattr(module, name)
     for chunk in chunks:
         chunk.__dict__.pop("lora_train_whole", None)
+        chunk.__dict__.pop(checkpointing.SAVED_KEY_ATTR, None)
 
 
 def merge(chunks: Sequence[torch.nn.Module]) -> None:

@@ -51,6 +51,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from aligner.config import at_least
+from aligner.models.deferred_output import HiddenStates
+from aligner.runtime.errors import ConfigError
 
 
 @dataclass
@@ -67,8 +69,6 @@ class PackingSection:
     micro_batch_tokens: Optional[int] = at_least(1, None, "null: trainer.micro_batch_size per micro batch")
 
     def __post_init__(self):
-        from aligner.runtime.errors import ConfigError
-
         if self.row_length is not None and self.row_length < 2:
             raise ConfigError(f"packing.row_length must be at least 2 tokens, got {self.row_length}")
         if self.micro_batch_tokens is not None and not self.enabled:
@@ -79,8 +79,6 @@ class PackingSection:
         """Token budgets lay out packed rows, which a pipeline schedule (PP > 1) cannot send nor experts
         split over ranks gather (EP > 1: equal token counts per rank), and a micro batch holds at least
         one packed row (`longest_row` tokens, the default row length)."""
-        from aligner.runtime.errors import ConfigError
-
         budget = self.micro_batch_tokens
         if budget is None:
             return
@@ -310,8 +308,6 @@ def empty_packed_rows(pad_id: int) -> PackedRows:
 
 def zero_loss(output: torch.Tensor) -> torch.Tensor:
     """The loss of an empty micro batch: exactly 0, with an exactly-zero gradient through the graph."""
-    from aligner.models.layers import HiddenStates
-
     return (output.tensor if isinstance(output, HiddenStates) else output).sum() * 0.0
 
 

@@ -15,10 +15,15 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from aligner import checkpointing
+from aligner.checkpointing import CheckpointError
 from aligner.config import at_least
 from aligner.models import lora
 from aligner.models.forward import run_microbatches
 from aligner.models.gpt import GPTConfig, build_gpt_model, build_model_chunks
+from aligner.runtime import distributed, seeds
+from aligner.runtime.distributed import ParallelConfig, device
+from aligner.tokenizer import Tokenizer
 
 # The head sits where megatron expects the output layer (module name `output_layer`, parameters
 # `weight`/`bias`) but is stored under its own checkpoint key, so an LM checkpoint's vocabulary
@@ -162,8 +167,6 @@ class RewardInference:
         """Split the rows over data-parallel ranks, run local_fn on this rank's rows, gather all rows."""
         from megatron.core import parallel_state as ps
 
-        from aligner.runtime.distributed import device
-
         batch_size = tokens.shape[0]
         dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         rows_per_rank = -(-batch_size // dp_size)
@@ -218,8 +221,6 @@ class RewardInference:
             chunk.eval()
         run_microbatches(self.chunks, microbatches, forward_fn, capture, forward_only=True,
                          seq_length=seq_length, micro_batch_size=self.micro_batch_size)
-        from aligner.runtime.distributed import device
-
         local = torch.cat(captured) if captured else torch.zeros(padded, *row_shape)
         local = local.to(device())
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -241,8 +242,6 @@ class RewardModelInfo:
 
     @classmethod
     def from_meta(cls, meta: dict, checkpoint_dir) -> "RewardModelInfo":
-        from aligner.checkpointing import CheckpointError
-
         if "reward" not in meta:
             raise CheckpointError(
                 f"{checkpoint_dir} is not a reward-model checkpoint (no 'reward' section in its meta); "
@@ -269,11 +268,6 @@ def load_reward_model(checkpoint_dir, *, micro_batch_size: int, normalize: bool 
     from pathlib import Path
 
     from megatron.core import parallel_state as ps
-
-    from aligner import checkpointing
-    from aligner.runtime import distributed, seeds
-    from aligner.runtime.distributed import ParallelConfig
-    from aligner.tokenizer import Tokenizer
 
     meta = checkpointing.read_meta(checkpoint_dir)
     info = RewardModelInfo.from_meta(meta, checkpoint_dir)

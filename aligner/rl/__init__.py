@@ -1,6 +1,6 @@
 """Reinforcement-learning building blocks shared by the RL trainers, as pure functions on tensors.
 
-ppo_math: masked statistics, reward shaping, KL, GAE, the value loss and entropy;
+masked: masked statistics (the bottom); ppo_math: reward shaping, KL, GAE and the value loss;
 advantages: the registered advantage estimators; policy_losses: the registered policy losses and
 the loss aggregations; mismatch: train/inference mismatch metrics and truncated importance sampling.
 The public names are re-exported here.
@@ -22,6 +22,18 @@ from aligner.rl.advantages import (
     sequence_rewards,
     token_advantages,
 )
+from aligner.rl.masked import (
+    explained_variance,
+    masked_mean,
+    masked_moment_sums,
+    masked_moments,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    moments_from_sums,
+    response_lengths,
+    zero_off_mask,
+)
 from aligner.rl.mismatch import TIS_LEVELS, mismatch_metrics, truncated_importance_weights
 from aligner.rl.policy_losses import (
     AGGREGATIONS,
@@ -38,22 +50,12 @@ from aligner.rl.ppo_math import (
     apply_missing_stop_penalty,
     clip_scores,
     clipped_value_error,
-    explained_variance,
     gae_advantages,
     kl_penalty,
-    masked_mean,
-    masked_moment_sums,
-    masked_moments,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    moments_from_sums,
     normalize_scores,
     overlong_penalty,
-    response_lengths,
     token_rewards,
     value_loss,
-    zero_off_mask,
 )
 
 __all__ = [
@@ -66,9 +68,11 @@ __all__ = [
     "register_policy_loss",
     # mismatch
     "TIS_LEVELS", "mismatch_metrics", "truncated_importance_weights",
+    # masked statistics
+    "explained_variance", "masked_mean", "masked_moment_sums", "masked_moments", "masked_sum", "masked_var",
+    "masked_whiten", "moments_from_sums", "response_lengths", "zero_off_mask",
     # ppo_math
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
-    "clipped_value_error", "explained_variance", "gae_advantages", "kl_penalty", "masked_mean", "masked_moment_sums",
-    "masked_moments", "masked_sum", "masked_var", "masked_whiten", "moments_from_sums", "normalize_scores",
-    "overlong_penalty", "response_lengths", "token_rewards", "value_loss", "zero_off_mask",
+    "clipped_value_error", "gae_advantages", "kl_penalty", "normalize_scores", "overlong_penalty", "token_rewards",
+    "value_loss",
 ]

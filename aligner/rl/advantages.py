@@ -21,14 +21,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from aligner.rl.ppo_math import (
-    Number,
-    gae_advantages,
-    masked_whiten,
-    response_lengths,
-    token_rewards,
-    zero_off_mask,
-)
+from aligner.rl.masked import Number, masked_whiten, response_lengths, zero_off_mask
+from aligner.rl.ppo_math import gae_advantages, token_rewards
 
 
 @dataclass

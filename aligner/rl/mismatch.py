@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from aligner.rl.ppo_math import zero_off_mask
+from aligner.rl.masked import zero_off_mask
 
 TIS_LEVELS = ("token", "sequence")
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from aligner.rl.ppo_math import zero_off_mask
+from aligner.rl.masked import zero_off_mask
 
 AGGREGATIONS = ("token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum", "constant_sum")
 

@@ -13,3 +13,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config value, command-line argument or environment setting cannot work."""
+
+
+class DataError(UserError, ValueError):
+    """A data file is missing, unreadable or holds a malformed record."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from aligner.runtime import run_lock
+from aligner.runtime import distributed, run_lock
 from aligner.runtime.errors import ConfigError
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -244,8 +244,6 @@ def exit_on_stop(stop: KeyboardInterrupt) -> None:
     After `Stopped` every rank stopped at the same step, so the process group is torn down as after
     a success; after `Interrupted` the peers may be anywhere, so that teardown is skipped.
     """
-    from aligner.runtime import distributed
-
     signal_number = getattr(stop, "signal_number", signal.SIGINT)
     if not isinstance(stop, Stopped):
         distributed.exiting_on_error()

@@ -33,6 +33,7 @@ import torch
 from aligner.config import MissingExtraError, OutputError, at_least, one_of, require_writable_dir
 from aligner.runtime import cpu_products
 from aligner.runtime.distributed import is_rank_zero
+from aligner.runtime.errors import DataError
 
 
 @dataclass
@@ -72,8 +73,6 @@ def read_metrics(path: str | Path, *splits: str, newest_attempt: bool = False,
     step N, the earlier rows with step > N), so each step appears once, from its newest attempt.
     include_markers: keep the marker rows as well (they are left out otherwise, whatever `splits` says).
     """
-    from aligner.data.jsonl import DataError
-
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE

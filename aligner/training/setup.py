@@ -13,17 +13,31 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
+from aligner import checkpointing
 from aligner.config import at_least, one_of
+from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
+from aligner.data.loader import MicroBatchLoader
 from aligner.data.records import Layouts, check_data_source
 from aligner.hf.sources import resolve_model_source, source_kind
-from aligner.models.gpt import ACTIVATION_RECOMPUTE, GPTConfig, build_gpt_model, build_model_chunks
-from aligner.models.lora import PEFTConfig
-from aligner.runtime import distributed
+from aligner.models.gpt import (
+    ACTIVATION_RECOMPUTE,
+    GPTConfig,
+    build_gpt_model,
+    build_model_chunks,
+    num_parameters,
+    padded_vocab_size,
+)
+from aligner.models.lora import PEFTConfig, apply_lora, load_merged
+from aligner.models.lora import checkpoint_meta as lora_checkpoint_meta
+from aligner.runtime import distributed, seeds
+from aligner.runtime.cpu_bridge import mark_written
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig
 from aligner.runtime.errors import ConfigError
+from aligner.tokenizer import Tokenizer
 from aligner.training.lr_ranges import lr_warning
-from aligner.training.metrics import LoggingConfig, get_logger
-from aligner.training.trainer import CheckpointConfig, TrainerConfig
+from aligner.training.metrics import LoggingConfig, MetricsLogger, PeakRate, get_logger
+from aligner.training.schedule import schedule_settings
+from aligner.training.trainer import CheckpointConfig, Trainer, TrainerConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 MIN_LR_FRACTION = 0.1  # optim.min_lr: null decays to this fraction of optim.lr
@@ -132,7 +146,6 @@ def use_fused_adam_on_cpu(optimizer) -> None:
     That kernel (torch 2.13, CPU) does not move the parameters' version counters: a step hook does, so
     caches keyed by them (the native engine's packed weights, which SPIN's self-play reads) see the update.
     """
-    from aligner.runtime.cpu_bridge import mark_written
 
     def mark_fused_groups_written(inner, args, kwargs) -> None:
         for group in inner.param_groups:
@@ -162,11 +175,6 @@ def build_trainer(cfg: "RunConfig", built: TrainingModel, objective, *, total_st
     (plus `checkpoint_meta`), and the throughput/MFU settings. Resuming stays with the caller.
     length_settings: the config keys that set the run's length (default trainer.max_steps), which a
     resume reports when they changed."""
-    from aligner.models.gpt import num_parameters
-    from aligner.training.metrics import MetricsLogger, PeakRate
-    from aligner.training.schedule import schedule_settings
-    from aligner.training.trainer import Trainer
-
     model_cfg = built.model_cfg
     if cfg.model.init_from and cfg.LR_METHOD is not None:  # fine-tuning a pretrained model: is the lr a known one?
         warning = lr_warning(cfg.optim.lr, cfg.LR_METHOD, built.peft_meta is not None, num_parameters(model_cfg))
@@ -214,8 +222,6 @@ def build_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 def check_resumed_adapters(checkpoint_dir, peft_meta: dict, init_from_key: str) -> None:
     """A LoRA run resumes adapters trained on the same base with the same shape and scale; anything else
     would load (or fail to load) adapters that mean something else."""
-    from aligner import checkpointing
-
     saved = checkpointing.read_meta(checkpoint_dir).get("peft")
     if saved is None:
         return  # a whole-model checkpoint: checkpointing.load names that mismatch
@@ -306,11 +312,6 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     train_whole_with_lora: parameter-name prefixes that still train whole under LoRA and are saved with the
     adapters (a reward model's or critic's head).
     """
-    from aligner import checkpointing
-    from aligner.runtime import seeds
-    from aligner.tokenizer import Tokenizer
-    from aligner.training.metrics import get_logger
-
     lora = peft is not None and peft.enabled
     if lora and not model.init_from:
         raise ConfigError(f"peft.scheme=lora trains adapters on a pretrained model: set {init_from_key}")
@@ -346,8 +347,6 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
             f"{model_cfg.vocab_size}"
         )
 
-    from aligner.models.gpt import num_parameters, padded_vocab_size
-
     # Before the model is built: a used save_dir, an unwritable or full disk fail at once.
     stored_cfg = dataclasses.replace(model_cfg, vocab_size=padded_vocab_size(
         model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size))
@@ -359,15 +358,10 @@ def build_training_model(*, parallel: ParallelConfig, precision: str, seed: int,
     chunks = build_model_chunks(model_cfg, parallel, params_dtype, chunk_builder,
                                 activation_recompute=model.activation_recompute)
     if init_from and (latest is None or lora):  # a LoRA checkpoint holds the adapters only
-        from aligner.models.lora import load_merged
-
         load_merged(init_from, chunks, skip_prefixes=skip_prefixes)  # (an adapter checkpoint: merged into its base)
         get_logger().info(f"initialised from {init_from}")
     peft_meta = None
     if lora:
-        from aligner.models.lora import apply_lora
-        from aligner.models.lora import checkpoint_meta as lora_checkpoint_meta
-
         apply_lora(chunks, peft, seed, train_whole=train_whole_with_lora)
         peft_meta = lora_checkpoint_meta(peft, init_from, train_whole_with_lora)
         if latest is not None:
@@ -388,8 +382,6 @@ def build_loader(dataset, *, trainer_cfg, data_parallel_size: int, seed: int, sh
     """Micro-batch loader for this data-parallel rank (packing: its token budget, if any, forms the micro batches)."""
     from megatron.core import parallel_state as ps
 
-    from aligner.data.loader import MicroBatchLoader
-
     return MicroBatchLoader(
         dataset, global_batch_size=trainer_cfg.global_batch_size, micro_batch_size=trainer_cfg.micro_batch_size,
         data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=data_parallel_size, seed=seed,
@@ -406,8 +398,6 @@ def build_datasets(*, train: list, validation: list, split: str, seed: int, trai
     validation entries, `split` (e.g. "98,2") carves a validation part out of each train file.
     load_dataset(entry) -> a Dataset. Returns (train_set, val_set or None).
     """
-    from aligner.data.blending import BlendedDataset, IndexedSubset, split_indices
-
     if not train:
         raise ConfigError("data.train is empty: give at least one {path, weight} entry")
     train_sets, val_sets = [], [load_dataset(entry) for entry in validation]
@@ -435,7 +425,6 @@ def build_loaders(train_set, val_set, *, trainer_cfg, data_parallel_size: int, s
                   pad_id: int, pad_to_multiple_of: Optional[int], collate_fn: Optional[Callable] = None,
                   packing=None) -> tuple:
     """(train loader, validation loader or None); validation smaller than one global batch is off."""
-    from aligner.training.metrics import get_logger
 
     def loader(dataset, shuffle_data):
         return build_loader(dataset, trainer_cfg=trainer_cfg, data_parallel_size=data_parallel_size, seed=seed,

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.config import at_least
+from aligner.data.loader import row_lengths
 from aligner.models.forward import run_microbatches
 from aligner.runtime import stopping
+from aligner.runtime.distributed import device
 from aligner.training import schedule
 from aligner.training.metrics import MetricsLogger, PeakRate, transformer_flops_per_token
 
@@ -61,7 +63,7 @@ class Objective(Protocol):
     loss is a mean over that batch whatever the layout. `report` values are 1-element tensors that
     are summed the same way and handed to `summarize` to become metrics. An objective whose loss
     reads the logits at some positions only sets `reads_logits_at_positions = True`: its loss then
-    gets `aligner.models.layers.HiddenStates` on GPT chunks (the output layer applied where it reads).
+    gets `aligner.models.deferred_output.HiddenStates` on GPT chunks (the output layer applied where it reads).
     """
 
     def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor: ...
@@ -251,8 +253,6 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     """
     from megatron.core import parallel_state as ps
 
-    from aligner.runtime.distributed import device
-
     # micro batches of different kinds may report different keys
     keys = sorted(set().union(*reports)) if reports else []
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -297,8 +297,6 @@ def real_token_count(batch) -> int:
 
     Dict batches: `aligner.data.loader.row_lengths`.
     """
-    from aligner.data.loader import row_lengths
-
     if not isinstance(batch, dict):
         return batch.real_tokens
     if batch.get("packed") is not None:
@@ -309,8 +307,6 @@ def real_token_count(batch) -> int:
 def global_token_count(microbatches: list) -> float:
     """Real input tokens of the global batch (for tokens/s and MFU)."""
     from megatron.core import parallel_state as ps
-
-    from aligner.runtime.distributed import device
 
     local = torch.tensor([float(sum(real_token_count(batch) for batch in microbatches))], device=device())
     dist.all_reduce(local, group=ps.get_data_parallel_group())

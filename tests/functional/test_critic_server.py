@@ -339,7 +339,7 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
 
 def test_first_train_call_equals_the_float64_reference(client, references, rollout):
     from aligner.generation.logprobs import response_mask
-    from aligner.rl.ppo_math import explained_variance
+    from aligner.rl.masked import explained_variance
 
     loss, grad_norm, clip_fraction = float64_reference(references, rollout)
     metrics = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"], rollout["old_values"])

@@ -175,7 +175,7 @@ def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_defaul
 
     from aligner.config import CONF_DIR
     from aligner.data.jsonl import DataError
-    from aligner.rl.rollouts import PromptDataset
+    from aligner.generation.rollouts import PromptDataset
     from aligner.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(smollm2_checkpoint / "tokenizer")

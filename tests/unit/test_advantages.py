@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aligner.rl import advantages as A
+from aligner.rl import masked as S  # the masked statistics
 from aligner.rl import ppo_math as M
 
 # Three prompts, k = 2, uneven responses (one full row, one single-token row).
@@ -190,9 +191,9 @@ def test_gae_is_exactly_the_ppo_path():
     settings = A.AdvantageSettings(gamma=0.99, lam=0.95, whiten_rewards=True, whiten_advantages=True)
     result = A.compute_advantages("gae", inputs, settings)
     rewards = M.token_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
-    rewards = M.masked_whiten(rewards, inputs.mask, shift_mean=False)
+    rewards = S.masked_whiten(rewards, inputs.mask, shift_mean=False)
     advantages, returns = M.gae_advantages(rewards, inputs.values, inputs.mask, 0.99, 0.95)
-    advantages = M.masked_whiten(advantages, inputs.mask)
+    advantages = S.masked_whiten(advantages, inputs.mask)
     assert torch.equal(result.advantages, advantages) and torch.equal(result.returns, returns)
 
 

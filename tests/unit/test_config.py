@@ -14,7 +14,8 @@ from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
-from aligner.config import CONF_DIR, ConfigError, at_least, load_config, one_of, parse_command_line, run_training
+from aligner.config import CONF_DIR, ConfigError, at_least, load_config, one_of, parse_command_line
+from aligner.training.run import run_training
 from servers.critic import CriticServerConfig
 
 from ..conftest import dotted_keys

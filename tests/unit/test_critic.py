@@ -6,7 +6,7 @@ import torch
 
 from aligner.algorithms.critic import move_optimizer_state, optimizer_state_on_device
 from aligner.generation.logprobs import response_mask, response_values
-from aligner.rl.rollouts import values_at_response
+from aligner.generation.rollouts import values_at_response
 
 
 def test_response_values_read_the_column_before_each_response_token():
@@ -135,7 +135,7 @@ def test_library_critic_infers_trains_offloads_and_resumes(tmp_path):
     from aligner.clients.protocol import CRITIC_TRAIN_METRICS
     from aligner.demo.tokenizer import train_char_tokenizer
     from aligner.models.reward import load_reward_model
-    from aligner.rl.ppo_math import explained_variance
+    from aligner.rl.masked import explained_variance
     from aligner.runtime import distributed
     from tests.functional.test_critic_server import make_one_attribute_checkpoint, right_padded
 

@@ -16,15 +16,16 @@ from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.rl_actor import RLActorConfig
 from aligner.algorithms.sft import SFTConfig, build_sft_trainer
 from aligner.algorithms.spin import SPINConfig, load_demonstrations
-from aligner.config import CONF_DIR, load_config, run_training
+from aligner.config import CONF_DIR, load_config
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset
 from aligner.data.records import open_records, read_records
 from aligner.data.reward import ComparisonDataset, RegressionDataset
 from aligner.data.sft import SFTDataset, encode_record
 from aligner.data.unpaired import UnpairedDataset
-from aligner.rl.rollouts import PromptDataset
+from aligner.generation.rollouts import PromptDataset
 from aligner.training import setup
+from aligner.training.run import run_training
 
 from ..conftest import write_jsonl
 from .test_sft_data import CHAT_TEMPLATE, make_tokenizer

@@ -151,7 +151,8 @@ def _sft_cases(root: Path, tokenizer_dir: Path) -> list[tuple[str, list, str]]:
 _RUN_SFT_CASES = """
 import contextlib, io, json, sys
 from aligner.algorithms.sft import SFTConfig, build_sft_trainer
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 results = []
 for args in json.loads(sys.argv[1]):
     sys.argv = ["train_gpt_sft.py", *args]
@@ -270,7 +271,8 @@ def test_every_entry_point_script_ends_a_user_error_with_one_line(tmp_path):
 
 
 def test_read_json_names_file_and_line(tmp_path):
-    from aligner.data.jsonl import DataError, read_json
+    from aligner.runtime.errors import DataError
+    from aligner.runtime.files import read_json
 
     path = tmp_path / "meta.json"
     path.write_text('{\n  "format": "x",\n  "model": nope\n}\n')

@@ -228,8 +228,8 @@ class GenerateOnly:
 
 @pytest.mark.parametrize("router_kind", ["static", "dynamic"])
 def test_rollouts_stream_micro_batches_through_the_engine_with_the_same_rows(router_kind):
+    from aligner.generation.rollouts import collect_rollouts
     from aligner.generation.router_client import DynamicRouter, StaticRouter
-    from aligner.rl.rollouts import collect_rollouts
 
     cfg, model = make_model("gpt2")
     prompts = mixed_prompts() + mixed_prompts(seed=3)

@@ -13,14 +13,14 @@ import torch
 
 from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
 from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
-from aligner.rl.rewards import load_function
-from aligner.rl.rollouts import (
+from aligner.generation.rollouts import (
     PromptOrder,
     RolloutBatch,
     RolloutRow,
     micro_batch_seed,
     values_at_response,
 )
+from aligner.rl.rewards import load_function
 
 from ..conftest import dotted_keys
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from aligner.rl import masked as S  # the masked statistics
 from aligner.rl import ppo_math as M
 
 LENGTHS = [6, 3, 1, 4]  # one full row, one single-token row
@@ -39,28 +40,28 @@ def ref_var(xs: list[float], unbiased: bool = False) -> float:
 # ----------------------------------------------------------------------------- masked statistics
 def test_zero_off_mask_replaces_garbage_and_checks_shapes():
     values = random_tokens(40, pad=float("inf"))
-    zeroed = M.zero_off_mask(values, make_mask())
+    zeroed = S.zero_off_mask(values, make_mask())
     for b, n in enumerate(LENGTHS):
         for t in range(T):
             assert float(zeroed[b, t]) == (float(values[b, t]) if t < n else 0.0)
     with pytest.raises(ValueError, match="does not match"):
-        M.zero_off_mask(values, make_mask()[:, :3])
+        S.zero_off_mask(values, make_mask()[:, :3])
 
 
 def test_response_lengths_and_right_padding_check():
-    assert M.response_lengths(make_mask()).tolist() == LENGTHS
+    assert S.response_lengths(make_mask()).tolist() == LENGTHS
     holey = make_mask().clone()
     holey[0, 2] = False
     with pytest.raises(ValueError, match=r"rows \[0\] are not right-padded"):
-        M.response_lengths(holey)
+        S.response_lengths(holey)
 
 
 def test_masked_sum_and_mean_match_loops_and_ignore_padding():
     values = random_tokens(0)
     mask = make_mask()
-    assert float(M.masked_sum(values, mask)) == pytest.approx(sum(on_mask(values)), rel=1e-6)
-    assert float(M.masked_mean(values, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
-    per_row = M.masked_mean(values, mask.float(), dim=-1)  # a 0/1 float mask works the same
+    assert float(S.masked_sum(values, mask)) == pytest.approx(sum(on_mask(values)), rel=1e-6)
+    assert float(S.masked_mean(values, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
+    per_row = S.masked_mean(values, mask.float(), dim=-1)  # a 0/1 float mask works the same
     for b, n in enumerate(LENGTHS):
         assert float(per_row[b]) == pytest.approx(ref_mean([float(values[b, t]) for t in range(n)]), rel=1e-6)
 
@@ -68,33 +69,33 @@ def test_masked_sum_and_mean_match_loops_and_ignore_padding():
 def test_masked_mean_empty_mask_raises():
     values = torch.ones(2, 3)
     with pytest.raises(ValueError, match="mask is empty"):
-        M.masked_mean(values, torch.zeros(2, 3, dtype=torch.bool))
+        S.masked_mean(values, torch.zeros(2, 3, dtype=torch.bool))
     row_empty = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     with pytest.raises(ValueError, match="some slice along dim 1"):
-        M.masked_mean(values, row_empty, dim=1)
+        S.masked_mean(values, row_empty, dim=1)
     with pytest.raises(ValueError, match="does not match"):
-        M.masked_mean(values, torch.ones(3, 2))
+        S.masked_mean(values, torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("unbiased", [False, True])
 def test_masked_var_matches_loop(unbiased):
     values = random_tokens(1, scale=2.0, shift=5.0)
     expected = ref_var(on_mask(values), unbiased)
-    assert float(M.masked_var(values, make_mask(), unbiased=unbiased)) == pytest.approx(expected, rel=1e-6)
+    assert float(S.masked_var(values, make_mask(), unbiased=unbiased)) == pytest.approx(expected, rel=1e-6)
 
 
 def test_masked_var_needs_enough_entries():
     one = torch.tensor([[3.0, 0.0]])
     mask = torch.tensor([[True, False]])
-    assert float(M.masked_var(one, mask)) == 0.0
+    assert float(S.masked_var(one, mask)) == 0.0
     with pytest.raises(ValueError, match="at least 2 masked entries for the unbiased variance"):
-        M.masked_var(one, mask, unbiased=True)
+        S.masked_var(one, mask, unbiased=True)
 
 
 def test_masked_var_is_accurate_for_a_large_mean():
     # sum_sq - n mean^2 in float32 would lose every digit here; the float64 sums keep them.
     values = random_tokens(2, scale=1e-2, shift=1e3)
-    assert float(M.masked_var(values.double(), make_mask())) == pytest.approx(ref_var(on_mask(values)), rel=1e-9)
+    assert float(S.masked_var(values.double(), make_mask())) == pytest.approx(ref_var(on_mask(values)), rel=1e-9)
 
 
 @pytest.mark.parametrize("shift_mean", [True, False])
@@ -103,7 +104,7 @@ def test_masked_whiten_matches_loop(shift_mean):
     mask = make_mask()
     xs = on_mask(values)
     mean, var = ref_mean(xs), ref_var(xs)
-    whitened = M.masked_whiten(values, mask, shift_mean=shift_mean)
+    whitened = S.masked_whiten(values, mask, shift_mean=shift_mean)
     for b in range(len(LENGTHS)):
         for t in range(T):
             if t < LENGTHS[b]:
@@ -116,15 +117,15 @@ def test_masked_whiten_matches_loop(shift_mean):
 def test_whitening_invariances():
     values = random_tokens(4, scale=5.0, shift=7.0)
     mask = make_mask()
-    whitened = M.masked_whiten(values, mask)
-    assert float(M.masked_mean(whitened, mask)) == pytest.approx(0.0, abs=1e-6)
-    assert float(M.masked_var(whitened, mask)) == pytest.approx(1.0, rel=1e-5)
-    kept = M.masked_whiten(values, mask, shift_mean=False)
-    assert float(M.masked_mean(kept, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
-    assert float(M.masked_var(kept, mask)) == pytest.approx(1.0, rel=1e-5)
+    whitened = S.masked_whiten(values, mask)
+    assert float(S.masked_mean(whitened, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert float(S.masked_var(whitened, mask)) == pytest.approx(1.0, rel=1e-5)
+    kept = S.masked_whiten(values, mask, shift_mean=False)
+    assert float(S.masked_mean(kept, mask)) == pytest.approx(ref_mean(on_mask(values)), rel=1e-6)
+    assert float(S.masked_var(kept, mask)) == pytest.approx(1.0, rel=1e-5)
     # The unbiased option divides by n - 1: its whitened values have unbiased variance 1.
-    unbiased = M.masked_whiten(values, mask, unbiased=True)
-    assert float(M.masked_var(unbiased, mask, unbiased=True)) == pytest.approx(1.0, rel=1e-5)
+    unbiased = S.masked_whiten(values, mask, unbiased=True)
+    assert float(S.masked_var(unbiased, mask, unbiased=True)) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_moment_sums_of_shards_combine_to_the_global_batch():
@@ -133,16 +134,16 @@ def test_moment_sums_of_shards_combine_to_the_global_batch():
     mask = make_mask()
     first, second = (values[:2], mask[:2]), (values[2:], mask[2:])
     # Pass 1 (center 0) gives the global mean, pass 2 the spread around it: each an addition of shards.
-    combined = M.masked_moment_sums(*first) + M.masked_moment_sums(*second)
-    torch.testing.assert_close(combined, M.masked_moment_sums(values, mask))
-    mean, _ = M.moments_from_sums(combined)
-    combined = M.masked_moment_sums(*first, center=mean) + M.masked_moment_sums(*second, center=mean)
-    torch.testing.assert_close(combined, M.masked_moment_sums(values, mask, center=mean))
-    mean, var = M.moments_from_sums(combined, center=mean)
+    combined = S.masked_moment_sums(*first) + S.masked_moment_sums(*second)
+    torch.testing.assert_close(combined, S.masked_moment_sums(values, mask))
+    mean, _ = S.moments_from_sums(combined)
+    combined = S.masked_moment_sums(*first, center=mean) + S.masked_moment_sums(*second, center=mean)
+    torch.testing.assert_close(combined, S.masked_moment_sums(values, mask, center=mean))
+    mean, var = S.moments_from_sums(combined, center=mean)
     assert float(mean) == pytest.approx(ref_mean(on_mask(values)), rel=1e-12)
     assert float(var) == pytest.approx(ref_var(on_mask(values)), rel=1e-12)
     # Each half whitened with the global statistics is the matching half of the whole batch whitened.
-    whole = M.masked_whiten(values, mask)
+    whole = S.masked_whiten(values, mask)
     half = torch.where(first[1], (first[0] - mean) * torch.rsqrt(var + 1e-8), 0.0)
     torch.testing.assert_close(half, whole[:2])
 
@@ -150,16 +151,16 @@ def test_moment_sums_of_shards_combine_to_the_global_batch():
 def test_group_path_equals_the_local_one(world_group):
     values = random_tokens(6, scale=2.0, shift=3.0)
     mask = make_mask()
-    torch.testing.assert_close(M.masked_mean(values, mask, group=world_group), M.masked_mean(values, mask))
-    torch.testing.assert_close(M.masked_var(values, mask, group=world_group), M.masked_var(values, mask))
+    torch.testing.assert_close(S.masked_mean(values, mask, group=world_group), S.masked_mean(values, mask))
+    torch.testing.assert_close(S.masked_var(values, mask, group=world_group), S.masked_var(values, mask))
     for shift_mean in (True, False):
-        torch.testing.assert_close(M.masked_whiten(values, mask, shift_mean=shift_mean, group=world_group),
-                                   M.masked_whiten(values, mask, shift_mean=shift_mean))
+        torch.testing.assert_close(S.masked_whiten(values, mask, shift_mean=shift_mean, group=world_group),
+                                   S.masked_whiten(values, mask, shift_mean=shift_mean))
     returns = random_tokens(7)
-    torch.testing.assert_close(M.explained_variance(values, returns, mask, group=world_group),
-                               M.explained_variance(values, returns, mask))
+    torch.testing.assert_close(S.explained_variance(values, returns, mask, group=world_group),
+                               S.explained_variance(values, returns, mask))
     with pytest.raises(ValueError, match="only supported with dim=None"):
-        M.masked_mean(values, mask, dim=1, group=world_group)
+        S.masked_mean(values, mask, dim=1, group=world_group)
 
 
 # ----------------------------------------------------------------------------- scores -> rewards
@@ -363,8 +364,8 @@ def test_explained_variance():
     mask = make_mask()
     xs, ys = on_mask(values), on_mask(returns)
     expected = 1 - ref_var([y - x for x, y in zip(xs, ys)]) / ref_var(ys)
-    assert float(M.explained_variance(values, returns, mask)) == pytest.approx(expected, rel=1e-5)
-    assert float(M.explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    assert float(S.explained_variance(values, returns, mask)) == pytest.approx(expected, rel=1e-5)
+    assert float(S.explained_variance(returns, returns, mask)) == pytest.approx(1.0)
     constant = torch.full_like(returns, ref_mean(ys))
-    assert float(M.explained_variance(constant, returns, mask)) == pytest.approx(0.0, abs=1e-6)
-    assert math.isnan(float(M.explained_variance(values, torch.ones_like(returns), mask)))
+    assert float(S.explained_variance(constant, returns, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert math.isnan(float(S.explained_variance(values, torch.ones_like(returns), mask)))

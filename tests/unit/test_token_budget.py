@@ -265,7 +265,7 @@ def test_with_token_budgets_the_first_minibatch_trains_on_the_logprob_pass_rows_
     """The logprob pass plans the first epoch's token-budget micro batches, so the first minibatch's
     training logprobs (the output layer deferred, as the trainer runs it) equal the old ones exactly."""
     from aligner.generation.packed_logprobs import response_logprobs_and_entropy
-    from aligner.models.layers import forward_deferred
+    from aligner.models.deferred_output import forward_deferred
 
     model = _tiny_model("llama").eval()
     experience = _experience(12, seed=9)

@@ -7,7 +7,7 @@ import torch
 from aligner.data.preference import collate_preferences
 from aligner.data.reward import collate_comparisons, collate_regression
 from aligner.data.sft import collate_sft
-from aligner.rl.rollouts import RolloutBatch, RolloutRow
+from aligner.generation.rollouts import RolloutBatch, RolloutRow
 from aligner.training.trainer import real_token_count
 
 EOS = PAD = 2  # as in SmolLM2 and Qwen: the pad id is the eos id

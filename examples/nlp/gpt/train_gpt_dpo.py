@@ -4,7 +4,8 @@
         'data.train=[{path: preferences.jsonl}]' [dpo.beta=0.1 dpo.preference_loss=dpo ...]
 """
 from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(DPOConfig, "gpt_dpo.yaml", build_dpo_trainer))

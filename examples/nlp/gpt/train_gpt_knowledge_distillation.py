@@ -5,7 +5,8 @@
         'data.train=[{path: sft.jsonl, teacher_topk: sft.topk.safetensors}]' [kd.sft_loss_weight=0.5 ...]
 """
 from aligner.algorithms.distillation import KDConfig, build_kd_trainer
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(KDConfig, "gpt_knowledge_distillation.yaml", build_kd_trainer))

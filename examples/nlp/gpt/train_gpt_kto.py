@@ -4,7 +4,8 @@
         'data.train=[{path: feedback.jsonl}]' [kto.beta=0.1 kto.desirable_weight=1.0 ...]
 """
 from aligner.algorithms.kto import KTOConfig, build_kto_trainer
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(KTOConfig, "gpt_kto.yaml", build_kto_trainer))

@@ -8,7 +8,8 @@ The critic server (serve_ppo_critic.py) and the reward source must be up; exampl
 starts everything on one machine.
 """
 from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(RLActorConfig, "gpt_ppo_actor.yaml", build_rl_actor))

@@ -9,7 +9,8 @@ docs/algorithms/rl.md lists each algorithm's settings; algorithm=ppo: train_gpt_
 reward.source=server a reward-model server (serve_reward_model.py) must be up.
 """
 from aligner.algorithms.rl_actor import GroupRLActorConfig, build_rl_actor
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(GroupRLActorConfig, "gpt_reinforce_actor.yaml", build_rl_actor))

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_sft.py [--config conf/gpt_sft.yaml] key=value ...
 """
 from aligner.algorithms.sft import SFTConfig, build_sft_trainer
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(SFTConfig, "gpt_sft.yaml", build_sft_trainer))

@@ -9,7 +9,8 @@ from aligner.algorithms.reward_model import (
     finish_reward_model,
     serve_command,
 )
-from aligner.config import run_main, run_training
+from aligner.config import run_main
+from aligner.training.run import run_training
 
 if __name__ == "__main__":
     run_main(lambda: run_training(RewardModelConfig, "training_rm.yaml", build_reward_model_trainer,

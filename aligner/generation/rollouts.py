@@ -28,8 +28,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from aligner.data.records import Layouts
+from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
+from aligner.data.jsonl import DataError
+from aligner.data.records import Layouts, open_records
 from aligner.generation.engine import Rollout, SamplingParams, generate_requests
+from aligner.generation.logprobs import pack_sequences, response_mask, response_values
+from aligner.generation.sampling import sample_keys
 from aligner.runtime.seeds import epoch_seed
 
 # ----------------------------------------------------------------------------- prompts
@@ -51,10 +55,6 @@ class PromptDataset:
 
     def __init__(self, path, tokenizer, max_prompt_length: int, use_template: bool = True,
                  length_key: str = "data.max_prompt_length"):
-        from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
-        from aligner.data.jsonl import DataError
-        from aligner.data.records import open_records
-
         self.path = str(path)
         self.prompts: list[Prompt] = []
         self.tokens: list[list[int]] = []
@@ -109,10 +109,6 @@ def record_columns(record: dict) -> dict:
 def first_prompt_record(path) -> tuple[str, object, dict]:
     """("file:line", prompt, other columns) of the first record of a prompt file: what the reward functions are
     probed with before the model is built (no tokenizer needed)."""
-    from aligner.data.conversation import parse_prompt
-    from aligner.data.jsonl import DataError
-    from aligner.data.records import open_records
-
     for line, record in open_records(path):
         return f"{path}:{line}", parse_prompt(record, "prompt", path, line), record_columns(record)
     raise DataError(f"{path}: the file holds no prompts; expected {{\"prompt\": ...}} lines")
@@ -230,8 +226,6 @@ def micro_batch_seed(seed: int, first_index: int) -> int:
     Micro-batches are fixed runs of indices, so a prompt's sample does not depend on which replica
     generated it.
     """
-    from aligner.generation.sampling import sample_keys
-
     return int(sample_keys(seed, torch.tensor([first_index]))[0])
 
 
@@ -271,8 +265,6 @@ class RolloutBatch:
     def from_rows(cls, indexed_rows: Sequence[tuple[int, RolloutRow]], pad_id: int, seq_length: Optional[int] = None,
                   response_width: Optional[int] = None) -> "RolloutBatch":
         """seq_length / response_width: fixed widths (a pipeline schedule needs one sequence length)."""
-        from aligner.generation.logprobs import pack_sequences, response_mask
-
         indices = [index for index, _ in indexed_rows]
         rows = [row for _, row in indexed_rows]
         lengths = torch.tensor([len(row.response) for row in rows], dtype=torch.long)
@@ -305,8 +297,6 @@ class RolloutBatch:
 
 def values_at_response(values: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
     """Per-token values of one sequence [width] -> [response_length] (`logprobs.response_values` of one row)."""
-    from aligner.generation.logprobs import response_values
-
     return response_values(values.unsqueeze(0), torch.tensor([prompt_length]), response_length)[0]
 
 
