@@ -36,15 +36,23 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The unit tier in two processes of one thread each (pytest-xdist, a file per worker: its module fixtures are built
-# once): its tests are single-threaded Python, which one process runs on one core. Then every other tier in one
-# process: they start torchrun jobs, servers and timed faults that need the cores to themselves. Both always run;
-# either failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
+# First the sources are byte-compiled once: with PYTHONDONTWRITEBYTECODE set (as in CI's image) every process the
+# tests start would compile aligner again (~0.7 s each, hundreds of processes). The unit tier runs in two processes
+# of one thread each (pytest-xdist, a file per worker: its module fixtures are built once): its tests are
+# single-threaded Python, which one process runs on one core. The distributed tier too (a file per worker; each
+# torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
+# the gaps (8 of its files: 335 s in one process, 292 s in two). Then the other tiers in one process: they time
+# faults and servers, and the real-model runs use both cores. All three always run; any failing fails the target
+# (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
 test: install real-model lint
+	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/unit; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests --ignore=tests/unit; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/distributed; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS) tests --ignore=tests/unit \
+		--ignore=tests/distributed; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	exit $$status
 

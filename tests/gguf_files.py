@@ -120,11 +120,14 @@ def transformers_reference(path: Path):
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    with no_init_weights():  # every weight is overwritten below
-        model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    from aligner.hf.gguf import parsed_once
+
+    with parsed_once(path):  # transformers' three reads would otherwise parse the file three times
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with no_init_weights():  # every weight is overwritten below
+            model = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     # assign: the model's parameters are these tensors (no second copy of the weights)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.config import OutputError
-from aligner.hf.gguf import read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
+from aligner.hf.gguf import parsed_once, read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
 from aligner.hf.layout import (
     gpt_config_from_hf,
     hf_config_from_gpt,
@@ -330,11 +330,12 @@ def import_gguf(
     torch_dtype(dtype)  # an unknown dtype fails before the file is read
     gguf_file = Path(gguf_file)
     with _staged_output(output_dir, inputs=[gguf_file], record_file=HF_SOURCE_FILE, overwrite=overwrite) as staging:
-        config = read_gguf_config(gguf_file)
-        hf_config = config.to_dict()
-        cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
-        tokenizer = read_gguf_tokenizer(gguf_file)
-        hf_state = read_gguf_state_dict(gguf_file, config, dtype)
+        with parsed_once(gguf_file):  # each read below would otherwise parse the file again
+            config = read_gguf_config(gguf_file)
+            hf_config = config.to_dict()
+            cfg, arch = _model_config(hf_config, gguf_file, make_vocab_size_divisible_by)
+            tokenizer = read_gguf_tokenizer(gguf_file)
+            hf_state = read_gguf_state_dict(gguf_file, config, dtype)
         source = {"source_file": str(gguf_file.resolve()), "dtype": dtype, "generation_config": None}
         with tempfile.TemporaryDirectory() as scratch:
             tokenizer.save_pretrained(scratch)

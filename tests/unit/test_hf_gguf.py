@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +87,38 @@ def test_gguf_import_in_bfloat16_rounds_the_dequantised_weights_and_exports_in_b
         assert exported[name].dtype == torch.bfloat16
         assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
     assert (tmp_path / "export" / "chat_template.jinja").is_file()
+
+
+def test_gguf_import_parses_the_file_once_and_restores_the_reader_class(tmp_path, monkeypatch):
+    """transformers builds a GGUFReader per read (config, tokenizer, weights) and the RoPE check one more:
+    within `parsed_once` they share one parse (the values are the other tests' business)."""
+    import gguf
+
+    from aligner.hf import import_gguf
+    from aligner.hf.gguf import parsed_once
+
+    gguf_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    other_file = write_tiny_llama_gguf(tmp_path / "other.gguf", seed=1)
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(Path(path).resolve())
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    import_gguf(gguf_file, tmp_path / "ckpt")
+    assert parsed == [gguf_file.resolve()]
+    assert gguf.GGUFReader is CountingReader
+
+    parsed.clear()
+    with pytest.raises(RuntimeError, match="inside"), parsed_once(tmp_path / "." / "tiny.gguf"):
+        shared = gguf.GGUFReader(str(gguf_file))
+        assert gguf.GGUFReader(gguf_file) is shared  # the same file by another spelling
+        assert gguf.GGUFReader(other_file) is not gguf.GGUFReader(other_file)  # any other file: parsed each time
+        raise RuntimeError("inside")
+    assert parsed == [gguf_file.resolve()] + [other_file.resolve()] * 2
+    assert gguf.GGUFReader is CountingReader  # restored after an error too
 
 
 def llama_cpp_rope_divisors(rope_theta: float, head_dim: int, factor: float,
