@@ -92,7 +92,7 @@ def main() -> None:
                     timed.append((seconds, tokens, metrics["generated_tokens"], shares))
         finally:
             actor.rollouts.router.close()
-            actor.reward_source.close()
+            actor.rollouts.reward_source.close()
     seconds = statistics.median(t[0] for t in timed)
     per_second = statistics.median(t[1] / t[0] for t in timed)
     print(f"median step {seconds:.2f} s; generated tokens/s {statistics.median(t[2] / t[0] for t in timed):,.0f}; "

@@ -132,7 +132,6 @@ class RLActor:
         self.objective: PolicyObjective = policy.objective
         self.reference = reference  # HostWeights of the initial policy (LoRA: lora.BaseReference); None: no KL
         self.teacher = teacher  # (chunks, GPTConfig) of the teacher, the reference in on-policy distillation
-        self.reward_source = reward_source  # None: the combined critic server sends the rewards with the values
         self.reward_names = list(getattr(reward_source, "names", ()))  # reward functions: metrics reward/<name>
         self.critic = critic
         self.prompts = prompts
@@ -206,7 +205,7 @@ class RLActor:
                 stop.check(self.step, self.save_unless_saved)
         finally:
             self.rollouts.router.close()
-            for client in (self.reward_source, self.critic):
+            for client in (self.rollouts.reward_source, self.critic):
                 if hasattr(client, "close"):
                     client.close()
 
@@ -279,7 +278,7 @@ class RLActor:
         return plan.logprobs(chunks, model_cfg.vocab_size, self.temperature, self.response_width)
 
     # -- 4: scores -> shaped scores -> advantages
-    def shaped_scores(self, batch) -> torch.Tensor:
+    def shaped_scores(self, batch: RolloutBatch) -> torch.Tensor:
         reward = self.cfg.reward
         scores = batch.scores()
         if reward.missing_stop_penalty is not None:
@@ -293,7 +292,7 @@ class RLActor:
             scores = ppo_math.clip_scores(scores, reward.clip)
         return scores
 
-    def make_experience(self, batch, old_logprobs: Optional[torch.Tensor],
+    def make_experience(self, batch: RolloutBatch, old_logprobs: Optional[torch.Tensor],
                         reference_logprobs: Optional[torch.Tensor]) -> Experience:
         """reference_logprobs None: no KL penalty (a fixed coefficient of 0), and no KL metric.
         old_logprobs None: the update's forward gives them, and measures the mismatch."""
@@ -439,7 +438,7 @@ class RLActor:
         interval, step = self.cfg.logging.samples_interval, self.step + 1
         return interval > 0 and (step == 1 or step % interval == 0 or step == self.cfg.trainer.max_steps)
 
-    def log_samples(self, batch) -> None:
+    def log_samples(self, batch: RolloutBatch) -> None:
         """One rollout of each of this rank's first logging.num_samples prompts: on the console (truncated) and as
         a TensorBoard text table (whole)."""
         picks = list(range(0, len(batch.indices), self.cfg.rollout.samples_per_prompt))[:self.cfg.logging.num_samples]

@@ -52,7 +52,7 @@ def build_ours(work: Workload, checkpoint_dir: Path, data: Path, scratch: Path) 
 
         def rl_close() -> None:
             actor.rollouts.router.close()
-            actor.reward_source.close()
+            actor.rollouts.reward_source.close()
 
         return OurTrainer(work.task, actor, config, rl_step, rl_close)
 

@@ -64,7 +64,7 @@ def use_checks(actor, monkeypatch, **checks) -> None:
     """The actor's reward.* checks set to `checks` (undone after the test), its function source rebuilt."""
     for key, value in checks.items():
         monkeypatch.setattr(actor.cfg.reward, key, value)
-    monkeypatch.setattr(actor, "reward_source", build_reward_source(actor.cfg.reward))
+    monkeypatch.setattr(actor.rollouts, "reward_source", build_reward_source(actor.cfg.reward))
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def test_a_call_past_reward_timeout_s_stops_the_run_naming_the_prompt(actor, mon
                                  f"prompt at {actor.prompts.path}:{MESSAGES_LINE} (raise reward.timeout_s if its calls "
                                  "take that long)")
     with pytest.raises(UserError, match="did not return within"):  # the source stays failed: no call queues behind
-        actor.reward_source.score_async([[1]], ["1+2="], ["3"], ["x.jsonl:1"]).result()
+        actor.rollouts.reward_source.score_async([[1]], ["1+2="], ["3"], ["x.jsonl:1"]).result()
 
 
 def test_slow_calls_within_the_timeout_give_their_scores(actor, monkeypatch):
