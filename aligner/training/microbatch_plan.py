@@ -128,12 +128,11 @@ class DataParallel:
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts).to(tensor.device)
 
-    def gather_sequence_rows(self, rows: SequenceRows, engine_logprobs: bool = False) -> SequenceRows:
-        """The rollouts of every rank (rank r's rows at r * B ...), on every rank; the engine's logprobs
-        only if asked for."""
+    def gather_sequence_rows(self, rows: SequenceRows) -> SequenceRows:
+        """The rollouts of every rank (rank r's rows at r * B ...), on every rank; the engine's logprobs left out
+        (`StepPlan.minibatches` gathers them where the update reads them)."""
         return SequenceRows(self.gather_rows(rows.tokens), self.gather_rows(rows.prompt_lengths),
-                            self.gather_rows(rows.response_lengths), self.gather_rows(rows.mask),
-                            self.gather_rows(rows.engine_logprobs) if engine_logprobs else None)
+                            self.gather_rows(rows.response_lengths), self.gather_rows(rows.mask))
 
 
 # ----------------------------------------------------------------------------- the planner
