@@ -53,7 +53,8 @@ def main() -> None:
 
     import torch
 
-    from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
+    from aligner.algorithms.rl_config import RLActorConfig
     from aligner.config import CONF_DIR, load_config
     from benchmarks.models import resolve_model
 
@@ -90,8 +91,8 @@ def main() -> None:
                 if step >= args.warmup:
                     timed.append((seconds, tokens, metrics["generated_tokens"], shares))
         finally:
-            actor.router.close()
-            actor.reward_source.close()
+            actor.rollouts.router.close()
+            actor.rollouts.reward_source.close()
     seconds = statistics.median(t[0] for t in timed)
     per_second = statistics.median(t[1] / t[0] for t in timed)
     print(f"median step {seconds:.2f} s; generated tokens/s {statistics.median(t[2] / t[0] for t in timed):,.0f}; "

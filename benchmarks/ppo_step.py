@@ -80,7 +80,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
+    from aligner.algorithms.rl_config import RLActorConfig
     from aligner.algorithms.sft import SFTObjective
     from aligner.config import CONF_DIR, load_config
     from aligner.rl.rewards import RuleRewardSource
@@ -121,13 +122,13 @@ def main() -> None:
             return time.perf_counter() - start
 
         captured = {}
-        original = trainer.collect_batch
+        original = trainer.rollouts.collect
 
         def keep_batch(*a, **kw):
             captured["batch"], rollout_metrics = original(*a, **kw)
             return captured["batch"], rollout_metrics
 
-        trainer.collect_batch = keep_batch
+        trainer.rollouts.collect = keep_batch
         trainer.train_step()  # warm-up (allocations, first-call costs)
         rows = []
         for _ in range(args.repeats):
@@ -136,7 +137,7 @@ def main() -> None:
             batch = captured["batch"]
             tokens = float((batch.prompt_lengths + batch.response_lengths).sum())
             rows.append((metrics, baseline, tokens))
-        trainer.router.close()
+        trainer.rollouts.router.close()
 
     def median(key):
         return statistics.median(m[key] for m, _, _ in rows)

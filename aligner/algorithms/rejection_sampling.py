@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from aligner import checkpointing
-from aligner.algorithms.rl_actor import ServerAddress, build_reward_source
+from aligner.algorithms.rl_build import build_reward_source
+from aligner.algorithms.rl_config import ServerAddress
 from aligner.algorithms.sft import SFTObjective
 from aligner.config import at_least, one_of
 from aligner.data.records import Layouts

@@ -38,7 +38,8 @@ def build_ours(work: Workload, checkpoint_dir: Path, data: Path, scratch: Path) 
 
     yaml_name, overrides = aligner_overrides(work, checkpoint_dir, data, scratch)
     if work.task in RL_TASKS:
-        from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+        from aligner.algorithms.rl_build import build_rl_actor
+        from aligner.algorithms.rl_config import RLActorConfig
 
         config = load_config(RLActorConfig, CONF_DIR / yaml_name, overrides)
         actor = build_rl_actor(config)
@@ -50,8 +51,8 @@ def build_ours(work: Workload, checkpoint_dir: Path, data: Path, scratch: Path) 
             return {**metrics, "seconds": time.perf_counter() - started}
 
         def rl_close() -> None:
-            actor.router.close()
-            actor.reward_source.close()
+            actor.rollouts.router.close()
+            actor.rollouts.reward_source.close()
 
         return OurTrainer(work.task, actor, config, rl_step, rl_close)
 

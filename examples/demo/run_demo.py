@@ -100,7 +100,7 @@ PPO_CRITIC_OVERRIDES = [
 ]
 
 # The group methods: 20 steps of 64 prompts x 8 samples in two minibatches (two updates per step, so each
-# method's ratio clipping acts), no KL, each with its preset (algorithm=NAME: aligner.algorithms.rl_actor.ALGORITHMS)
+# method's ratio clipping acts), no KL, each with its preset (algorithm=NAME: aligner.algorithms.rl_config.ALGORITHMS)
 # plus the extra settings listed in GROUP_RL_RUNS. Chosen over three SFT seeds (examples/demo/demo_seeds.py;
 # docs/results/demo.md): with 4 samples an SFT model that rarely carries leaves most carry groups uniformly wrong
 # (advantage 0); at lr 2e-4 the policy gave back the no-carry answers.

@@ -11,7 +11,7 @@ from aligner.algorithms.dpo import DPOConfig
 from aligner.algorithms.kto import KTOConfig
 from aligner.algorithms.rejection_sampling import RSConfig
 from aligner.algorithms.reward_model import RewardModelConfig
-from aligner.algorithms.rl_actor import RLActorConfig
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, at_least, load_config, one_of, parse_command_line

@@ -242,7 +242,8 @@ def _tiny_policy(root, tokenizer_dir, tokenizer):
 def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_path, actor, chat_template):
     """A step on multi-turn ChatML prompts: the reward source and critic get prompt_tokens + the engine's
     ids, the training micro batches hold the same rows, and the reward function gets the messages."""
-    from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
+    from aligner.algorithms.rl_config import RLActorConfig
     from aligner.config import CONF_DIR, load_config
 
     tokenizer = build_chat_tokenizer(tmp_path / "tokenizer", "smollm2")
@@ -263,7 +264,7 @@ def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_
         cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml",
                           common + ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"])
         trainer = build_rl_actor(cfg, reward_source=reward)
-    trainer.engine = engine = SpellingEngine(trainer.engine, spelled, tokenizer.pad_id)
+    trainer.rollouts.engine = engine = SpellingEngine(trainer.rollouts.engine, spelled, tokenizer.pad_id)
     trained_rows = []
     train_step = trainer.policy.train_step
 
@@ -280,7 +281,7 @@ def test_token_in_token_out_from_engine_to_reward_critic_and_training_batch(tmp_
     try:
         trainer.train_step()
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
 
     encoder = ChatEncoder(tokenizer, chat_template)

@@ -13,7 +13,7 @@ from aligner.algorithms.distillation import KDConfig
 from aligner.algorithms.dpo import DPOConfig
 from aligner.algorithms.kto import KTOConfig
 from aligner.algorithms.reward_model import RewardModelConfig
-from aligner.algorithms.rl_actor import RLActorConfig
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig, build_sft_trainer
 from aligner.algorithms.spin import SPINConfig, load_demonstrations
 from aligner.config import CONF_DIR, load_config

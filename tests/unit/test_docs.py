@@ -157,7 +157,7 @@ def test_every_documented_command_names_a_script_and_keys_that_exist(tokens):
     assert (REPO_ROOT / script).is_file(), f"{script} does not exist"
     entries = gen_config_reference.entry_points()
     if script.endswith("launch_ppo.py"):  # KEY=VALUE after --actor-arg / --critic-arg, each to its schema
-        from aligner.algorithms.rl_actor import RLActorConfig
+        from aligner.algorithms.rl_config import RLActorConfig
         from servers.critic import CriticServerConfig
 
         elided = True  # the launcher sets the rest (the critic's init_from, ports, directories)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from aligner.algorithms.rl_actor import RLActorConfig
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
 from aligner.config import CONF_DIR, ConfigError, load_config

@@ -71,7 +71,7 @@ ACTOR_REQUIRED = ["model.init_from=/sft", "data.prompts=p.jsonl"]
 
 
 def _configs(critic_overrides=(), actor_overrides=()):
-    from aligner.algorithms.rl_actor import RLActorConfig
+    from aligner.algorithms.rl_config import RLActorConfig
     from aligner.config import CONF_DIR, load_config
     from servers.critic import CriticServerConfig
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from aligner.algorithms.dpo import DPOConfig
-from aligner.algorithms.rl_actor import RLActorConfig
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
 from aligner.training.lr_ranges import known_rate, lr_warning

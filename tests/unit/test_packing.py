@@ -114,22 +114,31 @@ def test_packed_logprob_pass_equals_the_padded_one(style):
     assert torch.equal(off, padded)
 
 
-def _policy_actor(cfg_settings, model=None):
-    """An RLActor with what policy_microbatches and scale_losses read (one process, no engine)."""
-    import torch.distributed as dist
-
-    from aligner.algorithms.rl_actor import PolicyObjective, RLActor, RLActorConfig
+def _actor_config(cfg_settings):
+    """The group yaml with rollouts of 12 + 12 tokens (rows of 24) and micro batches of 2."""
+    from aligner.algorithms.rl_config import RLActorConfig
     from aligner.config import CONF_DIR, load_config
 
-    cfg = load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml", [
+    return load_config(RLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml", [
         "model.init_from=x", "data.prompts=p.jsonl", "reward.source=function", "reward.function=m:f",
-        "trainer.micro_batch_size=2", "loss.entropy_coef=0.01", *cfg_settings])
-    actor = RLActor.__new__(RLActor)
-    actor.cfg, actor.dp_group, actor.seq_length = cfg, dist.group.WORLD, 24
-    actor.chunks = [model if model is not None else _tiny_model("llama")]
-    actor.tokenizer = type("Tokenizer", (), {"pad_id": 0})()
-    actor.objective = PolicyObjective(VOCAB, 0.7, cfg.loss, cfg.clip_high, cfg.constant_normalizer, 0.0)
-    return actor
+        "data.max_prompt_length=12", "generation.max_new_tokens=12", "trainer.micro_batch_size=2",
+        "loss.entropy_coef=0.01", *cfg_settings])
+
+
+def _policy_planner(cfg_settings, model=None, *, rank=0, ranks=1, group=None):
+    """(the RL actor's micro-batch planner, its objective) of the group yaml with `cfg_settings`, on `model`
+    (default a tiny llama), as data-parallel rank `rank` of `ranks` (one process plays every rank unless
+    `group` is a real data-parallel group)."""
+    import torch.distributed as dist
+
+    from aligner.algorithms.rl_actor import policy_planner
+    from aligner.algorithms.rl_objective import PolicyObjective
+    from aligner.training.microbatch_plan import DataParallel
+
+    cfg = _actor_config(cfg_settings)
+    objective = PolicyObjective(VOCAB, 0.7, cfg.loss, cfg.clip_high, cfg.constant_normalizer, 0.0)
+    model = model if model is not None else _tiny_model("llama")
+    return policy_planner(cfg, model, 0, objective, DataParallel(group or dist.group.WORLD, rank, ranks)), objective
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean"])
@@ -137,31 +146,26 @@ def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregat
     """A minibatch of five rollouts: the padded micro batches (2 sequences each) and the packed ones
     (2 rows of 24 tokens each) give the same loss, metrics and gradients within 1e-6. Megatron divides
     the summed micro-batch losses (and so the gradients) by the summed counts, 1 per micro batch."""
-    from types import SimpleNamespace
-
-    from aligner.algorithms.rl_actor import Experience
     from aligner.generation.logprobs import response_mask
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama").train()
     tokens, prompts, responses = _rollouts(seed=2)
     generator = torch.Generator().manual_seed(3)
     mask = response_mask(responses, 12)
-    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    rows = SequenceRows(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
     old = torch.where(mask, -torch.rand(5, 12, generator=generator) * 3, 0)
-    experience = Experience(batch=batch, old_logprobs=old, advantages=torch.randn(5, 12, generator=generator) * mask,
-                            importance_weights=None, returns=None, values=None, scores=None, sequence_rewards=None,
-                            metrics={})
+    targets = PolicyTargets(advantages=torch.randn(5, 12, generator=generator) * mask, old_logprobs=old)
     ids = torch.tensor([4, 0, 2, 1, 3])
     results = {}
     for enabled in (False, True):
-        actor = _policy_actor([f"packing.enabled={str(enabled).lower()}", f"loss.aggregation={aggregation}",
-                               "packing.share_prompts=false"], model)
-        microbatches = actor.scale_losses(actor.policy_microbatches(
-            experience, ids, torch.arange(24).unsqueeze(0).expand(2, -1)))
+        planner, objective = _policy_planner([f"packing.enabled={str(enabled).lower()}",
+                                              f"loss.aggregation={aggregation}", "packing.share_prompts=false"], model)
+        microbatches = planner.scale_losses(planner.policy_microbatches(rows, targets, ids))
         model.zero_grad(set_to_none=True)
         total, reports = 0.0, []
         for microbatch in microbatches:
-            loss, _, report = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+            loss, _, report = objective.loss(microbatch, objective.forward(model, microbatch))
             loss.backward()
             total += float(loss)
             reports.append(report)
@@ -277,30 +281,26 @@ def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_ro
     """A sequence's rounding depends on its place in a packed row: the logprob pass packs the first
     epoch's minibatches, so the first minibatch's training logprobs are bit-equal to the old ones
     (the ratio is exactly 1); so with shared prompts too (`_group_rollouts`)."""
-    from types import SimpleNamespace
-
     from aligner.generation.logprobs import response_mask
     from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs_and_entropy
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama").eval()
     tokens, prompts, responses = rollouts(seed=8)
     count = len(tokens)
     mask = response_mask(responses, 12)
-    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
-    actor = _policy_actor([f"trainer.global_batch_size={count}"], model)
-    actor.model_cfg, actor.temperature, actor.response_width = SimpleNamespace(vocab_size=VOCAB), 0.7, 12
-    actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
-    old = actor.logprobs(batch)
-    plan = actor.logprob_plan(batch)
+    rows = SequenceRows(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    planner, objective = _policy_planner([f"trainer.global_batch_size={count}"], model)
+    old = planner.plan_step(3, rows).logprobs([model], VOCAB, 0.7, 12)
+    plan = planner.logprob_plan(rows, 3)
     assert sorted(i for micro in plan for row in micro for i in row) == list(range(count))
-    first = actor.minibatch_order(count, 0)
-    assert plan == actor.packed_plan(batch, first)
-    experience = SimpleNamespace(batch=batch, old_logprobs=old, advantages=torch.zeros(count, 12),
-                                 importance_weights=None)
-    for microbatch in actor.policy_microbatches(experience, first, torch.arange(24).unsqueeze(0).expand(2, -1)):
+    first = planner.minibatch_order(3, count, 0)
+    assert plan == planner.packed_plan(rows, first)
+    targets = PolicyTargets(advantages=torch.zeros(count, 12), old_logprobs=old)
+    for microbatch in planner.policy_microbatches(rows, targets, first):
         with torch.no_grad():
             trained, _ = packed_response_logprobs_and_entropy(
-                actor.objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
+                objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
                 microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7, response_width=12)
         assert torch.equal(trained, microbatch.old_logprobs)
         assert microbatch.packed.shares_prompts
@@ -354,11 +354,9 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
     """Three prompts' six rollouts: logprobs, the policy loss and every gradient from rows that hold
     each prompt once equal the padded layout's within 1e-6 (float rounding of different sums), while
     the model runs over 50 tokens instead of 64."""
-    from types import SimpleNamespace
-
-    from aligner.algorithms.rl_actor import Experience
     from aligner.generation import logprobs
     from aligner.generation.logprobs import response_mask
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama")
     tokens, prompts, responses = _group_rollouts()
@@ -374,19 +372,19 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
     model.train()
     generator = torch.Generator().manual_seed(5)
     mask = response_mask(responses, 12)
-    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
-    experience = Experience(batch=batch, old_logprobs=torch.where(mask, -torch.rand(6, 12, generator=generator), 0),
-                            advantages=torch.randn(6, 12, generator=generator) * mask, importance_weights=None,
-                            returns=None, values=None, scores=None, sequence_rewards=None, metrics={})
+    rows = SequenceRows(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    targets = PolicyTargets(old_logprobs=torch.where(mask, -torch.rand(6, 12, generator=generator), 0),
+                            advantages=torch.randn(6, 12, generator=generator) * mask)
     results = {}
     for share in (False, True):
-        actor = _policy_actor([f"packing.enabled={str(share).lower()}", "trainer.micro_batch_size=6"], model)
-        microbatches = actor.scale_losses(actor.policy_microbatches(
-            experience, torch.tensor([5, 3, 0, 1, 4, 2]), torch.arange(24).unsqueeze(0).expand(6, -1)))
+        planner, objective = _policy_planner([f"packing.enabled={str(share).lower()}", "trainer.micro_batch_size=6"],
+                                             model)
+        microbatches = planner.scale_losses(planner.policy_microbatches(rows, targets,
+                                                                        torch.tensor([5, 3, 0, 1, 4, 2])))
         model.zero_grad(set_to_none=True)
         total = 0.0
         for microbatch in microbatches:
-            loss, _, report = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+            loss, _, report = objective.loss(microbatch, objective.forward(model, microbatch))
             loss.backward()
             total += float(loss)
         count = len(microbatches)
@@ -394,7 +392,7 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
                           {name: p.grad / count for name, p in model.named_parameters()}, microbatches)
     (padded_tokens, padded_loss, padded_grads, _), (shared_tokens, shared_loss, shared_grads, packed) = \
         results[False], results[True]
-    assert actor.shares_prompts and actor.row_length == 48 and actor.rows_per_micro_batch == 3
+    assert planner.shares_prompts and planner.row_length == 48 and planner.rows_per_micro_batch == 3
     assert all(m.packed.shares_prompts for m in packed)
     assert (padded_tokens, shared_tokens) == (64, 50)
     assert shared_loss == pytest.approx(padded_loss, abs=1e-6)
@@ -412,6 +410,6 @@ def test_shared_prompts_are_off_where_asked_and_on_transformer_engine_attention(
     assert not packing.shares_prompts_here(packing.SharedPromptPackingSection(), model)
     model._aligner_thd_attention = False
     for settings in (["packing.share_prompts=false"], ["rollout.samples_per_prompt=1"]):
-        actor = _policy_actor(settings, model)  # the padded row's length: no groups to make room for
-        assert (actor.row_length, actor.rows_per_micro_batch) == (24, 2)
-    assert _policy_actor(["packing.row_length=30"], model).row_length == 30
+        planner, _ = _policy_planner(settings, model)  # the padded row's length: no groups to make room for
+        assert (planner.row_length, planner.rows_per_micro_batch) == (24, 2)
+    assert _policy_planner(["packing.row_length=30"], model)[0].row_length == 30

@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from aligner.algorithms.rl_actor import RLActorConfig, build_reward_source, build_rl_actor
+from aligner.algorithms.rl_build import build_reward_source, build_rl_actor
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
 from aligner.rl.rewards import RewardChecks, RewardError, RuleRewardSource
 from aligner.runtime.errors import ConfigError

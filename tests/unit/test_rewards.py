@@ -1,7 +1,7 @@
 """Rewards checked at the source (aligner/rl/rewards.py): what a reward function or server may return, what
 the run does when it returns something else, raises, fails to import, hangs or edits its prompt, and the
 replace-and-count mode. Most cases go through the real RL actor (one tiny actor for the module, scoring its
-rollouts with `generate_and_score`); the subprocess runs are in tests/faults/test_reward_faults.py."""
+rollouts with `RolloutCollector.generate_and_score`); the subprocess runs are in tests/faults/test_reward_faults.py."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from aligner.algorithms.rl_actor import RLActorConfig, build_reward_source, build_rl_actor
+from aligner.algorithms.rl_build import build_reward_source, build_rl_actor
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
 from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError, UserError
@@ -49,13 +50,13 @@ def actor(tiny):
     root, policy, prompts = tiny
     trainer = build_rl_actor(load_config(RLActorConfig, GROUP_YAML, actor_settings(policy, prompts, root, FUNCTION)))
     yield trainer
-    trainer.router.close()
+    trainer.rollouts.router.close()
     trainer.metrics.close()
     distributed.shutdown()
 
 
 def score(actor) -> dict:
-    rows, _ = actor.generate_and_score(INDICES, {}, seed=1, with_values=False)
+    rows, _ = actor.rollouts.generate_and_score(INDICES, {}, seed=1, with_values=False)
     return rows
 
 
@@ -63,7 +64,7 @@ def use_checks(actor, monkeypatch, **checks) -> None:
     """The actor's reward.* checks set to `checks` (undone after the test), its function source rebuilt."""
     for key, value in checks.items():
         monkeypatch.setattr(actor.cfg.reward, key, value)
-    monkeypatch.setattr(actor, "reward_source", build_reward_source(actor.cfg.reward))
+    monkeypatch.setattr(actor.rollouts, "reward_source", build_reward_source(actor.cfg.reward))
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_replace_mode_replaces_invalid_scores_counts_them_and_warns_once(actor, 
     replaced = [position for position, row in rows.items() if row.score_replaced]
     assert replaced == [4, 5]  # the two samples of the conversation prompt
     assert [rows[position].score for position in range(8)] == [1.0] * 4 + [-1.0] * 2 + [1.0] * 2
-    metrics = actor.make_experience(actor.to_batch(sorted(rows.items())), None, None).metrics
+    metrics = actor.make_experience(actor.rollouts.to_batch(sorted(rows.items())), None, None).metrics
     assert metrics["invalid_rewards"] == 2 and metrics["reward_mean"] == pytest.approx(0.5)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert warnings == [f"warning: reward function {FUNCTION} returned nan for the prompt at {actor.prompts.path}:"
@@ -190,7 +191,7 @@ def test_a_call_past_reward_timeout_s_stops_the_run_naming_the_prompt(actor, mon
                                  f"prompt at {actor.prompts.path}:{MESSAGES_LINE} (raise reward.timeout_s if its calls "
                                  "take that long)")
     with pytest.raises(UserError, match="did not return within"):  # the source stays failed: no call queues behind
-        actor.reward_source.score_async([[1]], ["1+2="], ["3"], ["x.jsonl:1"]).result()
+        actor.rollouts.reward_source.score_async([[1]], ["1+2="], ["3"], ["x.jsonl:1"]).result()
 
 
 def test_slow_calls_within_the_timeout_give_their_scores(actor, monkeypatch):
@@ -223,7 +224,7 @@ def test_check_settings_that_cannot_work_are_refused_when_the_config_loads(setti
 ], ids=["import_error", "syntax_error", "error_at_import"])
 def test_a_module_that_fails_while_importing_is_one_line_with_its_error_and_file_line(tmp_path, monkeypatch, source,
                                                                                       message):
-    from aligner.algorithms.rl_actor import build_reward_source
+    from aligner.algorithms.rl_build import build_reward_source
 
     module = tmp_path / "broken_reward.py"
     module.write_text(source)

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aligner.algorithms.rl_actor import ALGORITHMS, RLActorConfig, group_indices, tf_adam_epsilon, update_ema
+from aligner.algorithms.rl_actor import tf_adam_epsilon, update_ema
+from aligner.algorithms.rl_config import ALGORITHMS, RLActorConfig
+from aligner.algorithms.rl_rollouts import group_indices
 from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
 from aligner.generation.rollouts import (
     PromptOrder,
@@ -200,7 +202,7 @@ def test_algorithm_sets_its_preset_under_the_keys_the_user_sets(tmp_path):
 
 
 def test_the_group_entry_point_sends_algorithm_ppo_to_the_ppo_entry_point():
-    from aligner.algorithms.rl_actor import GroupRLActorConfig
+    from aligner.algorithms.rl_config import GroupRLActorConfig
 
     # refused when the config loads, before its data files are read or anything is built
     with pytest.raises(ConfigError, match=r"^algorithm='ppo': PPO trains a critic .* use examples/nlp/gpt/train_gpt"):
@@ -232,49 +234,53 @@ def test_micro_batch_seeds_differ_per_micro_batch_and_are_valid_engine_seeds():
     assert micro_batch_seed(5, 32) == micro_batch_seed(5, 32)  # deterministic: any replica draws the same
 
 # ----------------------------------------------------------------------------- dynamic sampling
-def _dynamic_sampling_actor(prompts_per_step: int, k: int, max_rounds: int, score):
-    """An RLActor whose generation is replaced by `score(prompt index, sample) -> float` (no model)."""
-    from aligner.algorithms.rl_actor import RLActor
+def _dynamic_sampling_collector(prompts_per_step: int, k: int, max_rounds: int, score):
+    """A RolloutCollector whose generation is replaced by `score(prompt index, sample) -> float` (no model)."""
+    import torch.distributed as dist
 
-    actor = RLActor.__new__(RLActor)
-    actor.cfg = load_config(RLActorConfig, GROUP_YAML, [
+    from aligner.algorithms.rl_rollouts import RolloutCollector
+    from aligner.training.microbatch_plan import DataParallel
+
+    cfg = load_config(RLActorConfig, GROUP_YAML, [
         *REQUIRED, *FUNCTION_REWARD, f"rollout.prompts_per_step={prompts_per_step}",
         f"rollout.samples_per_prompt={k}", "rollout.dynamic_sampling=true",
         f"rollout.max_sampling_rounds={max_rounds}"])
-    actor.order = PromptOrder(1000, seed=0, shuffle=False)
-    actor.dp_size, actor.dp_rank, actor.step, actor.critic_warmup_done, actor.critic = 1, 0, 0, 0, None
-    actor.rounds = []
+    collector = RolloutCollector(cfg, chunks=[], engine=None, router=None, reward_source=None, critic=None,
+                                 prompts=None, order=PromptOrder(1000, seed=0, shuffle=False), tokenizer=None,
+                                 data_parallel=DataParallel(dist.group.WORLD, 0, 1),
+                                 model_parallel_group=dist.group.WORLD)
+    collector.rounds = []
 
     def generate_and_score(indices, timings, *, seed, with_values):
-        actor.rounds.append((list(indices), seed))
+        collector.rounds.append((list(indices), seed))
         rows = {position: SimpleNamespace(prompt_index=index, score=score(index, position % k))
                 for position, index in enumerate(indices)}
         return rows, float(len(indices))
 
-    actor.generate_and_score = generate_and_score
-    actor.to_batch = lambda mine: mine
-    return actor
+    collector.generate_and_score = generate_and_score
+    collector.to_batch = lambda mine: mine
+    return collector
 
 
-def test_dynamic_sampling_keeps_informative_groups_until_the_batch_is_full():
+def test_dynamic_sampling_keeps_informative_groups_until_the_batch_is_full(single_process):
     # Prompts divisible by 3 get the same score for all samples: those groups teach nothing.
-    actor = _dynamic_sampling_actor(4, 2, 5, lambda index, sample: 1.0 if index % 3 == 0 else float(sample))
-    mine, metrics = actor.collect_informative_batch({})
+    collector = _dynamic_sampling_collector(4, 2, 5, lambda index, sample: 1.0 if index % 3 == 0 else float(sample))
+    mine, metrics = collector.collect(1234, {})
     prompts = [row.prompt_index for _, row in mine]
     assert prompts == [1, 1, 2, 2, 4, 4, 5, 5]  # prompts 0 and 3 dropped; round 2 (prompts 4..7) filled the batch
     assert [position for position, _ in mine] == list(range(8))  # positions are the new batch's, groups adjacent
-    assert len(actor.rounds) == 2 and actor.rounds[0][0] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert actor.rounds[0][1] == actor.step_seed() and actor.rounds[1][1] != actor.rounds[0][1]
+    assert len(collector.rounds) == 2 and collector.rounds[0][0] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert collector.rounds[0][1] == 1234 and collector.rounds[1][1] != collector.rounds[0][1]  # seed, then others
     assert metrics["dynamic_sampling_rounds"] == 2 and metrics["dynamic_sampling_filled_groups"] == 0
     assert metrics["dynamic_sampling_kept_fraction"] == pytest.approx(5 / 8)  # 1, 2 | 4, 5, 7 of 8 groups
-    assert actor.order.consumed == 8
+    assert collector.order.consumed == 8
 
 
-def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups():
+def test_dynamic_sampling_stops_at_its_cap_and_fills_with_uniform_groups(single_process):
     # Only prompt 1 ever gets different scores: the cap ends sampling with the batch still short.
-    actor = _dynamic_sampling_actor(4, 2, 3, lambda index, sample: float(sample) if index == 1 else 0.5)
-    mine, metrics = actor.collect_informative_batch({})
-    assert len(actor.rounds) == 3 and actor.order.consumed == 12
+    collector = _dynamic_sampling_collector(4, 2, 3, lambda index, sample: float(sample) if index == 1 else 0.5)
+    mine, metrics = collector.collect(1234, {})
+    assert len(collector.rounds) == 3 and collector.order.consumed == 12
     assert metrics["dynamic_sampling_rounds"] == 3 and metrics["dynamic_sampling_filled_groups"] == 3
     prompts = [row.prompt_index for _, row in mine]
     assert prompts[:2] == [1, 1] and prompts[2:] == [9, 9, 10, 10, 11, 11]  # the newest uniform groups fill it
@@ -291,18 +297,15 @@ def _hand_made_batch(generator: torch.Generator) -> RolloutBatch:
 
 
 def _experience_actor(cfg):
-    """An RLActor with just what make_experience reads (no model, one process, no critic)."""
-    import torch.distributed as dist
-
+    """An RLActor built on stand-ins for what make_experience does not read (a one-layer model, no engine,
+    router, servers or prompts; one process, no critic)."""
     from aligner.algorithms.rl_actor import RLActor
-    from aligner.rl import advantages, ppo_math
+    from aligner.algorithms.rl_objective import PolicyObjective
 
-    actor = RLActor.__new__(RLActor)
-    actor.cfg, actor.critic, actor.dp_group, actor.reward_names = cfg, None, dist.group.WORLD, []
-    actor.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
-    actor.advantage_settings = advantages.AdvantageSettings(group_std=cfg.advantage.group_std,
-                                                            std_eps=cfg.advantage.std_eps)
-    return actor
+    objective = PolicyObjective(8, 1.0, cfg.loss, cfg.clip_high, cfg.constant_normalizer, 0.0)
+    return RLActor(cfg, policy=SimpleNamespace(chunks=[torch.nn.Linear(1, 1)], objective=objective), reference=None,
+                   engine=None, router=None, reward_source=None, critic=None, prompts=[], validation_prompts=None,
+                   ptx_loader=None, tokenizer=SimpleNamespace(pad_id=0), model_cfg=None, metrics=None)
 
 
 @pytest.mark.parametrize("level", ["none", "token", "sequence"])
@@ -375,7 +378,7 @@ def _tiny_actor_config(tiny_policy_and_prompts, name: str, *settings: str) -> RL
 def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_and_prompts, algorithm, extra):
     """One step of each algorithm through build_rl_actor (native engine, megatron schedule, two minibatches):
     the first minibatch has ratio 1, the engine matches the trainer, the loss is finite."""
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
 
     cfg = _tiny_actor_config(tiny_policy_and_prompts, f"{algorithm}_{len(extra)}", "optim.lr=1e-2",
                              "kl.init_coef=0.05", "logging.samples_interval=1", f"algorithm={algorithm}", *extra)
@@ -383,9 +386,9 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
     try:
         metrics = trainer.train_step()
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
-    assert trainer.engine.packed_weight_bytes == 0  # the stale packed copies are not kept through training
+    assert trainer.rollouts.engine.packed_weight_bytes == 0  # the stale packed copies are not kept through training
     for key in ("first_ratio_mean", "first_ratio_max", "first_ratio_min"):
         assert metrics[key] == pytest.approx(1.0, abs=1e-6), key
     assert math.isfinite(metrics["loss"]) and metrics["mismatch_kl"] < 1e-5
@@ -409,7 +412,7 @@ def test_every_preset_runs_a_step_of_the_real_actor(single_process, tiny_policy_
 def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process, tiny_policy_and_prompts):
     """Its penalty is 0 whatever the reference says: the actor keeps no host copy of the reference
     weights, the step runs no reference forward and logs no KL."""
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
 
     cfg = _tiny_actor_config(tiny_policy_and_prompts, "kl0", "kl.init_coef=0.0")
     assert not cfg.measures_kl
@@ -418,7 +421,7 @@ def test_a_fixed_kl_coefficient_of_zero_skips_the_reference_pass(single_process,
         assert trainer.reference is None
         metrics = trainer.train_step()
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
     assert "kl" not in metrics and "time_reference" not in metrics
     assert metrics["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
@@ -433,7 +436,7 @@ def test_a_single_update_takes_the_rollout_logprobs_from_its_own_forward(single_
     """One epoch of one minibatch at a fixed KL of 0: no separate logprob pass. The update's forward runs
     on the rollout weights, so the step moves the weights as with the recomputed logprobs (up to float
     rounding), and the engine/trainer mismatch is measured on that forward instead."""
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
 
     results = {}
     for own_forward in (True, False):
@@ -448,7 +451,7 @@ def test_a_single_update_takes_the_rollout_logprobs_from_its_own_forward(single_
             metrics = trainer.train_step()
             after = [p.detach().clone() for p in trainer.chunks[0].parameters()]
         finally:
-            trainer.router.close()
+            trainer.rollouts.router.close()
             trainer.metrics.close()
         results[own_forward] = metrics, before, after
     (own, before, after), (recomputed, _, after_recomputed) = results[True], results[False]
@@ -497,7 +500,7 @@ def test_a_run_talks_preset_steps_samples_summary_and_its_router_port(single_pro
     router listens on generation.router_port; the same run again has nothing to train."""
     import socket
 
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
     from aligner.training.metrics import MetricsLogger, read_metrics
 
     from ..conftest import free_port_block
@@ -511,14 +514,14 @@ def test_a_run_talks_preset_steps_samples_summary_and_its_router_port(single_pro
     cfg = _tiny_actor_config(tiny_policy_and_prompts, "talks", *settings)
     trainer = build_rl_actor(cfg)
     try:
-        assert trainer.router._server.address[1] == port
+        assert trainer.rollouts.router._server.address[1] == port
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         assert trainer.nothing_to_train() is None
         trainer.fit()
         summary = trainer.metrics.run_summary(seconds=12.5, checkpoint=Path("ckpt/step_00000002"),
                                               next_commands=["python chat.py"])
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
     assert describe_preset(cfg) in shown and describe_preset(cfg).startswith("algorithm=grpo: advantage.estimator=grpo")
     steps = [line for line in shown if line.startswith("step ")]
@@ -549,7 +552,7 @@ def test_a_run_talks_preset_steps_samples_summary_and_its_router_port(single_pro
     try:
         assert again.nothing_to_train() == ("already at step 2 of trainer.max_steps=2", "trainer.max_steps")
     finally:
-        again.router.close()
+        again.rollouts.router.close()
         again.metrics.close()
 
 
@@ -570,7 +573,7 @@ def test_a_router_port_in_use_is_one_line_naming_the_key(single_process):
 def test_bf16_on_a_cpu_trains_through_an_fp32_main_copy_with_a_first_ratio_of_one(single_process,
                                                                                   tiny_policy_and_prompts):
     """precision=bf16 on a CPU: bf16 weights shared by engine and trainer, fp32 main copies in the optimizer."""
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
 
     cfg = _tiny_actor_config(tiny_policy_and_prompts, "bf16", "optim.lr=1e-2", "kl.init_coef=0.05",
                              "precision=bf16", "algorithm=grpo")
@@ -579,7 +582,7 @@ def test_bf16_on_a_cpu_trains_through_an_fp32_main_copy_with_a_first_ratio_of_on
         before = [p.detach().clone() for p in trainer.chunks[0].parameters()]
         metrics = trainer.train_step()
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
     params = list(trainer.chunks[0].parameters())
     assert all(p.dtype == torch.bfloat16 for p in params)
@@ -611,7 +614,7 @@ def test_grpo_with_lora_samples_from_the_current_adapters_against_the_base_as_re
     engine/trainer mismatch stays at rounding after the adapters moved away from the base (a stale engine
     would show the whole policy/base difference there); the checkpoint holds the adapters and resumes."""
     from aligner import checkpointing
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
     from aligner.models import lora
 
     settings = ("optim.lr=5e-2", "kl.init_coef=0.05", "peft.scheme=lora", "peft.rank=4", "peft.dropout=0.1",
@@ -629,7 +632,7 @@ def test_grpo_with_lora_samples_from_the_current_adapters_against_the_base_as_re
         path = trainer.save()
         adapters = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if lora.is_adapter_key(n)}
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
     for name, param in trainer.chunks[0].named_parameters():
         if name in frozen:
@@ -649,7 +652,7 @@ def test_grpo_with_lora_samples_from_the_current_adapters_against_the_base_as_re
         for name, param in resumed.chunks[0].named_parameters():
             assert torch.equal(param, adapters[name] if name in adapters else frozen[name]), name
     finally:
-        resumed.router.close()
+        resumed.rollouts.router.close()
         resumed.metrics.close()
 
 
@@ -682,7 +685,7 @@ def test_on_policy_distillation_moves_the_policy_towards_a_teacher_of_another_si
     on the demo task) is the reference of a random-init 2 x 48 policy, each token's advantage minus its
     log-ratio to the teacher; the reverse KL to the teacher falls. A teacher with another tokenizer, or the
     estimator without a teacher, is refused."""
-    from aligner.algorithms.rl_actor import build_rl_actor
+    from aligner.algorithms.rl_build import build_rl_actor
     from aligner.demo.tokenizer import train_char_tokenizer
     from aligner.runtime import distributed
 
@@ -701,7 +704,7 @@ def test_on_policy_distillation_moves_the_policy_towards_a_teacher_of_another_si
             steps.append(trainer.train_step())
             trainer.step += 1
     finally:
-        trainer.router.close()
+        trainer.rollouts.router.close()
         trainer.metrics.close()
         distributed.shutdown()
     kls = [metrics["kl"] for metrics in steps]

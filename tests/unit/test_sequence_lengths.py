@@ -13,7 +13,8 @@ from aligner.algorithms.dpo import DPOConfig, build_dpo_trainer
 from aligner.algorithms.kto import KTOConfig, build_kto_trainer
 from aligner.algorithms.rejection_sampling import RSConfig, build_rs_run
 from aligner.algorithms.reward_model import RewardModelConfig, build_reward_model_trainer
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor, build_teacher
+from aligner.algorithms.rl_build import build_rl_actor, build_teacher
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig, SFTDataConfig, build_sft_trainer
 from aligner.algorithms.spin import SPINConfig, build_spin_run
 from aligner.config import CONF_DIR, ConfigError, load_config

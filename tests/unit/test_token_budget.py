@@ -6,7 +6,6 @@ divides by the count summed over every rank's micro batches, which is what these
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from aligner.models import packing
 from aligner.runtime.errors import ConfigError
 
-from .test_packing import VOCAB, _policy_actor, _sequences, _tiny_model
+from .test_packing import VOCAB, _actor_config, _policy_planner, _sequences, _tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -134,21 +133,21 @@ def test_config_errors_name_the_key():
         cfg.packing.check_layout(1, *cfg.data.longest_row)
     cfg.data.max_seq_length = 64  # exactly one row of the budget
     cfg.packing.check_layout(1, *cfg.data.longest_row)
-    actor = _policy_actor(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
+    rl_cfg = _actor_config(["packing.micro_batch_tokens=64", "parallel.pipeline_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens needs parallel.pipeline_model_parallel_size"):
-        actor.cfg.validate(1)
-    actor = _policy_actor(["packing.micro_batch_tokens=64", "data.max_prompt_length=60"])
+        rl_cfg.validate(1)
+    rl_cfg = _actor_config(["packing.micro_batch_tokens=64", "data.max_prompt_length=60"])
     with pytest.raises(ConfigError, match="packing.micro_batch_tokens=64 must hold one packed row: at least "
                                           "data.max_prompt_length \\+ generation.max_new_tokens"):
-        actor.cfg.validate(1)
+        rl_cfg.validate(1)
 
 
 # ----------------------------------------------------------------------------- RL policy loss
 def _experience(rows, seed, samples=1):
-    """`rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24 columns; each `samples`
-    consecutive rollouts of one prompt."""
-    from aligner.algorithms.rl_actor import Experience
+    """(SequenceRows, PolicyTargets) of `rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24
+    columns; each `samples` consecutive rollouts of one prompt."""
     from aligner.generation.logprobs import response_mask
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(2, 10, (rows // samples,), generator=generator).repeat_interleave(samples)
@@ -159,20 +158,20 @@ def _experience(rows, seed, samples=1):
         first = row - row % samples
         tokens[row, :prompts[row]] = tokens[first, :prompts[row]]
     mask = response_mask(responses, 12)
-    batch = SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
     old = torch.where(mask, -torch.rand(rows, 12, generator=generator) * 3, 0)
-    return Experience(batch=batch, old_logprobs=old, advantages=torch.randn(rows, 12, generator=generator) * mask,
-                      importance_weights=None, returns=None, values=None, scores=None, sequence_rewards=None,
-                      metrics={})
+    return (SequenceRows(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask),
+            PolicyTargets(advantages=torch.randn(rows, 12, generator=generator) * mask, old_logprobs=old))
 
 
-def _minibatch_loss_and_gradients(model, actor, microbatches):
-    """Megatron's result for micro batches of every rank: sum of losses and gradients / micro batches."""
-    microbatches = actor.scale_losses(microbatches)
+def _minibatch_loss_and_gradients(model, planned, microbatches):
+    """Megatron's result for micro batches of every rank: sum of losses and gradients / micro batches.
+    planned: (the planner that scales the losses, the objective)."""
+    planner, objective = planned
+    microbatches = planner.scale_losses(microbatches)
     model.zero_grad(set_to_none=True)
     total = 0.0
     for microbatch in microbatches:
-        loss, count, _ = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+        loss, count, _ = objective.loss(microbatch, objective.forward(model, microbatch))
         assert int(count) == 1
         loss.backward()
         total += float(loss)
@@ -187,22 +186,18 @@ def test_token_budget_policy_micro_batches_give_the_fixed_size_loss_and_gradient
     budgets of 40 tokens balanced across `ranks` ranks (one process plays every rank)."""
     model = _tiny_model("llama").train()
     per_rank = 8
-    experience = _experience(per_rank * ranks, seed=ranks)
+    rows, targets = _experience(per_rank * ranks, seed=ranks)
     settings = [f"loss.aggregation={aggregation}", f"trainer.global_batch_size={per_rank * ranks}"]
-    fixed = _policy_actor(["packing.enabled=false", *settings])
-    positions = torch.arange(24).unsqueeze(0).expand(2, -1)
-    fixed_batches = fixed.policy_microbatches(experience, torch.arange(per_rank * ranks), positions)
-    budget = _policy_actor(["packing.micro_batch_tokens=40", *settings])
-    budget.step, budget.dp_size = 0, ranks
+    fixed = _policy_planner(["packing.enabled=false", *settings])
+    fixed_batches = fixed[0].policy_microbatches(rows, targets, torch.arange(per_rank * ranks))
     budget_batches, counts = [], set()
     for rank in range(ranks):
-        budget.dp_rank = rank
-        plan = budget.budget_plan(experience.batch, epoch=0, minibatch=0)
+        budget = _policy_planner(["packing.micro_batch_tokens=40", *settings], model, rank=rank, ranks=ranks)
+        plan = budget[0].budget_plan(rows, step=0, epoch=0, minibatch=0)
         counts.add(len(plan))
         for micro in plan:
-            assert sum(int(experience.batch.prompt_lengths[i] + experience.batch.response_lengths[i])
-                       for row in micro for i in row) <= 40
-        budget_batches += budget.policy_microbatches(experience, torch.arange(0), positions, plan)
+            assert sum(int(rows.prompt_lengths[i] + rows.response_lengths[i]) for row in micro for i in row) <= 40
+        budget_batches += budget[0].policy_microbatches(rows, targets, torch.arange(0), plan)
     assert len(counts) == 1
     fixed_loss, fixed_grads = _minibatch_loss_and_gradients(model, fixed, fixed_batches)
     budget_loss, budget_grads = _minibatch_loss_and_gradients(model, budget, budget_batches)
@@ -218,44 +213,41 @@ def test_token_budgets_plan_a_prompts_samples_with_the_prompt_once_and_give_the_
     rows, and the loss and gradients equal the padded micro batches' within 1e-6."""
     model = _tiny_model("llama").train()
     per_rank = 8
-    experience = _experience(per_rank * ranks, seed=11, samples=4)
+    rows, targets = _experience(per_rank * ranks, seed=11, samples=4)
     settings = [f"trainer.global_batch_size={per_rank * ranks}"]
-    fixed = _policy_actor(["packing.enabled=false", *settings])
-    fixed_batches = fixed.policy_microbatches(experience, torch.arange(per_rank * ranks),
-                                              torch.arange(24).unsqueeze(0).expand(2, -1))
+    fixed = _policy_planner(["packing.enabled=false", *settings])
+    fixed_batches = fixed[0].policy_microbatches(rows, targets, torch.arange(per_rank * ranks))
     counts = {}
     for share in (True, False):
-        actor = _policy_actor(["packing.micro_batch_tokens=48", f"packing.share_prompts={str(share).lower()}",
-                               *settings])
-        assert actor.shares_prompts == share and actor.row_length == 24
-        actor.step, actor.dp_size = 0, ranks
         plans = []
         for rank in range(ranks):
-            actor.dp_rank = rank
-            plans.append(actor.budget_plan(experience.batch, epoch=0, minibatch=0))
+            shared = _policy_planner(["packing.micro_batch_tokens=48", f"packing.share_prompts={str(share).lower()}",
+                                      *settings], model, rank=rank, ranks=ranks)
+            planner = shared[0]
+            assert planner.shares_prompts == share and planner.row_length == 24
+            plans.append(planner.budget_plan(rows, step=0, epoch=0, minibatch=0))
         assert len({len(plan) for plan in plans}) == 1
         assert sorted(i for plan in plans for micro in plan for row in micro for i in row) == list(
             range(per_rank * ranks))
         assert all(len(micro) * 24 <= 48 for plan in plans for micro in plan)  # packed rows x their length
         counts[share] = (len(plans[0]), sum(len(micro) for plan in plans for micro in plan))  # micro batches, rows
         if share:
-            shared_actor = actor
-            batches = [batch for plan in plans for batch in actor.policy_microbatches(
-                experience, torch.arange(0), torch.arange(24)[None], plan)]
+            shared_planner = shared
+            batches = [batch for plan in plans for batch in planner.policy_microbatches(
+                rows, targets, torch.arange(0), plan)]
     assert counts[True][0] <= counts[False][0] and counts[True][1] < counts[False][1]
-    assert shared_actor.prompts_of(experience.batch, []) == ([], [])  # an evened, empty micro batch
-    batch = experience.batch
-    assert sum(b.packed.real_tokens for b in batches) < int((batch.prompt_lengths + batch.response_lengths).sum())
-    _assert_same(_minibatch_loss_and_gradients(model, shared_actor, batches),
+    assert shared_planner[0].prompts_of(rows, []) == ([], [])  # an evened, empty micro batch
+    assert sum(b.packed.real_tokens for b in batches) < int((rows.prompt_lengths + rows.response_lengths).sum())
+    _assert_same(_minibatch_loss_and_gradients(model, shared_planner, batches),
                  _minibatch_loss_and_gradients(model, fixed, fixed_batches))
 
 
 def test_an_empty_policy_micro_batch_has_zero_loss_and_gradient():
     model = _tiny_model("llama").train()
-    actor = _policy_actor(["packing.micro_batch_tokens=40"])
-    experience = _experience(4, seed=5)
-    (empty,) = actor.policy_microbatches(experience, torch.arange(0), torch.arange(24)[None], plan=[[]])
-    loss, count, report = actor.objective.loss(empty, actor.objective.forward(model, empty))
+    planner, objective = _policy_planner(["packing.micro_batch_tokens=40"])
+    rows, targets = _experience(4, seed=5)
+    (empty,) = planner.policy_microbatches(rows, targets, torch.arange(0), plan=[[]])
+    loss, count, report = objective.loss(empty, objective.forward(model, empty))
     loss.backward()
     assert float(loss) == 0 and int(count) == 1 and report == {}
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
@@ -268,23 +260,19 @@ def test_with_token_budgets_the_first_minibatch_trains_on_the_logprob_pass_rows_
     from aligner.models.deferred_output import forward_deferred
 
     model = _tiny_model("llama").eval()
-    experience = _experience(12, seed=9)
-    batch = experience.batch
-    actor = _policy_actor(["trainer.global_batch_size=6", "trainer.micro_batch_size=1",
-                           "packing.micro_batch_tokens=30"])
-    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
-        vocab_size=VOCAB), 0.7, 12
-    actor.step, actor.dp_rank, actor.dp_size = 3, 0, 1
-    old = actor.logprobs(batch)
-    plan = actor.logprob_plan(batch)
+    rows, targets = _experience(12, seed=9)
+    planner, objective = _policy_planner(["trainer.global_batch_size=6", "trainer.micro_batch_size=1",
+                                          "packing.micro_batch_tokens=30"], model)
+    old = planner.plan_step(3, rows).logprobs([model], VOCAB, 0.7, 12)
+    plan = planner.logprob_plan(rows, 3)
     assert sorted(i for micro in plan for row in micro for i in row) == list(range(12))
-    experience.old_logprobs = old
-    first = actor.budget_plan(batch, 0, 0)
+    targets.old_logprobs = old
+    first = planner.budget_plan(rows, 3, 0, 0)
     assert len(first) > 1
-    for microbatch in actor.policy_microbatches(experience, torch.arange(0), torch.arange(24)[None], first):
+    for microbatch in planner.policy_microbatches(rows, targets, torch.arange(0), first):
         with torch.no_grad():
             trained, _ = response_logprobs_and_entropy(
-                forward_deferred(model, actor.objective.forward, microbatch), microbatch.packed,
+                forward_deferred(model, objective.forward, microbatch), microbatch.packed,
                 microbatch.prompt_lengths, microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7,
                 response_width=12)
         assert torch.equal(trained, microbatch.old_logprobs)

@@ -69,8 +69,8 @@ def test_rollout_micro_batch_counts_its_eos_tokens():
             (1, RolloutRow(prompt=[BOS, 4], response=tensor([8, 9, 10]), logprobs=torch.full((3,), -1.0),
                            ended_with_stop=False))]
     batch = RolloutBatch.from_rows(rows, PAD, seq_length=16)
-    # The RL actor's micro batch record, as it is built from a RolloutBatch (aligner/algorithms/rl_actor.py).
-    from aligner.algorithms.rl_actor import PolicyMicrobatch
+    # The RL actor's micro batch record, as it is built from a RolloutBatch (aligner/training/microbatch_plan.py).
+    from aligner.training.microbatch_plan import PolicyMicrobatch
 
     microbatch = PolicyMicrobatch(tokens=batch.tokens, position_ids=batch.tokens, prompt_lengths=batch.prompt_lengths,
                                   response_lengths=batch.response_lengths, mask=batch.mask,
@@ -88,12 +88,16 @@ def test_a_batch_without_lengths_is_an_internal_error():
 def test_ptx_micro_batches_keep_the_lengths_when_padded_to_the_ppo_length():
     from types import SimpleNamespace
 
-    from aligner.algorithms.rl_actor import RLActor
+    from aligner.models.packing import SharedPromptPackingSection
+    from aligner.training.microbatch_plan import DataParallel, MicroBatchPlanner
 
     sequences = [[BOS, 5, EOS], [BOS, 6, 7, 8, EOS]]
     examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
     loader = SimpleNamespace(iterate=lambda consumed: iter([[collate_sft(examples, PAD)]]))
-    actor = SimpleNamespace(ptx_loader=loader, _ptx_batches=None, seq_length=12, tokenizer=SimpleNamespace(pad_id=PAD))
-    (microbatch,) = RLActor.ptx_microbatches(actor)
+    planner = MicroBatchPlanner(SharedPromptPackingSection(), packs=False, shares_prompts=False, seq_length=12,
+                                micro_batch_size=2, minibatch_size=2, samples_per_prompt=1, seed=0, pad_id=PAD,
+                                data_parallel=DataParallel(None, 0, 1), normalizer=lambda mask: 1.0,
+                                ptx_loader=loader)
+    (microbatch,) = planner.ptx_microbatches()
     assert microbatch.tokens.shape == (2, 12)
     assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only

@@ -104,7 +104,7 @@ def main() -> None:
 def check_configs(critic_args: list[str], actor_args: list[str], critic_nproc: int) -> None:
     """Load the critic's and the actor's configs as their entry points will, and refuse a critic that
     would reject the actor's first critic_train request (before any process starts)."""
-    from aligner.algorithms.rl_actor import RLActorConfig
+    from aligner.algorithms.rl_config import RLActorConfig
     from servers.critic import CriticServerConfig
 
     configs = []

@@ -7,7 +7,8 @@ The RL actor with conf/gpt_ppo_actor.yaml (advantage.estimator=gae: the critic s
 The critic server (serve_ppo_critic.py) and the reward source must be up; examples/nlp/gpt/launch_ppo.py
 starts everything on one machine.
 """
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+from aligner.algorithms.rl_build import build_rl_actor
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import run_main
 from aligner.training.run import run_training
 

@@ -8,7 +8,8 @@ The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; `algorithm=NAM
 docs/algorithms/rl.md lists each algorithm's settings; algorithm=ppo: train_gpt_ppo_actor.py). With
 reward.source=server a reward-model server (serve_reward_model.py) must be up.
 """
-from aligner.algorithms.rl_actor import GroupRLActorConfig, build_rl_actor
+from aligner.algorithms.rl_build import build_rl_actor
+from aligner.algorithms.rl_config import GroupRLActorConfig
 from aligner.config import run_main
 from aligner.training.run import run_training
 

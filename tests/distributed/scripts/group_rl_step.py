@@ -13,7 +13,8 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+from aligner.algorithms.rl_build import build_rl_actor
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
 from aligner.rl.rewards import Scores
 
@@ -54,7 +55,7 @@ def main() -> None:
 
         trainer.make_experience = capture
         metrics = trainer.train_step()
-        trainer.router.close()
+        trainer.rollouts.router.close()
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, captured)
         rows = {}

@@ -18,7 +18,7 @@ def main() -> None:
     from aligner.models import packing
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
-    from tests.unit.test_packing import _policy_actor, _rollouts
+    from tests.unit.test_packing import _policy_planner, _rollouts
 
     output, tp = sys.argv[1], int(sys.argv[2])
     parallel = distributed.ParallelConfig(tensor_model_parallel_size=tp)
@@ -60,28 +60,23 @@ def main() -> None:
     differences["dpo_gradients"] = largest(dpo["padded"][1], dpo["packed"][1])
 
     # RL policy loss with an entropy bonus (vocab-parallel entropy).
-    from types import SimpleNamespace
-
-    from aligner.algorithms.rl_actor import Experience
     from aligner.generation.logprobs import response_mask
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     generator = torch.Generator().manual_seed(3)
     mask = response_mask(responses, 12)
-    experience = Experience(batch=SimpleNamespace(tokens=tokens, prompt_lengths=prompts, response_lengths=responses,
-                                                  mask=mask),
-                            old_logprobs=torch.where(mask, -torch.rand(5, 12, generator=generator) * 3, 0),
-                            advantages=torch.randn(5, 12, generator=generator) * mask, importance_weights=None,
-                            returns=None, values=None, scores=None, sequence_rewards=None, metrics={})
+    rows = SequenceRows(tokens=tokens, prompt_lengths=prompts, response_lengths=responses, mask=mask)
+    targets = PolicyTargets(old_logprobs=torch.where(mask, -torch.rand(5, 12, generator=generator) * 3, 0),
+                            advantages=torch.randn(5, 12, generator=generator) * mask)
     policy = {}
     for enabled in (False, True):
-        actor = _policy_actor([f"packing.enabled={str(enabled).lower()}"])
-        actor.dp_group = ps.get_data_parallel_group()
-        microbatches = actor.scale_losses(actor.policy_microbatches(
-            experience, torch.arange(5), torch.arange(24).unsqueeze(0).expand(2, -1)))
+        planner, objective = _policy_planner([f"packing.enabled={str(enabled).lower()}"],
+                                             group=ps.get_data_parallel_group())
+        microbatches = planner.scale_losses(planner.policy_microbatches(rows, targets, torch.arange(5)))
         model.zero_grad(set_to_none=True)
         total = 0.0
         for microbatch in microbatches:
-            loss, _, _ = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+            loss, _, _ = objective.loss(microbatch, objective.forward(model, microbatch))
             (loss / len(microbatches)).backward()
             total += float(loss) / len(microbatches)
         policy[enabled] = (total, gradients())

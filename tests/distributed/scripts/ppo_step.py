@@ -9,7 +9,8 @@ import sys
 
 import torch.distributed as dist
 
-from aligner.algorithms.rl_actor import RLActorConfig, build_rl_actor
+from aligner.algorithms.rl_build import build_rl_actor
+from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
 from aligner.rl.rewards import Scores
 from tests.null_critic import NullCritic, done
@@ -25,7 +26,7 @@ def main() -> None:
     cfg = load_config(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", overrides)
     trainer = build_rl_actor(cfg, critic=NullCritic(), reward_source=DigitReward())
     metrics = trainer.train_step()
-    trainer.router.close()
+    trainer.rollouts.router.close()
     if dist.get_rank() == 0:
         with open(output, "w") as handle:
             json.dump(metrics, handle)

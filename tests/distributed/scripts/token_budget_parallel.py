@@ -8,9 +8,7 @@ also computes the single-process reference itself; rank 0 writes the largest dif
 import json
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +20,8 @@ def main() -> None:
     from aligner.generation import logprobs
     from aligner.generation.packed_logprobs import response_logprobs_and_entropy
     from aligner.runtime import distributed, seeds
-    from tests.unit.test_packing import VOCAB, _policy_actor, _tiny_model
+    from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
+    from tests.unit.test_packing import VOCAB, _policy_planner, _tiny_model
     from tests.unit.test_token_budget import _experience, _minibatch_loss_and_gradients
 
     output = sys.argv[1]
@@ -45,32 +44,28 @@ def main() -> None:
     # RL policy loss: 8 rollouts per rank; the reference is one process's fixed micro batches of 2.
     model = _tiny_model("llama").train()
     per_rank = 8
-    everything = _experience(per_rank * ranks, seed=11)
+    every_row, every_target = _experience(per_rank * ranks, seed=11)
     settings = ["loss.aggregation=sequence_mean_token_mean", f"trainer.global_batch_size={per_rank * ranks}"]
-    fixed = _policy_actor(["packing.enabled=false", *settings])
     alone = [dist.new_group([member]) for member in range(ranks)]  # every rank creates every group
-    fixed.dp_group = alone[rank]
-    positions = torch.arange(24).unsqueeze(0).expand(2, -1)
+    fixed = _policy_planner(["packing.enabled=false", *settings], group=alone[rank])
     reference_loss, reference_grads = _minibatch_loss_and_gradients(
-        model, fixed, fixed.policy_microbatches(everything, torch.arange(per_rank * ranks), positions))
+        model, fixed, fixed[0].policy_microbatches(every_row, every_target, torch.arange(per_rank * ranks)))
     local = slice(rank * per_rank, (rank + 1) * per_rank)
-    batch = everything.batch
-    mine = replace(everything, batch=SimpleNamespace(
-        tokens=batch.tokens[local], prompt_lengths=batch.prompt_lengths[local],
-        response_lengths=batch.response_lengths[local], mask=batch.mask[local]),
-        old_logprobs=everything.old_logprobs[local], advantages=everything.advantages[local])
-    actor = _policy_actor(["packing.micro_batch_tokens=40", *settings])
-    actor.dp_group, actor.dp_rank, actor.dp_size, actor.step = group, rank, ranks, 0
-    gathered = actor.all_ranks_experience(mine)
-    assert torch.equal(gathered.batch.tokens, batch.tokens) and torch.equal(gathered.advantages, everything.advantages)
-    microbatches = actor.scale_losses(actor.policy_microbatches(gathered, torch.arange(0), positions,
-                                                                actor.budget_plan(gathered.batch, 0, 0)))
+    mine = SequenceRows(tokens=every_row.tokens[local], prompt_lengths=every_row.prompt_lengths[local],
+                        response_lengths=every_row.response_lengths[local], mask=every_row.mask[local])
+    my_targets = PolicyTargets(advantages=every_target.advantages[local], old_logprobs=every_target.old_logprobs[local])
+    planner, objective = _policy_planner(["packing.micro_batch_tokens=40", *settings], rank=rank, ranks=ranks,
+                                         group=group)
+    plan = planner.plan_step(0, mine)  # every rank's rollouts, gathered once
+    assert torch.equal(plan.rows.tokens, every_row.tokens)
+    assert torch.equal(planner.data_parallel.gather_rows(my_targets.advantages), every_target.advantages)
+    microbatches = next(plan.minibatches(my_targets, epochs=1))  # the first minibatch, loss-scaled
     counts = torch.tensor([float(len(microbatches))])
     dist.all_reduce(counts, group=group)
     model.zero_grad(set_to_none=True)
     loss_sum = torch.zeros(1)
     for microbatch in microbatches:
-        loss, _, _ = actor.objective.loss(microbatch, actor.objective.forward(model, microbatch))
+        loss, _, _ = objective.loss(microbatch, objective.forward(model, microbatch))
         loss.backward()
         loss_sum += float(loss)
     dist.all_reduce(loss_sum, group=group)
@@ -80,22 +75,17 @@ def main() -> None:
     # The logprob pass: this rank's rows as the padded pass gives them, and the first minibatch's
     # training logprobs bit-equal to the pass's (ratio exactly 1).
     model.eval()
-    actor.chunks, actor.model_cfg, actor.temperature, actor.response_width = [model], SimpleNamespace(
-        vocab_size=VOCAB), 0.7, 12
-    old = actor.logprobs(mine.batch)
-    padded = logprobs.sequence_logprobs([model], mine.batch.tokens, mine.batch.prompt_lengths,
-                                        mine.batch.response_lengths, vocab_size=VOCAB, temperature=0.7,
-                                        response_width=12)
+    old = plan.logprobs([model], VOCAB, 0.7, 12)
+    padded = logprobs.sequence_logprobs([model], mine.tokens, mine.prompt_lengths, mine.response_lengths,
+                                        vocab_size=VOCAB, temperature=0.7, response_width=12)
     differences["logprobs"] = float((old - padded).abs().max())
-    gathered.old_logprobs = actor.gather_rows(old)
     unequal = 0.0
-    for microbatch in actor.policy_microbatches(gathered, torch.arange(0), positions,
-                                                actor.budget_plan(gathered.batch, 0, 0)):
+    for microbatch in next(plan.minibatches(PolicyTargets(advantages=my_targets.advantages, old_logprobs=old), 1)):
         if microbatch.packed.lengths.numel() == 0:
             continue
         with torch.no_grad():
             trained, _ = response_logprobs_and_entropy(
-                actor.objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
+                objective.forward(model, microbatch), microbatch.packed, microbatch.prompt_lengths,
                 microbatch.response_lengths, vocab_size=VOCAB, temperature=0.7, response_width=12)
         unequal += float(not torch.equal(trained, microbatch.old_logprobs))
     differences["first_minibatch_unequal_micro_batches"] = unequal

@@ -1,0 +1,365 @@
+"""The RL actor's config schema: its sections, `RLActorConfig` (conf/gpt_ppo_actor.yaml,
+conf/gpt_reinforce_actor.yaml), `GroupRLActorConfig`, and the algorithm presets `ALGORITHMS`.
+
+An algorithm is a choice of registered pure functions (README, "RL algorithms"); `algorithm=NAME` sets
+one preset's keys under the keys the user sets (`aligner.config.load_config`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
+from aligner.config import ConfigError, at_least, one_of
+from aligner.data.records import Layouts
+from aligner.data.sft import SFT_LAYOUTS
+from aligner.generation.rollouts import PROMPT_LAYOUTS
+from aligner.models.gpt import ACTIVATION_RECOMPUTE
+from aligner.models.packing import SharedPromptPackingSection
+from aligner.rl import advantages, mismatch, policy_losses, ppo_math
+from aligner.rl.rewards import RewardFunctionSettings
+from aligner.training.metrics import LoggingConfig
+from aligner.training.setup import RunConfig
+
+# The settings that make each algorithm: `algorithm=NAME` on either RL entry point sets them (under the
+# user's explicit keys, see aligner.config.load_config); README's table shows them. Each preset names every
+# key that tells the algorithms apart, so it means the same whatever the config file set before it. ppo needs
+# the critic server (train_gpt_ppo_actor.py / launch_ppo.py). DAPO's overlong shaping
+# (reward.overlong_buffer) depends on generation.max_new_tokens and is left to the user.
+_CLIPPED_TOKEN_MEAN = {"loss.policy_loss": "ppo_clip", "loss.clip_ratio": 0.2, "loss.clip_high": None,
+                       "loss.aggregation": "token_mean", "rollout.dynamic_sampling": False}
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "ppo": {"advantage.estimator": "gae", **_CLIPPED_TOKEN_MEAN},
+    "rloo": {"advantage.estimator": "rloo", **_CLIPPED_TOKEN_MEAN},
+    "grpo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN},
+    "dr_grpo": {"advantage.estimator": "dr_grpo", **_CLIPPED_TOKEN_MEAN, "loss.aggregation": "constant_sum"},
+    "reinforce_plus_plus": {"advantage.estimator": "reinforce_plus_plus", **_CLIPPED_TOKEN_MEAN},
+    "dapo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+             "loss.clip_high": 0.28, "rollout.dynamic_sampling": True},
+    "gspo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+             "loss.policy_loss": "gspo", "loss.clip_ratio": 3e-4, "loss.clip_high": 4e-4,
+             "loss.aggregation": "sequence_mean_token_mean"},
+    "cispo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
+              "loss.policy_loss": "cispo", "loss.clip_ratio": 1.0, "loss.clip_high": 4.0},
+}
+
+
+# ----------------------------------------------------------------------------- config schema
+@dataclass
+class ServerAddress:
+    host: str = "127.0.0.1"
+    port: int = 5555
+    model_name: str = REWARD_MODEL
+    timeout_s: float = 300.0  # one request, queueing included
+    ready_timeout_s: float = 120.0  # how long the first request waits for the server to come up
+
+
+@dataclass
+class RewardSection(RewardFunctionSettings):
+    # server: a reward-model server | combined: the critic server in combined mode (rewards come back with
+    # the values, one request) | function: Python functions (function / functions: RewardFunctionSettings'
+    # keys). The score checks (timeout_s, max_abs, on_invalid, invalid_value) are RewardChecks'.
+    source: str = one_of(("server", "combined", "function"), "server")
+    server: ServerAddress = field(default_factory=ServerAddress)
+    attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
+    # Score shaping, in this order:
+    missing_stop_penalty: Optional[float] = None  # score of a response that never stopped; null: off
+    normalization_mean: Optional[float] = None  # scores -> (score - mean) / std; null: off
+    normalization_std: float = 1.0
+    clip: Optional[float] = None  # scores clamped to [-clip, clip]; null: off
+    overlong_buffer: Optional[int] = None  # DAPO: the last this many tokens before max_new_tokens cost up to
+    overlong_penalty: float = 1.0  # ... this much, linearly (soft overlong punishment); null buffer: off
+
+    def __post_init__(self):
+        if self.source == "critic":  # the combined mode's old name on the actor's side
+            print("deprecated: reward.source=critic is now reward.source=combined (the old name goes in the next "
+                  "release)", file=sys.stderr)
+            self.source = "combined"
+
+
+@dataclass
+class CriticSection:
+    # model_name: the server's inference model; its train/save models are named critic_train/critic_save
+    server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name=CRITIC_INFER_MODEL))
+    # rollout rounds in which only the critic trains, before the actor's first update
+    warmup_steps: int = at_least(0, 0)
+
+
+@dataclass
+class GenerationSection:
+    engine: str = one_of(("native", "trtllm"), "native")  # trtllm: GPU clusters, optional extra
+    max_new_tokens: int = at_least(1, 32)
+    # stop tokens are masked until this many tokens (truncation after a minimum length)
+    min_new_tokens: int = at_least(0, 0)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    fixed_length: bool = False  # keep sampling past the stop token (OpenAI's original setting)
+    stop_strings: list = field(default_factory=list)
+    micro_batch_size: int = at_least(1, 16)  # rollouts per router hand-out; the engine's cache rows (refilled)
+    router: str = one_of(("dynamic", "static"), "dynamic")  # dynamic: a shared queue (slow ranks take fewer)
+    # the dynamic router's queue: a TCP port global rank 0 listens on ($MASTER_ADDR, else 127.0.0.1)
+    router_port: int = at_least(0, 0, "0: a free port")
+    trtllm_work_dir: str = "results/trtllm"
+
+
+@dataclass
+class KLSection:
+    estimator: str = one_of(ppo_math.KL_ESTIMATORS, "k1")  # per-token KL penalty in the reward
+    adaptive: bool = False  # Ziegler et al.'s controller; false: fixed coefficient init_coef
+    init_coef: float = 0.05
+    target: float = 6.0  # adaptive: KL per sequence to steer towards
+    horizon: float = 10000.0  # adaptive: samples over which the error is corrected
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = at_least(1, 64)  # distinct prompts per step over all data-parallel ranks
+    samples_per_prompt: int = at_least(1, 1)  # k samples of each prompt (a group); rollouts per step = prompts x k
+    dynamic_sampling: bool = False  # DAPO: drop groups whose k scores are equal, draw more prompts until full
+    max_sampling_rounds: int = at_least(1, 4)  # dynamic sampling: generation rounds per step at most
+
+
+@dataclass
+class AdvantageSection:
+    estimator: str = one_of(tuple(advantages.ADVANTAGE_ESTIMATORS), "gae")
+    gamma: float = 1.0  # gae, reinforce_plus_plus
+    lam: float = 0.95  # gae
+    whiten_advantages: bool = True  # gae: masked, with the statistics of the global batch (across DP)
+    whiten_rewards: bool = False  # gae: per-token rewards scaled to unit variance (mean kept)
+    group_std: bool = True  # grpo: divide the scores (not the KL penalty) by the group's score std
+    std_eps: float = 1.0e-6
+
+
+@dataclass
+class LossSection:
+    policy_loss: str = one_of(tuple(policy_losses.POLICY_LOSSES), "ppo_clip")
+    clip_ratio: float = 0.2  # ratio clip: [1 - clip_ratio, 1 + clip_high]
+    clip_high: Optional[float] = None  # upper clip (DAPO's clip-higher, e.g. 0.28); null: clip_ratio
+    aggregation: str = one_of(policy_losses.AGGREGATIONS, "token_mean")
+    constant_normalizer: Optional[int] = None  # constant_sum: tokens per response it divides by; null: max_new_tokens
+    entropy_coef: float = 0.0  # entropy bonus
+    epochs: int = at_least(1, 1)  # passes over each step's rollouts; minibatch = trainer.global_batch_size responses
+    importance_sampling: str = one_of(("none",) + mismatch.TIS_LEVELS, "none")  # truncated IS against the engine
+    importance_sampling_cap: float = 2.0
+    scale_logits_by_temperature: bool = True  # logprobs of logits / sampling temperature
+    recompute_old_logprobs: bool = True  # false: use the engine's logprobs as the rollout policy's
+    # With one update per step (one epoch, one minibatch) and nothing that reads the rollout policy's
+    # logprobs before it (no KL, no importance sampling), the update's own forward runs on the rollout
+    # weights: its logprobs, detached, are the recomputed ones, so no separate pass (TRL does the same).
+    old_logprobs_from_update: bool = True
+    disable_dropout: bool = True
+    adam_epsilon_style: str = one_of(("torch", "tf"), "torch")  # tf: epsilon outside the bias correction
+
+
+@dataclass
+class PTXSection:
+    data: Optional[str] = None  # SFT data (any format) for the pretraining/next-token loss mixture; null: off
+    coef: float = 0.0
+    max_seq_length: int = 512
+
+
+@dataclass
+class EMASection:
+    decay: Optional[float] = None  # e.g. 0.992; an EMA copy of the actor saved beside it; null: off
+
+
+@dataclass
+class RLDataSection:
+    prompts: str = "???"  # JSONL/Parquet/Arrow/datasets dir, {"prompt": text or [{"role", "content"}, ...]} per record
+    validation_prompts: Optional[str] = None
+    max_prompt_length: int = at_least(1, 64)
+    shuffle: bool = True
+    chat_template: bool = True  # render prompts with the tokenizer's chat template (if it has one)
+
+    def sources(self) -> list[tuple[str, Optional[str]]]:
+        return [("data.prompts", self.prompts), ("data.validation_prompts", self.validation_prompts)]
+
+
+@dataclass
+class PolicySection:
+    init_from: str = "???"  # the starting policy (an SFT checkpoint); also the reference policy
+    activation_recompute: str = one_of(ACTIVATION_RECOMPUTE, "none")  # as setup.ModelSection's
+
+
+@dataclass
+class TeacherSection:
+    """On-policy distillation: a teacher model takes the reference policy's place (the KL penalty and metric
+    are then the reverse KL to it). It may be larger than the policy or of another architecture; it must
+    share the policy's tokenizer."""
+
+    init_from: Optional[str] = None  # the teacher checkpoint (an adapter checkpoint loads onto its base); null: none
+
+
+@dataclass
+class RLLoggingConfig(LoggingConfig):
+    # Sample completions (prompt, response, reward) on the console, truncated, and as a TensorBoard text table:
+    # at the first step, every this many steps and the last step
+    samples_interval: int = at_least(0, 10, "0: off")
+    num_samples: int = at_least(0, 2)  # completions shown each time
+    sample_chars: int = at_least(16, 160)  # the console shows at most this many characters of a prompt or response
+
+
+def _renamed_update_keys(section: str) -> tuple:
+    """The old `ppo.*` / `reinforce.*` keys and where they live now."""
+    moved = {
+        "prompts_per_step": "rollout.prompts_per_step", "samples_per_prompt": "rollout.samples_per_prompt",
+        "epochs": "loss.epochs", "clip_ratio": "loss.clip_ratio", "entropy_coef": "loss.entropy_coef",
+        "loss_aggregation": "loss.aggregation", "scale_logits_by_temperature": "loss.scale_logits_by_temperature",
+        "recompute_old_logprobs": "loss.recompute_old_logprobs", "disable_dropout": "loss.disable_dropout",
+        "adam_epsilon_style": "loss.adam_epsilon_style", "gamma": "advantage.gamma", "lam": "advantage.lam",
+        "whiten_advantages": "advantage.whiten_advantages", "whiten_rewards": "advantage.whiten_rewards",
+        "reward_normalization_mean": "reward.normalization_mean",
+        "reward_normalization_std": "reward.normalization_std", "reward_clip": "reward.clip",
+        "missing_stop_penalty": "reward.missing_stop_penalty", "baseline": "advantage.estimator",
+        "normalize_by_group_std": "advantage.group_std", "std_eps": "advantage.std_eps",
+    }
+    return tuple((f"{section}.{old}", new) for old, new in moved.items())
+
+
+@dataclass
+class RLActorConfig(RunConfig):
+    """conf/gpt_ppo_actor.yaml, conf/gpt_reinforce_actor.yaml. trainer.global_batch_size = responses per
+    minibatch (optimizer step); trainer.max_steps = rollout rounds; trainer.limit_val_samples = validation prompts."""
+
+    LR_METHOD = "rl"  # its row in aligner/training/lr_ranges.py
+    RENAMED_KEYS: ClassVar[tuple] = _renamed_update_keys("ppo") + _renamed_update_keys("reinforce")
+    PRESETS: ClassVar[tuple] = ("algorithm", ALGORITHMS)
+
+    name: str = "gpt_rl_actor"
+    algorithm: Optional[str] = None  # a preset of ALGORITHMS (ppo | rloo | grpo | ...); null: the file's settings
+    model: PolicySection = field(default_factory=PolicySection)
+    data: RLDataSection = field(default_factory=RLDataSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    loss: LossSection = field(default_factory=LossSection)
+    kl: KLSection = field(default_factory=KLSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    ptx: PTXSection = field(default_factory=PTXSection)
+    ema: EMASection = field(default_factory=EMASection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    packing: SharedPromptPackingSection = field(default_factory=SharedPromptPackingSection)
+    logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        return advantages.ADVANTAGE_ESTIMATORS[self.advantage.estimator].needs_values
+
+    @property
+    def measures_kl(self) -> bool:
+        """Whether a step runs the reference policy: not for a fixed KL coefficient of 0, whose penalty
+        is 0 whatever the reference says (the pass would cost a forward over every rollout)."""
+        return self.kl.adaptive or self.kl.init_coef != 0
+
+    @property
+    def old_logprobs_in_update(self) -> bool:
+        """Whether the rollout policy's logprobs are taken from the update's forward (`LossSection`)."""
+        loss = self.loss
+        return (loss.recompute_old_logprobs and loss.old_logprobs_from_update and loss.disable_dropout
+                and loss.epochs == 1 and self.trainer.global_batch_size == self.rollouts_per_step
+                and not self.measures_kl and loss.importance_sampling == "none")
+
+    @property
+    def clip_high(self) -> float:
+        return self.loss.clip_ratio if self.loss.clip_high is None else self.loss.clip_high
+
+    @property
+    def constant_normalizer(self) -> float:
+        value = self.loss.constant_normalizer
+        return float(self.generation.max_new_tokens if value is None else value)
+
+    def data_layouts(self) -> Layouts:
+        return PROMPT_LAYOUTS
+
+    def data_sources(self) -> list[tuple[str, Optional[str], Optional[Layouts]]]:
+        return super().data_sources() + [("ptx.data", self.ptx.data, SFT_LAYOUTS)]
+
+    def sequence_lengths(self) -> list[tuple[int, str]]:
+        # A rollout: a prompt + its response (the PTX rows are at most this long: `build_ptx_loader`).
+        prompt, new = self.data.max_prompt_length, self.generation.max_new_tokens
+        return [(prompt + new, f"data.max_prompt_length + generation.max_new_tokens = {prompt} + {new} = "
+                               f"{prompt + new}")]
+
+    def validate(self, data_parallel_size: int) -> None:
+        """Checks across sections (single values are checked when the config loads)."""
+        rollout, loss, gen, trainer = self.rollout, self.loss, self.generation, self.trainer
+        estimator = advantages.ADVANTAGE_ESTIMATORS[self.advantage.estimator]
+        k = rollout.samples_per_prompt
+        if k < estimator.min_group_size:
+            raise ConfigError(f"rollout.samples_per_prompt={k}: advantage.estimator={estimator.name} needs at least "
+                              f"{estimator.min_group_size} samples per prompt")
+        if self.teacher.init_from is not None and not self.measures_kl:
+            raise ConfigError("teacher.init_from is read through the KL term: set a KL coefficient > 0 (kl.init_coef)")
+        if estimator.name == "on_policy_distillation" and (self.teacher.init_from is None or not self.measures_kl):
+            raise ConfigError("advantage.estimator=on_policy_distillation learns from the reverse KL to a teacher: set "
+                              "teacher.init_from and a KL coefficient > 0 (kl.init_coef)")
+        if rollout.dynamic_sampling and k < 2:
+            raise ConfigError("rollout.dynamic_sampling drops groups whose samples scored alike: it needs "
+                              "rollout.samples_per_prompt >= 2")
+        if trainer.max_epochs is not None:
+            raise ConfigError("RL actors count rollout steps: set trainer.max_steps and leave trainer.max_epochs null")
+        if rollout.prompts_per_step % data_parallel_size:
+            raise ConfigError(f"rollout.prompts_per_step={rollout.prompts_per_step} must be a multiple of the "
+                              f"data-parallel size {data_parallel_size} (each rank trains on whole prompt groups)")
+        per_rank = self.rollouts_per_step // data_parallel_size
+        minibatch_per_rank, remainder = divmod(trainer.global_batch_size, data_parallel_size)
+        if remainder or minibatch_per_rank == 0 or per_rank % minibatch_per_rank:
+            raise ConfigError(f"trainer.global_batch_size={trainer.global_batch_size} (responses per minibatch) "
+                              f"must be a multiple of the data-parallel size {data_parallel_size} and divide the "
+                              f"{self.rollouts_per_step} rollouts per step (rollout.prompts_per_step x "
+                              "rollout.samples_per_prompt)")
+        if minibatch_per_rank % trainer.micro_batch_size:
+            raise ConfigError(f"trainer.micro_batch_size={trainer.micro_batch_size} must divide the per-rank "
+                              f"minibatch {minibatch_per_rank}")
+        if not loss.clip_ratio > 0 or not self.clip_high > 0:
+            raise ConfigError(f"loss.clip_ratio={loss.clip_ratio} and loss.clip_high={loss.clip_high} must be > 0")
+        if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
+            raise ConfigError("the engine's logprobs are temperature-scaled: "
+                              "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
+        self.packing.check_layout(self.parallel.pipeline_model_parallel_size,
+                                  self.data.max_prompt_length + gen.max_new_tokens,
+                                  "data.max_prompt_length + generation.max_new_tokens",
+                                  self.parallel.expert_model_parallel_size)
+        if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
+            raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
+                              "loss.recompute_old_logprobs=true")
+        if gen.temperature <= 0:
+            raise ConfigError("the actor samples its rollouts: generation.temperature must be > 0")
+        if self.reward.source == "function" and not self.reward.function_entries():
+            raise ConfigError("reward.source=function needs reward.function='path/to/file.py:function' (or "
+                              "'package.module:function', or a weighted list in reward.functions)")
+        if self.reward.source == "combined" and not self.uses_critic:
+            raise ConfigError(f"reward.source=combined takes the rewards from the critic server, but "
+                              f"advantage.estimator={estimator.name} uses no critic: use reward.source=server")
+        buffer = self.reward.overlong_buffer
+        if buffer is not None and not 0 < buffer <= gen.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer={buffer} must lie in 1..generation.max_new_tokens "
+                              f"({gen.max_new_tokens})")
+        if self.ptx.data is not None and self.ptx.coef <= 0:
+            raise ConfigError("ptx.data is set but ptx.coef is not > 0")
+        if self.ema.decay is not None and not 0 < self.ema.decay < 1:
+            raise ConfigError(f"ema.decay must lie in (0, 1), got {self.ema.decay}")
+        row_length, longest = self.packing.row_length, self.data.max_prompt_length + gen.max_new_tokens
+        if row_length is not None and row_length < longest:
+            raise ConfigError(f"packing.row_length={row_length} must hold the longest rollout: at least "
+                              f"data.max_prompt_length + generation.max_new_tokens = {longest}")
+
+
+@dataclass
+class GroupRLActorConfig(RLActorConfig):
+    """train_gpt_reinforce_actor.py's schema: its yaml and launch start no critic server, so algorithm=ppo is
+    refused when the config loads (before its data files are read or anything is built)."""
+
+    def check_fields(self) -> Optional[tuple[str, str]]:
+        if self.algorithm == "ppo":
+            return "algorithm", ("PPO trains a critic alongside the actor: use examples/nlp/gpt/train_gpt_ppo_actor.py "
+                                 "(examples/nlp/gpt/launch_ppo.py starts the critic server with it)")
+        return None
+

@@ -1,0 +1,204 @@
+"""Steps 1-2 of an RL step: the step's prompts generated through the router, k samples each, and scored.
+
+Right after each generation micro-batch the reward requests (and, with a critic, the value requests) are
+sent as futures, so scoring overlaps generation. With dynamic sampling (DAPO), groups whose samples all
+scored the same are dropped and more prompts are drawn until the batch is full (or the round cap is reached).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.algorithms.rl_config import RLActorConfig
+from aligner.config import ConfigError
+from aligner.generation.engine import SamplingParams
+from aligner.generation.rollouts import (
+    PromptDataset,
+    PromptOrder,
+    RolloutBatch,
+    collect_rollouts,
+    full_sequences,
+    values_at_response,
+)
+from aligner.generation.router_client import rebalance_rollouts
+from aligner.rl import advantages
+from aligner.rl.rewards import ScoreCheck, wait_for
+from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
+from aligner.training.microbatch_plan import DataParallel
+
+
+def group_indices(prompt_indices: list[int], samples_per_prompt: int) -> list[int]:
+    """Each prompt samples_per_prompt times, adjacent: rollout j is a sample of prompt_indices[j // k]."""
+    return [index for index in prompt_indices for _ in range(samples_per_prompt)]
+
+
+class RolloutCollector:
+    """Generates and scores an RL run's rollouts (collective over the job).
+
+    engine / router: the generation engine of this replica and the router that hands it prompts;
+    reward_source: what scores responses (None: the combined critic server sends the rewards with the
+    values); critic: the critic client when the estimator needs values, else None; order: the run's
+    prompt order (the actor saves and resumes it); model_parallel_group: this replica's ranks, whose
+    first talks to the servers.
+    """
+
+    def __init__(self, cfg: RLActorConfig, *, chunks: list, engine, router, reward_source, critic,
+                 prompts: PromptDataset, order: PromptOrder, tokenizer, data_parallel: DataParallel,
+                 model_parallel_group: Optional[dist.ProcessGroup]):
+        self.cfg = cfg
+        self.chunks = chunks
+        self.engine = engine
+        self.router = router
+        self.reward_source = reward_source
+        self.critic = critic
+        self.prompts = prompts
+        self.order = order
+        self.tokenizer = tokenizer
+        self.data_parallel = data_parallel
+        self.mp_group = model_parallel_group
+        self.is_replica_leader = dist.get_rank(model_parallel_group) == 0  # talks to the servers for its replica
+        critic_server = cfg.critic.server
+        self.combined_check = ScoreCheck(f"critic server {critic_server.host}:{critic_server.port} (combined mode)",
+                                         cfg.reward)
+
+    def sampling(self, greedy: bool = False, seed: int = 0) -> SamplingParams:
+        gen = self.cfg.generation
+        return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
+                              stop_strings=list(gen.stop_strings), fixed_length=gen.fixed_length, seed=seed)
+
+    def collect(self, seed: int, timings: dict) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's RolloutBatch of a step (k samples per prompt, scored, sampled with `seed`) and the
+        rollout metrics; `timings` gets the time spent generating and waiting for scores."""
+        rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+        timings["time_generation"] = timings["time_scoring_wait"] = 0.0
+        if not rollout.dynamic_sampling:
+            indices = group_indices(self.order.take(rollout.prompts_per_step), k)
+            local, generated = self.generate_and_score(indices, timings, seed=seed,
+                                                       with_values=self.critic is not None)
+            mine = rebalance_rollouts(local, len(indices), data_parallel_group=self.data_parallel.group)
+            return self.to_batch(mine), {"generated_tokens": generated}
+        return self.collect_informative(seed, timings)
+
+    def collect_informative(self, seed: int, timings: dict) -> tuple[RolloutBatch, dict[str, float]]:
+        """DAPO's dynamic sampling: generate rounds of prompts_per_step prompts x k, keep the groups whose
+        k scores differ (the others have advantage 0 and teach nothing), until prompts_per_step groups
+        are kept or rollout.max_sampling_rounds rounds ran; a batch still short is filled with the most
+        recent uniform groups (counted in `dynamic_sampling_filled_groups`)."""
+        rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+        needed = rollout.prompts_per_step
+        kept: list[list] = []  # groups of RolloutRows
+        uniform: list[list] = []
+        generated, rounds = 0.0, 0
+        while len(kept) < needed and rounds < rollout.max_sampling_rounds:
+            indices = group_indices(self.order.take(needed), k)
+            round_seed = seed if rounds == 0 else derive_seed(seed, rounds, modulus=SAMPLER_SEED_RANGE)
+            local, round_tokens = self.generate_and_score(indices, timings, seed=round_seed,
+                                                          with_values=self.critic is not None)
+            generated += round_tokens
+            rows = self._all_rows(local, len(indices))
+            scores = torch.tensor([row.score for row in rows], dtype=torch.float64)
+            informative = advantages.informative_groups(scores, k).tolist()
+            for group, keep in enumerate(informative):
+                (kept if keep else uniform).append(rows[group * k:(group + 1) * k])
+            rounds += 1
+        filled = max(needed - len(kept), 0)
+        groups = kept[:needed] + uniform[len(uniform) - filled:]  # the newest uniform groups when short
+        share, rank = needed // self.data_parallel.size, self.data_parallel.rank
+        mine = [(position, row) for group in range(rank * share, (rank + 1) * share)
+                for position, row in enumerate(groups[group], start=group * k)]
+        metrics = {"generated_tokens": generated, "dynamic_sampling_rounds": float(rounds),
+                   "dynamic_sampling_kept_fraction": len(kept) / (rounds * needed),
+                   "dynamic_sampling_filled_groups": float(filled)}
+        return self.to_batch(mine), metrics
+
+    def _all_rows(self, local: dict, count: int) -> list:
+        """Every rank's rows of a round, in rollout order, on every rank."""
+        parts = [local]
+        if self.data_parallel.size > 1:
+            parts = [None] * self.data_parallel.size
+            dist.all_gather_object(parts, local, group=self.data_parallel.group)
+        merged = {position: row for part in parts for position, row in part.items()}
+        return [merged[position] for position in range(count)]
+
+    def to_batch(self, mine: list[tuple]) -> RolloutBatch:
+        """Rows (position, RolloutRow) as a batch of the run's fixed widths (one sequence length per schedule)."""
+        gen = self.cfg.generation
+        return RolloutBatch.from_rows(mine, self.tokenizer.pad_id,
+                                      seq_length=self.cfg.data.max_prompt_length + gen.max_new_tokens,
+                                      response_width=gen.max_new_tokens)
+
+    def generate_and_score(self, indices: list[int], timings: dict, *, seed: int, greedy: bool = False,
+                           prompts=None, with_values: bool = True) -> tuple[dict, float]:
+        """Generate the prompts `indices` through the router and score them; returns (this replica's rows
+        by position in `indices`, response tokens generated over all ranks). Collective."""
+        prompts = self.prompts if prompts is None else prompts
+        step_prompts = [prompts.tokens[i] for i in indices]
+        given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
+        given_columns = [prompts.columns(i) for i in indices]  # the records' other columns, for reward functions
+        records = [prompts.record(i) for i in indices]  # "file:line", for messages about a prompt's score
+        pending = []  # (micro-batch positions, pending scores, values future)
+
+        def send_scoring(micro_indices, rollout):
+            if not self.is_replica_leader:
+                return
+            sequences = full_sequences(rollout)
+            responses = [self.response_text(rollout.response_tokens[row, :int(rollout.response_lengths[row])])
+                         for row in range(len(micro_indices))]
+            values = self.critic.infer_async(sequences) if (with_values or self.reward_source is None) else None
+            rewards = None  # combined critic server: the rewards arrive with the values
+            if self.reward_source is not None:
+                rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
+                                                         responses, [records[i] for i in micro_indices],
+                                                         columns=[given_columns[i] for i in micro_indices])
+            pending.append((micro_indices, rewards, values))
+
+        tick = time.perf_counter()
+        self.engine.refit(self.chunks)
+        local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
+        for position, row in local.items():
+            row.given_prompt = given_prompts[position]
+        if self.cfg.generation.engine == "native":
+            # The KV cache is small and kept for the next step; the packed weight copies would be
+            # stale after this step's update (refit repacks them), so training gets their memory.
+            self.engine.drop_packed_weights()
+        elif hasattr(self.engine, "free"):
+            self.engine.free()
+        timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        critic = self.cfg.critic.server
+        for micro_indices, rewards, values in pending:
+            inferred = wait_for(values, lambda: f"the critic server {critic.host}:{critic.port}") if (
+                values is not None) else None
+            if rewards is not None:
+                scores = rewards.result()
+            elif inferred.rewards is None:
+                raise ConfigError("reward.source=combined, but the critic server sent no rewards: start it in combined "
+                                  "mode (combined.reward_model_init_from=<reward-model checkpoint>)")
+            else:
+                scores = self.combined_check(inferred.rewards.tolist(), [records[i] for i in micro_indices])
+            value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
+            for j, position in enumerate(micro_indices):
+                row = local[position]
+                row.score, row.score_replaced = float(scores.values[j]), bool(scores.replaced[j])
+                row.score_parts = {name: float(part[j]) for name, part in scores.parts.items()}
+                if value_rows is not None:
+                    row.values = values_at_response(torch.as_tensor(value_rows[j], dtype=torch.float32),
+                                                    len(row.prompt), len(row.response))
+        timings["time_scoring_wait"] = timings.get("time_scoring_wait", 0.0) + time.perf_counter() - tick
+        if dist.get_world_size(self.mp_group) > 1:  # the replica's other ranks get the scores too
+            holder = [local]
+            dist.broadcast_object_list(holder, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
+            local = holder[0]
+        generated = torch.tensor([float(sum(len(row.response) for row in local.values()))])
+        dist.all_reduce(generated, group=self.data_parallel.group)
+        return local, float(generated.item())
+
+    def response_text(self, response_tokens: torch.Tensor) -> str:
+        """What reward functions and sample tables read; the tokens themselves go on unchanged."""
+        ids = [t for t in response_tokens.tolist() if t != self.tokenizer.eos_id]
+        return self.tokenizer.decode(ids)
