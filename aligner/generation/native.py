@@ -90,7 +90,7 @@ import torch.nn.functional as F
 
 from aligner.generation import cuda_graphs as graphs
 from aligner.generation import sampling as S
-from aligner.generation.engine import Rollout, SamplingParams
+from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
 from aligner.runtime import cpu_products
@@ -185,7 +185,7 @@ def _norm(module) -> _Norm:
     return _Norm(module.weight, bias, module.weight.view(-1, 1), None if bias is None else bias.view(-1, 1))
 
 
-class NativeEngine:
+class NativeEngine(GenerationEngine):
     """KV-cached generation on megatron-core model chunks (local layer spec), any TP/PP, CPU or GPU.
 
     model_chunks: this rank's model chunks (one per virtual pipeline stage), DDP/Float16 wrappers
@@ -409,11 +409,11 @@ class NativeEngine:
         """Drop the KV cache, captured decode steps and packed weight copies (the weights are the training
         tensors; the copies are made again at the next generate call)."""
         self._drop_cache()
-        self.drop_packed_weights()
+        self.release_for_update()
 
-    def drop_packed_weights(self) -> None:
-        """Free the packed weight copies, keeping the KV cache: for callers that train the weights
-        next (the copies would be stale and remade anyway) and want the memory back meanwhile."""
+    def release_for_update(self) -> None:
+        """Free the packed weight copies (the update makes them stale; the next generate call repacks),
+        keeping the KV cache, which is small and reused by the next step."""
         self._packed = {}
 
     @property
@@ -470,10 +470,10 @@ class NativeEngine:
         prompts and sampling alone (its rows draw from (its seed, row)). With continuous_batching=False
         each request is one `generate` call. Collective over the model-parallel group.
         """
+        if not self.continuous_batching:
+            yield from super().generate_stream(next_request, longest_prompt)
+            return
         request = next_request()
-        while not self.continuous_batching and request is not None:
-            yield request[0], self.generate(request[1], request[2])
-            request = next_request()
         if request is None:
             return
         sampling = request[2]

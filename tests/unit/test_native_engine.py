@@ -248,7 +248,7 @@ def test_packed_copies_are_remade_for_changed_weights_only():
     assert all(copy is not packed[key] for key, copy in copies().items())
     assert responses(engine.generate(prompts, greedy)) == expected()
     cache_bytes = engine.kv_cache_bytes
-    engine.drop_packed_weights()  # what the RL actor does before training: the cache stays
+    engine.release_for_update()  # what the RL actor does before training: the cache stays
     assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == cache_bytes > 0
     assert responses(engine.generate(prompts, greedy)) == expected() and len(copies()) == len(packed)
     engine.free()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.generation.engine import SamplingParams
+from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.reference import generate_full_forward
 from tests.unit.test_native_engine import (
     CONFIGS,
@@ -219,11 +219,14 @@ def test_a_stream_refuses_requests_it_cannot_serve():
     assert_same_rollout(streamed[3], static_batch.generate(prompts[3:6], sampling))
 
 
-class GenerateOnly:
-    """An engine without generate_stream: collect_rollouts then generates micro-batch by micro-batch."""
+class GenerateOnly(GenerationEngine):
+    """An engine with generate only: it streams by the protocol's default, one generate call per micro-batch."""
 
     def __init__(self, engine):
-        self.generate = engine.generate
+        self.engine = engine
+
+    def generate(self, prompts, sampling):
+        return self.engine.generate(prompts, sampling)
 
 
 @pytest.mark.parametrize("router_kind", ["static", "dynamic"])
