@@ -147,9 +147,9 @@ def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
     prompts = make_prompts()
     sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
     onednn = make_engine(cfg, model)
-    assert onednn._onednn_products  # fp32 on CPU: the path under test is the one in use
+    assert onednn.state.onednn_products  # fp32 on CPU: the path under test is the one in use
     blas = make_engine(cfg, model)
-    blas._onednn_products = False
+    blas.state.onednn_products = False
     expected = blas.generate(prompts, sampling)
     rollout = onednn.generate(prompts, sampling)
     assert torch.equal(rollout.response_tokens, expected.response_tokens)
