@@ -102,8 +102,8 @@ def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
     (`aligner.runtime.cpu_products`), BLAS on the weights for a call of one sequence where BLAS is preferred."""
     from aligner.runtime import cpu_products
 
-    segment = engine._segments[0]  # one process, one stage: every layer and the output layer
-    on_blas = engine._single_sequence_on_blas
+    segment = engine.state.segments[0]  # one process, one stage: every layer and the output layer
+    on_blas = engine.state.single_sequence_on_blas
     linears = [linear for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)]
     weights = [linear.weight if on_blas else linear.product for linear in linears]
     weights.append(segment.output_weight if on_blas else segment.output_product)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import ConfigError
-from aligner.generation.engine import SamplingParams
+from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.rollouts import (
     PromptDataset,
     PromptOrder,
@@ -45,7 +45,7 @@ class RolloutCollector:
     first talks to the servers.
     """
 
-    def __init__(self, cfg: RLActorConfig, *, chunks: list, engine, router, reward_source, critic,
+    def __init__(self, cfg: RLActorConfig, *, chunks: list, engine: GenerationEngine, router, reward_source, critic,
                  prompts: PromptDataset, order: PromptOrder, tokenizer, data_parallel: DataParallel,
                  model_parallel_group: Optional[dist.ProcessGroup]):
         self.cfg = cfg
@@ -161,12 +161,7 @@ class RolloutCollector:
         local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
         for position, row in local.items():
             row.given_prompt = given_prompts[position]
-        if self.cfg.generation.engine == "native":
-            # The KV cache is small and kept for the next step; the packed weight copies would be
-            # stale after this step's update (refit repacks them), so training gets their memory.
-            self.engine.drop_packed_weights()
-        elif hasattr(self.engine, "free"):
-            self.engine.free()
+        self.engine.release_for_update()  # training gets the memory of what its update makes stale
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
 
         tick = time.perf_counter()

@@ -46,7 +46,7 @@ from aligner.config import OutputError, one_of
 from aligner.data.conversation import ChatEncoder, parse_prompt, template_errors
 from aligner.data.jsonl import DataError, read_jsonl
 from aligner.data.steerlm import condition_messages, condition_prompt, steering_for_checkpoint
-from aligner.generation.engine import SamplingParams, generate_requests
+from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.native import NativeEngine
 from aligner.hf.convert import read_hf_source
 from aligner.hf.sources import resolve_model_source
@@ -114,7 +114,7 @@ class ChatConfig:
 class ChatModel:
     """A loaded model ready to answer: generation engine, tokenizer, stop tokens, context size."""
 
-    engine: object  # GenerationEngine
+    engine: GenerationEngine
     tokenizer: object  # aligner.tokenizer.Tokenizer
     stop_token_ids: list
     max_sequence_length: int
@@ -382,7 +382,7 @@ def answer_file(model: ChatModel, cfg: ChatConfig) -> int:
         for position, output in enumerate(outputs):
             if position not in generated:  # answered already: too long to generate
                 writer.put(position, output)
-        for start, rollout in generate_requests(model.engine, lambda: next(requests, None), longest_prompt=longest):
+        for start, rollout in model.engine.generate_stream(lambda: next(requests, None), longest_prompt=longest):
             for row, (position, _) in enumerate(pending[start:start + cfg.batch_size]):
                 tokens = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
                 outputs[position]["response"] = response_text(model, tokens)

@@ -1,10 +1,11 @@
-"""The one generation interface trainers see: refit, generate, free.
+"""The one generation interface trainers see: refit, generate, generate_stream, release_for_update, free.
 
 Engines: `aligner.generation.native.NativeEngine` (KV-cached, on the training weights, CPU and GPU)
 and `aligner.generation.trtllm.TensorRTLLMEngine` (GPU clusters, optional extra).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
@@ -51,26 +52,31 @@ class Rollout:
 
 
 class GenerationEngine(Protocol):
-    def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
-        """Make the engine serve the current training weights."""
+    """Everything trainers call on an engine. Engines subclass it: what an engine does not need it
+    inherits (a no-op, or the plain way of doing it), so callers never ask an engine's name or `hasattr`."""
 
+    def refit(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        """Make the engine serve the current training weights (default: nothing to do)."""
+
+    @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Continue every prompt (collective: every rank of the model-parallel group calls it)."""
 
+    def generate_stream(self, next_request: Callable[[], Optional[tuple]], longest_prompt: int) -> Iterator[tuple]:
+        """(key, Rollout) of each request (key, prompts, sampling) that next_request() gives until None.
+
+        A request's rollout is `generate`'s on it alone. Default: one `generate` call per request, in
+        order; the native engine decodes across requests (continuous batching), taking each when cache
+        rows free up and yielding it as it completes. No prompt is longer than longest_prompt.
+        """
+        while (request := next_request()) is not None:
+            key, prompts, sampling = request
+            yield key, self.generate(prompts, sampling)
+
+    def release_for_update(self) -> None:
+        """Between generating and a weight update: give training the memory of what the update makes
+        stale; what stays valid may be kept for the next step (default: everything `free` releases)."""
+        self.free()
+
     def free(self) -> None:
-        """Release engine memory (KV cache, engine weights) so training has it back."""
-
-
-def generate_requests(engine, next_request: Callable[[], Optional[tuple]], longest_prompt: int) -> Iterator[tuple]:
-    """(key, Rollout) of each request (key, prompts, sampling) that next_request() gives until None.
-
-    Through the engine's `generate_stream` when it has one (the native engine: continuous batching
-    across requests, each taken when cache rows free up, yielded as it completes), else one
-    `generate` call per request, in order. Either way a request's rollout is `generate`'s on it alone.
-    """
-    if hasattr(engine, "generate_stream"):
-        yield from engine.generate_stream(next_request, longest_prompt=longest_prompt)
-        return
-    while (request := next_request()) is not None:
-        key, prompts, sampling = request
-        yield key, engine.generate(prompts, sampling)
+        """Release engine memory (KV cache, engine weights) so training has it back (default: nothing held)."""

@@ -31,7 +31,7 @@ import torch
 from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, template_errors
 from aligner.data.jsonl import DataError
 from aligner.data.records import Layouts, open_records
-from aligner.generation.engine import Rollout, SamplingParams, generate_requests
+from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
 from aligner.generation.logprobs import pack_sequences, response_mask, response_values
 from aligner.generation.sampling import sample_keys
 from aligner.runtime.seeds import epoch_seed
@@ -147,13 +147,13 @@ class PromptOrder:
 
 
 # ----------------------------------------------------------------------------- generation
-def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: SamplingParams,
+def collect_rollouts(engine: GenerationEngine, router, prompts: Sequence[list[int]], sampling: SamplingParams,
                      on_generated: Optional[Callable[[list[int], Rollout], None]] = None) -> dict[int, "RolloutRow"]:
     """Generate every prompt once across the data-parallel replicas; returns this replica's rows by
     prompt position. on_generated(indices, rollout) runs after each micro-batch on every rank of the
     replica (send scoring requests there; the answers are attached to the rows later).
 
-    Micro-batches go through `generate_requests`: the native engine decodes across them, taking the
+    Micro-batches go through the engine's `generate_stream`: the native engine decodes across them, taking the
     router's next micro-batch when its cache rows free up, so a finished row is refilled by a waiting
     prompt instead of idling until its micro-batch's longest row ends; other engines generate them one
     by one. Each micro-batch's rows are the same either way: its seed and row numbers do not depend on
@@ -183,13 +183,13 @@ def collect_rollouts(engine, router, prompts: Sequence[list[int]], sampling: Sam
             return None if indices is None else (indices, [list(prompts[i]) for i in indices], micro_sampling(indices))
 
         longest = max(len(p) for p in prompts)
-        for indices, rollout in generate_requests(engine, next_request, longest_prompt=longest):
+        for indices, rollout in engine.generate_stream(next_request, longest_prompt=longest):
             yield indices, rows_of(indices, rollout)
 
     return router.route_stream(len(prompts), stream).results
 
 
-def generate_share(engine, prompts: Sequence[list[int]], sampling: SamplingParams, batch_size: int,
+def generate_share(engine: GenerationEngine, prompts: Sequence[list[int]], sampling: SamplingParams, batch_size: int,
                    replica: int = 0, replicas: int = 1) -> dict[int, list[int]]:
     """This data-parallel replica's share of answers to `prompts`: {prompt index: response ids}.
 
@@ -204,8 +204,8 @@ def generate_share(engine, prompts: Sequence[list[int]], sampling: SamplingParam
                      for number, start in enumerate(range(0, len(prompts), batch_size))
                      if number % replicas == replica])
     answers = {}
-    for start, rollout in generate_requests(engine, lambda: next(requests, None),
-                                            longest_prompt=max(len(prompt) for prompt in prompts)):
+    for start, rollout in engine.generate_stream(lambda: next(requests, None),
+                                                 longest_prompt=max(len(prompt) for prompt in prompts)):
         for row in range(len(rollout.prompt_tokens)):
             answers[start + row] = rollout.response_tokens[row, : int(rollout.response_lengths[row])].tolist()
     return answers

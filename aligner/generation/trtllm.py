@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from aligner.config import MissingExtraError
-from aligner.generation.engine import Rollout, SamplingParams
+from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
 from aligner.generation.router_client import concat_rollouts
 from aligner.hf.layout import check_exportable, infer_arch, unpack_qkv
 from aligner.models import lora
@@ -483,8 +483,9 @@ def rollout_from_outputs(prompts: Sequence[Sequence[int]], output_ids: torch.Ten
 
 
 # ----------------------------------------------------------------------------- the engine
-class TensorRTLLMEngine:
-    """`GenerationEngine` on TensorRT-LLM: build once, refit in place every step, free while training.
+class TensorRTLLMEngine(GenerationEngine):
+    """`GenerationEngine` on TensorRT-LLM: build once, refit in place every step, free while training
+    (`release_for_update` is the protocol's: `free`; generate_stream the protocol's: one generate per request).
 
     Collective over the model-parallel group: every rank of a replica calls refit/generate/free.
     work_dir: where this replica writes its TRT-LLM checkpoint and engine (one directory per

@@ -17,6 +17,7 @@ import torch
 
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
+from aligner.generation.engine import GenerationEngine, Rollout
 from aligner.generation.rollouts import PromptDataset
 from aligner.rl.rewards import RuleRewardSource
 
@@ -194,9 +195,10 @@ class RecordingCritic(NullCritic):
         return super().train_async(sequences, prompt_lengths, returns, old_values)
 
 
-class SpellingEngine:
+class SpellingEngine(GenerationEngine):
     """The actor's real engine, except that the first row of each call answers `spelled` + eos: ids
-    that decode to a word the tokenizer would encode as other (merged) ids."""
+    that decode to a word the tokenizer would encode as other (merged) ids. Streams by the protocol's
+    default (one generate call per request), so every call goes through `generate` here."""
 
     def __init__(self, engine, spelled: list[int], pad_id: int):
         self.engine, self.spelled, self.pad_id = engine, spelled, pad_id
@@ -205,8 +207,11 @@ class SpellingEngine:
     def refit(self, chunks) -> None:
         self.engine.refit(chunks)
 
-    def drop_packed_weights(self) -> None:
-        self.engine.drop_packed_weights()
+    def release_for_update(self) -> None:
+        self.engine.release_for_update()
+
+    def free(self) -> None:
+        self.engine.free()
 
     def generate(self, prompts, sampling):
         rollout = self.engine.generate(prompts, sampling)
@@ -426,15 +431,13 @@ def test_chat_batch_steering_conditions_text_and_messages_as_training_does(token
     assert text != encoder.prompt_tokens("hello world")
 
 
-class _PromptRecordingEngine:
+class _PromptRecordingEngine(GenerationEngine):
     """Answers every prompt with eos at once and keeps the prompts it was given."""
 
     def __init__(self, eos_id: int, pad_id: int):
         self.eos_id, self.pad_id, self.prompts = eos_id, pad_id, []
 
     def generate(self, prompts, sampling):
-        from aligner.generation.engine import Rollout
-
         self.prompts += [list(prompt) for prompt in prompts]
         rows = len(prompts)
         return Rollout([list(p) for p in prompts], torch.full((rows, 1), self.eos_id), torch.zeros(rows, 1),

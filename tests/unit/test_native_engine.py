@@ -147,9 +147,9 @@ def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
     prompts = make_prompts()
     sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
     onednn = make_engine(cfg, model)
-    assert onednn._onednn_products  # fp32 on CPU: the path under test is the one in use
+    assert onednn.state.onednn_products  # fp32 on CPU: the path under test is the one in use
     blas = make_engine(cfg, model)
-    blas._onednn_products = False
+    blas.state.onednn_products = False
     expected = blas.generate(prompts, sampling)
     rollout = onednn.generate(prompts, sampling)
     assert torch.equal(rollout.response_tokens, expected.response_tokens)
@@ -185,12 +185,12 @@ def test_a_single_sequence_decodes_on_the_preferred_library_with_the_same_tokens
     products_per_step = 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer, and the output layer
     decode_products = products_per_step * (sampling.max_new_tokens - 1)
     assert calls[library] >= decode_products and calls["onednn" if library == "blas" else "blas"] < decode_products
-    assert engine._single_sequence_on_blas == (library == "blas")
+    assert engine.state.single_sequence_on_blas == (library == "blas")
     assert torch.equal(rollout.response_tokens[0], expected.response_tokens[0])
     assert torch.allclose(rollout.logprobs[0], expected.logprobs[0], atol=LOGPROB_TOLERANCE, rtol=0)
     monkeypatch.undo()
     engine.generate(prompt * 2, sampling)
-    assert not engine._single_sequence_on_blas  # many sequences: back on the packed oneDNN products
+    assert not engine.state.single_sequence_on_blas  # many sequences: back on the packed oneDNN products
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -202,7 +202,8 @@ def test_packed_weights_give_the_unpacked_rollouts(name):
     prompts = make_prompts()
     sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
     packed = make_engine(cfg, model)
-    products = [layer.qkv.product for layer in packed._segments[0].layers] + [packed._segments[0].output_product]
+    segment = packed.state.segments[0]
+    products = [layer.qkv.product for layer in segment.layers] + [segment.output_product]
     assert all(product.is_mkldnn for product in products)  # the path under test is the one in use
     expected = make_engine(cfg, model, pack_weights=False).generate(prompts, sampling)
     rollout = packed.generate(prompts, sampling)
@@ -248,7 +249,7 @@ def test_packed_copies_are_remade_for_changed_weights_only():
     assert all(copy is not packed[key] for key, copy in copies().items())
     assert responses(engine.generate(prompts, greedy)) == expected()
     cache_bytes = engine.kv_cache_bytes
-    engine.drop_packed_weights()  # what the RL actor does before training: the cache stays
+    engine.release_for_update()  # what the RL actor does before training: the cache stays
     assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == cache_bytes > 0
     assert responses(engine.generate(prompts, greedy)) == expected() and len(copies()) == len(packed)
     engine.free()
@@ -379,7 +380,7 @@ def test_refit_is_free_and_sees_weight_changes():
     # A different model object: refit points at its tensors, no copy, the cache is kept.
     _, other = make_model("llama", seed=9)
     engine.refit([other])
-    assert engine._segments[0].layers[0].qkv.weight is other.decoder.layers[0].self_attention.linear_qkv.weight
+    assert engine.state.segments[0].layers[0].qkv.weight is other.decoder.layers[0].self_attention.linear_qkv.weight
     refitted = engine.generate(prompts, greedy)
     assert engine._kv_cache is cache
     assert responses(refitted) == generate_full_forward([other], prompts, vocab_size=VOCAB, eos_id=VOCAB - 1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.generation.engine import SamplingParams
+from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.reference import generate_full_forward
 from tests.unit.test_native_engine import (
     CONFIGS,
@@ -136,10 +136,10 @@ def test_finished_rows_leave_the_decode_batch_and_waiting_prompts_refill_it(monk
 
     engine = make_engine(cfg, model, max_batch_size=4)
     decode_rows, prefill_rows = [], []
-    decode_forward, prefill_forward = engine._decode_forward, engine._prefill_forward
-    monkeypatch.setattr(engine, "_decode_forward",
+    decode_forward, prefill_forward = engine.forward.decode_forward, engine.forward.prefill_forward
+    monkeypatch.setattr(engine.forward, "decode_forward",
                         lambda tokens, *args: decode_rows.append(tokens.shape[0]) or decode_forward(tokens, *args))
-    monkeypatch.setattr(engine, "_prefill_forward",
+    monkeypatch.setattr(engine.forward, "prefill_forward",
                         lambda tokens, *args, **kw: prefill_rows.append(tokens.shape[0]) or prefill_forward(
                             tokens, *args, **kw))
     rollout = engine.generate(prompts, sampling)
@@ -181,8 +181,8 @@ def test_a_stream_of_requests_gives_each_request_its_own_generate_rollout(monkey
 
     engine = make_engine(cfg, model, max_batch_size=4)
     decode_rows, pulled_at = [], []
-    decode_forward = engine._decode_forward
-    monkeypatch.setattr(engine, "_decode_forward",
+    decode_forward = engine.forward.decode_forward
+    monkeypatch.setattr(engine.forward, "decode_forward",
                         lambda tokens, *args: decode_rows.append(tokens.shape[0]) or decode_forward(tokens, *args))
     pending = list(requests)
 
@@ -219,11 +219,14 @@ def test_a_stream_refuses_requests_it_cannot_serve():
     assert_same_rollout(streamed[3], static_batch.generate(prompts[3:6], sampling))
 
 
-class GenerateOnly:
-    """An engine without generate_stream: collect_rollouts then generates micro-batch by micro-batch."""
+class GenerateOnly(GenerationEngine):
+    """An engine with generate only: it streams by the protocol's default, one generate call per micro-batch."""
 
     def __init__(self, engine):
-        self.generate = engine.generate
+        self.engine = engine
+
+    def generate(self, prompts, sampling):
+        return self.engine.generate(prompts, sampling)
 
 
 @pytest.mark.parametrize("router_kind", ["static", "dynamic"])
@@ -278,8 +281,8 @@ def test_a_prompt_admitted_several_times_is_prefilled_once(rows):
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
     shared = make_engine(cfg, model, max_batch_size=rows)
     prefilled = []  # rows of each prefill forward
-    forward = shared._prefill_forward
-    shared._prefill_forward = lambda tokens, *args, **kwargs: (prefilled.append(tokens.shape[0]),
+    forward = shared.forward.prefill_forward
+    shared.forward.prefill_forward = lambda tokens, *args, **kwargs: (prefilled.append(tokens.shape[0]),
                                                                 forward(tokens, *args, **kwargs))[1]
     got = shared.generate(prompts, sampling)
     expected = make_engine(cfg, model, max_batch_size=rows, shared_prefill=False).generate(prompts, sampling)

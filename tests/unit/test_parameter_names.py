@@ -16,7 +16,7 @@ SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
 
 def names_from_table(cfg: GPTConfig) -> set[str]:
     """Every parameter of a local-spec GPTModel, spelled with the table (an independent listing of the
-    table's use by hf/layout.py, trtllm.py and native.py)."""
+    table's use by hf/layout.py, trtllm.py and native/weights.py)."""
     kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
     norm_kinds = ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",)
     names = {param_names.weight(param_names.WORD_EMBEDDINGS)}

@@ -44,7 +44,7 @@ def megatron_logit_diff(checkpoint: Path, reference_file: Path, tp: int, pp: int
     if cfg.is_moe:  # each rank holds its share of the experts
         local_experts = model.decoder.layers[-1].mlp.experts.local_experts
         assert len(local_experts) == cfg.num_moe_experts // ep, (len(local_experts), ep)
-    if ep > 1:  # generation at EP>1 is refused with a reason (see aligner/generation/native.py)
+    if ep > 1:  # generation at EP>1 is refused with a reason (see aligner/generation/native/engine.py)
         from aligner.config import ConfigError
         from aligner.generation.native import NativeEngine
 
