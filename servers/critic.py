@@ -23,7 +23,7 @@ critic_infer  (dynamic batching, like the reward-model server)
                                             0 from the row's length on; NaN for a rejected row.
                                             The value of response token j (whose logprob the actor
                                             reads from logits column prompt_length - 1 + j, see
-                                            aligner/generation/logprobs.py) is at column
+                                            aligner/models/logprobs.py) is at column
                                             prompt_length - 1 + j.
        error             bytes [B, 1]       empty if the row was computed, else why it was rejected
        rewards           float32 [B, 1]     combined mode only: the reward model's (normalised) reward

@@ -14,7 +14,7 @@ batch, in optimizer steps of `train.global_batch_size` rows, each split over the
 ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
 The loss is `aligner.rl.ppo_math.value_loss` (clipped with `train.clip_val`), the token mean over
 the response tokens of the optimizer step; the values of response token j are read at the column
-the actor reads its logprob from (`aligner.generation.logprobs.response_values`).
+the actor reads its logprob from (`aligner.models.logprobs.response_values`).
 
 Reads top to bottom: config schema, optimizer-state offloading, the train batch and its metrics,
 `Critic` (values, rewards, training, checkpoints) and `build_critic`. Every method of `Critic`
@@ -35,9 +35,9 @@ from omegaconf import MISSING
 
 from aligner import checkpointing
 from aligner.config import ConfigError, at_least, one_of
-from aligner.generation.logprobs import response_mask, response_values
 from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.forward import run_microbatches
+from aligner.models.logprobs import response_mask, response_values
 from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import (
     HEAD_STATE_PREFIX,

@@ -32,8 +32,8 @@ from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, templat
 from aligner.data.jsonl import DataError
 from aligner.data.records import Layouts, open_records
 from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
-from aligner.generation.logprobs import pack_sequences, response_mask, response_values
 from aligner.generation.sampling import sample_keys
+from aligner.models.logprobs import pack_sequences, response_mask, response_values
 from aligner.runtime.seeds import epoch_seed
 
 # ----------------------------------------------------------------------------- prompts
@@ -246,7 +246,7 @@ class RolloutRow:
 
 @dataclass
 class RolloutBatch:
-    """A batch of rows as tensors in the training layout (`aligner.generation.logprobs.pack_sequences`).
+    """A batch of rows as tensors in the training layout (`aligner.models.logprobs.pack_sequences`).
 
     tokens [B, S] prompt + response from column 0, right-padded; per-token tensors [B, T] over
     response positions (T = widest response), 0 past each response's end.

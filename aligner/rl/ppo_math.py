@@ -4,7 +4,7 @@ Reads in the order a PPO step uses it (the masked statistics it builds on are in
 scores -> per-token rewards (stop penalty, overlong penalty, normalisation, clipping, the per-token
 KL penalty), KL estimators and controllers, GAE and the critic's value loss. The advantage estimators
 are in `aligner.rl.advantages`, the policy losses in `aligner.rl.policy_losses`, the entropy with the
-logprobs in `aligner.generation.logprobs`.
+logprobs in `aligner.models.logprobs`.
 
 Conventions. Per-token tensors are [batch, T] over response positions; responses are right-padded,
 so `mask` [batch, T] (bool or 0/1) is 1 on the first `length` columns of each row and 0 after.

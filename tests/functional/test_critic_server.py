@@ -314,8 +314,8 @@ def test_bad_train_requests_are_rejected_without_training(client, rollout):
 def float64_reference(references, rollout) -> tuple[float, float, float]:
     """(value loss, gradient norm, clip fraction) of the critic's initial weights on the rollout, in float64."""
     from aligner import checkpointing
-    from aligner.generation.logprobs import response_mask, response_values
     from aligner.models.gpt import transformer_config
+    from aligner.models.logprobs import response_mask, response_values
     from aligner.models.reward import build_reward_model
     from aligner.rl.ppo_math import value_loss
 
@@ -338,7 +338,7 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
 
 
 def test_first_train_call_equals_the_float64_reference(client, references, rollout):
-    from aligner.generation.logprobs import response_mask
+    from aligner.models.logprobs import response_mask
     from aligner.rl.masked import explained_variance
 
     loss, grad_norm, clip_fraction = float64_reference(references, rollout)

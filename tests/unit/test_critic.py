@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from aligner.algorithms.critic import move_optimizer_state, optimizer_state_on_device
-from aligner.generation.logprobs import response_mask, response_values
 from aligner.generation.rollouts import values_at_response
+from aligner.models.logprobs import response_mask, response_values
 
 
 def test_response_values_read_the_column_before_each_response_token():

@@ -86,9 +86,9 @@ FLOORS = {
     "runtime": 0, "clients": 0,  # the clients stand alone: users import them without the training stack
     "__init__": 1, "config": 1,
     "checkpointing": 2, "tokenizer": 2,
-    "models": 3, "rl": 3,  # rl: pure tensor math
+    "models": 3, "rl": 3,  # models: the networks and the logprob kernel; rl: pure tensor math
     "data": 4, "hf": 4,
-    "generation": 5,  # engines, the logprob kernel, rollouts
+    "generation": 5,  # engines, rollouts, reward sources
     "training": 6,
     "algorithms": 7, "demo": 7, "launcher": 7,
 }

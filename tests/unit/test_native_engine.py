@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from aligner.generation.engine import SamplingParams
-from aligner.generation.logprobs import pack_sequences, response_logprobs, sequence_logprobs
 from aligner.generation.native import NativeEngine
 from aligner.generation.reference import generate_full_forward
 from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.logprobs import pack_sequences, response_logprobs, sequence_logprobs
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
