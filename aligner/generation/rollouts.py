@@ -17,7 +17,7 @@ response's text re-encodes to other ids whenever the policy spelled a word in un
 
 The reward sources (a reward-model server, or a Python function `fn(prompt, response_text) -> float`
 given the prompt as the data gave it, for verifiable tasks such as the demo's arithmetic) and the
-checks of their scores are in `aligner.rl.rewards`.
+checks of their scores are in `aligner.generation.rewards`.
 """
 from __future__ import annotations
 

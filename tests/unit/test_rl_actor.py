@@ -15,6 +15,7 @@ from aligner.algorithms.rl_actor import tf_adam_epsilon, update_ema
 from aligner.algorithms.rl_config import ALGORITHMS, RLActorConfig
 from aligner.algorithms.rl_rollouts import group_indices
 from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
+from aligner.generation.rewards import load_function
 from aligner.generation.rollouts import (
     PromptOrder,
     RolloutBatch,
@@ -22,7 +23,6 @@ from aligner.generation.rollouts import (
     micro_batch_seed,
     values_at_response,
 )
-from aligner.rl.rewards import load_function
 
 from ..conftest import dotted_keys
 
