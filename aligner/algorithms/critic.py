@@ -12,7 +12,7 @@ reward pass and swapped out again (`aligner.models.weight_swap.HostWeights`).
 Training (`Critic.train`, one call per rollout batch): `train.epochs_per_call` passes over the
 batch, in optimizer steps of `train.global_batch_size` rows, each split over the data-parallel
 ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
-The loss is `aligner.rl.ppo_math.value_loss` (clipped with `train.clip_val`), the token mean over
+The loss is `aligner.rl.shaping.value_loss` (clipped with `train.clip_val`), the token mean over
 the response tokens of the optimizer step; the values of response token j are read at the column
 the actor reads its logprob from (`aligner.models.logprobs.response_values`).
 
@@ -50,7 +50,7 @@ from aligner.models.reward import (
 )
 from aligner.models.weight_swap import HostWeights
 from aligner.rl.masked import explained_variance
-from aligner.rl.ppo_math import value_loss
+from aligner.rl.shaping import value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig, host_copy
 from aligner.training import schedule, setup
 from aligner.training.metrics import get_logger
