@@ -557,7 +557,8 @@ def hf_and_megatron_models(family: str, directory):
     import transformers
 
     from aligner.hf.convert import read_hf_state_dict
-    from aligner.hf.layout import gpt_config_from_hf, hf_to_megatron
+    from aligner.hf.layout import gpt_config_from_hf
+    from aligner.hf.weights import hf_to_megatron
 
     config = hf_family_config(family)
     torch.manual_seed(0)
