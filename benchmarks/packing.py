@@ -61,9 +61,9 @@ def main() -> None:
 
     from models import resolve_model
 
-    from aligner.generation.logprobs import response_logprobs
-    from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs
     from aligner.models import packing
+    from aligner.models.logprobs import response_logprobs
+    from aligner.models.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs
     from aligner.runtime import distributed, seeds
 
     distributed.initialize(distributed.ParallelConfig())

@@ -84,7 +84,7 @@ def main() -> None:
     from aligner.algorithms.rl_config import RLActorConfig
     from aligner.algorithms.sft import SFTObjective
     from aligner.config import CONF_DIR, load_config
-    from aligner.rl.rewards import RuleRewardSource
+    from aligner.generation.rewards import RuleRewardSource
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

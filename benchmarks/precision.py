@@ -88,7 +88,7 @@ def compare_generation(checkpoint: Path, batches: list[int], new_tokens: int, re
                      f"(load {os.getloadavg()[0]:.1f})")
         yield ratio_line(f"bf16_generation_b{batch}_vs_fp32", ratio)
     # What bf16 changes: its greedy tokens against fp32's, and its logprobs of fp32's own tokens.
-    from aligner.generation.logprobs import pack_sequences, sequence_logprobs
+    from aligner.models.logprobs import pack_sequences, sequence_logprobs
 
     reference = fp32.generate([list(prompt)], sampling)
     own = bf16.generate([list(prompt)], sampling)

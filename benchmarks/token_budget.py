@@ -140,8 +140,8 @@ def main() -> None:
 
     from run_bench import ratio_line
 
-    from aligner.generation.packed_logprobs import response_logprobs_and_entropy
     from aligner.models import packing
+    from aligner.models.packed_logprobs import response_logprobs_and_entropy
     from aligner.runtime import distributed, seeds
 
     distributed.initialize(distributed.ParallelConfig())

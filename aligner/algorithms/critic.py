@@ -12,9 +12,9 @@ reward pass and swapped out again (`aligner.models.weight_swap.HostWeights`).
 Training (`Critic.train`, one call per rollout batch): `train.epochs_per_call` passes over the
 batch, in optimizer steps of `train.global_batch_size` rows, each split over the data-parallel
 ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
-The loss is `aligner.rl.ppo_math.value_loss` (clipped with `train.clip_val`), the token mean over
+The loss is `aligner.rl.shaping.value_loss` (clipped with `train.clip_val`), the token mean over
 the response tokens of the optimizer step; the values of response token j are read at the column
-the actor reads its logprob from (`aligner.generation.logprobs.response_values`).
+the actor reads its logprob from (`aligner.models.logprobs.response_values`).
 
 Reads top to bottom: config schema, optimizer-state offloading, the train batch and its metrics,
 `Critic` (values, rewards, training, checkpoints) and `build_critic`. Every method of `Critic`
@@ -35,9 +35,9 @@ from omegaconf import MISSING
 
 from aligner import checkpointing
 from aligner.config import ConfigError, at_least, one_of
-from aligner.generation.logprobs import response_mask, response_values
 from aligner.hf.sources import resolve_model_source, source_kind
 from aligner.models.forward import run_microbatches
+from aligner.models.logprobs import response_mask, response_values
 from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import (
     HEAD_STATE_PREFIX,
@@ -50,7 +50,7 @@ from aligner.models.reward import (
 )
 from aligner.models.weight_swap import HostWeights
 from aligner.rl.masked import explained_variance
-from aligner.rl.ppo_math import value_loss
+from aligner.rl.shaping import value_loss
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig, host_copy
 from aligner.training import schedule, setup
 from aligner.training.metrics import get_logger

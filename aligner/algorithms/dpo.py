@@ -25,12 +25,11 @@ from aligner.config import one_of
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PREFERENCE_LAYOUTS, PreferenceDataset, collate_preferences
 from aligner.data.records import Layouts
-from aligner.generation import logprobs
-from aligner.generation.logprobs import response_logprobs
-from aligner.generation.packed_logprobs import packed_sequence_logprobs, response_logprobs_and_entropy
-from aligner.models import lora
+from aligner.models import logprobs, lora
 from aligner.models.gpt import num_parameters
+from aligner.models.logprobs import response_logprobs
 from aligner.models.lora import load_merged
+from aligner.models.packed_logprobs import packed_sequence_logprobs, response_logprobs_and_entropy
 from aligner.models.packing import (
     PackingSection,
     SharedPromptPackingSection,

@@ -20,8 +20,8 @@ import torch
 from aligner.config import one_of
 from aligner.data.records import Layouts
 from aligner.data.unpaired import UNPAIRED_LAYOUTS, UnpairedDataset, collate_unpaired
-from aligner.generation.logprobs import response_logprobs
 from aligner.models.gpt import num_parameters
+from aligner.models.logprobs import response_logprobs
 from aligner.models.packing import forward_batch
 from aligner.rl import dpo_math, kto_math
 from aligner.runtime.errors import ConfigError

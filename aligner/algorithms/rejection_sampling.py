@@ -36,8 +36,8 @@ from aligner.config import at_least, one_of
 from aligner.data.records import Layouts
 from aligner.generation.engine import SamplingParams
 from aligner.generation.native import NativeEngine
+from aligner.generation.rewards import RewardFunctionSettings
 from aligner.generation.rollouts import PROMPT_LAYOUTS, PromptDataset, gather_shares, generate_share
-from aligner.rl.rewards import RewardFunctionSettings
 from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError
 from aligner.training import setup

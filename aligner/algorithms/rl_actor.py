@@ -59,7 +59,7 @@ from aligner.data.loader import MicroBatchLoader
 from aligner.generation.rollouts import PromptOrder, RolloutBatch
 from aligner.models import packing
 from aligner.models.weight_swap import named_parameters
-from aligner.rl import advantages, masked, mismatch, ppo_math
+from aligner.rl import advantages, masked, mismatch, shaping
 from aligner.runtime import stopping
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training import schedule
@@ -145,9 +145,9 @@ class RLActor:
             whiten_rewards=cfg.advantage.whiten_rewards, group_std=cfg.advantage.group_std,
             std_eps=cfg.advantage.std_eps)
         if cfg.kl.adaptive:
-            self.kl_controller = ppo_math.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
+            self.kl_controller = shaping.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
         else:
-            self.kl_controller = ppo_math.FixedKLController(cfg.kl.init_coef)
+            self.kl_controller = shaping.FixedKLController(cfg.kl.init_coef)
         self.order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle)
         self.step = 0
         self.optimizer_steps = 0
@@ -282,14 +282,14 @@ class RLActor:
         reward = self.cfg.reward
         scores = batch.scores()
         if reward.missing_stop_penalty is not None:
-            scores = ppo_math.apply_missing_stop_penalty(scores, batch.ended_with_stop, reward.missing_stop_penalty)
+            scores = shaping.apply_missing_stop_penalty(scores, batch.ended_with_stop, reward.missing_stop_penalty)
         if reward.overlong_buffer is not None:
-            scores = scores + ppo_math.overlong_penalty(batch.response_lengths, self.cfg.generation.max_new_tokens,
+            scores = scores + shaping.overlong_penalty(batch.response_lengths, self.cfg.generation.max_new_tokens,
                                                  reward.overlong_buffer, reward.overlong_penalty)
         if reward.normalization_mean is not None:
-            scores = ppo_math.normalize_scores(scores, reward.normalization_mean, reward.normalization_std)
+            scores = shaping.normalize_scores(scores, reward.normalization_mean, reward.normalization_std)
         if reward.clip is not None:
-            scores = ppo_math.clip_scores(scores, reward.clip)
+            scores = shaping.clip_scores(scores, reward.clip)
         return scores
 
     def make_experience(self, batch: RolloutBatch, old_logprobs: Optional[torch.Tensor],
@@ -305,7 +305,7 @@ class RLActor:
         if reference_logprobs is None:
             kl = torch.zeros(mask.shape)
         else:
-            kl = ppo_math.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
+            kl = shaping.kl_penalty(old_logprobs, reference_logprobs, cfg.kl.estimator, mask)  # [B, T]
         values = batch.values() if self.critic is not None else None
         estimated = advantages.compute_advantages(cfg.advantage.estimator, advantages.AdvantageInputs(
             scores=scores, kl=kl, kl_coef=self.kl_controller.value, mask=mask, group_size=k, values=values,

@@ -15,6 +15,7 @@ from aligner.clients.reward import RewardClient
 from aligner.config import ConfigError, describe_preset
 from aligner.data.sft import SFTDataset
 from aligner.generation.native import NativeEngine
+from aligner.generation.rewards import RewardServerSource, RuleRewardSource
 from aligner.generation.rollouts import PromptDataset, first_prompt_record
 from aligner.generation.router_client import DynamicRouter, StaticRouter
 from aligner.generation.trtllm import TensorRTLLMEngine
@@ -22,7 +23,6 @@ from aligner.hf.sources import resolve_model_source
 from aligner.models import lora
 from aligner.models.gpt import GPTConfig, build_model_chunks, num_parameters
 from aligner.models.weight_swap import HostWeights
-from aligner.rl.rewards import RewardServerSource, RuleRewardSource
 from aligner.tokenizer import Tokenizer
 from aligner.training import setup
 from aligner.training.metrics import get_logger

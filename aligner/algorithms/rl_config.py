@@ -14,11 +14,11 @@ from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import ConfigError, at_least, one_of
 from aligner.data.records import Layouts
 from aligner.data.sft import SFT_LAYOUTS
+from aligner.generation.rewards import RewardFunctionSettings
 from aligner.generation.rollouts import PROMPT_LAYOUTS
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
-from aligner.rl import advantages, mismatch, policy_losses, ppo_math
-from aligner.rl.rewards import RewardFunctionSettings
+from aligner.rl import advantages, mismatch, policy_losses, shaping
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
 
@@ -106,7 +106,7 @@ class GenerationSection:
 
 @dataclass
 class KLSection:
-    estimator: str = one_of(ppo_math.KL_ESTIMATORS, "k1")  # per-token KL penalty in the reward
+    estimator: str = one_of(shaping.KL_ESTIMATORS, "k1")  # per-token KL penalty in the reward
     adaptive: bool = False  # Ziegler et al.'s controller; false: fixed coefficient init_coef
     init_coef: float = 0.05
     target: float = 6.0  # adaptive: KL per sequence to steer towards

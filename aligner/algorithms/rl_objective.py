@@ -9,8 +9,8 @@ import torch
 
 from aligner.algorithms.rl_config import LossSection
 from aligner.algorithms.sft import response_token_loss
-from aligner.generation.logprobs import response_logprobs_and_entropy
-from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_pass
+from aligner.models.logprobs import response_logprobs_and_entropy
+from aligner.models.packed_logprobs import response_logprobs_and_entropy as packed_pass
 from aligner.models.packing import packed_forward, zero_loss
 from aligner.rl import masked, mismatch, policy_losses
 from aligner.training.microbatch_plan import PTXMicrobatch

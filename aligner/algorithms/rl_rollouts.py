@@ -15,6 +15,7 @@ import torch.distributed as dist
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import ConfigError
 from aligner.generation.engine import GenerationEngine, SamplingParams
+from aligner.generation.rewards import ScoreCheck, wait_for
 from aligner.generation.rollouts import (
     PromptDataset,
     PromptOrder,
@@ -25,7 +26,6 @@ from aligner.generation.rollouts import (
 )
 from aligner.generation.router_client import rebalance_rollouts
 from aligner.rl import advantages
-from aligner.rl.rewards import ScoreCheck, wait_for
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training.microbatch_plan import DataParallel
 

@@ -12,8 +12,8 @@ import torch
 from aligner.data.records import Layouts
 from aligner.data.sft import SFT_LAYOUTS, PackedSFTDataset, SFTDataset
 from aligner.data.steerlm import ATTRIBUTES_KEY, CHECKPOINT_META_KEY, AttributeConditioning, SteerLMConfig
-from aligner.generation.logprobs import selected_logprobs_and_entropy
 from aligner.models.gpt import num_parameters
+from aligner.models.logprobs import selected_logprobs_and_entropy
 from aligner.training import setup
 from aligner.training.metrics import get_logger
 from aligner.training.setup import DataSection, DatasetEntry, RunConfig

@@ -17,7 +17,7 @@ response's text re-encodes to other ids whenever the policy spelled a word in un
 
 The reward sources (a reward-model server, or a Python function `fn(prompt, response_text) -> float`
 given the prompt as the data gave it, for verifiable tasks such as the demo's arithmetic) and the
-checks of their scores are in `aligner.rl.rewards`.
+checks of their scores are in `aligner.generation.rewards`.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from aligner.data.conversation import ChatEncoder, Prompt, parse_prompt, templat
 from aligner.data.jsonl import DataError
 from aligner.data.records import Layouts, open_records
 from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
-from aligner.generation.logprobs import pack_sequences, response_mask, response_values
 from aligner.generation.sampling import sample_keys
+from aligner.models.logprobs import pack_sequences, response_mask, response_values
 from aligner.runtime.seeds import epoch_seed
 
 # ----------------------------------------------------------------------------- prompts
@@ -246,7 +246,7 @@ class RolloutRow:
 
 @dataclass
 class RolloutBatch:
-    """A batch of rows as tensors in the training layout (`aligner.generation.logprobs.pack_sequences`).
+    """A batch of rows as tensors in the training layout (`aligner.models.logprobs.pack_sequences`).
 
     tokens [B, S] prompt + response from column 0, right-padded; per-token tensors [B, T] over
     response positions (T = widest response), 0 past each response's end.

@@ -43,7 +43,8 @@ import torch
 from aligner.config import MissingExtraError
 from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
 from aligner.generation.router_client import concat_rollouts
-from aligner.hf.layout import check_exportable, infer_arch, unpack_qkv
+from aligner.hf.layout import check_exportable, infer_arch
+from aligner.hf.weights import unpack_qkv
 from aligner.models import lora
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig

@@ -29,14 +29,8 @@ import torch.distributed as dist
 from aligner import checkpointing
 from aligner.config import OutputError
 from aligner.hf.gguf import parsed_once, read_gguf_config, read_gguf_state_dict, read_gguf_tokenizer, torch_dtype
-from aligner.hf.layout import (
-    gpt_config_from_hf,
-    hf_config_from_gpt,
-    hf_to_megatron,
-    infer_arch,
-    lora_to_hf,
-    megatron_to_hf,
-)
+from aligner.hf.layout import gpt_config_from_hf, hf_config_from_gpt, infer_arch
+from aligner.hf.weights import hf_to_megatron, lora_to_hf, megatron_to_hf
 from aligner.models import lora as lora_adapters
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 from aligner.runtime.distributed import ParallelConfig, initialize, shutdown

@@ -26,7 +26,7 @@ from filelock import FileLock
 
 from aligner import checkpointing
 from aligner.config import require_writable_dir
-from aligner.hf import convert, gguf, layout
+from aligner.hf import convert, gguf, layout, weights
 from aligner.hf.convert import HF_SOURCE_FILE, import_gguf, import_hf, is_hf_model_dir
 from aligner.hf.gguf import is_gguf_file
 from aligner.runtime import distributed
@@ -35,7 +35,7 @@ from aligner.runtime.errors import ConfigError, UserError
 CACHE_ENV = "ALIGNER_CACHE_DIR"  # the cache's root; its imports live under imports/
 IMPORTS_DIR = "imports"
 # The code an import runs; its bytes are part of every cache key, so a changed converter imports again.
-CONVERTER_MODULES = (convert, gguf, layout)
+CONVERTER_MODULES = (convert, gguf, layout, weights)
 
 CHECKPOINT, RUN, HF_DIR, GGUF = "checkpoint", "run", "hf", "gguf"
 EXPECTED = ("expected an aligner checkpoint, a run directory (its step_<N> checkpoints), a Hugging Face model "

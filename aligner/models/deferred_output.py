@@ -35,7 +35,7 @@ class HiddenStates:
     def product_operands(self, flat_positions: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(the hidden rows at positions of the flattened [b * s] grid [n, h], in the weight's dtype; the layer's
         weight [vocab_shard, h]) for a loss that runs the layer's product itself, piece by piece
-        (`aligner.generation.logprobs`): the layer is that product alone, with megatron's tensor-parallel
+        (`aligner.models.logprobs`): the layer is that product alone, with megatron's tensor-parallel
         gradient rule. None where it does more (a bias, fused or deferred weight-gradient accumulation, a
         gathered output): the loss then takes `logits_at`."""
         layer = self.layer

@@ -1,6 +1,6 @@
 """Megatron GPTModel's module and parameter names (local layer spec), in one table.
 
-The HF converter (`aligner.hf.layout`), the TensorRT-LLM export (`aligner.generation.trtllm`) and
+The HF converter (`aligner.hf.weights`), the TensorRT-LLM export (`aligner.generation.trtllm`) and
 the native engine (`aligner.generation.native`, through `get_submodule`) all name megatron's
 tensors through these. Module paths have no ".weight"/".bias" suffix; `layer(i)` and `expert(e)`
 are prefixes ending in ".".

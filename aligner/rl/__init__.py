@@ -1,6 +1,6 @@
 """Reinforcement-learning building blocks shared by the RL trainers, as pure functions on tensors.
 
-masked: masked statistics (the bottom); ppo_math: reward shaping, KL, GAE and the value loss;
+masked: masked statistics (the bottom); shaping: reward shaping, KL, GAE and the value loss;
 advantages: the registered advantage estimators; policy_losses: the registered policy losses and
 the loss aggregations; mismatch: train/inference mismatch metrics and truncated importance sampling.
 The public names are re-exported here.
@@ -43,7 +43,7 @@ from aligner.rl.policy_losses import (
     policy_loss_terms,
     register_policy_loss,
 )
-from aligner.rl.ppo_math import (
+from aligner.rl.shaping import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -71,7 +71,7 @@ __all__ = [
     # masked statistics
     "explained_variance", "masked_mean", "masked_moment_sums", "masked_moments", "masked_sum", "masked_var",
     "masked_whiten", "moments_from_sums", "response_lengths", "zero_off_mask",
-    # ppo_math
+    # shaping
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
     "clipped_value_error", "gae_advantages", "kl_penalty", "normalize_scores", "overlong_penalty", "token_rewards",
     "value_loss",

@@ -4,14 +4,14 @@ An RL step names its estimator in config; `compute_advantages(name, inputs, sett
 PPO is `gae` with a critic; the group methods (RLOO, GRPO, Dr. GRPO, REINFORCE) need no critic and
 compare the k samples of a prompt; REINFORCE++ normalises over the whole batch instead.
 
-Conventions (as in `aligner.rl.ppo_math`): per-token tensors are [B, T] over response positions,
+Conventions (as in `aligner.rl.shaping`): per-token tensors are [B, T] over response positions,
 right-padded, `mask` [B, T] bool; entries off the mask may hold anything and never reach a result.
 A step samples k responses per prompt, adjacent: rows p*k .. p*k+k-1 belong to prompt p.
 
 Every estimator credits the sequence reward r_i = score_i - kl_coef * sum_t kl_i,t. The group
 estimators put the KL penalty into that sequence reward (as RLOO, Ahmadian et al. 2024), so the
 baseline also removes the group's shared part of it; `gae` and `reinforce_plus_plus` hand it out
-per token (`ppo_math.token_rewards`).
+per token (`shaping.token_rewards`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.rl.masked import Number, masked_whiten, response_lengths, zero_off_mask
-from aligner.rl.ppo_math import gae_advantages, token_rewards
+from aligner.rl.shaping import gae_advantages, token_rewards
 
 
 @dataclass
@@ -30,7 +30,7 @@ class AdvantageInputs:
     """What a step knows when it estimates advantages."""
 
     scores: torch.Tensor  # [B] sequence scores, already shaped (penalties, normalisation)
-    kl: torch.Tensor  # [B, T] per-token KL estimate (ppo_math.kl_penalty), 0 off mask
+    kl: torch.Tensor  # [B, T] per-token KL estimate (shaping.kl_penalty), 0 off mask
     kl_coef: float
     mask: torch.Tensor  # [B, T] bool
     group_size: int = 1  # samples per prompt (k), adjacent rows
@@ -108,7 +108,7 @@ def groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def sequence_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: Number) -> torch.Tensor:
     """Per-sequence rewards [B]: score - kl_coef * (KL estimate summed over the response's tokens).
 
-    scores: [B]; kl: [B, T] per-token estimates (`ppo_math.kl_penalty`); mask: [B, T] response tokens.
+    scores: [B]; kl: [B, T] per-token estimates (`shaping.kl_penalty`); mask: [B, T] response tokens.
     """
     lengths = response_lengths(mask)
     if scores.shape != lengths.shape:

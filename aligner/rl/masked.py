@@ -1,9 +1,9 @@
 """Masked statistics over right-padded per-token tensors, locally or over the data-parallel group.
 
-The bottom of the RL math: `ppo_math`, `policy_losses`, `advantages` and `mismatch` build on these
+The bottom of the RL math: `shaping`, `policy_losses`, `advantages` and `mismatch` build on these
 functions, and this module imports none of them.
 
-Conventions (as in `aligner.rl.ppo_math`): per-token tensors are [batch, T] over response positions;
+Conventions (as in `aligner.rl.shaping`): per-token tensors are [batch, T] over response positions;
 responses are right-padded, so `mask` [batch, T] (bool or 0/1) is 1 on the first `length` columns of
 each row and 0 after. Entries off the mask may hold anything (0, garbage, -inf): they never reach a
 result, and per-token outputs are 0 there. Statistics return 0-dim tensors; an empty mask raises a

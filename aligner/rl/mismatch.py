@@ -5,7 +5,7 @@ logprobs the trainer recomputes for the same tokens, so "on-policy" samples are 
 `mismatch_metrics` measures it every step; `truncated_importance_weights` (TIS) reweights the loss
 by the capped ratio trainer / engine, token by token or once per sequence.
 
-Conventions (as in `aligner.rl.ppo_math`): [B, T] over response positions, right-padded, `mask` [B, T]
+Conventions (as in `aligner.rl.shaping`): [B, T] over response positions, right-padded, `mask` [B, T]
 bool; entries off the mask may hold anything and never reach a result.
 """
 from __future__ import annotations

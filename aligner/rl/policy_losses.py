@@ -5,7 +5,7 @@ used and the tokens the clip touched); `aggregate_loss` turns it into a (sum, co
 ratio, summed over micro batches and ranks, is the batch loss. At ratio 1 (the first minibatch
 after a rollout) every loss here has the policy gradient -A * grad(logprob) per token.
 
-Conventions (as in `aligner.rl.ppo_math`): per-token tensors are [B, T] over response positions,
+Conventions (as in `aligner.rl.shaping`): per-token tensors are [B, T] over response positions,
 right-padded, `mask` [B, T] bool; entries off the mask may hold anything (nan, -inf) and never
 reach a value or a gradient.
 """

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from aligner.data.loader import MicroBatchLoader
-from aligner.generation.packed_logprobs import sequence_logprobs
 from aligner.generation.rollouts import RolloutBatch
 from aligner.models import packing
+from aligner.models.packed_logprobs import sequence_logprobs
 from aligner.models.packing import PackedRows, SharedPromptPackingSection
 from aligner.runtime.distributed import device
 from aligner.runtime.seeds import derive_seed

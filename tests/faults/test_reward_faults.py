@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from aligner.rl.rewards import STOP_PATIENCE_S
+from aligner.generation.rewards import STOP_PATIENCE_S
 
 from ..conftest import REPO_ROOT, processes_alive
 from ..tiny_actor import MESSAGES_LINE, actor_settings, write_tiny_policy
@@ -83,7 +83,7 @@ def test_a_call_past_the_timeout_ends_the_process_with_one_line():
     """The hung call's thread is still running when the error ends the process: it must not keep it alive."""
     code = textwrap.dedent("""
         from aligner.config import run_main
-        from aligner.rl.rewards import RewardChecks, RuleRewardSource
+        from aligner.generation.rewards import RewardChecks, RuleRewardSource
 
         def main():
             source = RuleRewardSource("tests.faults.test_reward_faults:hanging_reward", RewardChecks(timeout_s=0.5))

@@ -3,7 +3,7 @@
 One combined-mode server (critic + reward model on the same weights' slot) serves most of the
 module; a second server restarted from the first one's checkpoint checks resuming. References are
 computed in this process from the same checkpoints: per-token values with RewardInference, the
-first train call's loss and gradient norm with a float64 copy of the model and ppo_math.value_loss.
+first train call's loss and gradient norm with a float64 copy of the model and shaping.value_loss.
 """
 from __future__ import annotations
 
@@ -314,10 +314,10 @@ def test_bad_train_requests_are_rejected_without_training(client, rollout):
 def float64_reference(references, rollout) -> tuple[float, float, float]:
     """(value loss, gradient norm, clip fraction) of the critic's initial weights on the rollout, in float64."""
     from aligner import checkpointing
-    from aligner.generation.logprobs import response_mask, response_values
     from aligner.models.gpt import transformer_config
+    from aligner.models.logprobs import response_mask, response_values
     from aligner.models.reward import build_reward_model
-    from aligner.rl.ppo_math import value_loss
+    from aligner.rl.shaping import value_loss
 
     model_cfg = references["critic"].model_cfg
     model = build_reward_model(model_cfg, transformer_config(model_cfg), num_attributes=1)
@@ -338,7 +338,7 @@ def float64_reference(references, rollout) -> tuple[float, float, float]:
 
 
 def test_first_train_call_equals_the_float64_reference(client, references, rollout):
-    from aligner.generation.logprobs import response_mask
+    from aligner.models.logprobs import response_mask
     from aligner.rl.masked import explained_variance
 
     loss, grad_norm, clip_fraction = float64_reference(references, rollout)

@@ -8,7 +8,7 @@ import torch
 
 from aligner.rl import advantages as A
 from aligner.rl import masked as S  # the masked statistics
-from aligner.rl import ppo_math as M
+from aligner.rl import shaping as M
 
 # Three prompts, k = 2, uneven responses (one full row, one single-token row).
 LENGTHS = [5, 2, 1, 4, 3, 5]
@@ -185,7 +185,7 @@ def test_gae_matches_loop(whiten_rewards, whiten_advantages, gamma, lam):
 
 
 def test_gae_is_exactly_the_ppo_path():
-    """The same ppo_math calls in the same order, bit for bit in float32: PPO's metrics stay what they were."""
+    """The same shaping calls in the same order, bit for bit in float32: PPO's metrics stay what they were."""
     inputs = make_inputs(seed=31, values=True)
     inputs.scores, inputs.kl, inputs.values = inputs.scores.float(), inputs.kl.float(), inputs.values.float()
     settings = A.AdvantageSettings(gamma=0.99, lam=0.95, whiten_rewards=True, whiten_advantages=True)

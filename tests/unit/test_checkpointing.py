@@ -208,12 +208,13 @@ def test_a_save_never_replaces_another_runs_checkpoint(tmp_path):
 def test_files_are_split_over_ranks_by_size():
     sizes = [900, 10, 500, 500, 40, 300, 0, 7]
     for world in (1, 2, 3, 8, 11):
-        owners = checkpointing._owners(sizes, world)
+        owners = checkpointing.manifest._owners(sizes, world)
         assert len(owners) == len(sizes) and all(0 <= owner < world for owner in owners)
         loads = [sum(size for size, owner in zip(sizes, owners) if owner == rank) for rank in range(world)]
         # Greedy largest-first: no rank holds more than the ideal share plus the largest file.
         assert max(loads) <= sum(sizes) / world + max(sizes), (world, loads)
-    assert checkpointing._owners(sizes, 2) == checkpointing._owners(list(sizes), 2)  # the same on every rank
+    split = checkpointing.manifest._owners
+    assert split(sizes, 2) == split(list(sizes), 2)  # the same on every rank
 
 
 # ----------------------------------------------------------------------------- resume choice
@@ -344,7 +345,8 @@ def test_save_refuses_before_writing_when_the_disk_is_already_too_full(tmp_path,
     from megatron.core import dist_checkpointing
 
     cfg, model = _model(0)
-    monkeypatch.setattr(checkpointing, "_free_bytes", lambda path: 1000)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     monkeypatch.setattr(dist_checkpointing, "save", lambda *args: pytest.fail("wrote on a full disk"))
     with pytest.raises(checkpointing.CheckpointError, match=r"disk full while saving .*: needs about [\d,]+ bytes .*"
                                                             r", 1,000 bytes \(0.0 MiB\) free on /"):

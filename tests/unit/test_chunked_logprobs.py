@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.generation.logprobs import (
+from aligner.models.gpt import mask_padded_vocab
+from aligner.models.logprobs import (
     response_columns,
     response_logprobs,
     response_logprobs_and_entropy,
     response_mask,
     selected_logprobs_and_entropy,
 )
-from aligner.models.gpt import mask_padded_vocab
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -84,7 +84,7 @@ def batch(seed=0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 1024])
 def test_logprobs_entropy_and_gradients_equal_the_full_size_path(temperature, chunk_tokens, monkeypatch):
-    import aligner.generation.logprobs as logprobs_module
+    import aligner.models.logprobs as logprobs_module
 
     monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_TOKENS", chunk_tokens)
     logits, tokens, prompt_lengths, response_lengths = batch()
@@ -165,7 +165,7 @@ def test_logits_without_padded_vocabulary_from_the_layer_and_from_outside(chunk_
     """Without padded vocabulary the output layer's own logits skip the entropy's -inf masking, and one piece
     over every row hands its gradient on whole; logits from outside keep the masking, so -inf entries in them
     (masked upstream) still give finite entropies. Each against float64 autograd over the full log-softmax."""
-    from aligner.generation.logprobs import _apply, _SelectedLogprobsAndEntropy
+    from aligner.models.logprobs import _apply, _SelectedLogprobsAndEntropy
 
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(6, VOCAB, generator=generator) * 4
@@ -194,7 +194,7 @@ def test_logits_without_padded_vocabulary_from_the_layer_and_from_outside(chunk_
 def test_a_row_maximum_read_from_the_logits_equals_the_scaled_pieces():
     """The maximum of x / T is read from the logits themselves (no copy) where they are fp32: equal to the
     maximum of the scaled piece, padded columns left out; a shard of padding only gives -inf."""
-    from aligner.generation.logprobs import _LogitPieces
+    from aligner.models.logprobs import _LogitPieces
 
     logits = torch.randn(5, 16) * 3
     for first_padded, temperature in ((16, 1.0), (11, 0.7), (0, 1.0)):
@@ -225,7 +225,7 @@ def output_layer_operands(dtype=torch.float32, seed=3, count=11, hidden=16):
 def fused_and_unfused(rows, weight, targets, temperature, chunk_tokens, with_entropy=True, grads=(0.6, -0.4)):
     """(logprobs, entropy, rows' gradient, weight's gradient) of the fused pass and of the pass over the
     layer's logits (rows @ weight^T, as the layer computes them), for the objective sum(a lp + b entropy)."""
-    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy, _SelectedLogprobsAndEntropy
+    from aligner.models.logprobs import _OutputLayerLogprobsAndEntropy, _SelectedLogprobsAndEntropy
 
     results = []
     for fused in (True, False):
@@ -279,7 +279,7 @@ def test_the_fused_pass_with_logprobs_only_and_in_bf16():
 
 def test_a_frozen_output_weight_gets_no_gradient_and_the_rows_theirs():
     """A frozen output layer (LoRA trains adapters elsewhere): no weight gradient is computed, the rows' is the same."""
-    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+    from aligner.models.logprobs import _OutputLayerLogprobsAndEntropy
 
     rows, weight, targets = output_layer_operands()
     (_, _, expected_rows_grad, _), _ = fused_and_unfused(rows, weight, targets, 1.0, 4)
@@ -291,7 +291,7 @@ def test_a_frozen_output_weight_gets_no_gradient_and_the_rows_theirs():
 
 
 def test_no_rows_give_empty_results_and_no_gradient():
-    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+    from aligner.models.logprobs import _OutputLayerLogprobsAndEntropy
 
     rows, weight, _ = output_layer_operands(count=0)
     rows.requires_grad_(), weight.requires_grad_()

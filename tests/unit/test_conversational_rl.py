@@ -18,8 +18,8 @@ import torch
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import DataError
 from aligner.generation.engine import GenerationEngine, Rollout
+from aligner.generation.rewards import RuleRewardSource
 from aligner.generation.rollouts import PromptDataset
-from aligner.rl.rewards import RuleRewardSource
 
 from ..chat_tokenizers import build_chat_tokenizer
 from ..conftest import write_jsonl

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from aligner.algorithms.critic import move_optimizer_state, optimizer_state_on_device
-from aligner.generation.logprobs import response_mask, response_values
 from aligner.generation.rollouts import values_at_response
+from aligner.models.logprobs import response_mask, response_values
 
 
 def test_response_values_read_the_column_before_each_response_token():
@@ -106,7 +106,7 @@ def _float64_value_loss(init_from, batch) -> tuple[float, float, float]:
     from aligner import checkpointing
     from aligner.models.gpt import GPTConfig, transformer_config
     from aligner.models.reward import build_reward_model
-    from aligner.rl.ppo_math import value_loss
+    from aligner.rl.shaping import value_loss
 
     model_cfg = GPTConfig.from_dict(checkpointing.read_meta(init_from)["model"])
     model = build_reward_model(model_cfg, transformer_config(model_cfg), num_attributes=1)

@@ -10,14 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from aligner.hf.layout import (  # noqa: E402
-    check_exportable,
-    gpt_config_from_hf,
-    hf_config_from_gpt,
-    hf_to_megatron,
-    infer_arch,
-    megatron_to_hf,
-)
+from aligner.hf.layout import check_exportable, gpt_config_from_hf, hf_config_from_gpt, infer_arch  # noqa: E402
+from aligner.hf.weights import hf_to_megatron, megatron_to_hf  # noqa: E402
 from aligner.models.gpt import GPTConfig  # noqa: E402
 
 VOCAB = 100  # padded to 128

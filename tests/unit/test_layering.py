@@ -86,9 +86,9 @@ FLOORS = {
     "runtime": 0, "clients": 0,  # the clients stand alone: users import them without the training stack
     "__init__": 1, "config": 1,
     "checkpointing": 2, "tokenizer": 2,
-    "models": 3, "rl": 3,  # rl: pure tensor math
+    "models": 3, "rl": 3,  # models: the networks and the logprob kernel; rl: pure tensor math
     "data": 4, "hf": 4,
-    "generation": 5,  # engines, the logprob kernel, rollouts
+    "generation": 5,  # engines, rollouts, reward sources
     "training": 6,
     "algorithms": 7, "demo": 7, "launcher": 7,
 }
@@ -260,3 +260,26 @@ def test_the_circle_and_function_level_checks_see_a_nested_import(tmp_path):
     assert import_circles(copy) == [["aligner.rl.masked", "aligner.rl.policy_losses"]]
     assert function_level_imports(copy) == {**FUNCTION_LEVEL_IMPORTS,
                                             "aligner/rl/masked.py": {"aligner.rl.policy_losses"}}
+
+
+# ----------------------------------------------------------------------------- module size
+MAX_MODULE_LINES = 800  # past this a module holds more than one concern: split it along its seam
+
+
+def long_modules(library: Path) -> dict[str, int]:
+    """file -> line count of every module under `library` longer than MAX_MODULE_LINES."""
+    counts = {str(path.relative_to(library.parent)): len(path.read_text().splitlines())
+              for path in sorted(library.rglob("*.py"))}
+    return {name: count for name, count in counts.items() if count > MAX_MODULE_LINES}
+
+
+def test_no_module_of_the_library_is_over_800_lines():
+    assert long_modules(LIBRARY) == {}
+
+
+def test_the_size_check_counts_every_module_at_any_depth(tmp_path):
+    library = tmp_path / "aligner"
+    (library / "package").mkdir(parents=True)
+    (library / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (library / "package" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules(library) == {"aligner/package/long.py": MAX_MODULE_LINES + 1}

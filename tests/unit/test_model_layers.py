@@ -129,9 +129,9 @@ def test_deferred_output_layer_gives_the_logprobs_and_gradients_of_the_full_logi
     equal those computed from the full logits (the weights of a tied model included)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from aligner.generation.logprobs import selected_logprobs_and_entropy
     from aligner.models.deferred_output import HiddenStates, forward_deferred
     from aligner.models.gpt import build_gpt_model
+    from aligner.models.logprobs import selected_logprobs_and_entropy
 
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=90, make_vocab_size_divisible_by=8,
                     max_position_embeddings=32, tie_embeddings=tied)

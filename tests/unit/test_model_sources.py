@@ -257,10 +257,11 @@ def test_the_cache_key_covers_the_converters_code(tmp_path, hf_dir, monkeypatch)
     """An edited converter (a fixed mapping, a new family) imports again instead of reusing an old import."""
     import types
 
-    from aligner.hf import convert, gguf, layout, sources
+    from aligner.hf import convert, gguf, layout, sources, weights
 
     before = source_digest(hf_dir, "hf")
     edited = tmp_path / "layout.py"
     edited.write_bytes(Path(layout.__file__).read_bytes() + b"\n# edited\n")
-    monkeypatch.setattr(sources, "CONVERTER_MODULES", (convert, gguf, types.SimpleNamespace(__file__=str(edited))))
+    monkeypatch.setattr(sources, "CONVERTER_MODULES", (convert, gguf, types.SimpleNamespace(__file__=str(edited)),
+                                                         weights))
     assert source_digest(hf_dir, "hf") != before

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from aligner.generation.engine import SamplingParams
-from aligner.generation.logprobs import pack_sequences, response_logprobs, sequence_logprobs
 from aligner.generation.native import NativeEngine
 from aligner.generation.reference import generate_full_forward
 from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.logprobs import pack_sequences, response_logprobs, sequence_logprobs
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -557,7 +557,8 @@ def hf_and_megatron_models(family: str, directory):
     import transformers
 
     from aligner.hf.convert import read_hf_state_dict
-    from aligner.hf.layout import gpt_config_from_hf, hf_to_megatron
+    from aligner.hf.layout import gpt_config_from_hf
+    from aligner.hf.weights import hf_to_megatron
 
     config = hf_family_config(family)
     torch.manual_seed(0)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.generation import packed_logprobs
-from aligner.models import packing
+from aligner.models import packed_logprobs, packing
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -96,7 +95,7 @@ def _group_rollouts(seed=4):
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_packed_logprob_pass_equals_the_padded_one(style):
-    from aligner.generation import logprobs
+    from aligner.models import logprobs
 
     model = _tiny_model(style).eval()
     tokens, prompts, responses = _rollouts()
@@ -146,7 +145,7 @@ def test_packed_policy_micro_batches_give_the_padded_loss_and_gradients(aggregat
     """A minibatch of five rollouts: the padded micro batches (2 sequences each) and the packed ones
     (2 rows of 24 tokens each) give the same loss, metrics and gradients within 1e-6. Megatron divides
     the summed micro-batch losses (and so the gradients) by the summed counts, 1 per micro batch."""
-    from aligner.generation.logprobs import response_mask
+    from aligner.models.logprobs import response_mask
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama").train()
@@ -281,8 +280,8 @@ def test_the_actors_logprob_pass_lays_out_the_first_minibatch_as_its_training_ro
     """A sequence's rounding depends on its place in a packed row: the logprob pass packs the first
     epoch's minibatches, so the first minibatch's training logprobs are bit-equal to the old ones
     (the ratio is exactly 1); so with shared prompts too (`_group_rollouts`)."""
-    from aligner.generation.logprobs import response_mask
-    from aligner.generation.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs_and_entropy
+    from aligner.models.logprobs import response_mask
+    from aligner.models.packed_logprobs import response_logprobs_and_entropy as packed_response_logprobs_and_entropy
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama").eval()
@@ -354,8 +353,8 @@ def test_shared_prompt_logprob_pass_and_policy_loss_equal_the_padded_ones():
     """Three prompts' six rollouts: logprobs, the policy loss and every gradient from rows that hold
     each prompt once equal the padded layout's within 1e-6 (float rounding of different sums), while
     the model runs over 50 tokens instead of 64."""
-    from aligner.generation import logprobs
-    from aligner.generation.logprobs import response_mask
+    from aligner.models import logprobs
+    from aligner.models.logprobs import response_mask
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     model = _tiny_model("llama")

@@ -1,4 +1,4 @@
-"""Reward functions with the record (aligner/rl/rewards.py): a function named by its file or its module, the
+"""Reward functions with the record (aligner/generation/rewards.py): a function named by its file or its module, the
 record's other columns passed by keyword (only those its signature takes, all with **kwargs), a weighted list
 of functions with each one's scores kept, batched calls, the probe call on the first prompt record before the
 model is built, and the processes of a timed-out call stopped. The entry-point runs are in
@@ -16,7 +16,7 @@ import pytest
 from aligner.algorithms.rl_build import build_reward_source, build_rl_actor
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
-from aligner.rl.rewards import RewardChecks, RewardError, RuleRewardSource
+from aligner.generation.rewards import RewardChecks, RewardError, RuleRewardSource
 from aligner.runtime.errors import ConfigError
 
 GROUP_YAML = CONF_DIR / "gpt_reinforce_actor.yaml"
@@ -291,7 +291,7 @@ def test_the_processes_a_call_past_the_timeout_started_are_stopped(tmp_path):
 
 
 def test_the_processes_of_a_call_hung_at_a_stop_request_are_stopped(tmp_path, monkeypatch):
-    from aligner.rl import rewards
+    from aligner.generation import rewards
     from aligner.runtime import stopping
 
     monkeypatch.setattr(rewards, "STOP_PATIENCE_S", 0.4)

@@ -1,4 +1,4 @@
-"""Rewards checked at the source (aligner/rl/rewards.py): what a reward function or server may return, what
+"""Rewards checked at the source (aligner/generation/rewards.py): what a reward function or server may return, what
 the run does when it returns something else, raises, fails to import, hangs or edits its prompt, and the
 replace-and-count mode. Most cases go through the real RL actor (one tiny actor for the module, scoring its
 rollouts with `RolloutCollector.generate_and_score`); the subprocess runs are in tests/faults/test_reward_faults.py."""
@@ -242,7 +242,7 @@ def test_a_module_that_fails_while_importing_is_one_line_with_its_error_and_file
 
 
 def test_a_function_that_cannot_take_prompt_and_response_is_refused_when_loaded():
-    from aligner.rl.rewards import RuleRewardSource
+    from aligner.generation.rewards import RuleRewardSource
 
     with pytest.raises(ConfigError, match=r"^reward.function=tests.unit.test_rewards:score: the function must take "
                                           r"\(prompt, response, \*\*columns\): too many positional arguments$"):
@@ -284,7 +284,7 @@ class FakeRewardClient:
     ([0.5, 0.5], "answered with an array of shape (2,): there is no reward.attribute_index=0 in it"),
 ])
 def test_reward_server_scores_are_checked_like_a_function_s(outputs, message):
-    from aligner.rl.rewards import RewardError, RewardServerSource
+    from aligner.generation.rewards import RewardError, RewardServerSource
 
     source = RewardServerSource(FakeRewardClient(outputs))
     pending = source.score_async([[1, 2], [1, 3]], ["a", "b"], ["x", "y"], ["a.jsonl:1", "b.jsonl:9"])
@@ -295,7 +295,7 @@ def test_reward_server_scores_are_checked_like_a_function_s(outputs, message):
 
 def test_after_a_stop_the_wait_goes_on_while_scores_arrive_and_ends_once_they_stop(monkeypatch):
     """A healthy source finishes its step (a checkpoint follows at the boundary); a silent one is given up."""
-    from aligner.rl import rewards
+    from aligner.generation import rewards
 
     monkeypatch.setattr(rewards, "STOP_PATIENCE_S", 0.4)
     monkeypatch.setattr(stopping._state, "signal_number", 15)  # as the handler records a SIGTERM in a loop

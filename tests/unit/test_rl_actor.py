@@ -15,6 +15,7 @@ from aligner.algorithms.rl_actor import tf_adam_epsilon, update_ema
 from aligner.algorithms.rl_config import ALGORITHMS, RLActorConfig
 from aligner.algorithms.rl_rollouts import group_indices
 from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
+from aligner.generation.rewards import load_function
 from aligner.generation.rollouts import (
     PromptOrder,
     RolloutBatch,
@@ -22,7 +23,6 @@ from aligner.generation.rollouts import (
     micro_batch_seed,
     values_at_response,
 )
-from aligner.rl.rewards import load_function
 
 from ..conftest import dotted_keys
 
@@ -313,7 +313,7 @@ def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engin
     """make_experience on a hand-made batch: the GRPO advantages, the mismatch metrics and the truncated
     importance weights are the pure functions' (checked against float64 in test_mismatch.py) of the
     engine's and the trainer's logprobs."""
-    from aligner.rl import advantages, mismatch, ppo_math
+    from aligner.rl import advantages, mismatch, shaping
 
     cfg = load_config(RLActorConfig, GROUP_YAML, [
         *REQUIRED, *FUNCTION_REWARD, "rollout.samples_per_prompt=2", "advantage.estimator=grpo",
@@ -327,7 +327,7 @@ def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engin
     actor = _experience_actor(cfg)
     experience = actor.make_experience(batch, trainer_logprobs, reference_logprobs)
 
-    kl = ppo_math.kl_penalty(trainer_logprobs, reference_logprobs, cfg.kl.estimator, batch.mask)
+    kl = shaping.kl_penalty(trainer_logprobs, reference_logprobs, cfg.kl.estimator, batch.mask)
     expected = advantages.compute_advantages("grpo", advantages.AdvantageInputs(
         scores=batch.scores(), kl=kl, kl_coef=cfg.kl.init_coef, mask=batch.mask, group_size=2),
         actor.advantage_settings)

@@ -1,4 +1,5 @@
-"""The PPO math (aligner.rl.ppo_math) against straightforward float64 references written as loops."""
+"""Reward shaping, KL, GAE and the value loss (aligner.rl.shaping) against straightforward float64 references
+written as loops."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from aligner.rl import masked as S  # the masked statistics
-from aligner.rl import ppo_math as M
+from aligner.rl import shaping as M
 
 LENGTHS = [6, 3, 1, 4]  # one full row, one single-token row
 T = 6

@@ -195,7 +195,7 @@ def test_a_heartbeat_that_cannot_touch_the_file_says_so_once_and_the_run_goes_on
 
 
 def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointing, "_LOCK_POLL_S", 0.1)
+    monkeypatch.setattr(checkpointing.runs, "_LOCK_POLL_S", 0.1)
     holder = _start_holder(tmp_path, hold_s=1.0)
     lines = []
     started = time.monotonic()
@@ -211,7 +211,7 @@ def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypat
 
 
 def test_lock_wait_s_takes_over_a_record_of_another_host_once_its_heartbeat_goes_silent(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointing, "_LOCK_POLL_S", 0.1)
+    monkeypatch.setattr(checkpointing.runs, "_LOCK_POLL_S", 0.1)
     lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.STALE_AFTER_S - 2)  # silent in 2 s
     lines = []
     started = time.monotonic()
@@ -226,7 +226,7 @@ def test_lock_wait_s_takes_over_a_record_of_another_host_once_its_heartbeat_goes
 
 
 def test_lock_wait_s_refuses_when_the_holder_outlives_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointing, "_LOCK_POLL_S", 0.1)
+    monkeypatch.setattr(checkpointing.runs, "_LOCK_POLL_S", 0.1)
     holder = _start_holder(tmp_path)
     try:
         with pytest.raises(checkpointing.CheckpointError, match=r"is in use by run run-held .* \(still after "

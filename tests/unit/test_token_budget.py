@@ -146,7 +146,7 @@ def test_config_errors_name_the_key():
 def _experience(rows, seed, samples=1):
     """(SequenceRows, PolicyTargets) of `rows` rollouts (prompt 2..9, response 1..12 tokens) right-padded to 24
     columns; each `samples` consecutive rollouts of one prompt."""
-    from aligner.generation.logprobs import response_mask
+    from aligner.models.logprobs import response_mask
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     generator = torch.Generator().manual_seed(seed)
@@ -256,8 +256,8 @@ def test_an_empty_policy_micro_batch_has_zero_loss_and_gradient():
 def test_with_token_budgets_the_first_minibatch_trains_on_the_logprob_pass_rows_bit_for_bit():
     """The logprob pass plans the first epoch's token-budget micro batches, so the first minibatch's
     training logprobs (the output layer deferred, as the trainer runs it) equal the old ones exactly."""
-    from aligner.generation.packed_logprobs import response_logprobs_and_entropy
     from aligner.models.deferred_output import forward_deferred
+    from aligner.models.packed_logprobs import response_logprobs_and_entropy
 
     model = _tiny_model("llama").eval()
     rows, targets = _experience(12, seed=9)

@@ -141,7 +141,7 @@ def test_an_rl_workload_trains_once_per_rollout_step():
 
 
 def test_the_reward_is_the_same_function_in_both_forms():
-    from aligner.rl.rewards import load_function
+    from aligner.generation.rewards import load_function
 
     prompts = [[{"role": "user", "content": "q"}]] * 3
     completions = [[{"role": "assistant", "content": text}] for text in ("aei", "xyz!", "bab")]

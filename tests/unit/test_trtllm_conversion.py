@@ -26,7 +26,7 @@ from aligner.generation.trtllm import (
     split_megatron_tp,
     trtllm_config,
 )
-from aligner.hf.layout import megatron_to_hf
+from aligner.hf.weights import megatron_to_hf
 from aligner.models.gpt import GPTConfig, padded_vocab_size
 
 VOCAB = 101  # not a multiple of 2 or 4: TRT-LLM pads the head; megatron pads to 128

@@ -12,7 +12,7 @@ megatron's own forward) in one tight loop over preallocated state:
   reused by later calls that fit, and replaced (the old one dropped first) by one that does not:
   max_sequence_length is a limit, not an allocation (free() drops the cache);
 - continuous batching (`_generate_continuous`): each cache row holds one sequence from column 0
-  (its first token at position 0, the training-side layout of `aligner.generation.logprobs`) at
+  (its first token at position 0, the training-side layout of `aligner.models.logprobs`) at
   its own length; a decode step writes each row's new keys and values at the row's own column and
   masks the columns beyond it, so a row's numbers do not depend on the other rows. A row that
   stops leaves the decode batch at once and a waiting prompt takes its cache row (prefilled into

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from aligner.algorithms.rl_build import build_rl_actor
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, load_config
-from aligner.rl.rewards import Scores
+from aligner.generation.rewards import Scores
 
 
 def ones_fraction(response_text: str) -> float:

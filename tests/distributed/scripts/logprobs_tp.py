@@ -8,7 +8,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from aligner.generation.logprobs import response_logprobs, response_logprobs_and_entropy
+from aligner.models.logprobs import response_logprobs, response_logprobs_and_entropy
 from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
 from tests.unit.test_chunked_logprobs import PADDED, VOCAB, batch, float64_reference, full_size_reference
 
@@ -32,7 +32,7 @@ def main() -> None:
         return logprobs.detach().double(), entropy.detach().double(), grad.double()
 
     for chunk_tokens in (2, 1024):
-        import aligner.generation.logprobs as logprobs_module
+        import aligner.models.logprobs as logprobs_module
 
         logprobs_module.LOGPROB_CHUNK_TOKENS = chunk_tokens
         chunked = value_and_grad(lambda leaf: response_logprobs_and_entropy(
@@ -69,7 +69,7 @@ def fused_with_output_layer(rank: int, shard: slice, group, temperature: float) 
     """The pass fused with the output layer (hidden rows, this rank's weight shard) against float64 over the
     whole vocabulary: logprobs, entropies, the rows' gradient (summed over the ranks) and this rank's
     weight gradient, with pieces smaller than the rows (2) and one piece (1024)."""
-    from aligner.generation.logprobs import _OutputLayerLogprobsAndEntropy
+    from aligner.models.logprobs import _OutputLayerLogprobsAndEntropy
     from tests.unit.test_chunked_logprobs import output_layer_operands
 
     rows, weight, targets = output_layer_operands()

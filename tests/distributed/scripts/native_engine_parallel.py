@@ -21,9 +21,9 @@ import torch.distributed as dist
 from aligner import checkpointing
 from aligner.generation import sampling as S
 from aligner.generation.engine import SamplingParams
-from aligner.generation.logprobs import pack_sequences, sequence_logprobs
 from aligner.generation.native import NativeEngine
 from aligner.models.gpt import GPTConfig, build_model_chunks
+from aligner.models.logprobs import pack_sequences, sequence_logprobs
 from aligner.runtime.distributed import ParallelConfig, initialize, shutdown
 from aligner.runtime.seeds import set_seed
 from aligner.training import setup

@@ -14,8 +14,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from aligner.algorithms.dpo import DPOObjective, DPOSection
-    from aligner.generation import logprobs, packed_logprobs
-    from aligner.models import packing
+    from aligner.models import logprobs, packed_logprobs, packing
     from aligner.models.gpt import GPTConfig, build_model_chunks
     from aligner.runtime import distributed, seeds
     from tests.unit.test_packing import _policy_planner, _rollouts
@@ -60,7 +59,7 @@ def main() -> None:
     differences["dpo_gradients"] = largest(dpo["padded"][1], dpo["packed"][1])
 
     # RL policy loss with an entropy bonus (vocab-parallel entropy).
-    from aligner.generation.logprobs import response_mask
+    from aligner.models.logprobs import response_mask
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
 
     generator = torch.Generator().manual_seed(3)

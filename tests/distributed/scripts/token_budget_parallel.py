@@ -17,8 +17,8 @@ import torch.distributed as dist
 def main() -> None:
     from megatron.core import parallel_state as ps
 
-    from aligner.generation import logprobs
-    from aligner.generation.packed_logprobs import response_logprobs_and_entropy
+    from aligner.models import logprobs
+    from aligner.models.packed_logprobs import response_logprobs_and_entropy
     from aligner.runtime import distributed, seeds
     from aligner.training.microbatch_plan import PolicyTargets, SequenceRows
     from tests.unit.test_packing import VOCAB, _policy_planner, _tiny_model

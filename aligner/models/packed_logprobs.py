@@ -1,6 +1,6 @@
 """Response logprobs of right-padded rollouts computed on packed rows (`aligner.models.packing`).
 
-The same numbers as `aligner.generation.logprobs.sequence_logprobs` (the padded pass, which this
+The same numbers as `aligner.models.logprobs.sequence_logprobs` (the padded pass, which this
 falls back to where packing is off or not possible), with no FLOPs spent on padding.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from aligner.generation import logprobs
+from aligner.models import logprobs
 from aligner.models.deferred_output import forward_deferred
 from aligner.models.packing import (
     PackedRows,
@@ -98,7 +98,7 @@ def sequence_logprobs(
     share_prompts: bool = False,
     trim: bool = False,
 ) -> torch.Tensor:
-    """`aligner.generation.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
+    """`aligner.models.logprobs.sequence_logprobs` of right-padded rows tokens [B, S], computed on
     packed rows when `packs_here(packing)` (rows of `row_length`, default packing.row_length, else S; micro_batch_size
     packed rows per forward), else on the padded rows themselves.
 

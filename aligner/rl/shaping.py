@@ -1,10 +1,11 @@
-"""The PPO math: pure functions on tensors, nothing here touches a model or a config.
+"""Reward shaping for every RL algorithm: scores to per-token rewards, the KL penalty, GAE and the value loss.
 
-Reads in the order a PPO step uses it (the masked statistics it builds on are in `aligner.rl.masked`):
-scores -> per-token rewards (stop penalty, overlong penalty, normalisation, clipping, the per-token
-KL penalty), KL estimators and controllers, GAE and the critic's value loss. The advantage estimators
+Pure functions on tensors, nothing here touches a model or a config. Reads in the order an RL step uses it
+(the masked statistics it builds on are in `aligner.rl.masked`): scores -> per-token rewards (stop
+penalty, overlong penalty, normalisation, clipping, the per-token KL penalty), KL estimators and
+controllers, GAE over those rewards and the critic's value loss on its returns. The advantage estimators
 are in `aligner.rl.advantages`, the policy losses in `aligner.rl.policy_losses`, the entropy with the
-logprobs in `aligner.generation.logprobs`.
+logprobs in `aligner.models.logprobs`.
 
 Conventions. Per-token tensors are [batch, T] over response positions; responses are right-padded,
 so `mask` [batch, T] (bool or 0/1) is 1 on the first `length` columns of each row and 0 after.
