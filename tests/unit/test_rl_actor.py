@@ -14,7 +14,7 @@ import torch
 from aligner.algorithms.rl_actor import tf_adam_epsilon, update_ema
 from aligner.algorithms.rl_config import ALGORITHMS, RLActorConfig
 from aligner.algorithms.rl_rollouts import group_indices
-from aligner.config import CONF_DIR, ConfigError, describe_preset, dotted_value, load_config
+from aligner.config import CONF_DIR, ConfigError, composed_config, describe_preset, dotted_value, load_config
 from aligner.generation.rollouts import (
     PromptOrder,
     RolloutBatch,
@@ -127,7 +127,7 @@ def test_load_function_errors_say_what_is_wrong():
 def test_shipped_yamls_document_every_key(yaml_path):
     from omegaconf import OmegaConf
 
-    assert dotted_keys(OmegaConf.structured(RLActorConfig)) - dotted_keys(OmegaConf.load(yaml_path)) == set()
+    assert dotted_keys(OmegaConf.structured(RLActorConfig)) - dotted_keys(composed_config(yaml_path)) == set()
 
 
 def test_bad_settings_are_refused_with_the_key_named():
