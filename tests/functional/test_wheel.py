@@ -24,7 +24,7 @@ def _run(command: list, **kwargs) -> str:
     return result.stdout
 
 
-@pytest.mark.slow  # build, venv, install, one SFT step in a fresh interpreter: ~30 s
+@pytest.mark.slow  # build, venv, install, one SFT step in a fresh interpreter: ~70 s on 2 busy cores
 def test_an_installed_wheel_runs_an_sft_step_with_its_shipped_config(tmp_path, arithmetic_tokenizer_dir):
     from aligner.demo import arithmetic
 
