@@ -194,7 +194,7 @@ def test_algorithm_sets_its_preset_under_the_keys_the_user_sets(tmp_path):
     assert (cfg.loss.policy_loss, cfg.loss.clip_ratio, cfg.loss.clip_high, cfg.loss.epochs) == ("gspo", 2e-4, 5e-4, 2)
     assert cfg.advantage.estimator == "grpo" and cfg.loss.aggregation == "sequence_mean_token_mean"
     assert describe_preset(load_config(RLActorConfig, GROUP_YAML, base)) is None
-    with pytest.raises(ConfigError, match=r"^command-line override: algorithm='grp' is not one of ppo, rloo, grpo"):
+    with pytest.raises(ConfigError, match=r"^command-line override: algorithm='grp' is not one of cispo, dapo, dr_"):
         load_config(RLActorConfig, GROUP_YAML, [*base, "algorithm=grp"])
     with pytest.raises(ConfigError, match=rf"^{own}:1: algorithm='gpso' is not one of"):
         own.write_text("algorithm: gpso\n")
