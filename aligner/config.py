@@ -32,7 +32,8 @@ from aligner.runtime.errors import ConfigError, UserError
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
+# The shipped configs: package data (a wheel has them too); the source tree's conf/ links here.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class MissingExtraError(UserError, ImportError):
@@ -188,8 +189,10 @@ EXTENDS_KEY = "extends"
 def _config_files(yaml_path: Path) -> list[tuple[Path, Any]]:
     """[(path, its omegaconf node)] of a config file and the files it extends, the farthest first.
 
-    A file may start with `extends: OTHER.yaml` (relative to its own directory): it then holds only the
-    keys it changes, merged over OTHER's (the recipes in conf/recipes/ extend an entry point's yaml)."""
+    A file may start with `extends: OTHER.yaml`: it then holds only the keys it changes, merged over OTHER's.
+    OTHER is relative to the file's own directory, else to the shipped configs (CONF_DIR), so a copy of a
+    shipped yaml (`extends: base.yaml`) still finds its base. The entry points' yamls extend the shared bases
+    (base.yaml, ...), and the recipes in aligner/conf/recipes/ extend an entry point's yaml."""
     files, seen = [], []
     path: Optional[Path] = yaml_path
     while path is not None:
@@ -209,8 +212,40 @@ def _config_files(yaml_path: Path) -> list[tuple[Path, Any]]:
         if extends is not None and not isinstance(extends, str):
             raise ConfigError(f"{_in_file(path, EXTENDS_KEY)}{EXTENDS_KEY} must name one yaml file, got {extends!r}")
         files.insert(0, (path, node))
-        path = path.parent / extends if extends else None
+        path = _extended_path(path, extends) if extends else None
     return files
+
+
+def _extended_path(path: Path, extends: str) -> Path:
+    """The file `extends: NAME` in `path` names: beside it, else among the shipped configs."""
+    beside = path.parent / extends
+    shipped = CONF_DIR / extends
+    return shipped if not beside.is_file() and not Path(extends).is_absolute() and shipped.is_file() else beside
+
+
+def composed_config(yaml_path: str | Path):
+    """The omegaconf node of a config file with the files it extends merged under it (no schema, no overrides):
+    what the file sets, wherever in its chain."""
+    return OmegaConf.merge(OmegaConf.create(), *(node for _, node in _config_files(Path(yaml_path))))
+
+
+def load_presets(directory: str | Path) -> dict[str, dict[str, Any]]:
+    """{NAME: {dotted key: value}} of the preset files NAME.yaml in a directory (a schema's `PRESETS`): each is
+    a partial config, a user can read or copy it, and it may `extends` another."""
+    presets = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        values = OmegaConf.to_container(composed_config(path), resolve=False)
+        presets[path.stem] = dict(_flatten(values))
+    return presets
+
+
+def _flatten(values: dict, prefix: str = ""):
+    """(dotted key, value) of each leaf of a nested mapping, in the file's order."""
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _preset_choice(key: str, layers: list, from_command_line) -> tuple[Optional[str], str, int]:
@@ -520,10 +555,12 @@ class KeyRow(typing.NamedTuple):
 def key_rows(schema: type, yaml_path: str | Path) -> list[KeyRow]:
     """Every key of `schema` with its default as `yaml_path` sets it, its type, allowed values and comment."""
     yaml_path = Path(yaml_path)
-    from_file = OmegaConf.load(yaml_path) if yaml_path.is_file() else OmegaConf.create()
-    merged = OmegaConf.merge(OmegaConf.structured(schema), from_file)
+    files = _config_files(yaml_path) if yaml_path.is_file() else []
+    merged = OmegaConf.merge(OmegaConf.structured(schema), *(node for _, node in files))
     values = OmegaConf.to_container(merged, resolve=False)
-    file_comments = _yaml_comments(yaml_path.read_text()) if yaml_path.is_file() else {}
+    file_comments = {}  # the comment of the last file in the chain that has one on the key's line
+    for path, _ in files:
+        file_comments.update(_yaml_comments(path.read_text()))
     rows = []
     for key, value, spec, owner in _leaves(schema, values, ""):
         comment = file_comments.get(key) or _field_comments(owner).get(spec.name, "")

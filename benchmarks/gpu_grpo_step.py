@@ -3,7 +3,7 @@
     python benchmarks/gpu_grpo_step.py [--model smollm2] [--prompts 64] [--samples 4] [--new-tokens 128]
         [--steps 3] [--warmup 1] [--precision bf16] [--micro-batch 64]
 
-The actor is built as its entry point builds it (conf/gpt_reinforce_actor.yaml plus the overrides of
+The actor is built as its entry point builds it (aligner/conf/gpt_reinforce_actor.yaml plus the overrides of
 `peer.workload.aligner_overrides`, the settings the CPU comparison with TRL uses), with a function reward
 (the share of vowels in the response), fixed-length responses (min = max new tokens), one epoch of one
 minibatch, KL 0. Prints per step: seconds, generated tokens/s, tokens/s counting prompt and response

@@ -94,7 +94,7 @@ LOGGER = logging.getLogger(__name__)
 
 @dataclass
 class RewardServerConfig:
-    """Schema of conf/inference_rm.yaml (examples/nlp/gpt/serve_reward_model.py)."""
+    """Schema of aligner/conf/inference_rm.yaml (examples/nlp/gpt/serve_reward_model.py)."""
 
     RENAMED_KEYS: ClassVar[tuple] = (("rm_model_file", "init_from"),)
 

@@ -44,7 +44,7 @@ def write_tiny_policy(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
 
 
 def actor_settings(policy: Path, prompts: Path, root: Path, reward_function: str) -> list[str]:
-    """Overrides of conf/gpt_reinforce_actor.yaml: 2 prompts x 2 samples per step, micro-batches of 4."""
+    """Overrides of aligner/conf/gpt_reinforce_actor.yaml: 2 prompts x 2 samples per step, micro-batches of 4."""
     return [f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=32",
             "generation.max_new_tokens=4", "generation.micro_batch_size=4", "rollout.prompts_per_step=2",
             "rollout.samples_per_prompt=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",

@@ -56,7 +56,7 @@ class TeacherData:
 
 @dataclass
 class TeacherTopKConfig:
-    """conf/teacher_topk.yaml."""
+    """aligner/conf/teacher_topk.yaml."""
 
     teacher: str = "???"  # checkpoint (adapters load onto their base), run dir, HF dir or .gguf (aligner.hf.sources)
     tokenizer_path: Optional[str] = None  # null: the teacher checkpoint's
@@ -140,7 +140,7 @@ class KDSection:
 
 @dataclass
 class KDConfig(RunConfig):
-    """conf/gpt_knowledge_distillation.yaml: the shared run sections plus `kd` and `data`."""
+    """aligner/conf/gpt_knowledge_distillation.yaml: the shared run sections plus `kd` and `data`."""
 
     LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_knowledge_distillation"

@@ -67,7 +67,7 @@ class DPOSection:
 
 @dataclass
 class DPOConfig(RunConfig):
-    """conf/gpt_dpo.yaml: the shared run sections plus `dpo` and `data`."""
+    """aligner/conf/gpt_dpo.yaml: the shared run sections plus `dpo` and `data`."""
 
     LR_METHOD = "preference"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_dpo"

@@ -46,7 +46,7 @@ class KTOSection:
 
 @dataclass
 class KTOConfig(RunConfig):
-    """conf/gpt_kto.yaml: the shared run sections plus `kto` and `data`."""
+    """aligner/conf/gpt_kto.yaml: the shared run sections plus `kto` and `data`."""
 
     LR_METHOD = "preference"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_kto"

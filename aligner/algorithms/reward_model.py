@@ -60,7 +60,7 @@ class RewardDataConfig(DataSection):
 
 @dataclass
 class RewardModelConfig(RunConfig):
-    """conf/training_rm.yaml: the shared run sections plus `reward` and `data`."""
+    """aligner/conf/training_rm.yaml: the shared run sections plus `reward` and `data`."""
 
     name: str = "reward_model"
     reward: RewardSection = field(default_factory=RewardSection)

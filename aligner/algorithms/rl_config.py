@@ -1,5 +1,6 @@
-"""The RL actor's config schema: its sections, `RLActorConfig` (conf/gpt_ppo_actor.yaml,
-conf/gpt_reinforce_actor.yaml), `GroupRLActorConfig`, and the algorithm presets `ALGORITHMS`.
+"""The RL actor's config schema: its sections, `RLActorConfig` (aligner/conf/gpt_ppo_actor.yaml,
+aligner/conf/gpt_reinforce_actor.yaml, both extending gpt_rl_actor.yaml), `GroupRLActorConfig`, and the
+algorithm presets `ALGORITHMS` (aligner/conf/algorithms/NAME.yaml).
 
 An algorithm is a choice of registered pure functions (README, "RL algorithms"); `algorithm=NAME` sets
 one preset's keys under the keys the user sets (`aligner.config.load_config`).
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
-from aligner.config import ConfigError, at_least, one_of
+from aligner.config import CONF_DIR, ConfigError, at_least, load_presets, one_of
 from aligner.data.records import Layouts
 from aligner.data.sft import SFT_LAYOUTS
 from aligner.generation.rewards import RewardFunctionSettings
@@ -22,27 +23,13 @@ from aligner.rl import advantages, mismatch, policy_losses, shaping
 from aligner.training.metrics import LoggingConfig
 from aligner.training.setup import RunConfig
 
-# The settings that make each algorithm: `algorithm=NAME` on either RL entry point sets them (under the
-# user's explicit keys, see aligner.config.load_config); README's table shows them. Each preset names every
-# key that tells the algorithms apart, so it means the same whatever the config file set before it. ppo needs
-# the critic server (train_gpt_ppo_actor.py / launch_ppo.py). DAPO's overlong shaping
-# (reward.overlong_buffer) depends on generation.max_new_tokens and is left to the user.
-_CLIPPED_TOKEN_MEAN = {"loss.policy_loss": "ppo_clip", "loss.clip_ratio": 0.2, "loss.clip_high": None,
-                       "loss.aggregation": "token_mean", "rollout.dynamic_sampling": False}
-ALGORITHMS: dict[str, dict[str, object]] = {
-    "ppo": {"advantage.estimator": "gae", **_CLIPPED_TOKEN_MEAN},
-    "rloo": {"advantage.estimator": "rloo", **_CLIPPED_TOKEN_MEAN},
-    "grpo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN},
-    "dr_grpo": {"advantage.estimator": "dr_grpo", **_CLIPPED_TOKEN_MEAN, "loss.aggregation": "constant_sum"},
-    "reinforce_plus_plus": {"advantage.estimator": "reinforce_plus_plus", **_CLIPPED_TOKEN_MEAN},
-    "dapo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
-             "loss.clip_high": 0.28, "rollout.dynamic_sampling": True},
-    "gspo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
-             "loss.policy_loss": "gspo", "loss.clip_ratio": 3e-4, "loss.clip_high": 4e-4,
-             "loss.aggregation": "sequence_mean_token_mean"},
-    "cispo": {"advantage.estimator": "grpo", "advantage.group_std": True, **_CLIPPED_TOKEN_MEAN,
-              "loss.policy_loss": "cispo", "loss.clip_ratio": 1.0, "loss.clip_high": 4.0},
-}
+# The settings that make each algorithm, one yaml file per preset (aligner/conf/algorithms/NAME.yaml, which users
+# can read and copy): `algorithm=NAME` on either RL entry point sets them (under the user's explicit keys, see
+# aligner.config.load_config); README's table shows them. Each preset names every key that tells the algorithms
+# apart, so it means the same whatever the config file set before it. ppo needs the critic server
+# (train_gpt_ppo_actor.py / launch_ppo.py). DAPO's overlong shaping (reward.overlong_buffer) depends on
+# generation.max_new_tokens and is left to the user.
+ALGORITHMS: dict[str, dict[str, object]] = load_presets(CONF_DIR / "algorithms")
 
 
 # ----------------------------------------------------------------------------- config schema
@@ -220,7 +207,7 @@ def _renamed_update_keys(section: str) -> tuple:
 
 @dataclass
 class RLActorConfig(RunConfig):
-    """conf/gpt_ppo_actor.yaml, conf/gpt_reinforce_actor.yaml. trainer.global_batch_size = responses per
+    """aligner/conf/gpt_ppo_actor.yaml, aligner/conf/gpt_reinforce_actor.yaml. trainer.global_batch_size = responses per
     minibatch (optimizer step); trainer.max_steps = rollout rounds; trainer.limit_val_samples = validation prompts."""
 
     LR_METHOD = "rl"  # its row in aligner/training/lr_ranges.py

@@ -36,7 +36,7 @@ class SFTDataConfig(DataSection):
 
 @dataclass
 class SFTConfig(RunConfig):
-    """conf/gpt_sft.yaml: the shared run sections plus `data`."""
+    """aligner/conf/gpt_sft.yaml: the shared run sections plus `data`."""
 
     LR_METHOD = "sft"  # its row in aligner/training/lr_ranges.py
     name: str = "gpt_sft"

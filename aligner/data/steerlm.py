@@ -43,7 +43,7 @@ CHECKPOINT_META_KEY = "steerlm"  # the section of a checkpoint's meta that says 
 
 @dataclass
 class SteerLMConfig:
-    """`data.steerlm` of conf/gpt_sft.yaml: attribute-conditioned SFT when `attributes` is non-empty."""
+    """`data.steerlm` of aligner/conf/gpt_sft.yaml: attribute-conditioned SFT when `attributes` is non-empty."""
 
     attributes: list[str] = field(default_factory=list)  # names, in rendering order; empty: plain SFT
     format: str = one_of(FORMATS, "named")  # named: "correctness:4,helpfulness:3" | values: "4 3"

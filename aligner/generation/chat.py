@@ -1,6 +1,6 @@
 """Talking to a trained model: interactive multi-turn chat with streamed output, or a JSONL of prompts.
 
-Entry point: examples/nlp/gpt/chat.py with conf/chat.yaml (schema `ChatConfig` below).
+Entry point: examples/nlp/gpt/chat.py with aligner/conf/chat.yaml (schema `ChatConfig` below).
 
 - init_from: an aligner checkpoint directory, a run directory (its latest intact checkpoint), a Hugging
   Face model directory or a .gguf file; the last two are imported once into the import cache
@@ -76,7 +76,7 @@ class ChatSamplingConfig:
 
 @dataclass
 class ChatConfig:
-    """Schema of conf/chat.yaml (examples/nlp/gpt/chat.py)."""
+    """Schema of aligner/conf/chat.yaml (examples/nlp/gpt/chat.py)."""
 
     RENAMED_KEYS: ClassVar[tuple] = (("checkpoint", "init_from"),)
 

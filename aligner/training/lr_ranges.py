@@ -5,7 +5,7 @@ adapters gets one warning line at start-up (never a refusal: the table is advice
 models (fewer than SMALLEST_MODEL parameters) and random inits get no advice.
 
 Sources: TRL's trainer defaults (SFTConfig 2e-5, DPOConfig 1e-6, GRPOConfig 1e-6) for full-weight runs;
-for models under 1B parameters, what the recipes in conf/recipes/ measured on SmolLM2-135M-Instruct
+for models under 1B parameters, what the recipes in aligner/conf/recipes/ measured on SmolLM2-135M-Instruct
 (tests/real_model/test_recipes.py) and what examples/demo/run_demo_real.py runs (RLOO at 1e-3 and DPO at
 3e-4 with rank-16 adapters, which read those recipes). The LoRA rows for 1B+ models are the common rule
 that adapters take about 10x the full-weight rate, not a measurement.
@@ -18,7 +18,7 @@ from typing import Optional
 METHODS = ("sft", "preference", "rl")  # supervised (SFT, RS, KD); DPO, KTO, SPIN; the RL actor (PPO, GRPO family)
 FAR = 10.0  # a rate this many times above or below the known one gets the warning
 SMALLEST_MODEL = 50e6  # parameters; below this, toy models: no advice
-RECIPES = "conf/recipes/"
+RECIPES = "aligner/conf/recipes/"
 
 
 @dataclass(frozen=True)

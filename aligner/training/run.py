@@ -20,7 +20,7 @@ T = TypeVar("T")
 def run_training(schema: Type[T], yaml_name: str, build, after_fit=None,
                  next_commands: Optional[Callable[[Path], list[str]]] = None,
                  argv: Optional[Sequence[str]] = None) -> None:
-    """The body of a training entry point: conf/<yaml_name> + command-line overrides (argv, default sys.argv)
+    """The body of a training entry point: aligner/conf/<yaml_name> + command-line overrides (argv, default sys.argv)
     -> schema -> its data files checked -> build(cfg) -> fit() -> the end-of-run summary
     (MetricsLogger.run_summary, with next_commands(checkpoint), by default chat and export); after_fit(trainer,
     cfg) runs on success before it. A run resumed with no step left (re-running a finished run) says so in one

@@ -33,7 +33,7 @@ MAX_NEW_TOKENS = 48  # answers are cut here in training and evaluation alike
 HELDOUT_PROMPTS = 200
 TRAIN_PROMPTS = 1024
 QUIET = ["logging.progress_bar=false"]
-RECIPES = REPO_ROOT / "conf" / "recipes"  # the settings users copy; the demo adds only its own
+RECIPES = REPO_ROOT / "aligner" / "conf" / "recipes"  # the settings users copy; the demo adds only its own
 
 # The GRPO-family LoRA recipe (8 prompts x 4 samples per step at temperature 0.7, one update per step on rank-16
 # adapters, lr 1e-3, KL coefficient 0.05), with RLOO's estimator: its advantages keep the reward's scale, so the

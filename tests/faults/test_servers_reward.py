@@ -48,7 +48,7 @@ CLIENT_TIMEOUT_S = 10.0
 LOAD_THREADS = 8
 GONE_WITHIN_S = 15.0  # Triton's exit timeout is 3 s; clean-up of what it started takes a few more
 WILDCARDS = {"0.0.0.0", "::"}
-DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # conf/inference_rm.yaml
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # aligner/conf/inference_rm.yaml
 
 
 def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1") -> ServerProcess:

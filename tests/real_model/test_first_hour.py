@@ -95,7 +95,8 @@ def workdir(smollm2_hf_dir, tmp_path_factory):
     import pyarrow.parquet as pq
 
     work = tmp_path_factory.mktemp("first_hour")
-    for name in ("examples", "conf"):
+    for name in ("examples", "conf", "aligner/conf"):  # the README's paths (aligner/conf/recipes/...)
+        (work / name).parent.mkdir(exist_ok=True)
         (work / name).symlink_to(REPO_ROOT / name)
     (work / "SmolLM2-135M-Instruct").symlink_to(smollm2_hf_dir)
     write_jsonl(work / "questions.jsonl", [{"prompt": "What is the capital of France?"}])

@@ -1,4 +1,4 @@
-"""The recipes of conf/recipes/ on SmolLM2-135M-Instruct: a few steps of each, at its learning rate, move the
+"""The recipes of aligner/conf/recipes/ on SmolLM2-135M-Instruct: a few steps of each, at its learning rate, move the
 training loss (or the policy) and leave the general answers unbroken.
 
 General answers: the greedy answer to "What is the capital of France?" still names Paris, and the KL from

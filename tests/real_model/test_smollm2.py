@@ -160,10 +160,10 @@ def test_dpo_first_step_on_conversational_pairs_is_log_2(smollm2_checkpoint, tmp
     (first,) = metrics_rows(run_dir, "train")
     assert first["step"] == 1
     assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
-    # conf/gpt_dpo.yaml's toy lr on a real model: one warning line (aligner/training/lr_ranges.py)
+    # aligner/conf/gpt_dpo.yaml's toy lr on a real model: one warning line (aligner/training/lr_ranges.py)
     assert re.search(r"warning: optim.lr=0.0001 is 100x above the 1e-06 known to work for full-weight preference "
                      r"on a 13[45]M-parameter model \(.*\): it can wreck the model's general answers in a few steps; "
-                     r"see conf/recipes/\n", result.stdout), result.stdout[-3000:]
+                     r"see aligner/conf/recipes/\n", result.stdout), result.stdout[-3000:]
 
 
 def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_default_system_prompt(smollm2_checkpoint,

@@ -14,7 +14,7 @@ from aligner.algorithms.reward_model import RewardModelConfig
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.sft import SFTConfig
 from aligner.algorithms.spin import SPINConfig
-from aligner.config import CONF_DIR, ConfigError, at_least, load_config, one_of, parse_command_line
+from aligner.config import CONF_DIR, ConfigError, at_least, composed_config, load_config, one_of, parse_command_line
 from aligner.training.run import run_training
 from servers.critic import CriticServerConfig
 
@@ -53,8 +53,8 @@ def test_every_schema_key_is_in_the_shipped_yaml(schema, yaml_name, required):
     from omegaconf import OmegaConf
 
     schema_keys = dotted_keys(OmegaConf.structured(schema))
-    in_yaml = dotted_keys(OmegaConf.load(CONF_DIR / yaml_name))
-    assert schema_keys - in_yaml == set(), f"keys missing from conf/{yaml_name}"
+    in_yaml = dotted_keys(composed_config(CONF_DIR / yaml_name))  # with the bases it extends
+    assert schema_keys - in_yaml == set(), f"keys missing from aligner/conf/{yaml_name}"
     load_config(schema, CONF_DIR / yaml_name, list(required))  # unknown yaml keys would raise
 
 
@@ -152,7 +152,7 @@ def test_help_lists_every_key_with_the_config_files_default(capsys, schema, yaml
     leaves = {key for key in keys if not any(other.startswith(key + ".") for other in keys)}
     assert set(shown) == leaves
     # The default shown is the value the entry point runs with when the key is not set (required ones: ???).
-    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(CONF_DIR / yaml_name)))
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), composed_config(CONF_DIR / yaml_name)))
     for key, text in shown.items():
         value = cfg
         for part in key.split("."):
@@ -263,7 +263,8 @@ def _entry_point_schemas():
 def test_the_entry_point_list_covers_conf():
     covered = {yaml_name for _, yaml_name, _ in _entry_point_schemas()}
     owned_elsewhere = {"gpt_ppo_actor.yaml", "gpt_reinforce_actor.yaml", "gpt_ppo_critic.yaml"}
-    assert covered | owned_elsewhere == {path.name for path in CONF_DIR.glob("*.yaml")}
+    bases = {"base.yaml", "base_gpt.yaml", "gpt_rl_actor.yaml"}  # composed into the others, never loaded alone
+    assert covered | owned_elsewhere | bases == {path.name for path in CONF_DIR.glob("*.yaml")}
 
 
 @pytest.mark.parametrize("schema, yaml_name, required", _entry_point_schemas(),
@@ -301,3 +302,106 @@ def test_chat_checkpoint_is_now_init_from(tmp_path, capsys):
     with (contextlib.ExitStack() as stack,
           pytest.raises(ConfigError, match=rf"^init_from={tmp_path / 'old_name'} does not exist")):
         load_chat_model(cfg, stack)
+
+
+# ----------------------------------------------------------------------------- composition: bases and overlays
+COMPOSED = [(schema, yaml_name, required) for schema, yaml_name, required in ENTRY_POINT_CONFIGS
+            if "extends" in (CONF_DIR / yaml_name).read_text()]
+
+
+def test_the_entry_points_yamls_are_composed_from_the_bases():
+    assert {yaml_name for _, yaml_name, _ in COMPOSED} >= {
+        "gpt_sft.yaml", "gpt_dpo.yaml", "gpt_kto.yaml", "gpt_rs.yaml", "gpt_spin.yaml", "training_rm.yaml",
+        "gpt_knowledge_distillation.yaml", "gpt_ppo_actor.yaml", "gpt_reinforce_actor.yaml"}
+    from aligner.config import _config_files
+
+    chains = {name: [path.name for path, _ in _config_files(CONF_DIR / name)] for _, name, _ in COMPOSED}
+    assert chains["gpt_sft.yaml"] == ["base.yaml", "base_gpt.yaml", "gpt_sft.yaml"]
+    assert chains["gpt_ppo_actor.yaml"] == ["base.yaml", "gpt_rl_actor.yaml", "gpt_ppo_actor.yaml"]
+    assert chains["gpt_reinforce_actor.yaml"] == ["base.yaml", "gpt_rl_actor.yaml", "gpt_reinforce_actor.yaml"]
+
+
+@pytest.mark.parametrize("schema, yaml_name, required", COMPOSED)
+def test_a_composed_yaml_loads_as_the_one_complete_file_a_user_would_write(tmp_path, schema, yaml_name, required):
+    """A user's own complete yaml (`--config`, no `extends`) written out from the composed one gives the same
+    config: composing the bases changes nothing a flat file would set."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    flat = tmp_path / yaml_name
+    flat.write_text(OmegaConf.to_yaml(composed_config(CONF_DIR / yaml_name)))
+    assert "extends" not in flat.read_text()
+    assert (dataclasses.asdict(load_config(schema, flat, list(required)))
+            == dataclasses.asdict(load_config(schema, CONF_DIR / yaml_name, list(required))))
+
+
+def test_an_overlay_sets_only_what_its_base_does_not_already_say():
+    """Thin overlays: no key of a composed yaml repeats the value and the comment the files it extends give."""
+    from omegaconf import OmegaConf
+
+    from aligner.config import _config_files, _yaml_comments
+
+    from ..conftest import dotted_keys
+
+    repeated = []
+    for path in sorted(CONF_DIR.glob("*.yaml")):
+        files = _config_files(path)
+        if len(files) < 2:
+            continue
+        above = OmegaConf.merge(*(node for _, node in files[:-1]))
+        comments = {}
+        for above_path, _ in files[:-1]:
+            comments.update(_yaml_comments(above_path.read_text()))
+        own, own_comments = files[-1][1], _yaml_comments(path.read_text())
+        for key in dotted_keys(own):
+            value = OmegaConf.select(own, key)
+            if OmegaConf.is_dict(value) and len(value):
+                continue  # a section: its keys are checked one by one
+            if (key in dotted_keys(above) and OmegaConf.select(above, key) == value
+                    and own_comments.get(key) == comments.get(key)):
+                repeated.append(f"{path.name}: {key}")
+    assert repeated == []
+
+
+def test_a_bad_key_in_a_base_names_the_base_and_its_line(tmp_path):
+    import shutil
+
+    copy = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, copy)
+    base = copy / "base.yaml"
+    base.write_text(base.read_text().replace("  save_at_end: true\n", "  save_at_end: true\n  keep_lots: 3\n"))
+    line = base.read_text().splitlines().index("  keep_lots: 3") + 1
+    with pytest.raises(ConfigError, match=rf"^{base}:{line}: .*checkpoint.keep_lots"):
+        load_config(SFTConfig, copy / "gpt_sft.yaml", ["data.train=[{path: x.jsonl}]"])
+
+
+def test_a_copied_entry_point_yaml_finds_its_base_among_the_shipped_configs(tmp_path):
+    """`extends: base_gpt.yaml` in a copy outside conf/ (nothing beside it): the shipped base."""
+    import dataclasses
+
+    mine = tmp_path / "my_sft.yaml"
+    mine.write_text(SFT_YAML.read_text().replace("max_steps: 100", "max_steps: 7"))
+    required = ["data.train=[{path: x.jsonl}]"]
+    expected = dataclasses.asdict(load_config(SFTConfig, SFT_YAML, required + ["trainer.max_steps=7"]))
+    assert dataclasses.asdict(load_config(SFTConfig, mine, required)) == expected
+    (tmp_path / "base_gpt.yaml").write_text("extends: base.yaml\nseed: 5\n")  # one beside it wins
+    assert load_config(SFTConfig, mine, required).seed == 5
+
+
+def test_the_algorithm_presets_are_the_yaml_files_users_copy(tmp_path):
+    """`algorithm=NAME` is conf/algorithms/NAME.yaml: the same keys as that file, loaded as a --config overlay."""
+    import dataclasses
+
+    from aligner.algorithms.rl_config import ALGORITHMS, GroupRLActorConfig
+
+    assert set(ALGORITHMS) == {path.stem for path in (CONF_DIR / "algorithms").glob("*.yaml")}
+    required = ["data.prompts=p.jsonl", "model.init_from=/checkpoint"]
+    for name in ("grpo", "dapo", "gspo"):
+        overlay = tmp_path / f"my_{name}.yaml"  # the preset copied into a user's yaml over the shipped one
+        preset = (CONF_DIR / "algorithms" / f"{name}.yaml").read_text()
+        overlay.write_text(f"extends: gpt_reinforce_actor.yaml\n{preset}")
+        by_name = load_config(GroupRLActorConfig, CONF_DIR / "gpt_reinforce_actor.yaml",
+                              required + [f"algorithm={name}"])
+        by_copy = load_config(GroupRLActorConfig, overlay, required)
+        assert dataclasses.asdict(by_copy) == {**dataclasses.asdict(by_name), "algorithm": None}

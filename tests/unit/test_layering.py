@@ -91,6 +91,7 @@ FLOORS = {
     "generation": 5,  # engines, rollouts, reward sources
     "training": 6,
     "algorithms": 7, "demo": 7, "launcher": 7,
+    "__main__": 8,  # python -m aligner: the training entry points, above everything like examples/ (a wheel has none)
 }
 
 # Imports of aligner's own modules that stay inside functions, by file: the modules each imports there.

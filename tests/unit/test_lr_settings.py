@@ -1,5 +1,5 @@
 """Learning-rate settings for real models: optim.min_lr null (0.1 x lr), the warm-up and lr-range warnings,
-the recipes (conf/recipes/, a yaml that `extends` an entry point's) and the table they must agree with."""
+the recipes (aligner/conf/recipes/, a yaml that `extends` an entry point's) and the table they must agree with."""
 from __future__ import annotations
 
 import math
@@ -83,7 +83,7 @@ def test_lr_far_from_the_known_rate_is_one_warning_and_toy_models_get_none():
     message = lr_warning(1e-4, "preference", False, SMOLLM2_PARAMETERS)
     assert message == ("optim.lr=0.0001 is 100x above the 1e-06 known to work for full-weight preference on a "
                        "134M-parameter model (the SmolLM2-135M recipe, TRL's DPOConfig default): it can wreck the "
-                       "model's general answers in a few steps; see conf/recipes/")
+                       "model's general answers in a few steps; see aligner/conf/recipes/")
     assert lr_warning(1e-8, "sft", False, 7e9).startswith("optim.lr=1e-08 is 2000x below the 2e-05 known to work "
                                                           "for full-weight sft on a 7000M-parameter model")
     assert lr_warning(1e-5, "preference", False, SMOLLM2_PARAMETERS) is None  # within 10x

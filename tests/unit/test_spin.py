@@ -17,7 +17,7 @@ from aligner.algorithms.spin import (
     load_demonstrations,
     self_play_pairs,
 )
-from aligner.config import CONF_DIR, load_config
+from aligner.config import CONF_DIR, composed_config, load_config
 from aligner.data.jsonl import DataError
 from aligner.data.preference import PreferenceDataset, collate_preferences
 from aligner.demo import arithmetic
@@ -40,8 +40,8 @@ def test_every_schema_key_is_in_the_shipped_yamls():
 
     for schema, name in ((SPINConfig, "gpt_spin.yaml"), (DPOConfig, "gpt_dpo.yaml")):
         schema_keys = dotted_keys(OmegaConf.structured(schema))
-        in_yaml = dotted_keys(OmegaConf.load(CONF_DIR / name))
-        assert schema_keys - in_yaml == set(), f"keys missing from conf/{name}"
+        in_yaml = dotted_keys(composed_config(CONF_DIR / name))  # with the bases it extends
+        assert schema_keys - in_yaml == set(), f"keys missing from aligner/conf/{name}"
         load_config(schema, CONF_DIR / name, ["data.train=[{path: x.jsonl}]"])  # unknown yaml keys would raise
 
 

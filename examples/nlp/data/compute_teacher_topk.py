@@ -1,5 +1,5 @@
 """The teacher pass of knowledge distillation: the teacher's top-k logits at every response position of an
-SFT file, written for examples/nlp/gpt/train_gpt_knowledge_distillation.py (conf/teacher_topk.yaml).
+SFT file, written for examples/nlp/gpt/train_gpt_knowledge_distillation.py (aligner/conf/teacher_topk.yaml).
 
     torchrun --nproc_per_node TPxPP examples/nlp/data/compute_teacher_topk.py teacher=CKPT data.path=sft.jsonl \\
         output=sft.topk.safetensors [top_k=16 parallel.tensor_model_parallel_size=2 ...]

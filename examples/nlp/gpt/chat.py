@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 examples/nlp/gpt/chat.py init_from=... parallel.tensor_model_parallel_size=2
 
 Interactive commands: /reset starts a new conversation, /exit (or Ctrl-D) quits. Options and
-record formats: conf/chat.yaml and aligner/generation/chat.py.
+record formats: aligner/conf/chat.yaml and aligner/generation/chat.py.
 """
 from aligner.config import CONF_DIR, load_config, parse_command_line, run_main
 from aligner.generation.chat import ChatConfig, run_chat

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_ppo_actor.py model.init_from=SFT_CHECKPOINT \
         data.prompts=prompts.jsonl [key=value ...]
 
-The RL actor with conf/gpt_ppo_actor.yaml (advantage.estimator=gae: the critic server's values).
+The RL actor with aligner/conf/gpt_ppo_actor.yaml (advantage.estimator=gae: the critic server's values).
 The critic server (serve_ppo_critic.py) and the reward source must be up; examples/nlp/gpt/launch_ppo.py
 starts everything on one machine.
 """

@@ -4,7 +4,7 @@
         data.prompts=prompts.jsonl reward.source=function reward.function=myreward.py:function \
         [algorithm=grpo|dapo|gspo|cispo|rloo|reinforce_plus_plus|dr_grpo] [key=value ...]
 
-The RL actor with conf/gpt_reinforce_actor.yaml (RLOO by default; `algorithm=NAME` sets a preset,
+The RL actor with aligner/conf/gpt_reinforce_actor.yaml (RLOO by default; `algorithm=NAME` sets a preset,
 docs/algorithms/rl.md lists each algorithm's settings; algorithm=ppo: train_gpt_ppo_actor.py). With
 reward.source=server a reward-model server (serve_reward_model.py) must be up.
 """

@@ -1,6 +1,6 @@
 """Supervised fine-tuning of a GPT model.
 
-    torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_sft.py [--config conf/gpt_sft.yaml] key=value ...
+    torchrun --nproc_per_node N examples/nlp/gpt/train_gpt_sft.py [--config aligner/conf/gpt_sft.yaml] key=value ...
 """
 from aligner.algorithms.sft import SFTConfig, build_sft_trainer
 from aligner.config import run_main

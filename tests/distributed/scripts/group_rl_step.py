@@ -1,4 +1,4 @@
-"""The group-baseline RL actor (`build_rl_actor` on conf/gpt_reinforce_actor.yaml) at the layout given on
+"""The group-baseline RL actor (`build_rl_actor` on aligner/conf/gpt_reinforce_actor.yaml) at the layout given on
 the command line, with an in-process reward (the fraction of the response's characters that are the digit "1").
 
     torchrun --nproc_per_node N group_rl_step.py step OUTPUT_JSON key=value ...   # one step; rank 0 writes
