@@ -237,7 +237,7 @@ class SPINRun:
     def nothing_to_train(self) -> Optional[tuple[str, str]]:
         """("already at step N of N (spin.num_iterations=I ...)", its key) when a resumed run has no step left."""
         spin, step = self.cfg.spin, self.trainer.step
-        if self.trainer.saved_step is None or step < spin.num_iterations * spin.steps_per_iteration:
+        if self.trainer.saved_at is None or step < spin.num_iterations * spin.steps_per_iteration:
             return None
         return (f"already at step {step} of {spin.num_iterations * spin.steps_per_iteration} "
                 f"(spin.num_iterations={spin.num_iterations} x spin.steps_per_iteration={spin.steps_per_iteration})",
