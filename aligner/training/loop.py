@@ -68,22 +68,23 @@ class RunLoop:
         save = self.state.save_unless_saved if resumable else None
         self._stop.check(self.state.step, save, unsaved_reason=unsaved_reason)
 
-    def step(self, step: Callable[[], dict], *, total: int, extra: Optional[dict] = None, prefix: str = "train",
+    def step(self, step: Callable[[], dict], *, total: Optional[int] = None, extra: Optional[dict] = None,
              resumable: bool = True, unsaved_reason: str = "") -> dict:
-        """One step: the stop check before it, the step, the counter, its metrics (with `extra`), then
-        validation and the save at their intervals. total: the run's last step (validation runs after
-        it; the save at the end, not the interval's, writes it). Returns the step's metrics."""
+        """One step: the stop check before it (resumable=False: a boundary no checkpoint can be written at,
+        `unsaved_reason` says why), the step, the counter, its metrics (with `extra`), then validation and
+        the save at their intervals. total: the run's last step (validation runs after it; the save at
+        the end, not the interval's, writes it); None: not known. Returns the step's metrics."""
         self.check(resumable, unsaved_reason)
         metrics = step()
         state = self.state
         state.count_step()
-        state.metrics.log(state.step, {**metrics, **extra} if extra else metrics, prefix=prefix)
+        state.metrics.log(state.step, {**metrics, **extra} if extra else metrics)
         state.metrics.advance(**self.shown(metrics))
         interval = self.cadence.val_check_interval
         if interval > 0 and (state.step % interval == 0 or state.step == total):
             state.metrics.log(state.step, state.validate(), prefix="validation")
         interval = self.cadence.save_interval
-        if interval > 0 and state.step % interval == 0 and state.step < total:
+        if interval > 0 and state.step % interval == 0 and (total is None or state.step < total):
             state.save()
         return metrics
 
