@@ -353,7 +353,13 @@ class Critic(Checkpointed):
         return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
                 schedule.STATE_KEY: self.schedule_settings()}
 
+    @property
+    def saved_step(self) -> int:
+        """The critic step of the newest checkpoint (saved, or resumed from); 0 before the first."""
+        return self.saved_at or 0
+
     def saved_state(self, step: int) -> dict:
+        """save(step) names the checkpoint by the caller's step, so the actor's and the critic's pair up."""
         return {**self.state_dict(), "caller_step": step}
 
     def load_state_dict(self, state: dict) -> dict[str, tuple]:

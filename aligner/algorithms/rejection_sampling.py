@@ -174,7 +174,8 @@ class KeptSamples(torch.utils.data.Dataset):
 
 # ----------------------------------------------------------------------------- the run
 class RejectionSamplingRun:
-    """The outer loop around a shared Trainer (which owns the model, optimizer and metrics)."""
+    """The iterations around a shared Trainer (which owns the model, optimizer and metrics), whose steps run
+    in the one run loop (`aligner.training.loop`)."""
 
     def __init__(self, cfg: RSConfig, trainer: Trainer, built, prompts, reward_source, first_iteration: int):
         from megatron.core import parallel_state as ps

@@ -163,8 +163,6 @@ class RLActor(Checkpointed):
         self.optimizer_steps = 0
         self.critic_warmup_done = 0
         self.pending_critic_train: Optional[Future] = None
-        # the checkpoint lifecycle (aligner.training.checkpointed) over the policy's optimizer
-        self.optimizer, self.run_id = policy.optimizer, policy.run_id
         self.save_dir, self.keep_last = cfg.checkpoint.save_dir, cfg.checkpoint.keep_last
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -452,7 +450,7 @@ class RLActor(Checkpointed):
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
         self.metrics.log_text(self.step + 1, "samples", table)
 
-    # -- checkpoints
+    # -- checkpoints (the lifecycle: aligner.training.checkpointed)
     def state_dict(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
@@ -468,6 +466,14 @@ class RLActor(Checkpointed):
         self.critic_warmup_done = state["critic_warmup_done"]
         return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
                                         self.policy.schedule_settings)
+
+    @property
+    def optimizer(self):
+        return self.policy.optimizer  # the checkpoints' (aligner.training.checkpointed)
+
+    @property
+    def run_id(self) -> str:
+        return self.policy.run_id
 
     def position(self) -> tuple[int, int]:
         return self.step, self.critic_warmup_done  # a warm-up round's state is a checkpoint of its own

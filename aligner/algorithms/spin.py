@@ -7,10 +7,10 @@
                    with this iteration's beta (spin.kl_betas)
 
 The loss is DPO's (`aligner.algorithms.dpo.DPOObjective`), the pairs are `PreferenceDataset`
-rows built in memory, and the steps are the shared Trainer's `train_step`: only the outer loop is
-SPIN's. When the model already reproduces a demonstration, chosen and rejected are the same
-sequence and the pair carries no gradient; the share of such pairs (`self_match`) is logged per
-iteration: it is how far SPIN has left to go on those prompts.
+rows built in memory, and the steps are the shared Trainer's `train_step` in the one run loop
+(`aligner.training.loop`): only the iterations are SPIN's. When the model already reproduces a
+demonstration, chosen and rejected are the same sequence and the pair carries no gradient; the share
+of such pairs (`self_match`) is logged per iteration: it is how far SPIN has left to go on those prompts.
 
 A stop (SIGTERM/SIGINT, aligner/runtime/stopping.py) is acted on at the next step boundary: at an
 iteration end (or before the first step of an iteration) it writes a checkpoint there; in the
@@ -216,7 +216,8 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
 
 # ----------------------------------------------------------------------------- the run
 class SPINRun:
-    """The outer SPIN loop around a shared Trainer (which owns the model, optimizer and metrics)."""
+    """SPIN's iterations around a shared Trainer (which owns the model, optimizer and metrics), whose steps
+    run in the one run loop (`aligner.training.loop`)."""
 
     def __init__(self, cfg: SPINConfig, trainer: Trainer, built, demonstrations: list):
         from megatron.core import parallel_state as ps

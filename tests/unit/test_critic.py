@@ -190,7 +190,7 @@ def test_library_critic_infers_trains_offloads_and_resumes(tmp_path):
 
         # Saved and rebuilt from the same save_dir: the critic resumes where it was.
         path = critic.save(7)
-        assert path.name == "step_00000007" and critic.saved_at == 2
+        assert path.name == "step_00000007" and critic.saved_step == 2
         resumed = build_critic(_critic_config(init_from, tmp_path / "offloaded", offload=True))[0]
         assert resumed.step == 2
         assert np.array_equal(resumed.values(tokens, lengths).numpy(), critic.values(tokens, lengths).numpy())
