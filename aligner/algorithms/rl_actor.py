@@ -184,12 +184,9 @@ class RLActor(Checkpointed):
 
     # -- the loop
     def fit(self) -> None:
-        checkpoint = self.cfg.checkpoint
-        cadence = Cadence(val_check_interval=self.cfg.trainer.val_check_interval if self.validation_prompts is not None
-                          else 0, save_interval=checkpoint.save_interval, save_at_end=checkpoint.save_at_end,
-                          stop_grace_s=checkpoint.stop_grace_s)
+        validation = self.cfg.trainer.val_check_interval if self.validation_prompts is not None else 0
         try:
-            with run_loop(self, cadence, shown=reward_and_kl) as loop:
+            with run_loop(self, Cadence.of(self.cfg.checkpoint, validation), shown=reward_and_kl) as loop:
                 warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
                 while self.critic_warmup_done < warmup_steps and self.step == 0:
                     loop.check()  # a warm-up round's state resumes too

@@ -47,6 +47,12 @@ class Cadence:
     save_at_end: bool = True  # save when the loop ends (unless that step is saved already)
     stop_grace_s: float = 600.0  # checkpoint.stop_grace_s
 
+    @classmethod
+    def of(cls, checkpoint, val_check_interval: int = 0) -> Cadence:
+        """From a `checkpoint:` section (save_interval, save_at_end, stop_grace_s) and the validation interval."""
+        return cls(val_check_interval=val_check_interval, save_interval=checkpoint.save_interval,
+                   save_at_end=checkpoint.save_at_end, stop_grace_s=checkpoint.stop_grace_s)
+
 
 def loss_and_lr(metrics: dict) -> dict[str, float]:
     """The progress bar's postfix of a loss-over-batches step."""

@@ -160,13 +160,6 @@ class Trainer(Checkpointed):
                 f"{self.trainer_cfg.max_steps})", "trainer.max_epochs")
 
     # -- the loop
-    def cadence(self, validates: bool = True) -> Cadence:
-        """The run loop's intervals from the trainer: and checkpoint: sections (validates=False: no validation)."""
-        checkpoint = self.checkpoint_cfg
-        return Cadence(val_check_interval=self.trainer_cfg.val_check_interval if validates else 0,
-                       save_interval=checkpoint.save_interval, save_at_end=checkpoint.save_at_end,
-                       stop_grace_s=checkpoint.stop_grace_s)
-
     def fit(self) -> None:
         batches = self.train_loader.iterate(self.consumed_samples)
 
@@ -175,7 +168,8 @@ class Trainer(Checkpointed):
             fetch_start = time.perf_counter()
             return self.train_step(next(batches), started=fetch_start)
 
-        with run_loop(self, self.cadence(validates=self.val_loader is not None)) as loop:
+        validation = self.trainer_cfg.val_check_interval if self.val_loader is not None else 0
+        with run_loop(self, Cadence.of(self.checkpoint_cfg, validation)) as loop:
             loop.run_until(self.total_steps, step)
 
     def count_step(self) -> None:
