@@ -12,8 +12,9 @@ reward pass and swapped out again (`aligner.models.weight_swap.HostWeights`).
 Training (`Critic.train`, one call per rollout batch): `train.epochs_per_call` passes over the
 batch, in optimizer steps of `train.global_batch_size` rows, each split over the data-parallel
 ranks and into micro batches of `train.micro_batch_size` through megatron's pipeline schedule.
-The loss is `aligner.rl.shaping.value_loss` (clipped with `train.clip_val`), the token mean over
-the response tokens of the optimizer step; the values of response token j are read at the column
+Each step is the trainers' `optimizer_step` on a `ValueObjective`: `aligner.rl.shaping.value_loss_sum`
+(clipped with `train.clip_val`) as (sum, count), so the step's loss is the token mean over the response
+tokens of the optimizer step; the values of response token j are read at the column
 the actor reads its logprob from (`aligner.models.logprobs.response_values`).
 
 Reads top to bottom: config schema, optimizer-state offloading, the train batch and its metrics,
@@ -36,7 +37,6 @@ from omegaconf import MISSING
 from aligner import checkpointing
 from aligner.config import ConfigError, at_least, one_of
 from aligner.hf.sources import resolve_model_source, source_kind
-from aligner.models.forward import run_microbatches
 from aligner.models.logprobs import response_mask, response_values
 from aligner.models.lora import PEFTConfig, load_merged
 from aligner.models.reward import (
@@ -50,12 +50,13 @@ from aligner.models.reward import (
 )
 from aligner.models.weight_swap import HostWeights
 from aligner.rl.masked import explained_variance
-from aligner.rl.shaping import value_loss
+from aligner.rl.shaping import value_loss_sum
 from aligner.runtime.distributed import PRECISIONS, ParallelConfig, host_copy
 from aligner.training import schedule, setup
+from aligner.training.checkpointed import Checkpointed
 from aligner.training.metrics import get_logger
 from aligner.training.setup import OptimConfig
-from aligner.training.trainer import reduce_reports
+from aligner.training.trainer import optimizer_step
 
 LOGGER = logging.getLogger(__name__)
 
@@ -230,9 +231,38 @@ class CriticTrainMetrics:
 
 
 # ----------------------------------------------------------------------------- the critic (every rank)
-class Critic:
+class ValueObjective:
+    """The critic's `Objective` (aligner.training.trainer): the clipped value loss over the response tokens,
+    as (sum, count) like the policy losses (`aligner.rl.shaping.value_loss_sum`). Micro batches are
+    `CriticTrainBatch` fields as dicts; the values of response token j are read where the actor reads its
+    logprob (`response_values`)."""
+
+    def __init__(self, clip_val: Optional[float]):
+        self.clip_val = clip_val
+
+    def forward(self, model, batch: dict) -> torch.Tensor:
+        tokens = batch["tokens"]
+        rows, seq_length = tokens.shape
+        return model(tokens, torch.arange(seq_length, device=tokens.device).expand(rows, -1), None)
+
+    def loss(self, fields: dict, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        batch = CriticTrainBatch(**fields)  # the schedule hands each micro batch over as a dict, on the device
+        width = batch.returns.shape[1]
+        values = response_values(scores[..., 0].float(), batch.prompt_lengths, width)  # [mb, T]
+        mask = response_mask(batch.response_lengths, width)
+        loss_sum, tokens, clipped = value_loss_sum(values, batch.old_values, batch.returns, mask, self.clip_val)
+        report = {"loss_sum": loss_sum.detach(), "tokens": tokens.float(), "clipped": clipped.float()}
+        return loss_sum, tokens.to(torch.int), report
+
+    def summarize(self, totals: dict[str, float]) -> dict[str, float]:
+        tokens = max(totals["tokens"], 1.0)
+        return {"value_loss": totals["loss_sum"] / tokens, "clip_fraction": totals["clipped"] / tokens}
+
+
+class Critic(Checkpointed):
     """The critic's model, optimizer and schedule on this rank, and the reward model's weights in
-    combined mode; every method is collective."""
+    combined mode; every method is collective. Its steps are the trainers' `optimizer_step` on a
+    `ValueObjective`; its checkpoints follow `aligner.training.checkpointed` (no metrics: no messages)."""
 
     def __init__(self, cfg: CriticConfig, chunks: list, optimizer, scheduler, model_cfg, tokenizer_dir: str, *,
                  run_id: str, reward_weights=None, reward_normalization=None,
@@ -246,7 +276,9 @@ class Critic:
         self.run_id = run_id  # carried by its checkpoints; pruning deletes only those
         self.peft_meta = peft_meta  # LoRA: its settings and base, in every checkpoint
         self.step = 0
-        self.saved_step = 0  # the critic step of the newest checkpoint (saved, or resumed from)
+        self.objective = ValueObjective(cfg.train.clip_val)
+        self.save_dir, self.keep_last = cfg.checkpoint.save_dir, cfg.checkpoint.keep_last
+        self.metrics = None  # the server logs; checkpoints are reported to the actor by path
         self.value_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size)
         self.reward_weights = reward_weights  # HostWeights of the reward model (combined mode) or None
         self.reward_inference = RewardInference(chunks, 1, cfg.inference.micro_batch_size, reward_normalization)
@@ -310,82 +342,53 @@ class Critic:
             lr=per_step[-1]["lr"], critic_step=float(self.step))
 
     def _optimizer_step(self, microbatches: list[CriticTrainBatch]) -> dict[str, float]:
-        clip_val = self.cfg.train.clip_val
-        seq_length, micro_batch_size = microbatches[0].tokens.shape[1], microbatches[0].rows
-
-        def forward(model, fields: dict):
-            tokens = fields["tokens"]
-            return model(tokens, torch.arange(seq_length, device=tokens.device).expand(micro_batch_size, -1), None)
-
-        def loss(fields: dict, scores):
-            batch = CriticTrainBatch(**fields)  # the schedule hands each micro batch over as a dict, on the device
-            width = batch.returns.shape[1]
-            values = response_values(scores[..., 0].float(), batch.prompt_lengths, width)  # [mb, T]
-            mask = response_mask(batch.response_lengths, width)
-            mean_loss, stats = value_loss(values, batch.old_values, batch.returns, mask, clip_val)
-            tokens = mask.sum()
-            # Megatron's per-token loss mode divides by the token count of the whole optimizer step
-            # (all micro batches and data-parallel ranks): hand it the sum, so the step's loss is
-            # value_loss's token mean over the step's global batch.
-            loss_sum = mean_loss * tokens
-            report = {"loss_sum": loss_sum.detach(), "tokens": tokens.float(),
-                      "clipped": stats["clip_fraction"] * tokens}
-            return loss_sum, tokens.to(torch.int), report
-
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-        reports = run_microbatches(self.chunks, [vars(batch) for batch in microbatches], forward, loss,
-                                   forward_only=False, seq_length=seq_length, micro_batch_size=micro_batch_size)
-        totals = reduce_reports(reports)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"critic step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
-        self.scheduler.step(increment=1)
+        """One optimizer step through the trainers' own (`aligner.training.trainer.optimizer_step`)."""
+        done = optimizer_step(self.chunks, self.optimizer, self.scheduler, self.objective,
+                              [vars(batch) for batch in microbatches], f"critic step {self.step + 1}")
         self.step += 1
-        tokens = max(totals["tokens"], 1.0)
-        return {"value_loss": totals["loss_sum"] / tokens, "clip_fraction": totals["clipped"] / tokens,
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+        return {**self.objective.summarize(done.totals), "grad_norm": done.grad_norm, "lr": done.lr}
 
-    # -- checkpoints
+    # -- checkpoints (the lifecycle: aligner.training.checkpointed)
     def state_dict(self) -> dict:
         return {"critic_step": self.step, "scheduler": self.scheduler.state_dict(),
                 schedule.STATE_KEY: self.schedule_settings()}
 
+    @property
+    def saved_step(self) -> int:
+        """The critic step of the newest checkpoint (saved, or resumed from); 0 before the first."""
+        return self.saved_at or 0
+
+    def saved_state(self, step: int) -> dict:
+        """save(step) names the checkpoint by the caller's step, so the actor's and the critic's pair up."""
+        return {**self.state_dict(), "caller_step": step}
+
+    def load_state_dict(self, state: dict) -> dict[str, tuple]:
+        self.step = int(state["critic_step"])
+        return schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings())
+
     def schedule_settings(self) -> dict:
         return schedule.schedule_settings(self.cfg.optim, {"train.max_steps": self.cfg.train.max_steps})
 
-    def save(self, step: int) -> Path:
-        """checkpoint.save_dir/step_<step>: model, optimizer, LR schedule and critic step (step: the
-        caller's, so the actor's and the critic's checkpoints pair up); prunes to checkpoint.keep_last."""
-        with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
-            path = checkpointing.save(
-                checkpointing.step_dir(self.cfg.checkpoint.save_dir, step), self.chunks,
-                model_config=self.model_cfg.to_dict(), optimizer=self.optimizer,
-                trainer_state={**self.state_dict(), "caller_step": step}, tokenizer_dir=self.tokenizer_dir,
-                run_id=self.run_id,
+    def checkpoint_fields(self) -> dict:
+        return {"model_config": self.model_cfg.to_dict(), "tokenizer_dir": self.tokenizer_dir,
                 # A reward-model checkpoint with one attribute: it loads as a critic or a reward model.
-                extra_meta={"reward": {"type": "value", "attributes": ["value"], "normalization": None},
-                            "critic": {"init_from": self.cfg.critic.init_from},
-                            **({"peft": self.peft_meta} if self.peft_meta else {})})
-        checkpointing.remove_old_checkpoints(self.cfg.checkpoint.save_dir, self.cfg.checkpoint.keep_last,
-                                             run_id=self.run_id, saved=path)
-        self.saved_step = self.step
-        return path
+                "extra_meta": {"reward": {"type": "value", "attributes": ["value"], "normalization": None},
+                               "critic": {"init_from": self.cfg.critic.init_from},
+                               **({"peft": self.peft_meta} if self.peft_meta else {})}}
 
-    def resume_from(self, checkpoint_dir) -> None:
-        with optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu):
-            meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer)
-        state = meta.get("trainer_state", {})
+    def load_fields(self) -> dict:
+        return {}
+
+    def optimizer_state_ready(self):
+        return optimizer_state_on_device(self.optimizer, self.cfg.offload_optimizer_to_cpu)
+
+    def check_trainer_state(self, checkpoint_dir: Path, state: dict) -> None:
         if "critic_step" not in state:
             raise checkpointing.CheckpointError(
                 f"{checkpoint_dir} is not a critic checkpoint (no critic_step in its trainer state); "
                 f"checkpoint.save_dir must be the critic's own directory")
-        self.step = int(state["critic_step"])
-        self.saved_step = self.step
-        changes = schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings())
+
+    def report_resume(self, checkpoint_dir: Path, meta: dict, changes: dict) -> None:
         if changes:
             LOGGER.warning("critic %s", schedule.describe_changes(changes, self.step))
 

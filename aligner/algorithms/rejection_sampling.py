@@ -23,6 +23,7 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -38,9 +39,9 @@ from aligner.generation.engine import SamplingParams
 from aligner.generation.native import NativeEngine
 from aligner.generation.rewards import RewardFunctionSettings
 from aligner.generation.rollouts import PROMPT_LAYOUTS, PromptDataset, gather_shares, generate_share
-from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError
 from aligner.training import setup
+from aligner.training.loop import Cadence, RunLoop, run_loop
 from aligner.training.setup import RunConfig
 from aligner.training.trainer import Trainer
 
@@ -173,7 +174,8 @@ class KeptSamples(torch.utils.data.Dataset):
 
 # ----------------------------------------------------------------------------- the run
 class RejectionSamplingRun:
-    """The outer loop around a shared Trainer (which owns the model, optimizer and metrics)."""
+    """The iterations around a shared Trainer (which owns the model, optimizer and metrics), whose steps run
+    in the one run loop (`aligner.training.loop`)."""
 
     def __init__(self, cfg: RSConfig, trainer: Trainer, built, prompts, reward_source, first_iteration: int):
         from megatron.core import parallel_state as ps
@@ -254,17 +256,19 @@ class RejectionSamplingRun:
         return f"already at iteration {self.first_iteration} of rs.num_iterations={iterations}", "rs.num_iterations"
 
     def fit(self) -> None:
+        checkpoint = self.cfg.checkpoint
+        # Saves happen at iteration ends only (`run_iteration`); the loop checks the stop signals.
+        cadence = Cadence(save_at_end=False, stop_grace_s=checkpoint.stop_grace_s)
         try:
-            with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
+            with run_loop(self.trainer, cadence) as loop:
                 for iteration in range(self.first_iteration, self.cfg.rs.num_iterations):
-                    stop.check(self.trainer.step, self.trainer.save_unless_saved)  # an iteration end: resumable
-                    self.run_iteration(iteration, stop)
-                stop.check(self.trainer.step, self.trainer.save_unless_saved)
+                    loop.check()  # an iteration end: resumable
+                    self.run_iteration(iteration, loop)
         finally:
             self.engine.free()
             self.reward_source.close()
 
-    def run_iteration(self, iteration: int, stop) -> None:
+    def run_iteration(self, iteration: int, loop: RunLoop) -> None:
         cfg, trainer, rs = self.cfg, self.trainer, self.cfg.rs
         n = rs.samples_per_prompt
         indices, answers, texts, scores, replaced = self.sample_and_score(iteration)
@@ -299,12 +303,8 @@ class RejectionSamplingRun:
             reason = (f"rejection sampling resumes only at iteration ends: iteration {iteration + 1} is repeated "
                       "from the newest checkpoint")
             for microbatches in loader.iterate(0, epochs=rs.epochs_per_iteration):
-                stop.check(trainer.step, None, unsaved_reason=reason)
-                metrics = trainer.train_step(microbatches)
-                trainer.step += 1
-                trainer.consumed_samples += cfg.trainer.global_batch_size
-                trainer.metrics.log(trainer.step, {**metrics, "iteration": iteration + 1})
-                trainer.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+                loop.step(partial(trainer.train_step, microbatches), extra={"iteration": iteration + 1},
+                          resumable=False, unsaved_reason=reason)
         trainer.checkpoint_meta[META_KEY] = {"iterations_done": iteration + 1}
         interval, last = cfg.checkpoint.save_interval, iteration + 1 == rs.num_iterations
         if (cfg.checkpoint.save_at_end and last) or (interval > 0 and (iteration + 1) % interval == 0 and not last):

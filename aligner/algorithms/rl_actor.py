@@ -60,9 +60,10 @@ from aligner.generation.rollouts import PromptOrder, RolloutBatch
 from aligner.models import packing
 from aligner.models.weight_swap import named_parameters
 from aligner.rl import advantages, masked, mismatch, shaping
-from aligner.runtime import stopping
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 from aligner.training import schedule
+from aligner.training.checkpointed import Checkpointed
+from aligner.training.loop import Cadence, run_loop
 from aligner.training.microbatch_plan import (
     DataParallel,
     MicroBatchPlanner,
@@ -93,6 +94,14 @@ def _truncated(text: str, width: int) -> str:
     return shown if len(shown) <= width else shown[:width - 4] + " ..."
 
 
+def reward_and_kl(metrics: dict) -> dict[str, float]:
+    """The progress bar's postfix of an RL step."""
+    shown = {"reward": metrics["reward_mean"]}
+    if "kl" in metrics:
+        shown["kl"] = metrics["kl"]
+    return shown
+
+
 # ----------------------------------------------------------------------------- records of a step
 @dataclass
 class Experience:
@@ -116,8 +125,9 @@ class Experience:
 
 
 # ----------------------------------------------------------------------------- the trainer
-class RLActor:
-    """fit / train_step / validate / save / resume of the RL actor (collective over the job).
+class RLActor(Checkpointed):
+    """fit / train_step / validate / save / resume of the RL actor (collective over the job); its loop is
+    `aligner.training.loop`'s, its checkpoint lifecycle `aligner.training.checkpointed`'s.
 
     critic: a critic client when the advantage estimator needs values (PPO's GAE), else None.
     """
@@ -153,8 +163,7 @@ class RLActor:
         self.optimizer_steps = 0
         self.critic_warmup_done = 0
         self.pending_critic_train: Optional[Future] = None
-        # (step, critic warm-up rounds) of the newest checkpoint of this run
-        self.saved: Optional[tuple[int, int]] = None
+        self.save_dir, self.keep_last = cfg.checkpoint.save_dir, cfg.checkpoint.keep_last
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         data_parallel = DataParallel(self.dp_group, self.dp_rank, self.dp_size)
@@ -169,45 +178,30 @@ class RLActor:
     def nothing_to_train(self) -> Optional[tuple[str, str]]:
         """("already at step N of trainer.max_steps=N", its key) when a resumed run has no step left, else None."""
         max_steps = self.cfg.trainer.max_steps
-        if self.saved is None or self.step < max_steps:
+        if self.saved_at is None or self.step < max_steps:
             return None
         return f"already at step {self.step} of trainer.max_steps={max_steps}", "trainer.max_steps"
 
     # -- the loop
     def fit(self) -> None:
-        max_steps = self.cfg.trainer.max_steps
+        validation = self.cfg.trainer.val_check_interval if self.validation_prompts is not None else 0
         try:
-            with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
+            with run_loop(self, Cadence.of(self.cfg.checkpoint, validation), shown=reward_and_kl) as loop:
                 warmup_steps = self.cfg.critic.warmup_steps if self.critic is not None else 0
                 while self.critic_warmup_done < warmup_steps and self.step == 0:
-                    stop.check(self.step, self.save_unless_saved)  # a warm-up round's state resumes too
+                    loop.check()  # a warm-up round's state resumes too
                     metrics = self.train_step(update_actor=False)
                     self.critic_warmup_done += 1
                     self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
-                while self.step < max_steps:
-                    stop.check(self.step, self.save_unless_saved)
-                    metrics = self.train_step()
-                    self.step += 1
-                    self.metrics.log(self.step, metrics)
-                    shown = {"reward": metrics["reward_mean"]}
-                    if "kl" in metrics:
-                        shown["kl"] = metrics["kl"]
-                    self.metrics.advance(**shown)
-                    interval = self.cfg.trainer.val_check_interval
-                    if self.validation_prompts is not None and interval > 0 and (
-                            self.step % interval == 0 or self.step == max_steps):
-                        self.metrics.log(self.step, self.validate(), prefix="validation")
-                    interval = self.cfg.checkpoint.save_interval
-                    if interval > 0 and self.step % interval == 0 and self.step < max_steps:
-                        self.save()
-                if self.cfg.checkpoint.save_at_end:
-                    self.save_unless_saved()
-                stop.check(self.step, self.save_unless_saved)
+                loop.run_until(self.cfg.trainer.max_steps, self.train_step)
         finally:
             self.rollouts.router.close()
             for client in (self.rollouts.reward_source, self.critic):
                 if hasattr(client, "close"):
                     client.close()
+
+    def count_step(self) -> None:
+        self.step += 1
 
     def step_seed(self) -> int:
         """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
@@ -453,7 +447,7 @@ class RLActor:
         table = "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
         self.metrics.log_text(self.step + 1, "samples", table)
 
-    # -- checkpoints
+    # -- checkpoints (the lifecycle: aligner.training.checkpointed)
     def state_dict(self) -> dict:
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
@@ -470,47 +464,38 @@ class RLActor:
         return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
                                         self.policy.schedule_settings)
 
-    def save(self) -> Path:
-        save_dir = self.cfg.checkpoint.save_dir
-        extra_meta = {key: value for key, value in self.policy.checkpoint_meta.items() if key != "model"}  # peft
-        path = checkpointing.save(
-            checkpointing.step_dir(save_dir, self.step), self.chunks, model_config=self.model_cfg.to_dict(),
-            optimizer=self.policy.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.policy.tokenizer_dir,
-            save_rng=True, run_id=self.policy.run_id, extra_meta=extra_meta,
-        )
+    @property
+    def optimizer(self):
+        return self.policy.optimizer  # the checkpoints' (aligner.training.checkpointed)
+
+    @property
+    def run_id(self) -> str:
+        return self.policy.run_id
+
+    def position(self) -> tuple[int, int]:
+        return self.step, self.critic_warmup_done  # a warm-up round's state is a checkpoint of its own
+
+    def checkpoint_fields(self) -> dict:
+        return {"model_config": self.model_cfg.to_dict(), "tokenizer_dir": self.policy.tokenizer_dir,
+                "save_rng": True, "extra_meta": self._extra_meta()}
+
+    def _extra_meta(self) -> dict:
+        return {key: value for key, value in self.policy.checkpoint_meta.items() if key != "model"}  # peft
+
+    def after_save(self, path: Path) -> str:
+        """The EMA weights' checkpoint (save_dir/ema) and the critic's at the same step."""
+        save_dir = Path(self.save_dir)
         if self.ema is not None:
             with self.ema.swapped_in(self.chunks):
-                ema_path = checkpointing.save(checkpointing.step_dir(Path(save_dir) / "ema", self.step), self.chunks,
-                                              model_config=self.model_cfg.to_dict(), extra_meta=extra_meta,
-                                              tokenizer_dir=self.policy.tokenizer_dir, run_id=self.policy.run_id)
-            checkpointing.remove_old_checkpoints(Path(save_dir) / "ema", self.cfg.checkpoint.keep_last,
-                                                 run_id=self.policy.run_id, saved=ema_path)
-        if dist.get_rank() == 0:
-            saved_with = f" (critic: {self.critic.save(self.step)})" if self.critic is not None else ""
-            self.metrics.write(f"saved checkpoint {path}{saved_with}")
+                ema_path = checkpointing.save(checkpointing.step_dir(save_dir / "ema", self.step), self.chunks,
+                                              model_config=self.model_cfg.to_dict(), extra_meta=self._extra_meta(),
+                                              tokenizer_dir=self.policy.tokenizer_dir, run_id=self.run_id)
+            checkpointing.remove_old_checkpoints(save_dir / "ema", self.keep_last, run_id=self.run_id, saved=ema_path)
+        note = ""
+        if dist.get_rank() == 0 and self.critic is not None:
+            note = f" (critic: {self.critic.save(self.step)})"
         dist.barrier()
-        checkpointing.remove_old_checkpoints(save_dir, self.cfg.checkpoint.keep_last, run_id=self.policy.run_id,
-                                             saved=path)
-        self.saved = (self.step, self.critic_warmup_done)
-        return path
-
-    def save_unless_saved(self) -> Path:
-        """The checkpoint of the current step (and warm-up round): saved now unless this run already wrote it."""
-        if self.saved == (self.step, self.critic_warmup_done):
-            return checkpointing.step_dir(self.cfg.checkpoint.save_dir, self.step)
-        return self.save()
-
-    def resume_from(self, checkpoint_dir: Path) -> None:
-        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.policy.optimizer, load_rng=True,
-                                  model_config=self.model_cfg.to_dict())
-        changes = self.load_state_dict(meta["trainer_state"])
-        self.saved = (self.step, self.critic_warmup_done)
-        if self.metrics.progress is not None:
-            self.metrics.progress.update(self.step)
-        self.metrics.log_resume(self.step, checkpoint_dir, changes)
-        self.metrics.write(f"resumed from {checkpoint_dir} at step {self.step}")
-        if changes:
-            self.metrics.write(schedule.describe_changes(changes, self.step))
+        return note
 
 
 def policy_planner(cfg: RLActorConfig, model: torch.nn.Module, pad_id: int, objective: PolicyObjective,

@@ -7,10 +7,10 @@
                    with this iteration's beta (spin.kl_betas)
 
 The loss is DPO's (`aligner.algorithms.dpo.DPOObjective`), the pairs are `PreferenceDataset`
-rows built in memory, and the steps are the shared Trainer's `train_step`: only the outer loop is
-SPIN's. When the model already reproduces a demonstration, chosen and rejected are the same
-sequence and the pair carries no gradient; the share of such pairs (`self_match`) is logged per
-iteration: it is how far SPIN has left to go on those prompts.
+rows built in memory, and the steps are the shared Trainer's `train_step` in the one run loop
+(`aligner.training.loop`): only the iterations are SPIN's. When the model already reproduces a
+demonstration, chosen and rejected are the same sequence and the pair carries no gradient; the share
+of such pairs (`self_match`) is logged per iteration: it is how far SPIN has left to go on those prompts.
 
 A stop (SIGTERM/SIGINT, aligner/runtime/stopping.py) is acted on at the next step boundary: at an
 iteration end (or before the first step of an iteration) it writes a checkpoint there; in the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 from aligner.algorithms.dpo import (
@@ -50,9 +51,9 @@ from aligner.generation.native import NativeEngine
 from aligner.generation.rollouts import gather_shares, generate_share
 from aligner.models import lora
 from aligner.models.weight_swap import HostWeights
-from aligner.runtime import stopping
 from aligner.runtime.errors import ConfigError
 from aligner.training import setup
+from aligner.training.loop import Cadence, RunLoop, run_loop
 from aligner.training.metrics import get_logger
 from aligner.training.setup import RunConfig, entry_sources
 from aligner.training.trainer import Trainer
@@ -215,7 +216,8 @@ def self_play_pairs(engine, demonstrations: list, sampling, batch_size: int, rep
 
 # ----------------------------------------------------------------------------- the run
 class SPINRun:
-    """The outer SPIN loop around a shared Trainer (which owns the model, optimizer and metrics)."""
+    """SPIN's iterations around a shared Trainer (which owns the model, optimizer and metrics), whose steps
+    run in the one run loop (`aligner.training.loop`)."""
 
     def __init__(self, cfg: SPINConfig, trainer: Trainer, built, demonstrations: list):
         from megatron.core import parallel_state as ps
@@ -237,7 +239,7 @@ class SPINRun:
     def nothing_to_train(self) -> Optional[tuple[str, str]]:
         """("already at step N of N (spin.num_iterations=I ...)", its key) when a resumed run has no step left."""
         spin, step = self.cfg.spin, self.trainer.step
-        if self.trainer.saved_step is None or step < spin.num_iterations * spin.steps_per_iteration:
+        if self.trainer.saved_at is None or step < spin.num_iterations * spin.steps_per_iteration:
             return None
         return (f"already at step {step} of {spin.num_iterations * spin.steps_per_iteration} "
                 f"(spin.num_iterations={spin.num_iterations} x spin.steps_per_iteration={spin.steps_per_iteration})",
@@ -255,22 +257,25 @@ class SPINRun:
         return [self.demonstrations[self.order[(start + i) % len(self.order)]] for i in range(needed)]
 
     def fit(self) -> None:
-        with stopping.deferred(self.cfg.checkpoint.stop_grace_s) as stop:
-            self._iterate(stop)
+        checkpoint = self.cfg.checkpoint
+        # Saves happen at iteration ends only (`_iterate`); the loop saves the end and checks the stop signals.
+        cadence = Cadence(save_at_end=checkpoint.save_at_end, stop_grace_s=checkpoint.stop_grace_s)
+        with run_loop(self.trainer, cadence) as loop:
+            self._iterate(loop)
         self.engine.free()
 
     def _stop_mid_iteration_reason(self, iteration: int) -> str:
         return (f"SPIN resumes only at iteration ends: iteration {iteration + 1} is repeated from the newest "
                 "checkpoint")
 
-    def _iterate(self, stop) -> None:
+    def _iterate(self, loop: RunLoop) -> None:
         cfg, trainer, built = self.cfg, self.trainer, self.built
         vocab_size = built.model_cfg.vocab_size
         first_iteration = trainer.step // cfg.spin.steps_per_iteration  # > 0 after a resume
         for iteration, beta in enumerate(self.betas):
             if iteration < first_iteration:
                 continue
-            stop.check(trainer.step, trainer.save_unless_saved)  # an iteration end: resumable
+            loop.check()  # an iteration end: resumable
             # The reference of this iteration is the model as it is now.
             pairs, self_match = self_play_pairs(self.engine, self.iteration_demonstrations(iteration),
                                                 self.sampling(iteration), cfg.spin.generation.batch_size,
@@ -294,25 +299,15 @@ class SPINRun:
             trainer.metrics.write(f"SPIN iteration {iteration + 1}/{len(self.betas)}: beta={beta}, {len(pairs)} pairs, "
                                   f"{self_match:.1%} of the model's responses equal the demonstration")
             trainer.metrics.log(trainer.step, {"self_match": self_match, "iteration": iteration + 1}, prefix="spin")
-            for microbatches in loader.iterate(0, epochs=1):
-                if trainer.step % cfg.spin.steps_per_iteration:  # mid-iteration: nothing a run can resume from
-                    stop.check(trainer.step, None, unsaved_reason=self._stop_mid_iteration_reason(iteration))
-                else:
-                    stop.check(trainer.step, trainer.save_unless_saved)
-                metrics = trainer.train_step(microbatches)
-                trainer.step += 1
-                trainer.consumed_samples += cfg.trainer.global_batch_size
-                trainer.metrics.log(trainer.step, {**metrics, "iteration": iteration + 1, "beta": beta})
-                trainer.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
+            for microbatches in loader.iterate(0, epochs=1):  # resumable only before an iteration's first step
+                loop.step(partial(trainer.train_step, microbatches), extra={"iteration": iteration + 1, "beta": beta},
+                          resumable=trainer.step % cfg.spin.steps_per_iteration == 0,
+                          unsaved_reason=self._stop_mid_iteration_reason(iteration))
             # Saved only at iteration ends, the points a run can resume from: at the first one on or
-            # after each multiple of save_interval, and at the end.
+            # after each multiple of save_interval (the loop saves the end, with checkpoint.save_at_end).
             interval, start = cfg.checkpoint.save_interval, trainer.step - cfg.spin.steps_per_iteration
-            if iteration + 1 == len(self.betas):
-                if cfg.checkpoint.save_at_end:
-                    trainer.save()
-            elif interval > 0 and trainer.step // interval > start // interval:
+            if iteration + 1 < len(self.betas) and interval > 0 and trainer.step // interval > start // interval:
                 trainer.save()
-        stop.check(trainer.step, trainer.save_unless_saved)
 
 
 def build_spin_run(cfg: SPINConfig) -> SPINRun:

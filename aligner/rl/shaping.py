@@ -212,6 +212,19 @@ def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns:
     return 0.5 * torch.maximum(error, clipped_error), clipped_error > error
 
 
+def value_loss_sum(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                   clip_value: Optional[float],
+                   aggregation: str = "token_mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The clipped value loss as (loss_sum, count), aggregated like the policy losses (`aggregate_loss`): sums
+    over micro batches and ranks give the global loss. Third: the detached number of masked tokens where the
+    clipped error won. The critic trains on this; `value_loss` is its ratio."""
+    # nan padding: no nan gradient
+    values, old_values, returns = (zero_off_mask(x, mask) for x in (values, old_values, returns))
+    per_token, clipped = clipped_value_error(values, old_values, returns, clip_value)
+    loss_sum, count = aggregate_loss(per_token, mask, aggregation)
+    return loss_sum, count, (clipped & bool_mask(mask, clipped)).sum().detach()
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip_value: Optional[float],
                aggregation: str = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -2,26 +2,27 @@
 
 An algorithm supplies an *objective*: how a model chunk is run on a micro batch, the loss, and how
 summed per-micro-batch reports become metrics. The `Trainer` owns everything else: megatron's
-pipeline schedule, the optimizer and LR steps, validation, checkpoints, resume and metrics.
+pipeline schedule, the optimizer and LR steps (`optimizer_step`, the critic's too), validation, checkpoints,
+resume and metrics. Its loop is `aligner.training.loop`'s and its checkpoint lifecycle
+`aligner.training.checkpointed`'s, shared with the RL actor (and, for checkpoints, the critic).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from aligner import checkpointing
 from aligner.config import at_least
 from aligner.data.loader import row_lengths
 from aligner.models.forward import run_microbatches
-from aligner.runtime import stopping
 from aligner.runtime.distributed import device
 from aligner.training import schedule
+from aligner.training.checkpointed import Checkpointed
+from aligner.training.loop import Cadence, run_loop
 from aligner.training.metrics import MetricsLogger, PeakRate, transformer_flops_per_token
 
 
@@ -73,7 +74,48 @@ class Objective(Protocol):
     def summarize(self, totals: dict[str, float]) -> dict[str, float]: ...
 
 
-class Trainer:
+@dataclass
+class OptimizerStep:
+    """What one optimizer step reports: the objective's summed reports, the rate it used, the gradient norm."""
+
+    totals: dict[str, float]
+    lr: float
+    grad_norm: float
+    forward_backward_done: float  # perf_counter when the forward and backward passes had finished
+
+
+def run_objective(chunks, objective: Objective, microbatches: list, forward_only: bool) -> dict[str, float]:
+    """One pass of megatron's pipeline schedule; returns the reports summed over micro batches and DP."""
+    tokens = batch_tokens(microbatches[0])
+    reports = run_microbatches(
+        chunks, microbatches, objective.forward, objective.loss, forward_only=forward_only,
+        seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+        defer_output_layer=getattr(objective, "reads_logits_at_positions", False),
+    )
+    return reduce_reports(reports)
+
+
+def optimizer_step(chunks, optimizer, scheduler, objective: Objective, microbatches: list,
+                   name: str) -> OptimizerStep:
+    """The one train step of every trainer (the critic's too): zero the gradients, forward and backward
+    through the schedule, the optimizer step (FloatingPointError naming `name` on inf/nan gradients), the
+    scheduler step."""
+    for chunk in chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
+    totals = run_objective(chunks, objective, microbatches, forward_only=False)
+    forward_backward_done = time.perf_counter()
+    update_ok, grad_norm, _ = optimizer.step()
+    if not update_ok:
+        raise FloatingPointError(f"{name}: the optimizer step failed (inf/nan in gradients)")
+    scheduler.step(increment=1)
+    return OptimizerStep(totals, lr, float(grad_norm) if grad_norm is not None else float("nan"),
+                         forward_backward_done)
+
+
+class Trainer(Checkpointed):
     """fit / train_step / validate / save / resume over megatron model chunks wrapped in DDP."""
 
     def __init__(self, *, name: str, trainer_cfg: TrainerConfig, checkpoint_cfg: CheckpointConfig, objective: Objective,
@@ -95,11 +137,11 @@ class Trainer:
         self.num_params, self.num_layers, self.hidden_size = num_params, num_layers, hidden_size
         self.peak_rate = peak_rate
         self.run_id = run_id  # carried by this run's checkpoints; pruning deletes only those
+        self.save_dir, self.keep_last = checkpoint_cfg.save_dir, checkpoint_cfg.keep_last
         # what the LR schedule was built from (aligner.training.schedule), saved to tell a resume what changed
         self.schedule_settings = schedule_settings or {}
         self.step = 0
         self.consumed_samples = 0
-        self.saved_step: Optional[int] = None  # the step of the newest checkpoint this run wrote or resumed from
 
     @property
     def total_steps(self) -> int:
@@ -109,7 +151,7 @@ class Trainer:
         """("already at step N of KEY=...", the key that sets the length) when a resumed run has no step left
         (re-running a finished run), else None."""
         total = self.total_steps
-        if self.saved_step is None or self.step < total:  # a fresh run (max_steps=0 saves the start) or steps left
+        if self.saved_at is None or self.step < total:  # a fresh run (max_steps=0 saves the start) or steps left
             return None
         limit = self.trainer_cfg.max_epochs
         if limit is None:
@@ -119,53 +161,28 @@ class Trainer:
 
     # -- the loop
     def fit(self) -> None:
-        total = self.total_steps
         batches = self.train_loader.iterate(self.consumed_samples)
-        with stopping.deferred(self.checkpoint_cfg.stop_grace_s) as stop:
-            while self.step < total:
-                stop.check(self.step, self.save_unless_saved)
-                # The step's time starts before its batch: loading may compute (DPO's swapped-in reference pass).
-                fetch_start = time.perf_counter()
-                metrics = self.train_step(next(batches), started=fetch_start)
-                self.step += 1
-                self.consumed_samples += self.trainer_cfg.global_batch_size
-                self.metrics.log(self.step, metrics)
-                self.metrics.advance(loss=metrics["loss"], lr=metrics["lr"])
-                interval = self.trainer_cfg.val_check_interval
-                if self.val_loader is not None and interval > 0 and (self.step % interval == 0 or self.step == total):
-                    self.metrics.log(self.step, self.validate(), prefix="validation")
-                interval = self.checkpoint_cfg.save_interval
-                if interval > 0 and self.step % interval == 0 and self.step < total:
-                    self.save()
-            if self.checkpoint_cfg.save_at_end:
-                self.save_unless_saved()
-            stop.check(self.step, self.save_unless_saved)
 
-    def _run(self, microbatches: list, forward_only: bool) -> dict[str, float]:
-        """One pass of megatron's pipeline schedule; returns the reports summed over micro batches and DP."""
-        reports = run_microbatches(
-            self.chunks, microbatches, self.objective.forward, self.objective.loss, forward_only=forward_only,
-            seq_length=batch_tokens(microbatches[0]).shape[1], micro_batch_size=batch_tokens(microbatches[0]).shape[0],
-            defer_output_layer=getattr(self.objective, "reads_logits_at_positions", False),
-        )
-        return reduce_reports(reports)
+        def step() -> dict[str, float]:
+            # The step's time starts before its batch: loading may compute (DPO's swapped-in reference pass).
+            fetch_start = time.perf_counter()
+            return self.train_step(next(batches), started=fetch_start)
+
+        validation = self.trainer_cfg.val_check_interval if self.val_loader is not None else 0
+        with run_loop(self, Cadence.of(self.checkpoint_cfg, validation)) as loop:
+            loop.run_until(self.total_steps, step)
+
+    def count_step(self) -> None:
+        self.step += 1
+        self.consumed_samples += self.trainer_cfg.global_batch_size
 
     def train_step(self, microbatches: list, started: Optional[float] = None) -> dict[str, float]:
         """One optimizer step on `microbatches`. started: when the step began (perf_counter), if getting
         its batch took time that belongs to it; step_time, tokens/s and MFU then count that time too."""
         start = time.perf_counter()
         started = start if started is None else started
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
-        totals = self._run(microbatches, forward_only=False)
-        forward_backward_done = time.perf_counter()
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"step {self.step + 1}: the optimizer step failed (inf/nan in gradients)")
-        self.scheduler.step(increment=1)
+        done = optimizer_step(self.chunks, self.optimizer, self.scheduler, self.objective, microbatches,
+                              f"step {self.step + 1}")
         optimizer_done = time.perf_counter()
         elapsed = optimizer_done - started
         tokens = global_token_count(microbatches)
@@ -175,16 +192,16 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         achieved = flops_per_token * tokens_per_second / world  # per device
         return {
-            **self.objective.summarize(totals),
+            **self.objective.summarize(done.totals),
             "tokens": tokens,
-            "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": done.lr,
+            "grad_norm": done.grad_norm,
             "tokens_per_second": tokens_per_second,
             "mfu": achieved / self.peak_rate.refresh(achieved),
             "step_time": elapsed,
             "time_data": start - started,
-            "time_forward_backward": forward_backward_done - start,
-            "time_optimizer": optimizer_done - forward_backward_done,
+            "time_forward_backward": done.forward_backward_done - start,
+            "time_optimizer": optimizer_done - done.forward_backward_done,
             "consumed_samples": self.consumed_samples + self.trainer_cfg.global_batch_size,
         }
 
@@ -192,11 +209,11 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         totals: dict[str, float] = {}
         for microbatches in self.val_loader.iterate(0, epochs=1, limit_samples=self.trainer_cfg.limit_val_samples):
-            for key, value in self._run(microbatches, forward_only=True).items():
+            for key, value in run_objective(self.chunks, self.objective, microbatches, forward_only=True).items():
                 totals[key] = totals.get(key, 0.0) + value
         return self.objective.summarize(totals)
 
-    # -- checkpoints
+    # -- checkpoints (the lifecycle: aligner.training.checkpointed)
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict(),
                 schedule.STATE_KEY: self.schedule_settings}
@@ -208,40 +225,14 @@ class Trainer:
         self.consumed_samples = state["consumed_samples"]
         return schedule.resume_schedule(self.scheduler, self.optimizer, state, self.schedule_settings)
 
-    def save(self) -> Path:
-        path = checkpointing.save(
-            checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step), self.chunks,
-            model_config=self.checkpoint_meta["model"],
-            extra_meta={k: v for k, v in self.checkpoint_meta.items() if k != "model"},
-            optimizer=self.optimizer, trainer_state=self.state_dict(), tokenizer_dir=self.tokenizer_dir, save_rng=True,
-            run_id=self.run_id,
-        )
-        self.saved_step = self.step
-        checkpointing.remove_old_checkpoints(self.checkpoint_cfg.save_dir, self.checkpoint_cfg.keep_last,
-                                             run_id=self.run_id, saved=path)
-        self.metrics.write(f"saved checkpoint {path}")
-        return path
+    def checkpoint_fields(self) -> dict:
+        return {"model_config": self.checkpoint_meta["model"],
+                "extra_meta": {k: v for k, v in self.checkpoint_meta.items() if k != "model"},
+                "tokenizer_dir": self.tokenizer_dir, "save_rng": True}
 
-    def save_unless_saved(self) -> Path:
-        """The checkpoint of the current step: saved now unless this run already wrote it."""
-        if self.saved_step == self.step:
-            return checkpointing.step_dir(self.checkpoint_cfg.save_dir, self.step)
-        return self.save()
-
-    def resume_from(self, checkpoint_dir: Path) -> None:
-        meta = checkpointing.load(checkpoint_dir, self.chunks, optimizer=self.optimizer, load_rng=True,
-                                  model_config=self.checkpoint_meta["model"])
-        changes = self.load_state_dict(meta["trainer_state"])
-        self.saved_step = self.step
-        if self.metrics.progress is not None:
-            self.metrics.progress.update(self.step)
-        self.metrics.log_resume(self.step, checkpoint_dir, changes)
-        self.metrics.write(
-            f"resumed from {checkpoint_dir} at step {self.step} ({self.consumed_samples} samples consumed"
-            f"{'' if meta['rng_restored'] else '; RNG not restored: the parallel layout changed'})"
-        )
-        if changes:
-            self.metrics.write(schedule.describe_changes(changes, self.step))
+    def resume_note(self, meta: dict) -> str:
+        return (f" ({self.consumed_samples} samples consumed"
+                f"{'' if meta['rng_restored'] else '; RNG not restored: the parallel layout changed'})")
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:

@@ -9,6 +9,7 @@ import torch
 
 from aligner.rl import masked as S  # the masked statistics
 from aligner.rl import shaping as M
+from aligner.rl.policy_losses import aggregate_loss
 
 LENGTHS = [6, 3, 1, 4]  # one full row, one single-token row
 T = 6
@@ -357,6 +358,27 @@ def test_value_loss_matches_loop(clip_value, aggregation):
     assert not values.grad.isnan().any() and float(values.grad[~make_mask()].abs().max()) == 0.0
     with pytest.raises(ValueError, match="clip_value must be > 0"):
         M.value_loss(values, old_values, returns, make_mask(), 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean"])
+def test_value_loss_sum_is_the_policy_losses_aggregation_of_the_clipped_error(aggregation):
+    """The critic trains on (sum, count): aggregate_loss of the per-token clipped error, whose ratio is
+    value_loss; summed over two halves of the batch (micro batches) it gives the whole batch's."""
+    values, old_values, returns, mask = random_tokens(25), random_tokens(26), random_tokens(27), make_mask()
+    loss_sum, count, clipped = M.value_loss_sum(values, old_values, returns, mask, 0.2, aggregation)
+    zeroed = [S.zero_off_mask(x, mask) for x in (values, old_values, returns)]
+    per_token, clipped_tokens = M.clipped_value_error(*zeroed, 0.2)
+    expected_sum, expected_count = aggregate_loss(per_token, mask, aggregation)
+    torch.testing.assert_close(loss_sum, expected_sum)
+    assert int(count) == int(expected_count)
+    loss, stats = M.value_loss(values, old_values, returns, mask, 0.2, aggregation)
+    torch.testing.assert_close(loss_sum / count, loss)
+    assert int(clipped) == int((clipped_tokens & mask.bool()).sum()) and 0 < int(clipped) < int(mask.sum())
+    torch.testing.assert_close(clipped / mask.sum(), stats["clip_fraction"])
+    halves = [M.value_loss_sum(values[rows], old_values[rows], returns[rows], mask[rows], 0.2, aggregation)
+              for rows in (slice(0, 2), slice(2, None))]
+    torch.testing.assert_close(sum(h[0] for h in halves), loss_sum)
+    assert sum(int(h[1]) for h in halves) == int(count) and sum(int(h[2]) for h in halves) == int(clipped)
 
 
 def test_explained_variance():
