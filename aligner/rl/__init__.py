@@ -56,6 +56,7 @@ from aligner.rl.shaping import (
     overlong_penalty,
     token_rewards,
     value_loss,
+    value_loss_sum,
 )
 
 __all__ = [
@@ -74,5 +75,5 @@ __all__ = [
     # shaping
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
     "clipped_value_error", "gae_advantages", "kl_penalty", "normalize_scores", "overlong_penalty", "token_rewards",
-    "value_loss",
+    "value_loss", "value_loss_sum",
 ]
