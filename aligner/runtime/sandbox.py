@@ -203,10 +203,12 @@ class WorkerLease:
         self.instance = f"instance-{id(self)}"
 
     def call(self, target: str, *args, timeout_s: Optional[float] = None, **kwargs) -> SandboxResult:
-        return self._request({"op": "call", "target": _absolute(target), "args": list(args), "kwargs": kwargs}, timeout_s)
+        message = {"op": "call", "target": _absolute(target), "args": list(args), "kwargs": kwargs}
+        return self._request(message, timeout_s)
 
     def new(self, target: str, timeout_s: Optional[float] = None, **kwargs) -> SandboxResult:
-        return self._request({"op": "new", "id": self.instance, "target": _absolute(target), "kwargs": kwargs}, timeout_s)
+        message = {"op": "new", "id": self.instance, "target": _absolute(target), "kwargs": kwargs}
+        return self._request(message, timeout_s)
 
     def method(self, name: str, *args, timeout_s: Optional[float] = None, **kwargs) -> SandboxResult:
         return self._request({"op": "method", "id": self.instance, "name": name, "args": list(args),
