@@ -19,7 +19,7 @@ handful of types such a schema holds, so it is here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
@@ -59,17 +59,29 @@ class Tool:
     """A named function the model may call, with the JSON schema the chat template shows it."""
 
     name: str
-    function: Callable[..., Any]
     description: str
     parameters: dict  # JSON schema of the arguments object
+    target: Optional[str] = None  # "module:function" or "file.py:function": where the sandbox finds it
+    function: Optional[Callable[..., Any]] = None  # the function itself, for tools built in this process
 
     @classmethod
-    def from_function(cls, function: Callable[..., Any]) -> "Tool":
+    def from_function(cls, function: Callable[..., Any], target: Optional[str] = None) -> "Tool":
         try:
-            schema = get_json_schema(function)["function"]
+            schema = get_json_schema(function)
         except (DocstringParsingException, TypeHintParsingException) as error:
             raise ConfigError(f"tool {getattr(function, '__name__', function)!r}: {error}") from error
-        return cls(schema["name"], function, schema["description"], schema["parameters"])
+        return cls.from_schema(schema, target, function)
+
+    @classmethod
+    def from_schema(cls, schema: dict, target: Optional[str] = None,
+                    function: Optional[Callable[..., Any]] = None) -> "Tool":
+        """A tool from its JSON schema ({"type": "function", "function": {name, description, parameters}})."""
+        body = schema.get("function", schema) if isinstance(schema, dict) else None
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str) \
+                or not isinstance(body.get("parameters", {}), dict):
+            raise ConfigError(f"tool {target or ''}: not a function schema: {str(schema)[:120]}")
+        parameters = {"type": "object", "properties": {}, "required": [], **body.get("parameters", {})}
+        return cls(body["name"], body.get("description", ""), parameters, target, function)
 
     @property
     def schema(self) -> dict:

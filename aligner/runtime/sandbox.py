@@ -206,6 +206,10 @@ class WorkerLease:
         message = {"op": "call", "target": _absolute(target), "args": list(args), "kwargs": kwargs}
         return self._request(message, timeout_s)
 
+    def schema(self, target: str, timeout_s: Optional[float] = None) -> SandboxResult:
+        """The JSON schema of the function `target` (transformers' get_json_schema, run in the worker)."""
+        return self._request({"op": "schema", "target": _absolute(target)}, timeout_s or 60.0)
+
     def new(self, target: str, timeout_s: Optional[float] = None, **kwargs) -> SandboxResult:
         message = {"op": "new", "id": self.instance, "target": _absolute(target), "kwargs": kwargs}
         return self._request(message, timeout_s)

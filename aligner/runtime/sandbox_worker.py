@@ -202,6 +202,10 @@ def serve(channel, requests) -> None:
             elif op == "method":
                 value = call(getattr(instances[request["id"]], request["name"]), request.get("args", []),
                              request.get("kwargs", {}))
+            elif op == "schema":  # a tool's JSON schema, read from its signature and docstring here
+                from transformers.utils import get_json_schema  # only workers that describe tools need it
+
+                value = get_json_schema(load(request["target"], targets))
             elif op == "drop":
                 instances.pop(request["id"], None)
                 value = None
