@@ -8,6 +8,7 @@ policy at generation time are tokenized by the same code.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -64,28 +65,37 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Text of `messages` ({"role", "content"} dicts) under the tokenizer's chat template."""
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, *,
+                    tools: Optional[list[dict]] = None, template: Optional[str] = None) -> str:
+        """Text of `messages` ({"role", "content"} dicts) under the tokenizer's chat template (or `template`),
+        with `tools` (JSON schemas) in the template's tools slot."""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools, chat_template=template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         """Token ids of a chat; with add_generation_prompt, ready for the assistant to reply."""
         return self.encode_chat(messages, add_generation_prompt)[0]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False,
-                    use_template: bool = True) -> tuple[list[int], list[int]]:
+                    use_template: bool = True, *, tools: Optional[list[dict]] = None,
+                    template: Optional[str] = None) -> tuple[list[int], list[int]]:
         """Token ids of a chat and a same-length mask that is 1 on assistant replies.
 
         The mask covers each assistant message's content and the end-of-turn
         (or eos) token that closes it, i.e. what the model must learn to emit.
-        Uses the chat template when there is one (and use_template), else the plain layout above.
+        Uses the chat template (`template`, else the tokenizer's) when there is one (and use_template), else the
+        plain layout above; `tools` (JSON schemas) go to the template's tools slot.
         """
-        if use_template and self.has_chat_template:
-            return self._encode_templated_chat(messages, add_generation_prompt)
+        if use_template and (template is not None or self.has_chat_template):
+            return self._encode_templated_chat(messages, add_generation_prompt, tools, template)
         return self._encode_plain_chat(messages, add_generation_prompt)
 
-    def _encode_templated_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
-        text = self.render_chat(messages, add_generation_prompt)
+    def _encode_templated_chat(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]],
+                               template: Optional[str]) -> tuple[list[int], list[int]]:
+        def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+            return self.render_chat(messages, add_generation_prompt, tools=tools, template=template)
+
+        text = render_chat(messages, add_generation_prompt)
         # Character spans of each assistant reply, found by rendering prefixes of the chat:
         # the reply starts where "everything before + generation prompt" ends and ends
         # where "everything up to and including the reply" ends.
@@ -93,8 +103,8 @@ class Tokenizer:
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render_chat(messages[:index], add_generation_prompt=True)
-            through = self.render_chat(messages[: index + 1])
+            before = render_chat(messages[:index], add_generation_prompt=True)
+            through = render_chat(messages[: index + 1])
             if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
                 raise ConfigError(
                     "the chat template does not render a conversation as the concatenation of its turns "

@@ -89,9 +89,10 @@ FLOORS = {
     "models": 3, "rl": 3,  # models: the networks and the logprob kernel; rl: pure tensor math
     "data": 4, "hf": 4,
     "generation": 5,  # engines, rollouts, reward sources
-    "training": 6,
-    "algorithms": 7, "demo": 7, "launcher": 7,
-    "__main__": 8,  # python -m aligner: the training entry points, above everything like examples/ (a wheel has none)
+    "agents": 6,  # episodes, the chat renderer across turns, environments, tools, the sandbox
+    "training": 7,
+    "algorithms": 8, "demo": 8, "launcher": 8,
+    "__main__": 9,  # python -m aligner: the training entry points, above everything like examples/ (a wheel has none)
 }
 
 # Imports of aligner's own modules that stay inside functions, by file: the modules each imports there.
