@@ -171,9 +171,7 @@ def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_defaul
     """SmolLM2's template renders its default system prompt (~30 tokens) into every prompt: the shipped
     data.max_prompt_length leaves room for a short question, and a limit that no prompt fits is one line
     naming the key and the shortest rendered length."""
-    from omegaconf import OmegaConf
-
-    from aligner.config import CONF_DIR
+    from aligner.config import CONF_DIR, composed_config
     from aligner.data.jsonl import DataError
     from aligner.generation.rollouts import PromptDataset
     from aligner.tokenizer import Tokenizer
@@ -181,7 +179,7 @@ def test_the_rl_default_max_prompt_length_takes_short_questions_under_the_defaul
     tokenizer = Tokenizer(smollm2_checkpoint / "tokenizer")
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 12+7?"}, {"prompt": CONVERSATIONS[2]}])
     for yaml_name in ("gpt_ppo_actor.yaml", "gpt_reinforce_actor.yaml"):
-        default = OmegaConf.load(CONF_DIR / yaml_name).data.max_prompt_length
+        default = composed_config(CONF_DIR / yaml_name).data.max_prompt_length  # set in the RL base yaml
         prompts = PromptDataset(path, tokenizer, default)
         assert len(prompts) == 2 and prompts.skipped_note == "", yaml_name
     shortest = min(len(tokens) for tokens in prompts.tokens)
