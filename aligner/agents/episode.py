@@ -80,6 +80,7 @@ class Episode:
     status: Optional[str] = None  # None while running, then one of EPISODE_STATUSES
     reward: Optional[float] = None
     turn_rewards: list[Optional[float]] = field(default_factory=list)
+    last_turn_stopped: bool = False  # the last model turn ended with a stop token (not cut by a token limit)
 
     def __post_init__(self):
         if not self.segments or self.segments[0].kind != "prompt":
@@ -89,16 +90,21 @@ class Episode:
 
     @classmethod
     def single_turn(cls, prompt: Sequence[int], response: Sequence[int], logprobs: Sequence[float],
-                    policy_version: int) -> "Episode":
-        return cls([Segment.prompt(prompt), Segment.model(response, logprobs, policy_version)])
+                    policy_version: int, stopped: bool = True) -> "Episode":
+        episode = cls([Segment.prompt(prompt)])
+        episode.add_model(response, logprobs, policy_version, stopped)
+        return episode
 
     def add(self, segments: Iterable[Segment]) -> None:
         """Append segments (an environment turn's boundary and observation tokens); empty ones are dropped."""
         for segment in segments:
             self._append(segment)
 
-    def add_model(self, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> None:
+    def add_model(self, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int,
+                  stopped: bool = True) -> None:
+        """A model turn as generated; stopped: it ended with a stop token (False: cut by max_new_tokens)."""
         self._append(Segment.model(tokens, logprobs, policy_version))
+        self.last_turn_stopped = stopped
 
     def _append(self, segment: Segment) -> None:
         if self.status is not None:

@@ -23,10 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from aligner.agents.environment import Environment, EnvironmentFailure, StepResult
 from aligner.agents.episode import EPISODE_STATUSES, Episode, Segment
 from aligner.agents.renderer import ChatRenderer, RenderedChat
 from aligner.generation.engine import GenerationEngine, SamplingParams
+from aligner.generation.rollouts import RolloutRow
 from aligner.runtime.errors import ConfigError, UserError
 
 FAILURE_POLICIES = ("drop", "zero_reward", "fail")
@@ -181,10 +184,10 @@ class EpisodeRunner:
         episode, limits = running.episode, self.limits
         room = limits.max_episode_tokens - len(episode)
         if len(ids) > room:  # the last tokens would not fit the episode: cut, and end it
-            episode.add_model(ids[:room], logprobs[:room], version)
+            episode.add_model(ids[:room], logprobs[:room], version, stopped=False)
             episode.end("truncated")
             return False
-        episode.add_model(ids, logprobs, version)
+        episode.add_model(ids, logprobs, version, stopped)
         if not stopped and limits.on_cut_turn == "end":
             episode.end("truncated")
             return False
@@ -245,6 +248,21 @@ class EpisodeRunner:
             names.append(r.name)
             indices.append(r.index)
         return EpisodeBatch(episodes, names, indices, dropped, counts)
+
+
+def episode_row(episode: Episode, given_prompt=None) -> RolloutRow:
+    """An episode as the RL actor's row: the prompt segment is the prompt, everything after it the response,
+    trained on the model's tokens only (`loss_mask`), with the engine's logprobs there (0 elsewhere).
+    ended_with_stop: its last model turn ended with a stop token. A single-turn episode gives exactly the row
+    of the single-turn rollout (no loss mask)."""
+    prompt = episode.prompt_length
+    response = torch.tensor(episode.tokens[prompt:], dtype=torch.long)
+    multi_segment = len(episode.segments) > 2
+    return RolloutRow(list(episode.segments[0].tokens), response,
+                      torch.tensor(episode.behaviour_logprobs[prompt:], dtype=torch.float32),
+                      ended_with_stop=episode.last_turn_stopped, given_prompt=given_prompt,
+                      score=episode.reward,
+                      loss_mask=torch.tensor(episode.loss_mask[prompt:], dtype=torch.bool) if multi_segment else None)
 
 
 def collect_groups(runner: EpisodeRunner, draw: Callable[[], tuple[dict, str]], groups: int, group_size: int,

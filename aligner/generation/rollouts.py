@@ -242,6 +242,9 @@ class RolloutRow:
     score_replaced: bool = False  # the source's score was invalid: `score` is reward.invalid_value
     score_parts: dict = field(default_factory=dict)  # reward functions: each one's own score, by name
     values: Optional[torch.Tensor] = None  # [len] the critic's value of each response token's state
+    # [len] bool: the tokens the loss trains on; None: all of them. An agent episode's row (the response is
+    # everything after the prompt) is True on the model's tokens only (`aligner.agents.rollout.episode_row`).
+    loss_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -256,7 +259,7 @@ class RolloutBatch:
     tokens: torch.Tensor  # [B, S]
     prompt_lengths: torch.Tensor  # [B]
     response_lengths: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, T] bool, True on response tokens
+    mask: torch.Tensor  # [B, T] bool, True on the response tokens trained on (a row's loss_mask, else all)
     engine_logprobs: torch.Tensor  # [B, T]
     ended_with_stop: torch.Tensor  # [B] bool
     rows: list  # the RolloutRows (scores and values attached by the actor)
@@ -280,6 +283,9 @@ class RolloutBatch:
                 raise ValueError(f"a rollout of {tokens.shape[1]} tokens exceeds the fixed length {seq_length}")
             tokens = torch.nn.functional.pad(tokens, (0, seq_length - tokens.shape[1]), value=pad_id)
         mask = response_mask(lengths, width)
+        for b, row in enumerate(rows):
+            if row.loss_mask is not None:
+                mask[b, :len(row.response)] &= row.loss_mask.bool()
         ended = torch.tensor([row.ended_with_stop for row in rows], dtype=torch.bool)
         return cls(indices, tokens, prompt_lengths, lengths, mask, logprobs, ended, rows)
 

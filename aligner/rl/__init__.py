@@ -24,6 +24,7 @@ from aligner.rl.advantages import (
 )
 from aligner.rl.masked import (
     explained_variance,
+    last_positions,
     masked_mean,
     masked_moment_sums,
     masked_moments,
@@ -71,7 +72,7 @@ __all__ = [
     "TIS_LEVELS", "mismatch_metrics", "truncated_importance_weights",
     # masked statistics
     "explained_variance", "masked_mean", "masked_moment_sums", "masked_moments", "masked_sum", "masked_var",
-    "masked_whiten", "moments_from_sums", "response_lengths", "zero_off_mask",
+    "masked_whiten", "moments_from_sums", "last_positions", "response_lengths", "zero_off_mask",
     # shaping
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_missing_stop_penalty", "clip_scores",
     "clipped_value_error", "gae_advantages", "kl_penalty", "normalize_scores", "overlong_penalty", "token_rewards",

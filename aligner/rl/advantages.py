@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from aligner.rl.masked import Number, masked_whiten, response_lengths, zero_off_mask
+from aligner.rl.masked import Number, masked_whiten, zero_off_mask
 from aligner.rl.shaping import gae_advantages, token_rewards
 
 
@@ -110,9 +110,8 @@ def sequence_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
 
     scores: [B]; kl: [B, T] per-token estimates (`shaping.kl_penalty`); mask: [B, T] response tokens.
     """
-    lengths = response_lengths(mask)
-    if scores.shape != lengths.shape:
-        raise ValueError(f"scores shape {tuple(scores.shape)} != batch {tuple(lengths.shape)} of the mask")
+    if scores.shape != mask.shape[:1]:
+        raise ValueError(f"scores shape {tuple(scores.shape)} != batch {tuple(mask.shape[:1])} of the mask")
     return scores - kl_coef * zero_off_mask(kl, mask).sum(dim=1).to(scores.dtype)
 
 

@@ -42,6 +42,17 @@ def response_lengths(mask: torch.Tensor) -> torch.Tensor:
     return lengths
 
 
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The column of each row's last masked token [batch] (long), -1 for a row with none.
+
+    Unlike `response_lengths` it allows holes: an episode's mask is 1 on the model's tokens only, with the
+    environment's and the template's tokens between turns at 0 (`aligner.agents.episode`).
+    """
+    mask = mask.bool()
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, columns, torch.full_like(columns, -1)).amax(dim=-1)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Sum of values on the mask: a scalar, or per slice along `dim`."""
     masked = zero_off_mask(values, mask)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from aligner.rl.masked import Number, bool_mask, masked_mean, response_lengths, zero_off_mask
+from aligner.rl.masked import Number, bool_mask, last_positions, masked_mean, zero_off_mask
 from aligner.rl.policy_losses import aggregate_loss
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
@@ -71,20 +71,21 @@ def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: in
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: Number) -> torch.Tensor:
     """Per-token rewards [batch, T]: -kl_coef * kl on every response token, plus the score on the last one.
 
-    scores: [batch] sequence scores; kl: [batch, T] per-token KL estimates (`kl_penalty`).
+    scores: [batch] sequence scores; kl: [batch, T] per-token KL estimates (`kl_penalty`). The mask may have
+    holes (an episode's environment tokens): the score lands on the last masked token.
     Raises ValueError for an empty response: its score would have no token to land on.
     """
-    lengths = response_lengths(mask)  # [batch]
-    if scores.shape != lengths.shape:
-        raise ValueError(f"scores shape {tuple(scores.shape)} != batch {tuple(lengths.shape)} of the mask")
-    if bool((lengths == 0).any()):
-        empty = (lengths == 0).nonzero().flatten().tolist()
+    last = last_positions(mask)  # [batch]
+    if scores.shape != last.shape:
+        raise ValueError(f"scores shape {tuple(scores.shape)} != batch {tuple(last.shape)} of the mask")
+    if bool((last < 0).any()):
+        empty = (last < 0).nonzero().flatten().tolist()
         raise ValueError(f"token_rewards: responses {empty[:8]} are empty; drop them before scoring (the "
                          "stop token counts as a response token, so this is a prompt that filled the context)")
     rewards = zero_off_mask(-kl_coef * kl, mask)  # [batch, T]
-    rows = torch.arange(len(lengths), device=kl.device)
+    rows = torch.arange(len(last), device=kl.device)
     # The reward model scores the whole response, so its score belongs to the last action.
-    return rewards.index_put((rows, lengths - 1), scores.to(rewards.dtype), accumulate=True)
+    return rewards.index_put((rows, last), scores.to(rewards.dtype), accumulate=True)
 
 
 # ----------------------------------------------------------------------------- KL
@@ -166,12 +167,13 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 
     rewards, values: [batch, T] per response token. The episode ends at each row's last response
     token, so the value after it is 0. returns = advantages + values (the critic's targets).
+    The mask may have holes (an agent episode's environment and template tokens between the model's turns):
+    they are not steps, so the recursion passes over them (the same as GAE over the masked tokens alone).
     """
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae_advantages: gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
     if rewards.shape != values.shape:
         raise ValueError(f"rewards shape {tuple(rewards.shape)} != values shape {tuple(values.shape)}")
-    response_lengths(mask)  # the masking below assumes right padding
     dtype = torch.promote_types(values.dtype, torch.float32)  # bf16 would drift over a long response
     mask = bool_mask(mask, values)
     rewards, values = zero_off_mask(rewards.to(dtype), mask), zero_off_mask(values.to(dtype), mask)
@@ -180,11 +182,12 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     next_advantage = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        # Off the mask the advantage stays 0, so padding never leaks into the last real token.
-        next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
+        # Off the mask nothing moves: padding after the end leaves the zeros the recursion starts from, and a
+        # hole carries the next step's value and advantage over itself.
+        next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, next_advantage)
         advantages[:, t] = next_advantage
-        next_value = values[:, t]
-    return advantages, zero_off_mask(advantages + values, mask)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+    return zero_off_mask(advantages, mask), zero_off_mask(advantages + values, mask)
 
 
 # ----------------------------------------------------------------------------- losses

@@ -213,14 +213,39 @@ def test_token_rewards_match_loop():
             assert float(rewards[b, t]) == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
-def test_token_rewards_rejects_empty_and_unpadded_responses():
+def test_token_rewards_rejects_empty_responses_and_wrong_shapes():
     kl = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"responses \[1\] are empty"):
         M.token_rewards(torch.zeros(2), kl, make_mask([2, 0], 3), 0.1)
-    with pytest.raises(ValueError, match="not right-padded"):
-        M.token_rewards(torch.zeros(2), kl, torch.tensor([[1, 0, 1], [1, 1, 1]]), 0.1)
     with pytest.raises(ValueError, match="scores shape"):
         M.token_rewards(torch.zeros(3), kl, make_mask([2, 1], 3), 0.1)
+
+
+# An agent episode's mask: the model's turns at 1, the environment's and the template's tokens between them at 0.
+HOLEY = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 1, 1], [0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+
+
+def holey_tokens(seed: int) -> torch.Tensor:
+    """[batch, T] values on HOLEY, nan in its holes and after it (nothing there may leak into a result)."""
+    values = torch.randn(HOLEY.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.where(HOLEY, values, torch.tensor(float("nan"), dtype=torch.float64))
+
+
+def test_last_positions_allow_holes():
+    assert S.last_positions(HOLEY).tolist() == [4, 5, 3, 2]
+    assert S.last_positions(make_mask()).tolist() == [n - 1 for n in LENGTHS]
+    assert S.last_positions(torch.zeros(2, 3, dtype=torch.bool)).tolist() == [-1, -1]
+
+
+def test_token_rewards_put_the_score_on_the_last_model_token_of_an_episode():
+    kl = holey_tokens(8)
+    scores = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    rewards = M.token_rewards(scores, kl, HOLEY, 0.1)
+    for b in range(len(scores)):
+        last = max(t for t in range(T) if HOLEY[b, t])
+        for t in range(T):
+            expected = (-0.1 * float(kl[b, t]) + (float(scores[b]) if t == last else 0.0)) if HOLEY[b, t] else 0.0
+            assert float(rewards[b, t]) == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
 # ----------------------------------------------------------------------------- KL
@@ -308,6 +333,22 @@ def test_gae_matches_double_loop(gamma, lam):
     expected_advantages, expected_returns = reference_gae(rewards, values, LENGTHS, gamma, lam)
     torch.testing.assert_close(advantages, expected_advantages, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(returns, expected_returns, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (0.9, 0.0)])
+def test_gae_over_an_episode_is_gae_over_its_model_tokens_alone(gamma, lam):
+    """Holes (environment and template tokens) are not steps: the same as compacting the model tokens."""
+    rewards, values = holey_tokens(13), holey_tokens(14)
+    advantages, returns = M.gae_advantages(rewards, values, HOLEY, gamma, lam)
+    for b in range(HOLEY.shape[0]):
+        columns = HOLEY[b].nonzero().flatten()
+        n = len(columns)
+        compact_rewards, compact_values = torch.zeros(1, T, dtype=torch.float64), torch.zeros(1, T, dtype=torch.float64)
+        compact_rewards[0, :n], compact_values[0, :n] = rewards[b, columns], values[b, columns]
+        expected_advantages, expected_returns = reference_gae(compact_rewards, compact_values, [n], gamma, lam)
+        torch.testing.assert_close(advantages[b, columns], expected_advantages[0, :n], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(returns[b, columns], expected_returns[0, :n], rtol=1e-12, atol=1e-12)
+        assert float(advantages[b, ~HOLEY[b]].abs().sum()) == 0.0 and float(returns[b, ~HOLEY[b]].abs().sum()) == 0.0
 
 
 def test_gae_special_cases():
