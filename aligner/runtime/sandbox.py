@@ -114,7 +114,7 @@ class SandboxWorker:
                 (self.cgroup / "pids.max").write_text(str(self.limits.processes))
             except OSError:
                 self.cgroup = None
-        settings = {**asdict(self.limits), "cgroup": str(self.cgroup or ""),
+        settings = {**asdict(self.limits), "cgroup": str(self.cgroup or ""), "parent": os.getpid(),
                     "paths": [os.getcwd(), *map(os.path.abspath, self.limits.paths)]}
         self.process = subprocess.Popen([sys.executable, str(WORKER_SCRIPT), str(self.directory), json.dumps(settings)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

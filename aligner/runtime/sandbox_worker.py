@@ -24,10 +24,13 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 import traceback
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
+PARENT_POLL_S = 0.5
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_RULE_PATH_BENEATH = 1
 # Landlock file-system rights that write (ABI 1: bits 1, 4-12; ABI 2 adds REFER 13; ABI 3 TRUNCATE 14).
@@ -45,6 +48,18 @@ def _libc():
 
 def _error() -> str:
     return os.strerror(ctypes.get_errno())
+
+
+def die_with_parent(parent: int) -> None:
+    """End this worker's process group when the pool's process ends, however it ends (kill -9 included), so no
+    worker or tool process outlives it. A watcher thread, not PR_SET_PDEATHSIG: that signal follows the parent
+    *thread*, and pools start workers from whichever thread replaces one."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="sandbox-parent-watch", daemon=True).start()
 
 
 def join_cgroup(cgroup: str) -> str:
@@ -240,6 +255,7 @@ def main() -> None:
     processes = join_cgroup(limits["cgroup"])
     processes = set_limits(limits) or processes
     network = leave_network() if not limits["network"] else "allowed"
+    die_with_parent(limits["parent"])  # a thread: only after unshare, which a threaded process cannot do
     files = restrict_writes(directory)
     os.chdir(directory)
     os.environ.update(TMPDIR=directory, HOME=directory)

@@ -63,6 +63,10 @@ TOOLS = textwrap.dedent('''
     def leave_a_child():
         return subprocess.Popen(["sleep", "30"]).pid
 
+    def child_and_sleep(seconds):
+        subprocess.Popen(["sleep", "60"])
+        time.sleep(seconds)
+
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -220,3 +224,57 @@ def test_a_required_layer_that_cannot_hold_stops_the_pool_in_one_line(tools):
     pool = SandboxPool(workers=1, limits=SandboxLimits(require=("processes", "network", "files")))
     assert all(not value.startswith("none") for value in pool.containment.values())  # as root, on Linux >= 5.13
     pool.close()
+
+
+def test_killing_the_pools_process_ends_its_workers_and_their_children(tools):
+    import signal
+    import subprocess
+    import sys
+
+    script = textwrap.dedent('''
+        import sys, time
+        from aligner.runtime.sandbox import SandboxLimits, SandboxPool
+        pool = SandboxPool(workers=2, limits=SandboxLimits(timeout_s=30))
+        child = pool.call("sandbox_tools:leave_a_child")  # killed after its call: one that outlives no call
+        with pool.lease() as worker:
+            worker.call("sandbox_tools:fork_a_few", 0)
+            print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)
+            worker.call("sandbox_tools:child_and_sleep", 60)  # busy, with a child, when the pool's process dies
+    ''')
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tools,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    workers = [int(pid) for pid in process.stdout.readline().split()]
+    assert len(workers) == 2
+
+    def living(pids):
+        found = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    def in_groups():
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) \
+                        in workers and int(entry) not in workers:
+                    found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 10
+    while not in_groups() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = in_groups()
+    assert children  # the busy worker's child
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 5
+    while living(workers + children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert living(workers + children) == []
