@@ -45,6 +45,26 @@ STATUSES = ("ok", "error", "timeout", "crashed")
 LAYERS = ("processes", "network", "files")
 MAX_ANSWER_BYTES = 8 * 2 ** 20  # an answer longer than this is refused (the worker is replaced)
 _worker_ids = itertools.count()
+PREFIX = "aligner-sandbox-"  # + the pool's pid: its workers' directories and cgroups
+
+
+def sweep_stale(places: list[Path]) -> None:
+    """Remove the directories and (empty) cgroups that pools of processes no longer alive left in `places`
+    (a pool killed with kill -9 cannot remove its own; its workers end with it)."""
+    for place in places:
+        try:
+            entries = list(place.glob(f"{PREFIX}*"))
+        except OSError:
+            continue
+        for entry in entries:
+            pid = entry.name[len(PREFIX):].split("-", 1)[0]
+            if not pid.isdigit() or Path(f"/proc/{pid}").exists() or not entry.is_dir():
+                continue
+            if (entry / "cgroup.procs").exists():
+                with contextlib.suppress(OSError):
+                    entry.rmdir()  # a cgroup: removable once empty
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -105,10 +125,10 @@ class SandboxWorker:
     def __init__(self, limits: SandboxLimits, cgroup_root: Optional[Path]):
         self.limits = limits
         self.cgroup_root = cgroup_root
-        self.directory = Path(tempfile.mkdtemp(prefix="aligner-sandbox-"))
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         self.cgroup = None
         if self.cgroup_root is not None:
-            self.cgroup = self.cgroup_root / f"aligner-sandbox-{os.getpid()}-{next(_worker_ids)}"
+            self.cgroup = self.cgroup_root / f"{PREFIX}{os.getpid()}-{next(_worker_ids)}"
             try:
                 self.cgroup.mkdir()
                 (self.cgroup / "pids.max").write_text(str(self.limits.processes))
@@ -236,6 +256,7 @@ class SandboxPool:
             raise ConfigError(f"sandbox layer {unknown[0]!r} is not one of {', '.join(LAYERS)}")
         self.limits = limits
         self._cgroup_root = _pids_cgroup_root()
+        sweep_stale([Path(tempfile.gettempdir())] + ([self._cgroup_root] if self._cgroup_root is not None else []))
         self._idle: queue.Queue[SandboxWorker] = queue.Queue()
         self._lock = threading.Lock()
         self._workers: set[SandboxWorker] = set()

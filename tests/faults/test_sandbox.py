@@ -3,6 +3,7 @@ its directory, the network, crashes, leftover processes; the pool keeps serving 
 from __future__ import annotations
 
 import os
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -278,3 +279,10 @@ def test_killing_the_pools_process_ends_its_workers_and_their_children(tools):
     while living(workers + children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert living(workers + children) == []
+    # what the killed pool could not remove (its workers' directories, its cgroups) the next pool sweeps away
+    left = [path for path in Path(tempfile.gettempdir()).glob(f"aligner-sandbox-{process.pid}-*")]
+    cgroups = Path("/sys/fs/cgroup/pids")
+    left += list(cgroups.glob(f"aligner-sandbox-{process.pid}-*")) if cgroups.is_dir() else []
+    assert left  # the kill left them
+    SandboxPool(workers=1).close()
+    assert [path for path in left if path.exists()] == []
