@@ -46,7 +46,7 @@ critic_train  (no batching: one request is one rollout batch, sent as Triton bat
   before anything is checked or trained.
   Training (`Critic.train`): `train.epochs_per_call` passes over the batch, in optimizer steps of
   `train.global_batch_size` rows (B must be a multiple of it). The loss is
-  `aligner.rl.shaping.value_loss` (clipped with `train.clip_val`), the mean over the
+  `aligner.rl.shaping.value_loss_sum` (clipped with `train.clip_val`), the mean over the
   response tokens of the optimizer step. value_loss, clip_fraction and grad_norm are means over
   the call's optimizer steps (one step: the loss before the update); explained_variance compares
   old_values with returns (the critic before the update); lr is the last step's rate; critic_step

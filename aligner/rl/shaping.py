@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from aligner.rl.masked import Number, bool_mask, last_positions, masked_mean, zero_off_mask
+from aligner.rl.masked import Number, bool_mask, last_positions, zero_off_mask
 from aligner.rl.policy_losses import aggregate_loss
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
@@ -191,13 +191,6 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 
 
 # ----------------------------------------------------------------------------- losses
-def _mean_loss(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    loss_sum, count = aggregate_loss(per_token, mask, aggregation)
-    if int(count) == 0:
-        raise ValueError("the loss mask is empty: no response token to train on in this batch")
-    return loss_sum / count.to(loss_sum.dtype)
-
-
 def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                         clip_value: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token value loss 0.5 max((v - R)^2, (v_clipped - R)^2): (loss, clipped), both [batch, T].
@@ -236,10 +229,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values: current critic [batch, T] (with gradient); old_values: the rollout's; returns: GAE targets.
     Raises ValueError if the mask is empty.
     """
-    # nan padding: no nan gradient
-    values, old_values, returns = (zero_off_mask(x, mask) for x in (values, old_values, returns))
-    per_token, clipped = clipped_value_error(values, old_values, returns, clip_value)
-    loss = _mean_loss(per_token, mask, aggregation)
+    loss_sum, count, clipped = value_loss_sum(values, old_values, returns, mask, clip_value, aggregation)
+    tokens = bool_mask(mask, values).sum()
+    if int(count) == 0 or int(tokens) == 0:
+        raise ValueError("the loss mask is empty: no response token to train on in this batch")
     with torch.no_grad():
-        stats = {"clip_fraction": masked_mean(clipped.to(per_token.dtype), mask)}
-    return loss, stats
+        stats = {"clip_fraction": clipped.to(loss_sum.dtype) / tokens.to(loss_sum.dtype)}
+    return loss_sum / count.to(loss_sum.dtype), stats
