@@ -150,13 +150,17 @@ def sandboxed_tools(pool: SandboxPool, targets: list[str]) -> dict[str, Tool]:
     return tools
 
 
+BAD_CALL_POLICIES = ("feedback", "end", "fixed_advantage")
+
+
 class ToolEnvironment:
     """Tools for one episode: the prompt record's messages with the tools offered; each reply's calls run in the
     sandbox and come back as tool messages; a reply without a call is the final answer (done), scored by
     `reward(record, answer) -> float` when given.
 
     tools: {name: Tool} with their sandbox targets (`sandboxed_tools`). on_bad_call: "feedback" (the error goes
-    back to the model as the tool's answer) or "end" (the episode ends, reward 0).
+    back to the model as the tool's answer), "end" (the episode ends, reward 0, info ended_by "bad tool call") or
+    "fixed_advantage" (it ends as with "end"; the RL actor gives its tokens rollout.bad_call_advantage).
     """
 
     def __init__(self, pool: SandboxPool, tools: dict[str, Tool], *, call_format: str,
@@ -164,8 +168,8 @@ class ToolEnvironment:
                  reward: Optional[Callable[[dict, str], float]] = None, prompt_key: str = "prompt"):
         if call_format not in TOOL_CALL_FORMATS:
             raise ConfigError(f"tool call format {call_format!r} is not one of {', '.join(TOOL_CALL_FORMATS)}")
-        if on_bad_call not in ("feedback", "end"):
-            raise ConfigError(f"on_bad_call {on_bad_call!r} is not one of feedback, end")
+        if on_bad_call not in BAD_CALL_POLICIES:
+            raise ConfigError(f"on_bad_call {on_bad_call!r} is not one of {', '.join(BAD_CALL_POLICIES)}")
         self.pool, self.tools = pool, tools
         self.format = TOOL_CALL_FORMATS[call_format]
         self.max_parallel_calls, self.on_bad_call, self.reward = max_parallel_calls, on_bad_call, reward
@@ -186,7 +190,7 @@ class ToolEnvironment:
         if not calls:
             score = None if self.reward is None else float(self.reward(self.record, action))
             return StepResult([], score, True, {"tool_calls": dict(self.outcomes)})
-        if self.on_bad_call == "end" and any(call.outcome != "ok" for call in calls):
+        if self.on_bad_call != "feedback" and any(call.outcome != "ok" for call in calls):
             return StepResult([], 0.0, True, {"tool_calls": dict(self.outcomes), "ended_by": "bad tool call"})
         messages = []
         for call in calls:

@@ -81,6 +81,7 @@ class Episode:
     reward: Optional[float] = None
     turn_rewards: list[Optional[float]] = field(default_factory=list)
     last_turn_stopped: bool = False  # the last model turn ended with a stop token (not cut by a token limit)
+    info: dict = field(default_factory=dict)  # the environment's last `info` (JSON), e.g. its tool-call counts
 
     def __post_init__(self):
         if not self.segments or self.segments[0].kind != "prompt":

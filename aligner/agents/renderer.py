@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from jinja2.exceptions import TemplateError
+
 from aligner.agents.episode import Segment
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
@@ -86,8 +88,21 @@ class ChatRenderer:
         self.tools = tools or None
         self.template = template
         self.end_text = tokenizer.hf.convert_ids_to_tokens(tokenizer.eos_id)  # what closes a model turn
+        # The roles the template renders (a plain template may know no tool or system role): probes with others
+        # are skipped, and an environment message in one of them is refused by `continuation`.
+        self.roles = {"user", "assistant"} | {role for role in ("system", "tool") if self._renders(role)}
         for probe in probes:
-            self._self_test(probe)
+            if {message["role"] for message in probe.messages} <= self.roles:
+                self._self_test(probe)
+
+    def _renders(self, role: str) -> bool:
+        messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"},
+                    {"role": role, "content": "3"}]
+        try:
+            self.render(messages if role != "system" else messages[2:] + messages[:2], add_generation_prompt=True)
+        except TemplateError:
+            return False
+        return True
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.render_chat(messages, add_generation_prompt, tools=self.tools, template=self.template)
@@ -107,6 +122,11 @@ class ChatRenderer:
         """The segments after the model's turn `model_ids`: the template's close of that turn (what the model did
         not generate of it), each message of `observation` (boundary + environment tokens) and the generation
         prompt of the next model turn. `chat` moves on to the end of them."""
+        unknown = sorted({message["role"] for message in observation} - self.roles)
+        if unknown:
+            raise ConfigError(f"the chat template cannot render a {unknown[0]!r} message (it renders "
+                              f"{', '.join(sorted(self.roles))}); set a training template (rollout.chat_template) "
+                              "that does, or answer in those roles")
         content, ended = self.model_text(model_ids)
         messages = chat.messages + [{"role": "assistant", "content": content}]
         through = self.render(messages, add_generation_prompt=False)

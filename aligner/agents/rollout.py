@@ -28,9 +28,11 @@ import torch
 from aligner.agents.environment import Environment, EnvironmentFailure, StepResult
 from aligner.agents.episode import EPISODE_STATUSES, Episode, Segment
 from aligner.agents.renderer import ChatRenderer, RenderedChat
+from aligner.agents.tool_calls import OUTCOMES
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.rollouts import RolloutRow
 from aligner.runtime.errors import ConfigError, UserError
+from aligner.runtime.seeds import SAMPLER_SEED_RANGE, derive_seed
 
 FAILURE_POLICIES = ("drop", "zero_reward", "fail")
 CUT_MARK = " [... {count} tokens cut ...] "
@@ -83,6 +85,8 @@ class EpisodeBatch:
     counts: dict = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
+        """Fractions of episodes per status, means per episode (turns, tokens, tool calls by outcome) and counts
+        (dropped episodes, failures, cut observations)."""
         count = max(len(self.episodes), 1)
         metrics = {f"episodes/{status}": sum(e.status == status for e in self.episodes) / count
                    for status in EPISODE_STATUSES}
@@ -92,6 +96,11 @@ class EpisodeBatch:
             "episodes/environment_tokens": sum(e.count("environment") for e in self.episodes) / count,
             "episodes/dropped": float(len(self.dropped)),
         })
+        calls = [e.info.get("tool_calls") for e in self.episodes if isinstance(e.info.get("tool_calls"), dict)]
+        if calls:  # a tool environment's outcome counts (aligner.agents.tool_calls.OUTCOMES), per episode
+            metrics["episodes/tool_calls"] = sum(sum(c.values()) for c in calls) / count
+            metrics.update({f"episodes/tool_calls_{outcome}": sum(c.get(outcome, 0) for c in calls) / count
+                            for outcome in OUTCOMES})
         metrics.update({f"episodes/{key}": float(value) for key, value in self.counts.items()})
         return metrics
 
@@ -119,14 +128,18 @@ class EpisodeRunner:
             self._renderers[key] = self._make_renderer(tools)
         return self._renderers[key]
 
-    def run(self, records: Sequence[dict], names: Sequence[str], policy_version: int = 0) -> EpisodeBatch:
+    def run(self, records: Sequence[dict], names: Sequence[str], policy_version: int = 0,
+            seed: Optional[int] = None) -> EpisodeBatch:
+        """Episodes of `records` (one each; `names` say where they are, "file:line"); seed: this call's sampling
+        seed in place of the runner's (episode i of the call draws stream i of it at its first turn)."""
+        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
         counts = {"environment_failures": 0, "infrastructure_failures": 0, "cut_observations": 0}
         with ThreadPoolExecutor(self.parallel) as threads:
             started = list(threads.map(self._start, range(len(records)), records, names))
             running = [episode for episode in started if episode.episode.status is None]
             turn = 0
             while running:
-                rows = self._generate(running, turn, policy_version)
+                rows = self._generate(running, turn, policy_version, sampling)
                 stepped = list(threads.map(self._step, running, rows))
                 running = [episode for episode, keep in zip(running, stepped) if keep]
                 turn += 1
@@ -167,9 +180,9 @@ class EpisodeRunner:
         running.failure_message = str(failure)
         running.episode.end("timeout" if failure.kind == "timeout" else "env_error")
 
-    def _generate(self, running: list[RunningEpisode], turn: int, policy_version: int):
+    def _generate(self, running: list[RunningEpisode], turn: int, policy_version: int, sampling: SamplingParams):
         # A distinct draw per turn: sample i of turn t uses seed (seed + t) as its stream's base.
-        sampling = replace(self.sampling, seed=self.sampling.seed + turn * 1_000_003)
+        sampling = replace(sampling, seed=sampling.seed + turn * 1_000_003)
         rollout = self.engine.generate([r.episode.tokens for r in running], sampling)
         rows = []
         for row in range(len(running)):
@@ -198,6 +211,7 @@ class EpisodeRunner:
             self._fail(running, failure)
             return False
         episode.turn_rewards.append(result.reward)
+        episode.info = result.info
         if result.done:
             episode.reward = result.reward
             episode.end("done")
@@ -266,10 +280,12 @@ def episode_row(episode: Episode, given_prompt=None) -> RolloutRow:
 
 
 def collect_groups(runner: EpisodeRunner, draw: Callable[[], tuple[dict, str]], groups: int, group_size: int,
-                   policy_version: int = 0, max_draws: Optional[int] = None) -> EpisodeBatch:
+                   policy_version: int = 0, max_draws: Optional[int] = None,
+                   seed: Optional[int] = None) -> EpisodeBatch:
     """`groups` whole groups of `group_size` episodes of one record each (GRPO's groups): a group with a dropped
     episode is drawn again from a new record (`draw()` -> (record, name)), up to max_draws records (default:
-    three times `groups`), then the run ends with one line."""
+    three times `groups`), then the run ends with one line. seed: the first round's sampling seed (later rounds
+    derive theirs from it); None: the runner's."""
     max_draws = max_draws if max_draws is not None else 3 * groups
     kept: list[tuple[list[Episode], str]] = []
     dropped: list[tuple[str, str]] = []
@@ -285,7 +301,9 @@ def collect_groups(runner: EpisodeRunner, draw: Callable[[], tuple[dict, str]], 
         draws += wanted
         records = [record for record, _ in picked for _ in range(group_size)]
         names = [name for _, name in picked for _ in range(group_size)]
-        batch = runner.run(records, names, policy_version)
+        first_round = draws == wanted
+        round_seed = seed if seed is None or first_round else derive_seed(seed, draws, modulus=SAMPLER_SEED_RANGE)
+        batch = runner.run(records, names, policy_version, seed=round_seed)
         for key, value in batch.counts.items():
             counts[key] = counts.get(key, 0) + value
         dropped += batch.dropped

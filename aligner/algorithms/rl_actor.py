@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from aligner import checkpointing
 from aligner.algorithms.rl_config import RLActorConfig
+from aligner.algorithms.rl_episodes import Environments, EpisodeCollector
 from aligner.algorithms.rl_objective import PolicyObjective
 from aligner.algorithms.rl_rollouts import RolloutCollector
 from aligner.data.conversation import prompt_text
@@ -133,7 +134,8 @@ class RLActor(Checkpointed):
     """
 
     def __init__(self, cfg: RLActorConfig, *, policy, reference, engine, router, reward_source, critic, prompts,
-                 validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None, teacher=None):
+                 validation_prompts, ptx_loader, tokenizer, model_cfg, metrics, ema=None, teacher=None,
+                 environments: Optional[Environments] = None):
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
@@ -167,11 +169,16 @@ class RLActor(Checkpointed):
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         data_parallel = DataParallel(self.dp_group, self.dp_rank, self.dp_size)
-        self.rollouts = RolloutCollector(cfg, chunks=self.chunks, engine=engine, router=router,
-                                         reward_source=reward_source, critic=critic, prompts=prompts, order=self.order,
-                                         tokenizer=tokenizer, data_parallel=data_parallel,
-                                         model_parallel_group=ps.get_model_parallel_group())
-        self.response_width = cfg.generation.max_new_tokens
+        if environments is not None:  # multi-turn episodes (rollout.environment / rollout.tools)
+            self.rollouts = EpisodeCollector(cfg, chunks=self.chunks, engine=engine, reward_source=reward_source,
+                                             prompts=prompts, order=self.order, tokenizer=tokenizer,
+                                             data_parallel=data_parallel, environments=environments)
+        else:
+            self.rollouts = RolloutCollector(cfg, chunks=self.chunks, engine=engine, router=router,
+                                             reward_source=reward_source, critic=critic, prompts=prompts,
+                                             order=self.order, tokenizer=tokenizer, data_parallel=data_parallel,
+                                             model_parallel_group=ps.get_model_parallel_group())
+        self.response_width = cfg.response_width
         self.temperature = cfg.generation.temperature if cfg.loss.scale_logits_by_temperature else 1.0
         self.planner = policy_planner(cfg, self.chunks[0], tokenizer.pad_id, self.objective, data_parallel, ptx_loader)
 
@@ -195,10 +202,9 @@ class RLActor(Checkpointed):
                     self.metrics.log(self.critic_warmup_done, metrics, prefix="critic_warmup")
                 loop.run_until(self.cfg.trainer.max_steps, self.train_step)
         finally:
-            self.rollouts.router.close()
-            for client in (self.rollouts.reward_source, self.critic):
-                if hasattr(client, "close"):
-                    client.close()
+            self.rollouts.close()
+            if hasattr(self.critic, "close"):
+                self.critic.close()
 
     def count_step(self) -> None:
         self.step += 1
@@ -212,7 +218,7 @@ class RLActor(Checkpointed):
         """One step (update_actor=False: a critic warm-up round)."""
         start = time.perf_counter()
         timings: dict[str, float] = {}
-        batch, rollout_metrics = self.rollouts.collect(self.step_seed(), timings)
+        batch, rollout_metrics = self.rollouts.collect(self.step_seed(), timings, policy_version=self.step)
         plan = self.planner.plan_step(self.step, SequenceRows.of(batch))
 
         # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1; or
@@ -346,7 +352,13 @@ class RLActor(Checkpointed):
                 weights = mismatch.truncated_importance_weights(old_logprobs, batch.engine_logprobs, mask,
                                                                 cfg.loss.importance_sampling,
                                                                 cfg.loss.importance_sampling_cap)
-        return Experience(batch=batch, old_logprobs=old_logprobs, advantages=estimated.advantages,
+        fixed = {b: row.fixed_advantage for b, row in enumerate(batch.rows) if row.fixed_advantage is not None}
+        if cfg.rollout.episodes and cfg.rollout.on_bad_call == "fixed_advantage":  # the same on every rank
+            count = torch.tensor([float(len(fixed))])
+            dist.all_reduce(count, group=group)
+            metrics["fixed_advantage_rows"] = float(count.item())
+        return Experience(batch=batch, old_logprobs=old_logprobs,
+                          advantages=advantages.with_fixed_rows(estimated.advantages, mask, fixed),
                           importance_weights=weights, returns=estimated.returns, values=values, scores=scores,
                           sequence_rewards=estimated.sequence_rewards, metrics=metrics)
 
@@ -505,7 +517,7 @@ def policy_planner(cfg: RLActorConfig, model: torch.nn.Module, pad_id: int, obje
     return MicroBatchPlanner(
         cfg.packing, packs=packing.packs_here(cfg.packing),
         shares_prompts=packing.shares_prompts_here(cfg.packing, model),
-        seq_length=cfg.data.max_prompt_length + cfg.generation.max_new_tokens,
+        seq_length=cfg.sequence_length,
         micro_batch_size=cfg.trainer.micro_batch_size, minibatch_size=cfg.trainer.global_batch_size,
         samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.seed, pad_id=pad_id, data_parallel=data_parallel,
         normalizer=objective.normalizer, ptx_coef=objective.ptx_coef, ptx_loader=ptx_loader)

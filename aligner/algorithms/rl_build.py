@@ -9,6 +9,7 @@ from typing import Optional
 from aligner import checkpointing
 from aligner.algorithms.rl_actor import RLActor
 from aligner.algorithms.rl_config import CriticSection, GenerationSection, RewardSection, RLActorConfig
+from aligner.algorithms.rl_episodes import Environments
 from aligner.algorithms.rl_objective import PolicyObjective
 from aligner.clients.critic import CriticClient
 from aligner.clients.reward import RewardClient
@@ -81,7 +82,13 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     if cfg.data.validation_prompts:
         validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length,
                                    cfg.data.chat_template)
-    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length)
+    environments = None
+    if cfg.rollout.episodes:  # the environment loads, or its tools are described, before the rest is built
+        per_rank = cfg.rollouts_per_step // built.data_parallel_size
+        environments = Environments.build(cfg.rollout, episodes_at_once=per_rank)
+    engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length,
+                                             max_sequence_length=cfg.sequence_lengths()[0][0],
+                                             with_router=environments is None)
     if critic is None and cfg.uses_critic:
         critic = build_critic_client(cfg.critic)
     ptx_loader = build_ptx_loader(cfg, tokenizer)
@@ -97,7 +104,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
                       reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,
                       validation_prompts=validation, ptx_loader=ptx_loader, tokenizer=tokenizer, model_cfg=model_cfg,
-                      metrics=policy.metrics, ema=ema, teacher=teacher)
+                      metrics=policy.metrics, ema=ema, teacher=teacher, environments=environments)
     if resume is not None:
         trainer.resume_from(resume)
     for prompt_set in (prompts, validation):
@@ -161,11 +168,14 @@ def build_ptx_loader(cfg: RLActorConfig, tokenizer):
                               seed=cfg.seed, shuffle=True, pad_id=tokenizer.pad_id, pad_to_multiple_of=1)
 
 
-def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer, max_prompt_length: int):
-    """The generation engine on this replica and the router that hands it prompts (collective)."""
+def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer, max_prompt_length: int,
+                            max_sequence_length: Optional[int] = None, with_router: bool = True):
+    """The generation engine on this replica and the router that hands it prompts (collective; None without
+    with_router: episodes go to the engine directly). max_sequence_length: the engine's, prompt + new tokens
+    (default: max_prompt_length + gen.max_new_tokens)."""
     from megatron.core import parallel_state as ps
 
-    seq_length = max_prompt_length + gen.max_new_tokens
+    seq_length = max_sequence_length or max_prompt_length + gen.max_new_tokens
     if gen.engine == "native":
         engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                               max_batch_size=gen.micro_batch_size, max_sequence_length=seq_length,
@@ -175,7 +185,9 @@ def build_engine_and_router(gen: GenerationSection, chunks, model_cfg, tokenizer
                                    work_dir=Path(gen.trtllm_work_dir) / f"replica_{ps.get_data_parallel_rank()}",
                                    max_batch_size=gen.micro_batch_size, max_input_len=max_prompt_length,
                                    max_sequence_length=seq_length)
-    if gen.router == "dynamic":
+    if not with_router:
+        router = None
+    elif gen.router == "dynamic":
         router = DynamicRouter(micro_batch_size=gen.micro_batch_size, data_parallel_group=ps.get_data_parallel_group(),
                                model_parallel_group=ps.get_model_parallel_group(), port=gen.router_port)
     else:
@@ -188,6 +200,8 @@ def build_reward_source(section: RewardSection, probe_prompts: Optional[str] = N
     section's RewardChecks check their scores. Reward functions are called once on the first record of
     the prompt file `probe_prompts` (when given) with the response "": one that fails there ends the run
     before anything else is built."""
+    if section.source == "environment":  # the episodes' environment gives the rewards
+        return None
     if section.source == "function":
         source = RuleRewardSource(section)
         if probe_prompts is not None:

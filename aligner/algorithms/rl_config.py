@@ -11,6 +11,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from aligner.agents.environment import BAD_CALL_POLICIES
+from aligner.agents.rollout import FAILURE_POLICIES, EpisodeLimits
+from aligner.agents.tool_calls import TOOL_CALL_FORMATS
 from aligner.clients.protocol import CRITIC_INFER_MODEL, REWARD_MODEL
 from aligner.config import CONF_DIR, ConfigError, at_least, load_presets, one_of
 from aligner.data.records import Layouts
@@ -46,8 +49,9 @@ class ServerAddress:
 class RewardSection(RewardFunctionSettings):
     # server: a reward-model server | combined: the critic server in combined mode (rewards come back with
     # the values, one request) | function: Python functions (function / functions: RewardFunctionSettings'
-    # keys). The score checks (timeout_s, max_abs, on_invalid, invalid_value) are RewardChecks'.
-    source: str = one_of(("server", "combined", "function"), "server")
+    # keys) | environment: the episodes' environment gives every reward (rollout.environment). The score checks
+    # (timeout_s, max_abs, on_invalid, invalid_value) are RewardChecks'.
+    source: str = one_of(("server", "combined", "function", "environment"), "server")
     server: ServerAddress = field(default_factory=ServerAddress)
     attribute_index: int = 0  # which output of a multi-attribute reward model is the reward
     # Score shaping, in this order:
@@ -101,11 +105,50 @@ class KLSection:
 
 
 @dataclass
+class SandboxSection:
+    """The worker processes environments and tools run in (aligner/runtime/sandbox.py)."""
+
+    # worker processes per rank; null: one per episode a rank runs at once (prompts_per_step / DP x samples_per_prompt),
+    # which an environment needs (each episode's instance lives in a worker); tools need fewer
+    workers: Optional[int] = None
+    timeout_s: float = 10.0  # one call (a reset, a step, a tool call): its worker is killed past it
+    memory_mb: int = at_least(64, 2048)  # address space of a worker
+    processes: int = at_least(1, 32)  # processes a worker may have
+    network: bool = False  # true: environment code may use the network
+
+
+@dataclass
 class RolloutSection:
     prompts_per_step: int = at_least(1, 64)  # distinct prompts per step over all data-parallel ranks
     samples_per_prompt: int = at_least(1, 1)  # k samples of each prompt (a group); rollouts per step = prompts x k
     dynamic_sampling: bool = False  # DAPO: drop groups whose k scores are equal, draw more prompts until full
     max_sampling_rounds: int = at_least(1, 4)  # dynamic sampling: generation rounds per step at most
+    # Multi-turn episodes (docs/guides/agents.md): an environment, or tools, make every rollout an episode.
+    environment: Optional[str] = None  # "package.module:Class" | "file.py:Class" | a built-in name; null: single-turn
+    environment_args: dict = field(default_factory=dict)  # the environment class's keyword arguments
+    tools: list = field(default_factory=list)  # without an environment: functions offered as tools ("module:fn")
+    tool_call_format: str = one_of(tuple(TOOL_CALL_FORMATS), "hermes")
+    max_parallel_calls: int = at_least(1, 1)  # tool calls per reply; more are answered with an error
+    # a bad tool call (malformed, unknown tool, bad arguments): feedback (the error is the tool's answer) | end
+    # (the episode ends, reward 0) | fixed_advantage (it ends, and its tokens get bad_call_advantage)
+    on_bad_call: str = one_of(BAD_CALL_POLICIES, "feedback")
+    bad_call_advantage: float = -1.0
+    chat_template: Optional[str] = None  # a training template (Jinja text) in place of the tokenizer's; null: its own
+    max_turns: int = at_least(1, EpisodeLimits.max_turns)
+    max_episode_tokens: int = at_least(2, EpisodeLimits.max_episode_tokens)  # prompt included: the trained row
+    max_observation_tokens: int = at_least(1, EpisodeLimits.max_observation_tokens)  # longer: cut in the middle
+    episode_timeout_s: float = EpisodeLimits.episode_timeout_s
+    on_failure: str = one_of(FAILURE_POLICIES, EpisodeLimits.on_failure)  # an environment that fails
+    on_cut_turn: str = one_of(("continue", "end"), EpisodeLimits.on_cut_turn)
+    sandbox: SandboxSection = field(default_factory=SandboxSection)
+
+    @property
+    def episodes(self) -> bool:
+        return self.environment is not None or bool(self.tools)
+
+    def limits(self) -> EpisodeLimits:
+        return EpisodeLimits(self.max_turns, self.max_episode_tokens, self.max_observation_tokens,
+                             self.episode_timeout_s, self.on_failure, self.on_cut_turn)
 
 
 @dataclass
@@ -260,7 +303,25 @@ class RLActorConfig(RunConfig):
     @property
     def constant_normalizer(self) -> float:
         value = self.loss.constant_normalizer
-        return float(self.generation.max_new_tokens if value is None else value)
+        return float(self.response_width if value is None else value)
+
+    @property
+    def sequence_length(self) -> int:
+        """The trained rows' length: a prompt + its response, or an episode (rollout.max_episode_tokens)."""
+        if self.rollout.episodes:
+            return self.rollout.max_episode_tokens
+        return self.data.max_prompt_length + self.generation.max_new_tokens
+
+    @property
+    def response_width(self) -> int:
+        """Columns of the per-token tensors: a response's tokens, or all of an episode's after its prompt."""
+        return self.rollout.max_episode_tokens - 1 if self.rollout.episodes else self.generation.max_new_tokens
+
+    @property
+    def sequence_length_key(self) -> str:
+        if self.rollout.episodes:
+            return "rollout.max_episode_tokens"
+        return "data.max_prompt_length + generation.max_new_tokens"
 
     def data_layouts(self) -> Layouts:
         return PROMPT_LAYOUTS
@@ -269,7 +330,12 @@ class RLActorConfig(RunConfig):
         return super().data_sources() + [("ptx.data", self.ptx.data, SFT_LAYOUTS)]
 
     def sequence_lengths(self) -> list[tuple[int, str]]:
-        # A rollout: a prompt + its response (the PTX rows are at most this long: `build_ptx_loader`).
+        # A rollout: a prompt + its response, or an episode (the PTX rows are at most this long:
+        # `build_ptx_loader`). The engine holds an episode and one more turn's tokens while it generates.
+        if self.rollout.episodes:
+            episode, new = self.rollout.max_episode_tokens, self.generation.max_new_tokens
+            return [(episode + new, f"rollout.max_episode_tokens + generation.max_new_tokens = {episode} + {new} = "
+                                    f"{episode + new}")]
         prompt, new = self.data.max_prompt_length, self.generation.max_new_tokens
         return [(prompt + new, f"data.max_prompt_length + generation.max_new_tokens = {prompt} + {new} = "
                                f"{prompt + new}")]
@@ -310,15 +376,16 @@ class RLActorConfig(RunConfig):
         if not loss.scale_logits_by_temperature and not loss.recompute_old_logprobs:
             raise ConfigError("the engine's logprobs are temperature-scaled: "
                               "with loss.scale_logits_by_temperature=false set loss.recompute_old_logprobs=true")
-        self.packing.check_layout(self.parallel.pipeline_model_parallel_size,
-                                  self.data.max_prompt_length + gen.max_new_tokens,
-                                  "data.max_prompt_length + generation.max_new_tokens",
-                                  self.parallel.expert_model_parallel_size)
+        self.packing.check_layout(self.parallel.pipeline_model_parallel_size, self.sequence_length,
+                                  self.sequence_length_key, self.parallel.expert_model_parallel_size)
         if loss.importance_sampling != "none" and not loss.recompute_old_logprobs:
             raise ConfigError("loss.importance_sampling corrects the engine's logprobs towards the trainer's: it needs "
                               "loss.recompute_old_logprobs=true")
         if gen.temperature <= 0:
             raise ConfigError("the actor samples its rollouts: generation.temperature must be > 0")
+        if self.reward.source == "environment" and not rollout.episodes:
+            raise ConfigError("reward.source=environment takes the rewards from the episodes' environment: set "
+                              "rollout.environment (or rollout.tools)")
         if self.reward.source == "function" and not self.reward.function_entries():
             raise ConfigError("reward.source=function needs reward.function='path/to/file.py:function' (or "
                               "'package.module:function', or a weighted list in reward.functions)")
@@ -333,10 +400,39 @@ class RLActorConfig(RunConfig):
             raise ConfigError("ptx.data is set but ptx.coef is not > 0")
         if self.ema.decay is not None and not 0 < self.ema.decay < 1:
             raise ConfigError(f"ema.decay must lie in (0, 1), got {self.ema.decay}")
-        row_length, longest = self.packing.row_length, self.data.max_prompt_length + gen.max_new_tokens
+        row_length, longest = self.packing.row_length, self.sequence_length
         if row_length is not None and row_length < longest:
             raise ConfigError(f"packing.row_length={row_length} must hold the longest rollout: at least "
-                              f"data.max_prompt_length + generation.max_new_tokens = {longest}")
+                              f"{self.sequence_length_key} = {longest}")
+        if rollout.episodes:
+            self.validate_episodes()
+
+    def validate_episodes(self) -> None:
+        """Checks of a run on multi-turn episodes."""
+        rollout, parallel = self.rollout, self.parallel
+        if rollout.environment is not None and rollout.tools:
+            raise ConfigError("rollout.environment and rollout.tools are both set: an environment offers its own "
+                              "tools (its reset returns them); rollout.tools builds the tool environment")
+        if parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError("rollout.environment / rollout.tools: multi-turn episodes run at tensor and pipeline "
+                              "parallel size 1 (each data-parallel rank runs its own episodes)")
+        if self.generation.engine != "native":
+            raise ConfigError("rollout.environment / rollout.tools: multi-turn episodes run on "
+                              "generation.engine=native")
+        if self.uses_critic:
+            raise ConfigError(f"advantage.estimator={self.advantage.estimator} needs the critic, which trains on "
+                              "single-turn rollouts only: use a group estimator (grpo, rloo, ...) with episodes")
+        if self.rollout.dynamic_sampling:
+            raise ConfigError("rollout.dynamic_sampling works on single-turn rollouts only")
+        if self.reward.overlong_buffer is not None:
+            raise ConfigError("reward.overlong_buffer shapes single-turn responses; episodes end at "
+                              "rollout.max_episode_tokens (status truncated)")
+        if self.rollout.max_episode_tokens <= self.data.max_prompt_length:
+            raise ConfigError(f"rollout.max_episode_tokens={rollout.max_episode_tokens} must exceed "
+                              f"data.max_prompt_length={self.data.max_prompt_length} (an episode starts with its "
+                              "prompt)")
+        if self.ptx.data is not None:
+            raise ConfigError("ptx.data mixes SFT rows into single-turn steps only")
 
 
 @dataclass

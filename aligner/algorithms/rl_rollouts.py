@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from aligner.algorithms.rl_config import RLActorConfig
+from aligner.algorithms.rl_config import GenerationSection, RLActorConfig
 from aligner.config import ConfigError
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.rewards import ScoreCheck, wait_for
@@ -64,15 +64,10 @@ class RolloutCollector:
         self.combined_check = ScoreCheck(f"critic server {critic_server.host}:{critic_server.port} (combined mode)",
                                          cfg.reward)
 
-    def sampling(self, greedy: bool = False, seed: int = 0) -> SamplingParams:
-        gen = self.cfg.generation
-        return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
-                              stop_strings=list(gen.stop_strings), fixed_length=gen.fixed_length, seed=seed)
-
-    def collect(self, seed: int, timings: dict) -> tuple[RolloutBatch, dict[str, float]]:
+    def collect(self, seed: int, timings: dict, policy_version: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's RolloutBatch of a step (k samples per prompt, scored, sampled with `seed`) and the
-        rollout metrics; `timings` gets the time spent generating and waiting for scores."""
+        rollout metrics; `timings` gets the time spent generating and waiting for scores. (policy_version: the
+        step whose weights generate; single-turn rows do not record it.)"""
         rollout, k = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
         timings["time_generation"] = timings["time_scoring_wait"] = 0.0
         if not rollout.dynamic_sampling:
@@ -126,10 +121,7 @@ class RolloutCollector:
 
     def to_batch(self, mine: list[tuple]) -> RolloutBatch:
         """Rows (position, RolloutRow) as a batch of the run's fixed widths (one sequence length per schedule)."""
-        gen = self.cfg.generation
-        return RolloutBatch.from_rows(mine, self.tokenizer.pad_id,
-                                      seq_length=self.cfg.data.max_prompt_length + gen.max_new_tokens,
-                                      response_width=gen.max_new_tokens)
+        return to_batch(self.cfg, mine, self.tokenizer.pad_id)
 
     def generate_and_score(self, indices: list[int], timings: dict, *, seed: int, greedy: bool = False,
                            prompts=None, with_values: bool = True) -> tuple[dict, float]:
@@ -158,7 +150,8 @@ class RolloutCollector:
 
         tick = time.perf_counter()
         self.engine.refit(self.chunks)
-        local = collect_rollouts(self.engine, self.router, step_prompts, self.sampling(greedy, seed), send_scoring)
+        sampling = rollout_sampling(self.cfg.generation, greedy, seed)
+        local = collect_rollouts(self.engine, self.router, step_prompts, sampling, send_scoring)
         for position, row in local.items():
             row.given_prompt = given_prompts[position]
         self.engine.release_for_update()  # training gets the memory of what its update makes stale
@@ -194,6 +187,27 @@ class RolloutCollector:
         return local, float(generated.item())
 
     def response_text(self, response_tokens: torch.Tensor) -> str:
-        """What reward functions and sample tables read; the tokens themselves go on unchanged."""
-        ids = [t for t in response_tokens.tolist() if t != self.tokenizer.eos_id]
-        return self.tokenizer.decode(ids)
+        return response_text(self.tokenizer, response_tokens)
+
+    def close(self) -> None:
+        self.router.close()
+        if hasattr(self.reward_source, "close"):
+            self.reward_source.close()
+
+
+def rollout_sampling(gen: GenerationSection, greedy: bool = False, seed: int = 0) -> SamplingParams:
+    """The sampling of the run's rollouts (greedy: validation's)."""
+    return SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+                          temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
+                          stop_strings=list(gen.stop_strings), fixed_length=gen.fixed_length, seed=seed)
+
+
+def response_text(tokenizer, response_tokens) -> str:
+    """What reward functions and sample tables read; the tokens themselves go on unchanged."""
+    ids = [t for t in torch.as_tensor(response_tokens).tolist() if t != tokenizer.eos_id]
+    return tokenizer.decode(ids)
+
+
+def to_batch(cfg: RLActorConfig, mine: list[tuple], pad_id: int) -> RolloutBatch:
+    """Rows (position, RolloutRow) as a batch of the run's fixed widths (one sequence length per schedule)."""
+    return RolloutBatch.from_rows(mine, pad_id, seq_length=cfg.sequence_length, response_width=cfg.response_width)

@@ -245,6 +245,9 @@ class RolloutRow:
     # [len] bool: the tokens the loss trains on; None: all of them. An agent episode's row (the response is
     # everything after the prompt) is True on the model's tokens only (`aligner.agents.rollout.episode_row`).
     loss_mask: Optional[torch.Tensor] = None
+    # An advantage for every trained token in place of the estimator's (an episode ended by a bad tool call under
+    # rollout.on_bad_call=fixed_advantage); None: the estimator's.
+    fixed_advantage: Optional[float] = None
 
 
 @dataclass

@@ -156,6 +156,17 @@ def token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return zero_off_mask(advantages.unsqueeze(1).expand(mask.shape), mask)
 
 
+def with_fixed_rows(advantages: torch.Tensor, mask: torch.Tensor, fixed: dict[int, float]) -> torch.Tensor:
+    """`advantages` [B, T] with rows `fixed` ({row: value}) set to that value on their masked tokens (0 elsewhere):
+    rollouts whose credit a rule decides instead of the estimator (an episode ended by a bad tool call)."""
+    if not fixed:
+        return advantages
+    out = advantages.clone()
+    for row, value in fixed.items():
+        out[row] = value * mask[row].to(out.dtype)
+    return out
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go sum_{s >= t} gamma^(s - t) r_s [B, T] within each response, 0 off the mask, no gradient.
 
