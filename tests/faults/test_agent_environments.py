@@ -138,9 +138,11 @@ def test_the_tool_environment_runs_calls_in_the_sandbox_and_ends_on_an_answer(po
     assert (final.done, final.reward) == (True, 1.0)
 
 
-def test_on_bad_call_end_ends_the_episode(pool):
+@pytest.mark.parametrize("policy", ["end", "fixed_advantage"])
+def test_on_bad_call_end_ends_the_episode(pool, policy):
+    """Both end it, marked, reward 0 (fixed_advantage: the RL actor then gives its tokens the fixed advantage)."""
     tools = sandboxed_tools(pool, [BUILTIN["calculator"]])
-    environment = ToolEnvironment(pool, tools, call_format="hermes", on_bad_call="end")
+    environment = ToolEnvironment(pool, tools, call_format="hermes", on_bad_call=policy)
     environment.reset({"prompt": "?"})
     step = environment.step("<tool_call>not json</tool_call>")
     assert (step.done, step.reward, step.info["ended_by"]) == (True, 0.0, "bad tool call")

@@ -195,3 +195,40 @@ def test_distillation_across_turns_puts_no_kl_on_environment_tokens(single_proce
     finally:
         trainer.rollouts.close()
         trainer.metrics.close()
+
+
+def test_an_episode_ended_by_a_bad_call_gets_the_fixed_advantage_and_calls_are_counted(single_process, tiny):
+    """rollout.on_bad_call=fixed_advantage: the episode a tool environment ended at a bad call (marked in its info)
+    trains with bad_call_advantage on each of its tokens; the others keep the group's advantages; the tool-call
+    outcomes are counted per episode."""
+    from aligner.algorithms.rl_build import build_rl_actor
+
+    cfg = actor_config(tiny, "bad_call", f"rollout.environment={ENVIRONMENTS}:OneTurn", "rollout.max_episode_tokens=12",
+                       "rollout.on_bad_call=fixed_advantage", "rollout.bad_call_advantage=-2.0")
+    trainer = build_rl_actor(cfg)
+    run = trainer.rollouts.runner.run
+
+    def first_episode_ended_by_a_bad_call(*args, **kwargs):
+        batch = run(*args, **kwargs)
+        for number, episode in enumerate(batch.episodes):
+            episode.info = {"tool_calls": {"ok": 1, "malformed": int(number == 0)}}
+        batch.episodes[0].info["ended_by"] = "bad tool call"
+        return batch
+
+    trainer.rollouts.runner.run = first_episode_ended_by_a_bad_call
+    try:
+        batch, metrics = trainer.rollouts.collect(5, {}, policy_version=0)
+        reference = trainer.make_experience(batch, None, None)  # as estimated: rows are the same, fixed row aside
+        assert [row.fixed_advantage for row in batch.rows] == [-2.0] + [None] * 15
+        assert reference.metrics["fixed_advantage_rows"] == 1.0
+        torch.testing.assert_close(reference.advantages[0], -2.0 * batch.mask[0].float())
+        for row in batch.rows:
+            row.fixed_advantage = None
+        estimated = trainer.make_experience(batch, None, None)
+        torch.testing.assert_close(reference.advantages[1:], estimated.advantages[1:], rtol=0, atol=0)
+        assert not torch.equal(reference.advantages[0], estimated.advantages[0])
+        assert metrics["episodes/tool_calls"] == pytest.approx(17 / 16)
+        assert metrics["episodes/tool_calls_ok"] == 1.0 and metrics["episodes/tool_calls_malformed"] == 1 / 16
+    finally:
+        trainer.rollouts.close()
+        trainer.metrics.close()
