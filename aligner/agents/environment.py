@@ -59,11 +59,18 @@ class Start:
 
 
 class Environment(Protocol):
+    """What the episode runner calls; environments subclass it and inherit what they do not need."""
+
     def reset(self, record: dict) -> Start: ...
 
     def step(self, action: str) -> StepResult: ...
 
     def close(self) -> None: ...
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Texts after which the model's turn ends besides its end token (default: none)."""
+        return ()
 
 
 def _messages(value: Any, where: str) -> list[dict]:
@@ -108,7 +115,7 @@ def _value(result: SandboxResult, what: str) -> Any:
     return result.value
 
 
-class SandboxedEnvironment:
+class SandboxedEnvironment(Environment):
     """A user's environment class, one instance in a leased sandbox worker for the episode."""
 
     def __init__(self, pool: SandboxPool, target: str, arguments: Optional[dict] = None):
@@ -153,7 +160,7 @@ def sandboxed_tools(pool: SandboxPool, targets: list[str]) -> dict[str, Tool]:
 BAD_CALL_POLICIES = ("feedback", "end", "fixed_advantage")
 
 
-class ToolEnvironment:
+class ToolEnvironment(Environment):
     """Tools for one episode: the prompt record's messages with the tools offered; each reply's calls run in the
     sandbox and come back as tool messages; a reply without a call is the final answer (done), scored by
     `reward(record, answer) -> float` when given.
@@ -182,6 +189,14 @@ class ToolEnvironment:
         prompt = record[self.prompt_key]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return Start(messages, [tool.schema for tool in self.tools.values()])
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The end of a call in the format (`</tool_call>`) when a turn may make one call: the turn stops there, so
+        the model never writes (and is never trained on) a made-up tool answer after its call. With parallel calls
+        the turn ends with the model's end token (a stop at the first call would leave no room for a second)."""
+        end = self.format.call_end
+        return (end,) if end is not None and self.max_parallel_calls == 1 else ()
 
     def step(self, action: str) -> StepResult:
         calls = resolve_calls(self.format.parse(action), self.tools, self.max_parallel_calls)

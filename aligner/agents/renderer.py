@@ -140,12 +140,15 @@ class ChatRenderer:
         model_part = through[len(chat.text):]
         # Where the model's turn ends in the template's text: after its end token when it generated one (the
         # template may trim the reply's whitespace, so the end token is searched for after the reply's text),
-        # else right after the reply's text (the template then closes the turn itself).
-        start = model_part.find(content.strip()) if content.strip() else 0
+        # else right after the reply's text (the template then closes the turn itself). A turn stopped by a stop
+        # string may end in whitespace (the stop's last token ">\n"): a template that keeps it verbatim is given
+        # the reply whole, so that whitespace is not rendered a second time.
+        reply = content if content and content in model_part else content.strip()
+        start = model_part.find(reply) if reply else 0
         if start < 0:
             raise ConfigError(f"the chat template changes the text of model turn {turn} (it does not contain the "
                               "reply as generated); set a training template that renders replies verbatim")
-        reply_end = start + len(content.strip())
+        reply_end = start + len(reply)
         if ended:
             close = model_part.find(self.end_text, reply_end)
             if close < 0:

@@ -180,9 +180,28 @@ class EpisodeRunner:
         running.failure_message = str(failure)
         running.episode.end("timeout" if failure.kind == "timeout" else "env_error")
 
-    def _generate(self, running: list[RunningEpisode], turn: int, policy_version: int, sampling: SamplingParams):
-        # A distinct draw per turn: sample i of turn t uses seed (seed + t) as its stream's base.
+    def _turn_sampling(self, running: list[RunningEpisode], turn: int, sampling: SamplingParams) -> SamplingParams:
+        """The turn's sampling: a distinct draw per turn (sample i of turn t uses seed (seed + t) as its stream's
+        base), also stopping where the environments' calls end (`Environment.stop_strings`; the environments of a
+        run come from one factory, so they declare the same ends). An end that is one added token of the
+        vocabulary (Qwen's `</tool_call>`) stops as a token id: decoding may skip it, and an engine without stop
+        strings can still stop there; any other stops as a string."""
         sampling = replace(sampling, seed=sampling.seed + turn * 1_000_003)
+        ends = sorted({end for r in running for end in r.environment.stop_strings})
+        if not ends:
+            return sampling
+        tokenizer = running[0].renderer.tokenizer
+        added = tokenizer.hf.get_added_vocab()
+        stop_ids, stop_strings = list(sampling.stop_token_ids), list(sampling.stop_strings)
+        for end in ends:
+            if end in added:
+                stop_ids = sorted(set(stop_ids or [tokenizer.eos_id]) | {added[end]})  # eos still stops
+            elif end not in stop_strings:
+                stop_strings.append(end)
+        return replace(sampling, stop_token_ids=stop_ids, stop_strings=stop_strings)
+
+    def _generate(self, running: list[RunningEpisode], turn: int, policy_version: int, sampling: SamplingParams):
+        sampling = self._turn_sampling(running, turn, sampling)
         rollout = self.engine.generate([r.episode.tokens for r in running], sampling)
         rows = []
         for row in range(len(running)):

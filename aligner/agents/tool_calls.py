@@ -11,6 +11,16 @@ Formats:
   `<|python_tag|>` (Llama 3.1-3.3's JSON tool calling); a reply that is not JSON-shaped is an answer.
 - `plain`: lines `CALL name {json arguments}` (for models without a tool format, e.g. the toy demo's).
 
+Each format declares `call_end`, the text that ends a call, where generation stops when a turn may make one call
+(`ToolEnvironment.stop_strings`) so that the model does not go on to write the tool's answer itself:
+- `hermes`: `</tool_call>`.
+- `llama3_json`: none of its own. The call is the whole reply, so it ends where the turn ends, with the model's
+  end-of-turn token (`<|eot_id|>`, a stop token already): Llama 3.1's templates close a JSON tool call that way.
+  `<|eom_id|>` ("more to come") ends the turns of its built-in tools and code interpreter (`<|python_tag|>` code
+  run in an ipython environment), which this format does not run.
+- `plain`: none. A call is a line, and the only fixed text after it is a newline, which also ends every line of an
+  answer; a stop there would cut multi-line answers.
+
 A malformed call (bad JSON, no name, an unterminated block), an unknown tool, arguments that do not fit the
 tool's signature and calls beyond `max_parallel_calls` each become an error outcome whose message the
 environment can return to the model; every outcome is counted (`OUTCOMES`) for the step's metrics.
@@ -70,6 +80,7 @@ def _call_from_json(value: Any, arguments_key: str) -> ToolCall:
 class HermesFormat:
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
+    call_end: Optional[str] = close
 
     def parse(self, text: str) -> ParsedReply:
         parsed = ParsedReply()
@@ -91,6 +102,7 @@ class HermesFormat:
 class Llama3JSONFormat:
     name = "llama3_json"
     python_tag = "<|python_tag|>"
+    call_end: Optional[str] = None  # the turn's end token ends the call
 
     def parse(self, text: str) -> ParsedReply:
         body = text.strip()
@@ -115,6 +127,7 @@ class Llama3JSONFormat:
 class PlainFormat:
     name = "plain"
     line = re.compile(r"^CALL\s+(\S+)\s*(.*)$")
+    call_end: Optional[str] = None  # a newline would also cut multi-line answers
 
     def parse(self, text: str) -> ParsedReply:
         parsed = ParsedReply()

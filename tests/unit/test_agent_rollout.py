@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aligner.agents.builtin import GuessTheNumber
-from aligner.agents.environment import EnvironmentFailure, start_from, step_from
+from aligner.agents.environment import Environment, EnvironmentFailure, start_from, step_from
 from aligner.agents.renderer import ChatRenderer
 from aligner.agents.rollout import CUT_MARK, EpisodeFailed, EpisodeLimits, EpisodeRunner, collect_groups
 from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
@@ -52,7 +52,7 @@ def binary_search(text: str) -> str:
     return str((low + high) // 2)
 
 
-class Game:
+class Game(Environment):
     """The built-in game in this process, answering as a sandboxed environment does."""
 
     def __init__(self, **arguments):
