@@ -40,6 +40,8 @@ critic_train  (no batching: one request is one rollout batch, sent as Triton bat
        returns           float32 [1, B, T]    value targets per response token (T >= longest response;
                                               entries past a response's end are ignored)
        old_values        float32 [1, B, T]    the critic's values at rollout time, same layout
+       loss_mask         float32 [1, B, T]    optional: 1 on the response tokens to train on (an agent episode's
+                                              model tokens; the environment's are left out); absent: all
   out  value_loss, clip_fraction, explained_variance, grad_norm, lr, critic_step: float32 [1, 1] each
        error             bytes [1, 1]         empty, or why the batch was rejected (nothing trained)
   A batch of more than `server.max_train_rows` rows or `server.max_request_bytes` bytes is rejected
@@ -47,7 +49,7 @@ critic_train  (no batching: one request is one rollout batch, sent as Triton bat
   Training (`Critic.train`): `train.epochs_per_call` passes over the batch, in optimizer steps of
   `train.global_batch_size` rows (B must be a multiple of it). The loss is
   `aligner.rl.shaping.value_loss_sum` (clipped with `train.clip_val`), the mean over the
-  response tokens of the optimizer step. value_loss, clip_fraction and grad_norm are means over
+  response tokens (those of loss_mask) of the optimizer step. value_loss, clip_fraction and grad_norm are means over
   the call's optimizer steps (one step: the loss before the update); explained_variance compares
   old_values with returns (the critic before the update); lr is the last step's rate; critic_step
   counts optimizer steps since the critic was created.
@@ -88,6 +90,7 @@ from aligner.clients.protocol import (
     CRITIC_TRAIN_MODEL,
     ERROR,
     LENGTHS,
+    LOSS_MASK,
     OLD_VALUES,
     PAD_ID,
     PATH,
@@ -234,7 +237,8 @@ class CriticServer:
                                 Tensor(name=LENGTHS, dtype=np.int64, shape=(-1,), optional=True),
                                 Tensor(name=PROMPT_LENGTHS, dtype=np.int64, shape=(-1,), optional=True),
                                 Tensor(name=RETURNS, dtype=np.float32, shape=(-1, -1), optional=True),
-                                Tensor(name=OLD_VALUES, dtype=np.float32, shape=(-1, -1), optional=True)],
+                                Tensor(name=OLD_VALUES, dtype=np.float32, shape=(-1, -1), optional=True),
+                                Tensor(name=LOSS_MASK, dtype=np.float32, shape=(-1, -1), optional=True)],
                         outputs=[*(Tensor(name=name, dtype=np.float32, shape=(1,)) for name in CRITIC_TRAIN_METRICS),
                                  Tensor(name=ERROR, dtype=bytes, shape=(1,))],
                         max_batch_size=1, max_queue_delay_microseconds=0),
@@ -326,13 +330,15 @@ class CriticServer:
             raise TrainRequestError("one train request is one rollout batch (Triton batch size 1); "
                                     f"got {tokens.shape[0]}")
         tokens, lengths, prompts, returns, old_values = (x[0] for x in (tokens, lengths, prompts, returns, old_values))
+        loss_mask = request[LOSS_MASK][0] if LOSS_MASK in request else np.ones_like(returns)
         rows = tokens.shape[0]
         if lengths.shape != (rows,) or prompts.shape != (rows,):
             raise TrainRequestError(f"{LENGTHS} and {PROMPT_LENGTHS} need one entry per row of {TOKENS} ({rows}); "
                                     f"got shapes {list(lengths.shape)} and {list(prompts.shape)}")
-        if returns.shape != old_values.shape or returns.shape[0] != rows:
-            raise TrainRequestError(f"{RETURNS} and {OLD_VALUES} must both be [rows={rows}, response width]; got "
-                                    f"{list(returns.shape)} and {list(old_values.shape)}")
+        if returns.shape != old_values.shape or returns.shape[0] != rows or loss_mask.shape != returns.shape:
+            raise TrainRequestError(f"{RETURNS}, {OLD_VALUES} (and {LOSS_MASK} if sent) must be [rows={rows}, response "
+                                    f"width]; got {list(returns.shape)}, {list(old_values.shape)} and "
+                                    f"{list(loss_mask.shape)}")
         global_batch = self.cfg.train.global_batch_size
         if rows == 0 or rows % global_batch:
             raise TrainRequestError(f"a train batch of {rows} rows is not a multiple of train.global_batch_size "
@@ -365,7 +371,8 @@ class CriticServer:
         return CriticTrainBatch(as_tensor(packed, torch.int64), as_tensor(lengths, torch.int64),
                                 as_tensor(prompts, torch.int64),
                                 as_tensor(returns[:, :longest_response], torch.float32),
-                                as_tensor(old_values[:, :longest_response], torch.float32))
+                                as_tensor(old_values[:, :longest_response], torch.float32),
+                                as_tensor(loss_mask[:, :longest_response], torch.float32))
 
     # -- critic_save
     def save(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:

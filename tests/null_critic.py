@@ -20,7 +20,7 @@ class NullCritic:
     def infer_async(self, sequences) -> Future:
         return done(SimpleNamespace(values=[torch.zeros(len(s)) for s in sequences], rewards=None))
 
-    def train_async(self, sequences, prompt_lengths, returns, old_values) -> Future:
+    def train_async(self, sequences, prompt_lengths, returns, old_values, loss_mask=None) -> Future:
         return done({"rows": float(len(sequences))})
 
     def save(self, step: int) -> str:

@@ -204,6 +204,16 @@ class CriticTrainBatch:
     prompt_lengths: torch.Tensor  # int64 [B]: >= 1, < sequence length
     returns: torch.Tensor  # float32 [B, T]: value targets per response token (entries past a response are ignored)
     old_values: torch.Tensor  # float32 [B, T]: the critic's values at rollout time, same layout
+    # float32 [B, T]: 1 on the response tokens trained on (an agent episode's model tokens), 0 elsewhere
+    loss_mask: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = torch.ones_like(self.returns)
+
+    def mask(self) -> torch.Tensor:
+        """[B, T] bool: the response tokens the value loss trains on."""
+        return response_mask(self.response_lengths, self.returns.shape[1]) & self.loss_mask.bool()
 
     @property
     def rows(self) -> int:
@@ -249,7 +259,7 @@ class ValueObjective:
         batch = CriticTrainBatch(**fields)  # the schedule hands each micro batch over as a dict, on the device
         width = batch.returns.shape[1]
         values = response_values(scores[..., 0].float(), batch.prompt_lengths, width)  # [mb, T]
-        mask = response_mask(batch.response_lengths, width)
+        mask = batch.mask()
         loss_sum, tokens, clipped = value_loss_sum(values, batch.old_values, batch.returns, mask, self.clip_val)
         report = {"loss_sum": loss_sum.detach(), "tokens": tokens.float(), "clipped": clipped.float()}
         return loss_sum, tokens.to(torch.int), report
@@ -321,7 +331,7 @@ class Critic(Checkpointed):
         if batch.rows == 0 or batch.rows % train.global_batch_size:
             raise ValueError(f"a train batch of {batch.rows} rows is not a multiple of train.global_batch_size "
                              f"({train.global_batch_size})")
-        mask = response_mask(batch.response_lengths, batch.returns.shape[1])
+        mask = batch.mask()
         variance_explained = float(explained_variance(batch.old_values.double(), batch.returns.double(), mask))
         dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         rows_per_rank = train.global_batch_size // dp_size

@@ -171,7 +171,7 @@ class RLActor(Checkpointed):
         data_parallel = DataParallel(self.dp_group, self.dp_rank, self.dp_size)
         if environments is not None:  # multi-turn episodes (rollout.environment / rollout.tools)
             self.rollouts = EpisodeCollector(cfg, chunks=self.chunks, engine=engine, reward_source=reward_source,
-                                             prompts=prompts, order=self.order, tokenizer=tokenizer,
+                                             critic=critic, prompts=prompts, order=self.order, tokenizer=tokenizer,
                                              data_parallel=data_parallel, environments=environments)
         else:
             self.rollouts = RolloutCollector(cfg, chunks=self.chunks, engine=engine, router=router,
@@ -372,7 +372,7 @@ class RLActor(Checkpointed):
         batch = experience.batch
         part = {"sequences": [row.prompt + row.response.tolist() for row in batch.rows],
                 "prompt_lengths": batch.prompt_lengths.tolist(), "returns": experience.returns,
-                "old_values": experience.values}
+                "old_values": experience.values, "loss_mask": batch.mask}
         parts = [part]
         if self.dp_size > 1:
             parts = [None] * self.dp_size
@@ -380,7 +380,8 @@ class RLActor(Checkpointed):
         if dist.get_rank() == 0:
             self.pending_critic_train = self.critic.train_async(
                 [s for p in parts for s in p["sequences"]], [n for p in parts for n in p["prompt_lengths"]],
-                torch.cat([p["returns"] for p in parts]).numpy(), torch.cat([p["old_values"] for p in parts]).numpy())
+                torch.cat([p["returns"] for p in parts]).numpy(), torch.cat([p["old_values"] for p in parts]).numpy(),
+                loss_mask=torch.cat([p["loss_mask"] for p in parts]).numpy())
 
     def _finish_critic_train(self) -> dict[str, float]:
         """Wait for the pending critic_train request (rank 0); its metrics, on every rank."""

@@ -419,9 +419,9 @@ class RLActorConfig(RunConfig):
         if self.generation.engine != "native":
             raise ConfigError("rollout.environment / rollout.tools: multi-turn episodes run on "
                               "generation.engine=native")
-        if self.uses_critic:
-            raise ConfigError(f"advantage.estimator={self.advantage.estimator} needs the critic, which trains on "
-                              "single-turn rollouts only: use a group estimator (grpo, rloo, ...) with episodes")
+        if self.reward.source == "combined":
+            raise ConfigError("reward.source=combined scores single-turn rollouts with their values: with episodes "
+                              "use reward.source=environment, function or server")
         if self.rollout.dynamic_sampling:
             raise ConfigError("rollout.dynamic_sampling works on single-turn rollouts only")
         if self.reward.overlong_buffer is not None:

@@ -41,7 +41,8 @@ from aligner.algorithms.rl_config import RLActorConfig, RolloutSection
 from aligner.algorithms.rl_rollouts import response_text, rollout_sampling, to_batch
 from aligner.config import ConfigError
 from aligner.generation.engine import GenerationEngine
-from aligner.generation.rollouts import PromptDataset, RolloutBatch, RolloutRow, micro_batch_seed
+from aligner.generation.rewards import wait_for
+from aligner.generation.rollouts import PromptDataset, RolloutBatch, RolloutRow, micro_batch_seed, values_at_response
 from aligner.runtime.sandbox import SandboxLimits, SandboxPool
 from aligner.runtime.seeds import derive_seed
 from aligner.training.microbatch_plan import DataParallel
@@ -109,14 +110,15 @@ class EpisodeCollector:
     """Generates and scores an RL run's episodes (collective over the data-parallel ranks).
 
     engine: this rank's generation engine (the native engine: episodes run at TP = PP = 1); reward_source: what
-    scores the conversations, None with reward.source=environment; order: the run's prompt order (saved);
-    environments: the sandbox pool and environment factory.
+    scores the conversations, None with reward.source=environment; critic: the critic client when the estimator
+    needs values (PPO: it values every position of an episode; GAE reads the model tokens'), else None; order:
+    the run's prompt order (saved); environments: the sandbox pool and environment factory.
     """
 
-    def __init__(self, cfg: RLActorConfig, *, chunks: list, engine: GenerationEngine, reward_source,
+    def __init__(self, cfg: RLActorConfig, *, chunks: list, engine: GenerationEngine, reward_source, critic=None,
                  prompts: PromptDataset, order, tokenizer, data_parallel: DataParallel, environments: Environments):
         self.cfg, self.chunks, self.engine = cfg, chunks, engine
-        self.reward_source = reward_source
+        self.reward_source, self.critic = reward_source, critic
         self.prompts, self.order, self.tokenizer = prompts, order, tokenizer
         self.data_parallel = data_parallel
         self.environments = environments
@@ -148,6 +150,8 @@ class EpisodeCollector:
         batch = self._run(lambda: collect_groups(self.runner, draw, share, k, policy_version,
                                                  seed=micro_batch_seed(seed, first)), timings)
         rows = self.score(batch, [drawn[name] for name in batch.names], self.prompts, timings)
+        if self.critic is not None:
+            self.attach_values(batch, rows, timings)
         metrics = self.metrics(batch)
         return to_batch(self.cfg, list(enumerate(rows, start=first)), self.tokenizer.pad_id), metrics
 
@@ -207,6 +211,17 @@ class EpisodeCollector:
                     row.fixed_advantage = self.cfg.rollout.bad_call_advantage
         timings["time_scoring_wait"] = timings.get("time_scoring_wait", 0.0) + time.perf_counter() - tick
         return rows
+
+    def attach_values(self, batch: EpisodeBatch, rows: list[RolloutRow], timings: dict) -> None:
+        """The critic's value of every response position of each episode (row.values)."""
+        tick = time.perf_counter()
+        critic = self.cfg.critic.server
+        inferred = wait_for(self.critic.infer_async([episode.tokens for episode in batch.episodes]),
+                            lambda: f"the critic server {critic.host}:{critic.port}")
+        for j, row in enumerate(rows):
+            row.values = values_at_response(torch.as_tensor(inferred.values[j], dtype=torch.float32),
+                                            len(row.prompt), len(row.response))
+        timings["time_scoring_wait"] = timings.get("time_scoring_wait", 0.0) + time.perf_counter() - tick
 
     def metrics(self, batch: EpisodeBatch) -> dict[str, float]:
         """The step's episode metrics over all ranks (`EpisodeBatch.metrics`) and the model tokens generated."""

@@ -37,6 +37,7 @@ from aligner.clients.protocol import (
     CRITIC_TRAIN_METRICS,
     CRITIC_TRAIN_MODEL,
     LENGTHS,
+    LOSS_MASK,
     OLD_VALUES,
     PATH,
     PROMPT_LENGTHS,
@@ -126,12 +127,13 @@ class CriticClient(ModelServerClient):
 
     # -- training
     def train_async(self, token_lists: Sequence[Sequence[int]], prompt_lengths: Sequence[int], returns,
-                    old_values) -> Future:
+                    old_values, loss_mask=None) -> Future:
         """Train on one rollout batch: a Future of the metrics dict (value_loss, clip_fraction,
         explained_variance, grad_norm, lr, critic_step).
 
         token_lists: prompt + response ids per row; prompt_lengths: per row; returns, old_values:
-        [B, T] per response token (T >= the longest response; entries past a response's end are ignored).
+        [B, T] per response token (T >= the longest response; entries past a response's end are ignored);
+        loss_mask: [B, T], true on the response tokens to train on (an agent episode's model tokens); None: all.
         """
         sequences = [np.asarray(tokens).reshape(-1) for tokens in token_lists]
         returns, old_values = (np.asarray(array, dtype=np.float32) for array in (returns, old_values))
@@ -147,14 +149,20 @@ class CriticClient(ModelServerClient):
                   LENGTHS: np.array([[len(ids) for ids in sequences]], dtype=np.int64),
                   PROMPT_LENGTHS: np.asarray(prompt_lengths, dtype=np.int64).reshape(1, -1),
                   RETURNS: returns[None], OLD_VALUES: old_values[None]}
+        if loss_mask is not None:
+            loss_mask = np.asarray(loss_mask, dtype=np.float32)
+            if loss_mask.shape != returns.shape:
+                raise ValueError(f"train_async: loss_mask must be shaped as returns {list(returns.shape)}, got "
+                                 f"{list(loss_mask.shape)}")
+            inputs[LOSS_MASK] = loss_mask[None]
         answer: Future = Future()
         self._train.submit(inputs).add_done_callback(
             lambda sent: _settle(answer, sent, lambda outputs: {name: float(outputs[name].reshape(-1)[0])
                                                                 for name in CRITIC_TRAIN_METRICS}))
         return answer
 
-    def train(self, token_lists, prompt_lengths, returns, old_values) -> dict[str, float]:
-        return self.train_async(token_lists, prompt_lengths, returns, old_values).result()
+    def train(self, token_lists, prompt_lengths, returns, old_values, loss_mask=None) -> dict[str, float]:
+        return self.train_async(token_lists, prompt_lengths, returns, old_values, loss_mask).result()
 
     # -- checkpoints
     def save(self, step: int) -> str:

@@ -20,8 +20,9 @@ CRITIC_INFER_MODEL, CRITIC_TRAIN_MODEL, CRITIC_SAVE_MODEL = "critic_infer", "cri
 TOKENS, LENGTHS = "tokens", "sequence_lengths"
 SENTENCES, CONVERSATIONS = "sentences", "conversations"
 PROMPT_LENGTHS, RETURNS, OLD_VALUES = "prompt_lengths", "returns", "old_values"  # critic_train
+LOSS_MASK = "loss_mask"  # critic_train, optional: 1 on the response tokens trained on (an episode's model tokens)
 STEP = "step"  # critic_save
-CRITIC_TRAIN_INPUTS = (TOKENS, LENGTHS, PROMPT_LENGTHS, RETURNS, OLD_VALUES)
+CRITIC_TRAIN_INPUTS = (TOKENS, LENGTHS, PROMPT_LENGTHS, RETURNS, OLD_VALUES)  # required; LOSS_MASK may follow
 
 # Outputs.
 REWARDS, VALUES, PATH, ERROR = "rewards", "values", "path", "error"

@@ -309,6 +309,8 @@ def test_bad_train_requests_are_rejected_without_training(client, rollout):
     sequences[1][-1] = 10_000
     with pytest.raises(CriticServerError, match="row 1: token id 10000"):
         client.train(sequences, args[1], args[2], args[3])
+    with pytest.raises(ValueError, match="loss_mask must be shaped as returns"):
+        client.train(*args, loss_mask=np.ones((len(args[0]), 1), dtype=np.float32))
 
 
 def float64_reference(references, rollout) -> tuple[float, float, float]:

@@ -145,3 +145,23 @@ def test_killed_critic_server_stops_the_actor_with_a_clear_error(models, tmp_pat
     assert f"server at 127.0.0.1:{port}" in output and "serve_ppo_critic.py" in output
     saved = log_dir / "actor" / "checkpoints" / "step_00000002"
     assert checkpointing.read_meta(saved)["trainer_state"]["step"] == 2  # what was saved is intact
+
+
+def test_ppo_on_episodes_through_the_launcher(models, tmp_path):
+    """The launcher's PPO with a multi-turn environment: the actor runs episodes of two questions, the critic server
+    values them and trains on their model tokens (its train request carries the loss mask), for two steps."""
+    root, sft, rm = models
+    log_dir = tmp_path / "episodes"
+    command = _launch_command(models, log_dir, free_port_block(), 2)
+    command = [part for part in command if part not in ("--reward-checkpoint", str(rm))]
+    command[2:2] = ["--reward", "function", "--critic-checkpoint", str(rm)]
+    command += [f"--actor-arg={a}" for a in (
+        f"rollout.environment={REPO_ROOT / 'tests' / 'agent_envs.py'}:AddUp", "rollout.environment_args={turns: 2}",
+        "rollout.max_episode_tokens=40", "rollout.max_turns=2", "reward.function=tests.faults.errors_sft:ones_reward")]
+    code, output = _launch(command, log_dir)
+    assert code == 0, output[-4000:]
+    rows = _train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["episodes/turns"] > 1 and row["episodes/environment_tokens"] > 0
+        assert row["critic_value_loss"] == row["critic_value_loss"] and row["critic_value_loss"] > 0  # finite

@@ -113,15 +113,15 @@ def test_grpo_on_episodes_of_several_turns_trains_on_the_model_tokens(single_pro
     assert "kl" in step and "episodes/turns" in step
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("algorithm=ppo", "needs the critic"),
-    ("rollout.dynamic_sampling=true", "single-turn rollouts only"),
-    ("parallel.tensor_model_parallel_size=2", "tensor and pipeline parallel size 1"),
-    ("rollout.max_episode_tokens=8", "must exceed data.max_prompt_length=8"),
-    ("rollout.tools=[calculator]", "both set"),
+@pytest.mark.parametrize("settings, message", [
+    (("algorithm=ppo", "reward.source=combined"), "scores single-turn rollouts"),
+    (("rollout.dynamic_sampling=true",), "single-turn rollouts only"),
+    (("parallel.tensor_model_parallel_size=2",), "tensor and pipeline parallel size 1"),
+    (("rollout.max_episode_tokens=8",), "must exceed data.max_prompt_length=8"),
+    (("rollout.tools=[calculator]",), "both set"),
 ])
-def test_settings_episodes_cannot_run_are_refused_with_the_key_named(tiny, setting, message):
-    cfg = actor_config(tiny, "refused", f"rollout.environment={ENVIRONMENTS}:OneTurn", setting)
+def test_settings_episodes_cannot_run_are_refused_with_the_key_named(tiny, settings, message):
+    cfg = actor_config(tiny, "refused", f"rollout.environment={ENVIRONMENTS}:OneTurn", *settings)
     with pytest.raises(ConfigError, match=message):
         cfg.validate(data_parallel_size=1)
 
@@ -232,3 +232,46 @@ def test_an_episode_ended_by_a_bad_call_gets_the_fixed_advantage_and_calls_are_c
     finally:
         trainer.rollouts.close()
         trainer.metrics.close()
+
+
+def test_ppo_on_episodes_values_every_position_and_trains_the_critic_on_model_tokens(single_process, tiny):
+    """algorithm=ppo with an environment: the critic is asked for the values of each whole episode, GAE's advantages
+    lie on the model's tokens only, and the critic's train request carries the batch's loss mask (its model tokens),
+    so the environment's tokens are not value targets."""
+    from aligner.algorithms.rl_build import build_rl_actor
+
+    from ..null_critic import NullCritic
+
+    class Recording(NullCritic):
+        def __init__(self):
+            self.inferred, self.masks = [], []
+
+        def infer_async(self, sequences):
+            self.inferred.append([list(sequence) for sequence in sequences])
+            return super().infer_async(sequences)
+
+        def train_async(self, sequences, prompt_lengths, returns, old_values, loss_mask=None):
+            self.masks.append(torch.as_tensor(loss_mask))
+            return super().train_async(sequences, prompt_lengths, returns, old_values, loss_mask)
+
+    critic = Recording()
+    cfg = actor_config(tiny, "ppo", f"rollout.environment={ENVIRONMENTS}:AddUp", "rollout.environment_args={turns: 2}",
+                       "rollout.max_episode_tokens=48", "rollout.max_turns=3",
+                       "generation.max_new_tokens=3", "algorithm=ppo")
+    assert cfg.uses_critic
+    trainer = build_rl_actor(cfg, critic=critic)
+    try:
+        batch, _ = trainer.rollouts.collect(9, {}, policy_version=0)
+        assert critic.inferred[-1] == [row.prompt + row.response.tolist() for row in batch.rows]
+        old_logprobs = trainer.logprobs(trainer.planner.plan_step(0, SequenceRows.of(batch)))
+        experience = trainer.make_experience(batch, old_logprobs, None)  # the final answers' ones reward
+        assert float(experience.advantages[~batch.mask].abs().max()) == 0.0
+        assert float(experience.advantages[batch.mask].abs().min()) > 0.0
+        metrics = trainer.train_step()
+    finally:
+        trainer.rollouts.close()
+        trainer.metrics.close()
+    assert math.isfinite(metrics["loss"]) and metrics["episodes/turns"] == 2.0
+    sent = critic.masks[-1].bool()
+    assert sent.shape[0] == 16 and sent.any() and not sent.all()
+    assert int(sent.sum()) == round(metrics["episodes/model_tokens"] * 16)  # the model's tokens, and only those

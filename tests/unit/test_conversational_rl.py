@@ -190,9 +190,9 @@ class RecordingCritic(NullCritic):
         self.inferred.append([list(sequence) for sequence in sequences])
         return super().infer_async(sequences)
 
-    def train_async(self, sequences, prompt_lengths, returns, old_values):
+    def train_async(self, sequences, prompt_lengths, returns, old_values, loss_mask=None):
         self.trained.append(([list(s) for s in sequences], list(prompt_lengths)))
-        return super().train_async(sequences, prompt_lengths, returns, old_values)
+        return super().train_async(sequences, prompt_lengths, returns, old_values, loss_mask)
 
 
 class SpellingEngine(GenerationEngine):

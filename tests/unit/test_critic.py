@@ -263,3 +263,42 @@ def test_critic_with_lora_trains_adapters_and_the_value_head_and_resumes_them(tm
         assert resumed.train(batch).value_loss == pytest.approx(critic.train(batch).value_loss, rel=1e-6)
     finally:
         distributed.shutdown()
+
+
+def test_the_critic_trains_only_on_the_loss_mask(tmp_path):
+    """An agent episode's critic batch carries a loss mask (its model tokens): returns at the other positions do not
+    reach the loss or the weights, whatever they are; without the mask they do."""
+    from aligner.algorithms.critic import CriticTrainBatch, build_critic
+    from aligner.demo.tokenizer import train_char_tokenizer
+    from aligner.runtime import distributed
+    from tests.functional.test_critic_server import make_one_attribute_checkpoint, right_padded
+
+    distributed.initialize(distributed.ParallelConfig())
+    try:
+        train_char_tokenizer(["0123456789+= abcdefghij"], tmp_path / "tokenizer")
+        init_from = make_one_attribute_checkpoint(tmp_path / "init", tmp_path / "tokenizer", seed=5)
+        generator = torch.Generator().manual_seed(1)
+        prompt_lengths, response_lengths = torch.tensor([3, 1, 6, 2]), torch.tensor([5, 7, 2, 4])
+        sequences = [torch.randint(0, 20, (int(p + r),), generator=generator).tolist()
+                     for p, r in zip(prompt_lengths, response_lengths)]
+        tokens, lengths = right_padded(sequences)
+        width = int(response_lengths.max())
+        old_values = torch.randn(ROWS, width, generator=generator)
+        returns = old_values + torch.randn(ROWS, width, generator=generator)
+        loss_mask = (torch.rand(ROWS, width, generator=generator) < 0.6).float()  # holes: environment tokens
+        loss_mask[:, 0] = 1.0
+        elsewhere = returns + 100.0 * (1 - loss_mask)  # other targets where the mask is 0
+
+        def trained(targets, mask, name):
+            critic = build_critic(_critic_config(init_from, tmp_path / name, offload=False))[0]
+            metrics = critic.train(CriticTrainBatch(tokens, lengths, prompt_lengths, targets.float(),
+                                                    old_values.float(), mask))
+            return metrics, critic.values(tokens, lengths)
+
+        masked, values = trained(returns, loss_mask, "masked")
+        moved, moved_values = trained(elsewhere, loss_mask, "moved")
+        assert masked.value_loss == moved.value_loss and torch.equal(values, moved_values)
+        unmasked, unmasked_values = trained(elsewhere, None, "unmasked")
+        assert unmasked.value_loss > 10 * masked.value_loss and not torch.equal(values, unmasked_values)
+    finally:
+        distributed.shutdown()
