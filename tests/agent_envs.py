@@ -40,3 +40,17 @@ class AddUp:
             return {"messages": [], "reward": self.right / self.turns, "done": True}
         left, right = self.questions[0]
         return {"messages": [{"role": "user", "content": f"{left}+{right}="}], "reward": float(good), "done": False}
+
+
+class Flaky(OneTurn):
+    """OneTurn whose step raises on the records whose first number is a multiple of 3 (as buggy environment code
+    does), after the model's turn."""
+
+    def reset(self, record: dict) -> dict:
+        self.broken = int(_question(record).split("+")[0]) % 3 == 0
+        return super().reset(record)
+
+    def step(self, action: str) -> dict:
+        if self.broken:
+            raise RuntimeError("this record breaks the environment")
+        return super().step(action)

@@ -12,7 +12,8 @@ max_new_tokens under on_cut_turn=end), `timeout` (its deadline or an environment
 
 Failures of environment code (EnvironmentFailure) follow `on_failure`: `fail` ends the run with one line
 naming the environment and the record; `zero_reward` keeps the episode (status env_error / timeout,
-reward 0); `drop` leaves it out, and `collect_groups` draws new records until every group is whole, so a
+reward 0, info["failure"] set), unless it failed before the model's first turn (nothing to train: dropped);
+`drop` leaves it out, and `collect_groups` draws new records until every group is whole, so a
 batch is never short. Failures of the sandbox itself (a crashed worker) are counted apart from those of
 the environment's code.
 """
@@ -83,6 +84,17 @@ class EpisodeBatch:
     indices: list[int]  # each episode's position in the records run
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (record, why) of episodes left out
     counts: dict = field(default_factory=dict)
+
+    @classmethod
+    def concatenate(cls, parts: Sequence["EpisodeBatch"], offsets: Sequence[int]) -> "EpisodeBatch":
+        """One batch of runs over consecutive slices of the records (`offsets`: each slice's first position)."""
+        counts: dict = {}
+        for part in parts:
+            for key, value in part.counts.items():
+                counts[key] = counts.get(key, 0) + value
+        return cls([e for part in parts for e in part.episodes], [n for part in parts for n in part.names],
+                   [offset + i for part, offset in zip(parts, offsets) for i in part.indices],
+                   [d for part in parts for d in part.dropped], counts)
 
     def metrics(self) -> dict[str, float]:
         """Fractions of episodes per status, means per episode (turns, tokens, tool calls by outcome) and counts
@@ -179,6 +191,7 @@ class EpisodeRunner:
         running.failure = "infrastructure" if failure.kind == "crashed" else "environment"
         running.failure_message = str(failure)
         running.episode.end("timeout" if failure.kind == "timeout" else "env_error")
+        running.episode.info = {**running.episode.info, "failure": running.failure}
 
     def _turn_sampling(self, running: list[RunningEpisode], turn: int, sampling: SamplingParams) -> SamplingParams:
         """The turn's sampling: a distinct draw per turn (sample i of turn t uses seed (seed + t) as its stream's
@@ -272,7 +285,9 @@ class EpisodeRunner:
                                 "(rollout.on_failure=fail; drop or zero_reward keep the run going)")
         episodes, names, indices, dropped = [], [], [], []
         for r in started:
-            if r.failure is not None and policy == "drop":
+            # An episode whose environment failed before the model's first turn has no tokens to train: dropped
+            # under zero_reward too.
+            if r.failure is not None and (policy == "drop" or r.episode.model_turns == 0):
                 dropped.append((r.name, r.failure_message))
                 continue
             if r.failure is not None:  # zero_reward

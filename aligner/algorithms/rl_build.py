@@ -84,8 +84,8 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
                                    cfg.data.chat_template)
     environments = None
     if cfg.rollout.episodes:  # the environment loads, or its tools are described, before the rest is built
-        per_rank = cfg.rollouts_per_step // built.data_parallel_size
-        environments = Environments.build(cfg.rollout, episodes_at_once=per_rank)
+        per_rank = cfg.rollouts_per_step // built.data_parallel_size  # run generation.micro_batch_size at a time
+        environments = Environments.build(cfg.rollout, episodes_at_once=min(per_rank, cfg.generation.micro_batch_size))
     engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length,
                                              max_sequence_length=cfg.sequence_lengths()[0][0],
                                              with_router=environments is None)

@@ -88,7 +88,7 @@ class GenerationSection:
     top_p: float = 1.0
     fixed_length: bool = False  # keep sampling past the stop token (OpenAI's original setting)
     stop_strings: list = field(default_factory=list)
-    micro_batch_size: int = at_least(1, 16)  # rollouts per router hand-out; the engine's cache rows (refilled)
+    micro_batch_size: int = at_least(1, 16)  # rollouts per router hand-out (episodes: per run); the engine's cache rows
     router: str = one_of(("dynamic", "static"), "dynamic")  # dynamic: a shared queue (slow ranks take fewer)
     # the dynamic router's queue: a TCP port global rank 0 listens on ($MASTER_ADDR, else 127.0.0.1)
     router_port: int = at_least(0, 0, "0: a free port")
@@ -108,8 +108,9 @@ class KLSection:
 class SandboxSection:
     """The worker processes environments and tools run in (aligner/runtime/sandbox.py)."""
 
-    # worker processes per rank; null: one per episode a rank runs at once (prompts_per_step / DP x samples_per_prompt),
-    # which an environment needs (each episode's instance lives in a worker); tools need fewer
+    # worker processes per rank; null: one per episode a rank runs at once (generation.micro_batch_size, at most the
+    # rank's prompts_per_step / DP x samples_per_prompt), which an environment needs (each episode's instance lives
+    # in a worker); tools need fewer
     workers: Optional[int] = None
     timeout_s: float = 10.0  # one call (a reset, a step, a tool call): its worker is killed past it
     memory_mb: int = at_least(64, 2048)  # address space of a worker

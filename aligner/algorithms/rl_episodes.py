@@ -92,6 +92,22 @@ class Environments:
             raise
 
 
+class MicroBatched:
+    """A runner that runs episodes in runs of `size` (generation.micro_batch_size), each sampled with the seed of
+    its first position in the step (`micro_batch_seed`, as single-turn micro-batches are), so an episode's draws do
+    not depend on how many data-parallel ranks share the step. first: the position of the first episode given."""
+
+    def __init__(self, runner: EpisodeRunner, size: int, first: int):
+        self.runner, self.size, self.first = runner, size, first
+
+    def run(self, records, names, policy_version: int = 0, seed: Optional[int] = None) -> EpisodeBatch:
+        starts = list(range(0, len(records), self.size))
+        parts = [self.runner.run(records[start:start + self.size], names[start:start + self.size], policy_version,
+                                 seed=None if seed is None else micro_batch_seed(seed, self.first + start))
+                 for start in starts]
+        return EpisodeBatch.concatenate(parts, starts)
+
+
 def episode_score(episode: Episode) -> Optional[float]:
     """The environment's reward of an episode: its final reward, else the sum of its turn rewards; None if none."""
     if episode.reward is not None:
@@ -147,8 +163,8 @@ class EpisodeCollector:
             return self.record(self.prompts, index), self.prompts.record(index)
 
         first = data_parallel.rank * share * k  # this rank's first rollout position in the step
-        batch = self._run(lambda: collect_groups(self.runner, draw, share, k, policy_version,
-                                                 seed=micro_batch_seed(seed, first)), timings)
+        runner = MicroBatched(self.runner, self.cfg.generation.micro_batch_size, first)
+        batch = self._run(lambda: collect_groups(runner, draw, share, k, policy_version, seed=seed), timings)
         rows = self.score(batch, [drawn[name] for name in batch.names], self.prompts, timings)
         if self.critic is not None:
             self.attach_values(batch, rows, timings)
@@ -205,6 +221,9 @@ class EpisodeCollector:
             for j, row in enumerate(rows):
                 row.score, row.score_replaced = float(scores.values[j]), bool(scores.replaced[j])
                 row.score_parts = {name: float(part[j]) for name, part in scores.parts.items()}
+        for row, episode in zip(rows, batch.episodes):
+            if episode.info.get("failure"):  # kept by on_failure=zero_reward: scored 0, whatever the source says
+                row.score, row.score_parts = 0.0, {name: 0.0 for name in row.score_parts}
         if self.cfg.rollout.on_bad_call == "fixed_advantage":
             for row, episode in zip(rows, batch.episodes):
                 if episode.info.get("ended_by") == "bad tool call":

@@ -101,3 +101,30 @@ def test_grpo_first_minibatch_ratio_is_one_and_the_engine_matches_the_trainer(se
     # The native engine samples in fp32 from the training weights: its logprobs are the trainer's.
     assert metrics["mismatch_kl"] < 1e-5
     assert metrics["mismatch_abs_logprob_diff_max"] < 1e-4
+
+
+def test_episodes_on_two_data_parallel_ranks_are_the_single_process_episodes(setup):
+    """Multi-turn episodes (the AddUp environment, two questions each): at DP=2 each rank runs its whole groups, and
+    every episode's tokens, score and advantage equal the single-process run's (an episode's draws follow its
+    position in the step, not its rank)."""
+    root, policy, prompts = setup
+    environment = [f"rollout.environment={REPO_ROOT / 'tests' / 'agent_envs.py'}:AddUp",
+                   "rollout.environment_args={turns: 2}", "rollout.max_episode_tokens=40", "rollout.max_turns=2",
+                   "rollout.sandbox.workers=8"]
+    runs = {}
+    for dp in (1, 2):
+        name = f"episodes_dp{dp}"
+        output = root / f"{name}.json"
+        run_torchrun(SCRIPT, dp, "step", str(output), *_common(root, policy, prompts, name), *environment,
+                     "generation.micro_batch_size=8", "rollout.prompts_per_step=4", "trainer.global_batch_size=16",
+                     "trainer.micro_batch_size=4", "kl.init_coef=0.1", "advantage.estimator=grpo")
+        runs[dp] = json.loads(output.read_text())
+    single, double = runs[1], runs[2]
+    assert len(single["rows"]) == 16 and double["rows"].keys() == single["rows"].keys()
+    for index, row in single["rows"].items():
+        other = double["rows"][index]
+        assert other["prompt"] == row["prompt"] and other["response"] == row["response"], index
+        assert other["score"] == row["score"] and other["advantage"] == pytest.approx(row["advantage"], abs=1e-4)
+    assert single["metrics"]["episodes/turns"] == double["metrics"]["episodes/turns"] == 2.0
+    tokens = "episodes/environment_tokens"
+    assert double["metrics"][tokens] == pytest.approx(single["metrics"][tokens])

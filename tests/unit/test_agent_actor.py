@@ -275,3 +275,33 @@ def test_ppo_on_episodes_values_every_position_and_trains_the_critic_on_model_to
     sent = critic.masks[-1].bool()
     assert sent.shape[0] == 16 and sent.any() and not sent.all()
     assert int(sent.sum()) == round(metrics["episodes/model_tokens"] * 16)  # the model's tokens, and only those
+
+
+def test_a_raising_environment_never_leaves_the_batch_short(single_process, tiny):
+    """on_failure=drop: the groups of records the environment fails on are replaced by groups of other prompts, so
+    the batch is whole (16 rows, 4 groups of one prompt each) and the drops are counted; zero_reward keeps them."""
+    from aligner.algorithms.rl_build import build_rl_actor
+    from aligner.demo.arithmetic import parse_prompt
+
+    for policy in ("drop", "zero_reward"):
+        cfg = actor_config(tiny, f"flaky_{policy}", f"rollout.environment={ENVIRONMENTS}:Flaky",
+                           "rollout.max_episode_tokens=12", f"rollout.on_failure={policy}")
+        trainer = build_rl_actor(cfg)
+        try:
+            failing = sum(parse_prompt(trainer.prompts.prompts[i])[0] % 3 == 0 for i in trainer.order.take(4))
+            trainer.order.consumed = 0  # the step takes the same four prompts again
+            batch, metrics = trainer.rollouts.collect(11, {}, policy_version=0)
+        finally:
+            trainer.rollouts.close()
+            trainer.metrics.close()
+        assert failing > 0, "the seed's first prompts should include one the environment fails on"
+        assert len(batch.rows) == 16 and batch.tokens.shape[0] == 16
+        prompts = [tuple(row.prompt) for row in batch.rows]
+        assert all(len(set(prompts[g * 4:(g + 1) * 4])) == 1 for g in range(4))  # whole groups of one prompt
+        if policy == "drop":
+            assert metrics["episodes/dropped"] >= 4 * failing and metrics["episodes/env_error"] == 0.0
+            assert all(parse_prompt(row.given_prompt)[0] % 3 for row in batch.rows)
+        else:
+            assert metrics["episodes/env_error"] == failing / 4 and metrics["episodes/dropped"] == 0.0
+            kept = [row for row in batch.rows if parse_prompt(row.given_prompt)[0] % 3 == 0]
+            assert len(kept) == 4 * failing and all(row.score == 0.0 for row in kept)

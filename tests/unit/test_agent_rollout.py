@@ -164,9 +164,11 @@ def test_failure_policies(tokenizer, policy):
     assert batch.counts["environment_failures"] == 2 and batch.counts["infrastructure_failures"] == 1
     if policy == "drop":
         assert batch.names == ["p:1"] and [name for name, _ in batch.dropped] == ["p:2", "p:3", "p:4"]
-    else:
-        assert [e.status for e in batch.episodes] == ["done", "env_error", "timeout", "env_error"]
-        assert [e.reward for e in batch.episodes] == [1.0, 0.0, 0.0, 0.0]
+    else:  # kept with reward 0, except the one that failed at reset: no model turn, nothing to train
+        assert batch.names == ["p:1", "p:3", "p:4"] and [name for name, _ in batch.dropped] == ["p:2"]
+        assert [e.status for e in batch.episodes] == ["done", "timeout", "env_error"]
+        assert [e.reward for e in batch.episodes] == [1.0, 0.0, 0.0]
+        assert [e.info.get("failure") for e in batch.episodes] == [None, "environment", "infrastructure"]
 
 
 def test_whole_groups_are_collected_by_drawing_again(tokenizer):

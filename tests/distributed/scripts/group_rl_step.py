@@ -55,7 +55,7 @@ def main() -> None:
 
         trainer.make_experience = capture
         metrics = trainer.train_step()
-        trainer.rollouts.router.close()
+        trainer.rollouts.close()
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, captured)
         rows = {}
