@@ -315,8 +315,12 @@ class NativeEngine(GenerationEngine):
         given as a Future leaves the episode's row out of the decode batch until it is done; at most
         max_batch_size episodes are started (hold a row) at once. On a model-parallel group (TP or PP > 1)
         each answer is waited for when it is given, so that every rank admits the same rows at the same step
-        (on_turn must answer alike on every rank). Collective over the model-parallel group.
+        (on_turn must answer alike on every rank). With continuous_batching=False: the protocol's default (each
+        turn's whole history again, through the static-batch loop). Collective over the model-parallel group.
         """
+        if not self.continuous_batching:
+            super().generate_turns(first_prompts, sampling, on_turn, longest_prompt)
+            return
         self._check_request(first_prompts, sampling)
         if max(len(p) for p in first_prompts) > longest_prompt:
             raise ValueError(f"generate_turns: a first prompt is longer than longest_prompt={longest_prompt}")
