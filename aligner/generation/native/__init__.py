@@ -82,7 +82,7 @@ in lockstep), and so is cuda_graphs=True for MoE models (tokens per expert chang
 Modules: `engine` (NativeEngine: binding, KV cache, the generation loops), `forward` (prefill and
 decode steps, the static step CUDA graphs capture), `weights` (the records of the bound parameters, packed
 copies, rotary tables), `sampling_state` (one call's or stream's draws, stop rules and rollout tensors),
-`state` (EngineState, the record they share).
+`state` (EngineState, the record they share), `turns` (the cache rows of multi-turn episodes).
 
 Not supported: the transformer-engine layer spec (its fused norm+linear weights have other
 names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).

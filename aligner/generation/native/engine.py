@@ -20,6 +20,7 @@ from aligner.generation.engine import GenerationEngine, OnTurn, Rollout, Samplin
 from aligner.generation.native.forward import DecodeInputs, Forward, StaticDecodeStep
 from aligner.generation.native.sampling_state import SamplingState
 from aligner.generation.native.state import EngineState
+from aligner.generation.native.turns import EpisodeRows
 from aligner.generation.native.weights import bind_segments, pack_products, rope_tables, weight_pointers
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
@@ -336,11 +337,13 @@ class NativeEngine(GenerationEngine):
                         on_turn: OnTurn, longest_prompt: int) -> None:
         """The continuous-batching loop of `_generate_continuous` over episodes that come back for more turns.
 
-        Cache rows 0 .. live - 1 decode; the rows after them hold the caches of episodes waiting for an
-        answer (or a free row), and free rows. Each step admits the episodes whose answer came (into their
-        own row, moved to the end of the live block) and, while rows are free, new episodes; a row whose turn
-        ends leaves the live block with its cache (swapped with a live row behind it), or is freed when its
-        episode ends. Every turn is a sample of `sampler` with the turn's seed (`turn_sampling`).
+        Cache rows 0 .. live - 1 decode; each row after them holds the cache of an episode waiting for its
+        answer or for that answer's prefill, or is free (`EpisodeRows`). Each step admits the episodes whose
+        answer came (into their own row, moved to the end of the live block) and, while rows are free, new
+        episodes; a row whose turn ends leaves the live block with its cache (swapped with a live row behind
+        it), or is freed when its episode ends. Every turn is a sample of `sampler` with the turn's seed
+        (`turn_sampling`); a finished turn's sample is started over for the next admitted turn, so there are
+        never more samples than cache rows.
         """
         state = self.state
         capacity = min(self._kv_cache[0].shape[1], len(first_prompts))
@@ -350,38 +353,28 @@ class NativeEngine(GenerationEngine):
         ready: collections.deque = collections.deque()  # (episode, tokens to prefill) of answered episodes
         pending: dict = {}  # episode -> Future of its answer
         turns = [0] * len(first_prompts)
-        occupant: list = [None] * capacity  # the episode each cache row holds (None: free)
-        filled: dict = {}  # episode -> filled cache columns of a row out of the live block
+        rows = EpisodeRows(keys, values, capacity)
         last_token: dict = {}  # episode -> the last token of its reply (sampled, not in the cache)
         live: list[int] = []  # the episode of each live row
         held: list[int] = []  # the sample (turn) of each live row
         lengths: list[int] = []  # filled cache columns of each live row: where its next token goes
         steps: list[int] = []  # tokens each live row has generated in this turn
+        spare_samples: list[int] = []  # samples of finished turns (read by on_turn), to start over
         tokens, logits = None, None
 
         def answered(episode: int, answer) -> None:
             appended = answer_of(answer)
             if appended is None:  # ended: its cache row is free
-                occupant[occupant.index(episode)] = None
-                filled.pop(episode)
+                rows.release(episode)
                 return
             continuation = [last_token.pop(episode)] + appended
-            self._check_continuation(episode, continuation, filled[episode], longest_prompt, sampling)
+            self._check_continuation(episode, continuation, rows.filled[episode], longest_prompt, sampling)
             ready.append((episode, continuation))
-
-        def place(episode: int, row: int) -> None:
-            """Move the episode's cache row (or, not started, a free row) to `row`, swapping what is there."""
-            current = occupant.index(episode if episode in filled else None)
-            if current != row:
-                other = occupant[row]
-                self._swap_rows(keys, values, current, filled.get(episode, 0), row, filled.get(other, 0))
-                occupant[current] = other
-            occupant[row] = episode
 
         while True:
             for episode in [episode for episode, future in pending.items() if future.done()]:
                 answered(episode, pending.pop(episode))
-            free = occupant.count(None)
+            free = rows.free
             if not live and not ready and not (unstarted and free):
                 if not pending:
                     return
@@ -395,19 +388,24 @@ class NativeEngine(GenerationEngine):
                 lengths = [length + 1 for length in lengths]
             admitted = starting + [episode for episode, _ in continuing]
             for offset, episode in enumerate(admitted):
-                place(episode, old_rows + offset)
+                rows.place(episode, old_rows + offset)
             parts = [] if not old_rows else [logits]
             if starting:
                 parts.append(self._prefill_rows([first_prompts[e] for e in starting], old_rows, keys, values))
                 lengths += [len(first_prompts[e]) for e in starting]
             if continuing:
-                starts = [filled.pop(episode) for episode, _ in continuing]
+                starts = [rows.rejoin(episode) for episode, _ in continuing]
                 parts.append(self._prefill_rows([appended for _, appended in continuing], old_rows + len(starting),
                                                 keys, values, starts=starts))
                 lengths += [start + len(appended) for start, (_, appended) in zip(starts, continuing)]
             logits = None if any(part is None for part in parts) else torch.cat(parts) if len(parts) > 1 else parts[0]
-            for episode in admitted:
-                held.append(sampler.add([None], turn_sampling(sampling, episode, turns[episode]).seed))
+            for episode in admitted:  # a finished turn's sample, started over, or a new one
+                seed = turn_sampling(sampling, episode, turns[episode]).seed
+                if spare_samples:
+                    held.append(spare_samples.pop())
+                    sampler.restart(held[-1], seed)
+                else:
+                    held.append(sampler.add([None], seed))
             live += admitted
             steps += [0] * len(admitted)
             samples = torch.tensor(held, device=state.device)
@@ -421,7 +419,9 @@ class NativeEngine(GenerationEngine):
                 episode, sample = live[row], held[row]
                 length = int(sampler.lengths[sample])
                 response = sampler.responses[sample, :length].tolist()
-                filled[episode], last_token[episode] = lengths[row], response[-1]
+                rows.leave(episode, lengths[row])
+                last_token[episode] = response[-1]
+                spare_samples.append(sample)
                 turns[episode] += 1
                 answer = on_turn(episode, response, sampler.logprobs[sample, :length].tolist(),
                                  bool(sampler.ended[sample]))
@@ -429,36 +429,10 @@ class NativeEngine(GenerationEngine):
                     pending[episode] = answer
                 else:
                     answered(episode, answer)
-            order = self._compact_turns(done, lengths, filled, occupant, keys, values)
+            order = rows.compact(done, lengths)
             tokens = tokens[torch.tensor(order, dtype=torch.long, device=state.device)]
             live, held, lengths, steps = ([row_values[row] for row in order]
                                           for row_values in (live, held, lengths, steps))
-
-    def _compact_turns(self, done: list, lengths: list, filled: dict, occupant: list, keys, values) -> list:
-        """`_compact` for rows whose turn ended but whose episode goes on: such a row keeps its cache, swapped
-        with the live row that takes its place (a freed row is simply overwritten). Returns, for each new
-        live row, the old row it holds now."""
-        count = len(done) - sum(done)
-        movers = [row for row, finished in enumerate(done) if not finished and row >= count]
-        order = list(range(count))
-        for hole, mover in zip((row for row in range(count) if done[row]), movers):
-            other = occupant[hole]
-            self._swap_rows(keys, values, mover, lengths[mover], hole, 0 if other is None else filled[other])
-            occupant[hole], occupant[mover] = occupant[mover], other
-            order[hole] = mover
-        return order
-
-    def _swap_rows(self, keys, values, first: int, first_filled: int, second: int, second_filled: int) -> None:
-        """Exchange the filled columns of two cache rows (a row with 0 filled columns is free: a plain move)."""
-        saved = None
-        if second_filled:
-            saved = (keys[:, second, :, :, :second_filled].clone(), values[:, second, :, :second_filled].clone())
-        if first_filled:
-            keys[:, second, :, :, :first_filled].copy_(keys[:, first, :, :, :first_filled])
-            values[:, second, :, :first_filled].copy_(values[:, first, :, :first_filled])
-        if saved is not None:
-            keys[:, first, :, :, :second_filled].copy_(saved[0])
-            values[:, first, :, :second_filled].copy_(saved[1])
 
     def _check_continuation(self, episode: int, continuation: list, start: int, longest_prompt: int,
                             sampling: SamplingParams) -> None:

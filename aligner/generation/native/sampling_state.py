@@ -52,6 +52,18 @@ class SamplingState:
         self.ended = torch.cat([self.ended, self.ended.new_zeros(count)])
         return first
 
+    def restart(self, sample: int, seed: int) -> None:
+        """Sample `sample` starts over as row 0 of a request with this seed (`generate_turns` gives the sample of
+        a finished turn to the next one, so its state stays as many samples as cache rows)."""
+        if not self.greedy:
+            device = self.uniforms.device
+            keys = S.sample_keys(seed, torch.zeros(1, dtype=torch.long, device=device))
+            self.uniforms[sample] = S.uniforms(keys, torch.arange(self.sampling.max_new_tokens, device=device))[0]
+        self.responses[sample] = self.pad_id
+        self.logprobs[sample] = 0.0
+        self.lengths[sample] = 0
+        self.ended[sample] = False
+
     def sample(self, logits, samples, steps, first_step: int):
         """(tokens, logprobs) [batch] from the last stage's logits [batch, vocab_shard]; row b holds sample
         samples[b] at step steps[b] of its response; first_step = min(steps)."""
