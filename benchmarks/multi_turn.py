@@ -2,17 +2,18 @@
 history again (the `GenerationEngine` protocol's default, on the same engine), in one process.
 
 Agent-shaped work on a random toy model (--layers x --hidden, as generation.py's toy model): --episodes
-episodes of --turns model turns each, a first prompt of --prompt-tokens tokens, every turn exactly
---new-tokens tokens (sampled at temperature 1, fixed length: equal work on both sides) and a scripted
-environment that appends the same --observation-tokens tokens after every turn but the last. The re-prefill
-side runs turn by turn: each turn prefills every episode's whole history (one generate_stream request per
-episode, continuous batching within the turn); the kept side prefills the first prompts once and then, per
-turn, only the reply's last token and the observation. Both must give the same tokens (checked, printed);
-the two are timed in alternation (a burst of load hits both sides of a pair) and `ratio
-multi_turn_kept_cache_vs_reprefill` is the median over pairs of re-prefill time / kept-cache time.
+episodes of T model turns each, for each T of --turns, a first prompt of --prompt-tokens tokens (a system
+prompt and tool schemas), every turn exactly --new-tokens tokens (sampled at temperature 1, fixed length: equal
+work on both sides) and a scripted environment that appends the same --observation-tokens tokens (a tool's
+output) after every turn but the last. The re-prefill side runs turn by turn: each turn prefills every
+episode's whole history (one generate_stream request per episode, continuous batching within the turn); the
+kept side prefills the first prompts once and then, per turn, only the reply's last token and the
+observation. Both must give the same tokens (checked, printed); the two are timed in alternation (a burst of
+load hits both sides of a pair) and `ratio multi_turn_kept_cache_vs_reprefill_T_turns` is the median over
+pairs of re-prefill time / kept-cache time.
 
-    python benchmarks/multi_turn.py [--episodes 8] [--turns 4] [--prompt-tokens 128] [--observation-tokens 32]
-        [--new-tokens 16] [--repeats 3] [--threads 1]
+    python benchmarks/multi_turn.py [--episodes 8] [--turns 4,8] [--prompt-tokens 256] [--observation-tokens 64]
+        [--new-tokens 32] [--repeats 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -31,21 +32,21 @@ from benchmarks.machine import cpu_model, describe_peak_rss, load_average, timed
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 
-def prefilled_tokens(args) -> tuple[int, int]:
+def prefilled_tokens(args, turns: int) -> tuple[int, int]:
     """Tokens each side prefills: (kept cache, re-prefill)."""
     turn_tokens = args.new_tokens + args.observation_tokens
-    kept = args.episodes * (args.prompt_tokens + (args.turns - 1) * (1 + args.observation_tokens))
-    again = args.episodes * sum(args.prompt_tokens + turn * turn_tokens for turn in range(args.turns))
+    kept = args.episodes * (args.prompt_tokens + (turns - 1) * (1 + args.observation_tokens))
+    again = args.episodes * sum(args.prompt_tokens + turn * turn_tokens for turn in range(turns))
     return kept, again
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4, help="model turns of every episode")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="first prompt of each episode")
-    parser.add_argument("--observation-tokens", type=int, default=32, help="appended after each turn but the last")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens of every turn")
+    parser.add_argument("--turns", default="4,8", help="model turns of every episode, one comparison per value")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="first prompt of each episode")
+    parser.add_argument("--observation-tokens", type=int, default=64, help="appended after each turn but the last")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens of every turn")
     parser.add_argument("--max-batch-size", type=int, default=8, help="the engine's cache rows")
     parser.add_argument("--layers", type=int, default=4, help="toy model")
     parser.add_argument("--hidden", type=int, default=128, help="toy model")
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (medians reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's choice)")
     args = parser.parse_args()
+    turn_counts = [int(value) for value in args.turns.split(",")]
     from aligner.generation.engine import GenerationEngine, SamplingParams
     from aligner.generation.native import NativeEngine
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
@@ -65,7 +67,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     distributed.initialize(distributed.ParallelConfig())
     seeds.set_seed(0)
-    longest = args.prompt_tokens + (args.turns - 1) * (args.new_tokens + args.observation_tokens)
+    longest = args.prompt_tokens + (max(turn_counts) - 1) * (args.new_tokens + args.observation_tokens)
     cfg = GPTConfig.llama(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                           vocab_size=args.vocab, max_position_embeddings=longest + args.new_tokens)
     model = build_gpt_model(cfg, transformer_config(cfg)).eval()
@@ -78,11 +80,11 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed, fixed_length=True)
     replies = {}
 
-    def run(kept: bool):
+    def run(kept: bool, turns: int):
         def on_turn(episode, ids, logprobs, stopped):
-            turns = replies[kept].setdefault(episode, [])
-            turns.append(ids)
-            return observation if len(turns) < args.turns else None
+            episode_replies = replies[kept].setdefault(episode, [])
+            episode_replies.append(ids)
+            return observation if len(episode_replies) < turns else None
 
         def play():
             replies[kept] = {}
@@ -92,27 +94,30 @@ def main() -> None:
                 GenerationEngine.generate_turns(engine, first_prompts, sampling, on_turn, longest)
         return play
 
-    kept_tokens, again_tokens = prefilled_tokens(args)
     print(f"multi-turn: random toy model, {cfg.num_layers} layers x {cfg.hidden_size}; CPU {cpu_model()}, "
-          f"{torch.get_num_threads()} threads; {args.episodes} episodes x {args.turns} turns, first prompt "
-          f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens a turn, {args.observation_tokens} observation "
-          f"tokens; prefilled tokens: kept cache {kept_tokens}, re-prefill {again_tokens}; {args.repeats} "
+          f"{torch.get_num_threads()} threads; {args.episodes} episodes, first prompt {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens a turn, {args.observation_tokens} observation tokens; {args.repeats} "
           f"alternating pairs after a warm-up call each (load {load_average():.2f})", flush=True)
-    for kept in (False, True):  # first-call costs (allocations, oneDNN primitives), untimed
-        run(kept)()
-    same = sum(replies[True][episode] == replies[False][episode] for episode in range(args.episodes))
-    print(f"tokens equal in {same} of {args.episodes} episodes (a sampled row may part where a draw lies within "
-          "rounding of a CDF boundary)")
-    pairs = []
-    for repeat in range(args.repeats):
-        order = (False, True) if repeat % 2 == 0 else (True, False)
-        times = {kept: timed(run(kept)) for kept in order}
-        pairs.append((times[False], times[True]))
-    again, kept = statistics.median(a for a, _ in pairs), statistics.median(k for _, k in pairs)
-    print(f"  re-prefill {again:.3f} s, kept cache {kept:.3f} s (re-prefill / kept "
-          f"{statistics.median(a / k for a, k in pairs):.2f}x)")
+    ratios = []
+    for turns in turn_counts:
+        for kept in (False, True):  # first-call costs (allocations, oneDNN primitives), untimed
+            run(kept, turns)()
+        same = sum(replies[True][episode] == replies[False][episode] for episode in range(args.episodes))
+        pairs = []
+        for repeat in range(args.repeats):
+            order = (False, True) if repeat % 2 == 0 else (True, False)
+            times = {kept: timed(run(kept, turns)) for kept in order}
+            pairs.append((times[False], times[True]))
+        again, kept = statistics.median(a for a, _ in pairs), statistics.median(k for _, k in pairs)
+        ratio = statistics.median(a / k for a, k in pairs)
+        kept_tokens, again_tokens = prefilled_tokens(args, turns)
+        print(f"  {turns} turns: prefilled tokens kept cache {kept_tokens}, re-prefill {again_tokens}; tokens equal "
+              f"in {same} of {args.episodes} episodes; re-prefill {again:.3f} s, kept cache {kept:.3f} s "
+              f"(re-prefill / kept {ratio:.2f}x)", flush=True)
+        ratios.append((turns, ratio))
     print(f"load {load_average():.2f}; {describe_peak_rss()}")
-    print(ratio_line("multi_turn_kept_cache_vs_reprefill", statistics.median(a / k for a, k in pairs)))
+    for turns, ratio in ratios:
+        print(ratio_line(f"multi_turn_kept_cache_vs_reprefill_{turns}_turns", ratio))
     distributed.shutdown()
 
 
