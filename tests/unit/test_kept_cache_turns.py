@@ -22,10 +22,10 @@ TURNS = [1, 4, 2, 5, 3]  # episode i ends after TURNS[i] turns
 FALLBACK_S = 60.0  # a slow answer the test waits for comes at the latest after this (a failure, not a hang)
 
 
-def toy_engine(max_batch_size: int, **options) -> NativeEngine:
-    cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
-                          max_position_embeddings=256)
+def toy_engine(max_batch_size: int, arch: str = "llama", **options) -> NativeEngine:
+    cfg = getattr(GPTConfig, arch)(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                   ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                                   max_position_embeddings=256)
     torch.manual_seed(0)
     model = build_gpt_model(cfg, transformer_config(cfg)).eval()
     with torch.no_grad():
@@ -92,6 +92,13 @@ def test_episodes_on_kept_cache_rows_equal_episodes_prefilled_again_each_turn(na
     assert_same_turns(kept, reprefilled)
     assert len({len(ids) for ids, _, _ in kept.values()}) > 1  # turns of different lengths: some ended by a stop
     assert any(stopped for _, _, stopped in kept.values()) and not all(stopped for _, _, stopped in kept.values())
+
+
+def test_learned_positions_and_layer_norms_continue_at_the_rows_own_positions():
+    """GPT-2's learned position embeddings read a continuation's positions directly (no rotary tables)."""
+    engine = toy_engine(max_batch_size=3, arch="gpt2")
+    sampling = SAMPLINGS["sampled"]
+    assert_same_turns(run_turns(engine, sampling), run_turns(Reprefilled(engine), sampling))
 
 
 def test_answers_that_come_late_and_out_of_order_give_the_same_episodes():
