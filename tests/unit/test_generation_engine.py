@@ -1,10 +1,12 @@
 """The GenerationEngine protocol's inherited behaviour: what an engine that implements only `generate` does."""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
-from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
+from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams, turn_sampling
 
 
 class CountingEngine(GenerationEngine):
@@ -55,3 +57,26 @@ def test_refit_is_a_no_op_and_release_for_update_frees_by_default():
     assert engine.calls == []
     engine.release_for_update()
     assert engine.calls == [("free",)]
+
+
+def test_the_default_turns_generate_each_episodes_whole_history_again_with_the_turns_seed():
+    engine = CountingEngine()
+    sampling = SamplingParams(seed=5)
+    answered = Future()
+    answered.set_result([8, 9])
+    answers = {(0, 0): [7], (1, 0): answered, (1, 1): None, (0, 1): None}
+    turns = []
+
+    def on_turn(episode, ids, logprobs, stopped):
+        turn = sum(e == episode for e, _ in turns)
+        turns.append((episode, ids))
+        return answers[episode, turn]
+
+    engine.generate_turns([[1, 2], [3]], sampling, on_turn, longest_prompt=8)
+    # turn 0: each first prompt (the reply is its length); turn 1: prompt + reply + appended tokens
+    assert turns == [(0, [2]), (1, [1]), (0, [4]), (1, [4])]
+    assert engine.calls == [("generate", [[1, 2]], turn_sampling(sampling, 0, 0).seed),
+                            ("generate", [[3]], turn_sampling(sampling, 1, 0).seed),
+                            ("generate", [[1, 2, 2, 7]], turn_sampling(sampling, 0, 1).seed),
+                            ("generate", [[3, 1, 8, 9]], turn_sampling(sampling, 1, 1).seed)]
+    assert turn_sampling(sampling, 0, 0).seed == 5 and len({seed for *_, seed in engine.calls}) == 4
