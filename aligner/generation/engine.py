@@ -110,7 +110,8 @@ class GenerationEngine(Protocol):
         ended_with_stop) says how the episode goes on: the tokens to append after the reply (boundary +
         environment tokens), None when it has ended, or a Future of that. The next turn continues the whole
         episode so far (prompt, replies, appended tokens). Turn t of episode i samples with
-        `turn_sampling(sampling, i, t)`. No episode's tokens before a turn exceed longest_prompt.
+        `turn_sampling(sampling, i, t)`. No episode's tokens before a turn exceed longest_prompt. on_turn is
+        called in the caller's thread.
 
         Default: turn by turn, every running episode's whole history generated again (one `generate_stream`
         request per episode), the next turn once every answer of this one is in. The native engine keeps

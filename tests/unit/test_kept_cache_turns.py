@@ -13,6 +13,7 @@ import torch
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.generation.native import NativeEngine
 from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -174,3 +175,14 @@ def test_an_episode_waiting_for_its_environment_does_not_hold_up_the_others():
     assert events == [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (0, 1)] or \
         events == [(1, 0), (0, 0), (1, 1), (1, 2), (1, 3), (0, 1)]
     assert slow.result() == [60, 61]  # answered by episode 1's end, not by the fallback
+
+
+def test_a_continuation_past_the_limits_is_refused_as_generate_refuses_a_long_prompt():
+    engine = toy_engine(max_batch_size=2)
+    sampling = SAMPLINGS["greedy"]  # 6 new tokens; the engine's max_sequence_length is 160
+    with pytest.raises(ConfigError, match="exceeds the engine's max_sequence_length=160"):
+        engine.generate_turns([[5, 6, 7]], sampling, lambda *turn: [9] * 150, longest_prompt=300)
+    with pytest.raises(ValueError, match="more than longest_prompt=40"):
+        engine.generate_turns([[5, 6, 7]], sampling, lambda *turn: [9] * 40, longest_prompt=40)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate_turns([[5, 6, 7]], sampling, lambda *turn: [VOCAB], longest_prompt=40)
