@@ -75,7 +75,7 @@ bench: install real-model
 test-gpu:
 	GPU_PYTHON=$${GPU_PYTHON:-python3} bash benchmarks/test_gpu.sh results/gpu_report.txt
 
-# The toy-sized benchmarks (4 layers x 128): per-call overheads.
+# The toy-sized benchmarks (4 layers x 128): per-call overheads, multi-turn generation on kept KV cache rows.
 bench-toy: install
 	OMP_NUM_THREADS=2 $(PY) benchmarks/run_bench.py --set toy --threads 2
 

@@ -13,6 +13,7 @@ import argparse
 import os
 import resource
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -81,6 +82,18 @@ def peak_rss_mb() -> tuple[float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return own / 1024, children / 1024
+
+
+def cpu_model() -> str:
+    """The CPU's model name as lscpu gives it ("Model name"), or "unknown CPU" where lscpu says nothing."""
+    try:
+        listing = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown CPU"
+    for line in listing.splitlines():
+        if line.strip().startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def load_average() -> float:

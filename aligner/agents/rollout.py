@@ -4,9 +4,10 @@
     batch = runner.run(records, names)         # every episode ended with a status; failures by the policy
     batch.episodes, batch.metrics()
 
-Each turn generates for every running episode at once (the episode's tokens so far are the prompt), hands
-each reply's text to its environment (in parallel: the environments live in sandbox workers), and appends
-the environment's answer as boundary + environment tokens (`ChatRenderer.continuation`). An episode ends
+The engine's `generate_turns` runs the turns: each reply's text goes to its episode's environment (in a thread:
+the environments live in sandbox workers, and the engine goes on decoding the other episodes meanwhile), and the
+environment's answer is appended as boundary + environment tokens (`ChatRenderer.continuation`), from which the
+episode's next turn continues (the native engine keeps its KV cache across turns). An episode ends
 `done` (the environment says so), `max_turns`, `truncated` (`max_episode_tokens` reached, or a turn cut by
 max_new_tokens under on_cut_turn=end), `timeout` (its deadline or an environment call's), or `env_error`.
 
@@ -149,12 +150,13 @@ class EpisodeRunner:
         with ThreadPoolExecutor(self.parallel) as threads:
             started = list(threads.map(self._start, range(len(records)), records, names))
             running = [episode for episode in started if episode.episode.status is None]
-            turn = 0
-            while running:
-                rows = self._generate(running, turn, policy_version, sampling)
-                stepped = list(threads.map(self._step, running, rows))
-                running = [episode for episode, keep in zip(running, stepped) if keep]
-                turn += 1
+            if running:
+                def on_turn(index, ids, logprobs, stopped):
+                    return threads.submit(self._step, running[index], (ids, logprobs, stopped, policy_version))
+
+                # An episode's tokens before a turn stay below max_episode_tokens (`_step` ends it otherwise).
+                self.engine.generate_turns([r.episode.tokens for r in running], self._stopping(running, sampling),
+                                           on_turn, longest_prompt=self.limits.max_episode_tokens - 1)
         for episode in started:
             if episode.environment is not None:
                 episode.environment.close()
@@ -193,13 +195,13 @@ class EpisodeRunner:
         running.episode.end("timeout" if failure.kind == "timeout" else "env_error")
         running.episode.info = {**running.episode.info, "failure": running.failure}
 
-    def _turn_sampling(self, running: list[RunningEpisode], turn: int, sampling: SamplingParams) -> SamplingParams:
-        """The turn's sampling: a distinct draw per turn (sample i of turn t uses seed (seed + t) as its stream's
-        base), also stopping where the environments' calls end (`Environment.stop_strings`; the environments of a
-        run come from one factory, so they declare the same ends). An end that is one added token of the
-        vocabulary (Qwen's `</tool_call>`) stops as a token id: decoding may skip it, and an engine without stop
-        strings can still stop there; any other stops as a string."""
-        sampling = replace(sampling, seed=sampling.seed + turn * 1_000_003)
+    @staticmethod
+    def _stopping(running: list[RunningEpisode], sampling: SamplingParams) -> SamplingParams:
+        """The episodes' sampling, also stopping where the environments' calls end (`Environment.stop_strings`; the
+        environments of a run come from one factory, so they declare the same ends). An end that is one added
+        token of the vocabulary (Qwen's `</tool_call>`) stops as a token id: decoding may skip it, and an engine
+        without stop strings can still stop there; any other stops as a string. (Each turn's seed:
+        `aligner.generation.engine.turn_sampling`.)"""
         ends = sorted({end for r in running for end in r.environment.stop_strings})
         if not ends:
             return sampling
@@ -213,53 +215,44 @@ class EpisodeRunner:
                 stop_strings.append(end)
         return replace(sampling, stop_token_ids=stop_ids, stop_strings=stop_strings)
 
-    def _generate(self, running: list[RunningEpisode], turn: int, policy_version: int, sampling: SamplingParams):
-        sampling = self._turn_sampling(running, turn, sampling)
-        rollout = self.engine.generate([r.episode.tokens for r in running], sampling)
-        rows = []
-        for row in range(len(running)):
-            length = int(rollout.response_lengths[row])
-            rows.append((rollout.response_tokens[row, :length].tolist(), rollout.logprobs[row, :length].tolist(),
-                         bool(rollout.ended_with_stop[row]), policy_version))
-        return rows
-
-    def _step(self, running: RunningEpisode, row) -> bool:
-        """Add the model's turn and the environment's answer; False once the episode has ended."""
+    def _step(self, running: RunningEpisode, row) -> Optional[list[int]]:
+        """Add the model's turn and the environment's answer; returns the tokens appended after the model's
+        (what the next turn continues from), None once the episode has ended."""
         ids, logprobs, stopped, version = row
         episode, limits = running.episode, self.limits
         room = limits.max_episode_tokens - len(episode)
         if len(ids) > room:  # the last tokens would not fit the episode: cut, and end it
             episode.add_model(ids[:room], logprobs[:room], version, stopped=False)
             episode.end("truncated")
-            return False
+            return None
         episode.add_model(ids, logprobs, version, stopped)
         if not stopped and limits.on_cut_turn == "end":
             episode.end("truncated")
-            return False
+            return None
         text, _ = running.renderer.model_text(ids)
         try:
             result = running.environment.step(text)
         except EnvironmentFailure as failure:
             self._fail(running, failure)
-            return False
+            return None
         episode.turn_rewards.append(result.reward)
         episode.info = result.info
         if result.done:
             episode.reward = result.reward
             episode.end("done")
-            return False
+            return None
         if episode.model_turns >= limits.max_turns:
             episode.end("max_turns")
-            return False
+            return None
         if time.monotonic() - running.started > limits.episode_timeout_s:
             episode.end("timeout")
-            return False
+            return None
         segments = running.renderer.continuation(running.chat, ids, self._cut(running, result))
         if len(episode) + sum(len(segment) for segment in segments) >= limits.max_episode_tokens:
             episode.end("truncated")  # no room left for the model's next turn
-            return False
+            return None
         episode.add(segments)
-        return True
+        return [token for segment in segments for token in segment.tokens]
 
     def _cut(self, running: RunningEpisode, result: StepResult) -> list[dict]:
         """The environment's messages, each cut in the middle to max_observation_tokens (marked)."""

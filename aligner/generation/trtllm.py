@@ -604,7 +604,8 @@ class TensorRTLLMEngine(GenerationEngine):
         for start in range(0, len(prompts), self.max_batch_size):
             batch = prompts[start:start + self.max_batch_size]
             options = sampling_to_trtllm(sampling, eos_id=self.eos_id, pad_id=self.pad_id,
-                                         rows=range(start, start + len(batch)))
+                                         rows=range(sampling.first_sample + start,
+                                                    sampling.first_sample + start + len(batch)))
             with torch.no_grad():
                 outputs = self._runner.generate([torch.tensor(p, dtype=torch.int32) for p in batch], **options)
             torch.cuda.synchronize()

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from aligner.generation.engine import SamplingParams, turn_sampling
 from aligner.runtime.seeds import SAMPLER_SEED_RANGE, TRTLLM_SEED_RANGE, derive_seed, epoch_seed
 
 SEEDS = (0, 1, 1234, 2**31 - 1, 2**32 + 5)
@@ -21,6 +22,8 @@ def test_each_stream_keeps_its_formula():
             (seed * 1_000_003 + a * 7_919 + b) % 2**32)  # PPO steps and critic warm-up rounds
         assert derive_seed(seed, a, b, c, weights=(131, 17, 1), seed_weight=7919) == (
             seed * 7919 + a * 131 + b * 17 + c)  # PPO minibatch order
+        turn = turn_sampling(SamplingParams(seed=seed % 2**32, first_sample=c), episode=b, turn=a)
+        assert (turn.seed, turn.first_sample) == ((seed % 2**32 + a * 1_000_003) % 2**32, c + b)  # episode turns
 
 
 def test_streams_stay_in_their_range_and_apart():

@@ -19,6 +19,13 @@ megatron's own forward) in one tight loop over preallocated state:
   it, right-padded with the other prompts admitted at that step); `generate_stream` keeps doing so
   across requests (rollout micro-batches), pulling the next one as rows free up. Sampling is keyed
   by (sample, step of its own response), so the schedule never changes a row's draws;
+- multi-turn episodes (`generate_turns`): an episode keeps its cache row from its first prefill to its end.
+  When its turn ends, the row leaves the decode batch with its cache (swapped behind the live rows) while
+  the environment answers; the answer is prefilled into the same row from the row's own column (the
+  reply's last token, sampled but not yet in the cache, then the appended tokens: `Forward.prefill_forward`
+  with continued=True), and the row joins the decode batch of the other episodes at whatever turn they
+  are. A turn draws from the stream of its (episode, turn) seed (`engine.turn_sampling`), so the tokens
+  are those of generating the whole history again (the protocol's default);
 - continuous_batching=False keeps the static-batch loop as a reference (tests, benchmarks):
   chunks of max_batch_size prompts left-padded to the longest, every row at one shared column
   until the chunk's longest row ends;
@@ -75,7 +82,7 @@ in lockstep), and so is cuda_graphs=True for MoE models (tokens per expert chang
 Modules: `engine` (NativeEngine: binding, KV cache, the generation loops), `forward` (prefill and
 decode steps, the static step CUDA graphs capture), `weights` (the records of the bound parameters, packed
 copies, rotary tables), `sampling_state` (one call's or stream's draws, stop rules and rollout tensors),
-`state` (EngineState, the record they share).
+`state` (EngineState, the record they share), `turns` (the cache rows of multi-turn episodes).
 
 Not supported: the transformer-engine layer spec (its fused norm+linear weights have other
 names); CUDA graphs across pipeline stages (cuda_graphs needs PP=1).

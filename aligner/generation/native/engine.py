@@ -6,6 +6,7 @@ what they share is the engine's `state.EngineState`. The design: the package doc
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -15,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from aligner.generation import cuda_graphs as graphs
-from aligner.generation.engine import GenerationEngine, Rollout, SamplingParams
+from aligner.generation.engine import GenerationEngine, OnTurn, Rollout, SamplingParams, answer_of, turn_sampling
 from aligner.generation.native.forward import DecodeInputs, Forward, StaticDecodeStep
 from aligner.generation.native.sampling_state import SamplingState
 from aligner.generation.native.state import EngineState
+from aligner.generation.native.turns import EpisodeRows
 from aligner.generation.native.weights import bind_segments, pack_products, rope_tables, weight_pointers
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
@@ -241,8 +243,8 @@ class NativeEngine(GenerationEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Continue every prompt; collective over the model-parallel group (every TP/PP rank calls it).
 
-        Row i draws from the random stream of (sampling.seed, i), step by step of its own response,
-        so a row's result does not depend on the other prompts in the call nor on which cache row
+        Row i draws from the random stream of (sampling.seed, sampling.first_sample + i), step by step of its own
+        response, so a row's result does not depend on the other prompts in the call nor on which cache row
         or batch it was decoded in (data-parallel ranks should pass different seeds).
         With fixed_length every row gets max_new_tokens tokens (stop tokens do not end it);
         ended_with_stop then says whether a stop token was generated anywhere in the row.
@@ -258,7 +260,7 @@ class NativeEngine(GenerationEngine):
             if self.continuous_batching:
                 (_, rollout), = self._generate_continuous(sampler, (None, prompts, sampling), lambda: None)
                 return rollout
-            sampler.add(prompts, sampling.seed)
+            sampler.add(prompts, sampling.seed, sampling.first_sample)
             for start in range(0, len(prompts), self.max_batch_size):
                 self._generate_batch(prompts[start:start + self.max_batch_size], sampler, start)
         return sampler.rollout(0, len(prompts), prompts)
@@ -287,9 +289,10 @@ class NativeEngine(GenerationEngine):
             if request is not None:
                 key, prompts, request_sampling = request
                 self._check_request(prompts, request_sampling)
-                if dataclasses.replace(request_sampling, seed=sampling.seed) != sampling:
+                if dataclasses.replace(request_sampling, seed=sampling.seed, first_sample=sampling.first_sample) \
+                        != sampling:
                     raise ValueError("generate_stream: every request's SamplingParams must equal the first's "
-                                     f"but for the seed; got {request_sampling} after {sampling}")
+                                     f"but for the seed and first sample; got {request_sampling} after {sampling}")
                 if max(len(p) for p in prompts) > longest_prompt:
                     raise ValueError(f"generate_stream: a prompt of request {key!r} is longer than "
                                      f"longest_prompt={longest_prompt}")
@@ -302,6 +305,151 @@ class NativeEngine(GenerationEngine):
         with self._moe_in_eval_mode():
             yield from self._generate_continuous(self._sampler(sampling), request,
                                                  lambda: checked(next_request()))
+
+    @torch.inference_mode()
+    def generate_turns(self, first_prompts: list[list[int]], sampling: SamplingParams, on_turn: OnTurn,
+                       longest_prompt: int) -> None:
+        """Multi-turn episodes on kept KV cache rows (the protocol's contract; see `_generate_turns`).
+
+        Each episode holds one cache row from its first prefill until on_turn ends it: a continuation
+        prefills only the reply's last token (sampled, not yet in the cache) and the appended tokens into
+        that row, and joins the decode batch of the other episodes, whatever turn they are at. An answer
+        given as a Future leaves the episode's row out of the decode batch until it is done; at most
+        max_batch_size episodes are started (hold a row) at once. On a model-parallel group (TP or PP > 1)
+        each answer is waited for when it is given, so that every rank admits the same rows at the same step
+        (on_turn must answer alike on every rank). With continuous_batching=False: the protocol's default (each
+        turn's whole history again, through the static-batch loop). Collective over the model-parallel group.
+        """
+        if not self.continuous_batching:
+            super().generate_turns(first_prompts, sampling, on_turn, longest_prompt)
+            return
+        self._check_request(first_prompts, sampling)
+        if max(len(p) for p in first_prompts) > longest_prompt:
+            raise ValueError(f"generate_turns: a first prompt is longer than longest_prompt={longest_prompt}")
+        self._bind()
+        self.state.single_sequence_on_blas = False
+        # as long as the longest turn can be (a longer continuation is refused when it comes, as `generate` would)
+        self._reserve_cache(min(len(first_prompts), self.max_batch_size),
+                            min(longest_prompt + sampling.max_new_tokens, self.max_sequence_length))
+        with self._moe_in_eval_mode():
+            self._generate_turns(self._sampler(sampling), first_prompts, sampling, on_turn, longest_prompt)
+
+    def _generate_turns(self, sampler: SamplingState, first_prompts: list, sampling: SamplingParams,
+                        on_turn: OnTurn, longest_prompt: int) -> None:
+        """The continuous-batching loop of `_generate_continuous` over episodes that come back for more turns.
+
+        Cache rows 0 .. live - 1 decode; each row after them holds the cache of an episode waiting for its
+        answer or for that answer's prefill, or is free (`EpisodeRows`). Each step admits the episodes whose
+        answer came (into their own row, moved to the end of the live block) and, while rows are free, new
+        episodes; a row whose turn ends leaves the live block with its cache (swapped with a live row behind
+        it), or is freed when its episode ends. Every turn is a sample of `sampler` with the turn's seed
+        (`turn_sampling`); a finished turn's sample is started over for the next admitted turn, so there are
+        never more samples than cache rows.
+        """
+        state = self.state
+        capacity = min(self._kv_cache[0].shape[1], len(first_prompts))
+        keys, values = self._cache(capacity)
+        wait_each = state.tp_size * state.pp_size > 1  # every rank must admit the same rows at the same step
+        unstarted = collections.deque(range(len(first_prompts)))
+        ready: collections.deque = collections.deque()  # (episode, tokens to prefill) of answered episodes
+        pending: dict = {}  # episode -> Future of its answer
+        turns = [0] * len(first_prompts)
+        rows = EpisodeRows(keys, values, capacity)
+        last_token: dict = {}  # episode -> the last token of its reply (sampled, not in the cache)
+        live: list[int] = []  # the episode of each live row
+        held: list[int] = []  # the sample (turn) of each live row
+        lengths: list[int] = []  # filled cache columns of each live row: where its next token goes
+        steps: list[int] = []  # tokens each live row has generated in this turn
+        spare_samples: list[int] = []  # samples of finished turns (read by on_turn), to start over
+        tokens, logits = None, None
+
+        def answered(episode: int, answer) -> None:
+            appended = answer_of(answer)
+            if appended is None:  # ended: its cache row is free
+                rows.release(episode)
+                return
+            continuation = [last_token.pop(episode)] + appended
+            self._check_continuation(episode, continuation, rows.filled[episode], longest_prompt, sampling)
+            ready.append((episode, continuation))
+
+        while True:
+            for episode in [episode for episode, future in pending.items() if future.done()]:
+                answered(episode, pending.pop(episode))
+            free = rows.free
+            if not live and not ready and not (unstarted and free):
+                if not pending:
+                    return
+                concurrent.futures.wait(pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                continue
+            starting = [unstarted.popleft() for _ in range(min(free, len(unstarted)))]
+            continuing = [ready.popleft() for _ in range(len(ready))]
+            old_rows = len(live)
+            if old_rows:
+                logits = self._decode_rows(tokens, lengths, keys, values)
+                lengths = [length + 1 for length in lengths]
+            admitted = starting + [episode for episode, _ in continuing]
+            for offset, episode in enumerate(admitted):
+                rows.place(episode, old_rows + offset)
+            parts = [] if not old_rows else [logits]
+            if starting:
+                parts.append(self._prefill_rows([first_prompts[e] for e in starting], old_rows, keys, values))
+                lengths += [len(first_prompts[e]) for e in starting]
+            if continuing:
+                starts = [rows.rejoin(episode) for episode, _ in continuing]
+                parts.append(self._prefill_rows([appended for _, appended in continuing], old_rows + len(starting),
+                                                keys, values, starts=starts))
+                lengths += [start + len(appended) for start, (_, appended) in zip(starts, continuing)]
+            logits = None if any(part is None for part in parts) else torch.cat(parts) if len(parts) > 1 else parts[0]
+            for episode in admitted:  # a finished turn's sample, started over, or a new one
+                turn = turn_sampling(sampling, episode, turns[episode])
+                if spare_samples:
+                    held.append(spare_samples.pop())
+                    sampler.restart(held[-1], turn.seed, turn.first_sample)
+                else:
+                    held.append(sampler.add([None], turn.seed, turn.first_sample))
+            live += admitted
+            steps += [0] * len(admitted)
+            samples = torch.tensor(held, device=state.device)
+            step_tensor = torch.tensor(steps, device=state.device)
+            tokens, logprob = self._next_tokens(logits, sampler, samples, step_tensor, min(steps))
+            done = sampler.record(samples, step_tensor, tokens, logprob).tolist()
+            steps = [step + 1 for step in steps]
+            if not any(done):
+                continue
+            for row in (row for row, finished in enumerate(done) if finished):
+                episode, sample = live[row], held[row]
+                length = int(sampler.lengths[sample])
+                response = sampler.responses[sample, :length].tolist()
+                rows.leave(episode, lengths[row])
+                last_token[episode] = response[-1]
+                spare_samples.append(sample)
+                turns[episode] += 1
+                answer = on_turn(episode, response, sampler.logprobs[sample, :length].tolist(),
+                                 bool(sampler.ended[sample]))
+                if isinstance(answer, concurrent.futures.Future) and not wait_each:
+                    pending[episode] = answer
+                else:
+                    answered(episode, answer)
+            order = rows.compact(done, lengths)
+            tokens = tokens[torch.tensor(order, dtype=torch.long, device=state.device)]
+            live, held, lengths, steps = ([row_values[row] for row in order]
+                                          for row_values in (live, held, lengths, steps))
+
+    def _check_continuation(self, episode: int, continuation: list, start: int, longest_prompt: int,
+                            sampling: SamplingParams) -> None:
+        """What `_check_request` checks of a prompt, for an episode's tokens before its next turn."""
+        length = start + len(continuation)
+        if length > longest_prompt:
+            raise ValueError(f"generate_turns: episode {episode} would be {length} tokens before its next turn, "
+                             f"more than longest_prompt={longest_prompt}")
+        if min(continuation) < 0 or max(continuation) >= self.cfg.vocab_size:
+            raise ValueError(f"generate_turns: episode {episode}'s appended tokens are outside "
+                             f"[0, vocab_size={self.cfg.vocab_size})")
+        what = f"episode {episode} ({length} tokens before its next turn) + max_new_tokens ({sampling.max_new_tokens})"
+        self.cfg.check_sliding_window(length + sampling.max_new_tokens, what)
+        if length + sampling.max_new_tokens > self.max_sequence_length:
+            raise ConfigError(f"{what} exceeds the engine's max_sequence_length={self.max_sequence_length}; lower the "
+                              "episode's token limit or build the engine with a larger max_sequence_length")
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
@@ -396,7 +544,7 @@ class NativeEngine(GenerationEngine):
 
         def take(request) -> None:
             key, prompts, sampling = request
-            first = sampler.add(prompts, sampling.seed)
+            first = sampler.add(prompts, sampling.seed, sampling.first_sample)
             request_of.update((first + row, len(requests)) for row in range(len(prompts)))
             requests.append([key, first, prompts, len(prompts)])
             waiting.extend((first + row, prompt) for row, prompt in enumerate(prompts))
@@ -461,7 +609,8 @@ class NativeEngine(GenerationEngine):
             order[hole] = mover
         return order
 
-    def _prefill_rows(self, prompts: list, first_row: int, keys, values) -> Optional[torch.Tensor]:
+    def _prefill_rows(self, prompts: list, first_row: int, keys, values,
+                      starts: Optional[list] = None) -> Optional[torch.Tensor]:
         """Prefill prompts into cache rows first_row ..: right-padded (the causal mask hides the padding
         from the real tokens; later decode steps mask and overwrite its columns). Returns each prompt's
         last-token logits [rows, vocab_shard] on the last pipeline stage.
@@ -469,15 +618,23 @@ class NativeEngine(GenerationEngine):
         A prompt admitted more than once (the samples of one prompt: GRPO/RLOO groups) is run once, in
         the first of these rows, and its keys, values and logits copied to the others: a group of k
         samples costs one prefill instead of k (copying its cache rows costs far less than the forward).
+        starts: the rows continue cached sequences (`generate_turns`): row b's tokens go to its columns
+        starts[b] .. and see its cached columns before them (its padding writes nothing).
         """
         state = self.state
-        distinct, source = _distinct(prompts) if self.shared_prefill else (prompts, list(range(len(prompts))))
+        shared = self.shared_prefill and starts is None
+        distinct, source = _distinct(prompts) if shared else (prompts, list(range(len(prompts))))
         lengths = [len(p) for p in distinct]
         width = max(lengths)
         tokens = torch.tensor([list(p) + [self.pad_id] * (width - len(p)) for p in distinct], device=state.device)
-        positions = state.columns[:width].expand(len(distinct), width)
         rows = slice(first_row, first_row + len(distinct))
         last = torch.tensor(lengths, device=state.device) - 1
+        if starts is not None:  # a padding token sits at its row's last real position (it writes nothing)
+            positions = torch.minimum(state.columns[:width].unsqueeze(0), last.unsqueeze(1))
+            positions = positions + torch.tensor(starts, device=state.device).unsqueeze(1)
+            return self.forward.prefill_forward(tokens, positions, keys[:, rows], values[:, rows], None,
+                                                last_columns=last, continued=True)
+        positions = state.columns[:width].expand(len(distinct), width)
         logits = self.forward.prefill_forward(tokens, positions, keys[:, rows], values[:, rows], None,
                                               last_columns=last)
         if len(distinct) == len(prompts):

@@ -33,6 +33,15 @@ class DecodeInputs(NamedTuple):
     value_index: Optional[torch.Tensor] = None  # and [batch, groups, 1, d]
 
 
+class Continuation(NamedTuple):
+    """A prefill that continues cached rows: where each real (not padding) token of [batch, seq] goes."""
+
+    rows: torch.Tensor  # [tokens] long: the token's batch row
+    steps: torch.Tensor  # [tokens] long: its index in the row's new tokens
+    columns: torch.Tensor  # [tokens] long: its cache column
+    kv_len: int  # key columns read: 0 .. kv_len - 1
+
+
 class Forward:
     """The forward of the bound model on this rank (its segments), reading `state` at every call."""
 
@@ -56,11 +65,14 @@ class Forward:
         return DecodeInputs(columns, column_index, kv_len, bias, rope, key_index, value_index)
 
     def prefill_forward(self, tokens, positions, keys, values, key_masked,
-                        last_columns: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                        last_columns: Optional[torch.Tensor] = None, continued: bool = False) -> Optional[torch.Tensor]:
         """The prompts [batch, seq] (cache columns 0..seq) through this rank's segments.
 
         Returns the logits [batch, vocab_shard] of each row's last column (last_columns [batch], None:
         column seq - 1) on the last pipeline stage, else None.
+        continued: the rows continue sequences already in the cache (`generate_turns`): token j of row b
+        goes to cache column positions[b, j] and sees the row's columns up to it; its right padding
+        (j > last_columns[b], positions clamped to the last real token's) writes nothing.
         """
         state = self.state
         batch, seq = tokens.shape
@@ -69,19 +81,29 @@ class Forward:
             cos, sin = state.rope  # gathered per position: [batch, seq, 1, 1, d]
             rope = (cos[positions].unsqueeze(2).unsqueeze(2), sin[positions].unsqueeze(2).unsqueeze(2))
         # Added to the scores: the dtype's minimum where a key must not be seen (the future, padding
-        # columns), else 0. Built once for all layers, [batch * groups, per_group * seq, seq].
-        unseen = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
-        if key_masked is not None:
-            unseen = key_masked[:, None, :seq] | unseen
+        # columns), else 0. Built once for all layers, [batch * groups, per_group * seq, kv_len].
+        continuation = None
+        if continued:
+            kv_len = int(positions.max()) + 1
+            unseen = state.columns[:kv_len].view(1, 1, kv_len) > positions.unsqueeze(2)  # [batch, seq, kv_len]
+            real = state.columns[:seq].unsqueeze(0) <= last_columns.unsqueeze(1)  # [batch, seq]
+            rows, steps = real.nonzero(as_tuple=True)
+            continuation = Continuation(rows, steps, positions[rows, steps], kv_len)
+        else:
+            kv_len = seq
+            unseen = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
+            if key_masked is not None:
+                unseen = key_masked[:, None, :seq] | unseen
         per_group = state.heads // state.groups
-        unseen = unseen.view(-1, 1, 1, seq, seq).expand(batch, state.groups, per_group, seq, seq)
+        unseen = unseen.view(-1, 1, 1, seq, kv_len).expand(batch, state.groups, per_group, seq, kv_len)
         mask = torch.zeros(unseen.shape, dtype=state.dtype, device=tokens.device).masked_fill_(
-            unseen, torch.finfo(state.dtype).min).view(batch * state.groups, per_group * seq, seq)
+            unseen, torch.finfo(state.dtype).min).view(batch * state.groups, per_group * seq, kv_len)
 
         def run(segment, hidden):
             for index, layer in enumerate(segment.layers):
                 cache_index = segment.cache_offset + index
-                hidden = self._prefill_layer(layer, hidden, keys[cache_index], values[cache_index], rope, mask)
+                hidden = self._prefill_layer(layer, hidden, keys[cache_index], values[cache_index], rope, mask,
+                                             continuation)
             return hidden
 
         def logits(segment, hidden):
@@ -197,9 +219,11 @@ class Forward:
         out = self._reduce(self._adapted(self._linear(x, linear.product), x, linear))
         return out if linear.bias is None else out + linear.bias
 
-    def _prefill_layer(self, layer: Layer, hidden, key_cache, value_cache, rope, mask):
-        """hidden [batch, seq, hidden] from cache column 0; key_cache [batch, groups, d, len],
-        value_cache [batch, groups, len, d]; mask [batch * groups, per_group * seq, seq] (additive)."""
+    def _prefill_layer(self, layer: Layer, hidden, key_cache, value_cache, rope, mask,
+                       continuation: Optional["Continuation"] = None):
+        """hidden [batch, seq, hidden] from cache column 0 (continuation: from each row's own column);
+        key_cache [batch, groups, d, len], value_cache [batch, groups, len, d]; mask [batch * groups,
+        per_group * seq, kv_len] (additive)."""
         state = self.state
         batch, seq, _ = hidden.shape
         groups, per_group, head_dim = state.groups, state.heads // state.groups, state.head_dim
@@ -213,13 +237,19 @@ class Forward:
         if rope is not None:
             cos, sin = self._layer_rope(rope, layer, dim=-1)
             query_key = torch.addcmul(query_key * cos, torch.roll(query_key, head_dim // 2, dims=-1), sin)
-        key_cache[:, :, :, :seq] = query_key[:, :, :, per_group].permute(0, 2, 3, 1)
-        value_cache[:, :, :seq] = qkv[:, :, :, per_group + 1].transpose(1, 2)
-        # [batch * groups, per_group * seq, d] x [batch * groups, d, seq]
+        kv_len = seq
+        if continuation is None:
+            key_cache[:, :, :, :seq] = query_key[:, :, :, per_group].permute(0, 2, 3, 1)
+            value_cache[:, :, :seq] = qkv[:, :, :, per_group + 1].transpose(1, 2)
+        else:  # the real tokens only, each at its row's own column: [tokens, groups, d] through [batch, len, ...] views
+            rows, steps, columns, kv_len = continuation
+            key_cache.permute(0, 3, 1, 2)[rows, columns] = query_key[rows, steps, :, per_group]
+            value_cache.permute(0, 2, 1, 3)[rows, columns] = qkv[rows, steps, :, per_group + 1]
+        # [batch * groups, per_group * seq, d] x [batch * groups, d, kv_len]
         query = query_key[:, :, :, :per_group].permute(0, 2, 3, 1, 4).reshape(batch * groups, per_group * seq, head_dim)
-        keys = key_cache[:, :, :, :seq].reshape(batch * groups, head_dim, seq)
+        keys = key_cache[:, :, :, :kv_len].reshape(batch * groups, head_dim, kv_len)
         probs = self._softmax(torch.baddbmm(mask, query, keys, alpha=state.scale))
-        context = torch.bmm(probs, value_cache[:, :, :seq].reshape(batch * groups, seq, head_dim))
+        context = torch.bmm(probs, value_cache[:, :, :kv_len].reshape(batch * groups, kv_len, head_dim))
         context = context.view(batch, groups, per_group, seq, head_dim).permute(0, 3, 1, 2, 4)
         attention = self._row_parallel(context.reshape(batch, seq, state.heads * head_dim), layer.proj)
         if layer.post_attention_norm is not None:

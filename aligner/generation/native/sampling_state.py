@@ -38,12 +38,13 @@ class SamplingState:
         self.ended = torch.zeros(0, dtype=torch.bool, device=device)
         self._stop_columns = None  # [vocab_shard] bool: this shard's stop tokens (min_new_tokens), built once
 
-    def add(self, prompts: list, seed: int) -> int:
-        """Room for a request's samples, drawing from (seed, row); returns the number of its first sample."""
+    def add(self, prompts: list, seed: int, first_stream: int = 0) -> int:
+        """Room for a request's samples, row r drawing from (seed, first_stream + r); returns the number of its
+        first sample."""
         first, count, device = self.lengths.shape[0], len(prompts), self.lengths.device
         new_tokens = self.sampling.max_new_tokens
         if not self.greedy:
-            keys = S.sample_keys(seed, torch.arange(count, device=device))
+            keys = S.sample_keys(seed, torch.arange(first_stream, first_stream + count, device=device))
             self.uniforms = torch.cat([self.uniforms, S.uniforms(keys, torch.arange(new_tokens, device=device))])
         self.responses = torch.cat([self.responses, torch.full((count, new_tokens), self.pad_id,
                                                                dtype=torch.long, device=device)])
@@ -51,6 +52,18 @@ class SamplingState:
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
         self.ended = torch.cat([self.ended, self.ended.new_zeros(count)])
         return first
+
+    def restart(self, sample: int, seed: int, stream: int = 0) -> None:
+        """Sample `sample` starts over, drawing from (seed, stream) (`generate_turns` gives the sample of a
+        finished turn to the next one, so its state stays as many samples as cache rows)."""
+        if not self.greedy:
+            device = self.uniforms.device
+            keys = S.sample_keys(seed, torch.full((1,), stream, dtype=torch.long, device=device))
+            self.uniforms[sample] = S.uniforms(keys, torch.arange(self.sampling.max_new_tokens, device=device))[0]
+        self.responses[sample] = self.pad_id
+        self.logprobs[sample] = 0.0
+        self.lengths[sample] = 0
+        self.ended[sample] = False
 
     def sample(self, logits, samples, steps, first_step: int):
         """(tokens, logprobs) [batch] from the last stage's logits [batch, vocab_shard]; row b holds sample
