@@ -82,13 +82,9 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     if cfg.data.validation_prompts:
         validation = PromptDataset(cfg.data.validation_prompts, tokenizer, cfg.data.max_prompt_length,
                                    cfg.data.chat_template)
-    environments = None
-    if cfg.rollout.episodes:  # the environment loads, or its tools are described, before the rest is built
-        per_rank = cfg.rollouts_per_step // built.data_parallel_size  # run generation.micro_batch_size at a time
-        environments = Environments.build(cfg.rollout, episodes_at_once=min(per_rank, cfg.generation.micro_batch_size))
     engine, router = build_engine_and_router(cfg.generation, chunks, model_cfg, tokenizer, cfg.data.max_prompt_length,
                                              max_sequence_length=cfg.sequence_lengths()[0][0],
-                                             with_router=environments is None)
+                                             with_router=not cfg.rollout.episodes)
     if critic is None and cfg.uses_critic:
         critic = build_critic_client(cfg.critic)
     ptx_loader = build_ptx_loader(cfg, tokenizer)
@@ -101,12 +97,22 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
     # Steps are rollout rounds; the LR schedule counts optimizer steps (epochs x minibatches per step).
     policy = setup.build_trainer(cfg, built, objective, total_steps=trainer_cfg.max_steps,
                                  optimizer_steps=trainer_cfg.max_steps * loss.epochs * minibatches_per_step)
-    trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
-                      reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,
-                      validation_prompts=validation, ptx_loader=ptx_loader, tokenizer=tokenizer, model_cfg=model_cfg,
-                      metrics=policy.metrics, ema=ema, teacher=teacher, environments=environments)
-    if resume is not None:
-        trainer.resume_from(resume)
+    environments = None
+    if cfg.rollout.episodes:  # the sandbox workers; the environment loads (or its tools are described), or one line
+        per_rank = cfg.rollouts_per_step // built.data_parallel_size  # run generation.micro_batch_size at a time
+        environments = Environments.build(cfg.rollout, episodes_at_once=min(per_rank, cfg.generation.micro_batch_size))
+    try:
+        trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
+                          reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,
+                          validation_prompts=validation, ptx_loader=ptx_loader, tokenizer=tokenizer,
+                          model_cfg=model_cfg, metrics=policy.metrics, ema=ema, teacher=teacher,
+                          environments=environments)
+        if resume is not None:
+            trainer.resume_from(resume)
+    except BaseException:
+        if environments is not None:  # no worker process outlives a run that could not start
+            environments.pool.close()
+        raise
     for prompt_set in (prompts, validation):
         if prompt_set is not None and prompt_set.skipped_note:
             policy.metrics.write(f"warning: {prompt_set.skipped_note}")
