@@ -44,8 +44,7 @@ def evaluate_long_addition(engine: GenerationEngine, tokenizer: Tokenizer, promp
                            sandbox_workers: int = 4) -> dict:
     """Greedy accuracy (overall, with and without a carry) on the prompts of a JSONL file, with the calculator
     as an episode's tool or in one turn; see the module docstring for the other keys."""
-    records = [record for _, record in read_jsonl(prompts_path)][:limit]
-    prompts = [require_str(record, "prompt", prompts_path, index + 1) for index, record in enumerate(records)]
+    prompts = [require_str(record, "prompt", prompts_path, line) for line, record in read_jsonl(prompts_path)][:limit]
     sampling = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     if tools:
         answers, metrics = _episodes(engine, tokenizer, prompts, sampling, max_turns, max_episode_tokens,
