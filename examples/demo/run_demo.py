@@ -254,7 +254,8 @@ STEERLM_SFT_OVERRIDES = [
 # The agentic stage (aligner/demo/long_addition.py): its own SFT from random init on 64-token conversations, then
 # GRPO single-turn and GRPO with the calculator from that checkpoint with the same settings. A call is
 # `CALL calculate {"expression": "1234+5678"}` (44 tokens with its end), so a turn may generate 48 tokens; an
-# episode is the prompt (11), the call, the tool's answer and the final answer (~70 tokens).
+# episode is the prompt (11), the call, the tool's answer and the final answer (~70 tokens). 600 SFT steps: at 300
+# the model's calls miscopied the operands (docs/results/demo.md, "The agentic stage").
 AGENTIC_SFT_OVERRIDES = [
     "data.max_seq_length=72",
     "data.split='100,0'",
