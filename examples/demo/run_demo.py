@@ -622,7 +622,8 @@ class Demo:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
         for note in self.notes:
             print(note)
-        print(format_table(self.table))
+        if self.table:
+            print(format_table(self.table))
         if self.agentic_table:
             print(format_agentic_table(self.agentic_table))
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
