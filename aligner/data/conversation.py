@@ -1,6 +1,6 @@
 """Prompts and answers as every data file gives them, and the one way they become tokens.
 
-A prompt is a string, or a list of {"role", "content"} messages (system, user and assistant turns,
+A prompt is a string, or a list of {"role", "content"} messages (system, user, assistant and tool turns,
 "from"/"value" and the roles human/gpt accepted as in NeMo-Aligner's SFT files; a user turn comes
 before the first assistant turn, and the last turn is not the assistant's; content is text or
 OpenAI's list of text parts). An answer is a string, an assistant message, or a one-message list
@@ -30,7 +30,10 @@ from aligner.data.jsonl import DataError, require_key
 from aligner.runtime.errors import ConfigError
 from aligner.tokenizer import Tokenizer
 
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+# A tool turn (a tool's answer in an agent's conversation) is rendered by the chat template, never trained on; a
+# template without a tool role refuses the record (`template_errors`).
+ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+                "tool": "tool"}
 
 Prompt = Union[str, list]  # a string or a list of {"role", "content"} messages
 Messages = list  # of {"role": ..., "content": ...}
@@ -63,7 +66,7 @@ def parse_messages(value: Any, what: str, path: str | Path, line: int) -> Messag
         role = ROLE_ALIASES.get(role_name.strip().lower())
         if role is None:
             raise DataError(f"{path}:{line}: {where} has unknown role {role_name!r}; "
-                            "expected system, user/human or assistant/gpt")
+                            "expected system, user/human, assistant/gpt or tool")
         if role != "system" and not content.strip():
             raise DataError(f"{path}:{line}: {where} is a{'n' if role == 'assistant' else ''} {role} turn with empty "
                             "content; expected non-empty text (only a system turn may be empty)")

@@ -17,6 +17,11 @@ Behaviour a data layer relies on:
   reply ``"19"`` to ``"<s>12+7=19</s>"``: a one-turn conversation is exactly the plain layout
   [bos] + prompt + answer + [eos], so every demo record (a text prompt is one user turn) has the
   same tokens with the template as without it.
+- A tool message (a tool's answer in an agentic episode) is its content plus a newline, so
+  ``[user "1234+5678=", assistant 'CALL calculate {"expression": "1234+5678"}', tool "6912",
+  assistant "6912"]`` renders to ``'<s>1234+5678=CALL calculate {...}</s>6912\n6912</s>'``: the
+  newline tells the model that the tool has answered and its own turn begins. The tools list a
+  template may be given is not rendered (the toy model learns its one tool from demonstrations).
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
 # Always in the vocabulary: the chat template's system separator, and a space for free text.
 EXTRA_CHARACTERS = ("\n", " ")
+# Every printable ASCII character, for a vocabulary that must encode text the training data does not show: the
+# agentic stage's tool calls (JSON) and the errors a tool environment answers a bad call with.
+PRINTABLE_CHARACTERS = tuple(chr(code) for code in range(32, 127))
 
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -34,18 +42,20 @@ CHAT_TEMPLATE = (
     "{%- if message['role'] == 'system' -%}{{ message['content'] + '\\n' }}"
     "{%- elif message['role'] == 'user' -%}{{ message['content'] }}"
     "{%- elif message['role'] == 'assistant' -%}{{ message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' -%}{{ message['content'] + '\\n' }}"
     "{%- else -%}{{ raise_exception('unsupported chat role ' + message['role']"
-    " + '; expected system, user or assistant') }}"
+    " + '; expected system, user, assistant or tool') }}"
     "{%- endif -%}"
     "{%- endfor -%}"
 )
 
 
-def build_char_tokenizer(texts: Iterable[str]) -> "tokenizers.Tokenizer":  # noqa: F821
-    """A ``tokenizers.Tokenizer`` with one token per character seen in ``texts`` (plus extras)."""
+def build_char_tokenizer(texts: Iterable[str], extra_characters: Iterable[str] = ()) -> "tokenizers.Tokenizer":  # noqa: F821
+    """A ``tokenizers.Tokenizer`` with one token per character seen in ``texts`` (plus ``EXTRA_CHARACTERS`` and
+    ``extra_characters``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    characters = set(EXTRA_CHARACTERS)
+    characters = set(EXTRA_CHARACTERS) | set(extra_characters)
     for text in texts:
         characters.update(text)
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
@@ -60,13 +70,13 @@ def build_char_tokenizer(texts: Iterable[str]) -> "tokenizers.Tokenizer":  # noq
     return tokenizer
 
 
-def train_char_tokenizer(texts: Iterable[str], out_dir: str | Path) -> None:
-    """Build the character tokenizer over ``texts`` and save it as an HF tokenizer directory
-    (loadable with ``transformers.AutoTokenizer.from_pretrained(out_dir)``)."""
+def train_char_tokenizer(texts: Iterable[str], out_dir: str | Path, extra_characters: Iterable[str] = ()) -> None:
+    """Build the character tokenizer over ``texts`` (and ``extra_characters``) and save it as an HF tokenizer
+    directory (loadable with ``transformers.AutoTokenizer.from_pretrained(out_dir)``)."""
     from transformers import PreTrainedTokenizerFast
 
     hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_char_tokenizer(texts),
+        tokenizer_object=build_char_tokenizer(texts, extra_characters),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

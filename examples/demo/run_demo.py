@@ -17,6 +17,11 @@ Stages, each the same command a user would run (`--stages` re-runs a subset on e
                  then ask for the top and a low correctness
   group_rl       RLOO, GRPO, Dr. GRPO, DAPO and GSPO: the same actor with each one's settings, 4 samples
                  per prompt, rewarded by the task's checker
+  agentic        long additions (3-4 digits) with a calculator tool: its own data, tokenizer and SFT
+                 (demonstrations that call the calculator sometimes, else answer with the forgotten
+                 carries), then GRPO from that SFT model twice with the same settings: single-turn, and
+                 with rollout.tools=[calculator] (episodes); held-out accuracy of each, the tool calls
+                 per episode and how the episodes ended
 The SFT model learns the demonstrators' habit: right without a carry, mostly wrong with one. The
 summary table shows how far each alignment method closes that gap on held-out problems.
 """
@@ -31,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from aligner.agents.episode import EPISODE_STATUSES
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
 from aligner.demo.intervals import format_interval
@@ -245,6 +251,51 @@ STEERLM_SFT_OVERRIDES = [
 ]
 
 
+# The agentic stage (aligner/demo/long_addition.py): its own SFT from random init on 64-token conversations, then
+# GRPO single-turn and GRPO with the calculator from that checkpoint with the same settings. A call is
+# `CALL calculate {"expression": "1234+5678"}` (44 tokens with its end), so a turn may generate 48 tokens; an
+# episode is the prompt (11), the call, the tool's answer and the final answer (~70 tokens). 600 SFT steps: at 300
+# the model's calls miscopied the operands (docs/results/demo.md, "The agentic stage").
+AGENTIC_SFT_OVERRIDES = [
+    "data.max_seq_length=72",
+    "data.split='100,0'",
+    "trainer.max_steps=600",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=64",
+    "trainer.val_check_interval=0",
+    "optim.lr=1e-3",
+    "optim.min_lr=1e-4",
+    "optim.warmup_steps=20",
+    "logging.log_interval=100",
+]
+AGENTIC_RL_OVERRIDES = [
+    "algorithm=grpo",
+    "data.max_prompt_length=12",
+    "generation.max_new_tokens=48",
+    "generation.micro_batch_size=128",
+    "rollout.prompts_per_step=32",
+    "rollout.samples_per_prompt=8",
+    "trainer.global_batch_size=256",
+    "trainer.micro_batch_size=128",
+    "optim.lr=1e-4",
+    "kl.init_coef=0.0",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=0",
+    "checkpoint.save_interval=0",
+    "checkpoint.resume=false",
+]
+AGENTIC_EVAL_LIMIT = None  # held-out problems evaluated (None: all 500)
+# The tool runs: plain-format calls (the toy model's), at most 3 model turns, a few sandbox workers for the
+# calculator (a call is short; a worker per episode would be 256 processes).
+AGENTIC_TOOL_OVERRIDES = [
+    "rollout.tools=[calculator]",
+    "rollout.tool_call_format=plain",
+    "rollout.max_turns=3",
+    "rollout.max_episode_tokens=128",
+    "rollout.sandbox.workers=4",
+]
+
+
 def run(stage: str, command: list[str]) -> None:
     print(f"\n=== {stage}: {' '.join(map(str, command))}", flush=True)
     start = time.perf_counter()
@@ -267,6 +318,22 @@ def evaluate_reward_model(stage: str, checkpoint: Path, flag: str, data_file: Pa
     return json.loads(output.read_text())
 
 
+def format_agentic_table(table: list[tuple[str, dict]]) -> str:
+    """The agentic stage's table: held-out accuracy [95 % interval], tool calls per episode, how episodes ended."""
+    width = max((len(name) for name, _ in table), default=24) + 2
+    lines = [f"{'long additions':<{width}}{'accuracy [95 % interval]':>26}{'tool calls/episode':>20}  statuses"]
+    for name, result in table:
+        overall = format_interval(result["all"], result["num_carry"] + result["num_no_carry"])
+        if "tool_calls" in result:
+            calls = f"{result['tool_calls']:.2f} ({result['tool_calls_ok']:.2f} ok)"
+            statuses = ", ".join(f"{status} {result[status]:.1%}" for status in EPISODE_STATUSES if result[status])
+        else:
+            calls = "-"
+            statuses = f"one turn; replies that are a call {result['call_replies']:.1%}"
+        lines.append(f"{name:<{width}}{overall:>26}{calls:>20}  {statuses}")
+    return "\n".join(lines)
+
+
 def format_table(table: list[tuple[str, dict]]) -> str:
     """The accuracy table: each row's held-out accuracy with its 95 % interval over the problems."""
     width = max((len(name) for name, _ in table), default=24) + 2
@@ -286,6 +353,7 @@ class Demo:
         self.data, self.tokenizer = work / "data", work / "data" / "tokenizer"
         self.heldout = self.data / "heldout_prompts.jsonl"
         self.table: list[tuple[str, dict]] = []
+        self.agentic_table: list[tuple[str, dict]] = []
         self.notes: list[str] = []
         self.timings: dict[str, float] = {}
         # Every training run's precision and seed (data order, sampling); evaluation stays as it is.
@@ -511,16 +579,58 @@ class Demo:
         self.table.append(("SteerLM, correctness=1",
                            self.greedy("steerlm_low", checkpoint, ("--steer", "correctness=1"))))
 
+    # -- the agentic stage: long additions with a calculator, GRPO single-turn against GRPO with the tool
+    def agentic(self) -> None:
+        out = self.work / "agentic"
+        shutil.rmtree(out, ignore_errors=True)
+        data, tokenizer = out / "data", out / "data" / "tokenizer"
+        run("agentic data", [sys.executable, DATA_SCRIPTS / "make_tool_data.py", "--out-dir", data, "--seed", "0"])
+        run("agentic tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", data,
+                                  "--out-dir", tokenizer, "--printable"])
+        common = [f"tokenizer.path={tokenizer}", f"data.train=[{{path: {data / 'sft_train.jsonl'}}}]",
+                  *AGENTIC_SFT_OVERRIDES, *self.run_settings]
+        run("agentic init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, "trainer.max_steps=0",
+                             f"checkpoint.save_dir={out / 'init'}", f"logging.log_dir={out / 'init'}",
+                             "checkpoint.resume=false"])
+        run("agentic sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common,
+                            f"model.init_from={out / 'init' / 'step_00000000'}",
+                            f"checkpoint.save_dir={out / 'sft' / 'checkpoints'}", f"logging.log_dir={out / 'sft'}",
+                            "checkpoint.resume=false"])
+        sft = latest_checkpoint(out / "sft" / "checkpoints")
+        heldout = data / "heldout_prompts.jsonl"
+
+        def evaluate_tools(name: str, checkpoint: Path, tools: bool) -> dict:
+            output = out / f"eval_{name}.json"
+            run(f"evaluate {name}", [sys.executable, "-m", "aligner.demo.tool_eval", "--checkpoint", checkpoint,
+                                     "--prompts", heldout, "--output", output, *(["--tools"] if tools else []),
+                                     *([] if AGENTIC_EVAL_LIMIT is None else ["--limit", str(AGENTIC_EVAL_LIMIT)])])
+            return json.loads(output.read_text())
+
+        self.agentic_table.append(("SFT, one turn", evaluate_tools("sft_one_turn", sft, tools=False)))
+        self.agentic_table.append(("SFT, with the calculator", evaluate_tools("sft_tools", sft, tools=True)))
+        for name, label, extra, tools in (("grpo_one_turn", "GRPO single-turn", [], False),
+                                          ("grpo_tools", "GRPO with the calculator", AGENTIC_TOOL_OVERRIDES, True)):
+            run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", f"model.init_from={sft}",
+                        f"data.prompts={data / 'rl_prompts.jsonl'}", "reward.source=function",
+                        "reward.function=aligner.demo.long_addition:score_response", *AGENTIC_RL_OVERRIDES, *extra,
+                        *self.run_settings, f"checkpoint.save_dir={out / name / 'checkpoints'}",
+                        f"logging.log_dir={out / name}"])
+            self.agentic_table.append(
+                (label, evaluate_tools(name, latest_checkpoint(out / name / "checkpoints"), tools)))
+
     def summary(self, started: float) -> None:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
         for note in self.notes:
             print(note)
-        print(format_table(self.table))
+        if self.table:
+            print(format_table(self.table))
+        if self.agentic_table:
+            print(format_agentic_table(self.agentic_table))
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
 
-STAGES = ("sft", "reward_models", "ppo", "dpo", "kto", "rs", "kd", "spin", "steerlm", "group_rl")
+STAGES = ("sft", "reward_models", "ppo", "dpo", "kto", "rs", "kd", "spin", "steerlm", "group_rl", "agentic")
 
 
 def main() -> None:

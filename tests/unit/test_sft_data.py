@@ -236,7 +236,10 @@ ASSISTANT_TURN = {"from": "assistant", "value": "world"}
         ({"conversations": [USER_TURN, {"from": "robot", "value": "x"}]}, r"unknown role 'robot'"),
         ({"conversations": [USER_TURN, USER_TURN]}, "'conversations' has no assistant turn"),
         ({"system": 3, "conversations": [USER_TURN, ASSISTANT_TURN]}, "key 'system' is a int"),
-        ({"messages": [USER_TURN, {"role": "tool", "content": "x"}]}, r"messages\[1\] has unknown role 'tool'"),
+        ({"messages": [USER_TURN, {"role": "toolbox", "content": "x"}]}, r"messages\[1\] has unknown role 'toolbox'"),
+        # a tool turn is a role (its answer is rendered, not trained on), but nothing after the last reply is
+        ({"messages": [USER_TURN, ASSISTANT_TURN, {"role": "tool", "content": "x"}]},
+         "'messages' ends with a tool turn"),
         ({"messages": [USER_TURN]}, "'messages' has no assistant turn"),
         ({"messages": {"role": "user", "content": "x"}}, "messages is a dict; expected a non-empty list"),
         # As an empty 'output' is: an empty turn has nothing to say (only a system turn may be empty).

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from aligner.config import OutputError, run_main
 from aligner.data.jsonl import read_jsonl
-from aligner.demo.tokenizer import SPECIAL_TOKENS, train_char_tokenizer
+from aligner.demo.tokenizer import PRINTABLE_CHARACTERS, SPECIAL_TOKENS, train_char_tokenizer
 from aligner.runtime.errors import ConfigError
 
 
@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", type=Path, required=True, help="directory with *.jsonl files")
     parser.add_argument("--out-dir", type=Path, required=True, help="HF tokenizer directory to write")
+    parser.add_argument("--printable", action="store_true",
+                        help="also every printable ASCII character (tool calls, a tool environment's error messages)")
     args = parser.parse_args(argv)
 
     texts = read_texts(args.data_dir)
     try:
-        train_char_tokenizer(texts, args.out_dir)
+        train_char_tokenizer(texts, args.out_dir, PRINTABLE_CHARACTERS if args.printable else ())
     except OSError as error:
         raise OutputError(f"--out-dir {args.out_dir}: cannot write the tokenizer ({error.strerror or error})") from None
 
