@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
+from aligner.config import OutputError
 from aligner.runtime.errors import DataError
 
 
 def _where(path: str | Path, line: int) -> str:
     return f"{path}:{line}: "
+
+
+def write_jsonl(path: Path, records: Iterable[dict]) -> None:
+    """Records as one JSON object per line at `path` (its directory made); one line naming the file if it cannot."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+    except OSError as error:
+        raise OutputError(f"{path}: cannot write it ({error.strerror or error})") from None
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:

@@ -8,10 +8,10 @@ answer in the head with the forgotten carries), RL prompts from train problems, 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from aligner.config import OutputError, run_main
+from aligner.config import run_main
+from aligner.data.jsonl import write_jsonl
 from aligner.demo import long_addition
 
 
@@ -56,14 +56,7 @@ def summarize(name: str, records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     for name, records in build_files(args).items():
-        path = args.out_dir / name
-        try:
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as handle:
-                for record in records:
-                    handle.write(json.dumps(record) + "\n")
-        except OSError as error:
-            raise OutputError(f"{path}: cannot write it ({error.strerror or error})") from None
+        write_jsonl(args.out_dir / name, records)
         print(summarize(name, records))
 
 
