@@ -72,7 +72,7 @@ def toy(workdir: Path, seeds: list[int], stages: str) -> list[str]:
     return failures
 
 
-def real(workdir: Path, seeds: list[int], stages: str) -> list[str]:
+def real(workdir: Path, seeds: list[int], stages: str, rloo_settings: tuple[str, ...] = ()) -> list[str]:
     first = workdir / f"seed_{seeds[0]}"
     shared = [stage for stage in ("model", "data", "base") if stage in stages.split(",")]
     if shared:  # the base and its evaluation do not depend on the seed: once, in the first seed's directory
@@ -91,7 +91,8 @@ def real(workdir: Path, seeds: list[int], stages: str) -> list[str]:
                     shutil.rmtree(link)
                 link.symlink_to(first / name, target_is_directory=True)
             shutil.copy(first / "eval_base.json", work / "eval_base.json")
-        _run([sys.executable, DEMO / "run_demo_real.py", "--workdir", work, "--seed", seed, "--stages", own])
+        _run([sys.executable, DEMO / "run_demo_real.py", "--workdir", work, "--seed", seed, "--stages", own,
+              *[part for setting in rloo_settings for part in ("--rloo-set", setting)]])
         results[seed] = {name: _read(work / f"eval_{name}.json") for name in ("base", "rloo", "dpo")}
     failures = []
 
@@ -135,7 +136,11 @@ def main() -> None:
     parser.add_argument("--stages", default=None,
                         help="passed to each seed's demo (default toy: sft,group_rl; real: model,data,base,rloo,dpo,"
                              "report)")
+    parser.add_argument("--rloo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="real: a setting for every seed's RLOO run after the demo's own (repeatable)")
     args = parser.parse_args()
+    if args.rloo_set and args.demo != "real":
+        parser.error("--rloo-set: only the real demo has an RLOO stage")
     try:
         seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
     except ValueError:
@@ -146,7 +151,7 @@ def main() -> None:
     if args.demo == "toy":
         failures = toy(workdir, seeds, args.stages or "sft,group_rl")
     else:
-        failures = real(workdir, seeds, args.stages or "model,data,base,rloo,dpo,report")
+        failures = real(workdir, seeds, args.stages or "model,data,base,rloo,dpo,report", tuple(args.rloo_set))
     if failures:
         print("\n" + "\n".join(failures))
         raise SystemExit(1)

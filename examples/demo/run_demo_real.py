@@ -79,11 +79,13 @@ def _records(path: Path) -> list[dict]:
 
 
 class RealDemo:
-    def __init__(self, work: Path, source: Path | None = None, seed: int | None = None):
+    def __init__(self, work: Path, source: Path | None = None, seed: int | None = None,
+                 rloo_overrides: tuple[str, ...] = ()):
         self.work = work
         self.source = source  # the chat model to align; None: the pinned SmolLM2-135M-Instruct GGUF
         # The RL and DPO runs' seed (sampling, data order) and the DPO rounds' sampling seed; None: the yamls'.
         self.seed = seed
+        self.rloo_overrides = rloo_overrides  # key=value settings after the demo's own (--rloo-set)
         self.base = work / "base"
         self.data = work / "data"
         self.results: dict[str, dict] = {}
@@ -139,7 +141,7 @@ class RealDemo:
         run("rloo", [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py", "--config", RL_RECIPE,
                      f"model.init_from={self.base}",
                      f"data.prompts={self._need(self.data / 'train.jsonl', 'data')}", *RL_OVERRIDES, *self._seed(),
-                     f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
+                     *self.rloo_overrides, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         self.evaluate("rloo", latest_checkpoint(out / "checkpoints"))
 
     def dpo(self) -> None:
@@ -247,12 +249,16 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--seed", type=int, default=None,
                         help="the RLOO and DPO runs' seed (sampling, data order); default: the recipes'")
+    parser.add_argument("--rloo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the RLOO run after the demo's own (repeatable), e.g. "
+                             "trainer.global_batch_size=8")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve(), args.seed)
+    demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve(), args.seed,
+                    tuple(args.rloo_set))
     started = time.perf_counter()
     for stage, method in STAGES.items():
         if stage in chosen:

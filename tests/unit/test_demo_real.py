@@ -107,3 +107,20 @@ def test_a_model_that_is_neither_an_hf_directory_nor_a_gguf_file_is_one_clear_er
     (tmp_path / "model.txt").write_text("not a model")
     with pytest.raises(ConfigError, match=f"--model {tmp_path / name}: {message}"):
         demo_module.RealDemo(tmp_path / "work", tmp_path / name).model()
+
+
+def test_rloo_settings_from_the_command_line_come_after_the_demos_own(tmp_path, monkeypatch, demo_module):
+    """--rloo-set KEY=VALUE reaches the RLOO run after the demo's settings (the later override wins)."""
+    commands = []
+    monkeypatch.setattr(demo_module, "run", lambda stage, command: commands.append([str(part) for part in command]))
+    monkeypatch.setattr(demo_module, "latest_checkpoint", lambda path: path / "step_00000024")
+    monkeypatch.setattr(demo_module.RealDemo, "evaluate", lambda self, name, checkpoint: {})
+    monkeypatch.setattr(sys, "argv", ["run_demo_real.py", "--workdir", str(tmp_path / "work"), "--stages", "rloo",
+                                      "--rloo-set", "trainer.global_batch_size=8", "--rloo-set", "kl.init_coef=0.1"])
+    (tmp_path / "work" / "data").mkdir(parents=True)
+    (tmp_path / "work" / "data" / "train.jsonl").write_text("")
+    demo_module.main()
+    (command,) = commands
+    assert command[-4:-2] == ["trainer.global_batch_size=8", "kl.init_coef=0.1"]
+    assert command.index("kl.init_coef=0.1") > max(index for index, part in enumerate(command)
+                                                    if part.startswith("trainer.max_steps="))

@@ -91,3 +91,17 @@ def test_real_methods_need_the_margin_and_the_general_answers(tmp_path, monkeypa
         "model,data,base", "rloo,dpo,report", "rloo,dpo,report"]
     assert [command[command.index("--seed") + 1] for command in commands if "--seed" in command] == ["1", "2"]
     assert (tmp_path / "seed_2" / "eval_base.json").exists()
+
+
+def test_real_rloo_settings_reach_every_seeds_rloo_run_and_not_the_shared_base(tmp_path, monkeypatch, seeds_module):
+    def evaluations(seed):
+        return {"base": _instructions(0.13, 0.0), "rloo": _instructions(0.40, 4.0), "dpo": _instructions(0.40, 4.0)}
+
+    commands = _fake_demo(monkeypatch, seeds_module, evaluations)
+    settings = ("trainer.global_batch_size=8", "kl.init_coef=0.1")
+    assert seeds_module.real(tmp_path, [1, 2], "model,data,base,rloo,dpo,report", settings) == []
+    base, *per_seed = commands
+    assert "--rloo-set" not in base
+    for command in per_seed:
+        given = [command[index + 1] for index, part in enumerate(command) if part == "--rloo-set"]
+        assert given == list(settings)
