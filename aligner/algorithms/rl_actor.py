@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import checkpointing
+from aligner.algorithms.rl_async import AsyncRollouts
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.rl_episodes import Environments, EpisodeCollector
 from aligner.algorithms.rl_objective import PolicyObjective
@@ -178,6 +179,11 @@ class RLActor(Checkpointed):
                                              reward_source=reward_source, critic=critic, prompts=prompts,
                                              order=self.order, tokenizer=tokenizer, data_parallel=data_parallel,
                                              model_parallel_group=ps.get_model_parallel_group())
+        self.asynchronous: Optional[AsyncRollouts] = None
+        if cfg.rollout.asynchronous.enabled:  # rollouts from a generation worker, overlapping training
+            self.rollouts = self.asynchronous = AsyncRollouts(
+                cfg, self.rollouts, chunks=self.chunks, model_cfg=model_cfg, tokenizer_dir=policy.tokenizer_dir,
+                seed_of=self.seed_of, log=metrics.write)
         self.response_width = cfg.response_width
         self.temperature = cfg.generation.temperature if cfg.loss.scale_logits_by_temperature else 1.0
         self.planner = policy_planner(cfg, self.chunks[0], tokenizer.pad_id, self.objective, data_parallel, ptx_loader)
@@ -211,8 +217,10 @@ class RLActor(Checkpointed):
 
     def step_seed(self) -> int:
         """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
-        return derive_seed(self.cfg.seed, self.step, self.critic_warmup_done, weights=(7_919, 1),
-                           modulus=SAMPLER_SEED_RANGE)
+        return self.seed_of(self.step, self.critic_warmup_done)
+
+    def seed_of(self, step: int, warmup_round: int = 0) -> int:
+        return derive_seed(self.cfg.seed, step, warmup_round, weights=(7_919, 1), modulus=SAMPLER_SEED_RANGE)
 
     def train_step(self, update_actor: bool = True) -> dict[str, float]:
         """One step (update_actor=False: a critic warm-up round)."""
@@ -254,6 +262,8 @@ class RLActor(Checkpointed):
                 update_ema(self.ema.tensors, dict(named_parameters(self.chunks)), self.cfg.ema.decay)
             if self.cfg.measures_kl:
                 self.kl_controller.update(metrics["kl"], self.cfg.rollouts_per_step)
+            if self.asynchronous is not None:  # the generation worker gets the new weights
+                self.asynchronous.after_update(self.step + 1, timings)
         metrics["kl_coef"] = self.kl_controller.value
         if self.critic is not None:
             tick = time.perf_counter()
@@ -264,8 +274,9 @@ class RLActor(Checkpointed):
         # Where the step's time went, as shares of it (the critic's training overlaps the actor's).
         metrics.update({f"share_{key.removeprefix('time_')}": value / timings["step_time"]
                         for key, value in timings.items() if key.startswith("time_")})
-        metrics["rollout_tokens_per_second"] = rollout_metrics["generated_tokens"] / max(timings["time_generation"],
-                                                                                         1e-9)
+        # (asynchronous: the worker's own generation time, which the collector measured)
+        metrics.setdefault("rollout_tokens_per_second",
+                           rollout_metrics["generated_tokens"] / max(timings["time_generation"], 1e-9))
         if self._should_log_samples():
             self.log_samples(batch)
         return metrics
@@ -352,6 +363,12 @@ class RLActor(Checkpointed):
                 weights = mismatch.truncated_importance_weights(old_logprobs, batch.engine_logprobs, mask,
                                                                 cfg.loss.importance_sampling,
                                                                 cfg.loss.importance_sampling_cap)
+                metrics.update(mismatch.weight_metrics(weights, mask, cfg.loss.importance_sampling_cap, group=group))
+        versions = [row.policy_version for row in batch.rows if row.policy_version is not None]
+        if versions:  # rollouts of a generation worker (asynchronous: one trainer process, so no reduction)
+            staleness = [self.step - version for version in versions]
+            metrics["async/staleness_mean"] = sum(staleness) / len(staleness)
+            metrics["async/staleness_max"] = float(max(staleness))
         fixed = {b: row.fixed_advantage for b, row in enumerate(batch.rows) if row.fixed_advantage is not None}
         if cfg.rollout.episodes and cfg.rollout.on_bad_call == "fixed_advantage":  # the same on every rank
             count = torch.tensor([float(len(fixed))])
@@ -462,9 +479,12 @@ class RLActor(Checkpointed):
 
     # -- checkpoints (the lifecycle: aligner.training.checkpointed)
     def state_dict(self) -> dict:
-        return {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
-                "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
-                "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "kl": self.kl_controller.state_dict(),
+                 "prompts": self.order.state_dict(), "critic_warmup_done": self.critic_warmup_done,
+                 "scheduler": self.policy.scheduler.state_dict(), schedule.STATE_KEY: self.policy.schedule_settings}
+        if self.asynchronous is not None:  # the rollouts a resumed run cannot generate again
+            state["asynchronous"] = self.asynchronous.state_dict(self.step)
+        return state
 
     def load_state_dict(self, state: dict) -> dict[str, tuple]:
         """Continue from a checkpoint's trainer state under this run's schedule settings; returns
@@ -474,6 +494,8 @@ class RLActor(Checkpointed):
         self.kl_controller.load_state_dict(state["kl"])
         self.order.load_state_dict(state["prompts"])
         self.critic_warmup_done = state["critic_warmup_done"]
+        if self.asynchronous is not None:
+            self.asynchronous.load_state_dict(state.get("asynchronous", {}))
         return schedule.resume_schedule(self.policy.scheduler, self.policy.optimizer, state,
                                         self.policy.schedule_settings)
 

@@ -119,6 +119,20 @@ class SandboxSection:
 
 
 @dataclass
+class AsynchronousSection:
+    """Generation in a worker process of its own, overlapping training (docs/guides/async_rl.md)."""
+
+    enabled: bool = False
+    # How many weight versions the policy that sampled a consumed rollout may lag the trainer's: step s is sent
+    # to the worker once it holds the weights of step s - max_staleness. 0: the synchronous run, bit for bit.
+    max_staleness: int = at_least(0, 1)
+    worker_threads: Optional[int] = at_least(1, None, "null: the trainer's torch threads")
+    silence_timeout_s: float = at_least(1.0, 600.0)  # the worker says nothing this long while awaited: stalled
+    weight_timeout_s: float = at_least(1.0, 120.0)  # one weight copy in the worker, once started
+    restarts: int = at_least(0, 1)  # a worker that dies or stalls is started again this many times, then the run stops
+
+
+@dataclass
 class RolloutSection:
     prompts_per_step: int = at_least(1, 64)  # distinct prompts per step over all data-parallel ranks
     samples_per_prompt: int = at_least(1, 1)  # k samples of each prompt (a group); rollouts per step = prompts x k
@@ -142,6 +156,7 @@ class RolloutSection:
     on_failure: str = one_of(FAILURE_POLICIES, EpisodeLimits.on_failure)  # an environment that fails
     on_cut_turn: str = one_of(("continue", "end"), EpisodeLimits.on_cut_turn)
     sandbox: SandboxSection = field(default_factory=SandboxSection)
+    asynchronous: AsynchronousSection = field(default_factory=AsynchronousSection)
 
     @property
     def episodes(self) -> bool:
@@ -407,6 +422,29 @@ class RLActorConfig(RunConfig):
                               f"{self.sequence_length_key} = {longest}")
         if rollout.episodes:
             self.validate_episodes()
+        if rollout.asynchronous.enabled:
+            self.validate_asynchronous(data_parallel_size)
+
+    def validate_asynchronous(self, data_parallel_size: int) -> None:
+        """Checks of a run whose rollouts come from a generation worker (`aligner.algorithms.rl_async`)."""
+        rollout, parallel, loss = self.rollout, self.parallel, self.loss
+        processes = data_parallel_size * parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+        if processes > 1:
+            raise ConfigError("rollout.asynchronous.enabled: the trainer runs as one process (TP=PP=DP=1) with one "
+                              f"generation worker; this layout has {processes} trainer processes")
+        unsupported = [(self.generation.engine != "native", "generation.engine=native"),
+                       (rollout.episodes, "single-turn rollouts (no rollout.environment / rollout.tools)"),
+                       (rollout.dynamic_sampling, "rollout.dynamic_sampling=false"),
+                       (self.uses_critic, "an advantage estimator without a critic (the GRPO family)")]
+        for unmet, needed in unsupported:
+            if unmet:
+                raise ConfigError(f"rollout.asynchronous.enabled needs {needed}")
+        if rollout.asynchronous.max_staleness > 0 and (loss.importance_sampling == "none"
+                                                       or not loss.recompute_old_logprobs):
+            raise ConfigError(f"rollout.asynchronous.max_staleness={rollout.asynchronous.max_staleness} trains on "
+                              "rollouts of older weights: set loss.importance_sampling=token (or sequence) and "
+                              "loss.recompute_old_logprobs=true, the correction from the sampling policy to the "
+                              "trainer's")
 
     def validate_episodes(self) -> None:
         """Checks of a run on multi-turn episodes."""

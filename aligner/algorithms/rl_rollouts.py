@@ -127,39 +127,56 @@ class RolloutCollector:
                            prompts=None, with_values: bool = True) -> tuple[dict, float]:
         """Generate the prompts `indices` through the router and score them; returns (this replica's rows
         by position in `indices`, response tokens generated over all ranks). Collective."""
-        prompts = self.prompts if prompts is None else prompts
-        step_prompts = [prompts.tokens[i] for i in indices]
-        given_prompts = [prompts.prompts[i] for i in indices]  # as the data gave them, for reward functions
-        given_columns = [prompts.columns(i) for i in indices]  # the records' other columns, for reward functions
-        records = [prompts.record(i) for i in indices]  # "file:line", for messages about a prompt's score
-        pending = []  # (micro-batch positions, pending scores, values future)
+        scoring = _Scoring(self.prompts if prompts is None else prompts, indices, with_values)
 
         def send_scoring(micro_indices, rollout):
-            if not self.is_replica_leader:
-                return
-            sequences = full_sequences(rollout)
             responses = [self.response_text(rollout.response_tokens[row, :int(rollout.response_lengths[row])])
                          for row in range(len(micro_indices))]
-            values = self.critic.infer_async(sequences) if (with_values or self.reward_source is None) else None
-            rewards = None  # combined critic server: the rewards arrive with the values
-            if self.reward_source is not None:
-                rewards = self.reward_source.score_async(sequences, [given_prompts[i] for i in micro_indices],
-                                                         responses, [records[i] for i in micro_indices],
-                                                         columns=[given_columns[i] for i in micro_indices])
-            pending.append((micro_indices, rewards, values))
+            self.send_scoring(scoring, micro_indices, full_sequences(rollout), responses)
 
         tick = time.perf_counter()
         self.engine.refit(self.chunks)
         sampling = rollout_sampling(self.cfg.generation, greedy, seed)
-        local = collect_rollouts(self.engine, self.router, step_prompts, sampling, send_scoring)
-        for position, row in local.items():
-            row.given_prompt = given_prompts[position]
+        local = collect_rollouts(self.engine, self.router, scoring.tokens, sampling, send_scoring)
         self.engine.release_for_update()  # training gets the memory of what its update makes stale
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
+        return self.await_scores(scoring, local, timings)
 
+    def score(self, local: dict, indices: list[int], timings: dict) -> tuple[dict, float]:
+        """Score rows generated elsewhere (a generation worker: `aligner.algorithms.rl_async`), by position in
+        `indices`, as `generate_and_score` scores its own: the requests in micro-batches of
+        generation.micro_batch_size rows, then the answers. Returns what generate_and_score returns."""
+        scoring = _Scoring(self.prompts, indices, self.critic is not None)
+        positions = sorted(local)
+        size = self.cfg.generation.micro_batch_size
+        for first in range(0, len(positions), size):
+            micro_indices = positions[first:first + size]
+            rows = [local[position] for position in micro_indices]
+            self.send_scoring(scoring, micro_indices, [row.prompt + row.response.tolist() for row in rows],
+                              [self.response_text(row.response) for row in rows])
+        return self.await_scores(scoring, local, timings)
+
+    def send_scoring(self, scoring: "_Scoring", micro_indices: list[int], sequences: list, responses: list) -> None:
+        """The reward (and, with a critic, value) requests of one micro-batch, as futures (the replica's leader)."""
+        if not self.is_replica_leader:
+            return
+        values = self.critic.infer_async(sequences) if (scoring.with_values or self.reward_source is None) else None
+        rewards = None  # combined critic server: the rewards arrive with the values
+        if self.reward_source is not None:
+            rewards = self.reward_source.score_async(sequences, [scoring.given_prompts[i] for i in micro_indices],
+                                                     responses, [scoring.records[i] for i in micro_indices],
+                                                     columns=[scoring.given_columns[i] for i in micro_indices])
+        scoring.pending.append((micro_indices, rewards, values))
+
+    def await_scores(self, scoring: "_Scoring", local: dict, timings: dict) -> tuple[dict, float]:
+        """Attach the answers of the pending requests to the rows; (this replica's rows, response tokens
+        generated over all ranks). Collective."""
+        records = scoring.records
+        for position, row in local.items():
+            row.given_prompt = scoring.given_prompts[position]
         tick = time.perf_counter()
         critic = self.cfg.critic.server
-        for micro_indices, rewards, values in pending:
+        for micro_indices, rewards, values in scoring.pending:
             inferred = wait_for(values, lambda: f"the critic server {critic.host}:{critic.port}") if (
                 values is not None) else None
             if rewards is not None:
@@ -169,7 +186,7 @@ class RolloutCollector:
                                   "mode (combined.reward_model_init_from=<reward-model checkpoint>)")
             else:
                 scores = self.combined_check(inferred.rewards.tolist(), [records[i] for i in micro_indices])
-            value_rows = inferred.values if (inferred is not None and with_values) else None  # [rows, columns]
+            value_rows = inferred.values if (inferred is not None and scoring.with_values) else None  # [rows, columns]
             for j, position in enumerate(micro_indices):
                 row = local[position]
                 row.score, row.score_replaced = float(scores.values[j]), bool(scores.replaced[j])
@@ -193,6 +210,19 @@ class RolloutCollector:
         self.router.close()
         if hasattr(self.reward_source, "close"):
             self.reward_source.close()
+
+
+class _Scoring:
+    """What scoring the rollouts of prompts `indices` needs: the prompts' tokens, as the data gave them (for
+    reward functions), their records' other columns, "file:line" (for messages), and the pending requests."""
+
+    def __init__(self, prompts, indices: list[int], with_values: bool):
+        self.tokens = [prompts.tokens[i] for i in indices]
+        self.given_prompts = [prompts.prompts[i] for i in indices]
+        self.given_columns = [prompts.columns(i) for i in indices]
+        self.records = [prompts.record(i) for i in indices]
+        self.with_values = with_values
+        self.pending: list = []  # (micro-batch positions, pending scores, values future)
 
 
 def rollout_sampling(gen: GenerationSection, greedy: bool = False, seed: int = 0) -> SamplingParams:

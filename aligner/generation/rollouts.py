@@ -248,6 +248,9 @@ class RolloutRow:
     # An advantage for every trained token in place of the estimator's (an episode ended by a bad tool call under
     # rollout.on_bad_call=fixed_advantage); None: the estimator's.
     fixed_advantage: Optional[float] = None
+    # The weight version (policy step) that generated the response, where a generation worker says so
+    # (asynchronous RL, `aligner.algorithms.rl_async`); None: the trainer's own current weights.
+    policy_version: Optional[int] = None
 
 
 @dataclass

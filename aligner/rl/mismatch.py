@@ -102,3 +102,19 @@ def truncated_importance_weights(trainer_logprobs: torch.Tensor, engine_logprobs
     weights = torch.exp(log_ratio.clamp(max=math.log(cap)))
     dtype = torch.promote_types(trainer_logprobs.dtype, torch.float32)
     return zero_off_mask(weights, mask).to(dtype)
+
+
+@torch.no_grad()
+def weight_metrics(weights: torch.Tensor, mask: torch.Tensor, cap: float,
+                   group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+    """importance_weight_mean over the response tokens of the (global, with `group`) batch, and
+    importance_weight_clipped_fraction: the share of them whose ratio reached the cap."""
+    mask = mask.bool()
+    clipped = weights.double() >= cap * (1 - 1e-6)
+    sums = torch.stack([mask.sum().double(), zero_off_mask(weights.double(), mask).sum(),
+                        (clipped & mask).sum().double()])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    tokens = max(float(sums[0]), 1.0)
+    return {"importance_weight_mean": float(sums[1]) / tokens,
+            "importance_weight_clipped_fraction": float(sums[2]) / tokens}

@@ -1,0 +1,280 @@
+"""A generation worker: the native engine in a process of its own, fed prompts and weights by the trainer.
+
+Asynchronous RL (`aligner.algorithms.rl_async`) generates the next steps' rollouts here while the trainer
+trains on the current one. The worker holds its own copy of the policy (megatron-core chunks at TP=PP=1, LoRA
+adapters where the trainer has them) and a `NativeEngine` on it; it answers commands from one queue, in order:
+
+  ("weights", version, names)         copy those parameters from the shared buffers, refit; answers "loading"
+                                      before the copy and "loaded" after it
+  ("generate", step, prompts, params) generate every prompt (a list of token-id lists) through the same
+                                      `collect_rollouts` a synchronous step uses; answers "generated" with the
+                                      rows and the weight version that made them
+  ("stop",)                           exit
+
+The weights travel through shared-memory tensors (`SharedWeights`, written by the trainer, read here): one
+host copy of the parameters, no pickling per update. The trainer writes version v + 1 only after the worker
+said "loaded" for v, so a copy is never torn. Because commands are taken in order, the version that
+generates a step is fixed by when the trainer sent the step, not by timing: a run is reproducible.
+
+`GenerationWorker` is the trainer's handle: start (wait for "ready"), send weights and requests, receive
+answers with a deadline, notice a worker that died or went silent, stop it (no process outlives the trainer:
+the worker gets SIGKILL from the kernel when the trainer dies, and is killed when the handle closes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import random
+import signal
+import time
+import traceback
+from typing import Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from aligner.generation.native import NativeEngine
+from aligner.generation.rollouts import RolloutRow, collect_rollouts
+from aligner.generation.router_client import StaticRouter
+from aligner.models.gpt import GPTConfig, build_model_chunks
+from aligner.models.lora import PEFTConfig, apply_lora
+from aligner.models.weight_swap import named_parameters
+from aligner.runtime import distributed, processes
+from aligner.runtime.errors import UserError
+from aligner.tokenizer import Tokenizer
+
+# The launcher's variables: the worker is a world of its own (one process), never a rank of the trainer's.
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
+# Fault injection for the tests (tests/unit/test_async_rl.py): "die_at_step:N", "stall_at_step:N",
+# "stall_weights_at:V" make the worker exit, hang in a generation or hang in a weight copy (once, when
+# FAULT_ONCE_VARIABLE names a file: the fault creates it and does not fire again while it exists);
+# "delay:SECONDS:SEED" sleeps a random 0..SECONDS before each command.
+FAULT_VARIABLE = "ALIGNER_GENERATION_WORKER_FAULT"
+FAULT_ONCE_VARIABLE = "ALIGNER_GENERATION_WORKER_FAULT_ONCE"
+
+
+class GenerationWorkerError(UserError, RuntimeError):
+    """The generation worker died, went silent, or could not start (one line naming it and what it was doing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker builds: the policy's architecture and adapters, its tokenizer, the engine's limits."""
+
+    model_config: dict  # GPTConfig.to_dict() of the trainer's model
+    params_dtype: torch.dtype
+    peft: Optional[PEFTConfig]  # LoRA adapters as the trainer has them, or None
+    seed: int
+    tokenizer_dir: str
+    micro_batch_size: int  # prompts per router hand-out, the engine's cache rows
+    max_sequence_length: int
+    threads: int  # torch threads of the worker
+
+
+class SharedWeights:
+    """The policy's parameters in shared memory, by name (`aligner.models.weight_swap.named_parameters`)."""
+
+    def __init__(self, chunks):
+        named = named_parameters(chunks)
+        self.tensors = {name: param.detach().clone().share_memory_() for name, param in named}
+        self.trainable = [name for name, param in named if param.requires_grad]
+
+    @torch.no_grad()
+    def write(self, chunks, names) -> None:
+        wanted = set(names)
+        for name, param in named_parameters(chunks):
+            if name in wanted:
+                self.tensors[name].copy_(param.detach())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _fault(kind: str, value: int) -> bool:
+    name, _, number = os.environ.get(FAULT_VARIABLE, "").partition(":")
+    if name != kind or not number.isdigit() or int(number) != value:
+        return False
+    once = os.environ.get(FAULT_ONCE_VARIABLE)
+    if once:
+        try:
+            with open(once, "x"):
+                pass
+        except FileExistsError:
+            return False
+    return True
+
+
+def _delays():
+    """The random sleeps of a "delay:SECONDS:SEED" fault (an endless iterator of seconds), or None."""
+    kind, _, rest = os.environ.get(FAULT_VARIABLE, "").partition(":")
+    if kind != "delay":
+        return None
+    seconds, _, seed = rest.partition(":")
+    draw = random.Random(int(seed or 0))
+    return iter(lambda: draw.uniform(0.0, float(seconds)), None)
+
+
+def _compact(rows: dict) -> dict:
+    """Rows by position as plain lists (cheap to pickle, no shared-memory handle per tensor)."""
+    return {position: (row.prompt, row.response.tolist(), row.logprobs.tolist(), row.ended_with_stop)
+            for position, row in rows.items()}
+
+
+def rows_from_compact(compact: dict, logprob_dtype: torch.dtype = torch.float32) -> dict:
+    """`_compact`'s rows as RolloutRows again (the same values: float32 -> Python float -> float32 is exact)."""
+    return {position: RolloutRow(prompt=list(prompt), response=torch.tensor(response, dtype=torch.long),
+                                 logprobs=torch.tensor(logprobs, dtype=logprob_dtype), ended_with_stop=stopped)
+            for position, (prompt, response, logprobs, stopped) in compact.items()}
+
+
+def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int) -> None:
+    """The worker process: build, say "ready", then serve commands until "stop" (or the trainer's death)."""
+    processes.die_with_parent(signal.SIGKILL, parent)
+    for name in _LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
+    torch.set_num_threads(spec.threads)
+    try:
+        distributed.initialize(distributed.ParallelConfig())
+        from megatron.core import parallel_state as ps
+
+        torch.manual_seed(spec.seed)
+        model_cfg = GPTConfig.from_dict(spec.model_config)
+        chunks = build_model_chunks(model_cfg, distributed.ParallelConfig(), spec.params_dtype)
+        if spec.peft is not None:
+            apply_lora(chunks, spec.peft, spec.seed)
+        for chunk in chunks:
+            chunk.eval()
+        named = dict(named_parameters(chunks))
+        if set(named) != set(weights):
+            missing = sorted(set(weights) ^ set(named))[:3]
+            raise RuntimeError(f"the worker's model does not match the trainer's (parameters {missing} differ)")
+        tokenizer = Tokenizer(spec.tokenizer_dir)
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(weights[name])
+        engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                              max_batch_size=spec.micro_batch_size, max_sequence_length=spec.max_sequence_length,
+                              decode=tokenizer.decode)
+        router = StaticRouter(micro_batch_size=spec.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
+        answers.put(("ready", os.getpid()))
+        version: Optional[int] = None
+        delays = _delays()
+        idle_since = time.perf_counter()
+        while True:
+            command = commands.get()
+            idle = time.perf_counter() - idle_since
+            kind = command[0]
+            if delays is not None:
+                time.sleep(next(delays))
+            if kind == "stop":
+                break
+            if kind == "weights":
+                _, version, names = command
+                answers.put(("loading", version))
+                tick = time.perf_counter()
+                if _fault("stall_weights_at", version):
+                    time.sleep(3600)
+                with torch.no_grad():
+                    for name in names:
+                        named[name].copy_(weights[name])
+                engine.refit(chunks)  # the copies bypass the version counters: repack
+                answers.put(("loaded", version, time.perf_counter() - tick, idle))
+            elif kind == "generate":
+                _, step, prompts, sampling = command
+                if _fault("die_at_step", step):
+                    os._exit(3)
+                if _fault("stall_at_step", step):
+                    time.sleep(3600)
+                tick = time.perf_counter()
+                rows = collect_rollouts(engine, router, prompts, sampling)
+                answers.put(("generated", step, version, _compact(rows),
+                             {"generation_s": time.perf_counter() - tick, "idle_s": idle}))
+            else:
+                raise RuntimeError(f"unknown command {kind!r}")
+            idle_since = time.perf_counter()
+    except BaseException as error:  # noqa: BLE001 - the trainer gets the one line; the traceback goes to stderr
+        traceback.print_exc()
+        answers.put(("error", f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from None
+    finally:
+        distributed.shutdown()
+
+
+class GenerationWorker:
+    """The trainer's handle on one worker process (see the module docstring).
+
+    silence_timeout_s: how long the worker may say nothing while the trainer waits for it (a generation,
+    a weight copy) before it counts as stalled; weight_timeout_s: how long one weight copy may take once
+    the worker started it; start_timeout_s: building the worker's model and engine.
+    """
+
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights, *, silence_timeout_s: float,
+                 weight_timeout_s: float, start_timeout_s: float = 300.0):
+        self.spec = spec
+        self.weights = weights
+        self.silence_timeout_s = silence_timeout_s
+        self.weight_timeout_s = weight_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.context = mp.get_context("spawn")
+        self.process = None
+        self.commands = self.answers = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self.process is None else self.process.pid
+
+    def start(self) -> None:
+        self.commands, self.answers = self.context.Queue(), self.context.Queue()
+        self.process = self.context.Process(
+            target=worker_main, name="generation-worker", daemon=True,
+            args=(self.spec, self.weights.tensors, self.commands, self.answers, os.getpid()))
+        self.process.start()
+        answer = self.receive(self.start_timeout_s, "starting")
+        if answer[0] != "ready":
+            raise GenerationWorkerError(f"the generation worker (pid {self.pid}) sent {answer[0]!r} instead of "
+                                        "'ready' while starting")
+
+    def send(self, *command) -> None:
+        self.commands.put(command)
+
+    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
+        """The worker's next answer; GenerationWorkerError (one line, naming the worker and `doing`) when it
+        exited, reported an error, or said nothing for silence_timeout_s seconds."""
+        deadline = time.monotonic() + silence_timeout_s
+        while True:
+            try:
+                answer = self.answers.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                answer = None
+            if answer is not None:
+                if answer[0] == "error":
+                    raise GenerationWorkerError(f"the generation worker (pid {self.pid}) failed while {doing}: "
+                                                f"{answer[1]}")
+                return answer
+            if not self.process.is_alive():
+                raise GenerationWorkerError(f"the generation worker (pid {self.pid}) exited with code "
+                                            f"{self.process.exitcode} while {doing}")
+            if time.monotonic() > deadline:
+                raise GenerationWorkerError(f"the generation worker (pid {self.pid}) said nothing for "
+                                            f"{silence_timeout_s:g} s while {doing}: stalled")
+
+    def close(self) -> None:
+        """Stop the worker (asked first, killed if it does not exit within 5 s); idempotent."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            try:
+                self.commands.put(("stop",))
+            except (OSError, ValueError):
+                pass
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        for channel in (self.commands, self.answers):
+            channel.cancel_join_thread()
+            channel.close()
+        self.process = None
