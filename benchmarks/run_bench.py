@@ -66,6 +66,7 @@ TOY_SET = (
     Benchmark("generation_toy", "benchmarks/generation.py", ("--threads", "1")),
     Benchmark("ppo_step_toy", "benchmarks/ppo_step.py", ("--threads", "1")),
     Benchmark("multi_turn_toy", "benchmarks/multi_turn.py", ("--threads", "1")),
+    Benchmark("async_rl_toy", "benchmarks/async_rl.py", ("--threads", "{threads}")),
 )
 
 # The GPU set (`make test-gpu`, after the tests marked gpu): a ~1B Llama-style random model's decode with and

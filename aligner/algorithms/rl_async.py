@@ -62,7 +62,7 @@ class AsyncRollouts:
             model_config=model_cfg.to_dict(), params_dtype=dtype, peft=cfg.peft if cfg.peft.enabled else None,
             seed=cfg.seed, tokenizer_dir=str(tokenizer_dir), micro_batch_size=cfg.generation.micro_batch_size,
             max_sequence_length=cfg.sequence_lengths()[0][0],
-            threads=self.settings.worker_threads or torch.get_num_threads())
+            threads=self.settings.worker_threads or max(1, torch.get_num_threads() // 2))
         self.weights: Optional[SharedWeights] = None
         self.worker: Optional[GenerationWorker] = None
         self.pushed: Optional[int] = None  # the newest weight version sent
@@ -160,7 +160,13 @@ class AsyncRollouts:
         if self.weights is None:
             self.weights = SharedWeights(self.chunks)
         self.weights.write(self.chunks, list(self.weights.tensors))  # from here on it holds version `pushed`
+        threads = torch.get_num_threads()
+        if self.settings.worker_threads is None and threads > 1:  # the cores split between the two processes
+            torch.set_num_threads(threads - self.spec.threads)
         self.worker = self._new_worker()
+        self.log(f"asynchronous generation: worker pid {self.worker.pid} on {self.spec.threads} thread(s), the "
+                 f"trainer on {torch.get_num_threads()}; max_staleness {self.settings.max_staleness}; weights "
+                 f"shared through {self.weights.num_bytes / 2**20:.1f} MiB of shared memory")
         self.pushed, self.loaded = step, None
         self.worker.send("weights", step, list(self.weights.tensors))
         rollout = self.cfg.rollout

@@ -126,7 +126,8 @@ class AsynchronousSection:
     # How many weight versions the policy that sampled a consumed rollout may lag the trainer's: step s is sent
     # to the worker once it holds the weights of step s - max_staleness. 0: the synchronous run, bit for bit.
     max_staleness: int = at_least(0, 1)
-    worker_threads: Optional[int] = at_least(1, None, "null: the trainer's torch threads")
+    # torch threads of the worker; null: half the trainer's (at least 1), the trainer keeping the rest
+    worker_threads: Optional[int] = at_least(1, None, "null: half the trainer's threads")
     silence_timeout_s: float = at_least(1.0, 600.0)  # the worker says nothing this long while awaited: stalled
     weight_timeout_s: float = at_least(1.0, 120.0)  # one weight copy in the worker, once started
     restarts: int = at_least(0, 1)  # a worker that dies or stalls is started again this many times, then the run stops

@@ -22,6 +22,7 @@ the worker gets SIGKILL from the kernel when the trainer dies, and is killed whe
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import queue
@@ -133,6 +134,11 @@ def rows_from_compact(compact: dict, logprob_dtype: torch.dtype = torch.float32)
 def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int) -> None:
     """The worker process: build, say "ready", then serve commands until "stop" (or the trainer's death)."""
     processes.die_with_parent(signal.SIGKILL, parent)
+    # A terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole process group: the trainer stops at a step
+    # boundary and needs the worker until its checkpoint is written; it stops the worker itself (or dies, and
+    # the kernel kills the worker).
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
     for name in _LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     torch.set_num_threads(spec.threads)
@@ -232,6 +238,8 @@ class GenerationWorker:
             target=worker_main, name="generation-worker", daemon=True,
             args=(self.spec, self.weights.tensors, self.commands, self.answers, os.getpid()))
         self.process.start()
+        # Before multiprocessing's own exit hook, which would SIGTERM (ignored here) and wait for the worker.
+        atexit.register(self.close)
         answer = self.receive(self.start_timeout_s, "starting")
         if answer[0] != "ready":
             raise GenerationWorkerError(f"the generation worker (pid {self.pid}) sent {answer[0]!r} instead of "
@@ -278,3 +286,4 @@ class GenerationWorker:
             channel.cancel_join_thread()
             channel.close()
         self.process = None
+        atexit.unregister(self.close)

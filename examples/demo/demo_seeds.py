@@ -3,7 +3,7 @@
     python examples/demo/demo_seeds.py toy --seeds 1,2,3     # make demo: SFT per seed, the GRPO family on each
     python examples/demo/demo_seeds.py real --seeds 1,2,3    # make demo-real: RLOO and iterative DPO per seed
 
-toy: each seed trains its own SFT model (the seed sets the data order) and the five group methods from it; every
+toy: each seed trains its own SFT model (the seed sets the data order) and the group methods from it; every
 group row must beat that seed's SFT by TOY_MARGIN points of held-out greedy accuracy. real: the base model is
 imported and evaluated once; RLOO and iterative DPO run per seed (sampling, data order); each must beat the base
 by REAL_MARGIN points of held-out prompts satisfied and keep the general answers (the France answer still says
@@ -45,7 +45,7 @@ def _read(path: Path) -> dict:
 
 
 def toy(workdir: Path, seeds: list[int], stages: str) -> list[str]:
-    rows = [("SFT", "sft")] + [(label, algorithm) for algorithm, label, _ in GROUP_RL_RUNS]
+    rows = [("SFT", "sft")] + [(label, name) for name, label, _ in GROUP_RL_RUNS]
     results: dict[int, dict[str, dict]] = {}
     for seed in seeds:
         work = workdir / f"seed_{seed}"

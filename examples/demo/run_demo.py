@@ -15,8 +15,9 @@ Stages, each the same command a user would run (`--stages` re-runs a subset on e
   spin           SPIN on correct demonstrations
   steerlm        annotate demonstrations with the served attribute model, attribute-conditioned SFT,
                  then ask for the top and a low correctness
-  group_rl       RLOO, GRPO, Dr. GRPO, DAPO and GSPO: the same actor with each one's settings, 4 samples
-                 per prompt, rewarded by the task's checker
+  group_rl       RLOO, GRPO, GRPO with asynchronous generation (a worker one step ahead), Dr. GRPO, DAPO
+                 and GSPO: the same actor with each one's settings, 8 samples per prompt, rewarded by the
+                 task's checker
   agentic        long additions (3-4 digits) with a calculator tool: its own data, tokenizer and SFT
                  (demonstrations that call the calculator sometimes, else answer with the forgotten
                  carries), then GRPO from that SFT model twice with the same settings: single-turn, and
@@ -126,13 +127,16 @@ GROUP_RL_OVERRIDES = [
     "checkpoint.resume=false",
 ]
 
-GROUP_RL_RUNS = [  # (algorithm=, table row, extra settings)
-    ("rloo", "RLOO", ()),
-    ("grpo", "GRPO", ()),
-    ("dr_grpo", "Dr. GRPO", ()),
+GROUP_RL_RUNS = [  # (the run's directory and evaluation name, table row, its settings after GROUP_RL_OVERRIDES)
+    ("rloo", "RLOO", ("algorithm=rloo",)),
+    ("grpo", "GRPO", ("algorithm=grpo",)),
+    # GRPO with generation in a worker process one step ahead, corrected for the staleness (docs/guides/async_rl.md)
+    ("grpo_async", "GRPO, asynchronous", ("algorithm=grpo", "rollout.asynchronous.enabled=true",
+                                          "rollout.asynchronous.max_staleness=1", "loss.importance_sampling=token")),
+    ("dr_grpo", "Dr. GRPO", ("algorithm=dr_grpo",)),
     # overlong shaping: the longest right answer is 4 tokens (198 + eos); 5 tokens cost 0.5, 6 cost 1
-    ("dapo", "DAPO", ("reward.overlong_buffer=2",)),
-    ("gspo", "GSPO", ()),
+    ("dapo", "DAPO", ("algorithm=dapo", "reward.overlong_buffer=2")),
+    ("gspo", "GSPO", ("algorithm=gspo",)),
 ]
 
 # DPO from the SFT checkpoint; the NLL term on the chosen answer keeps the right answers likely
@@ -537,15 +541,15 @@ class Demo:
 
     # -- 11: the group methods (no critic; k samples per prompt), each the same actor with its preset
     def group_rl(self) -> None:
-        for algorithm, label, extra in GROUP_RL_RUNS:
-            out = self.work / algorithm
+        for name, label, settings in GROUP_RL_RUNS:
+            out = self.work / name
             shutil.rmtree(out, ignore_errors=True)
             run(label, [sys.executable, GPT_EXAMPLES / "train_gpt_reinforce_actor.py",
                         f"model.init_from={self.sft_checkpoint}", f"data.prompts={self.data / 'rl_prompts.jsonl'}",
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
-                        *GROUP_RL_OVERRIDES, f"algorithm={algorithm}", *extra, *self.run_settings,
+                        *GROUP_RL_OVERRIDES, *settings, *self.run_settings,
                         f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-            self.table.append((label, self.greedy(algorithm, latest_checkpoint(out / "checkpoints"))))
+            self.table.append((label, self.greedy(name, latest_checkpoint(out / "checkpoints"))))
 
     # -- 10: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
     def steerlm(self) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,17 +42,22 @@ def tiny(tmp_path_factory, arithmetic_tokenizer_dir):
     return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
 
 
-def actor_config(tiny, name: str, *settings: str) -> RLActorConfig:
+def actor_overrides(tiny, log_dir: Path, save_dir: Path) -> list[str]:
     """GRPO on the tiny policy with a reward for the share of "1"s: 4 prompts x 4 samples, two minibatches."""
-    root, policy, prompts = tiny
-    return load_config(RLActorConfig, GROUP_YAML, [
-        f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
-        "generation.max_new_tokens=6", "generation.micro_batch_size=8", "rollout.prompts_per_step=4",
-        "rollout.samples_per_prompt=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
-        "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward", "algorithm=grpo",
-        "optim.lr=3e-2", "kl.init_coef=0.05", "logging.progress_bar=false", "logging.tensorboard=false",
-        "logging.peak_tflops=1.0", f"checkpoint.save_dir={root / name / 'ckpt'}", f"logging.log_dir={root / name}",
-        "checkpoint.resume=false", "checkpoint.save_interval=0", "rollout.asynchronous.worker_threads=1", *settings])
+    _, policy, prompts = tiny
+    return [f"model.init_from={policy}", f"data.prompts={prompts}", "data.max_prompt_length=8",
+            "generation.max_new_tokens=6", "generation.micro_batch_size=8", "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+            "reward.source=function", "reward.function=tests.faults.errors_sft:ones_reward", "algorithm=grpo",
+            "optim.lr=3e-2", "kl.init_coef=0.05", "logging.progress_bar=false", "logging.tensorboard=false",
+            "logging.peak_tflops=1.0", f"checkpoint.save_dir={save_dir}", f"logging.log_dir={log_dir}",
+            "checkpoint.resume=false", "checkpoint.save_interval=0", "rollout.asynchronous.worker_threads=1"]
+
+
+def actor_config(tiny, name: str, *settings: str) -> RLActorConfig:
+    root = tiny[0]
+    return load_config(RLActorConfig, GROUP_YAML,
+                       [*actor_overrides(tiny, root / name, root / name / "ckpt"), *settings])
 
 
 def fit(cfg: RLActorConfig):
