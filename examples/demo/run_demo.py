@@ -15,9 +15,8 @@ Stages, each the same command a user would run (`--stages` re-runs a subset on e
   spin           SPIN on correct demonstrations
   steerlm        annotate demonstrations with the served attribute model, attribute-conditioned SFT,
                  then ask for the top and a low correctness
-  group_rl       RLOO, GRPO, GRPO with asynchronous generation (a worker one step ahead), Dr. GRPO, DAPO
-                 and GSPO: the same actor with each one's settings, 8 samples per prompt, rewarded by the
-                 task's checker
+  group_rl       RLOO, GRPO, Dr. GRPO, DAPO and GSPO: the same actor with each one's settings, 8 samples
+                 per prompt, rewarded by the task's checker
   agentic        long additions (3-4 digits) with a calculator tool: its own data, tokenizer and SFT
                  (demonstrations that call the calculator sometimes, else answer with the forgotten
                  carries), then GRPO from that SFT model twice with the same settings: single-turn, and
@@ -130,9 +129,6 @@ GROUP_RL_OVERRIDES = [
 GROUP_RL_RUNS = [  # (the run's directory and evaluation name, table row, its settings after GROUP_RL_OVERRIDES)
     ("rloo", "RLOO", ("algorithm=rloo",)),
     ("grpo", "GRPO", ("algorithm=grpo",)),
-    # GRPO with generation in a worker process one step ahead, corrected for the staleness (docs/guides/async_rl.md)
-    ("grpo_async", "GRPO, asynchronous", ("algorithm=grpo", "rollout.asynchronous.enabled=true",
-                                          "rollout.asynchronous.max_staleness=1", "loss.importance_sampling=token")),
     ("dr_grpo", "Dr. GRPO", ("algorithm=dr_grpo",)),
     # overlong shaping: the longest right answer is 4 tokens (198 + eos); 5 tokens cost 0.5, 6 cost 1
     ("dapo", "DAPO", ("algorithm=dapo", "reward.overlong_buffer=2")),

@@ -48,9 +48,9 @@ def test_sigterm_to_trainer_and_worker_stops_at_a_step_with_the_rollouts_ahead(t
             os.kill(process, signal.SIGTERM)
         code = run.wait(timeout_s=120)
         assert not run.left_behind(), "processes of the run are still running"
+        stderr = run.stderr()
     finally:
         run.close()
-    stderr = run.stderr()
     assert code == 143, stderr[-3000:]
     checkpoints = sorted((tmp_path / "run" / "ckpt").glob("step_*"))
     assert checkpoints, stderr[-3000:]
