@@ -35,6 +35,9 @@ builders (`rl_build.build_rl_actor`). Here: the typed record of a step and `RLAc
      out by the run's `MicroBatchPlanner`, handed the step's rollouts once
   7. KL controller, EMA, metrics, checkpoint (the critic saves at the same step)
 
+With rollout.asynchronous (`rl_async.AsyncRollouts`) steps 1-2 come from a generation worker that is already
+generating the next steps, and after step 6 the worker is sent the new weights.
+
 Groups never straddle data-parallel ranks: rank r trains on rollouts [r*N/D, (r+1)*N/D) and the
 config requires prompts_per_step to be a multiple of D, so group baselines need no communication.
 """
