@@ -186,11 +186,13 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
                 with torch.no_grad():
                     for name in names:
                         named[name].copy_(weights[name])
-                engine.refit(chunks)  # the copies bypass the version counters: repack
+                engine.refit(chunks)  # the packed copies of the weights made again from the new values
                 answers.put(("loaded", version, time.perf_counter() - tick, idle))
             elif kind == "generate":
                 _, step, prompts, sampling = command
                 if _fault("die_at_step", step):
+                    answers.close()
+                    answers.join_thread()  # what was answered reaches the trainer; then the abrupt exit
                     os._exit(3)
                 if _fault("stall_at_step", step):
                     time.sleep(3600)

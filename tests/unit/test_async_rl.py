@@ -8,6 +8,7 @@ are refused in one line.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -153,7 +154,7 @@ def test_a_run_stopped_by_sigterm_resumes_exactly_where_the_uninterrupted_one_we
 
 
 def test_a_worker_that_dies_ends_the_run_with_one_line_or_is_started_again(single_process, tiny, monkeypatch,
-                                                                            tmp_path, capfd):
+                                                                            tmp_path):
     settings = ("trainer.max_steps=3", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=0")
     monkeypatch.setenv(FAULT_VARIABLE, "die_at_step:1")
     with pytest.raises(GenerationWorkerError) as failure:
@@ -163,9 +164,16 @@ def test_a_worker_that_dies_ends_the_run_with_one_line_or_is_started_again(singl
     assert "rollout.asynchronous.restarts=0" in line
     # Once (the marker file): the restarted worker generates step 2 again, from the same weights (staleness 0).
     monkeypatch.setenv(FAULT_ONCE_VARIABLE, str(tmp_path / "fired"))
-    capfd.readouterr()
-    restarted, rows, _ = fit(actor_config(tiny, "restarted", *settings))
-    output = "".join(capfd.readouterr())
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("aligner")  # the run's log lines (aligner.training.metrics.get_logger)
+    logger.addHandler(handler)
+    try:
+        restarted, rows, _ = fit(actor_config(tiny, "restarted", *settings))
+    finally:
+        logger.removeHandler(handler)
+    output = "\n".join(lines)
     assert (tmp_path / "fired").exists() and len(rows) == 3
     assert "exited with code 3 while generating step 2; starting it again (1 of 1 restarts), steps 2..2 " \
            "generated again with the weights of version 1" in output, output[-2000:]
