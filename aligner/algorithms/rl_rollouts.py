@@ -129,7 +129,7 @@ class RolloutCollector:
         by position in `indices`, response tokens generated over all ranks). Collective."""
         scoring = _Scoring(self.prompts if prompts is None else prompts, indices, with_values)
 
-        def send_scoring(micro_indices, rollout):
+        def on_generated(micro_indices, rollout):  # score each micro-batch as soon as it is generated
             responses = [self.response_text(rollout.response_tokens[row, :int(rollout.response_lengths[row])])
                          for row in range(len(micro_indices))]
             self.send_scoring(scoring, micro_indices, full_sequences(rollout), responses)
@@ -137,7 +137,7 @@ class RolloutCollector:
         tick = time.perf_counter()
         self.engine.refit(self.chunks)
         sampling = rollout_sampling(self.cfg.generation, greedy, seed)
-        local = collect_rollouts(self.engine, self.router, scoring.tokens, sampling, send_scoring)
+        local = collect_rollouts(self.engine, self.router, scoring.tokens, sampling, on_generated)
         self.engine.release_for_update()  # training gets the memory of what its update makes stale
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
         return self.await_scores(scoring, local, timings)
