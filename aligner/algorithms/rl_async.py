@@ -23,6 +23,7 @@ metrics' staleness shows), or the run stops with one line naming it.
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable, Optional
 
@@ -170,9 +171,7 @@ class AsyncRollouts:
         self.pushed, self.loaded = step, None
         self.worker.send("weights", step, list(self.weights.tensors))
         rollout = self.cfg.rollout
-        self.ahead = PromptOrder(self.collector.order.num_prompts, self.collector.order.seed,
-                                 self.collector.order.shuffle)
-        self.ahead.load_state_dict(self.collector.order.state_dict())
+        self.ahead = copy.deepcopy(self.collector.order)
         self.next_step = step
         while self.next_step in self.ready:  # restored from a checkpoint: their prompts are taken already
             self.ahead.take(rollout.prompts_per_step)

@@ -158,9 +158,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
             missing = sorted(set(weights) ^ set(named))[:3]
             raise RuntimeError(f"the worker's model does not match the trainer's (parameters {missing} differ)")
         tokenizer = Tokenizer(spec.tokenizer_dir)
-        with torch.no_grad():
-            for name, param in named.items():
-                param.copy_(weights[name])
+        # The weights arrive with the trainer's first "weights" command, sent right after the start.
         engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                               max_batch_size=spec.micro_batch_size, max_sequence_length=spec.max_sequence_length,
                               decode=tokenizer.decode)
