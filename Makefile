@@ -41,9 +41,10 @@ docs: install
 # of one thread each (pytest-xdist, a file per worker: its module fixtures are built once): its tests are
 # single-threaded Python, which one process runs on one core. The distributed tier too (a file per worker; each
 # torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
-# the gaps (8 of its files: 335 s in one process, 292 s in two). Then the other tiers in one process: they time
-# faults and servers, and the real-model runs use both cores. All three always run; any failing fails the target
-# (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
+# the gaps (8 of its files: 335 s in one process, 292 s in two). The functional and real-model tiers too: their
+# tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
+# computes. Then the fault tier in one process of two threads: its tests time stops, kills and servers. All four
+# always run; any failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
@@ -51,8 +52,11 @@ test: install real-model lint
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/distributed; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS) tests --ignore=tests/unit \
-		--ignore=tests/distributed; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/functional \
+		tests/real_model tests/gpu; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests --ignore=tests/unit \
+		--ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model --ignore=tests/gpu; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	exit $$status
 
