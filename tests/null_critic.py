@@ -25,3 +25,11 @@ class NullCritic:
 
     def save(self, step: int) -> str:
         return "(no critic)"
+
+
+class TokenCritic(NullCritic):
+    """Values that depend on the tokens (so GAE's advantages do), the same for the same sequence; no training."""
+
+    def infer_async(self, sequences) -> Future:
+        values = [torch.tensor([(token * 37 % 11) / 11 - 0.5 for token in sequence]) for sequence in sequences]
+        return done(SimpleNamespace(values=values, rewards=None))

@@ -35,8 +35,9 @@ builders (`rl_build.build_rl_actor`). Here: the typed record of a step and `RLAc
      out by the run's `MicroBatchPlanner`, handed the step's rollouts once
   7. KL controller, EMA, metrics, checkpoint (the critic saves at the same step)
 
-With rollout.asynchronous (`rl_async.AsyncRollouts`) steps 1-2 come from a generation worker that is already
-generating the next steps, and after step 6 the worker is sent the new weights.
+With rollout.asynchronous (`rl_async.AsyncRollouts`) step 1 comes from a generation worker that is already
+generating the next steps (step 2 scores its rollouts here, a critic's values from the critic as it is now), and
+after step 6 the worker is sent the new weights.
 
 Groups never straddle data-parallel ranks: rank r trains on rollouts [r*N/D, (r+1)*N/D) and the
 config requires prompts_per_step to be a multiple of D, so group baselines need no communication.
@@ -220,16 +221,21 @@ class RLActor(Checkpointed):
 
     def step_seed(self) -> int:
         """A fresh sampling seed per step (and per warm-up round), inside the samplers' 32-bit range."""
-        return self.seed_of(self.step, self.critic_warmup_done)
+        return self.seed_of(self.step)
 
-    def seed_of(self, step: int, warmup_round: int = 0) -> int:
-        return derive_seed(self.cfg.seed, step, warmup_round, weights=(7_919, 1), modulus=SAMPLER_SEED_RANGE)
+    def seed_of(self, step: int) -> int:
+        """The sampling seed of `step` (after the critic's warm-up rounds done so far: all of them, once the
+        policy's steps begin)."""
+        return derive_seed(self.cfg.seed, step, self.critic_warmup_done, weights=(7_919, 1),
+                           modulus=SAMPLER_SEED_RANGE)
 
     def train_step(self, update_actor: bool = True) -> dict[str, float]:
         """One step (update_actor=False: a critic warm-up round)."""
         start = time.perf_counter()
         timings: dict[str, float] = {}
-        batch, rollout_metrics = self.rollouts.collect(self.step_seed(), timings, policy_version=self.step)
+        # A critic's warm-up round generates in the trainer (the worker starts with the policy's first step).
+        rollouts = self.rollouts if update_actor or self.asynchronous is None else self.asynchronous.collector
+        batch, rollout_metrics = rollouts.collect(self.step_seed(), timings, policy_version=self.step)
         plan = self.planner.plan_step(self.step, SequenceRows.of(batch))
 
         # Logprobs of the rollout policy (same forward as training: the ratio starts at exactly 1; or

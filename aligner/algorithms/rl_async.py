@@ -1,8 +1,10 @@
 """Asynchronous RL: the step's rollouts come from a generation worker that is already on the next steps.
 
 `AsyncRollouts` stands where `RolloutCollector.collect` stands in `RLActor.train_step`: it hands the trainer
-step s's rollouts, scored, while the worker (`aligner.generation.worker`) generates steps s + 1 ... s + S
-(S = rollout.asynchronous.max_staleness), and after each update it sends the worker the new weights.
+step s's rollouts, scored (and, with PPO's critic, valued) by the trainer as it takes them, while the worker
+(`aligner.generation.worker`) generates steps s + 1 ... s + S (S = rollout.asynchronous.max_staleness), and
+after each update it sends the worker the new weights. A critic's warm-up rounds generate in the trainer,
+before the worker starts.
 
 Staleness is bounded by admission, not by discarding: step t is sent to the worker only once the weights of
 version t - S (the policy after t - S steps) have been sent before it, and the worker takes its commands in

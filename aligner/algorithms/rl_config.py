@@ -435,8 +435,7 @@ class RLActorConfig(RunConfig):
                               f"generation worker; this layout has {processes} trainer processes")
         unsupported = [(self.generation.engine != "native", "generation.engine=native"),
                        (rollout.episodes, "single-turn rollouts (no rollout.environment / rollout.tools)"),
-                       (rollout.dynamic_sampling, "rollout.dynamic_sampling=false"),
-                       (self.uses_critic, "an advantage estimator without a critic (the GRPO family)")]
+                       (rollout.dynamic_sampling, "rollout.dynamic_sampling=false")]
         for unmet, needed in unsupported:
             if unmet:
                 raise ConfigError(f"rollout.asynchronous.enabled needs {needed}")

@@ -61,12 +61,12 @@ def actor_config(tiny, name: str, *settings: str) -> RLActorConfig:
                        [*actor_overrides(tiny, root / name, root / name / "ckpt"), *settings])
 
 
-def fit(cfg: RLActorConfig):
-    """Train cfg's steps; (the weights, each step's metrics, the actor)."""
+def fit(cfg: RLActorConfig, critic=None):
+    """Train cfg's steps (with `critic`, a critic client's stand-in); (the weights, each step's metrics, the actor)."""
     from aligner.algorithms.rl_build import build_rl_actor
     from aligner.training.metrics import read_metrics
 
-    trainer = build_rl_actor(cfg)
+    trainer = build_rl_actor(cfg, critic=critic)
     try:
         trainer.fit()
     finally:
@@ -116,6 +116,27 @@ def test_staleness_is_bounded_by_admission_and_the_run_does_not_depend_on_timing
     assert all(0.0 < row["importance_weight_mean"] < 2.0 for row in delayed_rows)
     sync_weights, _, _ = fit(actor_config(tiny, "sync_for_stale", "trainer.max_steps=5", *CORRECTED))
     assert any(not torch.equal(value, sync_weights[name]) for name, value in delayed_weights.items())
+
+
+def test_ppo_with_a_critic_and_its_warm_up_round_runs_asynchronously(single_process, tiny):
+    """PPO (GAE on a critic's values, which depend on the tokens; one warm-up round of the critic first, generated
+    in the trainer): max_staleness 0 is the synchronous run bit for bit; at max_staleness 1 the steps after the
+    first train on one-version-old rollouts, valued by the critic when they are consumed."""
+    from ..null_critic import TokenCritic
+
+    ppo = ("algorithm=ppo", "critic.warmup_steps=1", "trainer.max_steps=3")
+    sync_weights, sync_rows, _ = fit(actor_config(tiny, "ppo_sync", *ppo), TokenCritic())
+    async_weights, async_rows, _ = fit(actor_config(tiny, "ppo_async0", *ppo, "rollout.asynchronous.enabled=true",
+                                                    "rollout.asynchronous.max_staleness=0"), TokenCritic())
+    assert_same_weights(sync_weights, async_weights)
+    assert [untimed(row) for row in async_rows] == [untimed(row) for row in sync_rows]
+    assert len(sync_rows) == 3 and all(row["values_mean"] != 0 for row in sync_rows)  # GAE on the values
+    stale_weights, stale_rows, trainer = fit(actor_config(
+        tiny, "ppo_async1", *ppo, "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=1",
+        *CORRECTED), TokenCritic())
+    assert [row["async/staleness_max"] for row in stale_rows] == [0.0, 1.0, 1.0]
+    assert trainer.order.consumed == 4 * 4  # the warm-up round's prompts and three steps', each once
+    assert any(not torch.equal(value, sync_weights[name]) for name, value in stale_weights.items())
 
 
 def test_a_run_stopped_by_sigterm_resumes_exactly_where_the_uninterrupted_one_went(single_process, tiny, handlers):
