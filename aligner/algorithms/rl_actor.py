@@ -373,11 +373,15 @@ class RLActor(Checkpointed):
                                                                 cfg.loss.importance_sampling,
                                                                 cfg.loss.importance_sampling_cap)
                 metrics.update(mismatch.weight_metrics(weights, mask, cfg.loss.importance_sampling_cap, group=group))
-        versions = [row.policy_version for row in batch.rows if row.policy_version is not None]
-        if versions:  # rollouts of a generation worker (asynchronous: one trainer process, so no reduction)
-            staleness = [self.step - version for version in versions]
-            metrics["async/staleness_mean"] = sum(staleness) / len(staleness)
-            metrics["async/staleness_max"] = float(max(staleness))
+        if self.asynchronous is not None:  # each rollout's weight version lags the trainer's by its staleness
+            staleness = torch.tensor([float(self.step - row.policy_version) for row in batch.rows], dtype=torch.float64)
+            totals = torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64)])
+            largest = staleness.max() if len(staleness) else torch.tensor(0.0, dtype=torch.float64)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            metrics["async/staleness_mean"] = float(totals[0] / totals[1])
+            metrics["async/staleness_max"] = float(largest)
         fixed = {b: row.fixed_advantage for b, row in enumerate(batch.rows) if row.fixed_advantage is not None}
         if cfg.rollout.episodes and cfg.rollout.on_bad_call == "fixed_advantage":  # the same on every rank
             count = torch.tensor([float(len(fixed))])

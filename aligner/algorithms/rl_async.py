@@ -30,10 +30,12 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.algorithms.rl_rollouts import RolloutCollector, group_indices, rollout_sampling
 from aligner.generation.rollouts import PromptOrder, RolloutBatch
+from aligner.generation.router_client import rebalance_rollouts
 from aligner.generation.worker import (
     GenerationWorker,
     GenerationWorkerError,
@@ -42,6 +44,7 @@ from aligner.generation.worker import (
     rows_from_compact,
 )
 from aligner.models.gpt import GPTConfig
+from aligner.runtime.errors import ConfigError
 
 
 class AsyncRollouts:
@@ -60,12 +63,14 @@ class AsyncRollouts:
         self.chunks = chunks
         self.seed_of = seed_of
         self.log = log
+        self.data_parallel = collector.data_parallel
         dtype = next(param for chunk in chunks for param in chunk.parameters()).dtype
         self.spec = WorkerSpec(
             model_config=model_cfg.to_dict(), params_dtype=dtype, peft=cfg.peft if cfg.peft.enabled else None,
             seed=cfg.seed, tokenizer_dir=str(tokenizer_dir), micro_batch_size=cfg.generation.micro_batch_size,
             max_sequence_length=cfg.sequence_lengths()[0][0],
-            threads=self.settings.worker_threads or max(1, torch.get_num_threads() // 2))
+            threads=self.settings.worker_threads or max(1, torch.get_num_threads() // 2),
+            replica=self.data_parallel.rank, replicas=self.data_parallel.size)
         self.weights: Optional[SharedWeights] = None
         self.worker: Optional[GenerationWorker] = None
         self.pushed: Optional[int] = None  # the newest weight version sent
@@ -100,7 +105,10 @@ class AsyncRollouts:
         for row in local.values():
             row.policy_version = version
         local, generated = self.collector.score(local, indices, timings)
-        batch = self.collector.to_batch(sorted(local.items()))
+        # Each rank's worker generated the micro-batches the static router hands that rank; each rank trains on
+        # its own share of positions, as in a synchronous step (one process: all of them).
+        mine = rebalance_rollouts(local, len(indices), data_parallel_group=self.data_parallel.group)
+        batch = self.collector.to_batch(mine)
         seconds, self.worker_seconds = self.worker_seconds, {"generation_s": 0.0, "idle_s": 0.0}
         metrics = {"generated_tokens": generated, "async/queue_depth": float(depth),
                    "async/worker_generation_time": worker_timings["generation_s"],
@@ -148,14 +156,32 @@ class AsyncRollouts:
             self._await(lambda: all(t in self.ready for t in needed), f"generating steps up to {step + len(needed)} "
                         "for the checkpoint")
             kept = {t: self.ready[t] for t in needed}
-        return {"ready": [[t, version, sent, [[position, *row] for position, row in sorted(compact.items())]]
-                          for t, (version, sent, compact, _) in sorted(kept.items())]}
+        ready = [[t, version, sent, [[position, *row] for position, row in sorted(compact.items())]]
+                 for t, (version, sent, compact, _) in sorted(kept.items())]
+        if self.data_parallel.size == 1:
+            return {"ready": ready}
+        by_replica = [None] * self.data_parallel.size  # every rank's, in the trainer state rank 0 writes
+        dist.all_gather_object(by_replica, ready, group=self.data_parallel.group)
+        return {"ready_by_replica": by_replica}
 
     def load_state_dict(self, state: dict) -> None:
+        if "ready_by_replica" in state:
+            saved = len(state["ready_by_replica"])
+            if saved != self.data_parallel.size:
+                raise ConfigError(f"the checkpoint holds the generated rollouts of {saved} data-parallel ranks' "
+                                  f"workers and this run has {self.data_parallel.size}: resume asynchronous RL at "
+                                  "the data-parallel size that saved it")
+            ready = state["ready_by_replica"][self.data_parallel.rank]
+        else:
+            ready = state.get("ready", [])
+            if ready and self.data_parallel.size > 1:
+                raise ConfigError("the checkpoint holds the generated rollouts of one process's worker and this run "
+                                  f"has {self.data_parallel.size} data-parallel ranks: resume asynchronous RL at the "
+                                  "data-parallel size that saved it")
         self.ready = {int(t): (int(version), list(sent), {int(position): (prompt, response, logprobs, stopped)
                                                           for position, prompt, response, logprobs, stopped in rows},
                                {"generation_s": 0.0, "idle_s": 0.0})
-                      for t, version, sent, rows in state.get("ready", [])}
+                      for t, version, sent, rows in ready}
 
     # -- the worker
     def _start(self, step: int) -> None:

@@ -429,10 +429,11 @@ class RLActorConfig(RunConfig):
     def validate_asynchronous(self, data_parallel_size: int) -> None:
         """Checks of a run whose rollouts come from a generation worker (`aligner.algorithms.rl_async`)."""
         rollout, parallel, loss = self.rollout, self.parallel, self.loss
-        processes = data_parallel_size * parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
-        if processes > 1:
-            raise ConfigError("rollout.asynchronous.enabled: the trainer runs as one process (TP=PP=DP=1) with one "
-                              f"generation worker; this layout has {processes} trainer processes")
+        model_parallel = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+        if model_parallel > 1:
+            raise ConfigError("rollout.asynchronous.enabled: each trainer rank holds the whole policy (TP=PP=1; any "
+                              f"data-parallel size) for its generation worker; this layout splits it over "
+                              f"{model_parallel} ranks")
         unsupported = [(self.generation.engine != "native", "generation.engine=native"),
                        (rollout.episodes, "single-turn rollouts (no rollout.environment / rollout.tools)"),
                        (rollout.dynamic_sampling, "rollout.dynamic_sampling=false")]

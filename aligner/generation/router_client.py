@@ -83,13 +83,19 @@ def _broadcast_in_group(value: Any, group) -> Any:
 
 
 class StaticRouter:
-    """Micro-batch b goes to data-parallel rank b mod D: a fixed split, whatever the ranks' speed."""
+    """Micro-batch b goes to data-parallel rank b mod D: a fixed split, whatever the ranks' speed.
 
-    def __init__(self, *, micro_batch_size: int, data_parallel_group=None):
+    replica / replicas: this rank's place and D when they are not the group's (a generation worker, a world of
+    its own, generating one trainer rank's share)."""
+
+    def __init__(self, *, micro_batch_size: int, data_parallel_group=None, replica: Optional[int] = None,
+                 replicas: Optional[int] = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         self.data_parallel_group = data_parallel_group
+        self.replica = _group_rank(data_parallel_group) if replica is None else replica
+        self.replicas = _group_size(data_parallel_group) if replicas is None else replicas
 
     def route(self, num_items: int, generate_fn: GenerateFn) -> RoutedWork:
         start = time.monotonic()
@@ -111,10 +117,9 @@ class StaticRouter:
         return work
 
     def _micro_batches(self, num_items: int) -> list[list[int]]:
-        rank, size = _group_rank(self.data_parallel_group), _group_size(self.data_parallel_group)
         starts = range(0, num_items, self.micro_batch_size)
         return [list(range(first, min(first + self.micro_batch_size, num_items)))
-                for batch_number, first in enumerate(starts) if batch_number % size == rank]
+                for batch_number, first in enumerate(starts) if batch_number % self.replicas == self.replica]
 
     def close(self) -> None:
         pass

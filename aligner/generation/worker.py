@@ -6,9 +6,10 @@ adapters where the trainer has them) and a `NativeEngine` on it; it answers comm
 
   ("weights", version, names)         copy those parameters from the shared buffers, refit; answers "loading"
                                       before the copy and "loaded" after it
-  ("generate", step, prompts, params) generate every prompt (a list of token-id lists) through the same
-                                      `collect_rollouts` a synchronous step uses; answers "generated" with the
-                                      rows and the weight version that made them
+  ("generate", step, prompts, params) generate the step's prompts (token-id lists) through the same
+                                      `collect_rollouts` a synchronous step uses, those of its trainer rank's
+                                      micro-batches (all of them with one trainer process); answers
+                                      "generated" with the rows by position and the weight version that made them
   ("stop",)                           exit
 
 The weights travel through shared-memory tensors (`SharedWeights`, written by the trainer, read here): one
@@ -72,6 +73,8 @@ class WorkerSpec:
     micro_batch_size: int  # prompts per router hand-out, the engine's cache rows
     max_sequence_length: int
     threads: int  # torch threads of the worker
+    replica: int = 0  # the trainer's data-parallel rank: the worker generates the micro-batches the
+    replicas: int = 1  # synchronous run's static router hands that rank (micro-batch b when b mod replicas = replica)
 
 
 class SharedWeights:
@@ -144,8 +147,6 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
     torch.set_num_threads(spec.threads)
     try:
         distributed.initialize(distributed.ParallelConfig())
-        from megatron.core import parallel_state as ps
-
         torch.manual_seed(spec.seed)
         model_cfg = GPTConfig.from_dict(spec.model_config)
         chunks = build_model_chunks(model_cfg, distributed.ParallelConfig(), spec.params_dtype)
@@ -162,7 +163,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
         engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                               max_batch_size=spec.micro_batch_size, max_sequence_length=spec.max_sequence_length,
                               decode=tokenizer.decode)
-        router = StaticRouter(micro_batch_size=spec.micro_batch_size, data_parallel_group=ps.get_data_parallel_group())
+        router = StaticRouter(micro_batch_size=spec.micro_batch_size, replica=spec.replica, replicas=spec.replicas)
         answers.put(("ready", os.getpid()))
         version: Optional[int] = None
         delays = _delays()

@@ -230,9 +230,29 @@ def test_settings_it_cannot_run_are_refused_in_one_line(tiny, settings, message)
     with pytest.raises(ConfigError, match=message) as refusal:
         cfg.validate(1)
     assert "\n" not in str(refusal.value)
-    with pytest.raises(ConfigError, match="one process"):
-        actor_config(tiny, "refused", "rollout.asynchronous.enabled=true", "trainer.micro_batch_size=4",
-                     *CORRECTED).validate(2)
+    data_parallel = actor_config(tiny, "refused", "rollout.asynchronous.enabled=true", "trainer.micro_batch_size=4",
+                                 *CORRECTED)
+    data_parallel.validate(2)  # a worker per rank (tests/distributed/test_async_rl_parallel.py)
+    with pytest.raises(ConfigError, match="TP=PP=1"):
+        actor_config(tiny, "refused", "rollout.asynchronous.enabled=true", "parallel.tensor_model_parallel_size=2",
+                     *CORRECTED).validate(1)
+
+
+def test_a_checkpoint_of_another_data_parallel_size_is_refused_in_one_line():
+    """The outstanding rollouts are each rank's worker's: a resume at another data-parallel size cannot use them."""
+    from types import SimpleNamespace
+
+    from aligner.algorithms.rl_async import AsyncRollouts
+
+    row = [[1, 0, list(range(4)), [[0, [1, 2], [3], [-0.5], True]]]]  # step 1, version 0, its prompts, one row
+    for state, size in (({"ready_by_replica": [row, row]}, 1), ({"ready": row}, 2), ({"ready_by_replica": [row]}, 2)):
+        rollouts = SimpleNamespace(data_parallel=SimpleNamespace(size=size, rank=0))
+        with pytest.raises(ConfigError, match="at the data-parallel size that saved it") as refusal:
+            AsyncRollouts.load_state_dict(rollouts, state)
+        assert "\n" not in str(refusal.value)
+    rollouts = SimpleNamespace(data_parallel=SimpleNamespace(size=2, rank=1))
+    AsyncRollouts.load_state_dict(rollouts, {"ready_by_replica": [[], row]})
+    assert list(rollouts.ready) == [1] and rollouts.ready[1][2] == {0: ([1, 2], [3], [-0.5], True)}
 
 
 # ----------------------------------------------------------------------------- the correction, in float64
