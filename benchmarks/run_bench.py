@@ -58,6 +58,7 @@ REAL_MODEL_SET = (
     Benchmark("continuous_batching", "benchmarks/continuous_batching.py",
               ("--model", "smollm2", "--threads", "{threads}")),
     Benchmark("shared_prefill", "benchmarks/shared_prefill.py", ("--model", "smollm2", "--threads", "{threads}")),
+    Benchmark("async_rl", "benchmarks/async_rl.py", ("--task", "smollm2", "--repeats", "1", "--threads", "{threads}")),
 )
 
 # The toy-sized benchmarks (`make bench-toy`): per-call overheads on the 4-layer, 128-wide model.
