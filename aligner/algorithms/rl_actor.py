@@ -373,10 +373,11 @@ class RLActor(Checkpointed):
                                                                 cfg.loss.importance_sampling,
                                                                 cfg.loss.importance_sampling_cap)
                 metrics.update(mismatch.weight_metrics(weights, mask, cfg.loss.importance_sampling_cap, group=group))
-        if self.asynchronous is not None:  # each rollout's weight version lags the trainer's by its staleness
-            staleness = torch.tensor([float(self.step - row.policy_version) for row in batch.rows], dtype=torch.float64)
+        versions = [row.policy_version for row in batch.rows if row.policy_version is not None]
+        if versions:  # a generation worker's rollouts (every rank's, or none: a critic's warm-up round's)
+            staleness = torch.tensor([float(self.step - version) for version in versions], dtype=torch.float64)
             totals = torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64)])
-            largest = staleness.max() if len(staleness) else torch.tensor(0.0, dtype=torch.float64)
+            largest = staleness.max()
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(totals, group=group)
                 dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
