@@ -34,6 +34,18 @@ def save_random_policy(path: Path, tokenizer_dir: Path, *, seed: int, num_layers
         distributed.shutdown()
 
 
+def two_layer_policy_and_prompts(root: Path, tokenizer_dir: Path, num_prompts: int) -> tuple[Path, Path, Path]:
+    """(root, a random-init 2-layer, 32-wide policy on the demo's character tokenizer, a file of `num_prompts`
+    demo prompts): the RL actor tests' policy (each test file builds it once, in a module fixture)."""
+    from aligner.demo import arithmetic
+
+    policy = save_random_policy(root / "policy", tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
+                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(record) + "\n" for record in arithmetic.rl_prompts(num_prompts, seed=1)))
+    return root, policy, prompts
+
+
 def write_tiny_policy(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
     """(a saved 1-layer, 16-wide random policy on the demo's character tokenizer, the prompt file) under root."""
     policy = save_random_policy(root / "policy", tokenizer_dir, seed=5, num_layers=1, hidden_size=16,

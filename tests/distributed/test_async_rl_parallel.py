@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
-from ..tiny_actor import save_random_policy
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun
+from ..tiny_actor import two_layer_policy_and_prompts
 
 SCRIPT = REPO_ROOT / "examples" / "nlp" / "gpt" / "train_gpt_reinforce_actor.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -19,12 +19,7 @@ UNTIMED = ("time_", "share_", "step_time", "rollout_tokens_per_second", "tokens_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, arithmetic_tokenizer_dir):
-    from aligner.demo import arithmetic
-
-    root = tmp_path_factory.mktemp("async_dp")
-    policy = save_random_policy(root / "policy", arithmetic_tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
-                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
-    return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
+    return two_layer_policy_and_prompts(tmp_path_factory.mktemp("async_dp"), arithmetic_tokenizer_dir, 32)
 
 
 def run(tiny, name: str, nproc: int, *settings: str, save_dir=None) -> list[dict]:

@@ -13,8 +13,6 @@ from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
 from aligner.training.microbatch_plan import SequenceRows
 
-from ..conftest import write_jsonl
-
 GROUP_YAML = CONF_DIR / "gpt_reinforce_actor.yaml"
 ENVIRONMENTS = Path(__file__).resolve().parents[1] / "agent_envs.py"
 # Keys that differ between two runs of the same step: wall-clock timings and the episode-only metrics.
@@ -24,14 +22,9 @@ UNTIMED = ("time_", "share_", "step_time", "rollout_tokens_per_second", "tokens_
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, arithmetic_tokenizer_dir):
     """A random-init 2-layer policy on the demo's character tokenizer and 16 demo prompts."""
-    from aligner.demo import arithmetic
+    from ..tiny_actor import two_layer_policy_and_prompts
 
-    from ..tiny_actor import save_random_policy
-
-    root = tmp_path_factory.mktemp("agent_actor")
-    policy = save_random_policy(root / "policy", arithmetic_tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
-                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
-    return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(16, seed=1))
+    return two_layer_policy_and_prompts(tmp_path_factory.mktemp("agent_actor"), arithmetic_tokenizer_dir, 16)
 
 
 def actor_config(tiny, name: str, *settings: str) -> RLActorConfig:

@@ -23,8 +23,6 @@ from aligner.config import CONF_DIR, ConfigError, load_config
 from aligner.generation.worker import FAULT_ONCE_VARIABLE, FAULT_VARIABLE, GenerationWorkerError
 from aligner.rl import mismatch, policy_losses
 
-from ..conftest import write_jsonl
-
 GROUP_YAML = CONF_DIR / "gpt_reinforce_actor.yaml"
 UNTIMED = ("time_", "share_", "step_time", "rollout_tokens_per_second", "tokens_per_second", "mfu", "async/")
 CORRECTED = ("loss.importance_sampling=token", "loss.importance_sampling_cap=2.0")
@@ -33,14 +31,9 @@ CORRECTED = ("loss.importance_sampling=token", "loss.importance_sampling_cap=2.0
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, arithmetic_tokenizer_dir):
     """A random-init 2-layer policy on the demo's character tokenizer and 32 demo prompts."""
-    from aligner.demo import arithmetic
+    from ..tiny_actor import two_layer_policy_and_prompts
 
-    from ..tiny_actor import save_random_policy
-
-    root = tmp_path_factory.mktemp("async_rl")
-    policy = save_random_policy(root / "policy", arithmetic_tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
-                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
-    return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
+    return two_layer_policy_and_prompts(tmp_path_factory.mktemp("async_rl"), arithmetic_tokenizer_dir, 32)
 
 
 def actor_overrides(tiny, log_dir: Path, save_dir: Path) -> list[str]:

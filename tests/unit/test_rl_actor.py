@@ -347,15 +347,9 @@ def test_experience_carries_the_mismatch_and_the_importance_weights_of_the_engin
 @pytest.fixture(scope="module")
 def tiny_policy_and_prompts(tmp_path_factory, arithmetic_tokenizer_dir):
     """A random-init 2-layer policy on the demo's character tokenizer, and 32 demo prompts."""
-    from aligner.demo import arithmetic
+    from ..tiny_actor import two_layer_policy_and_prompts
 
-    from ..conftest import write_jsonl
-    from ..tiny_actor import save_random_policy
-
-    root = tmp_path_factory.mktemp("rl_presets")
-    policy = save_random_policy(root / "policy", arithmetic_tokenizer_dir, seed=11, num_layers=2, hidden_size=32,
-                                num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
-    return root, policy, write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(32, seed=1))
+    return two_layer_policy_and_prompts(tmp_path_factory.mktemp("rl_presets"), arithmetic_tokenizer_dir, 32)
 
 
 def _tiny_actor_config(tiny_policy_and_prompts, name: str, *settings: str) -> RLActorConfig:
