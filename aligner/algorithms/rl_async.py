@@ -166,12 +166,12 @@ class AsyncRollouts:
 
     def load_state_dict(self, state: dict) -> None:
         if "ready_by_replica" in state:
-            saved = len(state["ready_by_replica"])
-            if saved != self.data_parallel.size:
-                raise ConfigError(f"the checkpoint holds the generated rollouts of {saved} data-parallel ranks' "
-                                  f"workers and this run has {self.data_parallel.size}: resume asynchronous RL at "
-                                  "the data-parallel size that saved it")
-            ready = state["ready_by_replica"][self.data_parallel.rank]
+            by_replica = state["ready_by_replica"]
+            if len(by_replica) != self.data_parallel.size and any(by_replica):
+                raise ConfigError(f"the checkpoint holds the generated rollouts of {len(by_replica)} data-parallel "
+                                  f"ranks' workers and this run has {self.data_parallel.size}: resume asynchronous "
+                                  "RL at the data-parallel size that saved it")
+            ready = by_replica[self.data_parallel.rank] if len(by_replica) == self.data_parallel.size else []
         else:
             ready = state.get("ready", [])
             if ready and self.data_parallel.size > 1:

@@ -246,6 +246,9 @@ def test_a_checkpoint_of_another_data_parallel_size_is_refused_in_one_line():
     rollouts = SimpleNamespace(data_parallel=SimpleNamespace(size=2, rank=1))
     AsyncRollouts.load_state_dict(rollouts, {"ready_by_replica": [[], row]})
     assert list(rollouts.ready) == [1] and rollouts.ready[1][2] == {0: ([1, 2], [3], [-0.5], True)}
+    rollouts = SimpleNamespace(data_parallel=SimpleNamespace(size=1, rank=0))  # nothing outstanding: nothing lost
+    AsyncRollouts.load_state_dict(rollouts, {"ready_by_replica": [[], []]})
+    assert rollouts.ready == {}
 
 
 # ----------------------------------------------------------------------------- the correction, in float64
