@@ -378,9 +378,8 @@ class RLActor(Checkpointed):
             staleness = torch.tensor([float(self.step - version) for version in versions], dtype=torch.float64)
             totals = torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64)])
             largest = staleness.max()
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(totals, group=group)
-                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(totals, group=group)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
             metrics["async/staleness_mean"] = float(totals[0] / totals[1])
             metrics["async/staleness_max"] = float(largest)
         fixed = {b: row.fixed_advantage for b, row in enumerate(batch.rows) if row.fixed_advantage is not None}

@@ -158,26 +158,20 @@ class AsyncRollouts:
             kept = {t: self.ready[t] for t in needed}
         ready = [[t, version, sent, [[position, *row] for position, row in sorted(compact.items())]]
                  for t, (version, sent, compact, _) in sorted(kept.items())]
-        if self.data_parallel.size == 1:
-            return {"ready": ready}
-        by_replica = [None] * self.data_parallel.size  # every rank's, in the trainer state rank 0 writes
-        dist.all_gather_object(by_replica, ready, group=self.data_parallel.group)
+        by_replica = [ready]
+        if self.data_parallel.size > 1:  # every rank's, in the trainer state rank 0 writes
+            by_replica = [None] * self.data_parallel.size
+            dist.all_gather_object(by_replica, ready, group=self.data_parallel.group)
         return {"ready_by_replica": by_replica}
 
     def load_state_dict(self, state: dict) -> None:
-        if "ready_by_replica" in state:
-            by_replica = state["ready_by_replica"]
-            if len(by_replica) != self.data_parallel.size and any(by_replica):
-                raise ConfigError(f"the checkpoint holds the generated rollouts of {len(by_replica)} data-parallel "
-                                  f"ranks' workers and this run has {self.data_parallel.size}: resume asynchronous "
-                                  "RL at the data-parallel size that saved it")
-            ready = by_replica[self.data_parallel.rank] if len(by_replica) == self.data_parallel.size else []
-        else:
-            ready = state.get("ready", [])
-            if ready and self.data_parallel.size > 1:
-                raise ConfigError("the checkpoint holds the generated rollouts of one process's worker and this run "
-                                  f"has {self.data_parallel.size} data-parallel ranks: resume asynchronous RL at the "
-                                  "data-parallel size that saved it")
+        # (a checkpoint of a one-process run before data parallelism holds its list under "ready")
+        by_replica, size = state.get("ready_by_replica", [state.get("ready", [])]), self.data_parallel.size
+        if len(by_replica) != size and any(by_replica):
+            raise ConfigError(f"the checkpoint holds the generated rollouts of {len(by_replica)} data-parallel "
+                              f"rank(s)' workers and this run has {size}: resume asynchronous RL at the data-parallel "
+                              "size that saved it")
+        ready = by_replica[self.data_parallel.rank] if len(by_replica) == size else []
         self.ready = {int(t): (int(version), list(sent), {int(position): (prompt, response, logprobs, stopped)
                                                           for position, prompt, response, logprobs, stopped in rows},
                                {"generation_s": 0.0, "idle_s": 0.0})

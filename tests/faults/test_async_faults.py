@@ -57,7 +57,7 @@ def test_sigterm_to_trainer_and_worker_stops_at_a_step_with_the_rollouts_ahead(t
     meta = json.loads((checkpoints[-1] / "aligner_meta.json").read_text())
     step = meta["trainer_state"]["step"]
     # The rollouts of the next step, generated one version back, travel with the checkpoint.
-    assert [entry[0] for entry in meta["trainer_state"]["asynchronous"]["ready"]] == [step]
+    assert [entry[0] for entry in meta["trainer_state"]["asynchronous"]["ready_by_replica"][0]] == [step]
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
