@@ -141,6 +141,27 @@ class Episode:
         return [segment.policy_version for segment in self.segments if segment.kind == "model"]
 
     @property
+    def oldest_version(self) -> Optional[int]:
+        """The oldest policy version among its model segments (an episode's staleness is its oldest token's);
+        None without a model segment."""
+        return min(self.policy_versions, default=None)
+
+    def to_plain(self) -> dict:
+        """The episode as JSON-able values (a checkpoint keeps the episodes a generation worker made ahead)."""
+        return {"segments": [[s.kind, list(s.tokens), None if s.logprobs is None else list(s.logprobs),
+                              s.policy_version] for s in self.segments],
+                "status": self.status, "reward": self.reward, "turn_rewards": list(self.turn_rewards),
+                "last_turn_stopped": self.last_turn_stopped, "info": self.info}
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> "Episode":
+        """`to_plain`'s episode again, equal to the original (JSON keeps Python floats exactly)."""
+        segments = [Segment(kind, tuple(tokens), None if logprobs is None else tuple(logprobs), version)
+                    for kind, tokens, logprobs, version in plain["segments"]]
+        return cls(segments, plain["status"], plain["reward"], list(plain["turn_rewards"]),
+                   plain["last_turn_stopped"], dict(plain["info"]))
+
+    @property
     def prompt_length(self) -> int:
         return len(self.segments[0])
 

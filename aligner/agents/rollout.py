@@ -97,6 +97,17 @@ class EpisodeBatch:
                    [offset + i for part, offset in zip(parts, offsets) for i in part.indices],
                    [d for part in parts for d in part.dropped], counts)
 
+    def to_plain(self) -> dict:
+        """The batch as JSON-able values (`Episode.to_plain`)."""
+        return {"episodes": [episode.to_plain() for episode in self.episodes], "names": list(self.names),
+                "indices": list(self.indices), "dropped": [list(pair) for pair in self.dropped],
+                "counts": dict(self.counts)}
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> "EpisodeBatch":
+        return cls([Episode.from_plain(episode) for episode in plain["episodes"]], list(plain["names"]),
+                   list(plain["indices"]), [tuple(pair) for pair in plain["dropped"]], dict(plain["counts"]))
+
     def metrics(self) -> dict[str, float]:
         """Fractions of episodes per status, means per episode (turns, tokens, tool calls by outcome) and counts
         (dropped episodes, failures, cut observations)."""

@@ -9,7 +9,7 @@ from typing import Optional
 from aligner import checkpointing
 from aligner.algorithms.rl_actor import RLActor
 from aligner.algorithms.rl_config import CriticSection, GenerationSection, RewardSection, RLActorConfig
-from aligner.algorithms.rl_episodes import Environments
+from aligner.algorithms.rl_episodes import Environments, episodes_at_once
 from aligner.algorithms.rl_objective import PolicyObjective
 from aligner.clients.critic import CriticClient
 from aligner.clients.reward import RewardClient
@@ -99,8 +99,7 @@ def build_rl_actor(cfg: RLActorConfig, *, critic=None, reward_source=None) -> RL
                                  optimizer_steps=trainer_cfg.max_steps * loss.epochs * minibatches_per_step)
     environments = None
     if cfg.rollout.episodes:  # the sandbox workers; the environment loads (or its tools are described), or one line
-        per_rank = cfg.rollouts_per_step // built.data_parallel_size  # run generation.micro_batch_size at a time
-        environments = Environments.build(cfg.rollout, episodes_at_once=min(per_rank, cfg.generation.micro_batch_size))
+        environments = Environments.build(cfg.rollout, episodes_at_once(cfg, built.data_parallel_size))
     try:
         trainer = RLActor(cfg, policy=policy, reference=reference, engine=engine, router=router,
                           reward_source=reward_source, critic=critic if cfg.uses_critic else None, prompts=prompts,

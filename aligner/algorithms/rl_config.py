@@ -435,7 +435,6 @@ class RLActorConfig(RunConfig):
                               f"data-parallel size) for its generation worker; this layout splits it over "
                               f"{model_parallel} ranks")
         unsupported = [(self.generation.engine != "native", "generation.engine=native"),
-                       (rollout.episodes, "single-turn rollouts (no rollout.environment / rollout.tools)"),
                        (rollout.dynamic_sampling, "rollout.dynamic_sampling=false")]
         for unmet, needed in unsupported:
             if unmet:

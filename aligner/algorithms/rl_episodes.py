@@ -8,7 +8,9 @@ rank runs whole groups of episodes and scores them.
 The step's prompts come from the run's saved order, the same on every rank; rank r runs the groups of prompts
 [r*N/D, (r+1)*N/D), k episodes each (`aligner.agents.rollout.collect_groups`). A group with an episode the
 failure policy dropped is replaced by a group of another prompt, drawn from a stream of the step's seed and the
-rank (not from the saved order, which stays the same on every rank), so a batch is never short.
+rank (not from the saved order, which stays the same on every rank), so a batch is never short. With
+rollout.asynchronous a generation worker runs them (`WorkerEpisodes`, the same `run_share`) and the trainer scores
+them (`EpisodeCollector.finish`).
 
 Each episode becomes a row (`episode_row`): its prompt segment is the prompt, everything after it the response,
 trained on the model's tokens only. Its score: with reward.source=environment the environment's final reward (else
@@ -122,6 +124,80 @@ def final_answer(episode: Episode) -> list[int]:
     return list(models[-1].tokens) if models else []
 
 
+def run_share(runner: EpisodeRunner, prompts: PromptDataset, step_prompts: list[int], cfg: RLActorConfig, *,
+              seed: int, policy_version: int, rank: int, ranks: int) -> tuple[EpisodeBatch, list[int]]:
+    """Rank `rank`'s groups of a step (prompt indices `step_prompts`, the same on every rank): the prompts
+    [rank*N/ranks, (rank+1)*N/ranks), k episodes each, in micro-batches seeded by their positions in the step; a
+    group with a dropped episode is replaced by a group of another prompt, drawn from a stream of the step's seed
+    and the rank. Returns the episodes and each one's prompt index. The trainer's step and a generation worker's
+    (`WorkerEpisodes`) run this, so both make the same episodes from the same weights and seed."""
+    k, share = cfg.rollout.samples_per_prompt, len(step_prompts) // ranks
+    queue = iter(step_prompts[rank * share:(rank + 1) * share])
+    spare = random.Random(derive_seed(seed, rank))  # replacements of dropped groups
+    drawn: dict[str, int] = {}
+
+    def draw() -> tuple[dict, str]:
+        index = next(queue, None)
+        if index is None:
+            index = spare.randrange(len(prompts))
+        drawn[prompts.record(index)] = index
+        return episode_record(prompts, index), prompts.record(index)
+
+    micro_batched = MicroBatched(runner, cfg.generation.micro_batch_size, first=rank * share * k)
+    batch = collect_groups(micro_batched, draw, share, k, policy_version, seed=seed)
+    return batch, [drawn[name] for name in batch.names]
+
+
+def episode_record(prompts: PromptDataset, index: int) -> dict:
+    """What an environment's reset gets: the prompt record (its prompt as the data gave it, and its columns)."""
+    return {"prompt": prompts.prompts[index], **prompts.columns(index)}
+
+
+def episodes_at_once(cfg: RLActorConfig, data_parallel_size: int) -> int:
+    """How many episodes a rank (or its generation worker) runs at once: its share of a step, at most
+    generation.micro_batch_size; each holds a sandbox worker for its environment."""
+    return min(cfg.rollouts_per_step // data_parallel_size, cfg.generation.micro_batch_size)
+
+
+def episode_runner(cfg: RLActorConfig, engine: GenerationEngine, tokenizer,
+                   environments: Environments) -> EpisodeRunner:
+    """The runner of a run's episodes on `engine`: a renderer per tool set on the run's chat template (self-tested
+    on the template when made; the runner keeps it), the rollout sampling settings and episode limits."""
+    return EpisodeRunner(engine, lambda tools: ChatRenderer(tokenizer, tools=tools, template=cfg.rollout.chat_template),
+                         environments.make, rollout_sampling(cfg.generation), cfg.rollout.limits(),
+                         parallel_environments=environments.pool_size)
+
+
+class WorkerEpisodes:
+    """A generation worker's program (`aligner.generation.worker.WorkerSpec.program`) for multi-turn episodes:
+    the worker reads the run's prompt file and starts its own sandbox pool and environments; each "generate"
+    command's work is the step's rollout prompt indices (k per prompt, as the trainer's order gave them) and its
+    answer this rank's episodes (`run_share`, the trainer's own code) as JSON-able values with each one's prompt
+    index. The trainer scores them (`EpisodeCollector.finish`)."""
+
+    def __init__(self, cfg: RLActorConfig):
+        self.cfg = cfg
+        self.environments: Optional[Environments] = None
+
+    def open(self, engine: GenerationEngine, tokenizer, spec) -> Callable:
+        cfg = self.cfg
+        prompts = PromptDataset(cfg.data.prompts, tokenizer, cfg.data.max_prompt_length, cfg.data.chat_template)
+        self.environments = Environments.build(cfg.rollout, episodes_at_once(cfg, spec.replicas))
+        runner = episode_runner(cfg, engine, tokenizer, self.environments)
+        k = cfg.rollout.samples_per_prompt
+
+        def generate(indices: list[int], sampling, version: int) -> dict:
+            batch, drawn = run_share(runner, prompts, indices[::k], cfg, seed=sampling.seed, policy_version=version,
+                                     rank=spec.replica, ranks=spec.replicas)
+            return {"batch": batch.to_plain(), "drawn": drawn}
+
+        return generate
+
+    def close(self) -> None:
+        if self.environments is not None:
+            self.environments.pool.close()
+
+
 class EpisodeCollector:
     """Generates and scores an RL run's episodes (collective over the data-parallel ranks).
 
@@ -138,37 +214,30 @@ class EpisodeCollector:
         self.prompts, self.order, self.tokenizer = prompts, order, tokenizer
         self.data_parallel = data_parallel
         self.environments = environments
-        rollout = cfg.rollout
-        self.runner = EpisodeRunner(engine, self.renderer, environments.make, rollout_sampling(cfg.generation),
-                                    rollout.limits(), parallel_environments=environments.pool_size)
-
-    def renderer(self, tools: Optional[list]) -> ChatRenderer:
-        """The renderer of an environment's tool set (self-tested on the template when made; the runner keeps it)."""
-        return ChatRenderer(self.tokenizer, tools=tools, template=self.cfg.rollout.chat_template)
+        self.runner = episode_runner(cfg, engine, tokenizer, environments)
 
     def collect(self, seed: int, timings: dict, policy_version: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's batch of a step: its share of the step's prompts, k episodes each, scored; and the metrics."""
-        rollout, data_parallel = self.cfg.rollout, self.data_parallel
-        k, share = rollout.samples_per_prompt, rollout.prompts_per_step // data_parallel.size
+        rollout = self.cfg.rollout
         step_prompts = self.order.take(rollout.prompts_per_step)
-        queue = iter(step_prompts[data_parallel.rank * share:(data_parallel.rank + 1) * share])
-        spare = random.Random(derive_seed(seed, data_parallel.rank))  # replacements of dropped groups
-        drawn: dict[str, int] = {}
+        batch, drawn = self._run(lambda: run_share(self.runner, self.prompts, step_prompts, self.cfg, seed=seed,
+                                                   policy_version=policy_version, rank=self.data_parallel.rank,
+                                                   ranks=self.data_parallel.size), timings)
+        return self.finish(batch, drawn, timings)
 
-        def draw() -> tuple[dict, str]:
-            index = next(queue, None)
-            if index is None:
-                index = spare.randrange(len(self.prompts))
-            drawn[self.prompts.record(index)] = index
-            return self.record(self.prompts, index), self.prompts.record(index)
-
-        first = data_parallel.rank * share * k  # this rank's first rollout position in the step
-        runner = MicroBatched(self.runner, self.cfg.generation.micro_batch_size, first)
-        batch = self._run(lambda: collect_groups(runner, draw, share, k, policy_version, seed=seed), timings)
-        rows = self.score(batch, [drawn[name] for name in batch.names], self.prompts, timings)
+    def finish(self, batch: EpisodeBatch, drawn: list[int], timings: dict,
+               versioned: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's share of a step's episodes (`run_share`: the batch and each episode's prompt index) as its
+        scored batch, and the step's metrics. versioned: each row records its episode's oldest policy version
+        (episodes from a generation worker: `aligner.algorithms.rl_async`)."""
+        rows = self.score(batch, drawn, self.prompts, timings)
+        if versioned:
+            for row, episode in zip(rows, batch.episodes):
+                row.policy_version = episode.oldest_version
         if self.critic is not None:
             self.attach_values(batch, rows, timings)
         metrics = self.metrics(batch)
+        first = self.data_parallel.rank * len(rows)  # this rank's first rollout position in the step
         return to_batch(self.cfg, list(enumerate(rows, start=first)), self.tokenizer.pad_id), metrics
 
     def generate_and_score(self, indices: list[int], timings: dict, *, seed: int, greedy: bool = False,
@@ -178,11 +247,11 @@ class EpisodeCollector:
         prompts = self.prompts if prompts is None else prompts
         mine = indices[self.data_parallel.rank::self.data_parallel.size]
         positions = list(range(len(indices)))[self.data_parallel.rank::self.data_parallel.size]
-        runner = EpisodeRunner(self.engine, self.runner.renderer, self.environments.make,
+        runner = EpisodeRunner(self.engine, self.runner.renderer, self.environments.make,  # (its renderers)
                                rollout_sampling(self.cfg.generation, greedy, seed), self.cfg.rollout.limits(),
                                parallel_environments=self.environments.pool_size)
         names = [prompts.record(index) for index in mine]
-        batch = self._run(lambda: runner.run([self.record(prompts, index) for index in mine], names), timings)
+        batch = self._run(lambda: runner.run([episode_record(prompts, index) for index in mine], names), timings)
         rows = self.score(batch, [mine[i] for i in batch.indices], prompts, timings)
         local = {positions[i]: row for i, row in zip(batch.indices, rows)}
         return local, self._generated(batch)
@@ -194,11 +263,6 @@ class EpisodeCollector:
         self.engine.release_for_update()  # training gets the memory of what its update makes stale
         timings["time_generation"] = timings.get("time_generation", 0.0) + time.perf_counter() - tick
         return batch
-
-    @staticmethod
-    def record(prompts: PromptDataset, index: int) -> dict:
-        """What an environment's reset gets: the prompt record (its prompt as the data gave it, and its columns)."""
-        return {"prompt": prompts.prompts[index], **prompts.columns(index)}
 
     def score(self, batch: EpisodeBatch, indices: list[int], prompts: PromptDataset, timings: dict) -> list[RolloutRow]:
         """The episodes as rows with their scores (see the module docstring)."""

@@ -6,10 +6,13 @@ adapters where the trainer has them) and a `NativeEngine` on it; it answers comm
 
   ("weights", version, names)         copy those parameters from the shared buffers, refit; answers "loading"
                                       before the copy and "loaded" after it
-  ("generate", step, prompts, params) generate the step's prompts (token-id lists) through the same
-                                      `collect_rollouts` a synchronous step uses, those of its trainer rank's
-                                      micro-batches (all of them with one trainer process); answers
-                                      "generated" with the rows by position and the weight version that made them
+  ("generate", step, work, params)    generate the step's work with the program (`WorkerSpec.program`) and
+                                      answer "generated" with what it made and the weight version that made it;
+                                      the default program takes the step's prompts (token-id lists) through the
+                                      same `collect_rollouts` a synchronous step uses, those of its trainer
+                                      rank's micro-batches (all of them with one trainer process), and answers
+                                      the rows by position; multi-turn episodes have their own
+                                      (`aligner.algorithms.rl_episodes.WorkerEpisodes`)
   ("stop",)                           exit
 
 The weights travel through shared-memory tensors (`SharedWeights`, written by the trainer, read here): one
@@ -75,6 +78,21 @@ class WorkerSpec:
     threads: int  # torch threads of the worker
     replica: int = 0  # the trainer's data-parallel rank: the worker generates the micro-batches the
     replicas: int = 1  # synchronous run's static router hands that rank (micro-batch b when b mod replicas = replica)
+    # What a "generate" command runs: None, single-turn rollouts (`SingleTurnRollouts`); else a picklable object
+    # like it (open(engine, tokenizer, spec) -> generate(work, sampling, version) -> a picklable answer; close()).
+    # Given as an object, not imported here: programs of higher layers (episodes and their environments) plug in.
+    program: Optional[object] = None
+
+
+class SingleTurnRollouts:
+    """The worker's default program: a step's prompts (token-id lists) as rows by position (`_compact`)."""
+
+    def open(self, engine, tokenizer, spec: WorkerSpec):
+        router = StaticRouter(micro_batch_size=spec.micro_batch_size, replica=spec.replica, replicas=spec.replicas)
+        return lambda prompts, sampling, version: _compact(collect_rollouts(engine, router, prompts, sampling))
+
+    def close(self) -> None:
+        pass
 
 
 class SharedWeights:
@@ -145,6 +163,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
     for name in _LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     torch.set_num_threads(spec.threads)
+    program = spec.program or SingleTurnRollouts()
     try:
         distributed.initialize(distributed.ParallelConfig())
         torch.manual_seed(spec.seed)
@@ -163,7 +182,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
         engine = NativeEngine(chunks, model_cfg, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                               max_batch_size=spec.micro_batch_size, max_sequence_length=spec.max_sequence_length,
                               decode=tokenizer.decode)
-        router = StaticRouter(micro_batch_size=spec.micro_batch_size, replica=spec.replica, replicas=spec.replicas)
+        generate = program.open(engine, tokenizer, spec)
         answers.put(("ready", os.getpid()))
         version: Optional[int] = None
         delays = _delays()
@@ -188,7 +207,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
                 engine.refit(chunks)  # the packed copies of the weights made again from the new values
                 answers.put(("loaded", version, time.perf_counter() - tick, idle))
             elif kind == "generate":
-                _, step, prompts, sampling = command
+                _, step, work, sampling = command
                 if _fault("die_at_step", step):
                     answers.close()
                     answers.join_thread()  # what was answered reaches the trainer; then the abrupt exit
@@ -196,8 +215,8 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
                 if _fault("stall_at_step", step):
                     time.sleep(3600)
                 tick = time.perf_counter()
-                rows = collect_rollouts(engine, router, prompts, sampling)
-                answers.put(("generated", step, version, _compact(rows),
+                made = generate(work, sampling, version)
+                answers.put(("generated", step, version, made,
                              {"generation_s": time.perf_counter() - tick, "idle_s": idle}))
             else:
                 raise RuntimeError(f"unknown command {kind!r}")
@@ -207,6 +226,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
         answers.put(("error", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     finally:
+        program.close()  # (an episode program's environment processes)
         distributed.shutdown()
 
 
