@@ -367,11 +367,12 @@ def test_dpo_with_lora_starts_at_log_2_learns_and_keeps_no_copy_of_the_reference
     _, base = lora_base
     train = write_jsonl(tmp_path / "pairs.jsonl", arithmetic.preference_records(8, seed=7))
     losses = {}
+    # (lr 5e-3: at 2e-2 the loss swung back to 0.68 by step 24 on an AVX-512 AMD EPYC, the rounding decides)
     for mode in ("precompute", "swap"):
         cfg = load_config(DPOConfig, CONF_DIR / "gpt_dpo.yaml", [
             f"model.init_from={base}", f"data.train=[{{path: {train}}}]", "data.split='100,0'",
             "data.max_seq_length=16", "trainer.max_steps=24", "trainer.global_batch_size=8",
-            "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=2e-2", "optim.warmup_steps=0",
+            "trainer.micro_batch_size=4", "trainer.val_check_interval=0", "optim.lr=5e-3", "optim.warmup_steps=0",
             "optim.decay_style=constant", "dpo.beta=0.5", f"dpo.reference_logprobs={mode}", "peft.scheme=lora",
             "peft.rank=8", "checkpoint.save_at_end=false", "checkpoint.resume=false",
             f"checkpoint.save_dir={tmp_path / mode}", f"logging.log_dir={tmp_path / mode}",
