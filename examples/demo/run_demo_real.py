@@ -35,16 +35,17 @@ TRAIN_PROMPTS = 1024
 QUIET = ["logging.progress_bar=false"]
 RECIPES = REPO_ROOT / "aligner" / "conf" / "recipes"  # the settings users copy; the demo adds only its own
 
-# The GRPO-family LoRA recipe (8 prompts x 4 samples per step at temperature 0.7, one update per step on rank-16
-# adapters, lr 1e-3, KL coefficient 0.05), with RLOO's estimator: its advantages keep the reward's scale, so the
-# KL penalty weighs the same in every group. The KL coefficient is what keeps the general answers: at 0.01 and
-# 0.03 the policy learned to wrap every answer in quotation marks ('"SmolLM"' for the capital of France); 0.05
-# keeps them (README, "Real model").
+# The GRPO-family LoRA recipe (8 prompts x 4 samples per step at temperature 0.7, rank-16 adapters, lr 1e-3, KL
+# coefficient 0.05), with RLOO's estimator: its advantages keep the reward's scale, so the KL penalty weighs the
+# same in every group. The KL coefficient is what keeps the general answers: at 0.01 and 0.03 the policy learned
+# to wrap every answer in quotation marks ('"SmolLM"' for the capital of France); 0.05 keeps them. Two updates per
+# step (minibatches of 16 of the step's 32 rollouts), at no extra generation: 31.0-39.5 % held out over five runs
+# of three seeds, against 28.0 % with one update (docs/results/demo_real.md, "From several seeds").
 RL_RECIPE = RECIPES / "smollm2_grpo_lora.yaml"
 RL_OVERRIDES = [
     "reward.function=aligner.demo.instructions:score_response",
     "advantage.estimator=rloo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
-    "generation.micro_batch_size=32", "trainer.max_steps=24",
+    "generation.micro_batch_size=32", "trainer.max_steps=24", "trainer.global_batch_size=16",
     # the KL penalty's policy logprobs from the engine (same fp32 forward; mismatch ~3e-5): no extra pass
     "loss.recompute_old_logprobs=false",
     "checkpoint.save_interval=0", *QUIET,
