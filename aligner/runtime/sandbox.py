@@ -175,6 +175,9 @@ class SandboxWorker:
             if self.process.poll() is None and seconds >= timeout_s:
                 return SandboxResult("timeout", error=f"no answer within {timeout_s:g} s", seconds=seconds)
             code = self.process.poll()
+            if code is None:  # its output ended a moment before the kernel reaped it: wait for the exit status
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.process.wait(timeout=5.0)
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             return SandboxResult("crashed", error=f"the sandbox worker ended ({how})", seconds=seconds)
         if "error" in answer:

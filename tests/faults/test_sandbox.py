@@ -71,6 +71,11 @@ TOOLS = textwrap.dedent('''
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def hang_up_then_die(seconds):
+        os.closerange(3, 1024)  # the answers' channel (a copy of the original stdout) among them
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def not_json():
         return object()
 
@@ -178,6 +183,14 @@ def test_there_is_no_network(pool):
 def test_a_crash_is_answered_and_the_worker_replaced(pool):
     result = pool.call("sandbox_tools:die")
     assert result.status == "crashed" and "SIGKILL" in result.error
+    assert pool.call("sandbox_tools:add", 3, 4).value == 7
+
+
+def test_a_worker_that_hangs_up_before_it_dies_is_named_by_its_signal(pool):
+    """Its answers' pipe closes a moment before it exits (as when a crash tears the process down): the pool waits
+    for the exit status instead of reporting 'exit code None'."""
+    result = pool.call("sandbox_tools:hang_up_then_die", 0.5)
+    assert result.status == "crashed" and "SIGKILL" in result.error, result.error
     assert pool.call("sandbox_tools:add", 3, 4).value == 7
 
 
