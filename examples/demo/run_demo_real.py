@@ -39,8 +39,8 @@ RECIPES = REPO_ROOT / "aligner" / "conf" / "recipes"  # the settings users copy;
 # coefficient 0.05), with RLOO's estimator: its advantages keep the reward's scale, so the KL penalty weighs the
 # same in every group. The KL coefficient is what keeps the general answers: at 0.01 and 0.03 the policy learned
 # to wrap every answer in quotation marks ('"SmolLM"' for the capital of France); 0.05 keeps them. Two updates per
-# step (minibatches of 16 of the step's 32 rollouts), at no extra generation: 31.0-39.5 % held out over five runs
-# of three seeds, against 28.0 % with one update (docs/results/demo_real.md, "From several seeds").
+# step (minibatches of 16 of the step's 32 rollouts), at no extra generation: 27.5-39.5 % held out in six runs,
+# against 28.0 % with one update from the seed measured both ways (docs/results/demo_real.md).
 RL_RECIPE = RECIPES / "smollm2_grpo_lora.yaml"
 RL_OVERRIDES = [
     "reward.function=aligner.demo.instructions:score_response",
