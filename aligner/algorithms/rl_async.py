@@ -56,14 +56,13 @@ from aligner.runtime.errors import ConfigError
 class AsyncRollouts:
     """The RL actor's rollouts from a generation worker (see the module docstring).
 
-    collector: the run's `RolloutCollector` (it scores, validates and keeps the prompt order the checkpoints
-    save); chunks: the trainer's model; seed_of(step): the sampling seed of a step, as the synchronous run's;
+    collector: the run's `RolloutCollector`, or `EpisodeCollector` for multi-turn episodes (it scores, validates
+    and keeps the prompt order the checkpoints save); chunks: the trainer's model; seed_of(step): the sampling seed of a step, as the synchronous run's;
     log: one line for the run's log (a restart).
     """
 
     def __init__(self, cfg: RLActorConfig, collector: RolloutCollector | EpisodeCollector, *, chunks: list,
-                 model_cfg: GPTConfig,
-                 tokenizer_dir: str, seed_of: Callable[[int], int], log: Callable[[str], None]):
+                 model_cfg: GPTConfig, tokenizer_dir: str, seed_of: Callable[[int], int], log: Callable[[str], None]):
         self.cfg = cfg
         self.settings = cfg.rollout.asynchronous
         self.collector = collector
