@@ -57,8 +57,8 @@ class AsyncRollouts:
     """The RL actor's rollouts from a generation worker (see the module docstring).
 
     collector: the run's `RolloutCollector`, or `EpisodeCollector` for multi-turn episodes (it scores, validates
-    and keeps the prompt order the checkpoints save); chunks: the trainer's model; seed_of(step): the sampling seed of a step, as the synchronous run's;
-    log: one line for the run's log (a restart).
+    and keeps the prompt order the checkpoints save); chunks: the trainer's model; seed_of(step): the sampling
+    seed of a step, as the synchronous run's; log: one line for the run's log (a restart).
     """
 
     def __init__(self, cfg: RLActorConfig, collector: RolloutCollector | EpisodeCollector, *, chunks: list,
