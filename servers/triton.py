@@ -144,12 +144,13 @@ def check_ports_free(server: ServerConfig) -> None:
     """Fail fast with the port's name: Triton itself would only stop answering readiness checks."""
     import socket
 
+    address = bind_address(server.host)
     for name, port in (("server.port (HTTP)", server.port), ("gRPC (server.port + 1)", server.grpc_port),
                        ("metrics (server.port + 2)", server.metrics_port)):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is fine
             try:
-                sock.bind((server.host, port))
+                sock.bind((address, port))
             except OSError as error:
                 raise TritonSetupError(
                     f"cannot listen on {server.host}:{port} for {name}: {error.strerror}; another server may be "
@@ -386,13 +387,26 @@ def triton_log_tail(path: Path) -> str:
     return f"the end of Triton's log {path}:\n" + "\n".join(lines)
 
 
+def bind_address(host: str) -> str:
+    """The address Triton binds for `server.host`: a node's name (a Slurm job's `scontrol show hostnames`) is
+    resolved here, since Triton's own options take addresses."""
+    import socket
+
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as error:
+        raise TritonSetupError(f"server.host={host!r} does not resolve ({error.strerror}); give this node's "
+                               "name or address (127.0.0.1: this machine only)") from None
+
+
 def triton_config(server: ServerConfig, log_file: Path):
     from pytriton.triton import TritonConfig
 
+    address = bind_address(server.host)
     return TritonConfig(
-        http_address=server.host, http_port=server.port,
-        grpc_address=server.host, grpc_port=server.grpc_port,
-        metrics_address=server.host, metrics_port=server.metrics_port,
+        http_address=address, http_port=server.port,
+        grpc_address=address, grpc_port=server.grpc_port,
+        metrics_address=address, metrics_port=server.metrics_port,
         exit_timeout_secs=EXIT_TIMEOUT_S, log_file=log_file,
         **cpu_bridge.triton_config_overrides(),
     )

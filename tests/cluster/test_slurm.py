@@ -1,0 +1,153 @@
+"""The project's Slurm scripts on a real Slurm cluster of three nodes (tests/cluster/minicluster.py): network
+namespaces on one machine, each with its own address, hostname and slurmd, driven by sbatch, scancel and scontrol."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from aligner.demo import arithmetic
+from aligner.demo.tokenizer import train_char_tokenizer
+
+from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
+from .minicluster import ClusterUnavailable, MiniCluster, unavailable_reason
+
+GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
+SFT_SBATCH = GPT / "slurm" / "sft.sbatch"
+PPO_SBATCH = GPT / "slurm" / "ppo_heterogeneous.sbatch"
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+# The scripts' sizes for one CPU rank per node: sbatch's own options override their #SBATCH lines.
+ONE_RANK_PER_NODE = ("--ntasks-per-node=1", "--gpus-per-node=0")
+TINY = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+        "model.architecture.ffn_hidden_size=64"]
+QUIET = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+         "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
+SFT_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no mini Slurm cluster on this machine: {reason}")
+    mini = MiniCluster()
+    try:
+        mini.up()
+    except ClusterUnavailable as error:
+        pytest.skip(f"no mini Slurm cluster on this machine: {error}")
+    try:
+        yield mini
+    finally:
+        mini.down()
+    assert not mini.leftovers(), mini.leftovers()
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm_sft")
+    records = arithmetic.sft_records(256, seed=3)
+    write_jsonl(root / "train.jsonl", records)
+    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
+    settings = [f"tokenizer.path={root / 'tokenizer'}", *TINY, *QUIET, "trainer.global_batch_size=8",
+                "trainer.micro_batch_size=2", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.decay_style=constant",
+                f"trainer.max_steps={SFT_STEPS}", "checkpoint.save_interval=0", "checkpoint.keep_last=0"]
+    return root, settings
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    """The train losses by step a run has logged so far ({} before its first)."""
+    if not (log_dir / "metrics.jsonl").exists():
+        return {}
+    return {row["step"]: row["loss"] for row in metrics_rows(log_dir, "train")}
+
+
+def _submit_sft(cluster: MiniCluster, root: Path, name: str, settings: list[str], *sbatch: str) -> tuple[int, Path]:
+    results = root / name
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TRAIN=str(root / "train.jsonl"),
+                      RESULTS=str(results), MASTER_PORT="29510")
+    job = cluster.sbatch("--nodes=2", *ONE_RANK_PER_NODE, f"--output={root / name}.log", *sbatch, str(SFT_SBATCH),
+                         *settings, env=env, cwd=REPO_ROOT)
+    return job, results
+
+
+def _log(path: Path) -> str:
+    return path.read_text() if path.exists() else f"({path} not written)"
+
+
+def test_the_cluster_comes_up_with_a_node_per_namespace_and_goes_down_leaving_nothing():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no mini Slurm cluster on this machine: {reason}")
+    mini = MiniCluster(nodes=2, root=Path("/tmp/aligner-minicluster-updown"))
+    try:
+        try:
+            mini.up()
+        except ClusterUnavailable as error:
+            pytest.skip(f"no mini Slurm cluster on this machine: {error}")
+        assert mini.node_states() == {"n1": "idle", "n2": "idle"}
+        # one task per node: each sees its own hostname and its own address on the bridge
+        out = mini.run("srun", "--nodes=2", "--ntasks-per-node=1", "sh", "-c",
+                       'echo "$(hostname) $SLURM_PROCID $(ip -4 -o addr show dev eth0 | awk \'{print $4}\')"',
+                       timeout=60).stdout
+        assert sorted(out.split("\n")[:2]) == ["n1 0 10.213.77.11/24", "n2 1 10.213.77.12/24"], out
+        assert mini.pids(mini.namespace("n1")), "slurmd should be running on n1"
+    finally:
+        mini.down()
+    assert mini.leftovers() == []
+
+
+def test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine(cluster, sft_data):
+    """sft.sbatch on two nodes (one rank each, DP=2, srun's rendezvous at the first node's address) against
+    torchrun's DP=2 on loopback: the same losses."""
+    root, settings = sft_data
+    job, results = _submit_sft(cluster, root, "two_nodes", settings)
+    reference = root / "one_machine"
+    run_torchrun(GPT / "train_gpt_sft.py", 2, f"data.train=[{{path: {root / 'train.jsonl'}}}]", *settings,
+                 f"checkpoint.save_dir={reference / 'checkpoints'}", f"logging.log_dir={reference}")
+    record = cluster.wait_job(job, 240)
+    log = _log(root / "two_nodes.log")
+    assert record["JobState"] == "COMPLETED", log[-4000:]
+    assert record["NodeList"] == "n[1-2]"
+    assert "2 ranks on n[1-2], rendezvous n1:29510" in log and "layout TP=1 PP=1 DP=2" in log, log[-4000:]
+    expected, got = _losses(reference), _losses(results)
+    assert sorted(got) == list(range(1, SFT_STEPS + 1)) and got[SFT_STEPS] < got[1], got
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (step, got[step], expected[step])
+
+
+def test_sigterm_from_slurm_saves_and_a_requeued_job_resumes_to_the_uninterrupted_losses(cluster, sft_data):
+    """The --signal=B:TERM path (scancel --batch --signal=TERM: the script alone), then scontrol requeue."""
+    root, settings = sft_data
+    uninterrupted = _losses(root / "two_nodes")
+    if not uninterrupted:
+        pytest.skip("needs the two-node run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
+    job, results = _submit_sft(cluster, root, "stopped", settings, "--open-mode=append")
+    deadline = time.monotonic() + 180
+    while not _losses(results).get(3):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "stopped.log")[-4000:]
+        assert time.monotonic() < deadline, "no third step within 180 s"
+        time.sleep(0.2)
+    cluster.run("scancel", "--batch", "--signal=TERM", str(job))
+    record = cluster.wait_job(job, 120)
+    log = _log(root / "stopped.log")
+    stopped = max(_losses(results))
+    assert stopped < SFT_STEPS, "the run ended before the signal"
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "143:0", (record["JobState"], log[-3000:])
+    assert f"stopped at step {stopped} by SIGTERM; checkpoint {results / 'checkpoints'}" in log, log[-3000:]
+    assert "Traceback" not in log, log[-4000:]
+
+    cluster.run("scontrol", "requeue", str(job))
+    record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"))
+    log = _log(root / "stopped.log")
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
+    assert f"job {job} (restart 1)" in log and f"resumed from {results / 'checkpoints'}" in log, log[-4000:]
+    resumed = _losses(results)
+    assert sorted(resumed) == list(range(1, SFT_STEPS + 1)), resumed
+    for step in range(1, SFT_STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), step
