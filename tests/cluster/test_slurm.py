@@ -151,3 +151,62 @@ def test_sigterm_from_slurm_saves_and_a_requeued_job_resumes_to_the_uninterrupte
     assert sorted(resumed) == list(range(1, SFT_STEPS + 1)), resumed
     for step in range(1, SFT_STEPS + 1):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), step
+
+
+@pytest.fixture(scope="module")
+def ppo_models(tmp_path_factory):
+    """A random-init policy (SFT at step 0) and a reward model from it (its value head at its initialisation)."""
+    root = tmp_path_factory.mktemp("slurm_ppo")
+    records = arithmetic.sft_records(64, seed=7)
+    write_jsonl(root / "sft.jsonl", records)
+    write_jsonl(root / "pairs.jsonl", arithmetic.preference_records(32, seed=7))
+    write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(64, seed=7))
+    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
+    run_torchrun(GPT / "train_gpt_sft.py", 1, f"tokenizer.path={root / 'tokenizer'}",
+                 f"data.train=[{{path: {root / 'sft.jsonl'}}}]", *TINY, *QUIET, "trainer.max_steps=0",
+                 f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
+    run_torchrun(GPT / "train_reward_model.py", 1, f"model.init_from={root / 'sft' / 'step_00000000'}",
+                 f"data.train=[{{path: {root / 'pairs.jsonl'}}}]", *QUIET, "trainer.max_steps=0",
+                 f"checkpoint.save_dir={root / 'rm'}", f"logging.log_dir={root / 'rm_logs'}")
+    return root, root / "sft" / "step_00000000", root / "rm" / "step_00000000"
+
+
+def test_ppo_heterogeneous_job_runs_the_critic_and_the_actor_on_different_nodes(cluster, ppo_models):
+    """ppo_heterogeneous.sbatch: the critic server (combined with the reward model) on one node, bound to that
+    node's address; the actor on another, reaching it by the node's name; steps complete, both save."""
+    root, sft, rm = ppo_models
+    results = root / "ppo"
+    actor = ["data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
+             "rollout.prompts_per_step=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+             "trainer.max_steps=2", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
+             "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=240",
+             "critic.server.timeout_s=60"]
+    critic = ["train.global_batch_size=8", "train.micro_batch_size=8", "inference.micro_batch_size=8"]
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RM_CHECKPOINT=str(rm), SFT_CHECKPOINT=str(sft),
+                      PROMPTS=str(root / "prompts.jsonl"), RESULTS=str(results), CRITIC_TP="1", ACTOR_TP="1",
+                      ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic))
+    job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / 'ppo.log'}", ":", "--nodes=1",
+                         *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
+    # while the actor trains: the server listens on its node's address, on no other interface
+    deadline = time.monotonic() + 240
+    while "critic server ready" not in _log(results / "critic_server.log"):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "ppo.log")[-3000:]
+        assert time.monotonic() < deadline, "the critic server was not ready within 240 s"
+        time.sleep(0.2)
+    critic_node = cluster.job(job)["NodeList"]
+    listening = cluster.run("ss", "--listening", "--tcp", "--numeric", "--no-header", node=critic_node).stdout
+    ports = {line.split()[3].replace("[::ffff:", "").replace("]", "") for line in listening.splitlines()}  # gRPC: v6
+    assert {f"{cluster.address(critic_node)}:{port}" for port in (5560, 5561, 5562)} <= ports, listening
+    assert not any(port.endswith((":5560", ":5561", ":5562")) and not port.startswith(cluster.address(critic_node))
+                   for port in ports), listening
+
+    record = cluster.wait_job(job, 300)
+    log, server_log = _log(root / "ppo.log"), _log(results / "critic_server.log")
+    assert record["JobState"] == "COMPLETED", f"{log[-3000:]}\n--- critic server:\n{server_log[-3000:]}"
+    actor_node = cluster.job(job + 1)["NodeList"]
+    assert critic_node != actor_node and {critic_node, actor_node} <= set(cluster.names), (critic_node, actor_node)
+    assert sorted(row["step"] for row in metrics_rows(results / "actor", "train")) == [1, 2], log[-3000:]
+    for side in ("actor", "critic"):
+        assert (results / side / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file(), side
+    assert f"critic server ready on http://{critic_node}:5560" in server_log, server_log[-3000:]
+    assert "Killed" not in server_log, server_log[-3000:]  # stopped by SIGTERM, not srun's SIGKILL
