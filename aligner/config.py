@@ -679,8 +679,9 @@ def _yaml_comments(text: str) -> dict[str, str]:
 
 def run_main(main) -> None:
     """Run an entry point; user errors (a `UserError`: config, data, checkpoint, output, launch, a missing
-    extra; or a `ClientError`: a server that cannot be reached) end with one clear line, exit 2. Any
-    other exception is a bug: it keeps its traceback (exit 1)."""
+    extra; or a `ClientError`: a server that cannot be reached) end with one clear line, exit 2; a peer rank
+    lost in a collective (`distributed.lost_peer`) with one line naming it, exit 3. Any other exception is a
+    bug: it keeps its traceback (exit 1)."""
     stopping.install()
     try:
         main()
@@ -690,3 +691,10 @@ def run_main(main) -> None:
         print(f"error: {error}", file=sys.stderr)
         distributed.exiting_on_error()
         raise SystemExit(2) from None
+    except RuntimeError as error:  # a peer rank gone (a lost node): one line naming it, exit 3; else a bug
+        line = distributed.lost_peer(error)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        distributed.exiting_on_error()
+        raise SystemExit(3) from None

@@ -9,6 +9,7 @@ import atexit
 import datetime
 import logging
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ class ParallelConfig:
     # MoE experts split over this many ranks of the data-parallel dimension (megatron's EP); the
     # experts keep tensor_model_parallel_size as their TP.
     expert_model_parallel_size: int = 1
+    # seconds a rank waits for its peers in the rendezvous and in any collective before the run stops with one line
+    # naming the peer: a lost node or a cut link (a peer whose process died is noticed at once)
+    timeout_s: float = 1800.0
 
     @property
     def model_parallel_size(self) -> int:
@@ -119,7 +123,7 @@ def silence_third_party_notices() -> None:
     cpu_bridge.silence_cpu_notices()
 
 
-def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
+def initialize(parallel: ParallelConfig) -> int:
     """Start the process group and megatron-core parallel state; returns the data-parallel size."""
     from megatron.core import parallel_state
 
@@ -127,6 +131,8 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
     processes.prepare()  # checkpoint writers and forked helpers never outlive this process
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)
+    if not parallel.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {parallel.timeout_s}")
     if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:
         raise ConfigError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
     if not dist.is_initialized():
@@ -140,7 +146,7 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if not cpu_bridge.needed():
             torch.cuda.set_device(local_rank)
-        timeout = datetime.timedelta(minutes=timeout_minutes)
+        timeout = datetime.timedelta(seconds=parallel.timeout_s)
         keep_gloo_on_loopback(host)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rendezvous = {"init_method": "env://"}  # torchrun's agent hosts the store; every rank is its client
@@ -155,8 +161,43 @@ def initialize(parallel: ParallelConfig, *, timeout_minutes: int = 30) -> int:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        distributed_timeout_minutes=parallel.timeout_s / 60,  # every group megatron makes
     )
     return dp_size
+
+
+# What gloo says when a peer is gone: its process died (the kernel closed its sockets: "Connection closed by peer
+# [10.0.0.2]:port", "Read error [10.0.0.2]:port: Connection reset by peer"), or nothing came within the timeout (a
+# lost node, a cut link: "Timed out ...", "Read timeout [10.0.0.2]:port"). The peer's address is in brackets.
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|[Tt]imed out|[Tt]imeout")
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """One line for a collective that failed because a peer rank is gone, naming the peer's host and address;
+    None for any other error."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    gone, address = _PEER_GONE.search(text), _PEER_ADDRESS.search(text)
+    if gone is None:
+        return None
+    timed_out = "imeout" in gone.group(0) or "imed out" in gone.group(0)
+    if address is None:
+        if not timed_out:
+            return None
+        return ("lost a peer rank: a collective got no answer from a peer within parallel.timeout_s; its node or "
+                "process failed, or the network between them; the run stops here (resume from the newest checkpoint)")
+    import socket
+
+    try:
+        host = socket.gethostbyaddr(address.group(1))[0]
+    except OSError:
+        host = None
+    peer = f"{host} ({address.group(1)})" if host else address.group(1)
+    how = "gave no answer within parallel.timeout_s" if timed_out else f"went away ({gone.group(0).lower()})"
+    return (f"lost a peer rank: the rank on {peer} {how}; its node or process failed, or the network between "
+            "them; the run stops here (resume from the newest checkpoint)")
 
 
 def shutdown() -> None:

@@ -324,6 +324,10 @@ MinJobAge=300
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout_s:.0f} s: {record.get('JobState')}")
 
+    def hostnames(self, node_list: str) -> list[str]:
+        """`scontrol show hostnames`: "n[1,3]" -> ["n1", "n3"]."""
+        return self.run("scontrol", "show", "hostnames", node_list).stdout.split()
+
     def kill_node(self, node: str) -> None:
         """The node fails: its slurmd and every process on it are killed at once (SIGKILL)."""
         for pid in self.pids(self.namespace(node)):

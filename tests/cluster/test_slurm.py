@@ -210,3 +210,57 @@ def test_ppo_heterogeneous_job_runs_the_critic_and_the_actor_on_different_nodes(
         assert (results / side / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file(), side
     assert f"critic server ready on http://{critic_node}:5560" in server_log, server_log[-3000:]
     assert "Killed" not in server_log, server_log[-3000:]  # stopped by SIGTERM, not srun's SIGKILL
+
+
+def test_a_node_lost_mid_run_ends_the_step_with_one_line_and_the_requeued_job_resumes_elsewhere(cluster, sft_data):
+    """Rank 1's node fails (its slurmd and every process on it SIGKILLed) during SFT: rank 0 stops with one line
+    naming that node, Slurm marks it down and requeues the job (--requeue), which resumes on the two other nodes
+    from the newest intact checkpoint to the uninterrupted run's losses; nothing of the first run is left."""
+    root, settings = sft_data
+    uninterrupted = _losses(root / "two_nodes")
+    if not uninterrupted:
+        pytest.skip("needs the two-node run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
+    job, results = _submit_sft(cluster, root, "node_lost", [*settings, "checkpoint.save_interval=4"],
+                               "--open-mode=append")
+    deadline = time.monotonic() + 180
+    while not (results / "checkpoints" / "step_00000008").exists():
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "node_lost.log")[-4000:]
+        assert time.monotonic() < deadline, "no step-8 checkpoint within 180 s"
+        time.sleep(0.1)
+    first, lost = cluster.hostnames(cluster.job(job)["NodeList"])  # rank 0's node, rank 1's
+    killed_at = time.monotonic()
+    cluster.kill_node(lost)
+    try:
+        while "lost a peer rank" not in _log(root / "node_lost.log"):
+            assert time.monotonic() - killed_at < 60, _log(root / "node_lost.log")[-4000:]
+            time.sleep(0.2)
+        noticed_s = time.monotonic() - killed_at
+        first_run = _log(root / "node_lost.log")
+        assert f"error: lost a peer rank: the rank on {lost} ({cluster.address(lost)}) went away" in first_run, \
+            first_run[-3000:]
+        assert "Traceback" not in first_run, first_run[-4000:]
+        record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    finally:
+        cluster.start_slurmd(lost)
+    log = _log(root / "node_lost.log")
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
+    survivors = sorted(set(cluster.names) - {lost})
+    assert cluster.hostnames(record["NodeList"]) == survivors, record["NodeList"]
+    assert f"job {job} (restart 1): 2 ranks on {record['NodeList']}" in log, log[-4000:]
+    assert f"resumed from {results / 'checkpoints'}" in log, log[-4000:]
+    resumed = _losses(results)
+    assert sorted(resumed) == list(range(1, SFT_STEPS + 1)), resumed
+    for step in range(1, SFT_STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), step
+    for node in {first, *survivors}:  # only slurmd is left on the nodes that ran the job
+        left = [_command(pid) for pid in cluster.pids(cluster.namespace(node))]
+        assert all(command.startswith("slurmd") for command in left), (node, left)
+    cluster.wait_idle(60)
+    print(f"node loss noticed by the surviving rank in {noticed_s:.1f} s")
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
