@@ -40,12 +40,15 @@ RECIPES = REPO_ROOT / "aligner" / "conf" / "recipes"  # the settings users copy;
 # same in every group. The KL coefficient is what keeps the general answers: at 0.01 and 0.03 the policy learned
 # to wrap every answer in quotation marks ('"SmolLM"' for the capital of France); 0.05 keeps them. Two updates per
 # step (minibatches of 16 of the step's 32 rollouts), at no extra generation: 27.5-39.5 % held out in six runs,
-# against 28.0 % with one update from the seed measured both ways (docs/results/demo_real.md).
+# against 28.0 % with one update from the seed measured both ways. The step's 32 rollouts as 4 prompts x 8 samples
+# (the recipe: 8 x 4): a leave-one-out baseline of 7 answers and fewer groups whose answers all score alike;
+# 33.5-48.0 % from three seeds where 8 x 4 gave 27.5-39.5 % (docs/results/demo_real.md).
 RL_RECIPE = RECIPES / "smollm2_grpo_lora.yaml"
 RL_OVERRIDES = [
     "reward.function=aligner.demo.instructions:score_response",
     "advantage.estimator=rloo", "data.max_prompt_length=128", f"generation.max_new_tokens={MAX_NEW_TOKENS}",
     "generation.micro_batch_size=32", "trainer.max_steps=24", "trainer.global_batch_size=16",
+    "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8",
     # the KL penalty's policy logprobs from the engine (same fp32 forward; mismatch ~3e-5): no extra pass
     "loss.recompute_old_logprobs=false",
     "checkpoint.save_interval=0", *QUIET,

@@ -45,10 +45,13 @@ def _run(*cmd: str, check: bool = True, timeout: float = 60, **kwargs) -> subpro
     return result
 
 
+def _installed(program: str) -> bool:
+    return shutil.which(program) is not None or Path("/usr/sbin", program).exists()  # sbin: not on every PATH
+
+
 def install_packages() -> None:
     """apt-get install what is missing (the project's set-up step for the cluster tier; `make cluster-deps`)."""
-    missing = [name for name in ("slurmd", "slurmctld", "sbatch", "munged") if shutil.which(name) is None
-               and not Path("/usr/sbin", name).exists()]
+    missing = [name for name in ("slurmd", "slurmctld", "sbatch", "munged") if not _installed(name)]
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
@@ -69,7 +72,7 @@ def unavailable_reason() -> str | None:
         return "root is needed to create network namespaces"
     if shutil.which("ip") is None or shutil.which("unshare") is None:
         return "iproute2 (ip) and util-linux (unshare) are needed"
-    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None and not Path("/usr/sbin/slurmctld").exists():
+    if shutil.which("apt-get") is None and not _installed("slurmctld"):
         return "slurm-wlm is not installed and there is no apt-get to install it"
     probe = f"{PREFIX}-probe"
     made = subprocess.run(("ip", "netns", "add", probe), capture_output=True, text=True)
@@ -300,6 +303,10 @@ MinJobAge=300
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run `cmd` in a node's namespace (the controller's by default: the Slurm clients)."""
         return _run(*self.on(node), *cmd, check=check, timeout=timeout, env=env or self.env())
+
+    def popen(self, node: str, *cmd: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """Start `cmd` on `node` (outside Slurm: what a launcher such as torchrun on each node is)."""
+        return subprocess.Popen([*self.on(node), *cmd], env=env or self.env(), **kwargs)
 
     def sbatch(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> int:
         result = _run(*self.on("ctl"), "sbatch", "--parsable", *args,

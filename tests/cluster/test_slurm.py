@@ -2,9 +2,8 @@
 namespaces on one machine, each with its own address, hostname and slurmd, driven by sbatch, scancel and scontrol."""
 from __future__ import annotations
 
-import os
-import re
-import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -264,3 +263,36 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+def test_torchrun_across_two_nodes_without_slurm_has_the_losses_of_dp2_on_one_machine(cluster, sft_data):
+    """torchrun --nnodes 2 on n1 and n2 (c10d rendezvous at n1), one rank per node: the same losses as DP=2 on one
+    machine (the reference of the Slurm parity test)."""
+    root, settings = sft_data
+    reference = _losses(root / "one_machine")
+    if not reference:
+        pytest.skip("needs the one-machine run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
+    results = root / "torchrun"
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", "--rdzv-endpoint=n1:29400", "--rdzv-id=sft-two-nodes",
+               str(GPT / "train_gpt_sft.py"), f"data.train=[{{path: {root / 'train.jsonl'}}}]", *settings,
+               f"checkpoint.save_dir={results / 'checkpoints'}", f"logging.log_dir={results}"]
+    logs = {node: open(root / f"torchrun_{node}.log", "w") for node in ("n1", "n2")}  # noqa: SIM115
+    launched = {node: cluster.popen(node, *command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                for node, log in logs.items()}
+    try:
+        codes = {node: process.wait(timeout=240) for node, process in launched.items()}
+    finally:
+        for process in launched.values():
+            if process.poll() is None:
+                process.kill()
+        for log in logs.values():
+            log.close()
+    output = {node: _log(root / f"torchrun_{node}.log") for node in logs}
+    assert codes == {"n1": 0, "n2": 0}, {node: text[-3000:] for node, text in output.items()}
+    assert "layout TP=1 PP=1 DP=2" in output["n1"], output["n1"][-3000:]
+    got = _losses(results)
+    assert sorted(got) == sorted(reference), got
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-6, abs=0), (step, got[step], reference[step])
