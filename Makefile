@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aligner-installed
 PYTEST_ARGS ?=
 
-.PHONY: install real-model lint docs test test-fast test-faults test-gpu demo demo-real bench bench-toy clean
+.PHONY: install real-model lint docs test test-fast test-faults test-gpu demo demo-real bench bench-toy clean \
+	cluster-up cluster-shell cluster-down
 
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,8 +44,10 @@ docs: install
 # torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
 # the gaps (8 of its files: 335 s in one process, 292 s in two). The functional and real-model tiers too: their
 # tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
-# computes. Then the fault tier in one process of two threads: its tests time stops, kills and servers. All four
-# always run; any failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
+# computes. Then the fault tier in one process of two threads: its tests time stops, kills and servers. Last the
+# cluster tier: the Slurm scripts on a mini cluster of network namespaces (tests/cluster/minicluster.py, which
+# installs slurm-wlm and munge with apt-get if missing; skipped with the reason where namespaces cannot be made).
+# All five always run; any failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
@@ -56,9 +59,23 @@ test: install real-model lint
 		tests/real_model tests/gpu; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests --ignore=tests/unit \
-		--ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model --ignore=tests/gpu; \
+		--ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model --ignore=tests/gpu \
+		--ignore=tests/cluster; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests/cluster; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	exit $$status
+
+# A Slurm cluster of three nodes on this machine (root; network namespaces) to try the Slurm scripts on:
+# docs/guides/slurm.md. `make cluster-shell` opens a shell on its controller (sinfo, sbatch, squeue, ...).
+cluster-up: install
+	$(PY) tests/cluster/minicluster.py up
+
+cluster-shell:
+	$(PY) tests/cluster/minicluster.py shell
+
+cluster-down:
+	$(PY) tests/cluster/minicluster.py down
 
 # The single-process unit tests (tests/unit); `make test` runs every tier.
 test-fast: install

@@ -127,12 +127,12 @@ def initialize(parallel: ParallelConfig) -> int:
     """Start the process group and megatron-core parallel state; returns the data-parallel size."""
     from megatron.core import parallel_state
 
+    if not parallel.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {parallel.timeout_s}")
     cpu_bridge.apply()
     processes.prepare()  # checkpoint writers and forked helpers never outlive this process
     rank, local_rank, world = rank_and_world_from_env()
     dp_size = parallel.data_parallel_size(world)
-    if not parallel.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {parallel.timeout_s}")
     if parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size < 2:
         raise ConfigError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
     if not dist.is_initialized():
