@@ -15,6 +15,7 @@ All derive from ClientError. The clients are `aligner.clients.reward.RewardClien
 from __future__ import annotations
 
 import http.client
+import logging
 import re
 import socket
 import threading
@@ -283,10 +284,13 @@ _quieted = False
 
 
 def _quiet_pytriton_client() -> None:
-    """PyTriton warns on every request that its network timeout differs from the init timeout."""
+    """PyTriton warns on every request that its network timeout differs from the init timeout, and logs each
+    failed request ("Timeout occurred during inference request ...") before raising it: the exception, which
+    these clients turn into one line naming the server, says the same."""
     global _quieted
     if not _quieted:
         from pytriton.client.warnings import NotSupportedTimeoutWarning
 
         warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
+        logging.getLogger("pytriton.client.client").setLevel(logging.CRITICAL)
         _quieted = True
