@@ -79,6 +79,21 @@ def _log(path: Path) -> str:
     return path.read_text() if path.exists() else f"({path} not written)"
 
 
+def _wait_for(condition, timeout_s: float, what: str, alive=lambda: True, report=lambda: "") -> float:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`, or as soon as `alive()` is false
+    (the job ended first). Returns the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert alive(), f"the job ended before {what}: {report()[-4000:]}"
+        assert time.monotonic() - started < timeout_s, f"no {what} within {timeout_s:.0f} s: {report()[-4000:]}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _running(cluster: MiniCluster, job: int):
+    return lambda: cluster.job(job).get("JobState") in ("PENDING", "RUNNING")
+
+
 def test_the_cluster_comes_up_with_a_node_per_namespace_and_goes_down_leaving_nothing():
     reason = unavailable_reason()
     if reason:
@@ -127,11 +142,8 @@ def test_sigterm_from_slurm_saves_and_a_requeued_job_resumes_to_the_uninterrupte
     if not uninterrupted:
         pytest.skip("needs the two-node run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
     job, results = _submit_sft(cluster, root, "stopped", settings, "--open-mode=append")
-    deadline = time.monotonic() + 180
-    while not _losses(results).get(3):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "stopped.log")[-4000:]
-        assert time.monotonic() < deadline, "no third step within 180 s"
-        time.sleep(0.2)
+    _wait_for(lambda: _losses(results).get(3), 180, "a third step", _running(cluster, job),
+              lambda: _log(root / "stopped.log"))
     cluster.run("scancel", "--batch", "--signal=TERM", str(job))
     record = cluster.wait_job(job, 120)
     log = _log(root / "stopped.log")
@@ -190,11 +202,9 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
     job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / 'ppo.log'}", "--open-mode=append", ":",
                          "--nodes=1", *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
     # while the actor trains: the server listens on its node's address, on no other interface
-    deadline = time.monotonic() + 240
-    while "critic server ready" not in _log(results / "critic_server.log"):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "ppo.log")[-3000:]
-        assert time.monotonic() < deadline, "the critic server was not ready within 240 s"
-        time.sleep(0.2)
+    report = lambda: _log(root / "ppo.log")  # noqa: E731
+    _wait_for(lambda: "critic server ready" in _log(results / "critic_server.log"), 240, "a ready critic server",
+              _running(cluster, job), report)
     actor_node, critic_node = cluster.job(job)["NodeList"], cluster.job(job + 1)["NodeList"]
     assert critic_node != actor_node, critic_node
     listening = cluster.run("ss", "--listening", "--tcp", "--numeric", "--no-header", node=critic_node).stdout
@@ -204,24 +214,16 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
                    for port in ports), listening
     assert f"critic server ready on http://{critic_node}:5560" in _log(results / "critic_server.log")
 
-    while not all((results / side / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file()
-                  for side in ("actor", "critic")):
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "ppo.log")[-3000:]
-        assert time.monotonic() < deadline + 240, "no step-2 checkpoints"
-        time.sleep(0.1)
-    killed_at = time.monotonic()
+    _wait_for(lambda: all((results / side / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file()
+                          for side in ("actor", "critic")), 240, "step-2 checkpoints", _running(cluster, job), report)
     cluster.kill_node(critic_node)
     try:
-        while "error:" not in _log(root / "ppo.log"):
-            assert time.monotonic() - killed_at < 90, _log(root / "ppo.log")[-3000:]
-            time.sleep(0.2)
-        noticed_s = time.monotonic() - killed_at
+        noticed_s = _wait_for(lambda: "error:" in _log(root / "ppo.log"), 90, "an error line from the actor",
+                              report=report)
         first = cluster.wait_job(job, 120, states=("FAILED", "PENDING", "REQUEUED", "NODE_FAIL", "COMPLETED"))
         if first["JobState"] == "FAILED":  # the actor's exit ended the job before Slurm marked the node down
-            deadline = time.monotonic() + 90
-            while cluster.node_states().get(critic_node) != "down":
-                assert time.monotonic() < deadline, cluster.node_states()
-                time.sleep(0.5)
+            _wait_for(lambda: cluster.node_states().get(critic_node) == "down", 90, "the lost node marked down",
+                      report=lambda: str(cluster.node_states()))
             cluster.run("scontrol", "requeue", str(job))
         record = cluster.wait_job(job, 420, states=("COMPLETED", "FAILED", "CANCELLED"))
     finally:
@@ -257,19 +259,14 @@ def test_a_node_lost_mid_run_ends_the_step_with_one_line_and_the_requeued_job_re
         pytest.skip("needs the two-node run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
     job, results = _submit_sft(cluster, root, "node_lost", [*settings, "checkpoint.save_interval=4"],
                                "--open-mode=append")
-    deadline = time.monotonic() + 180
-    while not (results / "checkpoints" / "step_00000008").exists():
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(root / "node_lost.log")[-4000:]
-        assert time.monotonic() < deadline, "no step-8 checkpoint within 180 s"
-        time.sleep(0.1)
+    report = lambda: _log(root / "node_lost.log")  # noqa: E731
+    _wait_for((results / "checkpoints" / "step_00000008").exists, 180, "a step-8 checkpoint", _running(cluster, job),
+              report)
     first, lost = cluster.hostnames(cluster.job(job)["NodeList"])  # rank 0's node, rank 1's
-    killed_at = time.monotonic()
     cluster.kill_node(lost)
     try:
-        while "lost a peer rank" not in _log(root / "node_lost.log"):
-            assert time.monotonic() - killed_at < 60, _log(root / "node_lost.log")[-4000:]
-            time.sleep(0.2)
-        noticed_s = time.monotonic() - killed_at
+        noticed_s = _wait_for(lambda: "lost a peer rank" in _log(root / "node_lost.log"), 60,
+                              "the surviving rank's line", report=report)
         first_run = _log(root / "node_lost.log")
         assert f"error: lost a peer rank: the rank on {lost} ({cluster.address(lost)}) went away" in first_run, \
             first_run[-3000:]
