@@ -259,8 +259,9 @@ class RewardServerSource:
         self.check = ScoreCheck(self.name, checks or RewardChecks())
 
     def score_async(self, sequences: Sequence[list[int]], prompts: Sequence, response_texts: Sequence[str],
-                    records: Sequence[str]) -> PendingScores:
-        """Scores of prompt + response token ids (`sequences`); the model reads nothing else."""
+                    records: Sequence[str], columns: Optional[Sequence[dict]] = None) -> PendingScores:
+        """Scores of prompt + response token ids (`sequences`); the model reads nothing else (the prompt
+        records' other `columns` are for reward functions)."""
         answer: Future = Future()
         sent = self.client.infer_async(sequences)
         records = list(records)

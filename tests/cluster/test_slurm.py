@@ -59,11 +59,15 @@ def sft_data(tmp_path_factory):
     return root, settings
 
 
-def _losses(log_dir: Path) -> dict[int, float]:
-    """The train losses by step a run has logged so far ({} before its first)."""
+def _rows(log_dir: Path) -> dict[int, dict]:
+    """The train rows by step a run has logged so far ({} before its first)."""
     if not (log_dir / "metrics.jsonl").exists():
         return {}
-    return {row["step"]: row["loss"] for row in metrics_rows(log_dir, "train")}
+    return {row["step"]: row for row in metrics_rows(log_dir, "train")}
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    return {step: row["loss"] for step, row in _rows(log_dir).items()}
 
 
 def _submit_sft(cluster: MiniCluster, root: Path, name: str, settings: list[str], *sbatch: str) -> tuple[int, Path]:
@@ -182,25 +186,36 @@ def ppo_models(tmp_path_factory):
     return root, root / "sft" / "step_00000000", root / "rm" / "step_00000000"
 
 
+def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: str) -> tuple[int, Path]:
+    """ppo_heterogeneous.sbatch, one rank per component (the actor's node first), 4 steps of 8 prompts."""
+    root, sft, rm = ppo_models
+    results = root / name
+    actor = ["data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
+             "rollout.prompts_per_step=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+             "trainer.max_steps=4", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
+             "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=240",
+             "critic.server.timeout_s=30", "reward.server.timeout_s=30", *actor_settings]
+    critic = ["train.global_batch_size=8", "train.micro_batch_size=8", "inference.micro_batch_size=8"]
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RM_CHECKPOINT=str(rm), SFT_CHECKPOINT=str(sft),
+                      PROMPTS=str(root / "prompts.jsonl"), RESULTS=str(results), CRITIC_TP="1", ACTOR_TP="1",
+                      ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic))
+    job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / name}.log", "--open-mode=append", ":",
+                         "--nodes=1", *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
+    return job, results
+
+
+def _ppo_rows(results: Path) -> dict[int, dict]:
+    return _rows(results / "actor")
+
+
 def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_node(cluster, ppo_models):
     """ppo_heterogeneous.sbatch: the actor on one node; the critic server (combined with the reward model) on
     another, listening on that node's address only, reached by the node's name. After the step-2 checkpoints the
     critic's node fails: the actor stops with one line naming the server, Slurm requeues the job onto the two other
     nodes, and both sides resume from step 2 to the end (the critic once its lost run's lock has been silent for
     120 s)."""
-    root, sft, rm = ppo_models
-    results = root / "ppo"
-    actor = ["data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
-             "rollout.prompts_per_step=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
-             "trainer.max_steps=4", "checkpoint.save_interval=2", "optim.lr=1e-3", "logging.progress_bar=false",
-             "logging.tensorboard=false", "logging.peak_tflops=1.0", "logging.samples_interval=0",
-             "critic.server.ready_timeout_s=240", "critic.server.timeout_s=30", "reward.server.timeout_s=30"]
-    critic = ["train.global_batch_size=8", "train.micro_batch_size=8", "inference.micro_batch_size=8"]
-    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RM_CHECKPOINT=str(rm), SFT_CHECKPOINT=str(sft),
-                      PROMPTS=str(root / "prompts.jsonl"), RESULTS=str(results), CRITIC_TP="1", ACTOR_TP="1",
-                      ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic))
-    job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / 'ppo.log'}", "--open-mode=append", ":",
-                         "--nodes=1", *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
+    root, _, _ = ppo_models
+    job, results = _submit_ppo(cluster, ppo_models, "ppo", "checkpoint.save_interval=2")
     # while the actor trains: the server listens on its node's address, on no other interface
     report = lambda: _log(root / "ppo.log")  # noqa: E731
     _wait_for(lambda: "critic server ready" in _log(results / "critic_server.log"), 240, "a ready critic server",
@@ -238,8 +253,7 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
     again = {cluster.job(job)["NodeList"], cluster.job(job + 1)["NodeList"]}
     assert again == set(cluster.names) - {critic_node}, again
-    rows = metrics_rows(results / "actor", "train")
-    assert sorted({row["step"] for row in rows}) == [1, 2, 3, 4], log[-3000:]
+    assert sorted(_ppo_rows(results)) == [1, 2, 3, 4], log[-3000:]
     assert f"resumed from {results / 'actor' / 'checkpoints' / 'step_00000002'}" in log, log[-4000:]
     for side in ("actor", "critic"):
         assert (results / side / "checkpoints" / "step_00000004" / "aligner_meta.json").is_file(), side
@@ -247,6 +261,43 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
     assert "Killed" not in second_server, "the critic server was SIGKILLed, not stopped"
     cluster.wait_idle(60)
     print(f"the critic's node lost: the actor noticed in {noticed_s:.1f} s")
+
+
+def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_resumes_identically(cluster,
+                                                                                                     ppo_models):
+    """The B:TERM path of ppo_heterogeneous.sbatch (scancel --batch --signal=TERM): the actor stops at a step
+    boundary with its checkpoint and the critic's at the same step, the job ends 143 with the server stopped by
+    SIGTERM; `scontrol requeue` resumes both, and every step's metrics equal those of the run above, which
+    continued past that step (it resumed from step 2 only)."""
+    root, _, _ = ppo_models
+    reference = _ppo_rows(root / "ppo")
+    if sorted(reference) != [1, 2, 3, 4]:
+        pytest.skip("needs the PPO run of test_ppo_heterogeneous_job_on_two_nodes_survives_..._critics_node")
+    job, results = _submit_ppo(cluster, ppo_models, "ppo_term")
+    report = lambda: _log(root / "ppo_term.log")  # noqa: E731
+    _wait_for(lambda: _ppo_rows(results).get(1), 240, "a first PPO step", _running(cluster, job), report)
+    cluster.run("scancel", "--batch", "--signal=TERM", str(job))
+    record = cluster.wait_job(job, 120)
+    log = report()
+    stopped = max(_ppo_rows(results))
+    assert stopped < 4, "the run ended before the signal"
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "143:0", (record["JobState"], log[-3000:])
+    checkpoint = results / "actor" / "checkpoints" / f"step_{stopped:08d}"
+    assert f"stopped at step {stopped} by SIGTERM; checkpoint {checkpoint}" in log, log[-3000:]
+    assert (results / "critic" / "checkpoints" / f"step_{stopped:08d}" / "aligner_meta.json").is_file()
+    assert "Killed" not in _log(results / "critic_server.log"), "the critic server was SIGKILLed, not stopped"
+
+    cluster.run("scontrol", "requeue", str(job))
+    record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    log = report()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
+    assert f"resumed from {checkpoint} at step {stopped}" in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    rows = _ppo_rows(results)
+    assert sorted(rows) == [1, 2, 3, 4], rows
+    for step, row in rows.items():
+        for key in ("reward", "kl", "loss"):
+            assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
 
 
 def test_a_node_lost_mid_run_ends_the_step_with_one_line_and_the_requeued_job_resumes_elsewhere(cluster, sft_data):
@@ -298,20 +349,12 @@ def _command(pid: int) -> str:
         return ""
 
 
-def test_torchrun_across_two_nodes_without_slurm_has_the_losses_of_dp2_on_one_machine(cluster, sft_data):
-    """torchrun --nnodes 2 on n1 and n2 (c10d rendezvous at n1), one rank per node: the same losses as DP=2 on one
-    machine (the reference of the Slurm parity test)."""
-    root, settings = sft_data
-    reference = _losses(root / "one_machine")
-    if not reference:
-        pytest.skip("needs the one-machine run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
-    results = root / "torchrun"
-    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _torchrun_on_two_nodes(cluster: MiniCluster, root: Path, name: str, script: Path, *args: str) -> dict[str, str]:
+    """`torchrun --nnodes 2` on n1 and n2 (c10d rendezvous at n1:29400), one rank per node; the nodes' output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", "--rdzv-endpoint=n1:29400", "--rdzv-id=sft-two-nodes",
-               str(GPT / "train_gpt_sft.py"), f"data.train=[{{path: {root / 'train.jsonl'}}}]", *settings,
-               f"checkpoint.save_dir={results / 'checkpoints'}", f"logging.log_dir={results}"]
-    logs = {node: open(root / f"torchrun_{node}.log", "w") for node in ("n1", "n2")}  # noqa: SIM115
+               "--rdzv-backend=c10d", "--rdzv-endpoint=n1:29400", f"--rdzv-id={name}", str(script), *args]
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    logs = {node: open(root / f"{name}_{node}.log", "w") for node in ("n1", "n2")}  # noqa: SIM115
     launched = {node: cluster.popen(node, *command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
                 for node, log in logs.items()}
     try:
@@ -322,10 +365,47 @@ def test_torchrun_across_two_nodes_without_slurm_has_the_losses_of_dp2_on_one_ma
                 process.kill()
         for log in logs.values():
             log.close()
-    output = {node: _log(root / f"torchrun_{node}.log") for node in logs}
+    output = {node: _log(root / f"{name}_{node}.log") for node in logs}
     assert codes == {"n1": 0, "n2": 0}, {node: text[-3000:] for node, text in output.items()}
+    return output
+
+
+def test_torchrun_across_two_nodes_without_slurm_has_the_losses_of_dp2_on_one_machine(cluster, sft_data):
+    """SFT under torchrun --nnodes 2 on n1 and n2: the same losses as DP=2 on one machine (the reference of the Slurm
+    parity test)."""
+    root, settings = sft_data
+    reference = _losses(root / "one_machine")
+    if not reference:
+        pytest.skip("needs the one-machine run of test_sft_across_two_nodes_has_the_losses_of_dp2_on_one_machine")
+    results = root / "torchrun"
+    output = _torchrun_on_two_nodes(cluster, root, "torchrun_sft", GPT / "train_gpt_sft.py",
+                                    f"data.train=[{{path: {root / 'train.jsonl'}}}]", *settings,
+                                    f"checkpoint.save_dir={results / 'checkpoints'}", f"logging.log_dir={results}")
     assert "layout TP=1 PP=1 DP=2" in output["n1"], output["n1"][-3000:]
     got = _losses(results)
     assert sorted(got) == sorted(reference), got
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-6, abs=0), (step, got[step], reference[step])
+
+
+def test_the_rl_actor_across_two_nodes_without_slurm_has_the_metrics_of_dp2_on_one_machine(cluster, ppo_models):
+    """GRPO (a reward function, no servers) under torchrun --nnodes 2: each node generates and trains its share of
+    the groups; every step's reward, KL and loss equal DP=2 on one machine."""
+    root, sft, _ = ppo_models
+    settings = [f"model.init_from={sft}", f"data.prompts={root / 'prompts.jsonl'}", "algorithm=grpo",
+                "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response", "data.max_prompt_length=8",
+                "generation.max_new_tokens=5", "generation.micro_batch_size=8", "rollout.prompts_per_step=4",
+                "rollout.samples_per_prompt=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+                "trainer.max_steps=3", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
+                "logging.peak_tflops=1.0", "logging.samples_interval=0", "checkpoint.save_at_end=false"]
+    script = GPT / "train_gpt_reinforce_actor.py"
+    run_torchrun(script, 2, *settings, f"checkpoint.save_dir={root / 'grpo_one' / 'checkpoints'}",
+                 f"logging.log_dir={root / 'grpo_one'}")
+    output = _torchrun_on_two_nodes(cluster, root, "torchrun_grpo", script, *settings,
+                                    f"checkpoint.save_dir={root / 'grpo_two' / 'checkpoints'}",
+                                    f"logging.log_dir={root / 'grpo_two'}")
+    reference, got = (_rows(root / name) for name in ("grpo_one", "grpo_two"))
+    assert sorted(got) == sorted(reference) == [1, 2, 3], output["n1"][-3000:]
+    for step, row in got.items():
+        for key in ("reward", "kl", "loss"):
+            assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)

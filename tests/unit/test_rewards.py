@@ -293,6 +293,17 @@ def test_reward_server_scores_are_checked_like_a_function_s(outputs, message):
     assert message in str(raised.value)
 
 
+def test_a_reward_server_takes_the_call_the_rollouts_make():
+    """The RL rollouts hand every source the prompt records' other columns (`columns=`); the server source reads
+    only the tokens (it raised TypeError: the group RL actor could not use a reward server)."""
+    from aligner.generation.rewards import RewardServerSource
+
+    source = RewardServerSource(FakeRewardClient([[0.5, 9.0], [0.25, 9.0]]))
+    pending = source.score_async([[1, 2], [1, 3]], ["a", "b"], ["x", "y"], ["a.jsonl:1", "b.jsonl:9"],
+                                 columns=[{"answer": "3"}, {}])
+    assert pending.result().values.tolist() == [0.5, 0.25]
+
+
 def test_after_a_stop_the_wait_goes_on_while_scores_arrive_and_ends_once_they_stop(monkeypatch):
     """A healthy source finishes its step (a checkpoint follows at the boundary); a silent one is given up."""
     from aligner.generation import rewards
