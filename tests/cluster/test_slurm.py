@@ -296,7 +296,7 @@ def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_r
     rows = _ppo_rows(results)
     assert sorted(rows) == [1, 2, 3, 4], rows
     for step, row in rows.items():
-        for key in ("reward", "kl", "loss"):
+        for key in ("reward_mean", "kl", "loss"):
             assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
 
 
@@ -393,8 +393,9 @@ def test_the_rl_actor_across_two_nodes_without_slurm_has_the_metrics_of_dp2_on_o
     the groups; every step's reward, KL and loss equal DP=2 on one machine."""
     root, sft, _ = ppo_models
     settings = [f"model.init_from={sft}", f"data.prompts={root / 'prompts.jsonl'}", "algorithm=grpo",
-                "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response", "data.max_prompt_length=8",
-                "generation.max_new_tokens=5", "generation.micro_batch_size=8", "rollout.prompts_per_step=4",
+                "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
+                "data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
+                "rollout.prompts_per_step=4",
                 "rollout.samples_per_prompt=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
                 "trainer.max_steps=3", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
                 "logging.peak_tflops=1.0", "logging.samples_interval=0", "checkpoint.save_at_end=false"]
@@ -407,5 +408,5 @@ def test_the_rl_actor_across_two_nodes_without_slurm_has_the_metrics_of_dp2_on_o
     reference, got = (_rows(root / name) for name in ("grpo_one", "grpo_two"))
     assert sorted(got) == sorted(reference) == [1, 2, 3], output["n1"][-3000:]
     for step, row in got.items():
-        for key in ("reward", "kl", "loss"):
+        for key in ("reward_mean", "kl", "loss"):
             assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
