@@ -6,7 +6,7 @@ its own `slurmd`; the controller (`slurmctld`, `munged`) runs in a namespace of 
 Nothing is added to the machine's own network namespace: every address is on a link this script created inside a
 namespace it created, so no traffic leaves them. The nodes share the machine's filesystem (the repository, the
 virtual environment), as a cluster's nodes share a network filesystem, and its CPUs: each node declares the
-machine's cores (they are not partitioned between nodes) and a third of its memory.
+machine's cores (they are not partitioned between nodes) and 30 % of its memory.
 
     python tests/cluster/minicluster.py up      # start it (installs slurm-wlm and munge with apt-get if missing)
     python tests/cluster/minicluster.py shell   # a shell on the controller: sinfo, sbatch, squeue, scancel ...
