@@ -8,6 +8,7 @@ by `load_config` for every entry point, before anything is built.
 from __future__ import annotations
 
 import ast
+import atexit
 import dataclasses
 import inspect
 import io
@@ -697,8 +698,11 @@ def run_main(main) -> None:
             raise
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        # At once, as a stop past its grace does: gloo's threads, still waiting on the lost peer, abort a normal
-        # interpreter exit (SIGABRT, "terminate called without an active exception"; seen once in five runs). The
-        # save_dir lock is released first, so a requeue on another host need not wait for it to fall silent.
+        # The exit handlers run (a server stops its Triton, the save_dir lock is released, so a requeue on another
+        # host need not wait for it to fall silent), then the process ends without the interpreter's teardown:
+        # gloo's threads, still waiting on the lost peer, aborted it (SIGABRT, "terminate called without an
+        # active exception"; seen once in five runs).
+        distributed.exiting_on_error()
         run_lock.release_all()
+        atexit._run_exitfuncs()
         os._exit(3)
