@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner.clients import ClientError  # the clients stand alone, so theirs is not a UserError
-from aligner.runtime import distributed, run_lock, stopping
+from aligner.runtime import distributed, stopping
 from aligner.runtime.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -698,11 +698,10 @@ def run_main(main) -> None:
             raise
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        # The exit handlers run (a server stops its Triton, the save_dir lock is released, so a requeue on another
-        # host need not wait for it to fall silent), then the process ends without the interpreter's teardown:
-        # gloo's threads, still waiting on the lost peer, aborted it (SIGABRT, "terminate called without an
-        # active exception"; seen once in five runs).
+        # The exit handlers run (a server stops its Triton, run_lock releases the save_dir lock, so a requeue on
+        # another host need not wait for it to fall silent), then the process ends without the interpreter's
+        # teardown: gloo's threads, still waiting on the lost peer, aborted it (SIGABRT, "terminate called
+        # without an active exception"; seen once in five runs).
         distributed.exiting_on_error()
-        run_lock.release_all()
         atexit._run_exitfuncs()
         os._exit(3)
