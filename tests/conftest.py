@@ -146,6 +146,27 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+# The tiny model and quiet settings of the PPO pipeline tests (tests/functional/test_ppo_launch.py, tests/cluster).
+TINY_MODEL = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
+              "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
+              "model.architecture.ffn_hidden_size=64"]
+QUIET_RUN = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
+             "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
+
+
+def write_ppo_inputs(root: Path, *, sft: int, pairs: int, prompts: int, seed: int = 7) -> None:
+    """The demo task's SFT records, preference pairs and RL prompts (root/sft.jsonl, pairs.jsonl, prompts.jsonl)
+    and a character tokenizer trained on the SFT records (root/tokenizer)."""
+    from aligner.demo import arithmetic
+    from aligner.demo.tokenizer import train_char_tokenizer
+
+    records = arithmetic.sft_records(sft, seed=seed)
+    write_jsonl(root / "sft.jsonl", records)
+    write_jsonl(root / "pairs.jsonl", arithmetic.preference_records(pairs, seed=seed))
+    write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(prompts, seed=seed))
+    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
+
+
 def metrics_rows(log_dir: Path, *splits: str) -> list[dict]:
     """The rows a run wrote to log_dir/metrics.jsonl, in order; only those of `splits` if given
     (`aligner.training.metrics.read_metrics`: without resume marker rows or a partial last row)."""

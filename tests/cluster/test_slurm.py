@@ -12,7 +12,7 @@ import pytest
 from aligner.demo import arithmetic
 from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, metrics_rows, run_torchrun, write_jsonl
+from ..conftest import QUIET_RUN, REPO_ROOT, TINY_MODEL, metrics_rows, run_torchrun, write_jsonl, write_ppo_inputs
 from .minicluster import ClusterUnavailable, MiniCluster, unavailable_reason
 
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
@@ -22,11 +22,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # The scripts' sizes for one CPU rank per node: sbatch's own options override their #SBATCH lines.
 ONE_RANK_PER_NODE = ("--ntasks-per-node=1", "--gpus-per-node=0")
-TINY = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
-        "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
-        "model.architecture.ffn_hidden_size=64"]
-QUIET = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
-         "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
 SFT_STEPS = 30
 
 
@@ -53,7 +48,7 @@ def sft_data(tmp_path_factory):
     records = arithmetic.sft_records(256, seed=3)
     write_jsonl(root / "train.jsonl", records)
     train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
-    settings = [f"tokenizer.path={root / 'tokenizer'}", *TINY, *QUIET, "trainer.global_batch_size=8",
+    settings = [f"tokenizer.path={root / 'tokenizer'}", *TINY_MODEL, *QUIET_RUN, "trainer.global_batch_size=8",
                 "trainer.micro_batch_size=2", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.decay_style=constant",
                 f"trainer.max_steps={SFT_STEPS}", "checkpoint.save_interval=0", "checkpoint.keep_last=0"]
     return root, settings
@@ -172,16 +167,12 @@ def test_sigterm_from_slurm_saves_and_a_requeued_job_resumes_to_the_uninterrupte
 def ppo_models(tmp_path_factory):
     """A random-init policy (SFT at step 0) and a reward model from it (its value head at its initialisation)."""
     root = tmp_path_factory.mktemp("slurm_ppo")
-    records = arithmetic.sft_records(64, seed=7)
-    write_jsonl(root / "sft.jsonl", records)
-    write_jsonl(root / "pairs.jsonl", arithmetic.preference_records(32, seed=7))
-    write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(64, seed=7))
-    train_char_tokenizer([r["input"] + r["output"] for r in records], root / "tokenizer")
+    write_ppo_inputs(root, sft=64, pairs=32, prompts=64)
     run_torchrun(GPT / "train_gpt_sft.py", 1, f"tokenizer.path={root / 'tokenizer'}",
-                 f"data.train=[{{path: {root / 'sft.jsonl'}}}]", *TINY, *QUIET, "trainer.max_steps=0",
+                 f"data.train=[{{path: {root / 'sft.jsonl'}}}]", *TINY_MODEL, *QUIET_RUN, "trainer.max_steps=0",
                  f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
     run_torchrun(GPT / "train_reward_model.py", 1, f"model.init_from={root / 'sft' / 'step_00000000'}",
-                 f"data.train=[{{path: {root / 'pairs.jsonl'}}}]", *QUIET, "trainer.max_steps=0",
+                 f"data.train=[{{path: {root / 'pairs.jsonl'}}}]", *QUIET_RUN, "trainer.max_steps=0",
                  f"checkpoint.save_dir={root / 'rm'}", f"logging.log_dir={root / 'rm_logs'}")
     return root, root / "sft" / "step_00000000", root / "rm" / "step_00000000"
 

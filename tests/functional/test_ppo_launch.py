@@ -14,10 +14,8 @@ import psutil
 import pytest
 
 from aligner import checkpointing
-from aligner.demo import arithmetic
-from aligner.demo.tokenizer import train_char_tokenizer
 
-from ..conftest import REPO_ROOT, free_port_block, metrics_rows, write_jsonl
+from ..conftest import QUIET_RUN, REPO_ROOT, TINY_MODEL, free_port_block, metrics_rows, write_ppo_inputs
 
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
 pytestmark = [pytest.mark.slow]
@@ -32,23 +30,14 @@ def _run(script: Path, *args) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_launch")
-    sft_records = arithmetic.sft_records(256, seed=7)
-    write_jsonl(root / "sft.jsonl", sft_records)
-    write_jsonl(root / "pairs.jsonl", arithmetic.preference_records(128, seed=7))
-    write_jsonl(root / "prompts.jsonl", arithmetic.rl_prompts(256, seed=7))
-    train_char_tokenizer([r["input"] + r["output"] for r in sft_records], root / "tokenizer")
-    tiny = ["model.architecture.num_layers=2", "model.architecture.hidden_size=32",
-            "model.architecture.num_attention_heads=4", "model.architecture.num_query_groups=2",
-            "model.architecture.ffn_hidden_size=64"]
-    quiet = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_tflops=1.0",
-             "trainer.val_check_interval=0", "data.split='100,0'", "data.max_seq_length=16"]
+    write_ppo_inputs(root, sft=256, pairs=128, prompts=256)
     _run(GPT / "train_gpt_sft.py", f"tokenizer.path={root / 'tokenizer'}",
          f"data.train=[{{path: {root / 'sft.jsonl'}}}]",
-         *tiny, *quiet, "trainer.max_steps=30", "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
+         *TINY_MODEL, *QUIET_RUN, "trainer.max_steps=30", "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
          "optim.lr=3e-3", f"checkpoint.save_dir={root / 'sft'}", f"logging.log_dir={root / 'sft_logs'}")
     sft = root / "sft" / "step_00000030"
     _run(GPT / "train_reward_model.py", f"model.init_from={sft}", f"data.train=[{{path: {root / 'pairs.jsonl'}}}]",
-         *quiet, "trainer.max_steps=10", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
+         *QUIET_RUN, "trainer.max_steps=10", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
          "optim.lr=1e-3", f"checkpoint.save_dir={root / 'rm'}", f"logging.log_dir={root / 'rm_logs'}")
     return root, sft, root / "rm" / "step_00000010"
 
