@@ -84,12 +84,13 @@ def _records(path: Path) -> list[dict]:
 
 class RealDemo:
     def __init__(self, work: Path, source: Path | None = None, seed: int | None = None,
-                 rloo_overrides: tuple[str, ...] = ()):
+                 rloo_overrides: tuple[str, ...] = (), dpo_overrides: tuple[str, ...] = ()):
         self.work = work
         self.source = source  # the chat model to align; None: the pinned SmolLM2-135M-Instruct GGUF
         # The RL and DPO runs' seed (sampling, data order) and the DPO rounds' sampling seed; None: the yamls'.
         self.seed = seed
         self.rloo_overrides = rloo_overrides  # key=value settings after the demo's own (--rloo-set)
+        self.dpo_overrides = dpo_overrides  # the same for every DPO round's training (--dpo-set)
         self.base = work / "base"
         self.data = work / "data"
         self.results: dict[str, dict] = {}
@@ -177,6 +178,7 @@ class RealDemo:
         run(out.name, [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", "--config", DPO_RECIPE,
                        f"model.init_from={policy}",
                        f"data.train=[{{path: {out / 'pairs.jsonl'}}}]", *DPO_OVERRIDES, *self._seed(),
+                       *self.dpo_overrides,
                        f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         return latest_checkpoint(out / "checkpoints")
 
@@ -256,13 +258,16 @@ def main() -> None:
     parser.add_argument("--rloo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting for the RLOO run after the demo's own (repeatable), e.g. "
                              "trainer.global_batch_size=8")
+    parser.add_argument("--dpo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for every DPO round's training after the demo's own (repeatable), e.g. "
+                             "dpo.beta=0.2")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     demo = RealDemo((REPO_ROOT / args.workdir).resolve(), args.model and args.model.resolve(), args.seed,
-                    tuple(args.rloo_set))
+                    tuple(args.rloo_set), tuple(args.dpo_set))
     started = time.perf_counter()
     for stage, method in STAGES.items():
         if stage in chosen:
