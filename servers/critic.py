@@ -60,6 +60,11 @@ critic_save
                              step); the newest checkpoint.keep_last are kept
        error  bytes [1, 1]
 
+critic_restore
+  in   step   int64 [1, 1]   the caller's step of a checkpoint critic_save wrote (a resumed actor's step)
+  out  path   bytes [1, 1]   the checkpoint loaded: the critic is as it was saved, whatever it trained since
+       error  bytes [1, 1]   e.g. no checkpoint of that step is left in checkpoint.save_dir
+
 reward_model  (combined mode only: `combined.reward_model_init_from=<reward-model checkpoint>`)
   The reward-model server's model, same inputs and outputs (servers/reward_model.py), so the
   existing RewardClient works unchanged (the actor's `reward.source=combined` reads the rewards
@@ -81,9 +86,11 @@ from typing import ClassVar, Mapping, Sequence
 import numpy as np
 import torch
 
+from aligner import checkpointing
 from aligner.algorithms.critic import Critic, CriticConfig, CriticTrainBatch, build_critic
 from aligner.clients.protocol import (
     CRITIC_INFER_MODEL,
+    CRITIC_RESTORE_MODEL,
     CRITIC_SAVE_MODEL,
     CRITIC_TRAIN_INPUTS,
     CRITIC_TRAIN_METRICS,
@@ -119,6 +126,7 @@ class CriticServingConfig(ServerConfig):
     model_name: str = CRITIC_INFER_MODEL
     train_model_name: str = CRITIC_TRAIN_MODEL
     save_model_name: str = CRITIC_SAVE_MODEL
+    restore_model_name: str = CRITIC_RESTORE_MODEL
     reward_model_name: str = REWARD_MODEL  # combined mode: the reward-model server's model
     max_request_bytes: int = 256 << 20  # a critic_train request is a whole rollout batch
     max_train_rows: int = 8192  # rows (sequences) of one critic_train request at most
@@ -142,12 +150,16 @@ class CriticServerConfig(CriticConfig):
         if self.server.max_train_rows < self.train.global_batch_size:
             raise ConfigError(f"server.max_train_rows ({self.server.max_train_rows}) must be at least "
                               f"train.global_batch_size ({self.train.global_batch_size})")
-        names = [self.server.model_name, self.server.train_model_name, self.server.save_model_name]
-        if self.combined.enabled:
-            names.append(self.server.reward_model_name)
+        names = self.model_names()
         if len(set(names)) != len(names):
             raise ConfigError(f"the server's model names must differ, got {names}")
         self.server.validate()
+
+    def model_names(self) -> list[str]:
+        """The Triton models the server serves (the reward model's in combined mode)."""
+        server = self.server
+        names = [server.model_name, server.train_model_name, server.save_model_name, server.restore_model_name]
+        return names + ([server.reward_model_name] if self.combined.enabled else [])
 
 
 class Op(enum.IntEnum):
@@ -157,6 +169,7 @@ class Op(enum.IntEnum):
     REWARDS = 1  # rewards only (the reward_model Triton model)
     TRAIN = 2
     SAVE = 3
+    RESTORE = 4
 
 
 def run_op(critic: Critic, op: torch.Tensor, *tensors: torch.Tensor):
@@ -168,7 +181,9 @@ def run_op(critic: Critic, op: torch.Tensor, *tensors: torch.Tensor):
         return critic.rewards(*tensors)
     if op == Op.TRAIN:
         return critic.train(CriticTrainBatch(*tensors))
-    return critic.save(int(tensors[0][0]))
+    if op == Op.SAVE:
+        return critic.save(int(tensors[0][0]))
+    return critic.restore(int(tensors[0][0]))
 
 
 # ----------------------------------------------------------------------------- the transport (rank 0)
@@ -242,11 +257,13 @@ class CriticServer:
                         outputs=[*(Tensor(name=name, dtype=np.float32, shape=(1,)) for name in CRITIC_TRAIN_METRICS),
                                  Tensor(name=ERROR, dtype=bytes, shape=(1,))],
                         max_batch_size=1, max_queue_delay_microseconds=0),
-            TritonModel(name=server.save_model_name, infer_fn=self.save,
-                        inputs=[Tensor(name=STEP, dtype=np.int64, shape=(1,))],
-                        outputs=[Tensor(name=PATH, dtype=bytes, shape=(1,)),
-                                 Tensor(name=ERROR, dtype=bytes, shape=(1,))],
-                        max_batch_size=1, max_queue_delay_microseconds=0),
+            *(TritonModel(name=name, infer_fn=infer_fn,
+                          inputs=[Tensor(name=STEP, dtype=np.int64, shape=(1,))],
+                          outputs=[Tensor(name=PATH, dtype=bytes, shape=(1,)),
+                                   Tensor(name=ERROR, dtype=bytes, shape=(1,))],
+                          max_batch_size=1, max_queue_delay_microseconds=0)
+              for name, infer_fn in ((server.save_model_name, self.save),
+                                     (server.restore_model_name, self.restore))),
         ]
         if self.combined:
             models.append(self.reward_server.triton_model(
@@ -255,9 +272,7 @@ class CriticServer:
 
     @property
     def model_names(self) -> list[str]:
-        server = self.cfg.server
-        names = [server.model_name, server.train_model_name, server.save_model_name]
-        return names + ([server.reward_model_name] if self.combined else [])
+        return self.cfg.model_names()
 
     # -- critic_infer
     def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
@@ -374,22 +389,34 @@ class CriticServer:
                                 as_tensor(old_values[:, :longest_response], torch.float32),
                                 as_tensor(loss_mask[:, :longest_response], torch.float32))
 
-    # -- critic_save
+    # -- critic_save, critic_restore
     def save(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        return self._checkpoint_calls(requests, Op.SAVE)
+
+    def restore(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        return self._checkpoint_calls(requests, Op.RESTORE)
+
+    def _checkpoint_calls(self, requests: Sequence[Mapping[str, np.ndarray]], op: Op) -> list[dict[str, np.ndarray]]:
+        """Each request's step saved (Op.SAVE) or restored (Op.RESTORE); a checkpoint that cannot be restored is
+        answered in `error`, any other failure fails the call."""
+        verb = {Op.SAVE: "saving", Op.RESTORE: "restoring"}[op]
         answers = []
         for request in requests:
             step = int(np.asarray(request[STEP]).reshape(-1)[0])
             if step < 0:
-                answers.append(_save_answer("", f"{STEP} must be >= 0, got {step}"))
+                answers.append(_path_answer("", f"{STEP} must be >= 0, got {step}"))
                 continue
             try:
-                path = _OpChannel(self.serving, Op.SAVE).run(torch.tensor([step], dtype=torch.int64))
+                path = _OpChannel(self.serving, op).run(torch.tensor([step], dtype=torch.int64))
+            except checkpointing.CheckpointError as error:
+                answers.append(_path_answer("", str(error)))
+                continue
             except Exception as error:
-                LOGGER.exception("saving the critic failed")
-                raise RuntimeError(f"saving the critic at step {step} failed: "
+                LOGGER.exception("%s the critic failed", verb)
+                raise RuntimeError(f"{verb} the critic at step {step} failed: "
                                    f"{type(error).__name__}: {error}") from None
-            LOGGER.info("saved the critic to %s", path)
-            answers.append(_save_answer(str(path), ""))
+            LOGGER.info("%s the critic: %s", {Op.SAVE: "saved", Op.RESTORE: "restored"}[op], path)
+            answers.append(_path_answer(str(path), ""))
         return answers
 
 
@@ -399,7 +426,7 @@ def _train_answer(metrics: Mapping[str, float], error: str) -> dict[str, np.ndar
     return answer
 
 
-def _save_answer(path: str, error: str) -> dict[str, np.ndarray]:
+def _path_answer(path: str, error: str) -> dict[str, np.ndarray]:
     return {PATH: np.array([[path.encode()]], dtype=object), ERROR: encode_errors([error])}
 
 

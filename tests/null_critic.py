@@ -26,6 +26,9 @@ class NullCritic:
     def save(self, step: int) -> str:
         return "(no critic)"
 
+    def restore(self, step: int) -> str:
+        return "(no critic)"
+
 
 class TokenCritic(NullCritic):
     """Values that depend on the tokens (so GAE's advantages do), the same for the same sequence; no training."""

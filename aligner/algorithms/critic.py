@@ -368,6 +368,21 @@ class Critic(Checkpointed):
         """The critic step of the newest checkpoint (saved, or resumed from); 0 before the first."""
         return self.saved_at or 0
 
+    def restore(self, step: int) -> Path:
+        """Load the checkpoint `save(step)` wrote (step: the caller's), whatever the critic trained since: a
+        resumed actor's critic is then the one saved with the actor's checkpoint. CheckpointError (the same on
+        every rank, before any collective) if save_dir holds no such checkpoint."""
+        path = checkpointing.step_dir(self.save_dir, step)
+        if not (path / checkpointing.META_FILE).is_file():
+            held = [str(held_step) for held_step, _ in checkpointing.step_checkpoints(self.save_dir)]
+            raise checkpointing.CheckpointError(
+                f"the critic's checkpoint.save_dir={self.save_dir} holds no checkpoint of step {step} (it holds "
+                f"{'steps ' + ', '.join(held) if held else 'none'}): the actor resumed from its step {step} and "
+                f"its critic must be the one saved with it; keep checkpoint.keep_last of the critic at 2 or more "
+                f"(its checkpoint of a step is written just before the actor's)")
+        self.resume_from(path)
+        return path
+
     def saved_state(self, step: int) -> dict:
         """save(step) names the checkpoint by the caller's step, so the actor's and the critic's pair up."""
         return {**self.state_dict(), "caller_step": step}

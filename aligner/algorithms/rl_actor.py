@@ -530,8 +530,29 @@ class RLActor(Checkpointed):
     def _extra_meta(self) -> dict:
         return {key: value for key, value in self.policy.checkpoint_meta.items() if key != "model"}  # peft
 
+    def before_save(self, step: int) -> str:
+        """The critic's checkpoint of the same step, before the actor's: an actor checkpoint always has its
+        critic's (a server lost between the two leaves the critic one checkpoint ahead, which `resume_from`
+        undoes)."""
+        note = ""
+        if dist.get_rank() == 0 and self.critic is not None:
+            note = f" (critic: {self.critic.save(step)})"
+        dist.barrier()
+        return note
+
+    def resume_from(self, checkpoint_dir: Path) -> None:
+        """The actor's checkpoint, and the critic server put back to its checkpoint of the same step (the server
+        may have trained past it, or been restarted from a newer one)."""
+        super().resume_from(checkpoint_dir)
+        if self.critic is None:
+            return
+        if dist.get_rank() == 0:
+            path = self.critic.restore(self.step)
+            self.metrics.write(f"restored the critic server to its checkpoint of step {self.step} ({path})")
+        dist.barrier()
+
     def after_save(self, path: Path) -> str:
-        """The EMA weights' checkpoint (save_dir/ema) and the critic's at the same step."""
+        """The EMA weights' checkpoint (save_dir/ema)."""
         save_dir = Path(self.save_dir)
         if self.ema is not None:
             with self.ema.swapped_in(self.chunks):
@@ -539,11 +560,7 @@ class RLActor(Checkpointed):
                                               model_config=self.model_cfg.to_dict(), extra_meta=self._extra_meta(),
                                               tokenizer_dir=self.policy.tokenizer_dir, run_id=self.run_id)
             checkpointing.remove_old_checkpoints(save_dir / "ema", self.keep_last, run_id=self.run_id, saved=ema_path)
-        note = ""
-        if dist.get_rank() == 0 and self.critic is not None:
-            note = f" (critic: {self.critic.save(self.step)})"
-        dist.barrier()
-        return note
+        return ""
 
 
 def policy_planner(cfg: RLActorConfig, model: torch.nn.Module, pad_id: int, objective: PolicyObjective,

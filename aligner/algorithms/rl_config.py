@@ -71,7 +71,7 @@ class RewardSection(RewardFunctionSettings):
 
 @dataclass
 class CriticSection:
-    # model_name: the server's inference model; its train/save models are named critic_train/critic_save
+    # model_name: the server's inference model; its other models are named critic_train/critic_save/critic_restore
     server: ServerAddress = field(default_factory=lambda: ServerAddress(port=5560, model_name=CRITIC_INFER_MODEL))
     # rollout rounds in which only the critic trains, before the actor's first update
     warmup_steps: int = at_least(0, 0)

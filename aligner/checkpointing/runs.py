@@ -181,7 +181,7 @@ def _lock_save_dir(root: Path, wait_s: float, log: Callable[[str], None]) -> Non
                 from None
         if stale is not None and stale.silent_s is not None:
             log(f"took over {run_lock.lock_file(root)} from {stale}, whose heartbeat has been silent for "
-                f"{stale.silent_s:.0f} s (a run on another host counts as ended after {run_lock.STALE_AFTER_S:g} s)")
+                f"{stale.silent_s:.0f} s (a run on another host counts as ended after {run_lock.stale_after_s():g} s)")
         elif stale is not None:
             log(f"took over {run_lock.lock_file(root)} from {stale}, which ended without releasing it")
         return None
@@ -198,7 +198,7 @@ def _lock_save_dir(root: Path, wait_s: float, log: Callable[[str], None]) -> Non
 def _lock_held_message(root: Path, held: run_lock.LockHeld, wait_s: float) -> str:
     heartbeat = "" if held.holder is None or held.holder.silent_s is None else (
         f", whose heartbeat in {held.lock_file} was last seen {held.holder.silent_s:.0f} s ago (a run on another "
-        f"host counts as ended after {run_lock.STALE_AFTER_S:g} s without one)")
+        f"host counts as ended after {run_lock.stale_after_s():g} s without one)")
     waited = f" (still after checkpoint.lock_wait_s={wait_s:g} s)" if wait_s > 0 else ""
     return (f"checkpoint.save_dir={root} is in use by {held.holder or 'another process'}{heartbeat}{waited}: one "
             f"run per save_dir; wait for that run to end (or stop it), set checkpoint.lock_wait_s to wait for it, or "

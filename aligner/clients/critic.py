@@ -33,6 +33,7 @@ from aligner.clients import (
 )
 from aligner.clients.protocol import (
     CRITIC_INFER_MODEL,
+    CRITIC_RESTORE_MODEL,
     CRITIC_SAVE_MODEL,
     CRITIC_TRAIN_METRICS,
     CRITIC_TRAIN_MODEL,
@@ -90,7 +91,8 @@ class CriticClient(ModelServerClient):
     error_class = CriticServerError
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5560, *, infer_model: str = CRITIC_INFER_MODEL,
-                 train_model: str = CRITIC_TRAIN_MODEL, save_model: str = CRITIC_SAVE_MODEL, timeout_s: float = 60.0,
+                 train_model: str = CRITIC_TRAIN_MODEL, save_model: str = CRITIC_SAVE_MODEL,
+                 restore_model: str = CRITIC_RESTORE_MODEL, timeout_s: float = 60.0,
                  train_timeout_s: float = 1800.0, ready_timeout_s: float = 30.0, max_workers: int = 8):
         super().__init__(host, port, infer_model, timeout_s=timeout_s, ready_timeout_s=ready_timeout_s,
                          max_workers=max_workers)
@@ -98,15 +100,18 @@ class CriticClient(ModelServerClient):
                                    ready_timeout_s=ready_timeout_s, max_workers=1)
         self._save = _CriticModel(host, port, save_model, timeout_s=train_timeout_s,
                                   ready_timeout_s=ready_timeout_s, max_workers=1)
+        self._restore = _CriticModel(host, port, restore_model, timeout_s=train_timeout_s,
+                                     ready_timeout_s=ready_timeout_s, max_workers=1)
 
     def start_hint(self) -> str:
         return _start_hint(self.host, self.port)
 
     def wait_until_ready(self, timeout_s: Optional[float] = None) -> None:
-        """Return once the inference, train and save models are ready; ServerUnavailableError after timeout_s."""
+        """Return once the inference, train, save and restore models are ready; ServerUnavailableError after
+        timeout_s."""
         super().wait_until_ready(timeout_s)
-        self._train.wait_until_ready(timeout_s)
-        self._save.wait_until_ready(timeout_s)
+        for model in (self._train, self._save, self._restore):
+            model.wait_until_ready(timeout_s)
 
     # -- inference
     def infer_async(self, token_lists: Sequence[Sequence[int]]) -> Future:
@@ -167,7 +172,16 @@ class CriticClient(ModelServerClient):
     # -- checkpoints
     def save(self, step: int) -> str:
         """Save the critic as checkpoint.save_dir/step_<step>; returns the checkpoint's path."""
-        sent = self._save.submit({STEP: np.array([[int(step)]], dtype=np.int64)})
+        return self._checkpoint_call(self._save, step)
+
+    def restore(self, step: int) -> str:
+        """Put the critic back to its checkpoint.save_dir/step_<step> (what `save(step)` wrote: a resumed actor's
+        step), whatever it trained since; returns the checkpoint's path."""
+        return self._checkpoint_call(self._restore, step)
+
+    @staticmethod
+    def _checkpoint_call(model: _CriticModel, step: int) -> str:
+        sent = model.submit({STEP: np.array([[int(step)]], dtype=np.int64)})
         answer: Future = Future()
         sent.add_done_callback(lambda done: _settle(answer, done, lambda outputs: bytes(
             outputs[PATH].reshape(-1)[0]).decode("utf-8")))
@@ -175,8 +189,8 @@ class CriticClient(ModelServerClient):
 
     def close(self) -> None:
         super().close()
-        self._train.close()
-        self._save.close()
+        for model in (self._train, self._save, self._restore):
+            model.close()
 
 
 def _inference(outputs: dict, longest: int) -> CriticInference:

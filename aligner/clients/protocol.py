@@ -14,6 +14,7 @@ import numpy as np
 # Triton model names (the servers' defaults; configurable on both sides).
 REWARD_MODEL = "reward_model"
 CRITIC_INFER_MODEL, CRITIC_TRAIN_MODEL, CRITIC_SAVE_MODEL = "critic_infer", "critic_train", "critic_save"
+CRITIC_RESTORE_MODEL = "critic_restore"
 
 # Inputs. Sequences: TOKENS + LENGTHS (reward model and critic), or SENTENCES or CONVERSATIONS
 # (reward model: tokenized on the server).
@@ -21,7 +22,7 @@ TOKENS, LENGTHS = "tokens", "sequence_lengths"
 SENTENCES, CONVERSATIONS = "sentences", "conversations"
 PROMPT_LENGTHS, RETURNS, OLD_VALUES = "prompt_lengths", "returns", "old_values"  # critic_train
 LOSS_MASK = "loss_mask"  # critic_train, optional: 1 on the response tokens trained on (an episode's model tokens)
-STEP = "step"  # critic_save
+STEP = "step"  # critic_save, critic_restore
 CRITIC_TRAIN_INPUTS = (TOKENS, LENGTHS, PROMPT_LENGTHS, RETURNS, OLD_VALUES)  # required; LOSS_MASK may follow
 
 # Outputs.

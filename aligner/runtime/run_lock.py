@@ -6,10 +6,14 @@ way, kill -9 included: a dead run never blocks the next. The file also holds a r
 host (NFS mounted with `local_lock=flock` or `nolock`), so a run on another host gets the lock anyway;
 the record is the check left there: a record of this host whose flock could be taken (or whose process
 is gone) is stale and taken over. Another host's pid cannot be checked from here, so a holder's daemon
-thread touches the file every HEARTBEAT_S seconds: a record of another host whose file has gone untouched
-for STALE_AFTER_S (by the file system's clock, so clock skew between hosts does not matter) is a dead
+thread touches the file every quarter of `stale_after_s()`: a record of another host whose file has gone
+untouched that long (by the file system's clock, so clock skew between hosts does not matter) is a dead
 run's (kill -9, node failure) and is taken over; a fresher one is refused. A clean exit empties the
 record, so only a run that died leaves one.
+
+How long that is depends on the shared file system, not on the run, so it is a setting of the site:
+`ALIGNER_LOCK_STALE_S` in the environment (default 120 s: NFS clients cache a file's attributes, mtime
+included, for up to 60 s). Every run on one save_dir must see the same value (a requeue inherits it).
 
 flock belongs to the open file, which a fork shares: a forked child (megatron's checkpoint writers)
 would keep the lock after a kill -9 of the run. Each forked child closes its copies at once
@@ -42,11 +46,14 @@ LOCK_FILE = ".aligner.lock"
 # flock errors of a file system that does not lock (the record is then the only check)
 _NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 
-HEARTBEAT_S = 30.0  # how often a holder touches its lock file
-# A record of another host is a dead run's once its file has gone untouched this long. Several heartbeats, not
-# one: a loaded file server or a stalled process can delay a touch, and NFS clients cache a file's attributes
-# (mtime included) for up to 60 s by default (acregmax), so a reader may see a touch that late.
-STALE_AFTER_S = 4 * HEARTBEAT_S
+# A record of another host is a dead run's once its file has gone untouched this long; its holder touches it four
+# times as often. Several heartbeats, not one: a loaded file server or a stalled process can delay a touch, and NFS
+# clients cache a file's attributes (mtime included) for up to 60 s by default (acregmax), so a reader may see a
+# touch that late. A file system that shows another host's mtime at once (Lustre, GPFS, one machine) can do with
+# less: the site sets STALE_VARIABLE.
+STALE_AFTER_S = 120.0
+STALE_VARIABLE = "ALIGNER_LOCK_STALE_S"
+MIN_STALE_AFTER_S = 4.0
 
 _logger = logging.getLogger(__name__)
 
@@ -116,16 +123,36 @@ def read_holder(directory: str | os.PathLike) -> Optional[Holder]:
         return None
 
 
-def acquire(directory: str | os.PathLike, heartbeat_s: float = HEARTBEAT_S) -> Optional[Holder]:
+def stale_after_s() -> float:
+    """Seconds of silence after which another host's lock counts as a dead run's: STALE_VARIABLE, else
+    STALE_AFTER_S."""
+    text = os.environ.get(STALE_VARIABLE)
+    if text is None:
+        return STALE_AFTER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= MIN_STALE_AFTER_S or value == float("inf"):  # (nan fails the comparison)
+        raise UserError(f"{STALE_VARIABLE}={text!r} in the environment: give the seconds after which a silent "
+                        f"lock of another host counts as a dead run's, at least {MIN_STALE_AFTER_S:g} "
+                        f"(default {STALE_AFTER_S:g})")
+    return value
+
+
+def acquire(directory: str | os.PathLike, heartbeat_s: Optional[float] = None) -> Optional[Holder]:
     """Lock `directory` (which must exist) for this process, or raise LockHeld.
 
     Returns the record of a dead holder that was taken over (None otherwise). Idempotent within a process.
-    `heartbeat_s`: how often the lock file is touched while held (shorter only in tests).
+    `heartbeat_s`: how often the lock file is touched while held (default: a quarter of `stale_after_s()`;
+    other values only in tests).
     """
     directory = Path(directory)
     key = str(directory.resolve())
     if key in _held:
         return None
+    stale_s = stale_after_s()
+    heartbeat_s = stale_s / 4 if heartbeat_s is None else heartbeat_s
     descriptor = os.open(lock_file(directory), os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: a holder's record
     try:
         flock_held = _flock(descriptor)
@@ -137,7 +164,7 @@ def acquire(directory: str | os.PathLike, heartbeat_s: float = HEARTBEAT_S) -> O
             # (or, where there is no flock, one whose pid is gone). Another host's lives by its heartbeat.
             if not previous.on_this_host:
                 previous.silent_s = max(_file_system_now(directory) - os.fstat(descriptor).st_mtime, 0.0)
-                if previous.silent_s < STALE_AFTER_S:
+                if previous.silent_s < stale_s:
                     raise LockHeld(directory, previous)
             elif flock_held is None and previous.alive_here():
                 raise LockHeld(directory, previous)
@@ -149,7 +176,7 @@ def acquire(directory: str | os.PathLike, heartbeat_s: float = HEARTBEAT_S) -> O
     _write(descriptor, Holder(socket.gethostname(), os.getpid(),
                               time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
     stop = threading.Event()
-    heartbeat = threading.Thread(target=_beat, args=(descriptor, lock_file(directory), heartbeat_s, stop),
+    heartbeat = threading.Thread(target=_beat, args=(descriptor, lock_file(directory), heartbeat_s, stale_s, stop),
                                  name="aligner-lock-heartbeat", daemon=True)  # never keeps the process alive
     _held[key] = _Lock(descriptor, stop, heartbeat)
     heartbeat.start()
@@ -196,7 +223,7 @@ def _flock(descriptor: int) -> Optional[bool]:
     return True
 
 
-def _beat(descriptor: int, path: Path, interval_s: float, stop: threading.Event) -> None:
+def _beat(descriptor: int, path: Path, interval_s: float, stale_s: float, stop: threading.Event) -> None:
     """Touch the lock file every `interval_s` until `stop`. The file server stamps the time, which is what
     another host compares with its own probe (`_file_system_now`)."""
     failed = False
@@ -206,7 +233,7 @@ def _beat(descriptor: int, path: Path, interval_s: float, stop: threading.Event)
         except OSError as error:
             if not failed:  # the run goes on; say it once, not every heartbeat
                 _logger.warning(f"cannot touch {path} ({error}): while this lasts, a run on another host takes "
-                                f"this directory over once the file is {STALE_AFTER_S:g} s old")
+                                f"this directory over once the file is {stale_s:g} s old")
             failed = True
 
 

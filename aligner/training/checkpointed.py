@@ -45,6 +45,11 @@ class Checkpointed:
         """Around a save or load: the optimizer state where checkpointing reads and writes it."""
         return contextlib.nullcontext()
 
+    def before_save(self, step: int) -> str:
+        """What must be saved before this trainer's checkpoint of `step` exists (a checkpoint then implies it);
+        returns a note for the saved-message."""
+        return ""
+
     def after_save(self, path: Path) -> str:
         """Whatever else a save writes (before old checkpoints are pruned); returns a note for the saved-message."""
         return ""
@@ -61,11 +66,12 @@ class Checkpointed:
         """save_dir/step_<step> (default: the current step); then this run's older checkpoints are pruned
         to keep_last."""
         step = self.step if step is None else step
+        note = self.before_save(step)
         with self.optimizer_state_ready():
             path = checkpointing.save(checkpointing.step_dir(self.save_dir, step), self.chunks,
                                       optimizer=self.optimizer, trainer_state=self.saved_state(step),
                                       run_id=self.run_id, **self.checkpoint_fields())
-        note = self.after_save(path)
+        note += self.after_save(path)
         checkpointing.remove_old_checkpoints(self.save_dir, self.keep_last, run_id=self.run_id, saved=path)
         self.saved_at = self.position()
         if self.metrics is not None:

@@ -2,6 +2,7 @@
 namespaces on one machine, each with its own address, hostname and slurmd, driven by sbatch, scancel and scontrol."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # The scripts' sizes for one CPU rank per node: sbatch's own options override their #SBATCH lines.
 ONE_RANK_PER_NODE = ("--ntasks-per-node=1", "--gpus-per-node=0")
 SFT_STEPS = 30
+# The PPO jobs' steps take about 0.1 s each here: enough of them that a signal or a node loss sent after the first
+# ones lands before the run ends.
+PPO_STEPS = 24
+# The mini cluster's shared file system is one machine's: another node's lock heartbeat shows at once, so a
+# requeued server takes over its lost run's save_dir lock after 20 s of silence instead of the default 120 s.
+LOCK_STALE_S = "20"
 
 
 @pytest.fixture(scope="module")
@@ -178,18 +185,19 @@ def ppo_models(tmp_path_factory):
 
 
 def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: str) -> tuple[int, Path]:
-    """ppo_heterogeneous.sbatch, one rank per component (the actor's node first), 4 steps of 8 prompts."""
+    """ppo_heterogeneous.sbatch, one rank per component (the actor's node first), PPO_STEPS steps of 8 prompts."""
     root, sft, rm = ppo_models
     results = root / name
     actor = ["data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
              "rollout.prompts_per_step=8", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
-             "trainer.max_steps=4", "optim.lr=1e-3", "logging.progress_bar=false", "logging.tensorboard=false",
+             f"trainer.max_steps={PPO_STEPS}", "optim.lr=1e-3", "logging.progress_bar=false",
+             "logging.tensorboard=false",
              "logging.peak_tflops=1.0", "logging.samples_interval=0", "critic.server.ready_timeout_s=240",
              "critic.server.timeout_s=30", "reward.server.timeout_s=30", *actor_settings]
     critic = ["train.global_batch_size=8", "train.micro_batch_size=8", "inference.micro_batch_size=8"]
     env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RM_CHECKPOINT=str(rm), SFT_CHECKPOINT=str(sft),
                       PROMPTS=str(root / "prompts.jsonl"), RESULTS=str(results), CRITIC_TP="1", ACTOR_TP="1",
-                      ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic))
+                      ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic), ALIGNER_LOCK_STALE_S=LOCK_STALE_S)
     job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / name}.log", "--open-mode=append", ":",
                          "--nodes=1", *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
     return job, results
@@ -203,8 +211,8 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
     """ppo_heterogeneous.sbatch: the actor on one node; the critic server (combined with the reward model) on
     another, listening on that node's address only, reached by the node's name. After the step-2 checkpoints the
     critic's node fails: the actor stops with one line naming the server, Slurm requeues the job onto the two other
-    nodes, and both sides resume from step 2 to the end (the critic once its lost run's lock has been silent for
-    120 s)."""
+    nodes, and both sides resume from the newest step they both saved to the end (the critic once its lost run's
+    lock has been silent for LOCK_STALE_S)."""
     root, _, _ = ppo_models
     job, results = _submit_ppo(cluster, ppo_models, "ppo", "checkpoint.save_interval=2")
     # while the actor trains: the server listens on its node's address, on no other interface
@@ -244,10 +252,13 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
     again = {cluster.job(job)["NodeList"], cluster.job(job + 1)["NodeList"]}
     assert again == set(cluster.names) - {critic_node}, again
-    assert sorted(_ppo_rows(results)) == [1, 2, 3, 4], log[-3000:]
-    assert f"resumed from {results / 'actor' / 'checkpoints' / 'step_00000002'}" in log, log[-4000:]
+    assert sorted(_ppo_rows(results)) == list(range(1, PPO_STEPS + 1)), log[-3000:]
+    resumed = re.search(rf"resumed from {re.escape(str(results / 'actor' / 'checkpoints'))}/step_(\d+) at step (\d+)",
+                        log)
+    assert resumed and resumed[1].lstrip("0") == resumed[2] and 2 <= int(resumed[2]) < PPO_STEPS, log[-4000:]
+    assert f"restored the critic server to its checkpoint of step {resumed[2]}" in log, log[-4000:]
     for side in ("actor", "critic"):
-        assert (results / side / "checkpoints" / "step_00000004" / "aligner_meta.json").is_file(), side
+        assert (results / side / "checkpoints" / f"step_{PPO_STEPS:08d}" / "aligner_meta.json").is_file(), side
     second_server = _log(results / "critic_server.log").rsplit("critic server ready", 1)[-1]
     assert "Killed" not in second_server, "the critic server was SIGKILLed, not stopped"
     cluster.wait_idle(60)
@@ -262,7 +273,7 @@ def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_r
     continued past that step (it resumed from step 2 only)."""
     root, _, _ = ppo_models
     reference = _ppo_rows(root / "ppo")
-    if sorted(reference) != [1, 2, 3, 4]:
+    if sorted(reference) != list(range(1, PPO_STEPS + 1)):
         pytest.skip("needs the PPO run of test_ppo_heterogeneous_job_on_two_nodes_survives_..._critics_node")
     job, results = _submit_ppo(cluster, ppo_models, "ppo_term")
     report = lambda: _log(root / "ppo_term.log")  # noqa: E731
@@ -271,7 +282,7 @@ def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_r
     record = cluster.wait_job(job, 120)
     log = report()
     stopped = max(_ppo_rows(results))
-    assert stopped < 4, "the run ended before the signal"
+    assert stopped < PPO_STEPS, "the run ended before the signal"
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "143:0", (record["JobState"], log[-3000:])
     checkpoint = results / "actor" / "checkpoints" / f"step_{stopped:08d}"
     assert f"stopped at step {stopped} by SIGTERM; checkpoint {checkpoint}" in log, log[-3000:]
@@ -285,7 +296,7 @@ def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_r
     assert f"resumed from {checkpoint} at step {stopped}" in log, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
     rows = _ppo_rows(results)
-    assert sorted(rows) == [1, 2, 3, 4], rows
+    assert sorted(rows) == list(range(1, PPO_STEPS + 1)), rows
     for step, row in rows.items():
         for key in ("reward_mean", "kl", "loss"):
             assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)

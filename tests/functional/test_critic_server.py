@@ -162,8 +162,7 @@ def test_shipped_yaml_has_every_schema_key_and_validates():
     assert schema - dotted_keys(OmegaConf.load(CRITIC_YAML)) == set(), "keys missing from the yaml"
     cfg = load_config(CriticServerConfig, CRITIC_YAML, ["critic.init_from=/ckpt"])
     cfg.validate()
-    assert (cfg.server.model_name, cfg.server.train_model_name, cfg.server.save_model_name) == (
-        "critic_infer", "critic_train", "critic_save")
+    assert cfg.model_names() == ["critic_infer", "critic_train", "critic_save", "critic_restore"]
     assert not cfg.combined.enabled
     with pytest.raises(ConfigError, match="critic.init_from"):
         load_config(CriticServerConfig, CRITIC_YAML, [])
@@ -226,7 +225,7 @@ def test_combined_mode_is_one_setting_and_the_old_spelling_still_loads(tmp_path,
 
 def test_ready_line_names_every_model(server):
     assert "critic server ready on http://127.0.0.1:" in server.ready_line
-    assert "['critic_infer', 'critic_train', 'critic_save', 'reward_model']" in server.ready_line
+    assert "['critic_infer', 'critic_train', 'critic_save', 'critic_restore', 'reward_model']" in server.ready_line
     assert "critic step 0" in server.ready_line
 
 
@@ -407,6 +406,21 @@ def test_save_keeps_the_newest_and_a_restart_resumes(client, server, references,
     meta = json.loads((save_dir / "step_00000012" / "aligner_meta.json").read_text())
     assert meta["trainer_state"]["critic_step"] == TRAIN_CALLS + 2 and meta["trainer_state"]["caller_step"] == 12
     saved_values = client.infer(rollout["sequences"]).values
+    # critic_restore: a critic that trained past its checkpoint of step 12 is put back to it (what a resumed
+    # actor asks for); a step with no checkpoint left is answered with one line, and the server keeps serving.
+    trained = client.train(rollout["sequences"], rollout["prompt_lengths"], rollout["returns"], rollout["old_values"])
+    assert trained["critic_step"] == TRAIN_CALLS + 3
+    assert not np.array_equal(client.infer(rollout["sequences"]).values, saved_values)
+    assert client.restore(12) == str(save_dir / "step_00000012")
+    assert np.array_equal(client.infer(rollout["sequences"]).values, saved_values)
+    with pytest.raises(CriticServerError) as raised:
+        client.restore(3)
+    assert str(raised.value) == (
+        f"the critic server rejected the request: the critic's checkpoint.save_dir={save_dir} holds no checkpoint "
+        "of step 3 (it holds steps 10, 12): the actor resumed from its step 3 and its critic must be the one saved "
+        "with it; keep checkpoint.keep_last of the critic at 2 or more (its checkpoint of a step is written just "
+        "before the actor's)")
+    assert np.array_equal(client.infer(rollout["sequences"]).values, saved_values)
     code, _ = server.stop(signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, server.log()[-4000:]  # the shell convention for a stop by SIGTERM
 

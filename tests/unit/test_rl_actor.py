@@ -717,3 +717,49 @@ def test_on_policy_distillation_moves_the_policy_towards_a_teacher_of_another_si
     with pytest.raises(ConfigError, match="teacher.init_from is read through the KL term"):
         build_rl_actor(_tiny_actor_config(setup, "opd_kl0", settings[0], "kl.init_coef=0.0"))
     distributed.shutdown()
+
+
+def test_the_critic_is_saved_before_the_actor_and_put_back_to_the_actor_s_step_on_resume(single_process,
+                                                                                       tiny_policy_and_prompts,
+                                                                                       capfd):
+    """PPO's checkpoints pair up: the critic's checkpoint of a step is asked for before the actor's exists (a server
+    lost between the two leaves the critic ahead, never behind), and a resumed actor puts the critic server back to
+    its checkpoint of the resumed step, whatever the server trained since."""
+    from aligner import checkpointing
+    from aligner.algorithms.rl_build import build_rl_actor
+
+    from ..null_critic import NullCritic
+
+    class Recording(NullCritic):
+        def __init__(self, save_dir: Path):
+            self.save_dir, self.calls = save_dir, []
+
+        def save(self, step: int) -> str:
+            self.calls.append(("save", step, checkpointing.step_dir(self.save_dir, step).exists()))
+            return f"critic/step_{step}"
+
+        def restore(self, step: int) -> str:
+            self.calls.append(("restore", step))
+            return f"critic/step_{step}"
+
+    root = tiny_policy_and_prompts[0]
+    settings = ("algorithm=ppo", "trainer.max_steps=2", "checkpoint.save_interval=1")
+    critic = Recording(root / "paired" / "ckpt")
+    trainer = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "paired", *settings), critic=critic)
+    try:
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+    assert critic.calls == [("save", 1, False), ("save", 2, False)]  # each before the actor's step_N existed
+    assert checkpointing.step_dir(critic.save_dir, 2).is_dir()
+
+    resumed = Recording(critic.save_dir)
+    trainer = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "paired", *settings,
+                                                "checkpoint.resume=true", "trainer.max_steps=3"), critic=resumed)
+    try:
+        assert resumed.calls == [("restore", 2)]  # while the run was built, before any rollout
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+    assert resumed.calls == [("restore", 2), ("save", 3, False)]
+    assert "restored the critic server to its checkpoint of step 2 (critic/step_2)" in capfd.readouterr().out

@@ -140,7 +140,7 @@ def test_a_record_of_another_host_with_a_fresh_heartbeat_is_refused_naming_it(tm
 
 
 def test_a_record_of_another_host_whose_heartbeat_is_silent_is_taken_over_naming_it(tmp_path):
-    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.STALE_AFTER_S + 80)
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.stale_after_s() + 80)
     lines = []
     run = checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=lines.append)
     [line] = lines
@@ -150,6 +150,32 @@ def test_a_record_of_another_host_whose_heartbeat_is_silent_is_taken_over_naming
     assert taken_over and 200 <= int(taken_over[1]) < 230
     mine = run_lock.read_holder(tmp_path)
     assert (mine.host, mine.pid, mine.run_id) == (socket.gethostname(), os.getpid(), run.run_id)
+
+
+def test_the_site_s_stale_setting_shortens_the_silence_that_counts_as_a_dead_run(tmp_path, monkeypatch):
+    """ALIGNER_LOCK_STALE_S: a record of another host silent for 25 s is refused by default and taken over at 20;
+    the holder then beats every 5 s."""
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=25)
+    with pytest.raises(checkpointing.CheckpointError, match=r"counts as ended after 120 s without one"):
+        checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=print)
+    monkeypatch.setenv(run_lock.STALE_VARIABLE, "20")
+    beats = []
+    monkeypatch.setattr(run_lock, "_beat", lambda *args: beats.append(args[2:4]))
+    lines = []
+    checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=lines.append)
+    assert re.fullmatch(re.escape(f"took over {lock_file} from {_OTHER_HOLDER}, whose heartbeat has been silent for ")
+                        + r"2\d s \(a run on another host counts as ended after 20 s\)", lines[0]), lines
+    assert beats == [(5.0, 20.0)]
+
+
+@pytest.mark.parametrize("value", ["soon", "2", "-1", "nan", "inf"])
+def test_a_bad_stale_setting_is_one_line_naming_the_variable(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(run_lock.STALE_VARIABLE, value)
+    with pytest.raises(run_lock.UserError) as raised:
+        run_lock.acquire(tmp_path)
+    assert str(raised.value) == (f"ALIGNER_LOCK_STALE_S={value!r} in the environment: give the seconds after which a "
+                                 "silent lock of another host counts as a dead run's, at least 4 (default 120)")
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
 
 
 def test_the_holder_s_heartbeat_keeps_touching_the_lock_file_until_release(tmp_path):
@@ -212,7 +238,7 @@ def test_lock_wait_s_waits_for_the_holder_to_end_then_starts(tmp_path, monkeypat
 
 def test_lock_wait_s_takes_over_a_record_of_another_host_once_its_heartbeat_goes_silent(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointing.runs, "_LOCK_POLL_S", 0.1)
-    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.STALE_AFTER_S - 2)  # silent in 2 s
+    lock_file = _record_of_another_host(tmp_path, heartbeat_age_s=run_lock.stale_after_s() - 2)  # silent in 2 s
     lines = []
     started = time.monotonic()
     run = checkpointing.start_run(tmp_path, resume=True, estimated_bytes=1, log=lines.append, lock_wait_s=60)
