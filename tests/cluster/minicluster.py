@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-PREFIX = "alnc"                 # namespace names: alnc-ctl, alnc-n1, ...
+PREFIX = "alnc"                 # namespace names: alnc-ctl, alnc-n1, ... (a cluster of its own: another prefix)
 SUBNET = "10.213.77"            # a private test range; .1 the controller, .11, .12, ... the nodes
 ROOT = Path("/tmp/aligner-minicluster")
 CLUSTER = "aligner-mini"
@@ -89,8 +89,10 @@ class MiniCluster:
     safe to call twice or after a failed `up()`. `run()` runs a client command (sbatch, squeue, scontrol, ...) on
     the controller's namespace with the cluster's configuration."""
 
-    def __init__(self, nodes: int = 3, root: Path = ROOT, memory_mb: int | None = None, slurmd_timeout_s: int = 10):
+    def __init__(self, nodes: int = 3, root: Path = ROOT, memory_mb: int | None = None, slurmd_timeout_s: int = 10,
+                 prefix: str = PREFIX):
         self.names = [f"n{i}" for i in range(1, nodes + 1)]
+        self.prefix = prefix  # of its namespaces' names: two clusters with other prefixes (and roots) coexist
         self.root = Path(root)
         self.conf = self.root / "etc" / "slurm.conf"
         self.hosts = self.root / "etc" / "hosts"  # the nodes' /etc/hosts: names of the nodes and the controller
@@ -100,9 +102,8 @@ class MiniCluster:
         self.slurmd_timeout_s = slurmd_timeout_s
 
     # -- names and addresses ------------------------------------------------------------------------------------
-    @staticmethod
-    def namespace(node: str) -> str:
-        return f"{PREFIX}-{node}"
+    def namespace(self, node: str) -> str:
+        return f"{self.prefix}-{node}"
 
     def address(self, node: str) -> str:
         return f"{SUBNET}.1" if node == "ctl" else f"{SUBNET}.{10 + int(node[1:])}"
@@ -293,7 +294,7 @@ MinJobAge=300
     def leftovers(self) -> list[str]:
         """What of the cluster still exists (empty after `down()`): namespaces, processes, files."""
         left = [f"namespace {ns}" for ns in _run("ip", "netns", "list", check=False).stdout.split()
-                if ns.startswith(PREFIX + "-")]
+                if ns.startswith(self.prefix + "-")]
         left += [f"process {pid}" for pid in self._processes_using_conf()]
         left += [f"file {path}" for path in (self.root,) if path.exists()]
         return left

@@ -104,7 +104,7 @@ def test_the_cluster_comes_up_with_a_node_per_namespace_and_goes_down_leaving_no
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no mini Slurm cluster on this machine: {reason}")
-    mini = MiniCluster(nodes=2, root=Path("/tmp/aligner-minicluster-updown"))
+    mini = MiniCluster(nodes=2, root=Path("/tmp/aligner-minicluster-updown"), prefix="alnu")  # beside the module's
     try:
         try:
             mini.up()
