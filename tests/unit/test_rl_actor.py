@@ -4,6 +4,7 @@ batches, report reduction, micro-batch seeds (the float64 tests of the math are 
 test_advantages.py, test_policy_losses.py and test_mismatch.py; end-to-end runs in tests/distributed)."""
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -720,8 +721,7 @@ def test_on_policy_distillation_moves_the_policy_towards_a_teacher_of_another_si
 
 
 def test_the_critic_is_saved_before_the_actor_and_put_back_to_the_actor_s_step_on_resume(single_process,
-                                                                                       tiny_policy_and_prompts,
-                                                                                       capfd):
+                                                                                       tiny_policy_and_prompts):
     """PPO's checkpoints pair up: the critic's checkpoint of a step is asked for before the actor's exists (a server
     lost between the two leaves the critic ahead, never behind), and a resumed actor puts the critic server back to
     its checkpoint of the resumed step, whatever the server trained since."""
@@ -753,13 +753,25 @@ def test_the_critic_is_saved_before_the_actor_and_put_back_to_the_actor_s_step_o
     assert critic.calls == [("save", 1, False), ("save", 2, False)]  # each before the actor's step_N existed
     assert checkpointing.step_dir(critic.save_dir, 2).is_dir()
 
-    resumed = Recording(critic.save_dir)
-    trainer = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "paired", *settings,
-                                                "checkpoint.resume=true", "trainer.max_steps=3"), critic=resumed)
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    resumed, lines = Recording(critic.save_dir), Lines()
+    logging.getLogger("aligner").addHandler(lines)  # (its own handler may hold an earlier test's stdout)
+    try:
+        trainer = build_rl_actor(_tiny_actor_config(tiny_policy_and_prompts, "paired", *settings,
+                                                    "checkpoint.resume=true", "trainer.max_steps=3"), critic=resumed)
+    finally:
+        logging.getLogger("aligner").removeHandler(lines)
     try:
         assert resumed.calls == [("restore", 2)]  # while the run was built, before any rollout
         trainer.fit()
     finally:
         trainer.metrics.close()
     assert resumed.calls == [("restore", 2), ("save", 3, False)]
-    assert "restored the critic server to its checkpoint of step 2 (critic/step_2)" in capfd.readouterr().out
+    assert "restored the critic server to its checkpoint of step 2 (critic/step_2)" in lines.messages
