@@ -57,13 +57,15 @@ RL_OVERRIDES = [
 # Iterative DPO from the model's own samples: each round samples 4 answers to 128 new training prompts at
 # T=0.7 from the current model (at T=1 a 135M model's samples, trained on by the NLL term, taught it
 # "Rayleigh Scavenger Hunt"), pairs the checker's best with its worst, and trains new LoRA adapters on
-# the current model (merged), which is also the round's reference: the DPO LoRA recipe (rank 16, lr 3e-4,
-# beta 0.1) with an NLL term on the chosen answers, two epochs at a constant lr.
+# the current model (merged), which is also the round's reference: the DPO LoRA recipe (rank 16, lr 3e-4) at
+# beta 0.15 with an NLL term on the chosen answers, two epochs at a constant lr. The recipe's beta 0.1 sent one of
+# three seeds' France answer into French (KL 6.02); 0.2 kept every answer but left one seed 18 points over the
+# base; 0.15 kept the answers and 22-26.5 points from all three (docs/results/demo_real.md).
 DPO_ROUNDS, DPO_SAMPLE_PROMPTS, DPO_SAMPLES = 2, 128, 4
 DPO_SAMPLING = ["sampling.temperature=0.7"]
 DPO_RECIPE = RECIPES / "smollm2_dpo_lora.yaml"
 DPO_OVERRIDES = [
-    "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
+    "dpo.beta=0.15", "dpo.sft_loss_weight=1.0", "dpo.reference_logprobs=swap", "data.max_seq_length=192",
     "data.split='100,0'",
     "trainer.max_epochs=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
     "trainer.val_check_interval=0", "optim.decay_style=constant", *QUIET,
