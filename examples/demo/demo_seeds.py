@@ -8,7 +8,8 @@ group row must beat that seed's SFT by TOY_MARGIN points of held-out greedy accu
 imported and evaluated once; RLOO and iterative DPO run per seed (sampling, data order); each must beat the base
 by REAL_MARGIN points of held-out prompts satisfied and keep the general answers (the France answer still says
 Paris, and the KL to the base on the general prompts stays under REAL_MAX_KL nats per answer: the runs whose
-answers broke measured 8.5-10.9, the kept ones 1.2-5.3; docs/results/demo_real.md).
+answers broke measured 8.5-10.9, the kept ones 1.2-5.3; near the line it does not tell them apart, one run broke at
+6.02 and one kept every answer at 6.07; docs/results/demo_real.md).
 
 Each seed's directory is a normal demo workdir (`--stages` re-runs work there); `--stages` here passes through
 (e.g. `--stages group_rl` re-runs only the RL stages on the seeds' SFT models). The table prints per seed, with
@@ -107,16 +108,18 @@ def real(workdir: Path, seeds: list[int], stages: str, rloo_settings: tuple[str,
             france = next(item["response"] for item in result["general"] if "France" in item["prompt"][0]["content"])
             kl = result["kl_to_base"]
             print(f"  {name:<6}{format_interval(result['prompt_level'], result['prompts']):>24}  "
-                  f"KL {kl:5.2f}  words {result['mean_words']:5.1f}  France: {france!r}")
+                  f"KL {round(kl, 2) + 0.0:5.2f}  words {result['mean_words']:5.1f}  France: {france!r}")
             if name == "base":
                 continue
             margin = satisfied(result) - base
             if margin < REAL_MARGIN:
                 failures.append(f"seed {seed}: {name} {satisfied(result):.1f} % is {margin:+.1f} points over the "
                                 f"base ({base:.1f} %), under the {REAL_MARGIN:.0f} required")
-            if "Paris" not in (france or "") or kl > REAL_MAX_KL:
-                failures.append(f"seed {seed}: {name} lost the general answers (KL {kl:.2f} nats, France: "
-                                f"{france!r})")
+            if "Paris" not in (france or ""):
+                failures.append(f"seed {seed}: {name} lost the France answer ({france!r})")
+            if kl > REAL_MAX_KL:
+                failures.append(f"seed {seed}: {name}'s KL to the base on the general prompts, {kl:.2f} nats, is over "
+                                f"the {REAL_MAX_KL:g} allowed")
     _spread(results, satisfied, "prompts satisfied")
     return failures
 

@@ -84,7 +84,8 @@ def test_real_methods_need_the_margin_and_the_general_answers(tmp_path, monkeypa
     failures = seeds_module.real(tmp_path, [1, 2], "model,data,base,rloo,dpo,report")
     assert failures == [
         "seed 2: rloo 30.0 % is +17.0 points over the base (13.0 %), under the 20 required",
-        "seed 2: dpo lost the general answers (KL 7.50 nats, France: \"L'Étoile, la Marseillaise\")",
+        "seed 2: dpo lost the France answer (\"L'Étoile, la Marseillaise\")",
+        "seed 2: dpo's KL to the base on the general prompts, 7.50 nats, is over the 6 allowed",
     ]
     # the base is imported and evaluated once, in the first seed's directory; each seed trains with its seed
     assert [command[command.index("--stages") + 1] for command in commands] == [
