@@ -270,7 +270,7 @@ def test_sigterm_to_the_ppo_job_saves_actor_and_critic_at_one_step_and_requeue_r
     """The B:TERM path of ppo_heterogeneous.sbatch (scancel --batch --signal=TERM): the actor stops at a step
     boundary with its checkpoint and the critic's at the same step, the job ends 143 with the server stopped by
     SIGTERM; `scontrol requeue` resumes both, and every step's metrics equal those of the run above, which
-    continued past that step (its own resume was from an earlier checkpoint)."""
+    was itself resumed once, after its lost node."""
     root, _, _ = ppo_models
     reference = _ppo_rows(root / "ppo")
     if sorted(reference) != list(range(1, PPO_STEPS + 1)):
