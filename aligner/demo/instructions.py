@@ -387,3 +387,38 @@ GENERAL_PROMPTS = (
     "Why is the sky blue?",
     "How do I boil an egg?",
 )
+# The one general prompt with a single right answer, and the word that answer contains.
+GENERAL_FACTS = {"What is the capital of France?": "Paris"}
+# Function words of French that no English answer uses as words of its own; the breakage seen when a 135M model's
+# constraint training leaks into its general answers is an answer that drifts into French.
+_FRENCH_WORDS = frozenset({"est", "la", "le", "les", "des", "une", "du", "et", "au", "aux", "français", "française"})
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-zà-ÿ0-9]+", text.lower())
+
+
+def general_answer_faults(prompt: str, answer: Optional[str]) -> list[str]:
+    """What makes `answer` no longer an answer to the general `prompt`, one short phrase each (empty: intact).
+
+    Each is a fact about the answer, not a threshold: it is in French; it names no word the question did not
+    ("The sky blue." to "Why is the sky blue?": the question echoed); it misses the fact `GENERAL_FACTS` names.
+    """
+    words = _words(answer or "")
+    faults = []
+    french = sorted(set(words) & _FRENCH_WORDS) + (["l'"] if re.search(r"(^|\W)l'", (answer or "").lower()) else [])
+    if french:
+        faults.append(f"French words ({', '.join(french)})")
+    if not set(words) - set(_words(prompt)):
+        faults.append("echoes the question" if words else "empty")
+    fact = GENERAL_FACTS.get(prompt)
+    if fact is not None and fact.lower() not in words:
+        faults.append(f"does not name {fact}")
+    return faults
+
+
+def new_general_faults(prompt: str, base_answer: Optional[str], answer: Optional[str]) -> list[str]:
+    """The faults of `answer` that the base model's answer to the same prompt does not have (the base model of
+    `make demo-real` already echoes "Boil an egg:"; training is judged on what it broke)."""
+    before = general_answer_faults(prompt, base_answer)
+    return [fault for fault in general_answer_faults(prompt, answer) if fault not in before]

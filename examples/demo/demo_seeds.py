@@ -6,10 +6,12 @@
 toy: each seed trains its own SFT model (the seed sets the data order) and the group methods from it; every
 group row must beat that seed's SFT by TOY_MARGIN points of held-out greedy accuracy. real: the base model is
 imported and evaluated once; RLOO and iterative DPO run per seed (sampling, data order); each must beat the base
-by REAL_MARGIN points of held-out prompts satisfied and keep the general answers (the France answer still says
-Paris, and the KL to the base on the general prompts stays under REAL_MAX_KL nats per answer: the runs whose
-answers broke measured 8.5-10.9, the kept ones 1.2-5.3; near the line it does not tell them apart, one run broke at
-6.02 and one kept every answer at 6.07; docs/results/demo_real.md).
+by REAL_MARGIN points of held-out prompts satisfied and keep the general answers: no greedy answer to the five
+general prompts may gain a fault the base's answer lacks (`instructions.new_general_faults`: French words,
+the question echoed, the France answer without Paris), and the KL to the base on those prompts stays under
+REAL_MAX_KL nats per answer. The KL is a guard for a model moved far, not the test of the answers: the runs whose
+answers broke measured 3.8-6.0 nats (a French France answer) and 8.5-10.9 (many answers), runs with every answer
+intact up to 6.6 (docs/results/demo_real.md).
 
 Each seed's directory is a normal demo workdir (`--stages` re-runs work there); `--stages` here passes through
 (e.g. `--stages group_rl` re-runs only the RL stages on the seeds' SFT models). The table prints per seed, with
@@ -27,11 +29,12 @@ from pathlib import Path
 from run_demo import GROUP_RL_RUNS, REPO_ROOT
 
 from aligner.config import run_main
+from aligner.demo.instructions import new_general_faults
 from aligner.demo.intervals import format_interval
 
 TOY_MARGIN = 15.0  # points of held-out accuracy over the seed's SFT model, for every GRPO-family row
 REAL_MARGIN = 20.0  # points of held-out prompts satisfied over the base, for RLOO and iterative DPO
-REAL_MAX_KL = 6.0  # nats per general answer (see the module docstring)
+REAL_MAX_KL = 8.0  # nats per general answer (see the module docstring)
 DEMO = REPO_ROOT / "examples" / "demo"
 
 
@@ -115,13 +118,25 @@ def real(workdir: Path, seeds: list[int], stages: str, rloo_settings: tuple[str,
             if margin < REAL_MARGIN:
                 failures.append(f"seed {seed}: {name} {satisfied(result):.1f} % is {margin:+.1f} points over the "
                                 f"base ({base:.1f} %), under the {REAL_MARGIN:.0f} required")
-            if "Paris" not in (france or ""):
-                failures.append(f"seed {seed}: {name} lost the France answer ({france!r})")
+            for fault in _broken_answers(table["base"]["general"], result["general"]):
+                print(f"    {fault}")
+                failures.append(f"seed {seed}: {name}'s {fault}")
             if kl > REAL_MAX_KL:
                 failures.append(f"seed {seed}: {name}'s KL to the base on the general prompts, {kl:.2f} nats, is over "
                                 f"the {REAL_MAX_KL:g} allowed")
     _spread(results, satisfied, "prompts satisfied")
     return failures
+
+
+def _broken_answers(base: list[dict], answers: list[dict]) -> list[str]:
+    """One line per general answer with a fault the base's answer to the same prompt does not have."""
+    broken = []
+    for before, after in zip(base, answers):
+        prompt = after["prompt"][0]["content"]
+        new = new_general_faults(prompt, before["response"], after["response"])
+        if new:
+            broken.append(f"answer to {prompt!r} {'; '.join(new)}: {after['response']!r}")
+    return broken
 
 
 def _spread(results: dict[int, dict[str, dict]], figure, what: str) -> None:

@@ -25,6 +25,7 @@ from run_demo import REPO_ROOT, run
 
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.demo import instructions
 from aligner.demo.intervals import format_interval
 from aligner.runtime.errors import ConfigError
 
@@ -132,8 +133,6 @@ class RealDemo:
         run("import", [sys.executable, "-m", "aligner.hf", "import", *source, "--output", self.base])
 
     def data_files(self) -> None:
-        from aligner.demo import instructions
-
         _write_jsonl(self.data / "train.jsonl", instructions.prompt_records("train", TRAIN_PROMPTS, seed=0))
         _write_jsonl(self.data / "heldout.jsonl", instructions.prompt_records("heldout", HELDOUT_PROMPTS, seed=0))
         _write_jsonl(self.data / "general.jsonl", [{"prompt": [{"role": "user", "content": text}]}
@@ -163,7 +162,6 @@ class RealDemo:
 
     def dpo_round(self, out: Path, policy: Path, prompts: list[dict]) -> Path:
         """Sample answers from `policy`, pair the checker's best with its worst, train DPO on `policy`."""
-        from aligner.demo.instructions import best_worst_pairs
 
         repeated = _write_jsonl(out / "sample_prompts.jsonl", [row for row in prompts for _ in range(DPO_SAMPLES)])
         run(f"{out.name} samples", [sys.executable, GPT_EXAMPLES / "chat.py", f"init_from={policy}",
@@ -172,7 +170,7 @@ class RealDemo:
                                     *self._seed("sampling.seed"),
                                     "batch_size=64"])
         samples = _records(out / "samples.jsonl")
-        pairs = best_worst_pairs(samples, DPO_SAMPLES)
+        pairs = instructions.best_worst_pairs(samples, DPO_SAMPLES)
         print(f"{out.name}: {len(pairs)} pairs from {len(samples)} samples of {len(samples) // DPO_SAMPLES} prompts")
         if not pairs:
             raise SystemExit(f"{out.name}: no prompt had answers the checker ranks apart; sample more answers")
@@ -208,11 +206,14 @@ class RealDemo:
                 rate = self.results[name]["per_type"].get(kind)
                 cells.append(f"{100 * rate[0]:.0f} % ({rate[1]})" if rate else "-")
             print(f"  {kind:<22}" + "".join(f"{cell:>22}" for cell in cells))
-        print("\ngeneral prompts:")
+        print("\ngeneral prompts (\"<-\": a fault the first column's answer does not have):")
         for index, item in enumerate(self.results[names[0]]["general"]):
-            print(f"- {item['prompt'][0]['content']}")
+            prompt = item["prompt"][0]["content"]
+            print(f"- {prompt}")
             for name in names:
-                print(f"    {name}: {self.results[name]['general'][index]['response']!r}")
+                answer = self.results[name]["general"][index]["response"]
+                faults = instructions.new_general_faults(prompt, item["response"], answer)
+                print(f"    {name}: {answer!r}" + (f"  <- {'; '.join(faults)}" if faults else ""))
         self.plot()
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
 

@@ -24,8 +24,10 @@ def _arithmetic(accuracy: float) -> dict:
     return {"all": accuracy, "carry": accuracy, "no_carry": accuracy, "num_carry": 200, "num_no_carry": 300}
 
 
-def _instructions(satisfied: float, kl: float, france: str = "The capital of France is Paris.") -> dict:
-    general = [{"prompt": [{"role": "user", "content": "What is the capital of France?"}], "response": france}]
+def _instructions(satisfied: float, kl: float, france: str = "The capital of France is Paris.",
+                  sky: str = "Sunlight scatters off the air.") -> dict:
+    general = [{"prompt": [{"role": "user", "content": "What is the capital of France?"}], "response": france},
+               {"prompt": [{"role": "user", "content": "Why is the sky blue?"}], "response": sky}]
     return {"prompt_level": satisfied, "prompts": 200, "kl_to_base": kl, "mean_words": 12.0, "general": general}
 
 
@@ -76,16 +78,21 @@ def test_toy_rows_under_the_margin_over_their_seeds_sft_fail_by_name(tmp_path, m
 
 def test_real_methods_need_the_margin_and_the_general_answers(tmp_path, monkeypatch, seeds_module):
     def evaluations(seed):
-        return {"base": _instructions(0.13, 0.0), "rloo": _instructions(0.36 if seed == 1 else 0.30, 4.2),
-                "dpo": _instructions(0.40, 7.5 if seed == 2 else 5.0,
+        return {"base": _instructions(0.13, 0.0),
+                "rloo": _instructions(0.36 if seed == 1 else 0.30, 4.2,
+                                      sky="The sky blue." if seed == 1 else "Sunlight scatters."),
+                "dpo": _instructions(0.40, 8.5 if seed == 2 else 6.5,
                                      "Paris" if seed == 1 else "L'Étoile, la Marseillaise")}
 
     commands = _fake_demo(monkeypatch, seeds_module, evaluations)
     failures = seeds_module.real(tmp_path, [1, 2], "model,data,base,rloo,dpo,report")
+    # a fault the base's answer does not have fails the row; a KL of 6.5 with every answer intact does not
     assert failures == [
+        "seed 1: rloo's answer to 'Why is the sky blue?' echoes the question: 'The sky blue.'",
         "seed 2: rloo 30.0 % is +17.0 points over the base (13.0 %), under the 20 required",
-        "seed 2: dpo lost the France answer (\"L'Étoile, la Marseillaise\")",
-        "seed 2: dpo's KL to the base on the general prompts, 7.50 nats, is over the 6 allowed",
+        "seed 2: dpo's answer to 'What is the capital of France?' French words (la, l'); does not name Paris: "
+        "\"L'Étoile, la Marseillaise\"",
+        "seed 2: dpo's KL to the base on the general prompts, 8.50 nats, is over the 8 allowed",
     ]
     # the base is imported and evaluated once, in the first seed's directory; each seed trains with its seed
     assert [command[command.index("--stages") + 1] for command in commands] == [

@@ -158,3 +158,33 @@ def test_dpo_pairs_take_each_prompts_best_and_worst_answer_and_skip_ties():
                {"prompt": second, "response": "a, b"}, {"prompt": second, "response": "c, d"},
                {"prompt": second, "response": "e, f"}, {"prompt": second, "response": "g, h"}]
     assert ifc.best_worst_pairs(samples, 4) == [{"prompt": first, "chosen": "all lower", "rejected": "ALL UPPER"}]
+
+
+@pytest.mark.parametrize("prompt, answer, faults", [
+    # the answers the recorded demo runs gave (docs/results/demo_real.md), and their faults
+    ("What is the capital of France?", "The capital of France is Paris.", []),
+    ("What is the capital of France?", "La femme de France est le français.",
+     ["French words (est, français, la, le)", "does not name Paris"]),
+    ("What is the capital of France?", "L'Étoile (The City of Lights) is the capital of France.",
+     ["French words (l')", "does not name Paris"]),
+    ("What is the capital of France?", "L'Étoile (The City) est le monde des Français. Paris est le cité de la France.",
+     ["French words (des, est, français, la, le, l')"]),
+    ("Why is the sky blue?", "The sky blue.", ["echoes the question"]),
+    ("Why is the sky blue?", "", ["empty"]),
+    ("Why is the sky blue?", None, ["empty"]),
+    ("Give me two tips for a good night's sleep.", "1. Stay hydrated. 2. Avoid alcohol.", []),
+    ("How do I boil an egg?", "Boil an egg:\n\nBoil an egg:\n\nBoil an egg:", ["echoes the question"]),
+    # English words that hold a French word's letters are not French
+    ("What is a healthy breakfast?", "Oatmeal, eggs and fruit; less sugar, more leaves.", []),
+])
+def test_a_general_answer_s_faults_are_named(prompt, answer, faults):
+    assert ifc.general_answer_faults(prompt, answer) == faults
+
+
+def test_training_is_judged_on_the_faults_the_base_answer_does_not_have():
+    egg = "How do I boil an egg?"
+    base = "Boil an egg:\n\nBoil an egg:"  # the demo's base model already echoes this one
+    assert ifc.new_general_faults(egg, base, "Boil an egg.") == []
+    assert ifc.new_general_faults(egg, "Put it in boiling water.", "Boil an egg.") == ["echoes the question"]
+    assert ifc.new_general_faults("What is the capital of France?", "The capital of France is Paris.",
+                                  "Paris est la capitale.") == ["French words (est, la)"]
