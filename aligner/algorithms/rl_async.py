@@ -45,6 +45,7 @@ from aligner.generation.router_client import rebalance_rollouts
 from aligner.generation.worker import (
     GenerationWorker,
     GenerationWorkerError,
+    RemoteGenerationWorker,
     SharedWeights,
     WorkerSpec,
     rows_from_compact,
@@ -197,12 +198,16 @@ class AsyncRollouts:
             self.weights = SharedWeights(self.chunks)
         self.weights.write(self.chunks, list(self.weights.tensors))  # from here on it holds version `pushed`
         threads = torch.get_num_threads()
-        if self.settings.worker_threads is None and threads > 1:  # the cores split between the two processes
+        remote = bool(self.settings.workers)
+        if not remote and self.settings.worker_threads is None and threads > 1:  # the cores split between the two
             torch.set_num_threads(threads - self.spec.threads)
         self.worker = self._new_worker()
-        self.log(f"asynchronous generation: worker pid {self.worker.pid} on {self.spec.threads} thread(s), the "
-                 f"trainer on {torch.get_num_threads()}; max_staleness {self.settings.max_staleness}; weights "
-                 f"shared through {self.weights.num_bytes / 2**20:.1f} MiB of shared memory")
+        where = (f"{self.worker.name}, sent {self.weights.num_bytes / 2**20:.1f} MiB of weights, then the trained "
+                 "ones after each update" if remote else
+                 f"worker pid {self.worker.pid} on {self.spec.threads} thread(s), the trainer on "
+                 f"{torch.get_num_threads()}; weights shared through {self.weights.num_bytes / 2**20:.1f} MiB of "
+                 "shared memory")
+        self.log(f"asynchronous generation: {where}; max_staleness {self.settings.max_staleness}")
         self.pushed, self.loaded = step, None
         self.worker.send("weights", step, list(self.weights.tensors))
         rollout = self.cfg.rollout
@@ -213,9 +218,14 @@ class AsyncRollouts:
             self.next_step += 1
         self._send_admitted()
 
-    def _new_worker(self) -> GenerationWorker:
-        worker = GenerationWorker(self.spec, self.weights, silence_timeout_s=self.settings.silence_timeout_s,
-                                  weight_timeout_s=self.settings.weight_timeout_s)
+    def _new_worker(self) -> GenerationWorker | RemoteGenerationWorker:
+        timeouts = {"silence_timeout_s": self.settings.silence_timeout_s,
+                    "weight_timeout_s": self.settings.weight_timeout_s}
+        if self.settings.workers:  # a server of its own per data-parallel rank
+            worker = RemoteGenerationWorker(self.settings.workers[self.data_parallel.rank], self.spec, self.weights,
+                                            **timeouts)
+        else:
+            worker = GenerationWorker(self.spec, self.weights, **timeouts)
         try:
             worker.start()
         except BaseException:
@@ -253,7 +263,7 @@ class AsyncRollouts:
             version = answer[1]
             answer = self.worker.receive(self.settings.weight_timeout_s, f"loading the weights of version {version}")
             if answer[0] != "loaded" or answer[1] != version:
-                raise GenerationWorkerError(f"the generation worker (pid {self.worker.pid}) answered {answer[:2]} "
+                raise GenerationWorkerError(f"{self.worker.name} answered {answer[:2]} "
                                             f"while loading the weights of version {version}")
             self.loaded = version
             self.worker_seconds["idle_s"] += answer[3]
@@ -263,7 +273,7 @@ class AsyncRollouts:
             self.worker_seconds["generation_s"] += seconds["generation_s"]
             self.worker_seconds["idle_s"] += seconds["idle_s"]
         else:
-            raise GenerationWorkerError(f"the generation worker (pid {self.worker.pid}) sent {kind!r} while {doing}")
+            raise GenerationWorkerError(f"{self.worker.name} sent {kind!r} while {doing}")
 
     def _restart(self, error: GenerationWorkerError) -> None:
         """A new worker on the newest weights, sent what was outstanding; or the error, when no restart is left."""

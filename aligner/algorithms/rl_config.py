@@ -20,6 +20,7 @@ from aligner.data.records import Layouts
 from aligner.data.sft import SFT_LAYOUTS
 from aligner.generation.rewards import RewardFunctionSettings
 from aligner.generation.rollouts import PROMPT_LAYOUTS
+from aligner.generation.worker import parse_address, worker_key
 from aligner.models.gpt import ACTIVATION_RECOMPUTE
 from aligner.models.packing import SharedPromptPackingSection
 from aligner.rl import advantages, mismatch, policy_losses, shaping
@@ -131,6 +132,9 @@ class AsynchronousSection:
     silence_timeout_s: float = at_least(1.0, 600.0)  # the worker says nothing this long while awaited: stalled
     weight_timeout_s: float = at_least(1.0, 120.0)  # one weight copy in the worker, once started
     restarts: int = at_least(0, 1)  # a worker that dies or stalls is started again this many times, then the run stops
+    # "host:port" of generation worker servers (examples/nlp/gpt/serve_generation_worker.py), one per data-parallel
+    # rank, in rank order; empty: a worker process beside each rank
+    workers: list = field(default_factory=list)
 
 
 @dataclass
@@ -434,6 +438,14 @@ class RLActorConfig(RunConfig):
             raise ConfigError("rollout.asynchronous.enabled: each trainer rank holds the whole policy (TP=PP=1; any "
                               f"data-parallel size) for its generation worker; this layout splits it over "
                               f"{model_parallel} ranks")
+        if rollout.asynchronous.workers:
+            workers = rollout.asynchronous.workers
+            if len(workers) != data_parallel_size:
+                raise ConfigError(f"rollout.asynchronous.workers names {len(workers)} worker server(s); this run has "
+                                  f"{data_parallel_size} data-parallel rank(s), one server each")
+            for address in workers:
+                parse_address(address, "rollout.asynchronous.workers")
+            worker_key()  # before the model is built: the servers only talk to a trainer holding their key
         unsupported = [(self.generation.engine != "native", "generation.engine=native"),
                        (rollout.dynamic_sampling, "rollout.dynamic_sampling=false")]
         for unmet, needed in unsupported:

@@ -29,11 +29,15 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import pickle
 import queue
 import random
 import signal
+import socket
+import threading
 import time
 import traceback
+from multiprocessing import connection
 from typing import Optional
 
 import torch
@@ -153,16 +157,31 @@ def rows_from_compact(compact: dict, logprob_dtype: torch.dtype = torch.float32)
 
 
 def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int) -> None:
-    """The worker process: build, say "ready", then serve commands until "stop" (or the trainer's death)."""
+    """The worker process beside the trainer: build, say "ready", then serve commands until "stop" (or the
+    trainer's death)."""
     processes.die_with_parent(signal.SIGKILL, parent)
     # A terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole process group: the trainer stops at a step
     # boundary and needs the worker until its checkpoint is written; it stops the worker itself (or dies, and
     # the kernel kills the worker).
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+
+    def die() -> None:
+        answers.close()
+        answers.join_thread()  # what was answered reaches the trainer; then the abrupt exit
+        os._exit(3)
+
+    if not _serve_commands(spec, weights, commands.get, answers.put, die):
+        raise SystemExit(1)
+
+
+def _serve_commands(spec: WorkerSpec, weights: Optional[dict], receive, answer, die) -> bool:
+    """Build the policy and engine of `spec`, answer "ready", then serve commands in order until "stop" (or
+    `receive()` returns None: the trainer is gone). weights: the shared tensors a "weights" command names, or None
+    when each command carries its tensors (a worker server). False when it failed (the error answered)."""
     for name in _LAUNCH_VARIABLES:
         os.environ.pop(name, None)
-    torch.set_num_threads(spec.threads)
     program = spec.program or SingleTurnRollouts()
     try:
         distributed.initialize(distributed.ParallelConfig())
@@ -174,7 +193,7 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
         for chunk in chunks:
             chunk.eval()
         named = dict(named_parameters(chunks))
-        if set(named) != set(weights):
+        if weights is not None and set(named) != set(weights):
             missing = sorted(set(weights) ^ set(named))[:3]
             raise RuntimeError(f"the worker's model does not match the trainer's (parameters {missing} differ)")
         tokenizer = Tokenizer(spec.tokenizer_dir)
@@ -183,48 +202,50 @@ def worker_main(spec: WorkerSpec, weights: dict, commands, answers, parent: int)
                               max_batch_size=spec.micro_batch_size, max_sequence_length=spec.max_sequence_length,
                               decode=tokenizer.decode)
         generate = program.open(engine, tokenizer, spec)
-        answers.put(("ready", os.getpid()))
+        answer(("ready", os.getpid(), socket.gethostname()))
         version: Optional[int] = None
         delays = _delays()
         idle_since = time.perf_counter()
         while True:
-            command = commands.get()
+            command = receive()
             idle = time.perf_counter() - idle_since
-            kind = command[0]
+            kind = None if command is None else command[0]
             if delays is not None:
                 time.sleep(next(delays))
-            if kind == "stop":
-                break
+            if kind in ("stop", None):
+                return True
             if kind == "weights":
-                _, version, names = command
-                answers.put(("loading", version))
+                _, version, given = command
+                answer(("loading", version))
                 tick = time.perf_counter()
                 if _fault("stall_weights_at", version):
                     time.sleep(3600)
+                source = given if isinstance(given, dict) else {name: weights[name] for name in given}
+                unknown = sorted(set(source) - set(named))[:3]
+                if unknown:
+                    raise RuntimeError(f"the worker's model does not match the trainer's (no parameters {unknown})")
                 with torch.no_grad():
-                    for name in names:
-                        named[name].copy_(weights[name])
+                    for name, tensor in source.items():
+                        named[name].copy_(tensor)
                 engine.refit(chunks)  # the packed copies of the weights made again from the new values
-                answers.put(("loaded", version, time.perf_counter() - tick, idle))
+                answer(("loaded", version, time.perf_counter() - tick, idle))
             elif kind == "generate":
                 _, step, work, sampling = command
                 if _fault("die_at_step", step):
-                    answers.close()
-                    answers.join_thread()  # what was answered reaches the trainer; then the abrupt exit
-                    os._exit(3)
+                    die()
                 if _fault("stall_at_step", step):
                     time.sleep(3600)
                 tick = time.perf_counter()
                 made = generate(work, sampling, version)
-                answers.put(("generated", step, version, made,
-                             {"generation_s": time.perf_counter() - tick, "idle_s": idle}))
+                answer(("generated", step, version, made,
+                        {"generation_s": time.perf_counter() - tick, "idle_s": idle}))
             else:
                 raise RuntimeError(f"unknown command {kind!r}")
             idle_since = time.perf_counter()
-    except BaseException as error:  # noqa: BLE001 - the trainer gets the one line; the traceback goes to stderr
+    except Exception as error:  # noqa: BLE001 - the trainer gets the one line; the traceback goes to stderr
         traceback.print_exc()
-        answers.put(("error", f"{type(error).__name__}: {error}"))
-        raise SystemExit(1) from None
+        answer(("error", f"{type(error).__name__}: {error}"))
+        return False
     finally:
         program.close()  # (an episode program's environment processes)
         distributed.shutdown()
@@ -253,6 +274,10 @@ class GenerationWorker:
     def pid(self) -> Optional[int]:
         return None if self.process is None else self.process.pid
 
+    @property
+    def name(self) -> str:
+        return f"the generation worker (pid {self.pid})"
+
     def start(self) -> None:
         self.commands, self.answers = self.context.Queue(), self.context.Queue()
         self.process = self.context.Process(
@@ -263,8 +288,7 @@ class GenerationWorker:
         atexit.register(self.close)
         answer = self.receive(self.start_timeout_s, "starting")
         if answer[0] != "ready":
-            raise GenerationWorkerError(f"the generation worker (pid {self.pid}) sent {answer[0]!r} instead of "
-                                        "'ready' while starting")
+            raise GenerationWorkerError(f"{self.name} sent {answer[0]!r} instead of 'ready' while starting")
 
     def send(self, *command) -> None:
         self.commands.put(command)
@@ -280,15 +304,13 @@ class GenerationWorker:
                 answer = None
             if answer is not None:
                 if answer[0] == "error":
-                    raise GenerationWorkerError(f"the generation worker (pid {self.pid}) failed while {doing}: "
-                                                f"{answer[1]}")
+                    raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
                 return answer
             if not self.process.is_alive():
-                raise GenerationWorkerError(f"the generation worker (pid {self.pid}) exited with code "
-                                            f"{self.process.exitcode} while {doing}")
+                raise GenerationWorkerError(f"{self.name} exited with code {self.process.exitcode} while {doing}")
             if time.monotonic() > deadline:
-                raise GenerationWorkerError(f"the generation worker (pid {self.pid}) said nothing for "
-                                            f"{silence_timeout_s:g} s while {doing}: stalled")
+                raise GenerationWorkerError(f"{self.name} said nothing for {silence_timeout_s:g} s while {doing}: "
+                                            "stalled")
 
     def close(self) -> None:
         """Stop the worker (asked first, killed if it does not exit within 5 s); idempotent."""
@@ -308,3 +330,191 @@ class GenerationWorker:
             channel.close()
         self.process = None
         atexit.unregister(self.close)
+
+
+# -- a worker on another host: the same commands over TCP
+# The shared secret both sides must hold: messages are pickles, so a worker server only talks to a trainer that
+# proves it knows the key (multiprocessing.connection's HMAC challenge), and never listens without one.
+KEY_VARIABLE = "ALIGNER_WORKER_KEY"
+
+
+def worker_key() -> bytes:
+    key = os.environ.get(KEY_VARIABLE, "")
+    if not key:
+        raise UserError(f"{KEY_VARIABLE} is not set: a generation worker server and its trainer share a secret key "
+                        f"(e.g. export {KEY_VARIABLE}=$(openssl rand -hex 16) in the job, before both start)")
+    return key.encode()
+
+
+def parse_address(address: str, key: str) -> tuple[str, int]:
+    """"host:port" as (host, port); one line naming `key` otherwise."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{key}: {address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _send(connection, message) -> None:
+    # By value (the standard pickler): torch.multiprocessing's reducers would send tensors as shared-memory handles.
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _reader(connection, inbox: "queue.Queue") -> threading.Thread:
+    """A thread that moves every message arriving on `connection` into `inbox`, so neither side's sends wait
+    for the other to read; at the end of the connection it puts ("lost", why)."""
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(pickle.loads(connection.recv_bytes()))
+        except (EOFError, OSError) as error:
+            inbox.put(("lost", "closed the connection" if isinstance(error, EOFError) else f"lost the connection "
+                       f"({error.strerror or error})"))
+
+    thread = threading.Thread(target=read, name="worker-connection-reader", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(host: str, port: int, threads: int, address_file: Optional[str] = None) -> None:
+    """A generation worker server: one trainer at a time connects, sends ("start", WorkerSpec) and then the
+    commands `worker_main` takes (a "weights" command carrying its tensors); when that trainer disconnects, the
+    next may connect. Runs until SIGTERM or SIGINT. address_file: "host:port" is written there once listening
+    (host as given: the name the trainer reaches it by)."""
+    key = worker_key()
+    torch.set_num_threads(threads)
+    try:
+        listener = connection.Listener((host, port), authkey=key)
+    except OSError as error:
+        raise UserError(f"the generation worker server cannot listen on {host}:{port}: {error.strerror}") from None
+    with listener:
+        port = listener.address[1]
+        print(f"generation worker server ready on {host}:{port} ({listener.address[0]}; pid {os.getpid()}, "
+              f"{threads} thread(s))", flush=True)
+        if address_file:
+            partial = f"{address_file}.partial"
+            with open(partial, "w") as file:
+                file.write(f"{host}:{port}\n")
+            os.replace(partial, address_file)
+        while True:
+            try:
+                peer = listener.accept()
+            except (connection.AuthenticationError, OSError) as error:
+                print(f"refused a connection: {type(error).__name__}: {error}", flush=True)
+                continue
+            with peer:
+                _serve_trainer(peer)
+
+
+def _serve_trainer(peer) -> None:
+    """One trainer's session on a worker server: its ("start", spec), then its commands until it leaves."""
+    inbox: queue.Queue = queue.Queue()
+    _reader(peer, inbox)
+    first = inbox.get()
+    if first[0] != "start":
+        print(f"a connection sent {first[0]!r} instead of 'start'; closed", flush=True)
+        return
+    spec = first[1]
+    print(f"serving a trainer ({spec.model_config.get('num_layers', '?')} layers, replica {spec.replica + 1} of "
+          f"{spec.replicas})", flush=True)
+
+    def receive():
+        command = inbox.get()
+        return None if command[0] == "lost" else command
+
+    def answer(message) -> None:
+        try:
+            _send(peer, message)
+        except OSError:
+            pass  # the trainer is gone; the next receive() says so
+
+    def die() -> None:
+        peer.close()
+        os._exit(3)
+
+    done = _serve_commands(spec, None, receive, answer, die)
+    print(f"the trainer {'disconnected' if done else 'was sent the error above'}; waiting for the next", flush=True)
+
+
+class RemoteGenerationWorker:
+    """The trainer's handle on a worker server at `address` ("host:port"): `GenerationWorker`'s interface over
+    TCP. The weights of a "weights" command travel in it, read from `weights` (the trainer's host copy)."""
+
+    def __init__(self, address: str, spec: WorkerSpec, weights: SharedWeights, *, silence_timeout_s: float,
+                 weight_timeout_s: float, start_timeout_s: float = 300.0):
+        self.address = address
+        self.spec = spec
+        self.weights = weights
+        self.silence_timeout_s = silence_timeout_s
+        self.weight_timeout_s = weight_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.connection = None
+        self.inbox: queue.Queue = queue.Queue()
+        self.pid: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return f"the generation worker at {self.address}" + (f" (pid {self.pid})" if self.pid else "")
+
+    def start(self) -> None:
+        host, port = parse_address(self.address, "rollout.asynchronous.workers")
+        key = worker_key()
+        done: "queue.Queue" = queue.Queue()
+
+        def connect() -> None:  # (Client has no timeout of its own: a server that accepts no one would hang it)
+            try:
+                done.put(connection.Client((host, port), authkey=key))
+            except (OSError, connection.AuthenticationError) as error:
+                done.put(error)
+
+        threading.Thread(target=connect, name="worker-connect", daemon=True).start()
+        try:
+            result = done.get(timeout=self.start_timeout_s)
+        except queue.Empty:
+            raise GenerationWorkerError(f"{self.name} did not accept a connection within {self.start_timeout_s:g} s "
+                                        "(busy with another trainer, or stalled)") from None
+        if isinstance(result, BaseException):
+            why = ("the keys differ: set the same ALIGNER_WORKER_KEY on both sides"
+                   if isinstance(result, connection.AuthenticationError) else
+                   getattr(result, "strerror", None) or str(result) or type(result).__name__)
+            raise GenerationWorkerError(f"cannot reach {self.name}: {why}")
+        self.connection = result
+        _reader(self.connection, self.inbox)
+        self.send("start", self.spec)
+        answer = self.receive(self.start_timeout_s, "starting")
+        if answer[0] != "ready":
+            raise GenerationWorkerError(f"{self.name} sent {answer[0]!r} instead of 'ready' while starting")
+        self.pid = answer[1]
+
+    def send(self, *command) -> None:
+        if command[0] == "weights":
+            _, version, names = command
+            command = ("weights", version, {name: self.weights.tensors[name] for name in names})
+        try:
+            _send(self.connection, command)
+        except OSError as error:
+            self.inbox.put(("lost", f"lost the connection ({error.strerror or error})"))
+
+    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
+        """As `GenerationWorker.receive`; a closed connection is the worker's exit."""
+        try:
+            answer = self.inbox.get(timeout=silence_timeout_s)
+        except queue.Empty:
+            raise GenerationWorkerError(f"{self.name} said nothing for {silence_timeout_s:g} s while {doing}: "
+                                        "stalled") from None
+        if answer[0] == "error":
+            raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
+        if answer[0] == "lost":
+            raise GenerationWorkerError(f"{self.name} {answer[1]} while {doing}")
+        return answer
+
+    def close(self) -> None:
+        """Tell the server this trainer is done (it then waits for the next); idempotent."""
+        if self.connection is None:
+            return
+        try:
+            _send(self.connection, ("stop",))
+        except OSError:
+            pass
+        self.connection.close()
+        self.connection = None

@@ -19,6 +19,7 @@ from .minicluster import ClusterUnavailable, MiniCluster, unavailable_reason
 GPT = REPO_ROOT / "examples" / "nlp" / "gpt"
 SFT_SBATCH = GPT / "slurm" / "sft.sbatch"
 PPO_SBATCH = GPT / "slurm" / "ppo_heterogeneous.sbatch"
+ASYNC_SBATCH = GPT / "slurm" / "grpo_async.sbatch"
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # The scripts' sizes for one CPU rank per node: sbatch's own options override their #SBATCH lines.
@@ -412,3 +413,95 @@ def test_the_rl_actor_across_two_nodes_without_slurm_has_the_metrics_of_dp2_on_o
     for step, row in got.items():
         for key in ("reward_mean", "kl", "loss"):
             assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+ASYNC_STEPS = 12
+
+
+def _async_settings(ppo_models) -> list[str]:
+    """Asynchronous GRPO (one step stale, the decoupled correction) on the tiny policy, a reward function."""
+    root, sft, _ = ppo_models
+    return [f"model.init_from={sft}", f"data.prompts={root / 'prompts.jsonl'}", "algorithm=grpo",
+            "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
+            "data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.global_batch_size=16",
+            "trainer.micro_batch_size=4", f"trainer.max_steps={ASYNC_STEPS}", "optim.lr=1e-3",
+            "loss.importance_sampling=token", "logging.progress_bar=false", "logging.tensorboard=false",
+            "logging.peak_tflops=1.0", "logging.samples_interval=0", "checkpoint.save_interval=2",
+            "rollout.asynchronous.silence_timeout_s=60"]
+
+
+def _submit_async(cluster: MiniCluster, ppo_models, name: str) -> tuple[int, Path]:
+    """grpo_async.sbatch: the trainer (one rank) on one node, its generation worker server on another."""
+    root = ppo_models[0]
+    results = root / name
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RESULTS=str(results), MAX_STALENESS="1",
+                      ALIGNER_LOCK_STALE_S=LOCK_STALE_S)
+    job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / name}.log", "--open-mode=append", ":",
+                         "--nodes=1", *ONE_RANK_PER_NODE, str(ASYNC_SBATCH), *_async_settings(ppo_models), env=env,
+                         cwd=REPO_ROOT)
+    return job, results
+
+
+def test_async_grpo_with_its_generation_worker_on_another_node_matches_one_machine_and_survives_its_loss(
+        cluster, ppo_models, monkeypatch):
+    """grpo_async.sbatch: the trainer on one node, the generation worker server on another (bound to its node's
+    name), weights and rollouts over TCP; every step's reward, KL and loss equal the same asynchronous run with a
+    worker process beside the trainer on one machine. Then the worker's node fails after the step-2 checkpoint:
+    the trainer stops with one line naming the worker, and the requeued job resumes on the two other nodes (the
+    rollouts generated ahead restored from the checkpoint) to the same metrics."""
+    root = ppo_models[0]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run_torchrun(GPT / "train_gpt_reinforce_actor.py", 1, *_async_settings(ppo_models),
+                 "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=1",
+                 "rollout.asynchronous.worker_threads=1",
+                 f"checkpoint.save_dir={root / 'async_one' / 'checkpoints'}", f"logging.log_dir={root / 'async_one'}")
+    reference = _rows(root / "async_one")
+    assert sorted(reference) == list(range(1, ASYNC_STEPS + 1))
+
+    job, results = _submit_async(cluster, ppo_models, "async_two")
+    record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    log = _log(root / "async_two.log")
+    assert record["JobState"] == "COMPLETED", (record["JobState"], log[-4000:])
+    trainer_node, worker_node = cluster.job(job)["NodeList"], cluster.job(job + 1)["NodeList"]
+    assert trainer_node != worker_node and f"generation workers: {worker_node}:5570" in log, log[-3000:]
+    assert f"ready on {worker_node}:5570 ({cluster.address(worker_node)};" in _log(results / "workers.log")
+    rows = _rows(results)
+    assert sorted(rows) == list(range(1, ASYNC_STEPS + 1)), log[-3000:]
+    for step, row in rows.items():
+        assert row["async/staleness_max"] == min(step - 1, 1), step
+        for key in ("reward_mean", "kl", "loss"):
+            assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
+    cluster.wait_idle(60)
+
+    job, results = _submit_async(cluster, ppo_models, "async_lost")
+    report = lambda: _log(root / "async_lost.log")  # noqa: E731
+    _wait_for((results / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file, 240, "a step-2 checkpoint",
+              _running(cluster, job), report)
+    worker_node = cluster.job(job + 1)["NodeList"]
+    cluster.kill_node(worker_node)
+    try:
+        noticed_s = _wait_for(lambda: "error:" in report(), 90, "an error line from the trainer", report=report)
+        first = cluster.wait_job(job, 120, states=("FAILED", "PENDING", "REQUEUED", "NODE_FAIL", "COMPLETED"))
+        if first["JobState"] == "FAILED":  # the trainer's exit ended the job before Slurm marked the node down
+            _wait_for(lambda: cluster.node_states().get(worker_node) == "down", 90, "the lost node marked down",
+                      report=lambda: str(cluster.node_states()))
+            cluster.run("scontrol", "requeue", str(job))
+        record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    finally:
+        cluster.start_slurmd(worker_node)
+    log = report()
+    first_run = log[:log.index("(restart 1)")] if "(restart 1)" in log else log
+    errors = [line for line in first_run.splitlines() if line.startswith("error:")]
+    lost_line = f"error: cannot reach the generation worker at {worker_node}:5570"
+    assert len(errors) == 1 and errors[0].startswith(lost_line), first_run[-3000:]
+    assert "Traceback" not in log, log[-4000:]
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record["JobState"], log[-4000:])
+    assert re.search(rf"resumed from {re.escape(str(results / 'checkpoints'))}/step_\d+", log), log[-4000:]
+    resumed = _rows(results)
+    assert sorted(resumed) == list(range(1, ASYNC_STEPS + 1)), log[-3000:]
+    for step, row in resumed.items():
+        for key in ("reward_mean", "kl", "loss"):
+            assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
+    cluster.wait_idle(90)
+    print(f"the worker's node lost: the trainer stopped in {noticed_s:.1f} s")

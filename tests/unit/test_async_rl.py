@@ -5,16 +5,22 @@ on the worker's timing; the decoupled correction's gradient is the on-policy gra
 a softmax policy, float64); a resumed run continues exactly; a worker that dies or stalls, or a weight copy that
 stalls, ends the run within its timeout with one line (or the worker is started again); the settings it cannot run
 are refused in one line; multi-turn episodes run in the worker, each as old as its oldest token and weighted per
-token.
+token; a worker server (another host's worker, over TCP) gives the local worker's run, and its loss or a wrong key
+ends the run with one line.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,8 +29,9 @@ import torch
 
 from aligner.algorithms.rl_config import RLActorConfig
 from aligner.config import CONF_DIR, ConfigError, load_config
-from aligner.generation.worker import FAULT_ONCE_VARIABLE, FAULT_VARIABLE, GenerationWorkerError
+from aligner.generation.worker import FAULT_ONCE_VARIABLE, FAULT_VARIABLE, KEY_VARIABLE, GenerationWorkerError
 from aligner.rl import mismatch, policy_losses
+from aligner.runtime.errors import UserError
 
 GROUP_YAML = CONF_DIR / "gpt_reinforce_actor.yaml"
 ENVIRONMENTS = Path(__file__).resolve().parents[1] / "agent_envs.py"
@@ -394,3 +401,75 @@ def test_the_decoupled_correction_gives_the_on_policy_gradient_in_expectation():
             assert z < 5, (mean, exact, z)
         else:
             assert z > 20, (mean, exact, z)
+
+
+# -- a generation worker server (examples/nlp/gpt/serve_generation_worker.py): the same worker over TCP
+SERVER = Path(__file__).resolve().parents[2] / "examples" / "nlp" / "gpt" / "serve_generation_worker.py"
+
+
+@contextlib.contextmanager
+def worker_server(key: str, *, fault: str = ""):
+    """A worker server on 127.0.0.1 (a free port), one thread; yields (its address, its output so far)."""
+    env = {**os.environ, KEY_VARIABLE: key, FAULT_VARIABLE: fault}
+    server = subprocess.Popen([sys.executable, str(SERVER), "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        first = server.stdout.readline()
+        lines.append(first)
+        match = re.search(r"ready on (\S+:\d+)", first)
+        assert match, first + server.stdout.read() if server.poll() is not None else first
+        threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()
+        yield match.group(1), server, lines
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_a_worker_server_gives_the_local_worker_s_run_and_serves_trainer_after_trainer(single_process, tiny,
+                                                                                       monkeypatch):
+    """max_staleness 1 with the worker on a server (weights over TCP, one thread as the local worker): the local
+    worker's run bit for bit, twice from the same server (the second trainer connects after the first left)."""
+    settings = ("trainer.max_steps=3", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=1",
+                *CORRECTED)
+    local_weights, local_rows, _ = fit(actor_config(tiny, "local_worker", *settings))
+    monkeypatch.setenv(KEY_VARIABLE, "test-key")
+    with worker_server("test-key") as (address, server, output):
+        for attempt in ("remote_1", "remote_2"):
+            remote_weights, remote_rows, trainer = fit(actor_config(tiny, attempt, *settings,
+                                                                    f"rollout.asynchronous.workers=[{address}]"))
+            assert_same_weights(local_weights, remote_weights)
+            assert [untimed(row) for row in remote_rows] == [untimed(row) for row in local_rows]
+            assert trainer.asynchronous.worker is None
+        assert server.poll() is None  # still serving
+    assert sum("serving a trainer" in line for line in output) == 2, output
+
+
+def test_a_lost_worker_server_or_a_wrong_key_ends_the_run_with_one_line(single_process, tiny, monkeypatch):
+    settings = ("trainer.max_steps=3", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=0",
+                "rollout.asynchronous.silence_timeout_s=30")
+    monkeypatch.setenv(KEY_VARIABLE, "test-key")
+    with worker_server("test-key", fault="die_at_step:1") as (address, server, _):
+        start = time.monotonic()
+        with pytest.raises(GenerationWorkerError) as failure:  # the restart finds no server
+            fit(actor_config(tiny, "server_lost", *settings, f"rollout.asynchronous.workers=[{address}]"))
+        line = str(failure.value)
+        assert "\n" not in line and line.startswith(f"cannot reach the generation worker at {address}"), line
+        assert time.monotonic() - start < 25 and server.wait(10) == 3
+    with worker_server("another-key") as (address, _, _):
+        with pytest.raises(GenerationWorkerError, match="the keys differ: set the same ALIGNER_WORKER_KEY"):
+            fit(actor_config(tiny, "wrong_key", *settings, f"rollout.asynchronous.workers=[{address}]"))
+
+
+@pytest.mark.parametrize("workers, key, message", [
+    ("[127.0.0.1:5570, 127.0.0.1:5571]", "k", "names 2 worker server\\(s\\); this run has 1 data-parallel rank"),
+    ("[127.0.0.1]", "k", "rollout.asynchronous.workers: '127.0.0.1' is not HOST:PORT"),
+    ("[127.0.0.1:5570]", "", "ALIGNER_WORKER_KEY is not set"),
+])
+def test_worker_server_settings_are_checked_before_the_run(tiny, monkeypatch, workers, key, message):
+    monkeypatch.setenv(KEY_VARIABLE, key)
+    cfg = actor_config(tiny, "refused", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=0",
+                       f"rollout.asynchronous.workers={workers}")
+    with pytest.raises(UserError, match=message) as refusal:
+        cfg.validate(1)
+    assert "\n" not in str(refusal.value)

@@ -164,8 +164,15 @@ def test_every_documented_command_names_a_script_and_keys_that_exist(tokens):
         _load(RLActorConfig, CONF_DIR / "gpt_ppo_actor.yaml", _flag_values(tokens, "--actor-arg"), elided)
         _load(CriticServerConfig, CONF_DIR / "gpt_ppo_critic.yaml", _flag_values(tokens, "--critic-arg"), elided)
         return
-    entry = entries[script]
     rest = tokens[tokens.index(script) + 1:]
+    if script not in entries:  # an argparse entry point (no yaml): every flag the command gives is one it has
+        usage = subprocess.run([sys.executable, str(REPO_ROOT / script), "--help"], capture_output=True, text=True,
+                               cwd=REPO_ROOT, timeout=120)
+        flags = [token.strip("[]") for token in rest if token.strip("[").startswith("--")]
+        assert usage.returncode == 0 and flags, usage.stderr[-2000:]
+        assert all(re.search(rf"(^|\s){re.escape(flag)}\b", usage.stdout) for flag in flags), (flags, usage.stdout)
+        return
+    entry = entries[script]
     configs = _flag_values(rest, "--config")
     yaml_path = REPO_ROOT / configs[0] if configs else entry.yaml_path
     assert yaml_path.is_file(), f"--config {yaml_path} does not exist"
