@@ -132,8 +132,9 @@ class AsynchronousSection:
     silence_timeout_s: float = at_least(1.0, 600.0)  # the worker says nothing this long while awaited: stalled
     weight_timeout_s: float = at_least(1.0, 120.0)  # one weight copy in the worker, once started
     restarts: int = at_least(0, 1)  # a worker that dies or stalls is started again this many times, then the run stops
-    # "host:port" of generation worker servers (examples/nlp/gpt/serve_generation_worker.py), one per data-parallel
-    # rank, in rank order; empty: a worker process beside each rank
+    # "host:port" of generation worker servers (examples/nlp/gpt/serve_generation_worker.py), n per data-parallel
+    # rank (rank r's: the r-th n of the list), which split its share of each step; empty: a worker process beside
+    # each rank
     workers: list = field(default_factory=list)
 
 
@@ -440,9 +441,12 @@ class RLActorConfig(RunConfig):
                               f"{model_parallel} ranks")
         if rollout.asynchronous.workers:
             workers = rollout.asynchronous.workers
-            if len(workers) != data_parallel_size:
-                raise ConfigError(f"rollout.asynchronous.workers names {len(workers)} worker server(s); this run has "
-                                  f"{data_parallel_size} data-parallel rank(s), one server each")
+            if len(workers) % data_parallel_size:
+                raise ConfigError(f"rollout.asynchronous.workers names {len(workers)} worker server(s) for "
+                                  f"{data_parallel_size} data-parallel rank(s): give each rank as many")
+            if len(workers) > data_parallel_size and rollout.episodes:
+                raise ConfigError("rollout.asynchronous.workers: multi-turn episodes run on one worker per "
+                                  f"data-parallel rank ({data_parallel_size}); {len(workers)} are given")
             for address in workers:
                 parse_address(address, "rollout.asynchronous.workers")
             worker_key()  # before the model is built: the servers only talk to a trainer holding their key

@@ -27,6 +27,7 @@ the worker gets SIGKILL from the kernel when the trainer dies, and is killed whe
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import os
 import pickle
@@ -296,21 +297,21 @@ class GenerationWorker:
     def receive(self, silence_timeout_s: float, doing: str) -> tuple:
         """The worker's next answer; GenerationWorkerError (one line, naming the worker and `doing`) when it
         exited, reported an error, or said nothing for silence_timeout_s seconds."""
-        deadline = time.monotonic() + silence_timeout_s
-        while True:
-            try:
-                answer = self.answers.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
-            except queue.Empty:
-                answer = None
-            if answer is not None:
-                if answer[0] == "error":
-                    raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
-                return answer
+        return _receive(self, silence_timeout_s, doing)
+
+    def poll(self, timeout_s: float, doing: str) -> Optional[tuple]:
+        """The next answer if one comes within timeout_s, else None; GenerationWorkerError when the worker
+        exited or reported an error."""
+        try:
+            answer = self.answers.get(timeout=max(timeout_s, 0.001))
+        except queue.Empty:
             if not self.process.is_alive():
-                raise GenerationWorkerError(f"{self.name} exited with code {self.process.exitcode} while {doing}")
-            if time.monotonic() > deadline:
-                raise GenerationWorkerError(f"{self.name} said nothing for {silence_timeout_s:g} s while {doing}: "
-                                            "stalled")
+                raise GenerationWorkerError(f"{self.name} exited with code {self.process.exitcode} while "
+                                            f"{doing}") from None
+            return None
+        if answer[0] == "error":
+            raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
+        return answer
 
     def close(self) -> None:
         """Stop the worker (asked first, killed if it does not exit within 5 s); idempotent."""
@@ -330,6 +331,18 @@ class GenerationWorker:
             channel.close()
         self.process = None
         atexit.unregister(self.close)
+
+
+def _receive(worker, silence_timeout_s: float, doing: str) -> tuple:
+    """`worker.poll` until an answer comes; GenerationWorkerError after silence_timeout_s seconds of silence."""
+    deadline = time.monotonic() + silence_timeout_s
+    while True:
+        answer = worker.poll(min(1.0, max(deadline - time.monotonic(), 0.01)), doing)
+        if answer is not None:
+            return answer
+        if time.monotonic() > deadline:
+            raise GenerationWorkerError(f"{worker.name} said nothing for {silence_timeout_s:g} s while {doing}: "
+                                        "stalled")
 
 
 # -- a worker on another host: the same commands over TCP
@@ -497,11 +510,13 @@ class RemoteGenerationWorker:
 
     def receive(self, silence_timeout_s: float, doing: str) -> tuple:
         """As `GenerationWorker.receive`; a closed connection is the worker's exit."""
+        return _receive(self, silence_timeout_s, doing)
+
+    def poll(self, timeout_s: float, doing: str) -> Optional[tuple]:
         try:
-            answer = self.inbox.get(timeout=silence_timeout_s)
+            answer = self.inbox.get(timeout=max(timeout_s, 0.001))
         except queue.Empty:
-            raise GenerationWorkerError(f"{self.name} said nothing for {silence_timeout_s:g} s while {doing}: "
-                                        "stalled") from None
+            return None
         if answer[0] == "error":
             raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
         if answer[0] == "lost":
@@ -518,3 +533,72 @@ class RemoteGenerationWorker:
             pass
         self.connection.close()
         self.connection = None
+
+
+class WorkerPool:
+    """Several workers for one trainer rank, with `GenerationWorker`'s interface: each member is sent every
+    command and generates its own share of the rank's micro-batches (its spec's replica among replicas: the
+    static router's split, so which member makes a rollout changes nothing in it). Members take the same
+    commands in the same order, so they answer in the same order; the pool answers once all members have,
+    merged (the rollouts of a step joined by position, the slowest member's seconds)."""
+
+    POLL_S = 0.02  # how long one member is listened to before the next, while the pool waits
+
+    def __init__(self, members: list):
+        self.members = members
+        self.pending: list[collections.deque] = [collections.deque() for _ in members]
+
+    @property
+    def name(self) -> str:
+        return "the generation workers " + ", ".join(member.name.removeprefix("the generation worker ")
+                                                      for member in self.members)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None
+
+    def start(self) -> None:
+        try:
+            for member in self.members:
+                member.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, *command) -> None:
+        for member in self.members:
+            member.send(*command)
+
+    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
+        """Every member's next answer, merged; GenerationWorkerError naming the member that failed, or the
+        first that said nothing for silence_timeout_s seconds."""
+        deadline = time.monotonic() + silence_timeout_s
+        while not all(self.pending):
+            for member, pending in zip(self.members, self.pending):
+                if not pending:
+                    answer = member.poll(self.POLL_S, doing)
+                    if answer is not None:
+                        pending.append(answer)
+            if not all(self.pending) and time.monotonic() > deadline:
+                silent = next(member for member, pending in zip(self.members, self.pending) if not pending)
+                raise GenerationWorkerError(f"{silent.name} said nothing for {silence_timeout_s:g} s while {doing}: "
+                                            "stalled")
+        answers = [pending.popleft() for pending in self.pending]
+        if len({answer[:2] for answer in answers}) != 1:
+            raise GenerationWorkerError(f"{self.name} answered out of step while {doing}: "
+                                        f"{[answer[:2] for answer in answers]}")
+        kind = answers[0][0]
+        if kind == "loaded":
+            return ("loaded", answers[0][1], max(answer[2] for answer in answers),
+                    max(answer[3] for answer in answers))
+        if kind == "generated":
+            made = {}
+            for answer in answers:
+                made.update(answer[3])
+            seconds = {key: max(answer[4][key] for answer in answers) for key in answers[0][4]}
+            return ("generated", answers[0][1], answers[0][2], made, seconds)
+        return answers[0]
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()

@@ -429,7 +429,8 @@ def worker_server(key: str, *, fault: str = ""):
 def test_a_worker_server_gives_the_local_worker_s_run_and_serves_trainer_after_trainer(single_process, tiny,
                                                                                        monkeypatch):
     """max_staleness 1 with the worker on a server (weights over TCP, one thread as the local worker): the local
-    worker's run bit for bit, twice from the same server (the second trainer connects after the first left)."""
+    worker's run bit for bit, twice from the same server (the second trainer connects after the first left); two
+    servers splitting each step's micro-batches: the same samples, and losses to float32 rounding."""
     settings = ("trainer.max_steps=3", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=1",
                 *CORRECTED)
     local_weights, local_rows, _ = fit(actor_config(tiny, "local_worker", *settings))
@@ -442,7 +443,17 @@ def test_a_worker_server_gives_the_local_worker_s_run_and_serves_trainer_after_t
             assert [untimed(row) for row in remote_rows] == [untimed(row) for row in local_rows]
             assert trainer.asynchronous.worker is None
         assert server.poll() is None  # still serving
-    assert sum("serving a trainer" in line for line in output) == 2, output
+        with worker_server("test-key") as (second, _, second_output):  # two servers split the rank's micro-batches
+            pooled_weights, pooled_rows, _ = fit(actor_config(tiny, "remote_pool", *settings,
+                                                              f"rollout.asynchronous.workers=[{address}, {second}]"))
+            # the same samples; the engine's logprobs (the behaviour policy's, in the correction) depend on which
+            # rows share a decode batch, to float32 rounding
+            for one, two in zip(local_rows, pooled_rows, strict=True):
+                assert two["reward_mean"] == one["reward_mean"] and two["response_length"] == one["response_length"]
+                assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+                assert two["importance_weight_mean"] == pytest.approx(one["importance_weight_mean"], rel=1e-5)
+    assert sum("serving a trainer" in line for line in output) == 3, output
+    assert any("replica 2 of 2" in line for line in second_output), second_output
 
 
 def test_a_lost_worker_server_or_a_wrong_key_ends_the_run_with_one_line(single_process, tiny, monkeypatch):
@@ -461,15 +472,19 @@ def test_a_lost_worker_server_or_a_wrong_key_ends_the_run_with_one_line(single_p
             fit(actor_config(tiny, "wrong_key", *settings, f"rollout.asynchronous.workers=[{address}]"))
 
 
-@pytest.mark.parametrize("workers, key, message", [
-    ("[127.0.0.1:5570, 127.0.0.1:5571]", "k", "names 2 worker server\\(s\\); this run has 1 data-parallel rank"),
-    ("[127.0.0.1]", "k", "rollout.asynchronous.workers: '127.0.0.1' is not HOST:PORT"),
-    ("[127.0.0.1:5570]", "", "ALIGNER_WORKER_KEY is not set"),
+@pytest.mark.parametrize("workers, key, ranks, episodes, message", [
+    ("[127.0.0.1:5570, 127.0.0.1:5571, 127.0.0.1:5572]", "k", 2, False,
+     "names 3 worker server\\(s\\) for 2 data-parallel rank\\(s\\): give each rank as many"),
+    ("[127.0.0.1:5570, 127.0.0.1:5571]", "k", 1, True, "multi-turn episodes run on one worker per data-parallel"),
+    ("[127.0.0.1]", "k", 1, False, "rollout.asynchronous.workers: '127.0.0.1' is not HOST:PORT"),
+    ("[127.0.0.1:5570]", "", 1, False, "ALIGNER_WORKER_KEY is not set"),
 ])
-def test_worker_server_settings_are_checked_before_the_run(tiny, monkeypatch, workers, key, message):
+def test_worker_server_settings_are_checked_before_the_run(tiny, monkeypatch, workers, key, ranks, episodes,
+                                                           message):
     monkeypatch.setenv(KEY_VARIABLE, key)
     cfg = actor_config(tiny, "refused", "rollout.asynchronous.enabled=true", "rollout.asynchronous.max_staleness=0",
-                       f"rollout.asynchronous.workers={workers}")
+                       "trainer.micro_batch_size=4", f"rollout.asynchronous.workers={workers}",
+                       *(EPISODES if episodes else ()))
     with pytest.raises(UserError, match=message) as refusal:
-        cfg.validate(1)
+        cfg.validate(ranks)
     assert "\n" not in str(refusal.value)
