@@ -185,8 +185,10 @@ def ppo_models(tmp_path_factory):
     return root, root / "sft" / "step_00000000", root / "rm" / "step_00000000"
 
 
-def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: str) -> tuple[int, Path]:
-    """ppo_heterogeneous.sbatch, one rank per component (the actor's node first), PPO_STEPS steps of 8 prompts."""
+def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: str,
+                workers: bool = False) -> tuple[int, Path]:
+    """ppo_heterogeneous.sbatch, one rank per component (the actor's node first), PPO_STEPS steps of 8 prompts;
+    workers: a third component, the actor's generation worker server."""
     root, sft, rm = ppo_models
     results = root / name
     actor = ["data.max_prompt_length=8", "generation.max_new_tokens=5", "generation.micro_batch_size=8",
@@ -199,8 +201,9 @@ def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: st
     env = cluster.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RM_CHECKPOINT=str(rm), SFT_CHECKPOINT=str(sft),
                       PROMPTS=str(root / "prompts.jsonl"), RESULTS=str(results), CRITIC_TP="1", ACTOR_TP="1",
                       ACTOR_ARGS=" ".join(actor), CRITIC_ARGS=" ".join(critic), ALIGNER_LOCK_STALE_S=LOCK_STALE_S)
+    third = (":", "--nodes=1", *ONE_RANK_PER_NODE) if workers else ()
     job = cluster.sbatch("--nodes=1", *ONE_RANK_PER_NODE, f"--output={root / name}.log", "--open-mode=append", ":",
-                         "--nodes=1", *ONE_RANK_PER_NODE, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
+                         "--nodes=1", *ONE_RANK_PER_NODE, *third, str(PPO_SBATCH), env=env, cwd=REPO_ROOT)
     return job, results
 
 
@@ -505,3 +508,24 @@ def test_async_grpo_with_its_generation_worker_on_another_node_matches_one_machi
             assert row[key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
     cluster.wait_idle(90)
     print(f"the worker's node lost: the trainer stopped in {noticed_s:.1f} s")
+
+
+def test_ppo_with_a_third_component_generates_on_its_node_asynchronously(cluster, ppo_models):
+    """ppo_heterogeneous.sbatch with a third component: the actor on one node, the critic server on another, the
+    actor's generation worker server on the third; PPO runs asynchronously (one step stale, the decoupled
+    correction) to its last step, and every process of the job ends with it."""
+    root = ppo_models[0]
+    job, results = _submit_ppo(cluster, ppo_models, "ppo_async", "loss.importance_sampling=token",
+                               "trainer.max_steps=6", workers=True)
+    record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    log = _log(root / "ppo_async.log")
+    assert record["JobState"] == "COMPLETED", (record["JobState"], log[-4000:])
+    nodes = [cluster.job(job + component)["NodeList"] for component in range(3)]
+    assert len(set(nodes)) == 3, nodes
+    assert f"asynchronous generation: the generation worker at {nodes[2]}:5570" in log, log[-3000:]
+    assert "the trainer disconnected" in _log(results / "workers.log")
+    rows = _ppo_rows(results)
+    assert sorted(rows) == list(range(1, 7)), log[-3000:]
+    assert [rows[step]["async/staleness_max"] for step in range(1, 7)] == [0.0] + [1.0] * 5
+    assert "Traceback" not in log, log[-4000:]
+    cluster.wait_idle(60)
