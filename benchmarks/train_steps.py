@@ -1,13 +1,14 @@
-"""Training steps against TRL's trainers at equal work: SFT, DPO and a full RLOO step, steps interleaved.
+"""Training steps against TRL's trainers on the same task and update: SFT, DPO and full RL steps, interleaved.
 
     .venv/bin/python benchmarks/train_steps.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
-        [--task sft|dpo|rl|grpo|all] [--steps 4] [--warmup 2] [--work DIR]
+        [--task sft|dpo|rl|grpo|all] [--steps 10] [--warmup 3] [--work DIR]
 
 Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of
 it) on the same records with the settings of one `peer.workload.Workload` (what is matched and what is not
-is listed there). Each side is a worker process (ours: the project's venv; TRL: its own venv, installed by
+is listed there; the update is the same, the arithmetic is not: ours skips some of TRL's). Each side is a worker process (ours: the project's venv; TRL: its own venv, installed by
 benchmarks/peer/setup.sh on first use) and the two take turns step by step (peer/protocol.py), so only
-one computes at a time. Prints, per task, each side's median step time, tokens per step and peak RSS,
+one computes at a time. Prints, per task, each side's median step time, tokens per step, peak RSS, minor
+page faults and CPU seconds per step (flags: a side still trending, a load above the threads),
 then `ratio NAME VALUE` = median over timed steps of (TRL step time / our step time): > 1 means ours is
 faster. The 1-minute load average is printed before and after, since the machine may be shared.
 `--model toy` is the demo's task: a random-init model of the demo's size (4 layers, 128 wide) with its
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -68,20 +70,28 @@ def toy_checkpoint() -> Path:
     return checkpoint
 
 
+def worker_environment(threads: int) -> dict[str, str]:
+    """What both sides' worker processes get, the same for each: their threads, the allocator settings our
+    process makes for itself (`cpu_bridge.reuse_freed_memory`; the peer's glibc reads them from GLIBC_TUNABLES,
+    so it neither mmaps nor trims its large temporaries either), no tokenizer threads, and the repository on the
+    path (the toy's reward: aligner.demo)."""
+    from aligner.runtime import cpu_bridge
+
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "GLIBC_TUNABLES": cpu_bridge.glibc_tunables(), "PYTHONPATH": str(REPO_ROOT)}
+
+
 def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: Path, toy: bool) -> None:
     work = default_workload(task, steps, warmup, toy=toy)
     scratch = work_dir / task
     data = write_data(work, scratch)
     work_json = scratch / "workload.json"
     work_json.write_text(work.to_json())
-    threads = {name: str(work.threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = worker_environment(work.threads)
     ours = Worker("ours", [sys.executable, str(REPO_ROOT / "benchmarks/peer/aligner_worker.py"), str(work_json),
-                           str(resolved.checkpoint_dir), str(data), str(scratch / "ours")],
-                  scratch / "ours.log", env={**threads, "PYTHONPATH": str(REPO_ROOT)})
+                           str(resolved.checkpoint_dir), str(data), str(scratch / "ours")], scratch / "ours.log", env)
     trl = Worker("trl", [str(peer), str(REPO_ROOT / "benchmarks/peer/trl_worker.py"), str(work_json),
-                         str(resolved.hf_dir), str(data), str(scratch / "trl")],
-                 scratch / "trl.log", env={**threads, "TOKENIZERS_PARALLELISM": "false",
-                                           "PYTHONPATH": str(REPO_ROOT)})  # the toy's reward: aligner.demo
+                         str(resolved.hf_dir), str(data), str(scratch / "trl")], scratch / "trl.log", env)
     load_before = os.getloadavg()[0]
     our_result, peer_result = run_interleaved([ours, trl], work.total_steps,
                                               progress=lambda line: print(f"  {task} {line}", file=sys.stderr,
@@ -95,17 +105,42 @@ def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: 
           f"load {load_before:.2f}->{load_after:.2f}")
     for name, result in (("ours", our_result), ("trl", peer_result)):
         timed = result.seconds[work.warmup_steps:]
+        figures = result.figures[work.warmup_steps:]
         print(f"  {name:<5} step {statistics.median(timed):8.3f} s (min {min(timed):.3f}, max {max(timed):.3f})  "
               f"{'generated' if task in RL_TASKS else 'trained'} tokens/step {statistics.median(result.tokens):7.0f}  "
-              f"peak RSS {result.peak_rss_mb:6.0f} MB")
-    shares = our_result.figures[work.warmup_steps:]
+              f"peak RSS {result.peak_rss_mb:6.0f} MB  per step: "
+              f"{statistics.median(step['minor_faults'] for step in figures):,.0f} minor page faults, "
+              f"{statistics.median(step['cpu_seconds'] for step in figures):.2f} CPU s")
+        drift = trend(timed)
+        if drift is not None:
+            print(f"  {name:<5} flag: still trending: the last half of the timed steps took {drift:+.1%} against "
+                  "the first half; more warm-up steps (--warmup) would measure it settled")
+    shares = [{key: value for key, value in step.items() if key.startswith("share_")}
+              for step in our_result.figures[work.warmup_steps:]]
     if shares and shares[0]:  # the RL actor's phases, as shares of its step (median over the timed steps)
         print("  ours  where the step's time goes: " + ", ".join(
             f"{name.removeprefix('share_')} {statistics.median(step.get(name, 0.0) for step in shares):.1%}"
             for name in shares[0]))
+    if max(load_before, load_after) > work.threads + 0.5:
+        print(f"  flag: the load ({load_before:.2f}->{load_after:.2f}) exceeds the {work.threads} threads: other work "
+              "shared the cores; rerun on a quiet machine before quoting these figures")
     ratio = step_ratio(peer_result.seconds, our_result.seconds, work.warmup_steps)
     prefix = "toy_" if toy else "" if resolved.spec == "smollm2" else "custom_"
     print(f"ratio {prefix}{RATIO_NAMES[task]} {ratio:.3f}", flush=True)
+
+
+TREND_LIMIT = 0.05  # the last half of the timed steps this much faster (or slower) than the first: not settled
+
+
+def trend(seconds: list[float]) -> Optional[float]:
+    """The change from the first half of the timed steps to the last (median against median), when it is beyond
+    TREND_LIMIT; None when the steps have settled (or are too few to tell: under 4)."""
+    if len(seconds) < 4:
+        return None
+    half = len(seconds) // 2
+    first, last = statistics.median(seconds[:half]), statistics.median(seconds[-half:])
+    change = last / first - 1.0
+    return change if abs(change) > TREND_LIMIT else None
 
 
 def main() -> None:
@@ -113,8 +148,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2",
                         help="an HF dir, a .gguf file, an aligner checkpoint, smollm2, or toy")
     parser.add_argument("--task", default="all", choices=(*TASKS, "all"))
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
     args = parser.parse_args()
 

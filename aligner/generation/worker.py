@@ -309,9 +309,7 @@ class GenerationWorker:
                 raise GenerationWorkerError(f"{self.name} exited with code {self.process.exitcode} while "
                                             f"{doing}") from None
             return None
-        if answer[0] == "error":
-            raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
-        return answer
+        return _checked(self, answer, doing)
 
     def close(self) -> None:
         """Stop the worker (asked first, killed if it does not exit within 5 s); idempotent."""
@@ -331,6 +329,15 @@ class GenerationWorker:
             channel.close()
         self.process = None
         atexit.unregister(self.close)
+
+
+def _checked(worker, answer: tuple, doing: str) -> tuple:
+    """`answer`, unless it says the worker failed ("error") or its connection ended ("lost": a worker server)."""
+    if answer[0] == "error":
+        raise GenerationWorkerError(f"{worker.name} failed while {doing}: {answer[1]}")
+    if answer[0] == "lost":
+        raise GenerationWorkerError(f"{worker.name} {answer[1]} while {doing}")
+    return answer
 
 
 def _receive(worker, silence_timeout_s: float, doing: str) -> tuple:
@@ -517,11 +524,7 @@ class RemoteGenerationWorker:
             answer = self.inbox.get(timeout=max(timeout_s, 0.001))
         except queue.Empty:
             return None
-        if answer[0] == "error":
-            raise GenerationWorkerError(f"{self.name} failed while {doing}: {answer[1]}")
-        if answer[0] == "lost":
-            raise GenerationWorkerError(f"{self.name} {answer[1]} while {doing}")
-        return answer
+        return _checked(self, answer, doing)
 
     def close(self) -> None:
         """Tell the server this trainer is done (it then waits for the next); idempotent."""

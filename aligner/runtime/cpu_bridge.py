@@ -339,6 +339,14 @@ def _onednn_linear_layers(mcore_layers) -> tuple:
 
 
 _GLIBC_M_TRIM_THRESHOLD, _GLIBC_M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+# What `reuse_freed_memory` sets: no mmap per large block, no trimming below 2 GiB free at the heap's top.
+MALLOC_MMAP_MAX, MALLOC_TRIM_THRESHOLD = 0, 2**31 - 1
+
+
+def glibc_tunables() -> str:
+    """`reuse_freed_memory`'s settings as glibc reads them from the environment at a process's start
+    (GLIBC_TUNABLES): how a process that does not call it (a peer's, in a benchmark) gets the same allocator."""
+    return f"glibc.malloc.mmap_max={MALLOC_MMAP_MAX}:glibc.malloc.trim_threshold={MALLOC_TRIM_THRESHOLD}"
 
 
 def mark_written(tensor: torch.Tensor) -> None:
@@ -360,7 +368,8 @@ def reuse_freed_memory() -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL("libc.so.6")
-    return bool(libc.mallopt(_GLIBC_M_MMAP_MAX, 0)) and bool(libc.mallopt(_GLIBC_M_TRIM_THRESHOLD, 2**31 - 1))
+    return (bool(libc.mallopt(_GLIBC_M_MMAP_MAX, MALLOC_MMAP_MAX))
+            and bool(libc.mallopt(_GLIBC_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)))
 
 
 def apply() -> bool:

@@ -5,7 +5,9 @@ so whatever the libraries print to stdout cannot garble it) and speaks a line pr
 
     worker -> "ready"                 (built, before its first step)
     driver -> "step"                  worker -> "done SECONDS TOKENS [NAME=VALUE ...]"   (one step, timed by
-                                      the worker; NAME=VALUE: figures the worker reports about that step)
+                                      the worker; NAME=VALUE: figures about that step: always its minor page
+                                      faults and CPU seconds (user + system, all threads), then any the
+                                      worker reports)
     driver -> "quit"                  worker -> "rss MEGABYTES"         (its peak resident set), then exits
 
 Steps alternate which side goes first, so neither always runs on a cache the other just warmed.
@@ -39,6 +41,7 @@ class WorkerChannel:
         self.reader = os.fdopen(read_fd, "r")
         self.writer = os.fdopen(write_fd, "w")
         self.started = 0.0
+        self.usage = resource.getrusage(resource.RUSAGE_SELF)
 
     def send(self, *words) -> None:
         self.writer.write(" ".join(str(word) for word in words) + "\n")
@@ -55,12 +58,18 @@ class WorkerChannel:
 
     def wait(self) -> str:
         command = self.command()
+        self.usage = resource.getrusage(resource.RUSAGE_SELF)
         self.started = time.perf_counter()
         return command
 
     def step_done(self, tokens: float, figures: Optional[dict[str, float]] = None) -> None:
-        self.send("done", f"{time.perf_counter() - self.started:.6f}", f"{tokens:.0f}",
-                  *(f"{name}={value:.6g}" for name, value in (figures or {}).items()))
+        seconds = time.perf_counter() - self.started
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        counted = {"minor_faults": usage.ru_minflt - self.usage.ru_minflt,
+                   "cpu_seconds": usage.ru_utime + usage.ru_stime - self.usage.ru_utime - self.usage.ru_stime,
+                   **(figures or {})}
+        self.send("done", f"{seconds:.6f}", f"{tokens:.0f}",
+                  *(f"{name}={value:.6g}" for name, value in counted.items()))
 
     def finish(self) -> None:
         """After the last step: wait for "quit", report the peak RSS (ru_maxrss is in KiB on Linux)."""

@@ -8,7 +8,8 @@ TRL's conversational form, which our loaders read too (rendered by the same chat
 
 Matched: model weights (fp32, the same HF export), data records, global batch, micro batch (TRL's
 per-device batch x gradient accumulation = our global batch), sequence lengths, learning rate, constant
-schedule, no warm-up, Adam betas/eps, weight decay, grad clip 1.0, dropout off, threads, and for RL:
+schedule, no warm-up, Adam betas/eps, weight decay, grad clip 1.0, dropout off, threads, the process
+environment (the driver's `worker_environment`: glibc's malloc settings included), and for RL:
 prompts per step x samples per prompt, max new tokens (forced: both sides mask the stop token until
 max_new_tokens were generated, so every rollout has the same length), temperature 1, no top-k/top-p,
 KL coefficient 0 (neither side runs a reference pass), one epoch, one optimizer step per rollout step.
@@ -22,7 +23,8 @@ Not matched (cannot be, or does not change the work): the optimizer implementati
 megatron's Adam with decoupled weight decay), padding (SFT: both pad to the longest row, ours on CPU;
 DPO and RL: ours packed, TRL's padded to the longest row),
 SFT's loss mask (we train on assistant tokens, TRL on all tokens: SmolLM2's template has no generation
-tags for TRL's assistant_only_loss; the forward/backward over all tokens is the same), RLOO's loss
+tags for TRL's assistant_only_loss; the transformer's forward/backward covers all tokens on both sides, but
+ours runs the output layer only at the positions the loss reads: less work, not the same), RLOO's loss
 aggregation details, the generation code (ours: the native KV-cached engine; TRL: transformers.generate).
 """
 from __future__ import annotations

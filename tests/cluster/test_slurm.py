@@ -207,6 +207,22 @@ def _submit_ppo(cluster: MiniCluster, ppo_models, name: str, *actor_settings: st
     return job, results
 
 
+def _lose_node_and_requeue(cluster: MiniCluster, job: int, node: str, report, timeout_s: float) -> tuple[float, dict]:
+    """Kill `node` under a running job; wait for the job's error line, and requeue the job once it failed and
+    Slurm marked the node down (or let Slurm requeue it); (seconds to the error line, the job's final record)."""
+    cluster.kill_node(node)
+    try:
+        noticed_s = _wait_for(lambda: "error:" in report(), 90, "an error line from the job", report=report)
+        first = cluster.wait_job(job, 120, states=("FAILED", "PENDING", "REQUEUED", "NODE_FAIL", "COMPLETED"))
+        if first["JobState"] == "FAILED":  # the job's exit ended it before Slurm marked the node down
+            _wait_for(lambda: cluster.node_states().get(node) == "down", 90, "the lost node marked down",
+                      report=lambda: str(cluster.node_states()))
+            cluster.run("scontrol", "requeue", str(job))
+        return noticed_s, cluster.wait_job(job, timeout_s, states=("COMPLETED", "FAILED", "CANCELLED"))
+    finally:
+        cluster.start_slurmd(node)
+
+
 def _ppo_rows(results: Path) -> dict[int, dict]:
     return _rows(results / "actor")
 
@@ -234,18 +250,7 @@ def test_ppo_heterogeneous_job_on_two_nodes_survives_the_loss_of_the_critics_nod
 
     _wait_for(lambda: all((results / side / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file()
                           for side in ("actor", "critic")), 240, "step-2 checkpoints", _running(cluster, job), report)
-    cluster.kill_node(critic_node)
-    try:
-        noticed_s = _wait_for(lambda: "error:" in _log(root / "ppo.log"), 90, "an error line from the actor",
-                              report=report)
-        first = cluster.wait_job(job, 120, states=("FAILED", "PENDING", "REQUEUED", "NODE_FAIL", "COMPLETED"))
-        if first["JobState"] == "FAILED":  # the actor's exit ended the job before Slurm marked the node down
-            _wait_for(lambda: cluster.node_states().get(critic_node) == "down", 90, "the lost node marked down",
-                      report=lambda: str(cluster.node_states()))
-            cluster.run("scontrol", "requeue", str(job))
-        record = cluster.wait_job(job, 420, states=("COMPLETED", "FAILED", "CANCELLED"))
-    finally:
-        cluster.start_slurmd(critic_node)
+    noticed_s, record = _lose_node_and_requeue(cluster, job, critic_node, report, 420)
     log = _log(root / "ppo.log")
     first_run = log[:log.index("(restart 1)")] if "(restart 1)" in log else log
     errors = [line for line in first_run.splitlines() if line.startswith("error:")]
@@ -482,17 +487,7 @@ def test_async_grpo_with_its_generation_worker_on_another_node_matches_one_machi
     _wait_for((results / "checkpoints" / "step_00000002" / "aligner_meta.json").is_file, 240, "a step-2 checkpoint",
               _running(cluster, job), report)
     worker_node = cluster.job(job + 1)["NodeList"]
-    cluster.kill_node(worker_node)
-    try:
-        noticed_s = _wait_for(lambda: "error:" in report(), 90, "an error line from the trainer", report=report)
-        first = cluster.wait_job(job, 120, states=("FAILED", "PENDING", "REQUEUED", "NODE_FAIL", "COMPLETED"))
-        if first["JobState"] == "FAILED":  # the trainer's exit ended the job before Slurm marked the node down
-            _wait_for(lambda: cluster.node_states().get(worker_node) == "down", 90, "the lost node marked down",
-                      report=lambda: str(cluster.node_states()))
-            cluster.run("scontrol", "requeue", str(job))
-        record = cluster.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
-    finally:
-        cluster.start_slurmd(worker_node)
+    noticed_s, record = _lose_node_and_requeue(cluster, job, worker_node, report, 300)
     log = report()
     first_run = log[:log.index("(restart 1)")] if "(restart 1)" in log else log
     errors = [line for line in first_run.splitlines() if line.startswith("error:")]

@@ -5,6 +5,8 @@ The workers here are tiny python processes that sleep known amounts; no TRL, no 
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -18,6 +20,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from peer import workload  # noqa: E402
 from peer.protocol import Worker, WorkerError, run_interleaved, step_ratio  # noqa: E402
+from train_steps import trend, worker_environment  # noqa: E402
 
 FAKE_WORKER = textwrap.dedent("""
     import json, sys, time
@@ -52,8 +55,12 @@ def test_workers_take_turns_and_report_their_own_step_times(tmp_path):
 
     assert len(our_result.seconds) == len(peer_result.seconds) == 4
     assert our_result.tokens == [100.0] * 4 and peer_result.tokens == [200.0] * 4
-    # figures a worker reports about its steps arrive per step; a worker without any reports none
-    assert our_result.figures == [{"share_sleep": 0.75}] * 4 and peer_result.figures == [{}] * 4
+    # figures a worker reports about its steps arrive per step, after the two the protocol counts for every
+    # worker: its minor page faults and CPU seconds (a sleeping step uses little of either)
+    assert [step["share_sleep"] for step in our_result.figures] == [0.75] * 4
+    for result in (our_result, peer_result):
+        assert all(set(step) - {"share_sleep"} == {"minor_faults", "cpu_seconds"} for step in result.figures)
+        assert all(0 <= step["minor_faults"] < 5000 and 0 <= step["cpu_seconds"] < 0.05 for step in result.figures)
     # A step's reported time is the worker's own step: at least its sleep, and inside its own start..end
     # in the journal (so never the other side's turn). No upper bound on a sleep: the machine may be loaded.
     assert all(s >= 0.05 for s in our_result.seconds) and all(s >= 0.15 for s in peer_result.seconds)
@@ -164,3 +171,49 @@ def test_the_data_is_one_file_in_the_conversational_form(tmp_path):
         assert len(records) >= work.total_steps * per_step
         key = {"sft": "messages", "dpo": "chosen", "rl": "prompt", "grpo": "prompt"}[task]
         assert all(isinstance(record[key], list) and record[key][0]["content"] for record in records)
+
+
+ALLOCATE_AND_FREE = textwrap.dedent("""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    def resident_kib():
+        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmRSS")))
+    before = resident_kib()
+    block = libc.malloc(256 * 2**20)
+    ctypes.memset(block, 1, 256 * 2**20)
+    libc.free(ctypes.c_void_p(block))
+    print(resident_kib() - before)
+""")
+
+
+def test_both_sides_get_the_allocator_settings_our_process_makes_for_itself():
+    """The peer's worker gets our process's glibc malloc settings through GLIBC_TUNABLES: a freed 256 MiB block
+    stays resident (no mmap, no trim), as in our process after `cpu_bridge.reuse_freed_memory`; without them
+    glibc hands it back to the kernel. (The environment is one dict, given to both workers.)"""
+    from aligner.runtime import cpu_bridge
+
+    env = worker_environment(3)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert env["GLIBC_TUNABLES"] == (f"glibc.malloc.mmap_max={cpu_bridge.MALLOC_MMAP_MAX}:"
+                                     f"glibc.malloc.trim_threshold={cpu_bridge.MALLOC_TRIM_THRESHOLD}")
+
+    def kept_kib(tunables: str | None, setup: str = "") -> int:
+        """KiB still resident after a 256 MiB block is written and freed, in a new process."""
+        child = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES"}
+        if tunables is not None:
+            child["GLIBC_TUNABLES"] = tunables
+        run = subprocess.run([sys.executable, "-c", setup + ALLOCATE_AND_FREE], capture_output=True, text=True,
+                             env=child, check=True)
+        return int(run.stdout.split()[-1])
+
+    assert kept_kib(env["GLIBC_TUNABLES"]) > 200 * 1024  # the peer's process, given the environment
+    assert kept_kib(None, "from aligner.runtime import cpu_bridge\nassert cpu_bridge.reuse_freed_memory()\n") \
+        > 200 * 1024  # ours, by its own call
+    assert kept_kib(None) < 16 * 1024  # glibc's defaults: an mmap'd block, given back at free
+
+
+def test_a_side_still_speeding_up_is_flagged():
+    assert trend([1.0, 1.0, 1.02, 0.99, 1.0, 1.01]) is None  # settled
+    assert trend([2.0, 1.9, 1.8, 1.5, 1.4, 1.3]) == pytest.approx(1.4 / 1.9 - 1.0)  # still falling: flagged
+    assert trend([1.0, 2.0, 3.0]) is None  # too few to tell
