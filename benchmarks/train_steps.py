@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/train_steps.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
         [--task sft|dpo|rl|grpo|all] [--steps 10] [--warmup 3] [--work DIR]
 
-Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of
-it) on the same records with the settings of one `peer.workload.Workload` (what is matched and what is not
-is listed there; the update is the same, the arithmetic is not: ours skips some of TRL's). Each side is a
-worker process (ours: the project's venv; TRL: its own venv, installed by benchmarks/peer/setup.sh on first
-use) and the two take turns step by step (peer/protocol.py), so only one computes at a time. Prints, per task, each side's median step time, tokens per step, peak RSS, minor
-page faults and CPU seconds per step (flags: a side still trending, a load above the threads),
-then `ratio NAME VALUE` = median over timed steps of (TRL step time / our step time): > 1 means ours is
+Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of it) on the
+same records with the settings of one `peer.workload.Workload` (what is matched and what is not is listed there;
+the update is the same, the arithmetic is not: ours skips some of TRL's). Each side is a worker process (ours: the
+project's venv; TRL: its own venv, installed by benchmarks/peer/setup.sh on first use) and the two take turns step
+by step (peer/protocol.py), so only one computes at a time. Prints, per task, each side's median step time, tokens
+per step, peak RSS, minor page faults and CPU seconds per step (flags: a side still trending, a load above the
+threads), then `ratio NAME VALUE` = median over timed steps of (TRL step time / our step time): > 1 means ours is
 faster. The 1-minute load average is printed before and after, since the machine may be shared.
 `--model toy` is the demo's task: a random-init model of the demo's size (4 layers, 128 wide) with its
 character tokenizer, the arithmetic records and reward, and the demo's batch sizes; its ratios are named
