@@ -23,6 +23,11 @@ generates a step is fixed by when the trainer sent the step, not by timing: a ru
 `GenerationWorker` is the trainer's handle: start (wait for "ready"), send weights and requests, receive
 answers with a deadline, notice a worker that died or went silent, stop it (no process outlives the trainer:
 the worker gets SIGKILL from the kernel when the trainer dies, and is killed when the handle closes).
+
+On another host the same worker is a server (`serve`, examples/nlp/gpt/serve_generation_worker.py): the
+trainer's `RemoteGenerationWorker` connects over TCP, sends ("start", WorkerSpec), then the same commands, a
+"weights" command carrying its tensors; both sides hold ALIGNER_WORKER_KEY. `WorkerPool` makes several such
+workers one handle for a trainer rank, each generating its share of the rank's micro-batches.
 """
 from __future__ import annotations
 
