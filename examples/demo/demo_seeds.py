@@ -10,7 +10,7 @@ by REAL_MARGIN points of held-out prompts satisfied and keep the general answers
 general prompts may gain a fault the base's answer lacks (`instructions.new_general_faults`: French words,
 the question echoed, the France answer without Paris), and the KL to the base on those prompts stays under
 REAL_MAX_KL nats per answer. The KL is a guard for a model moved far, not the test of the answers: the runs whose
-answers broke measured 3.8-6.0 nats (a French France answer) and 8.5-10.9 (many answers), runs with every answer
+answers broke measured 1.9-6.0 nats (a French France answer) and 8.5-10.9 (many answers), runs with every answer
 intact up to 6.6 (docs/results/demo_real.md).
 
 Each seed's directory is a normal demo workdir (`--stages` re-runs work there); `--stages` here passes through
