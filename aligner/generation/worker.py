@@ -257,13 +257,9 @@ def _serve_commands(spec: WorkerSpec, weights: Optional[dict], receive, answer, 
         distributed.shutdown()
 
 
-class GenerationWorker:
-    """The trainer's handle on one worker process (see the module docstring).
-
-    silence_timeout_s: how long the worker may say nothing while the trainer waits for it (a generation,
-    a weight copy) before it counts as stalled; weight_timeout_s: how long one weight copy may take once
-    the worker started it; start_timeout_s: building the worker's model and engine.
-    """
+class _Handle:
+    """What the trainer's handles on a worker share: what it builds, the weights it is sent, its timeouts, and
+    `receive` over the handle's own `poll`."""
 
     def __init__(self, spec: WorkerSpec, weights: SharedWeights, *, silence_timeout_s: float,
                  weight_timeout_s: float, start_timeout_s: float = 300.0):
@@ -272,6 +268,30 @@ class GenerationWorker:
         self.silence_timeout_s = silence_timeout_s
         self.weight_timeout_s = weight_timeout_s
         self.start_timeout_s = start_timeout_s
+
+    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
+        """The worker's next answer; GenerationWorkerError (one line, naming the worker and `doing`) when it
+        exited or lost its connection, reported an error, or said nothing for silence_timeout_s seconds."""
+        deadline = time.monotonic() + silence_timeout_s
+        while True:
+            answer = self.poll(min(1.0, max(deadline - time.monotonic(), 0.01)), doing)
+            if answer is not None:
+                return answer
+            if time.monotonic() > deadline:
+                raise GenerationWorkerError(f"{self.name} said nothing for {silence_timeout_s:g} s while {doing}: "
+                                            "stalled")
+
+
+class GenerationWorker(_Handle):
+    """The trainer's handle on one worker process (see the module docstring).
+
+    silence_timeout_s: how long the worker may say nothing while the trainer waits for it (a generation,
+    a weight copy) before it counts as stalled; weight_timeout_s: how long one weight copy may take once
+    the worker started it; start_timeout_s: building the worker's model and engine.
+    """
+
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights, **timeouts):
+        super().__init__(spec, weights, **timeouts)
         self.context = mp.get_context("spawn")
         self.process = None
         self.commands = self.answers = None
@@ -298,11 +318,6 @@ class GenerationWorker:
 
     def send(self, *command) -> None:
         self.commands.put(command)
-
-    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
-        """The worker's next answer; GenerationWorkerError (one line, naming the worker and `doing`) when it
-        exited, reported an error, or said nothing for silence_timeout_s seconds."""
-        return _receive(self, silence_timeout_s, doing)
 
     def poll(self, timeout_s: float, doing: str) -> Optional[tuple]:
         """The next answer if one comes within timeout_s, else None; GenerationWorkerError when the worker
@@ -343,18 +358,6 @@ def _checked(worker, answer: tuple, doing: str) -> tuple:
     if answer[0] == "lost":
         raise GenerationWorkerError(f"{worker.name} {answer[1]} while {doing}")
     return answer
-
-
-def _receive(worker, silence_timeout_s: float, doing: str) -> tuple:
-    """`worker.poll` until an answer comes; GenerationWorkerError after silence_timeout_s seconds of silence."""
-    deadline = time.monotonic() + silence_timeout_s
-    while True:
-        answer = worker.poll(min(1.0, max(deadline - time.monotonic(), 0.01)), doing)
-        if answer is not None:
-            return answer
-        if time.monotonic() > deadline:
-            raise GenerationWorkerError(f"{worker.name} said nothing for {silence_timeout_s:g} s while {doing}: "
-                                        "stalled")
 
 
 # -- a worker on another host: the same commands over TCP
@@ -461,18 +464,13 @@ def _serve_trainer(peer) -> None:
     print(f"the trainer {'disconnected' if done else 'was sent the error above'}; waiting for the next", flush=True)
 
 
-class RemoteGenerationWorker:
+class RemoteGenerationWorker(_Handle):
     """The trainer's handle on a worker server at `address` ("host:port"): `GenerationWorker`'s interface over
     TCP. The weights of a "weights" command travel in it, read from `weights` (the trainer's host copy)."""
 
-    def __init__(self, address: str, spec: WorkerSpec, weights: SharedWeights, *, silence_timeout_s: float,
-                 weight_timeout_s: float, start_timeout_s: float = 300.0):
+    def __init__(self, address: str, spec: WorkerSpec, weights: SharedWeights, **timeouts):
+        super().__init__(spec, weights, **timeouts)
         self.address = address
-        self.spec = spec
-        self.weights = weights
-        self.silence_timeout_s = silence_timeout_s
-        self.weight_timeout_s = weight_timeout_s
-        self.start_timeout_s = start_timeout_s
         self.connection = None
         self.inbox: queue.Queue = queue.Queue()
         self.pid: Optional[int] = None
@@ -519,10 +517,6 @@ class RemoteGenerationWorker:
             _send(self.connection, command)
         except OSError as error:
             self.inbox.put(("lost", f"lost the connection ({error.strerror or error})"))
-
-    def receive(self, silence_timeout_s: float, doing: str) -> tuple:
-        """As `GenerationWorker.receive`; a closed connection is the worker's exit."""
-        return _receive(self, silence_timeout_s, doing)
 
     def poll(self, timeout_s: float, doing: str) -> Optional[tuple]:
         try:
