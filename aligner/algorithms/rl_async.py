@@ -221,20 +221,18 @@ class AsyncRollouts:
         self._send_admitted()
 
     def _new_worker(self) -> GenerationWorker | RemoteGenerationWorker | WorkerPool:
-        timeouts = {"silence_timeout_s": self.settings.silence_timeout_s,
-                    "weight_timeout_s": self.settings.weight_timeout_s}
         if self.settings.workers:  # servers of its own per data-parallel rank: rank r's are the r-th n of the list
             size, rank = self.data_parallel.size, self.data_parallel.rank
             per_rank = len(self.settings.workers) // size
             addresses = self.settings.workers[rank * per_rank:(rank + 1) * per_rank]
             if per_rank == 1:
-                worker = RemoteGenerationWorker(addresses[0], self.spec, self.weights, **timeouts)
+                worker = RemoteGenerationWorker(addresses[0], self.spec, self.weights)
             else:  # member j generates the micro-batches b with b mod (size x per_rank) = rank + size x j
                 worker = WorkerPool([RemoteGenerationWorker(
                     address, dataclasses.replace(self.spec, replica=rank + size * j, replicas=size * per_rank),
-                    self.weights, **timeouts) for j, address in enumerate(addresses)])
+                    self.weights) for j, address in enumerate(addresses)])
         else:
-            worker = GenerationWorker(self.spec, self.weights, **timeouts)
+            worker = GenerationWorker(self.spec, self.weights)
         try:
             worker.start()
         except BaseException:

@@ -258,15 +258,13 @@ def _serve_commands(spec: WorkerSpec, weights: Optional[dict], receive, answer, 
 
 
 class _Handle:
-    """What the trainer's handles on a worker share: what it builds, the weights it is sent, its timeouts, and
-    `receive` over the handle's own `poll`."""
+    """What the trainer's handles on a worker share: what it builds, the weights it is sent, how long it may take
+    to start (building its model and engine), and `receive` over the handle's own `poll` (each wait's silence
+    limit is the caller's: a generation's, a weight copy's)."""
 
-    def __init__(self, spec: WorkerSpec, weights: SharedWeights, *, silence_timeout_s: float,
-                 weight_timeout_s: float, start_timeout_s: float = 300.0):
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights, *, start_timeout_s: float = 300.0):
         self.spec = spec
         self.weights = weights
-        self.silence_timeout_s = silence_timeout_s
-        self.weight_timeout_s = weight_timeout_s
         self.start_timeout_s = start_timeout_s
 
     def receive(self, silence_timeout_s: float, doing: str) -> tuple:
@@ -283,12 +281,7 @@ class _Handle:
 
 
 class GenerationWorker(_Handle):
-    """The trainer's handle on one worker process (see the module docstring).
-
-    silence_timeout_s: how long the worker may say nothing while the trainer waits for it (a generation,
-    a weight copy) before it counts as stalled; weight_timeout_s: how long one weight copy may take once
-    the worker started it; start_timeout_s: building the worker's model and engine.
-    """
+    """The trainer's handle on one worker process (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, weights: SharedWeights, **timeouts):
         super().__init__(spec, weights, **timeouts)
@@ -387,7 +380,7 @@ def _send(connection, message) -> None:
     connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _reader(connection, inbox: "queue.Queue") -> threading.Thread:
+def _reader(connection, inbox: "queue.Queue") -> None:
     """A thread that moves every message arriving on `connection` into `inbox`, so neither side's sends wait
     for the other to read; at the end of the connection it puts ("lost", why)."""
 
@@ -399,9 +392,7 @@ def _reader(connection, inbox: "queue.Queue") -> threading.Thread:
             inbox.put(("lost", "closed the connection" if isinstance(error, EOFError) else f"lost the connection "
                        f"({error.strerror or error})"))
 
-    thread = threading.Thread(target=read, name="worker-connection-reader", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=read, name="worker-connection-reader", daemon=True).start()
 
 
 def serve(host: str, port: int, threads: int, address_file: Optional[str] = None) -> None:
