@@ -12,9 +12,11 @@ gets exactly --new-tokens tokens, so both do the same work.
 
 Per side and batch size, `generate` is timed with --new-tokens tokens and with one token (prefill +
 first token); decode ms/step = (t_N - t_1) / (N - 1). Sides alternate repeat by repeat; ratios are
-medians of per-pair ratios (see README.md). The floor of a decode step is the larger of its FLOPs
-over the matmul rate in the model's dtype and its bytes (weights + KV cache, at that dtype's element
-size) over the read rate, both rates measured in this run (benchmarks/machine.py).
+medians of per-pair ratios (see README.md). The measured-rate floor of a decode step is the larger of
+its FLOPs over the matmul rate in the model's dtype and its bytes (weights + KV cache, at that dtype's
+element size) over the read rate, each rate the highest of this run's measurements (before, after each
+batch size, after; every sample printed; benchmarks/machine.py): not a physical floor, the strictest
+one this run's measurements support.
 
     python benchmarks/generation.py [--model SPEC] [--batches 1,8,32,64] [--prompt-tokens 16]
         [--new-tokens 64] [--greedy] [--repeats N] [--threads 2] [--arch llama] [--static-decode]
@@ -52,6 +54,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
 from benchmarks.machine import (  # noqa: E402
     DRAM_BUFFER_BYTES,
     MachineRates,
+    cpu_header,
     describe_peak_rss,
     load_average,
     read_rate,
@@ -316,12 +319,19 @@ def time_batch(sides: Sides, engines: list, prompts: list[list[int]], args, devi
     )
 
 
+CACHED_READ_SAMPLES = 3
+
+
 def step_read_rate(step_bytes: float, machine: MachineRates, device: torch.device) -> float:
     """The rate a step's working set is read at: the DRAM rate when it exceeds the buffer that measures
-    that rate, else a summing pass over a buffer of its own size (hot in cache, as the step finds it)."""
+    that rate, else a summing pass over a buffer of its own size (hot in cache, as the step finds it), the
+    highest of CACHED_READ_SAMPLES measurements (each printed)."""
     if step_bytes >= DRAM_BUFFER_BYTES or device.type == "cuda":
         return machine.read_bytes
-    return read_rate(step_bytes, device)
+    samples = [read_rate(step_bytes, device) for _ in range(CACHED_READ_SAMPLES)]
+    print(f"  read rate over {step_bytes / 1e6:.1f} MB (the step's working set, cached): "
+          + ", ".join(f"{rate / 1e9:.1f}" for rate in samples) + " GB/s; the highest is the floor's")
+    return max(samples)
 
 
 def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> list[str]:
@@ -338,7 +348,7 @@ def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> lis
         f"  decode step   HF generate {result.hf_step * 1e3:8.2f} ms  native {result.native_step * 1e3:8.2f} ms  "
         f"HF / native {result.step_ratio:.2f}x",
         f"  prefill+1     HF generate {result.hf_prefill * 1e3:8.2f} ms  native {result.native_prefill * 1e3:8.2f} ms",
-        f"  floor         {bound}-bound {floor * 1e3:.3f} ms: compute {result.step_flops / 1e9:.3f} GFLOP / "
+        f"  measured-rate floor {bound}-bound {floor * 1e3:.3f} ms: compute {result.step_flops / 1e9:.3f} GFLOP / "
         f"{machine.matmul_flops / 1e9:.0f} GFLOP/s = {compute_floor * 1e3:.3f} ms, memory "
         f"{result.step_bytes / 1e6:.1f} MB (weights + KV) / {read_bytes / 1e9:.1f} GB/s = {memory_floor * 1e3:.3f} ms; "
         f"floor / native {floor / result.native_step:.2f}, floor / HF {floor / result.hf_step:.2f}",
@@ -349,7 +359,7 @@ def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> lis
         lines.append(f"  greedy tokens equal in {result.greedy_rows_equal} of {result.batch} rows")
     lines += [ratio_line(f"{name}_vs_hf", result.tokens_ratio),
               ratio_line(f"{name}_decode_vs_hf", result.step_ratio),
-              ratio_line(f"{name}_vs_floor", floor / result.native_step)]
+              ratio_line(f"{name}_vs_measured_floor", floor / result.native_step)]
     if result.graphs_step is not None:
         lines += graphs_report(result, read_bytes)
     return lines
@@ -471,6 +481,8 @@ def main() -> None:
     cfg = sides.cfg
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU, {torch.get_num_threads()} threads")
+    if device.type == "cpu":
+        print(cpu_header(), flush=True)
     rounds = "rounds (HF, eager, CUDA graphs)" if args.compare_graphs else "pairs"
     print(f"generation: torch {torch.__version__}, transformers {transformers.__version__}, {where}; "
           f"{args.repeats} alternating {rounds} per batch after {args.warmup} warm-up {rounds}", flush=True)
@@ -491,19 +503,20 @@ def main() -> None:
     print(f"engine: {packing}; refit {refit_seconds * 1e3:.0f} ms (median of 3, load {load_average():.2f})",
           flush=True)
 
-    results = []
+    results, samples = [], [rates_before]
     for batch in batches:
         results.append(time_batch(sides, engines, prompts[:batch], args, device))
+        samples.append(MachineRates.measure(device, dtype))  # beside each batch: the rates move with the load
         print(f"  batch {batch} timed (load {load_average():.2f})", flush=True)
     peak = describe_peak_rss()  # before the rate buffers below
     del engine, engines, sides
     gc.collect()
-    rates_after = MachineRates.measure(device, dtype)
-    rates = MachineRates.median([rates_before, rates_after])  # load drifts: before and after the timed work
+    samples.append(MachineRates.measure(device, dtype))
+    rates = MachineRates.best(samples)
     for result in results:
         print("\n".join(report(result, rates, step_read_rate(result.step_bytes, rates, device))))
-    print(rates.describe() + f" (median of before and after the timed work; load {rates_before.load:.2f} then "
-          f"{rates_after.load:.2f})")
+    print(rates.describe() + " (the highest of the samples below: the measured-rate floor's rates)")
+    print(MachineRates.describe_samples(samples))
     print(peak)
     distributed.shutdown()
 

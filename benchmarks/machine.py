@@ -2,8 +2,8 @@
 
 Every benchmark that states a floor or a share of the hardware imports these: matmul rate (fp32, or
 the dtype a benchmark computes in), memory read rate, peak resident memory and the load average. On a
-shared machine the rates move with other jobs, so measure them in the run, before and after the timed
-work (`MachineRates.median`).
+shared machine the rates move with other jobs, so measure them in the run, before, beside and after the
+timed work, and divide by the highest (`MachineRates.best`): a measured-rate floor.
 
     python benchmarks/machine.py [--threads 2]
 """
@@ -96,6 +96,40 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+# The CPU flags that decide which kernels torch and oneDNN can use for the products measured here.
+MATTERING_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def torch_libraries() -> str:
+    """torch's BLAS (BLAS_INFO of its build) and oneDNN version, and the CPU capability it dispatches to."""
+    import re
+
+    shown = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", shown)
+    onednn = re.search(r"MKL-DNN (v[\d.]+)|oneDNN (v[\d.]+)", shown)
+    capability = re.search(r"CPU capability usage: (\w+)", shown)
+    return (f"torch {torch.__version__.split('+')[0]}: BLAS {blas.group(1) if blas else 'unknown'}, "
+            f"oneDNN {next(filter(None, onednn.groups())) if onednn else 'absent'}, "
+            f"kernels {capability.group(1) if capability else 'unknown'}")
+
+
+def cpu_header() -> str:
+    """The `cpu:` line every benchmark on a CPU prints first: the model, logical CPUs, the flags that matter
+    (`MATTERING_FLAGS`: present ones named, absent ones after "no"), torch's BLAS and oneDNN, and which library
+    the project's fp32 products take (`cpu_products`). Ratios move with all of these (the two machine types
+    here differ by up to 2x)."""
+    from aligner.runtime import cpu_products
+
+    flags = set(cpu_products.cpu_info("flags").split())
+    has = [flag for flag in MATTERING_FLAGS if flag in flags]
+    lacks = [flag for flag in MATTERING_FLAGS if flag not in flags]
+    return (f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, {cpu_products.cpu_info('vendor_id') or 'vendor?'}); "
+            f"flags {' '.join(has) or 'none of ' + '/'.join(MATTERING_FLAGS)}"
+            + (f", no {' '.join(lacks)}" if lacks and has else "")
+            + f"; {torch_libraries()}; training products: {cpu_products.preferred_library()} "
+            f"({cpu_products.PREFERENCE_VARIABLE}={os.environ.get(cpu_products.PREFERENCE_VARIABLE, 'auto')})")
+
+
 def load_average() -> float:
     """The 1-minute load average: timings on a shared machine move with it, so print it beside them."""
     return os.getloadavg()[0]
@@ -117,11 +151,21 @@ class MachineRates:
                             dtype, size)
 
     @staticmethod
-    def median(samples: list["MachineRates"]) -> "MachineRates":
-        """Per field median of several measurements (e.g. before and after the timed work: load drifts)."""
-        return MachineRates(*(statistics.median(getattr(s, name) for s in samples)
-                              for name in ("matmul_flops", "read_bytes", "load")),
+    def best(samples: list["MachineRates"]) -> "MachineRates":
+        """Per field maximum of several measurements (before, beside and after the timed work): on a shared
+        machine a rate measured low is the machine busy, not the hardware, so a floor from the highest rate
+        seen is the strictest this run supports (a measured-rate floor, not a physical one). load: the highest."""
+        fields = ("matmul_flops", "read_bytes", "load")
+        return MachineRates(*(max(getattr(s, name) for s in samples) for name in fields),
                             samples[0].matmul_dtype, samples[0].matmul_size)
+
+    @staticmethod
+    def describe_samples(samples: list["MachineRates"]) -> str:
+        """Every rate measurement of a run, in order, so a reader sees how far they spread."""
+        return (f"rate samples ({len(samples)}, each the median of its repeats): matmul "
+                + ", ".join(f"{s.matmul_flops / 1e9:.0f}" for s in samples) + " GFLOP/s; read "
+                + ", ".join(f"{s.read_bytes / 1e9:.1f}" for s in samples) + " GB/s; load "
+                + ", ".join(f"{s.load:.2f}" for s in samples))
 
     def describe(self) -> str:
         """The `machine:` line every benchmark prints (run_bench.py reads it back)."""
@@ -142,6 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(cpu_header())
     print(MachineRates.measure().describe() + f", {torch.get_num_threads()} threads")
     print(describe_peak_rss())
 

@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated benchmark names of the set")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every benchmark")
     args = parser.parse_args()
-    from benchmarks.machine import MachineRates
+    from benchmarks.machine import MachineRates, cpu_header
 
     benchmarks = SETS[args.set]
     if args.only:
@@ -139,6 +139,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.set == "gpu" else "cpu")
+    header = cpu_header()
+    print(header, flush=True)
     rates_before = MachineRates.measure(device)
     outcomes, skipped = [], []
     for benchmark in benchmarks:
@@ -149,6 +151,7 @@ def main() -> None:
     rates_after = MachineRates.measure(device)
 
     print(f"\n=== summary ({args.set} set, {args.threads} threads)")
+    print(header)
     print(f"before: {rates_before.describe()}")
     print(f"after:  {rates_after.describe()}")
     for outcome in outcomes:

@@ -1,7 +1,7 @@
 """Training steps against TRL's trainers on the same task and update: SFT, DPO and full RL steps, interleaved.
 
     .venv/bin/python benchmarks/train_steps.py [--model smollm2|toy|HF_DIR|GGUF|CHECKPOINT] \
-        [--task sft|dpo|rl|grpo|all] [--steps 10] [--warmup 3] [--work DIR]
+        [--task sft|dpo|rl|grpo|all] [--steps 10] [--warmup 3] [--work DIR] [--waterfall]
 
 Both sides train the same weights (`benchmarks/models.py`: our aligner checkpoint, TRL the HF export of it) on the
 same records with the settings of one `peer.workload.Workload` (what is matched and what is not is listed there;
@@ -9,8 +9,12 @@ the update is the same, the arithmetic is not: ours skips some of TRL's). Each s
 project's venv; TRL: its own venv, installed by benchmarks/peer/setup.sh on first use) and the two take turns step
 by step (peer/protocol.py), so only one computes at a time. Prints, per task, each side's median step time, tokens
 per step, peak RSS, minor page faults and CPU seconds per step (flags: a side still trending, a load above the
-threads), then `ratio NAME VALUE` = median over timed steps of (TRL step time / our step time): > 1 means ours is
-faster. The 1-minute load average is printed before and after, since the machine may be shared.
+threads), what each side's model computed per step (token slots, output-layer positions, micro steps, a FLOP
+estimate; flags where the micro steps or SFT's loss positions differ), then `ratio NAME VALUE` = median over
+timed steps of (TRL step time / our step time): > 1 means ours is faster. `--waterfall` also times our trainer
+with its shortcuts (`peer.workload.SHORTCUTS`) switched on one by one, in the same rounds as the two sides, and
+prints the factor each adds, from TRL to our trainer as it runs. The 1-minute load average is printed before
+and after, since the machine may be shared.
 `--model toy` is the demo's task: a random-init model of the demo's size (4 layers, 128 wide) with its
 character tokenizer, the arithmetic records and reward, and the demo's batch sizes; its ratios are named
 `toy_...`.
@@ -30,7 +34,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from peer.protocol import Worker, run_interleaved, step_ratio  # noqa: E402
-from peer.workload import RL_TASKS, TASKS, default_workload, write_data  # noqa: E402
+from peer.workload import (  # noqa: E402  # noqa: E402
+    RL_TASKS,
+    SHORTCUTS,
+    TASKS,
+    default_workload,
+    flop_estimate,
+    shortcuts_of,
+    waterfall,
+    write_data,
+)
 
 TOY_DIR = REPO_ROOT / ".cache" / "bench" / "toy-demo"
 PEER_SETUP = REPO_ROOT / "benchmarks" / "peer" / "setup.sh"
@@ -81,22 +94,33 @@ def worker_environment(threads: int) -> dict[str, str]:
             "GLIBC_TUNABLES": cpu_bridge.glibc_tunables(), "PYTHONPATH": str(REPO_ROOT)}
 
 
-def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: Path, toy: bool) -> None:
+def make_workers(work, work_json: Path, resolved, peer: Path, data: Path, scratch: Path,
+                 with_waterfall: bool) -> tuple[Worker, Worker]:
+    """Our worker (with the waterfall's variants, if asked) and TRL's, on one workload file, one data file and one
+    environment (`worker_environment`)."""
+    env = worker_environment(work.threads)
+    ours = Worker("ours", [sys.executable, str(REPO_ROOT / "benchmarks/peer/aligner_worker.py"), str(work_json),
+                           str(resolved.checkpoint_dir), str(data), str(scratch / "ours")], scratch / "ours.log", env,
+                  waterfall(work.task) if with_waterfall else ())
+    trl = Worker("trl", [str(peer), str(REPO_ROOT / "benchmarks/peer/trl_worker.py"), str(work_json),
+                         str(resolved.hf_dir), str(data), str(scratch / "trl")], scratch / "trl.log", dict(env))
+    return ours, trl
+
+
+def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: Path, toy: bool,
+            with_waterfall: bool = False) -> None:
     work = default_workload(task, steps, warmup, toy=toy)
     scratch = work_dir / task
     data = write_data(work, scratch)
     work_json = scratch / "workload.json"
     work_json.write_text(work.to_json())
-    env = worker_environment(work.threads)
-    ours = Worker("ours", [sys.executable, str(REPO_ROOT / "benchmarks/peer/aligner_worker.py"), str(work_json),
-                           str(resolved.checkpoint_dir), str(data), str(scratch / "ours")], scratch / "ours.log", env)
-    trl = Worker("trl", [str(peer), str(REPO_ROOT / "benchmarks/peer/trl_worker.py"), str(work_json),
-                         str(resolved.hf_dir), str(data), str(scratch / "trl")], scratch / "trl.log", env)
+    ours, trl = make_workers(work, work_json, resolved, peer, data, scratch, with_waterfall)
     load_before = os.getloadavg()[0]
-    our_result, peer_result = run_interleaved([ours, trl], work.total_steps,
-                                              progress=lambda line: print(f"  {task} {line}", file=sys.stderr,
-                                                                          flush=True))
+    *our_results, peer_result = run_interleaved([ours, trl], work.total_steps,
+                                                progress=lambda line: print(f"  {task} {line}", file=sys.stderr,
+                                                                            flush=True))
     load_after = os.getloadavg()[0]
+    our_result = our_results[-1]  # with the waterfall: every shortcut on, as the trainer runs
 
     print(f"{task}: {resolved.spec}, global batch {work.global_batch_size}, micro batch {work.micro_batch_size}, "
           + (f"{work.prompts_per_step} prompts x {work.samples_per_prompt} samples x {work.max_new_tokens} new "
@@ -111,22 +135,79 @@ def compare(task: str, steps: int, warmup: int, resolved, peer: Path, work_dir: 
               f"peak RSS {result.peak_rss_mb:6.0f} MB  per step: "
               f"{statistics.median(step['minor_faults'] for step in figures):,.0f} minor page faults, "
               f"{statistics.median(step['cpu_seconds'] for step in figures):.2f} CPU s")
+        print(f"  {name:<5} computed per step: {describe_computed(figures[-1])}")
         drift = trend(timed)
         if drift is not None:
             print(f"  {name:<5} flag: still trending: the last half of the timed steps took {drift:+.1%} against "
                   "the first half; more warm-up steps (--warmup) would measure it settled")
+    for flag in unequal_work(our_result.figures[-1], peer_result.figures[-1]):
+        print(f"  flag: {flag}")
     shares = [{key: value for key, value in step.items() if key.startswith("share_")}
               for step in our_result.figures[work.warmup_steps:]]
     if shares and shares[0]:  # the RL actor's phases, as shares of its step (median over the timed steps)
         print("  ours  where the step's time goes: " + ", ".join(
             f"{name.removeprefix('share_')} {statistics.median(step.get(name, 0.0) for step in shares):.1%}"
             for name in shares[0]))
+    if with_waterfall:
+        print_waterfall(task, peer_result, our_results, work.warmup_steps)
     if max(load_before, load_after) > work.threads + 1.0:  # (the 1-minute average lags: a run just ended adds ~1)
         print(f"  flag: the load ({load_before:.2f}->{load_after:.2f}) exceeds the {work.threads} threads: other work "
               "shared the cores; rerun on a quiet machine before quoting these figures")
     ratio = step_ratio(peer_result.seconds, our_result.seconds, work.warmup_steps)
     prefix = "toy_" if toy else "" if resolved.spec == "smollm2" else "custom_"
     print(f"ratio {prefix}{RATIO_NAMES[task]} {ratio:.3f}", flush=True)
+
+
+def describe_computed(figures: dict[str, float]) -> str:
+    """One step's counted work (`peer.workload.STEP_COUNTS`) in words, with its FLOP estimate."""
+    text = (f"training {figures['train_micro_steps']:.0f} micro steps over {figures['train_slots']:,.0f} token slots, "
+            f"output layer at {figures['train_lm_positions']:,.0f}; other passes {figures['nograd_slots']:,.0f} slots, "
+            f"output layer at {figures['nograd_lm_positions']:,.0f}; ~{flop_estimate(figures) / 1e9:,.1f} GFLOP")
+    if "loss_positions" in figures:
+        text += f"; the loss at {figures['loss_positions']:,.0f} positions"
+    return text
+
+
+def unequal_work(ours: dict[str, float], peer: dict[str, float]) -> list[str]:
+    """What the two sides' counts say is not the same task and update: a different number of micro steps
+    (training forwards per optimizer step) or of positions an SFT loss reads."""
+    flags = []
+    if ours["train_micro_steps"] != peer["train_micro_steps"]:
+        flags.append(f"unequal micro steps: ours {ours['train_micro_steps']:.0f}, "
+                     f"TRL {peer['train_micro_steps']:.0f} training forwards per step")
+    if "loss_positions" in ours and ours["loss_positions"] != peer.get("loss_positions"):
+        flags.append(f"unequal loss positions: ours {ours['loss_positions']:.0f}, "
+                     f"TRL {peer.get('loss_positions', 0):.0f} per step")
+    return flags
+
+
+def print_waterfall(task: str, peer_result, our_results, warmup_steps: int) -> None:
+    """TRL, then our trainer with its shortcuts switched on one by one (all timed in the same rounds): each
+    factor is the median over rounds of (the previous row's step / this row's), so the factors multiply to about
+    the whole ratio (exactly for a single round). The first factor is TRL's extra work over our trainer without
+    shortcuts (its framework, padding, generation code); the others, each shortcut's."""
+    print(f"  waterfall ({task}; each factor: the row above's step time over this row's, median over the timed "
+          "rounds):")
+    rows = [("TRL", peer_result)] + [(result.name.split(":", 1)[1], result) for result in our_results]
+    previous = None
+    for label, result in rows:
+        timed = result.seconds[warmup_steps:]
+        figures = result.figures[-1]
+        line = (f"    {label if previous is None else 'ours, ' + describe_variant(label):<58} "
+                f"{statistics.median(timed):8.3f} s  ~{flop_estimate(figures) / 1e9:8,.1f} GFLOP")
+        if previous is not None:
+            factor = statistics.median(before / now for before, now in zip(previous[warmup_steps:], timed))
+            line += f"  x{factor:.2f}"
+        print(line)
+        previous = result.seconds
+
+
+def describe_variant(variant: str) -> str:
+    shortcuts = shortcuts_of(variant)
+    if not shortcuts:
+        return "no shortcut"
+    newest = variant.split("+")[-1]
+    return f"+ {newest}" if len(shortcuts) > 1 else f"{newest}"
 
 
 TREND_LIMIT = 0.05  # the last half of the timed steps this much faster (or slower) than the first: not settled
@@ -151,20 +232,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--waterfall", action="store_true",
+                        help="also time our trainer with its shortcuts switched on one by one (" +
+                             ", ".join(SHORTCUTS) + "), in the same rounds")
     args = parser.parse_args()
 
     from aligner.config import run_main
 
     def run() -> None:
+        from machine import cpu_header
         from models import resolve_model
 
+        print(cpu_header(), flush=True)
         toy = args.model == "toy"
         resolved = resolve_model(str(toy_checkpoint()) if toy else args.model)
         peer = peer_python()
         with tempfile.TemporaryDirectory() as tmp:
             work_dir = Path(args.work) if args.work else Path(tmp)
             for task in TASKS if args.task == "all" else (args.task,):
-                compare(task, args.steps, args.warmup, resolved, peer, work_dir, toy)
+                compare(task, args.steps, args.warmup, resolved, peer, work_dir, toy, args.waterfall)
 
     run_main(run)
 

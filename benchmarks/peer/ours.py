@@ -7,13 +7,15 @@ step. Runs in the project's venv with benchmarks/ on sys.path.
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from peer.workload import RL_TASKS, Workload, aligner_overrides, default_workload, write_data
+import torch
+from peer.workload import RL_TASKS, STEP_COUNTS, Workload, aligner_overrides, default_workload, write_data
 
 
 @dataclass
@@ -28,12 +30,87 @@ class OurTrainer:
     def objective(self):
         return self.trainer.objective
 
+    def set_shortcuts(self, on: frozenset[str]) -> None:
+        """Switch each of `peer.workload.SHORTCUTS` on (in `on`) or off for the next steps (the waterfall)."""
+        from aligner.runtime import cpu_products
+
+        # training's products: the library `cpu_products` prefers on this CPU, or BLAS (what torch.matmul uses)
+        os.environ[cpu_products.PREFERENCE_VARIABLE] = "auto" if "products" in on else "blas"
+        engine = getattr(getattr(self.trainer, "rollouts", None), "engine", None)
+        if engine is not None:
+            # the engine's decode products on oneDNN (packed weights), or torch's own products; bound at build
+            state = engine.state
+            state.onednn_products = "products" in on and cpu_products.available(state.device, state.dtype)
+            engine.shared_prefill = "shared_prefill" in on
+        if self.task != "sft":
+            self.config.packing.share_prompts = "shared_prompts" in on
+        self.objective.reads_logits_at_positions = "logits_at_positions" in on
+
+
+class StepCounter:
+    """What our trainer's model computes per step, counted by hooks on its megatron modules: token slots (the
+    input ids the forwards run over, padding included) and output-layer positions, each for the training
+    forwards (gradients on: also the micro steps) and the no-gradient passes (reference, old logprobs); the
+    native engine's generation is not counted (its tokens are reported apart). The output layer is counted
+    where it runs: the module's forward, or a deferred loss's `logits_at` / `product_operands` rows."""
+
+    def __init__(self, chunks) -> None:
+        from megatron.core.utils import unwrap_model
+
+        from aligner.models import deferred_output
+
+        self.counts: dict[str, float] = {}
+        for chunk in unwrap_model(list(chunks)):
+            chunk.embedding.register_forward_pre_hook(self._embedding, with_kwargs=True)
+            chunk.output_layer.register_forward_pre_hook(self._output_layer, with_kwargs=True)
+        hidden = deferred_output.HiddenStates
+        if not getattr(hidden, "_bench_counted", False):  # once per process: the class is shared
+            logits_at, operands = hidden.logits_at, hidden.product_operands
+            counter = self
+
+            def counted_logits_at(states, flat_positions):
+                counter._add("lm_positions", len(flat_positions))
+                return logits_at(states, flat_positions)
+
+            def counted_operands(states, flat_positions):
+                result = operands(states, flat_positions)
+                if result is not None:
+                    counter._add("lm_positions", len(flat_positions))
+                return result
+
+            hidden.logits_at, hidden.product_operands, hidden._bench_counted = counted_logits_at, counted_operands, True
+        unwrapped = unwrap_model(list(chunks))[0]
+        self.body_params = sum(p.numel() for p in unwrapped.decoder.parameters())
+        self.head_params = unwrapped.output_layer.weight.numel() if unwrapped.output_layer.weight is not None \
+            else unwrapped.embedding.word_embeddings.weight.numel()  # tied: the embedding's table
+
+    def _add(self, name: str, value: float) -> None:
+        kind = "train" if torch.is_grad_enabled() else "nograd"
+        self.counts[f"{kind}_{name}"] = self.counts.get(f"{kind}_{name}", 0.0) + float(value)
+
+    def _embedding(self, module, args, kwargs) -> None:
+        self._add("slots", (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).numel())
+        if torch.is_grad_enabled():
+            self._add("micro_steps", 1)
+
+    def _output_layer(self, module, args, kwargs) -> None:
+        if not getattr(module, "deferred", False):
+            hidden = kwargs["input_"] if "input_" in kwargs else args[0]
+            self._add("lm_positions", hidden.numel() // hidden.shape[-1])
+
+    def take(self) -> dict[str, float]:
+        """The counts since the last call, with the model's sizes (for the driver's FLOP estimate)."""
+        counts = {name: self.counts.get(name, 0.0) for name in STEP_COUNTS}
+        self.counts = {}
+        return {**counts, "body_params": float(self.body_params), "head_params": float(self.head_params)}
+
+
 
 def build_ours(work: Workload, checkpoint_dir: Path, data: Path, scratch: Path) -> OurTrainer:
     """Our trainer of `work.task` from its conf yaml and `aligner_overrides`. A step: the RL actor collects,
     scores and trains on one rollout batch; SFT/DPO fetch the next batch inside the step (as `fit` does: DPO's
     swapped-in reference pass is part of it) and add "sequence_tokens", the step's sequences' real tokens as
-    TRL counts them (the trainer's own count takes a shared prompt once)."""
+    TRL counts them (the trainer's own count takes a shared prompt once), and SFT "loss_positions"."""
     from aligner.config import CONF_DIR, load_config
 
     yaml_name, overrides = aligner_overrides(work, checkpoint_dir, data, scratch)
@@ -74,8 +151,10 @@ def build_ours(work: Workload, checkpoint_dir: Path, data: Path, scratch: Path) 
         metrics = trainer.train_step(microbatches, started=started)
         trainer.step += 1
         trainer.consumed_samples += work.global_batch_size
-        return {**metrics, "seconds": time.perf_counter() - started,
-                "sequence_tokens": sum(int(row_lengths(batch).sum()) for batch in microbatches)}
+        counted = {"sequence_tokens": sum(int(row_lengths(batch).sum()) for batch in microbatches)}
+        if work.task == "sft":  # the positions the loss reads (TRL's: labels not -100)
+            counted["loss_positions"] = sum(float(batch["loss_mask"].sum()) for batch in microbatches)
+        return {**metrics, "seconds": time.perf_counter() - started, **counted}
 
     return OurTrainer(work.task, trainer, config, step, trainer.metrics.close)
 

@@ -4,13 +4,15 @@ The driver starts each side as a worker process with a private pipe pair (fds na
 so whatever the libraries print to stdout cannot garble it) and speaks a line protocol:
 
     worker -> "ready"                 (built, before its first step)
-    driver -> "step"                  worker -> "done SECONDS TOKENS [NAME=VALUE ...]"   (one step, timed by
+    driver -> "step [VARIANT]"        worker -> "done SECONDS TOKENS [NAME=VALUE ...]"   (one step, timed by
                                       the worker; NAME=VALUE: figures about that step: always its minor page
                                       faults and CPU seconds (user + system, all threads), then any the
-                                      worker reports)
+                                      worker reports). VARIANT: which of the worker's variants runs the
+                                      step (our trainer with some shortcuts switched off: the waterfall)
     driver -> "quit"                  worker -> "rss MEGABYTES"         (its peak resident set), then exits
 
-Steps alternate which side goes first, so neither always runs on a cache the other just warmed.
+A round steps every side once (every variant of a worker that has several); rounds alternate the order, so
+neither always runs on a cache the other just warmed.
 The ratio is the median over timed steps of (peer seconds / our seconds): pairs taken seconds apart see
 the same machine load. Stdlib only: both venvs import it.
 """
@@ -51,6 +53,10 @@ class WorkerChannel:
         line = self.reader.readline()
         return line.strip() or "quit"  # the driver gone: stop
 
+    @staticmethod
+    def is_step(command: str) -> bool:
+        return command.split()[0] == "step"
+
     def ready_then_wait(self) -> str:
         """Announce readiness, wait for the first command; the first step's clock starts on "step"."""
         self.send("ready")
@@ -78,13 +84,14 @@ class WorkerChannel:
         self.send("rss", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
 
 
-def serve_steps(step: Callable[[], Union[float, tuple[float, dict[str, float]]]]) -> None:
-    """The whole worker loop for a trainer that can be stepped from outside: `step()` returns its tokens, or
-    (tokens, {name: value}) with figures about the step (e.g. where its time went)."""
+def serve_steps(step: Callable[..., Union[float, tuple[float, dict[str, float]]]]) -> None:
+    """The whole worker loop for a trainer that can be stepped from outside: `step()` (`step(variant)` for
+    "step VARIANT") returns its tokens, or (tokens, {name: value}) with figures about the step (e.g. where its
+    time went)."""
     channel = WorkerChannel()
     command = channel.ready_then_wait()
-    while command == "step":
-        result = step()
+    while WorkerChannel.is_step(command):
+        result = step(*command.split()[1:])
         tokens, figures = result if isinstance(result, tuple) else (result, None)
         channel.step_done(tokens, figures)
         command = channel.wait()
@@ -98,6 +105,7 @@ class Worker:
     command: Sequence[str]
     log: Path
     env: dict = field(default_factory=dict)
+    variants: tuple[str, ...] = ()  # several: each round steps each of them ("step VARIANT"); none: "step"
     process: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
@@ -143,6 +151,7 @@ class Worker:
 
 @dataclass
 class SideResult:
+    name: str  # the worker's name, or "NAME:VARIANT"
     seconds: list[float]  # every step, warm-up included
     tokens: list[float]
     peak_rss_mb: float
@@ -151,34 +160,39 @@ class SideResult:
 
 def run_interleaved(workers: Sequence[Worker], total_steps: int,
                     progress: Optional[Callable[[str], None]] = None) -> list[SideResult]:
-    """Start the workers (they build concurrently), then step them in turns, `total_steps` each;
-    `progress` is told each step's times as they come."""
+    """Start the workers (they build concurrently), then step them in rounds, `total_steps` rounds: each round
+    steps every worker once, or once per variant where it has several, the order reversed every other round;
+    `progress` is told each round's times. One result per worker (per variant), in that order."""
+    slots = [(worker, variant) for worker in workers for variant in (worker.variants or (None,))]
     try:
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.expect("ready")
-        seconds = [[] for _ in workers]
-        tokens = [[] for _ in workers]
-        figures = [[] for _ in workers]
+        seconds = [[] for _ in slots]
+        tokens = [[] for _ in slots]
+        figures = [[] for _ in slots]
+        names = [worker.name if variant is None else f"{worker.name}:{variant}" for worker, variant in slots]
         for step in range(total_steps):
-            order = range(len(workers)) if step % 2 == 0 else reversed(range(len(workers)))
+            order = range(len(slots)) if step % 2 == 0 else reversed(range(len(slots)))
             for index in order:
-                workers[index].send("step")
-                elapsed, counted, *named = workers[index].expect("done")
+                worker, variant = slots[index]
+                worker.send("step" if variant is None else f"step {variant}")
+                elapsed, counted, *named = worker.expect("done")
                 seconds[index].append(float(elapsed))
                 tokens[index].append(float(counted))
                 figures[index].append({name: float(value) for name, value in (word.split("=", 1) for word in named)})
             if progress is not None:
                 progress(f"step {step + 1}/{total_steps}: " + ", ".join(
-                    f"{worker.name} {seconds[index][-1]:.2f} s" for index, worker in enumerate(workers)))
-        results = []
-        for index, worker in enumerate(workers):
+                    f"{name} {seconds[index][-1]:.2f} s" for index, name in enumerate(names)))
+        peak_rss = {}
+        for worker in workers:
             worker.send("quit")
             (rss,) = worker.expect("rss")
             worker.process.wait(timeout=120)
-            results.append(SideResult(seconds[index], tokens[index], float(rss), figures[index]))
-        return results
+            peak_rss[worker.name] = float(rss)
+        return [SideResult(names[index], seconds[index], tokens[index], peak_rss[worker.name], figures[index])
+                for index, (worker, _) in enumerate(slots)]
     finally:
         for worker in workers:
             worker.close()

@@ -19,13 +19,19 @@ forward. So `rl` (RLOO) compares each trainer as users run it, TRL doing one for
 (GRPO: group mean and std) compares two trainers that both skip that pass.
 DPO: both sides run the reference forward inside every step (TRL's default; ours `reference_logprobs=swap`).
 
+SFT: prompt/completion records, the loss on the completion's tokens on both sides (TRL's completion_only_loss;
+ours: the response tokens); both workers count the positions the loss reads and the driver prints them.
+
 Not matched (cannot be, or does not change the work): the optimizer implementation (torch AdamW vs
 megatron's Adam with decoupled weight decay), padding (SFT: both pad to the longest row, ours on CPU;
-DPO and RL: ours packed, TRL's padded to the longest row),
-SFT's loss mask (we train on assistant tokens, TRL on all tokens: SmolLM2's template has no generation
-tags for TRL's assistant_only_loss; the transformer's forward/backward covers all tokens on both sides, but
-ours runs the output layer only at the positions the loss reads: less work, not the same), RLOO's loss
-aggregation details, the generation code (ours: the native KV-cached engine; TRL: transformers.generate).
+DPO and RL: ours packed, TRL's padded to the longest row), RLOO's loss aggregation details, the generation
+code (ours: the native KV-cached engine; TRL: transformers.generate).
+
+The same task and update is not the same arithmetic: our trainer skips work TRL does (`SHORTCUTS`: the output
+layer only where the loss reads, a prompt held once per row, a group's prompt prefilled once) and routes its
+products through the faster library. Both workers count what their model computes per step (`STEP_COUNTS`:
+token slots, output-layer positions, micro steps), and `train_steps.py --waterfall` times our trainer with the
+shortcuts switched on one by one beside TRL, so each ratio splits into its parts.
 """
 from __future__ import annotations
 
@@ -42,6 +48,48 @@ TASKS = ("sft", "dpo", "rl", "grpo")
 RL_TASKS = ("rl", "grpo")  # rl: RLOO
 DATASETS = ("filler", "arithmetic")  # real_model_memory's filler text (real models) | the demo's sums (toy)
 REWARD_FUNCTIONS = {"filler": "peer.workload:vowel_share", "arithmetic": "aligner.demo.arithmetic:score_response"}
+
+# Our trainer's shortcuts, in the order the waterfall switches them on (`waterfall`), and what each is.
+SHORTCUTS = {
+    "products": "the products through the library `cpu_products` prefers on this CPU, and the engine's decode "
+                "on oneDNN-packed weights (off: torch's own products, BLAS, as TRL's)",
+    "shared_prompts": "a prompt held once per packed row: a DPO pair's, an RL group's (off: once per sequence)",
+    "shared_prefill": "a group's prompt prefilled once in generation (off: once per sample)",
+    "logits_at_positions": "the output layer only at the positions the loss reads (off: every position)",
+}
+TASK_SHORTCUTS = {"sft": ("products", "logits_at_positions"),
+                  "dpo": ("products", "shared_prompts", "logits_at_positions"),
+                  "rl": tuple(SHORTCUTS), "grpo": tuple(SHORTCUTS)}
+NO_SHORTCUTS = "none"
+# What both workers count per step, for the training forwards (gradients on) and the other passes (reference,
+# old logprobs; not generation): the token slots the model ran over (padding included), the positions its
+# output layer ran at, and the training forwards (micro steps).
+STEP_COUNTS = ("train_slots", "train_lm_positions", "train_micro_steps", "nograd_slots", "nograd_lm_positions")
+
+
+def waterfall(task: str) -> tuple[str, ...]:
+    """Our trainer's variants from no shortcut to all of the task's, one more switched on each time: "none",
+    "products", "products+shared_prompts", ... (the last is our trainer as it runs)."""
+    shortcuts = TASK_SHORTCUTS[task]
+    return (NO_SHORTCUTS, *("+".join(shortcuts[:count]) for count in range(1, len(shortcuts) + 1)))
+
+
+def shortcuts_of(variant: str) -> frozenset[str]:
+    """The shortcuts a waterfall variant has on."""
+    names = frozenset() if variant == NO_SHORTCUTS else frozenset(variant.split("+"))
+    unknown = names - set(SHORTCUTS)
+    if unknown:
+        raise ValueError(f"variant {variant!r}: no shortcut {sorted(unknown)} (known: {', '.join(SHORTCUTS)})")
+    return names
+
+
+def flop_estimate(figures: dict[str, float]) -> float:
+    """FLOPs of a step's counted forwards (`STEP_COUNTS`) from a worker's figures: 2 per parameter and token
+    forward, 6 with the backward; the transformer layers at every slot, the output layer at its positions.
+    Attention's score products and generation are left out (both sides' generated tokens are printed apart)."""
+    body, head = figures["body_params"], figures["head_params"]
+    return (6 * (body * figures["train_slots"] + head * figures["train_lm_positions"])
+            + 2 * (body * figures["nograd_slots"] + head * figures["nograd_lm_positions"]))
 
 
 @dataclass(frozen=True)
@@ -119,8 +167,8 @@ def write_data(work: Workload, directory: Path) -> Path:
     if work.dataset == "arithmetic":
         records = _arithmetic_records(work.task, count)
     elif work.task == "sft":  # > 256 tokens each: truncated to exactly max_seq_length on both sides
-        records = [{"messages": [{"role": "user", "content": sentence(i, 60)},
-                                 {"role": "assistant", "content": sentence(i + 100, 200)}]} for i in range(count)]
+        records = [{"prompt": [{"role": "user", "content": sentence(i, 60)}],
+                    "completion": [{"role": "assistant", "content": sentence(i + 100, 200)}]} for i in range(count)]
     elif work.task == "dpo":
         records = [{"prompt": [{"role": "user", "content": sentence(i, 40)}],
                     "chosen": [{"role": "assistant", "content": sentence(i + 200, 100)}],
@@ -137,7 +185,8 @@ def _arithmetic_records(task: str, count: int) -> list[dict]:
     from aligner.demo import arithmetic
 
     if task == "sft":
-        return [{"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+        return [{"prompt": [{"role": "user", "content": r["input"]}],
+                 "completion": [{"role": "assistant", "content": r["output"]}]}
                 for r in arithmetic.sft_records(count, seed=0)]
     if task == "dpo":
         return [{"prompt": [{"role": "user", "content": r["prompt"]}],
@@ -205,7 +254,7 @@ def trl_config(work: Workload, output_dir: Path) -> tuple[str, dict]:
                   dataloader_num_workers=0)
     if work.task == "sft":
         return "SFTTrainer", {**common, "max_length": work.max_seq_length, "packing": False, "padding_free": False,
-                              "shuffle_dataset": False}
+                              "shuffle_dataset": False, "completion_only_loss": True, "assistant_only_loss": False}
     if work.task == "dpo":
         return "DPOTrainer", {**common, "max_length": work.max_seq_length, "beta": work.dpo_beta,
                               "precompute_ref_log_probs": False, "disable_dropout": True}

@@ -5,12 +5,14 @@ The workers here are tiny python processes that sleep known amounts; no TRL, no 
 import dataclasses
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +22,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from peer import workload  # noqa: E402
 from peer.protocol import Worker, WorkerError, run_interleaved, step_ratio  # noqa: E402
-from train_steps import trend, worker_environment  # noqa: E402
+from train_steps import make_workers, print_waterfall, trend, unequal_work, worker_environment  # noqa: E402
 
 FAKE_WORKER = textwrap.dedent("""
     import json, sys, time
@@ -140,6 +142,11 @@ def test_both_sides_settings_come_from_one_workload(tmp_path):
                     == peer["per_device_train_batch_size"] * peer["gradient_accumulation_steps"])
             assert float(ours["kl.init_coef"]) == peer["beta"] == 0.0
             assert ours["reward.function"] == work.reward_function
+            # the same micro steps: one pass over the rollouts, in micro batches of the same size; TRL's
+            # steps_per_generation left to its default (the gradient accumulation steps)
+            assert int(ours["loss.epochs"]) == peer["num_iterations"] == 1 and "steps_per_generation" not in peer
+        if task == "sft":  # the loss on the completion only, on both sides (the data is prompt/completion)
+            assert peer["completion_only_loss"] is True and peer["assistant_only_loss"] is False
 
 
 def test_an_rl_workload_trains_once_per_rollout_step():
@@ -169,7 +176,7 @@ def test_the_data_is_one_file_in_the_conversational_form(tmp_path):
                    .splitlines()]
         per_step = work.prompts_per_step if task in workload.RL_TASKS else work.global_batch_size
         assert len(records) >= work.total_steps * per_step
-        key = {"sft": "messages", "dpo": "chosen", "rl": "prompt", "grpo": "prompt"}[task]
+        key = {"sft": "completion", "dpo": "chosen", "rl": "prompt", "grpo": "prompt"}[task]
         assert all(isinstance(record[key], list) and record[key][0]["content"] for record in records)
 
 
@@ -217,3 +224,101 @@ def test_a_side_still_speeding_up_is_flagged():
     assert trend([1.0, 1.0, 1.02, 0.99, 1.0, 1.01]) is None  # settled
     assert trend([2.0, 1.9, 1.8, 1.5, 1.4, 1.3]) == pytest.approx(1.4 / 1.9 - 1.0)  # still falling: flagged
     assert trend([1.0, 2.0, 3.0]) is None  # too few to tell
+
+
+VARIANT_WORKER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {benchmarks!r})
+    from peer.protocol import serve_steps
+    journal = sys.argv[1]
+
+    def step(variant=None):
+        with open(journal, "a") as out:
+            out.write(json.dumps(variant) + "\\n")
+        return 10.0, {{"n": float(len(variant or ""))}}
+
+    serve_steps(step)
+""")
+
+
+def test_a_worker_with_variants_steps_each_of_them_once_a_round(tmp_path):
+    """The waterfall's protocol: "step VARIANT" reaches the worker's step(variant); a round steps every variant
+    and the peer once, in an order that reverses every other round; one result per variant, named by it."""
+    script = tmp_path / "variants.py"
+    script.write_text(VARIANT_WORKER.format(benchmarks=str(REPO_ROOT / "benchmarks")))
+    journal = tmp_path / "journal.jsonl"
+    ours = Worker("ours", [sys.executable, str(script), str(journal)], tmp_path / "ours.log", variants=("a", "bb"))
+    peer = fake_worker(tmp_path, "peer", 0.01, 5, tmp_path / "peer_journal.jsonl")
+    results = run_interleaved([ours, peer], total_steps=3)
+    assert [result.name for result in results] == ["ours:a", "ours:bb", "peer"]
+    assert [json.loads(line) for line in journal.read_text().splitlines()] == ["a", "bb", "bb", "a", "a", "bb"]
+    assert [step["n"] for step in results[0].figures] == [1.0] * 3 and [step["n"] for step in results[1].figures] \
+        == [2.0] * 3
+    assert results[0].peak_rss_mb == results[1].peak_rss_mb > 0  # one process behind both
+
+
+def test_both_workers_get_one_environment_workload_and_data_and_ours_the_waterfall(tmp_path):
+    """A later change cannot give the peer other settings: the two Workers share the environment (allocator,
+    threads), the workload file and the data file; ours alone carries the waterfall's variants."""
+    resolved = SimpleNamespace(checkpoint_dir=tmp_path / "ckpt", hf_dir=tmp_path / "hf")
+    for task in workload.TASKS:
+        work = workload.default_workload(task, steps=10, warmup_steps=3)
+        paths = (tmp_path / "work.json", resolved, tmp_path / "python", tmp_path / "data.jsonl", tmp_path)
+        ours, peer = make_workers(work, *paths, with_waterfall=True)
+        assert ours.env == peer.env == worker_environment(work.threads) and ours.env is not peer.env
+        assert ours.command[2:4] == [str(tmp_path / "work.json"), str(resolved.checkpoint_dir)]
+        assert peer.command[2:4] == [str(tmp_path / "work.json"), str(resolved.hf_dir)]
+        assert ours.command[4] == peer.command[4] == str(tmp_path / "data.jsonl")
+        assert ours.variants == workload.waterfall(task) and peer.variants == ()
+        assert make_workers(work, *paths, with_waterfall=False)[0].variants == ()
+
+
+def test_the_sft_data_puts_the_loss_on_the_completion_only(tmp_path):
+    """Our side's loss mask on the benchmark's SFT records: zero over the prompt (and its template), one over the
+    completion to the cut; TRL's completion_only_loss masks the same prompt (checked per step at run time:
+    both workers report the positions their loss reads)."""
+    from aligner.data.sft import SFTDataset
+
+    from ..chat_tokenizers import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer(tmp_path / "tokenizer", "smollm2")
+    work = workload.default_workload("sft", steps=1, warmup_steps=0)
+    dataset = SFTDataset(workload.write_data(work, tmp_path), tokenizer, work.max_seq_length)
+    for index in range(3):
+        mask = dataset[index]["loss_mask"].tolist()
+        first = mask.index(1)
+        assert len(mask) == work.max_seq_length and set(mask[:first]) == {0} and set(mask[first:]) == {1}
+        assert first > 60  # the prompt (60 words and the template) is not trained on
+
+
+def test_unequal_micro_steps_or_loss_positions_are_flagged():
+    counts = {"train_slots": 1024.0, "train_lm_positions": 700.0, "train_micro_steps": 2.0, "nograd_slots": 0.0,
+              "nograd_lm_positions": 0.0}
+    assert unequal_work(counts, dict(counts)) == []
+    assert unequal_work({**counts, "loss_positions": 700.0}, {**counts, "loss_positions": 700.0}) == []
+    flags = unequal_work({**counts, "loss_positions": 700.0}, {**counts, "train_micro_steps": 4.0,
+                                                                 "loss_positions": 1020.0})
+    assert flags == ["unequal micro steps: ours 2, TRL 4 training forwards per step",
+                     "unequal loss positions: ours 700, TRL 1020 per step"]
+
+
+def test_the_waterfall_switches_the_shortcuts_on_one_by_one_and_its_factors_multiply(capsys):
+    assert workload.waterfall("sft") == ("none", "products", "products+logits_at_positions")
+    assert workload.waterfall("grpo")[-1] == "+".join(workload.SHORTCUTS)
+    assert workload.shortcuts_of("none") == frozenset()
+    assert workload.shortcuts_of("products+shared_prompts") == {"products", "shared_prompts"}
+    with pytest.raises(ValueError, match="no shortcut"):
+        workload.shortcuts_of("products+fast_mode")
+    figures = {"body_params": 1e8, "head_params": 3e7, "train_slots": 1000.0, "train_lm_positions": 100.0,
+               "nograd_slots": 500.0, "nograd_lm_positions": 50.0, "train_micro_steps": 2.0}
+    assert workload.flop_estimate(figures) == 6 * (1e11 + 3e9) + 2 * (5e10 + 1.5e9)
+
+    def side(name, seconds):
+        return SimpleNamespace(name=name, seconds=seconds, figures=[figures])
+
+    # one warm-up round, then two timed rounds: TRL 8 s; ours without shortcuts 4 s, with products 2 s, all 1 s
+    results = [side("ours:none", [9, 4, 4]), side("ours:products", [9, 2, 2]),
+               side("ours:products+logits_at_positions", [9, 1, 1])]
+    print_waterfall("sft", side("trl", [9, 8, 8]), results, warmup_steps=1)
+    factors = [float(word[1:]) for word in capsys.readouterr().out.split() if word.startswith("x")]
+    assert factors == [2.0, 2.0, 2.0] and math.prod(factors) == 8.0  # = TRL / ours
