@@ -114,7 +114,8 @@ def test_bf16_decode_step_bytes_are_half_of_fp32_and_its_floor_uses_the_bf16_rat
     model = build_gpt_model(cfg, transformer_config(cfg))
     fp32, bf16 = (decode_step_bytes(model.to(dtype), cfg, 3, 10) for dtype in (torch.float32, torch.bfloat16))
     assert bf16 == fp32 / 2  # weights and KV cache (the cache takes the model's dtype)
-    samples = [MachineRates(100e9, 30e9, 0.0, torch.bfloat16, 8192), MachineRates(300e9, 10e9, 1.0, torch.bfloat16, 8192),
+    samples = [MachineRates(100e9, 30e9, 0.0, torch.bfloat16, 8192),
+               MachineRates(300e9, 10e9, 1.0, torch.bfloat16, 8192),
                MachineRates(200e9, 20e9, 0.5, torch.bfloat16, 8192)]
     rates = MachineRates.best(samples)  # each rate's highest sample, wherever it was measured
     assert rates == MachineRates(300e9, 30e9, 1.0, torch.bfloat16, 8192)
@@ -148,3 +149,21 @@ def test_compare_graphs_report_adds_gpu_decode_ratios_and_read_shares():
         ("gpu_decode_eager_vs_hf_b64", 2.0), ("gpu_decode_graphs_vs_hf_b64", 4.0),
         ("gpu_decode_graphs_vs_eager_b64", 2.0), ("gpu_decode_hf_hbm_share_b64", 0.25),
         ("gpu_decode_eager_hbm_share_b64", 0.5), ("gpu_decode_graphs_hbm_share_b64", 1.0)]
+
+
+def test_anchor_rows_divide_each_sides_decode_step_by_ours_and_compare_greedy_tokens(capsys):
+    """generation_anchors.report_batch: decode = (t_N - t_1) / (N - 1) per round, ratios per round against ours,
+    medians; rows equal to ours counted."""
+    from types import SimpleNamespace
+
+    from benchmarks.generation_anchors import Side, report_batch
+
+    def side(name, full_s, first_s, rows):
+        return Side(name, lambda batch, new: (full_s if new > 1 else first_s, rows), {2})
+
+    sides = [side("ours", 1.0 + 63 * 0.01, 1.0, [[1, 2], [3, 4]]),  # decode 10 ms
+             side("llama.cpp", 0.5 + 63 * 0.02, 0.5, [[1, 2], [3, 5]])]  # decode 20 ms, one row differs
+    report_batch(2, sides, SimpleNamespace(warmup=1, repeats=3, new_tokens=64))
+    out = capsys.readouterr().out
+    assert parse_ratios(out) == [("anchor_llama_cpp_b2_decode", pytest.approx(2.0, abs=1e-3))]
+    assert "greedy rows equal to ours 1 of 2" in out and "decode   10.00 ms/step" in out
