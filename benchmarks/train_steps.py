@@ -168,16 +168,22 @@ def describe_computed(figures: dict[str, float]) -> str:
     return text
 
 
+LOSS_POSITIONS_TOLERANCE = 0.01  # TRL tokenizes prompt + completion at once: a token may merge across the seam
+
+
 def unequal_work(ours: dict[str, float], peer: dict[str, float]) -> list[str]:
     """What the two sides' counts say is not the same task and update: a different number of micro steps
-    (training forwards per optimizer step) or of positions an SFT loss reads."""
+    (training forwards per optimizer step), or positions an SFT loss reads that differ by more than
+    LOSS_POSITIONS_TOLERANCE (ours tokenizes the prompt and the completion apart, TRL the two together and
+    cuts at the prompt's length, so the seam can differ by a token per row)."""
     flags = []
     if ours["train_micro_steps"] != peer["train_micro_steps"]:
         flags.append(f"unequal micro steps: ours {ours['train_micro_steps']:.0f}, "
                      f"TRL {peer['train_micro_steps']:.0f} training forwards per step")
-    if "loss_positions" in ours and ours["loss_positions"] != peer.get("loss_positions"):
-        flags.append(f"unequal loss positions: ours {ours['loss_positions']:.0f}, "
-                     f"TRL {peer.get('loss_positions', 0):.0f} per step")
+    if "loss_positions" in ours:
+        theirs = peer.get("loss_positions", 0.0)
+        if abs(ours["loss_positions"] - theirs) > LOSS_POSITIONS_TOLERANCE * max(ours["loss_positions"], theirs):
+            flags.append(f"unequal loss positions: ours {ours['loss_positions']:.0f}, TRL {theirs:.0f} per step")
     return flags
 
 

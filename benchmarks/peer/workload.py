@@ -146,7 +146,9 @@ class Workload:
 
 def default_workload(task: str, steps: int, warmup_steps: int = 2, toy: bool = False) -> Workload:
     """The issue's sizes. SmolLM2: SFT micro batch 4 x 256 tokens; DPO 2 pairs up to 256 tokens; RL 8 prompts
-    x 4 samples x 32 new tokens, all 32 responses one minibatch in micro batches of 16. Toy (the demo's
+    x 4 samples x 32 new tokens, all 32 responses one minibatch and one micro batch (ours packs a step's 32
+    rollouts into one micro batch of packed rows whatever its micro batch size, so TRL's padded batch is 32 too:
+    one training forward per step on each side). Toy (the demo's
     4-layer 128-wide model and arithmetic task): the demo's batches (SFT 128 x 32 tokens, DPO 64 pairs,
     RL 64 prompts x 4 samples x 6 new tokens in micro batches of 128)."""
     if task not in TASKS:
@@ -155,7 +157,7 @@ def default_workload(task: str, steps: int, warmup_steps: int = 2, toy: bool = F
         sizes = {"sft": (128, 128, 32), "dpo": (64, 64, 32), "rl": (256, 128, 32), "grpo": (256, 128, 32)}[task]
         return Workload(task, steps, warmup_steps, *sizes, lr=1e-4, prompts_per_step=64, samples_per_prompt=4,
                         max_new_tokens=6, max_prompt_length=8, dataset="arithmetic")
-    sizes = {"sft": (4, 4, 256), "dpo": (2, 2, 256), "rl": (32, 16, 256), "grpo": (32, 16, 256)}[task]
+    sizes = {"sft": (4, 4, 256), "dpo": (2, 2, 256), "rl": (32, 32, 256), "grpo": (32, 32, 256)}[task]
     return Workload(task, steps, warmup_steps, *sizes)
 
 
