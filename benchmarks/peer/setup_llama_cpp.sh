@@ -1,29 +1,21 @@
 #!/usr/bin/env bash
 # Installs llama.cpp (llama-cpp-python, built from its source distribution for this CPU) in its own venv, for
-# benchmarks/llama_cpp.py's generation anchor: never a project dependency. Also installs what llama.cpp's own
-# converter (vendor/llama.cpp/convert_hf_to_gguf.py of the same source) needs to write the benchmark's model as
-# an F32 GGUF: its gguf-py, and torch and transformers at the project's CI pins (constraints/ci.txt, so pip never
-# pulls a CUDA build). The converter is kept beside the venv (share/llama.cpp/).
-# Idempotent: a stamp file records the pins it was installed with. Usage: benchmarks/peer/setup_llama_cpp.sh [VENV]
-# The build takes about 10 minutes on 2 cores (cmake and a C++ compiler are needed: apt-get install cmake g++).
+# benchmarks/generation_anchors.py: never a project dependency. Also installs what llama.cpp's own converter
+# (vendor/llama.cpp/convert_hf_to_gguf.py of the same source, kept in the venv's share/llama.cpp/) needs to write
+# the benchmark's model as an F32 GGUF: its gguf-py, and torch and transformers at the project's CI pins
+# (benchmarks/peer/venv.sh). The build takes about 10 minutes on 2 cores and needs cmake and a C++ compiler
+# (apt-get install cmake g++).
+# Idempotent (a stamp file records the pins it was installed with). Usage: benchmarks/peer/setup_llama_cpp.sh [VENV]
 set -u
-ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-VENV="${1:-$ROOT/.cache/bench/llama-venv}"
-PYTHON="${PYTHON:-python3}"
+VENV="${1:-$(cd "$(dirname "$0")/../.." && pwd)/.cache/bench/llama-venv}"
+PEER="llama.cpp"
 LLAMA_PIN="llama-cpp-python==0.3.36"
-STAMP="$VENV/.llama-installed"
-SHARED_PINS="$(grep -E '^(torch|transformers)==' "$ROOT/constraints/ci.txt" | tr '\n' ' ')"
+# shellcheck source=benchmarks/peer/venv.sh
+source "$(dirname "$0")/venv.sh"
 WANT="$LLAMA_PIN $SHARED_PINS"
-
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-    echo "$VENV"
-    exit 0
-fi
-LOG="$(mktemp)"
-fail() { echo "llama.cpp setup failed: $1 (log: $LOG)" >&2; exit 1; }
+installed_already
 command -v cmake >/dev/null && command -v c++ >/dev/null || fail "cmake and a C++ compiler are needed"
-{ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"; } >>"$LOG" 2>&1 || fail "cannot create venv $VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip >>"$LOG" 2>&1 || fail "pip upgrade"
+make_venv
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install --quiet $SHARED_PINS numpy sentencepiece protobuf >>"$LOG" 2>&1 \
     || fail "pip install $SHARED_PINS"
@@ -42,6 +34,4 @@ cp -r "$TREE/vendor/llama.cpp/conversion" "$VENV/share/llama.cpp/" || fail "copy
 "$VENV/bin/python" -c "import llama_cpp, gguf, torch, transformers" >>"$LOG" 2>&1 \
     || fail "llama_cpp (with gguf, torch, transformers) does not import"
 rm -rf "$SOURCE"
-echo "$WANT" > "$STAMP"
-rm -f "$LOG"
-echo "$VENV"
+installed
