@@ -34,13 +34,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from peer.protocol import Worker, run_interleaved, step_ratio  # noqa: E402
-from peer.workload import (  # noqa: E402  # noqa: E402
+from peer.workload import (  # noqa: E402
+    NO_SHORTCUTS,
     RL_TASKS,
     SHORTCUTS,
     TASKS,
     default_workload,
     flop_estimate,
-    shortcuts_of,
     waterfall,
     write_data,
 )
@@ -202,18 +202,17 @@ def print_waterfall(task: str, peer_result, our_results, warmup_steps: int) -> N
         line = (f"    {label if previous is None else 'ours, ' + describe_variant(label):<58} "
                 f"{statistics.median(timed):8.3f} s  ~{flop_estimate(figures) / 1e9:8,.1f} GFLOP")
         if previous is not None:
-            factor = statistics.median(before / now for before, now in zip(previous[warmup_steps:], timed))
-            line += f"  x{factor:.2f}"
+            line += f"  x{step_ratio(previous, result.seconds, warmup_steps):.2f}"
         print(line)
         previous = result.seconds
 
 
 def describe_variant(variant: str) -> str:
-    shortcuts = shortcuts_of(variant)
-    if not shortcuts:
+    """A waterfall row's label: the shortcut its variant adds to the row above."""
+    if variant == NO_SHORTCUTS:
         return "no shortcut"
     newest = variant.split("+")[-1]
-    return f"+ {newest}" if len(shortcuts) > 1 else f"{newest}"
+    return f"+ {newest}" if "+" in variant else newest
 
 
 TREND_LIMIT = 0.05  # the last half of the timed steps this much faster (or slower) than the first: not settled

@@ -86,6 +86,10 @@ def main() -> None:
             return
         if torch.is_grad_enabled():
             add("micro_steps", 1)
+            if work.task not in RL_TASKS and module.training:  # SFT/DPO: the real tokens the step trains on
+                mask = kwargs.get("attention_mask")
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                counted["tokens"] += float(mask.sum()) if mask is not None else float(ids.numel())
         labels = kwargs.get("labels")
         if labels is not None:  # the positions a loss reads: labels not -100, shifted by one as the model does
             read = float((labels[..., 1:] != -100).sum() if kwargs.get("shift_labels") is None
@@ -109,14 +113,6 @@ def main() -> None:
         counted_model.get_input_embeddings().register_forward_pre_hook(count_embedding, with_kwargs=True)
         counted_model.lm_head.register_forward_pre_hook(count_output_layer, with_kwargs=True)
 
-    def count_training_tokens(module, args, kwargs):
-        if torch.is_grad_enabled() and module.training:  # the training forwards, not generation or references
-            mask = kwargs.get("attention_mask")
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            counted["tokens"] += float(mask.sum()) if mask is not None else float(ids.numel())
-
-    if work.task not in RL_TASKS:
-        model.register_forward_pre_hook(count_training_tokens, with_kwargs=True)
     trainer.train()
     channel.finish()
 
