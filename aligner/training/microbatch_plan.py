@@ -299,13 +299,17 @@ class MicroBatchPlanner:
         return microbatches
 
     def ptx_microbatches(self) -> list[PTXMicrobatch]:
-        """The PTX loader's next micro batches (none without PTX data), padded to the rollouts' sequence length."""
+        """The PTX loader's next micro batches (none without PTX data), each as long as its longest sequence
+        where batches are packed (one pipeline stage, as the packed policy rows cut to their longest), else
+        padded to the rollouts' sequence length (a pipeline schedule sends one shape between stages)."""
         if self.ptx_loader is None:
             return []
         if self._ptx_batches is None:
             self._ptx_batches = self.ptx_loader.iterate(0)
 
-        def pad(tensor, value):  # to the policy batches' sequence length: one length per pipeline schedule
+        def pad(tensor, value):
+            if self.packs:
+                return tensor
             return torch.nn.functional.pad(tensor, (0, self.seq_length - tensor.shape[1]), value=value)
 
         return [PTXMicrobatch(tokens=pad(mb["tokens"], self.pad_id), labels=pad(mb["labels"], self.pad_id),

@@ -61,14 +61,15 @@ def toy(workdir: Path, seeds: list[int], stages: str) -> list[str]:
         return 100 * result["all"]
 
     print("\nheld-out greedy accuracy [95 % interval] per seed (SFT seed = RL seed)")
+    width = max(len(label) for label, _ in rows) + 2
     for seed, table in results.items():
         sft = accuracy(table["SFT"])
         print(f"seed {seed}:")
         for label, result in table.items():
             margin = accuracy(result) - sft
             verdict = "" if label == "SFT" else f"  {margin:+.1f}" + ("" if margin >= TOY_MARGIN else "  FAIL")
-            print(f"  {label:<10}{format_interval(result['all'], result['num_carry'] + result['num_no_carry']):>24}"
-                  f"  carry {100 * result['carry']:5.1f} %{verdict}")
+            interval = format_interval(result["all"], result["num_carry"] + result["num_no_carry"])
+            print(f"  {label:<{width}}{interval:>24}  carry {100 * result['carry']:5.1f} %{verdict}")
             if label != "SFT" and margin < TOY_MARGIN:
                 failures.append(f"seed {seed}: {label} {accuracy(result):.1f} % is {margin:+.1f} points over SFT "
                                 f"({sft:.1f} %), under the {TOY_MARGIN:.0f} required")
@@ -141,9 +142,10 @@ def _broken_answers(base: list[dict], answers: list[dict]) -> list[str]:
 
 def _spread(results: dict[int, dict[str, dict]], figure, what: str) -> None:
     print(f"\n{what} over seeds {', '.join(map(str, results))}: min / mean / max")
+    width = max(len(row) for row in next(iter(results.values()))) + 2
     for row in next(iter(results.values())):
         values = [figure(table[row]) for table in results.values()]
-        print(f"  {row:<10}{min(values):6.1f} {sum(values) / len(values):6.1f} {max(values):6.1f}")
+        print(f"  {row:<{width}}{min(values):6.1f} {sum(values) / len(values):6.1f} {max(values):6.1f}")
 
 
 def main() -> None:

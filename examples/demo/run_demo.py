@@ -32,14 +32,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from aligner.agents.episode import EPISODE_STATUSES
 from aligner.checkpointing import latest_checkpoint
 from aligner.config import run_main
+from aligner.demo import stages
 from aligner.demo.intervals import format_interval
 from aligner.runtime.distributed import PRECISIONS
 from aligner.runtime.errors import ConfigError
@@ -306,13 +307,9 @@ AGENTIC_TOOL_OVERRIDES = [
 ]
 
 
-def run(stage: str, command: list[str]) -> None:
-    print(f"\n=== {stage}: {' '.join(map(str, command))}", flush=True)
-    start = time.perf_counter()
-    result = subprocess.run([str(c) for c in command], cwd=REPO_ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if result.returncode != 0:
-        raise SystemExit(f"demo stage '{stage}' failed with exit code {result.returncode}")
-    print(f"=== {stage} done in {time.perf_counter() - start:.0f} s", flush=True)
+def run(stage: str, command: list) -> None:
+    """One command of a stage, from the repository root (its output: the console, or the stage's log)."""
+    stages.run(stage, command, REPO_ROOT)
 
 
 def evaluate(stage: str, checkpoint: Path, prompts: Path, output: Path, temperature: float = 0.0,
@@ -362,9 +359,10 @@ class Demo:
         self.work, self.args = work, args
         self.data, self.tokenizer = work / "data", work / "data" / "tokenizer"
         self.heldout = self.data / "heldout_prompts.jsonl"
-        self.table: list[tuple[str, dict]] = []
+        # each stage's rows and notes apart (stages may run side by side); the summary prints them in STAGES order
+        self.rows: dict[str, list[tuple[str, dict]]] = defaultdict(list)
         self.agentic_table: list[tuple[str, dict]] = []
-        self.notes: list[str] = []
+        self.notes: dict[str, list[str]] = defaultdict(list)
         self.timings: dict[str, float] = {}
         # Every training run's precision and seed (data order, sampling); evaluation stays as it is.
         self.run_settings = [f"precision={args.precision}", *([] if args.seed is None else [f"seed={args.seed}"])]
@@ -410,16 +408,16 @@ class Demo:
             shutil.rmtree(stage_dir, ignore_errors=True)
         run("init", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common, "trainer.max_steps=0",
                      f"checkpoint.save_dir={init}", f"logging.log_dir={init}", "checkpoint.resume=false"])
-        self.table.append(("random init", self.greedy("init", init / "step_00000000")))
+        self.rows["sft"].append(("random init", self.greedy("init", init / "step_00000000")))
         run("sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", *common,
                     f"model.init_from={init / 'step_00000000'}", f"checkpoint.save_dir={sft_dir / 'checkpoints'}",
                     f"logging.log_dir={sft_dir}", "checkpoint.resume=false"])
-        self.table.append(("SFT", self.greedy("sft", self.sft_checkpoint)))
+        self.rows["sft"].append(("SFT", self.greedy("sft", self.sft_checkpoint)))
         sampled = evaluate("evaluate sft (sampled)", self.sft_checkpoint, self.heldout,
                            self.work / "eval_sft_sampled.json", temperature=1.0)
-        self.table.append(("SFT, sampled at T=1", sampled))
+        self.rows["sft"].append(("SFT, sampled at T=1", sampled))
         train_losses = [row["loss"] for row in read_metrics(sft_dir, "train", newest_attempt=True)]
-        self.notes.append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> "
+        self.notes["sft"].append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> "
                           f"{train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models
@@ -436,7 +434,7 @@ class Demo:
                              f"logging.log_dir={rm_dir}"])
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
-        self.notes.append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} "
+        self.notes["reward_models"].append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} "
                           f"({rm_result['pairs']} pairs)")
         run("attribute reward model", [
             sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
@@ -448,7 +446,7 @@ class Demo:
         attribute_result = evaluate_reward_model("evaluate attribute reward model", self.attribute_rm_checkpoint,
                                                  "--attributes", self.data / "attributes_validation.jsonl",
                                                  self.work / "eval_attribute_rm.json")
-        self.notes.append("attribute reward model: Pearson correlation with held-out labels "
+        self.notes["reward_models"].append("attribute reward model: Pearson correlation with held-out labels "
                           + ", ".join(f"{name} {value:.3f}" for name, value in attribute_result.items()))
 
     # -- 7: PPO (critic server + actor through the launcher; the reward is the task's checker)
@@ -462,7 +460,7 @@ class Demo:
                     "--critic-port", str(PPO_CRITIC_PORT),
                     *[f"--actor-arg={arg}" for arg in actor],
                     *[f"--critic-arg={arg}" for arg in [*PPO_CRITIC_OVERRIDES, *self.run_settings]]])
-        self.table.append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
+        self.rows["ppo"].append(("PPO", self.greedy("ppo", latest_checkpoint(ppo_dir / "actor" / "checkpoints"))))
 
     # -- 8: DPO on the preference pairs (the reward model's training data)
     def dpo(self) -> None:
@@ -472,7 +470,7 @@ class Demo:
                     f"data.train=[{{path: {self.data / 'preference_train.jsonl'}}}]",
                     f"data.validation=[{{path: {self.data / 'preference_validation.jsonl'}}}]", *DPO_OVERRIDES,
                     *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.table.append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
+        self.rows["dpo"].append(("DPO", self.greedy("dpo", latest_checkpoint(out / "checkpoints"))))
         out = self.work / "dpo_lora"
         shutil.rmtree(out, ignore_errors=True)
         run("dpo lora", [sys.executable, GPT_EXAMPLES / "train_gpt_dpo.py", f"model.init_from={self.sft_checkpoint}",
@@ -481,7 +479,7 @@ class Demo:
                          *DPO_LORA_OVERRIDES, *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}",
                          f"logging.log_dir={out}"])
         # (the evaluation loads the adapter checkpoint onto its base: lora.load_for_inference)
-        self.table.append(("DPO, LoRA rank 16", self.greedy("dpo_lora", latest_checkpoint(out / "checkpoints"))))
+        self.rows["dpo"].append(("DPO, LoRA rank 16", self.greedy("dpo_lora", latest_checkpoint(out / "checkpoints"))))
 
     # -- KTO on the preference pairs taken apart
     def kto(self) -> None:
@@ -499,7 +497,7 @@ class Demo:
                     f"data.train=[{{path: {files['train']}}}]", f"data.validation=[{{path: {files['validation']}}}]",
                     *KTO_OVERRIDES, *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}",
                     f"logging.log_dir={out}"])
-        self.table.append(("KTO", self.greedy("kto", latest_checkpoint(out / "checkpoints"))))
+        self.rows["kto"].append(("KTO", self.greedy("kto", latest_checkpoint(out / "checkpoints"))))
 
     # -- rejection sampling (best of n, the task's checker as the score)
     def rs(self) -> None:
@@ -510,7 +508,8 @@ class Demo:
             f"data.prompts={self.data / 'rl_prompts.jsonl'}", "reward.source=function",
             "reward.function=aligner.demo.arithmetic:score_response", *RS_OVERRIDES, *self.run_settings,
             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.table.append(("rejection sampling, best of 4", self.greedy("rs", latest_checkpoint(out / "checkpoints"))))
+        self.rows["rs"].append(("rejection sampling, best of 4",
+                                self.greedy("rs", latest_checkpoint(out / "checkpoints"))))
 
     # -- knowledge distillation from the DPO model into a smaller student, against SFT alone
     def kd(self) -> None:
@@ -531,9 +530,9 @@ class Demo:
                                         f"data.train=[{{path: {data}}}]",
                                         f"checkpoint.save_dir={out / 'sft_student' / 'checkpoints'}",
                                         f"logging.log_dir={out / 'sft_student'}"])
-        self.table.append(("student (2x64), distilled from DPO",
+        self.rows["kd"].append(("student (2x64), distilled from DPO",
                            self.greedy("kd_student", latest_checkpoint(out / "student" / "checkpoints"))))
-        self.table.append(("student (2x64), SFT alone",
+        self.rows["kd"].append(("student (2x64), SFT alone",
                            self.greedy("sft_student", latest_checkpoint(out / "sft_student" / "checkpoints"))))
 
     # -- 9: SPIN (self-play against the demonstrations)
@@ -543,7 +542,7 @@ class Demo:
         run("spin", [sys.executable, GPT_EXAMPLES / "train_gpt_spin.py", f"model.init_from={self.sft_checkpoint}",
                      f"data.train=[{{path: {self.data / 'sft_correct_train.jsonl'}}}]", *SPIN_OVERRIDES,
                      *self.run_settings, f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-        self.table.append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
+        self.rows["spin"].append(("SPIN", self.greedy("spin", latest_checkpoint(out / "checkpoints"))))
 
     # -- 11: the group methods (no critic; k samples per prompt), each the same actor with its preset
     def group_rl(self) -> None:
@@ -555,7 +554,7 @@ class Demo:
                         "reward.source=function", "reward.function=aligner.demo.arithmetic:score_response",
                         *GROUP_RL_OVERRIDES, *settings, *self.run_settings,
                         f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
-            self.table.append((label, self.greedy(name, latest_checkpoint(out / "checkpoints"))))
+            self.rows["group_rl"].append((label, self.greedy(name, latest_checkpoint(out / "checkpoints"))))
 
     # -- 10: SteerLM (annotate with the served attribute model, attribute-conditioned SFT, steer)
     def steerlm(self) -> None:
@@ -564,12 +563,10 @@ class Demo:
         out.mkdir(parents=True)
         annotated = out / "sft_annotated.jsonl"
         with open(out / "server.log", "w") as server_log:
-            server = subprocess.Popen(
-                [sys.executable, str(GPT_EXAMPLES / "serve_reward_model.py"),
-                 f"init_from={self.attribute_rm_checkpoint}",
+            server = stages.spawn(
+                [sys.executable, GPT_EXAMPLES / "serve_reward_model.py", f"init_from={self.attribute_rm_checkpoint}",
                  "normalize_rewards=false", f"server.port={STEERLM_SERVER_PORT}", "inference.micro_batch_size=256",
-                 "server.max_batch_size=256"], cwd=REPO_ROOT, stdout=server_log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                 "server.max_batch_size=256"], REPO_ROOT, stdout=server_log)
             try:
                 run("steerlm annotate", [sys.executable, STEERLM_SCRIPTS / "annotate.py", "--input",
                                          self.data / "sft_train.jsonl", "--output", annotated,
@@ -579,14 +576,15 @@ class Demo:
             finally:
                 server.terminate()
                 server.wait(timeout=60)
+                stages.release(server)
         run("steerlm sft", [sys.executable, GPT_EXAMPLES / "train_gpt_sft.py", f"model.init_from={self.sft_checkpoint}",
                             f"data.train=[{{path: {annotated}}}]", "data.steerlm.attributes=[correctness]",
                             "data.steerlm.format=values", *STEERLM_SFT_OVERRIDES, *self.run_settings,
                             f"checkpoint.save_dir={out / 'checkpoints'}", f"logging.log_dir={out}"])
         checkpoint = latest_checkpoint(out / "checkpoints")
-        self.table.append(("SteerLM, correctness=4",
+        self.rows["steerlm"].append(("SteerLM, correctness=4",
                            self.greedy("steerlm_top", checkpoint, ("--steer", "correctness=4"))))
-        self.table.append(("SteerLM, correctness=1",
+        self.rows["steerlm"].append(("SteerLM, correctness=1",
                            self.greedy("steerlm_low", checkpoint, ("--steer", "correctness=1"))))
 
     # -- the agentic stage: long additions with a calculator, GRPO single-turn against GRPO with the tool
@@ -628,19 +626,33 @@ class Demo:
             self.agentic_table.append(
                 (label, evaluate_tools(name, latest_checkpoint(out / name / "checkpoints"), tools)))
 
-    def summary(self, started: float) -> None:
+    @property
+    def table(self) -> list[tuple[str, dict]]:
+        return [row for stage in STAGES for row in self.rows.get(stage, ())]
+
+    def summary(self, started: float, jobs: int, threads: int) -> None:
         print("\n=== demo summary (held-out problems, never trained on; greedy decoding unless noted)")
-        for note in self.notes:
-            print(note)
+        for stage in STAGES:
+            for note in self.notes.get(stage, ()):
+                print(note)
         if self.table:
             print(format_table(self.table))
         if self.agentic_table:
             print(format_agentic_table(self.agentic_table))
-        print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
+        print("stage times: " + ", ".join(f"{name} {self.timings[name]:.0f} s" for name in STAGES
+                                          if name in self.timings)
+              + (f" ({jobs} at a time, {threads} thread(s) each)" if jobs > 1 else ""))
         print(f"total time {time.perf_counter() - started:.0f} s; artefacts in {self.work}")
 
 
 STAGES = ("sft", "reward_models", "ppo", "dpo", "kto", "rs", "kd", "spin", "steerlm", "group_rl", "agentic")
+# The stages each one reads the artefacts of (run before it when both are chosen).
+DEPENDS = {"reward_models": ("sft",), "ppo": ("reward_models",), "dpo": ("sft",), "kto": ("sft",), "rs": ("sft",),
+           "kd": ("dpo",), "spin": ("sft",), "steerlm": ("reward_models",), "group_rl": ("sft",)}
+# Which ready stage starts first with --jobs > 1: the longest chains first (sft -> reward models -> PPO and SteerLM,
+# sft -> DPO -> distillation) and the agentic stage, which needs nothing, beside SFT. On 2 cores the stages then end
+# within a minute of each other.
+SCHEDULE = ("sft", "agentic", "reward_models", "dpo", "kd", "group_rl", "ppo", "steerlm", "kto", "spin", "rs")
 
 
 def main() -> None:
@@ -656,19 +668,24 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
                         help="every training run's precision (auto: fp32 on CPU; bf16 is fast on CPUs with "
                              "AVX512-BF16/AMX)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="stages run side by side, each with OMP_NUM_THREADS (default: the cores) / JOBS "
+                             "threads; 1: one after the other, output as it comes (default: %(default)s)")
     args = parser.parse_args()
     chosen = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1")
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    jobs = min(args.jobs, threads)
     demo = Demo((REPO_ROOT / args.workdir).resolve(), args)
     started = time.perf_counter()
-    for stage in STAGES:
-        if stage in chosen:
-            stage_start = time.perf_counter()
-            getattr(demo, stage)()
-            demo.timings[stage] = time.perf_counter() - stage_start
-    demo.summary(started)
+    graph = stages.StageGraph({name: getattr(demo, name) for name in SCHEDULE if name in chosen}, DEPENDS, jobs=jobs,
+                              threads=max(1, threads // jobs), log_dir=demo.work / "logs")
+    demo.timings = graph.run()
+    demo.summary(started, jobs, max(1, threads // jobs))
 
 
 if __name__ == "__main__":

@@ -94,10 +94,11 @@ def test_ptx_micro_batches_keep_the_lengths_when_padded_to_the_ppo_length():
     sequences = [[BOS, 5, EOS], [BOS, 6, 7, 8, EOS]]
     examples = [{"tokens": tensor(s), "loss_mask": tensor([0] + [1] * (len(s) - 1))} for s in sequences]
     loader = SimpleNamespace(iterate=lambda consumed: iter([[collate_sft(examples, PAD)]]))
-    planner = MicroBatchPlanner(SharedPromptPackingSection(), packs=False, shares_prompts=False, seq_length=12,
-                                micro_batch_size=2, minibatch_size=2, samples_per_prompt=1, seed=0, pad_id=PAD,
-                                data_parallel=DataParallel(None, 0, 1), normalizer=lambda mask: 1.0,
-                                ptx_loader=loader)
-    (microbatch,) = planner.ptx_microbatches()
-    assert microbatch.tokens.shape == (2, 12)
-    assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only
+    for packs, width in ((False, 12), (True, 4)):  # padded for a pipeline schedule; packed: the longest's length
+        planner = MicroBatchPlanner(SharedPromptPackingSection(), packs=packs, shares_prompts=False, seq_length=12,
+                                    micro_batch_size=2, minibatch_size=2, samples_per_prompt=1, seed=0, pad_id=PAD,
+                                    data_parallel=DataParallel(None, 0, 1), normalizer=lambda mask: 1.0,
+                                    ptx_loader=loader)
+        (microbatch,) = planner.ptx_microbatches()
+        assert microbatch.tokens.shape == (2, width)
+        assert real_token_count(microbatch) == 3 + 4  # the longest row's last token is a label only
