@@ -1,6 +1,7 @@
 """The tiny end-to-end alignment pipeline on CPU (`make demo`).
 
-Stages, each the same command a user would run (`--stages` re-runs a subset on earlier artefacts):
+Stages, each the same command a user would run (`--stages` re-runs a subset on earlier artefacts; `--jobs`, default 2,
+runs that many side by side, each after the stages it reads, their output in results/demo/logs/):
   sft            data (arithmetic problems; the demonstrations systematically forget the carry), a
                  character tokenizer, a random-init model ("before"), SFT ("after")
   reward_models  a reward model on preference pairs (pairwise accuracy) and a SteerLM attribute
@@ -418,7 +419,7 @@ class Demo:
         self.rows["sft"].append(("SFT, sampled at T=1", sampled))
         train_losses = [row["loss"] for row in read_metrics(sft_dir, "train", newest_attempt=True)]
         self.notes["sft"].append(f"SFT loss: {train_losses[0]:.3f} at step 1 -> "
-                          f"{train_losses[-1]:.3f} at step {len(train_losses)}")
+                                 f"{train_losses[-1]:.3f} at step {len(train_losses)}")
 
     # -- 5-6: reward models
     def reward_models(self) -> None:
@@ -435,7 +436,7 @@ class Demo:
         rm_result = evaluate_reward_model("evaluate reward model", self.rm_checkpoint, "--comparisons",
                                           self.data / "preference_validation.jsonl", self.work / "eval_rm.json")
         self.notes["reward_models"].append(f"reward model: held-out pairwise accuracy {rm_result['accuracy']:.1%} "
-                          f"({rm_result['pairs']} pairs)")
+                                           f"({rm_result['pairs']} pairs)")
         run("attribute reward model", [
             sys.executable, GPT_EXAMPLES / "train_reward_model.py", f"model.init_from={self.sft_checkpoint}",
             "reward.type=regression", "reward.attributes=[correctness]", "reward.normalize=false",
@@ -446,8 +447,9 @@ class Demo:
         attribute_result = evaluate_reward_model("evaluate attribute reward model", self.attribute_rm_checkpoint,
                                                  "--attributes", self.data / "attributes_validation.jsonl",
                                                  self.work / "eval_attribute_rm.json")
-        self.notes["reward_models"].append("attribute reward model: Pearson correlation with held-out labels "
-                          + ", ".join(f"{name} {value:.3f}" for name, value in attribute_result.items()))
+        correlations = ", ".join(f"{name} {value:.3f}" for name, value in attribute_result.items())
+        self.notes["reward_models"].append(f"attribute reward model: Pearson correlation with held-out labels "
+                                           f"{correlations}")
 
     # -- 7: PPO (critic server + actor through the launcher; the reward is the task's checker)
     def ppo(self) -> None:
