@@ -125,6 +125,12 @@ class StageGraph:
     def run(self) -> dict[str, float]:
         """Run every stage; returns each one's seconds. Raises the first failure (SystemExit naming its log)."""
         _stopping.clear()
+        try:
+            return self._run()
+        finally:  # every stage has ended: commands started later (a next graph, a plain `run`) may run again
+            _stopping.clear()
+
+    def _run(self) -> dict[str, float]:
         pending, done = list(self.stages), set()
         if self.jobs == 1:
             while pending:

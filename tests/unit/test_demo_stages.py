@@ -102,6 +102,7 @@ def test_a_failed_stage_stops_the_others_and_names_its_log(tmp_path):
     sleepers = [proc for proc in psutil.Process().children(recursive=True)
                 if "time.sleep(120)" in " ".join(proc.cmdline())]
     assert sleepers == []
+    stages.run("after", _python("print('runs again')"), tmp_path)  # the stop ended with the graph
 
 
 def test_stages_that_wait_on_each_other_are_refused():
