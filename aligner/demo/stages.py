@@ -34,9 +34,9 @@ class StageStopped(Exception):
     """A stage's command was terminated because another stage failed."""
 
 
-def child_env(extra: Optional[dict] = None) -> dict:
+def child_env() -> dict:
     """The environment of a stage's commands: this process's, warnings off, the stage's thread count."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(extra or {})}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     threads = getattr(_stage, "threads", None)
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -49,13 +49,12 @@ def _output() -> TextIO:
 
 def spawn(command: Sequence, cwd: Path, stdout=None) -> subprocess.Popen:
     """Start a command of the running stage (a server it talks to); stopped with the others if a stage fails."""
+    stdout = stdout or getattr(_stage, "log", None)  # None: the console
     with _children_lock:
         if _stopping.is_set():
             raise StageStopped("another stage failed")
-        process = subprocess.Popen([str(part) for part in command], cwd=cwd, env=child_env(),
-                                   stdout=stdout if stdout is not None else getattr(_stage, "log", None),
-                                   stderr=subprocess.STDOUT if stdout is not None or getattr(_stage, "log", None)
-                                   else None)
+        process = subprocess.Popen([str(part) for part in command], cwd=cwd, env=child_env(), stdout=stdout,
+                                   stderr=None if stdout is None else subprocess.STDOUT)
         _children.add(process)
     return process
 
