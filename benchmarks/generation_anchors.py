@@ -11,8 +11,9 @@ Sides, all fp32 on the same weights (`benchmarks/models.py`), all greedy and fix
   transformers documents for fast generation), compiled in the warm-up;
 - llama.cpp: llama-cpp-python built from source for this CPU (benchmarks/peer/setup_llama_cpp.sh, its own venv,
   never a project dependency) on the model converted by llama.cpp's own converter to an **F32** GGUF (the same
-  values as ours); one sequence only: the binding's `generate` decodes one sequence, so llama.cpp has a column at
-  batch 1 alone. It runs as a worker process taking turns with this one (peer/protocol.py) and times itself.
+  values as ours); every batch: the rows are sequences of one `llama_decode` batch (peer/llama_cpp_worker.py,
+  through the binding's low-level API, as llama.cpp's batched example drives it). It runs as a worker process
+  taking turns with this one (peer/protocol.py) and times itself.
 Each round runs every side at --new-tokens and at 1 new token (prefill + first token), the sides' order reversed
 every other round; decode ms/token = (t_N - t_1) / (N - 1), medians over rounds. Printed per batch: each side's
 tokens/s and decode step, greedy tokens equal to ours, and `ratio anchor_SIDE_bB_decode VALUE` = the side's decode
@@ -155,21 +156,21 @@ def run(args, batches: list[int]) -> None:
         sides.append(Side("tuned HF", tuned, set(batches)))
     worker: Optional[Worker] = None
     scratch = Path(tempfile.mkdtemp(prefix="anchors-"))
-    if not args.no_llama_cpp and 1 in batches:
+    if not args.no_llama_cpp:
         python = llama_python()
         gguf = f32_gguf(python, resolve_model(args.model).hf_dir)
-        (scratch / "prompt.json").write_text(json.dumps(prompts[0]))
-        worker = Worker("llama.cpp", [str(python), str(LLAMA_WORKER), str(gguf), str(scratch / "prompt.json"),
+        (scratch / "prompts.json").write_text(json.dumps(prompts))
+        worker = Worker("llama.cpp", [str(python), str(LLAMA_WORKER), str(gguf), str(scratch / "prompts.json"),
                                       str(scratch / "tokens.json"), str(args.threads), str(args.new_tokens)],
                         scratch / "llama.log", {"OMP_NUM_THREADS": str(args.threads)})
         worker.start()
         worker.expect("ready")
 
         def llama(batch: int, new_tokens: int):
-            worker.send(f"step {new_tokens}")
+            worker.send(f"step {batch} {new_tokens}")
             seconds, *_ = worker.expect("done")
-            return float(seconds), [json.loads((scratch / "tokens.json").read_text())]
-        sides.append(Side("llama.cpp", llama, {1}))
+            return float(seconds), json.loads((scratch / "tokens.json").read_text())
+        sides.append(Side("llama.cpp", llama, set(batches)))
         print(f"llama.cpp: {gguf} (F32), llama-cpp-python {LLAMA_SETUP.name}'s build, {args.threads} threads")
 
     print(f"generation anchors: {sides_models.description}, fp32, greedy, prompts of {args.prompt_tokens} tokens, "

@@ -51,7 +51,7 @@ REAL_MODEL_SET = (
     Benchmark("generation", "benchmarks/generation.py",
               ("--model", "smollm2", "--batches", "1,8,32,64", "--greedy", "--threads", "{threads}")),
     Benchmark("generation_anchors", "benchmarks/generation_anchors.py",
-              ("--model", "smollm2", "--batches", "1,8", "--threads", "{threads}")),
+              ("--model", "smollm2", "--batches", "1,8,32", "--threads", "{threads}")),
     Benchmark("sft_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "sft", "--waterfall")),
     Benchmark("dpo_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "dpo", "--waterfall")),
     Benchmark("rl_step", "benchmarks/train_steps.py", ("--model", "smollm2", "--task", "rl")),
