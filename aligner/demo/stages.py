@@ -123,7 +123,6 @@ class StageGraph:
 
     def run(self) -> dict[str, float]:
         """Run every stage; returns each one's seconds. Raises the first failure (SystemExit naming its log)."""
-        _stopping.clear()
         try:
             return self._run()
         finally:  # every stage has ended: commands started later (a next graph, a plain `run`) may run again
