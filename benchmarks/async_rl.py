@@ -46,6 +46,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import cpu_model, load_average  # noqa: E402
+from benchmarks.peer.protocol import in_turn  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -166,8 +167,7 @@ def main() -> None:
     sync_name, async_name = f"sync-{args.threads}t", f"async-{args.threads - 1}+1"
     results: dict[str, list[dict]] = {name: [] for name in plan}
     for repeat in range(args.repeats):
-        order = list(plan) if repeat % 2 == 0 else list(reversed(plan))
-        for name in order:
+        for name in in_turn(plan, repeat):
             threads, asynchronous = plan[name]
             result = run_mode(task, work / f"{name}_{repeat}", threads, task.asynchronous() if asynchronous else ())
             results[name].append(result)

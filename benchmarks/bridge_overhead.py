@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from peer.protocol import in_turn  # benchmarks/peer: this file runs as a script, its folder on the path
 
 BATCH = 32
 PREFILL_TOKENS = 64
@@ -84,12 +85,8 @@ def _paired(fn: Callable[[], object], repeats: int, warmup: int) -> Paired:
         scoped()
     pairs = []
     for repeat in range(repeats):
-        if repeat % 2:
-            plain_seconds = plain()
-            pairs.append((plain_seconds, scoped()))
-        else:
-            scoped_seconds = scoped()
-            pairs.append((plain(), scoped_seconds))
+        seconds = {run: run() for run in in_turn((plain, scoped), repeat)}
+        pairs.append((seconds[plain], seconds[scoped]))
     return Paired(
         plain=statistics.median(p for p, _ in pairs),
         scoped=statistics.median(s for _, s in pairs),

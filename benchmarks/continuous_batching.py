@@ -29,6 +29,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
 
 from benchmarks.generation import PROMPT_TEXT  # noqa: E402  (prompt windows of varied length over it)
 from benchmarks.machine import describe_peak_rss, load_average, timed  # noqa: E402
+from benchmarks.peer.protocol import in_turn  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 
@@ -132,8 +133,7 @@ def main() -> None:
         run(continuous)()
     pairs = []
     for repeat in range(args.repeats):
-        order = (False, True) if repeat % 2 == 0 else (True, False)
-        seconds = {continuous: timed(run(continuous), device) for continuous in order}
+        seconds = {continuous: timed(run(continuous), device) for continuous in in_turn((False, True), repeat)}
         pairs.append((seconds[False], seconds[True]))
         print(f"  pair {repeat + 1}: static-batch {seconds[False]:.2f} s, continuous {seconds[True]:.2f} s "
               f"(load {load_average():.2f})", flush=True)

@@ -60,6 +60,7 @@ from benchmarks.machine import (  # noqa: E402
     read_rate,
     timed,
 )
+from benchmarks.peer.protocol import in_turn  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 # Prompts of a real model: windows of this text, so rows differ but all have the same length.
@@ -217,8 +218,7 @@ def alternated(runs: list[Callable[[], object]], repeats: int, device: torch.dev
     so a burst of load, or a first-in-line cost, hits every side alike."""
     rounds = []
     for repeat in range(repeats):
-        order = list(range(len(runs)))[::-1 if repeat % 2 else 1]
-        seconds = {index: timed(runs[index], device) for index in order}
+        seconds = {index: timed(runs[index], device) for index in in_turn(range(len(runs)), repeat)}
         rounds.append(tuple(seconds[index] for index in range(len(runs))))
     return rounds
 

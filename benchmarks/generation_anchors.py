@@ -41,7 +41,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # the `peer` package
 
-from peer.protocol import Worker  # noqa: E402
+from peer.protocol import Worker, in_turn  # noqa: E402
 
 from benchmarks.generation import load_sides, make_prompts  # noqa: E402
 from benchmarks.machine import cpu_header, load_average  # noqa: E402
@@ -197,7 +197,7 @@ def report_batch(batch: int, sides: list[Side], args) -> None:
     first: dict[str, list[float]] = {side.name: [] for side in sides}
     tokens: dict[str, list[list[int]]] = {}
     for round_index in range(args.repeats):
-        for side in sides[::-1] if round_index % 2 else sides:
+        for side in in_turn(sides, round_index):
             seconds, tokens[side.name] = side.run(batch, args.new_tokens)
             full[side.name].append(seconds)
             first[side.name].append(side.run(batch, 1)[0])

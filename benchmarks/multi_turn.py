@@ -29,6 +29,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import cpu_model, describe_peak_rss, load_average, timed  # noqa: E402
+from benchmarks.peer.protocol import in_turn  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 
@@ -105,8 +106,7 @@ def main() -> None:
         same = sum(replies[True][episode] == replies[False][episode] for episode in range(args.episodes))
         pairs = []
         for repeat in range(args.repeats):
-            order = (False, True) if repeat % 2 == 0 else (True, False)
-            times = {kept: timed(run(kept, turns)) for kept in order}
+            times = {kept: timed(run(kept, turns)) for kept in in_turn((False, True), repeat)}
             pairs.append((times[False], times[True]))
         again, kept = statistics.median(a for a, _ in pairs), statistics.median(k for _, k in pairs)
         ratio = statistics.median(a / k for a, k in pairs)

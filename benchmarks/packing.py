@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peer.protocol import in_turn  # noqa: E402
+
 
 def load_model(checkpoint_dir):
     from aligner import checkpointing
@@ -147,8 +149,7 @@ def main() -> None:
                                  ("forward+backward", padded_train, packed_train)):
         for repeat in range(args.repeats):
             times = {}
-            for side, call in (("padded", padded), ("packed", packed)) if repeat % 2 == 0 else (
-                    ("packed", packed), ("padded", padded)):
+            for side, call in in_turn((("padded", padded), ("packed", packed)), repeat):
                 before = load()
                 tick, cpu_tick = time.perf_counter(), time.process_time()
                 call()

@@ -26,6 +26,7 @@ if not __package__:  # run as a file: make the `benchmarks` package importable
 
 from benchmarks.continuous_batching import agreement, make_prompts, start  # noqa: E402
 from benchmarks.machine import describe_peak_rss, load_average, timed  # noqa: E402
+from benchmarks.peer.protocol import in_turn  # noqa: E402
 from benchmarks.run_bench import ratio_line  # noqa: E402
 
 
@@ -70,8 +71,7 @@ def main() -> None:
     for new_tokens in (args.new_tokens, 1):
         pairs = []
         for repeat in range(args.repeats):
-            order = (False, True) if repeat % 2 == 0 else (True, False)
-            times = {shared: timed(run(shared, new_tokens), device) for shared in order}
+            times = {shared: timed(run(shared, new_tokens), device) for shared in in_turn((False, True), repeat)}
             pairs.append((times[False], times[True]))
         seconds[new_tokens] = pairs
     whole, prefill = seconds[args.new_tokens], seconds[1]

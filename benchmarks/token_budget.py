@@ -41,6 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peer.protocol import in_turn  # noqa: E402
+
 
 def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
@@ -224,7 +226,7 @@ def main() -> None:
     run_rank(draws[0][0][baseline][0][:1])  # warm-up
     steps = {baseline: [], "budget": []}  # per repeat: (wall, cpu) summed over the draws' slowest ranks
     for repeat in range(args.repeats):
-        for name in ((baseline, "budget") if repeat % 2 == 0 else ("budget", baseline)):
+        for name in in_turn((baseline, "budget"), repeat):
             wall_sum = cpu_sum = 0.0
             for built, _ in draws:  # one step per draw
                 model.zero_grad(set_to_none=True)

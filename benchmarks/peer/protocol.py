@@ -25,7 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 CHANNEL_ENV = "BENCH_CHANNEL"
 
@@ -174,8 +174,7 @@ def run_interleaved(workers: Sequence[Worker], total_steps: int,
         figures = [[] for _ in slots]
         names = [worker.name if variant is None else f"{worker.name}:{variant}" for worker, variant in slots]
         for step in range(total_steps):
-            order = range(len(slots)) if step % 2 == 0 else reversed(range(len(slots)))
-            for index in order:
+            for index in in_turn(range(len(slots)), step):
                 worker, variant = slots[index]
                 worker.send("step" if variant is None else f"step {variant}")
                 elapsed, counted, *named = worker.expect("done")
@@ -196,6 +195,13 @@ def run_interleaved(workers: Sequence[Worker], total_steps: int,
     finally:
         for worker in workers:
             worker.close()
+
+
+def in_turn(sides: Iterable, repeat: int) -> list:
+    """The sides in the order repeat number `repeat` runs them: as given, then reversed every other repeat, so a
+    burst of load, or a first-in-line cost, hits every side alike (every benchmark's rounds use this order)."""
+    sides = list(sides)
+    return sides[::-1] if repeat % 2 else sides
 
 
 def step_ratio(peer_seconds: Sequence[float], our_seconds: Sequence[float], warmup_steps: int) -> float:
