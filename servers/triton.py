@@ -251,6 +251,8 @@ class CollectiveServing:
                     return
                 try:
                     self._fn(*tensors)
+                except UserError as error:  # a bad request (a checkpoint to restore that is missing, ...): one line
+                    LOGGER.warning("rank %d: the collective call failed: %s", self._rank, error)
                 except Exception:  # rank 0 gets the same error (same inputs) and reports it to the client
                     LOGGER.exception("rank %d: the collective call failed", self._rank)
 
