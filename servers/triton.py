@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.runtime import cpu_bridge, stopping
+from aligner.runtime.distributed import stream_address
 from aligner.runtime.errors import UserError
 
 LOGGER = logging.getLogger(__name__)
@@ -392,13 +393,8 @@ def triton_log_tail(path: Path) -> str:
 def bind_address(host: str) -> str:
     """The address Triton binds for `server.host`: a node's name (a Slurm job's `scontrol show hostnames`) is
     resolved here, since Triton's own options take addresses."""
-    import socket
-
-    try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except socket.gaierror as error:
-        raise TritonSetupError(f"server.host={host!r} does not resolve ({error.strerror}); give this node's "
-                               "name or address (127.0.0.1: this machine only)") from None
+    return stream_address(host, None, "server.host", "give this node's name or address (127.0.0.1: this machine "
+                          "only)", TritonSetupError)[3][0]
 
 
 def triton_config(server: ServerConfig, log_file: Path):

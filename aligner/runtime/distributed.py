@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.runtime import cpu_bridge, processes
-from aligner.runtime.errors import ConfigError
+from aligner.runtime.errors import ConfigError, UserError
 
 
 @dataclass
@@ -246,6 +247,19 @@ def is_rank_zero() -> bool:
     return dist.get_rank() == 0 if dist.is_initialized() else rank_and_world_from_env()[0] == 0
 
 
+def stream_address(host: str, port: Optional[int], setting: str, hint: str = "",
+                   error: type[UserError] = ConfigError) -> tuple:
+    """(family, type, proto, socket address) of `host`'s first stream-socket address: the one place a host
+    name is resolved (the rendezvous, gloo's interface, Triton's bind address). A name that does not resolve
+    raises `error` in one line naming `setting`, followed by `hint`."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as failure:
+        raise error(f"{setting}={host!r} does not resolve ({failure.strerror})" + (f"; {hint}" if hint else "")) \
+            from None
+    return family, kind, proto, address
+
+
 def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """The job's TCPStore at host:port, hosted by rank 0 on a socket bound to `host` only.
 
@@ -255,13 +269,8 @@ def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: datet
     """
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-    import socket
-
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as error:
-        raise ConfigError(f"MASTER_ADDR={host!r} does not resolve ({error.strerror}); set it to this "
-                          "machine's address (127.0.0.1 for a job on one machine)") from None
+    family, kind, proto, address = stream_address(
+        host, port, "MASTER_ADDR", "set it to this machine's address (127.0.0.1 for a job on one machine)")
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is fine
@@ -281,13 +290,12 @@ def keep_gloo_on_loopback(master_addr: str) -> None:
     a job whose rendezvous is on loopback runs on one machine, so its gloo sockets stay on loopback
     too (GLOO_SOCKET_IFNAME, unless the user set it)."""
     import ipaddress
-    import socket
 
     if "gloo" not in backend() or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     try:
-        resolved = ipaddress.ip_address(socket.getaddrinfo(master_addr, None)[0][4][0])
-    except (socket.gaierror, ValueError):
+        resolved = ipaddress.ip_address(stream_address(master_addr, None, "MASTER_ADDR")[3][0].split("%")[0])
+    except (UserError, ValueError):
         return  # rendezvous_store reports an address that does not resolve
     if not resolved.is_loopback:
         return
