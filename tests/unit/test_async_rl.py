@@ -212,6 +212,7 @@ EPISODES = (f"rollout.environment={ENVIRONMENTS}:AddUp", "rollout.environment_ar
             "rollout.max_episode_tokens=40", "rollout.max_turns=3", "generation.max_new_tokens=3")
 
 
+@pytest.mark.slow
 def test_multi_turn_episodes_run_asynchronously_and_resume_from_the_queue(single_process, tiny):
     """The generation worker runs whole episodes (its own sandbox pool and environment instances; the trainer scores
     them): max_staleness 0 is the synchronous episode run bit for bit; at max_staleness 1 each step after the first
@@ -426,6 +427,7 @@ def worker_server(key: str, *, fault: str = ""):
         server.wait(10)
 
 
+@pytest.mark.slow
 def test_a_worker_server_gives_the_local_worker_s_run_and_serves_trainer_after_trainer(single_process, tiny,
                                                                                        monkeypatch):
     """max_staleness 1 with the worker on a server (weights over TCP, one thread as the local worker): the local

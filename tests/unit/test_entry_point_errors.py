@@ -253,6 +253,7 @@ def _script_cases(root: Path) -> list[tuple[str, list, str]]:
     ]
 
 
+@pytest.mark.slow
 def test_every_entry_point_script_ends_a_user_error_with_one_line(tmp_path):
     root = tmp_path / "cases"
     root.mkdir()

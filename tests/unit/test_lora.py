@@ -171,6 +171,7 @@ def _merged_equals_live_adapters(adapter_checkpoint) -> None:
         distributed.shutdown()
 
 
+@pytest.mark.slow
 def test_sft_with_lora_learns_leaves_the_base_alone_and_saves_only_adapters(lora_base, tmp_path):
     from aligner import checkpointing
 
