@@ -38,23 +38,31 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # First the sources are byte-compiled once: with PYTHONDONTWRITEBYTECODE set (as in CI's image) every process the
-# tests start would compile aligner again (~0.7 s each, hundreds of processes). Then every tier but the cluster's
-# (unit, distributed, functional, real-model, GPU, faults) in one run of two one-thread processes (pytest-xdist, a
-# file per worker: a file's module fixtures are built once; each torchrun rank gets one thread, tests/conftest.py):
-# most tests launch entry points or torchrun ranks, whose imports and waits leave one core idle that the other
-# worker's file fills. Files go to the workers in collection order, files with a test marked slow first
-# (tests/conftest.py); xdist's default order (the files with the most tests first) left the long files of one or two
-# tests to run alone at the end. Fault tests time stops, kills and servers with margins that hold beside another
-# worker (the fault tier alone, AMD EPYC: 697 s in one process, 379 s in two). Last the cluster tier, alone (it loses
-# nodes on purpose): the Slurm scripts on a mini cluster of network namespaces (tests/cluster/minicluster.py, which
-# installs slurm-wlm and munge with apt-get if missing; skipped with the reason where namespaces cannot be made).
-# Both runs always happen; either failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is
-# not a failure).
+# tests start would compile aligner again (~0.7 s each, hundreds of processes). The unit tier runs in two processes
+# of one thread each (pytest-xdist, a file per worker: its module fixtures are built once): its tests are
+# single-threaded Python, which one process runs on one core. The distributed tier too (a file per worker; each
+# torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
+# the gaps (8 of its files: 335 s in one process, 292 s in two). The functional and real-model tiers too: their
+# tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
+# computes. Then the fault tier, in two such processes too (697 s in one process of two threads, 379 s in two, AMD
+# EPYC without AVX-512): its tests time stops, kills and servers, with margins that hold beside the other worker's
+# file. Last the cluster tier, alone (it loses nodes on purpose): the Slurm scripts on a mini cluster of network
+# namespaces (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with
+# the reason where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test
+# selected by PYTEST_ARGS="-k ...", is not a failure).
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder --durations=25 \
-		$(PYTEST_ARGS) tests --ignore=tests/cluster; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/unit; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/distributed; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/functional \
+		tests/real_model tests/gpu; \
+	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests \
+		--ignore=tests/unit --ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model \
+		--ignore=tests/gpu --ignore=tests/cluster; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests/cluster; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \

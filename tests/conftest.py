@@ -14,15 +14,6 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    """Files with a test marked slow first, each file's tests kept together and in order: `make test` hands
-    files to its two workers in this order (--dist loadfile --no-loadscope-reorder), so the long files start early
-    and the short ones fill in around them instead of one long file running alone at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 def live_processes_in_group(pgid: int, timeout_s: float = 30.0) -> list[str]:
     """The processes of process group `pgid` still running after up to `timeout_s` ("pid command" each; [] once
     all are gone). Zombies do not count: an orphan (tritonserver outliving the rank that started it) is reaped
