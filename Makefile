@@ -44,9 +44,9 @@ docs: install
 # torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
 # the gaps (8 of its files: 335 s in one process, 292 s in two). The functional and real-model tiers too: their
 # tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
-# computes. Then the fault tier, in two such processes too (697 s in one process of two threads, 379 s in two, AMD
-# EPYC without AVX-512): its tests time stops, kills and servers, with margins that hold beside the other worker's
-# file. Last the cluster tier, alone (it loses nodes on purpose): the Slurm scripts on a mini cluster of network
+# computes. Then the fault tier, in two such processes too (one process of two threads against two, AMD EPYC without
+# AVX-512, each alone: 697 and 379 s; a pair run later on a slower moment of the machine, 983 and 634 s): its tests
+# time stops, kills and servers, with margins that hold beside the other worker's file. Last the cluster tier, alone (it loses nodes on purpose): the Slurm scripts on a mini cluster of network
 # namespaces (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with
 # the reason where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test
 # selected by PYTEST_ARGS="-k ...", is not a failure).
