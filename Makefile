@@ -46,10 +46,11 @@ docs: install
 # tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
 # computes. Then the fault tier, in two such processes too (one process of two threads against two, AMD EPYC without
 # AVX-512, each alone: 697 and 379 s; a pair run later on a slower moment of the machine, 983 and 634 s): its tests
-# time stops, kills and servers, with margins that hold beside the other worker's file. Last the cluster tier, alone (it loses nodes on purpose): the Slurm scripts on a mini cluster of network
-# namespaces (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with
-# the reason where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test
-# selected by PYTEST_ARGS="-k ...", is not a failure).
+# time stops, kills and servers, with margins that hold beside the other worker's file. Last the cluster tier, alone
+# (it loses nodes on purpose): the Slurm scripts on a mini cluster of network namespaces
+# (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with the reason
+# where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test selected by
+# PYTEST_ARGS="-k ...", is not a failure).
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
