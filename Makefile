@@ -51,17 +51,17 @@ docs: install
 # (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with the reason
 # where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test selected by
 # PYTEST_ARGS="-k ...", is not a failure).
+TWO_WORKERS = OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/unit; \
+	$(TWO_WORKERS) tests/unit; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/distributed; \
+	$(TWO_WORKERS) tests/distributed; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests/functional \
-		tests/real_model tests/gpu; \
+	$(TWO_WORKERS) tests/functional tests/real_model tests/gpu; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests \
+	$(TWO_WORKERS) tests \
 		--ignore=tests/unit --ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model \
 		--ignore=tests/gpu --ignore=tests/cluster; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
