@@ -42,30 +42,37 @@ docs: install
 # of one thread each (pytest-xdist, a file per worker: its module fixtures are built once): its tests are
 # single-threaded Python, which one process runs on one core. The distributed tier too (a file per worker; each
 # torchrun rank gets one thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills
-# the gaps (8 of its files: 335 s in one process, 292 s in two). The functional and real-model tiers too: their
-# tests launch entry points, whose imports and start-up are one core's work, while the other worker's file
-# computes. Then the fault tier, in two such processes too (one process of two threads against two, AMD EPYC without
-# AVX-512, each alone: 697 and 379 s; a pair run later on a slower moment of the machine, 983 and 634 s): its tests
-# time stops, kills and servers, with margins that hold beside the other worker's file. Last the cluster tier, alone
-# (it loses nodes on purpose): the Slurm scripts on a mini cluster of network namespaces
-# (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with the reason
-# where namespaces cannot be made). All five always run; any failing fails the target (exit 5, no test selected by
-# PYTEST_ARGS="-k ...", is not a failure).
+# the gaps (8 of its files: 335 s in one process, 292 s in two). The cluster tier runs beside it, in the background,
+# its output kept in results/test-cluster.log and printed when it ends: the Slurm scripts on a mini cluster of
+# network namespaces (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing;
+# skipped with the reason where namespaces cannot be made). Its jobs mostly wait on Slurm and on lost nodes' timeouts
+# (alone, the CPU stood idle about half its 8 minutes), its nodes' processes live in its namespaces (what it kills is
+# only there) and its waits are 60-420 s. The functional and real-model tiers in two processes too: their tests launch
+# entry points, whose imports and start-up are one core's work, while the other worker's file computes. Last the
+# fault tier, alone, in two such processes (one process of two threads against two, AMD EPYC without AVX-512, each
+# alone: 697 and 379 s): its tests time stops, kills and servers, with margins that hold beside the other worker's
+# file. All five always run; any failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not
+# a failure).
 TWO_WORKERS = OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
+CLUSTER_LOG = results/test-cluster.log
 test: install real-model lint
 	$(PY) -m compileall -q aligner servers examples tests benchmarks > /dev/null
 	status=0; \
 	$(TWO_WORKERS) tests/unit; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	mkdir -p $(dir $(CLUSTER_LOG)); \
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests/cluster > $(CLUSTER_LOG) 2>&1 & \
+	cluster=$$!; \
 	$(TWO_WORKERS) tests/distributed; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	wait $$cluster; \
+	code=$$?; echo "--- tests/cluster (ran beside tests/distributed; $(CLUSTER_LOG)):"; cat $(CLUSTER_LOG); \
+	[ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	$(TWO_WORKERS) tests/functional tests/real_model tests/gpu; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	$(TWO_WORKERS) tests \
 		--ignore=tests/unit --ignore=tests/distributed --ignore=tests/functional --ignore=tests/real_model \
 		--ignore=tests/gpu --ignore=tests/cluster; \
-	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests/cluster; \
 	code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	exit $$status
 

@@ -296,6 +296,7 @@ AGENTIC_RL_OVERRIDES = [
     "checkpoint.save_interval=0",
     "checkpoint.resume=false",
 ]
+AGENTIC_DATA_ARGS: list[str] = []  # make_tool_data.py's sizes (default: 20,000 SFT conversations, 500 held out)
 AGENTIC_EVAL_LIMIT = None  # held-out problems evaluated (None: all 500)
 # The tool runs: plain-format calls (the toy model's), at most 3 model turns, a few sandbox workers for the
 # calculator (a call is short; a worker per episode would be 256 processes).
@@ -594,7 +595,8 @@ class Demo:
         out = self.work / "agentic"
         shutil.rmtree(out, ignore_errors=True)
         data, tokenizer = out / "data", out / "data" / "tokenizer"
-        run("agentic data", [sys.executable, DATA_SCRIPTS / "make_tool_data.py", "--out-dir", data, "--seed", "0"])
+        run("agentic data", [sys.executable, DATA_SCRIPTS / "make_tool_data.py", "--out-dir", data, "--seed", "0",
+                             *AGENTIC_DATA_ARGS])
         run("agentic tokenizer", [sys.executable, DATA_SCRIPTS / "train_tokenizer.py", "--data-dir", data,
                                   "--out-dir", tokenizer, "--printable"])
         common = [f"tokenizer.path={tokenizer}", f"data.train=[{{path: {data / 'sft_train.jsonl'}}}]",

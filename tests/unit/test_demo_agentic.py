@@ -142,6 +142,9 @@ def test_the_agentic_stage_runs_its_commands_and_fills_its_table(tmp_path, monke
         *run_demo.AGENTIC_RL_OVERRIDES, "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.max_steps=1"])
     monkeypatch.setattr(run_demo, "AGENTIC_EVAL_LIMIT", 16)
+    # what two steps of 64 and one of 2 prompts read (20,000 conversations cost each SFT start ~5 s of tokenizing)
+    monkeypatch.setattr(run_demo, "AGENTIC_DATA_ARGS", ["--num-sft", "512", "--num-sft-validation", "16",
+                                                        "--num-heldout", "16", "--num-rl-prompts", "64"])
     args = type("Args", (), {"precision": "auto", "seed": None})()
     demo = run_demo.Demo(tmp_path / "work", args)
     demo.agentic()
