@@ -42,17 +42,17 @@ docs: install
 # thread each (pytest-xdist, a file per worker: its module fixtures are built once): its tests are single-threaded
 # Python, which one process runs on one core. The distributed tier too (a file per worker; each torchrun rank gets one
 # thread, tests/conftest.py): its ranks wait on each other, and the other worker's file fills the gaps (8 of its files:
-# 335 s in one process, 292 s in two). The cluster tier runs beside it, in the background, its output kept in
-# results/test-cluster.log and printed when it ends: the Slurm scripts on a mini cluster of network namespaces
-# (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if missing; skipped with the reason
-# where namespaces cannot be made). Its jobs mostly wait on Slurm and on lost nodes' timeouts (alone, AMD EPYC without
-# AVX-512: 510 s, the CPU 61 % idle in its first 4 minutes; beside the distributed tier: 666 s and the CPU 1 % idle),
-# its nodes' processes live in its namespaces (what it kills is only there) and its waits are 60-420 s. The functional
-# and real-model tiers in two processes too: their tests launch entry points, whose imports and start-up are one core's
-# work, while the other worker's file computes. Last the fault tier, alone, in two such processes (one process of two
-# threads against two, AMD EPYC without AVX-512, each alone: 697 and 379 s): its tests time stops, kills and servers,
-# with margins that hold beside the other worker's file. All five always run; any failing fails the target (exit 5, no
-# test selected by PYTEST_ARGS="-k ...", is not a failure).
+# 335 s in one process, 292 s in two). The cluster tier runs beside it, in the background (where Ctrl-C still stops it:
+# tests/cluster/conftest.py), its output kept in results/test-cluster.log and printed when it ends: the Slurm scripts on
+# a mini cluster of network namespaces (tests/cluster/minicluster.py, which installs slurm-wlm and munge with apt-get if
+# missing; skipped with the reason where namespaces cannot be made). Its jobs mostly wait on Slurm and on lost nodes'
+# timeouts (alone, AMD EPYC without AVX-512: 510 s, the CPU 61 % idle in its first 4 minutes; beside the distributed
+# tier: 666 s and the CPU 1 % idle), its nodes' processes live in its namespaces (what it kills is only there) and its
+# waits are 60-420 s. The functional and real-model tiers in two processes too: their tests launch entry points, whose
+# imports and start-up are one core's work, while the other worker's file computes. Last the fault tier, alone, in two
+# such processes (one process of two threads against two, AMD EPYC without AVX-512, each alone: 697 and 379 s): its
+# tests time stops, kills and servers, with margins that hold beside the other worker's file. All five always run; any
+# failing fails the target (exit 5, no test selected by PYTEST_ARGS="-k ...", is not a failure).
 TWO_WORKERS = OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 CLUSTER_LOG = results/test-cluster.log
 test: install real-model lint
