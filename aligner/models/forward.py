@@ -35,13 +35,22 @@ def run_microbatches(
     target = device()
     batches: Iterator = iter(microbatches)
 
+    def checked_loss(batch, output) -> tuple:
+        result = loss_fn(batch, output)
+        # Megatron's schedule skips the backward of a loss outside the autograd graph without a word: the step
+        # would then train nothing and report a zero gradient norm.
+        if not forward_only and not result[0].requires_grad:
+            raise RuntimeError("the training loss does not depend on any trainable parameter, so the backward "
+                               "pass would change nothing (every parameter frozen, or the graph cut on the way)")
+        return result
+
     def forward_step(data_iterator, model):
         # Batches are built on the CPU; the model may live on a GPU (a no-op on CPU).
         batch = batch_to_device(next(data_iterator), target)
         output = forward_deferred(model, forward_fn, batch) if defer_output_layer else forward_fn(model, batch)
         if isinstance(output, HiddenStates):  # the schedule passes tensors: the loss gets them back wrapped
-            return output.tensor, lambda out: loss_fn(batch, HiddenStates(out, output.layer, output.weight))
-        return output, lambda out: loss_fn(batch, out)
+            return output.tensor, lambda out: checked_loss(batch, HiddenStates(out, output.layer, output.weight))
+        return output, lambda out: checked_loss(batch, out)
 
     # With a virtual pipeline every chunk consumes the same micro batches through its own iterator.
     data_iterator = batches if len(model_chunks) == 1 else [iter(microbatches) for _ in model_chunks]

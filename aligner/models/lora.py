@@ -195,6 +195,14 @@ def _initial_a(rank: int, in_features: int, seed: int, layer_number: int, target
     return (torch.rand(rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1) * bound
 
 
+def _output_requires_grad(module, inputs, output: torch.Tensor) -> None:
+    """Megatron's full activation recompute runs each block through torch's reentrant checkpoint, whose output
+    requires grad only if an input does: the frozen embedding's output does not, so without this the adapters
+    inside every recomputed block would get no gradient and the run would train nothing."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
+
+
 def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int, train_whole: Sequence[str] = ()) -> None:
     """Add adapters to every target linear of the (unwrapped) model chunks and freeze everything else, except
     the parameters whose names start with a `train_whole` prefix (a reward head's `output_layer.`): those keep
@@ -238,6 +246,8 @@ def apply_lora(chunks: Sequence[torch.nn.Module], peft: PEFTConfig, seed: int, t
                 # The split adapter is a TP-parallel parameter (megatron's grad norm then sums it over the
                 # ranks); the whole one is a duplicate, counted once.
                 set_tensor_model_parallel_attributes(getattr(module, split[0]), True, split[1], 1)
+        if config.recompute_granularity == "full" and getattr(chunk, "embedding", None) is not None:
+            chunk.embedding.register_forward_hook(_output_requires_grad)
         chunk.lora_train_whole = tuple(train_whole)
         setattr(chunk, checkpointing.SAVED_KEY_ATTR, is_saved_key)  # checkpoints hold what is_saved_key keeps
         for name, param in chunk.named_parameters():

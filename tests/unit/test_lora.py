@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aligner.models import lora
-from aligner.models.forward import forward_logits
+from aligner.models.forward import forward_logits, run_microbatches
 
 from ..conftest import REPO_ROOT, metrics_rows, train_tiny_arithmetic_policy
 from .test_native_engine import VOCAB, make_model
@@ -124,6 +124,26 @@ def test_target_modules_are_checked_and_only_those_get_adapters(single_process):
     names = {n for n, _ in model.named_parameters() if lora.is_adapter_key(n)}
     assert names and all(("linear_qkv" in n or "linear_fc2" in n) for n in names)
     assert lora.PEFTConfig(scheme="lora", target_modules=["q_proj"]).check_fields()[0] == "target_modules"
+
+
+def test_a_training_pass_whose_loss_reaches_no_trainable_parameter_fails_with_one_line(single_process):
+    """Megatron's schedule would skip such a backward silently (a zero gradient norm, nothing trained)."""
+    cfg, model, peft = _adapted()
+    lora.apply_lora([model], peft, seed=1)
+    positions = torch.arange(TOKENS.shape[1]).expand(TOKENS.shape[0], -1)
+
+    def train_pass():
+        return run_microbatches([model], [{"tokens": TOKENS, "position_ids": positions}],
+                                lambda chunk, batch: chunk(batch["tokens"], batch["position_ids"], None),
+                                lambda batch, logits: (logits.float().square().mean(), torch.tensor(1), {}),
+                                forward_only=False, seq_length=TOKENS.shape[1], micro_batch_size=TOKENS.shape[0])
+
+    train_pass()  # the adapters are reached: they get a gradient
+    assert all(module.lora_b.grad.abs().sum() > 0 for module in lora.adapter_modules([model]))  # (B = 0: A gets none)
+    for param in model.parameters():
+        param.requires_grad = False
+    with pytest.raises(RuntimeError, match="the training loss does not depend on any trainable parameter"):
+        train_pass()
 
 
 def _sft(root, init, *extra, steps: int = 12, name: str = "run") -> subprocess.CompletedProcess:

@@ -90,15 +90,24 @@ def test_packed_sequences_give_the_same_loss_as_separate_ones():
     assert packed[0] == pytest.approx(separate[0], rel=1e-5)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full_weights", "lora"])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_activation_recompute_keeps_loss_and_gradients(recompute):
-    """Recomputed activations are the same numbers: loss and every gradient equal the stored path."""
+def test_activation_recompute_keeps_loss_and_gradients(recompute, lora):
+    """Recomputed activations are the same numbers: loss and every gradient equal the stored path. With LoRA
+    the embedding is frozen, so the first recomputed block's input does not require grad: its adapters must
+    still get their gradients (megatron's checkpoint is torch's reentrant one, which would drop them)."""
     from aligner.algorithms.sft import response_token_loss
+    from aligner.models import lora as lora_module
 
     cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=40,
                           make_vocab_size_divisible_by=8, max_position_embeddings=64)
     stored = build_gpt_model(cfg, transformer_config(cfg))
     recomputed = build_gpt_model(cfg, transformer_config(cfg, activation_recompute=recompute))
+    if lora:
+        for model in (stored, recomputed):
+            lora_module.apply_lora([model], lora_module.PEFTConfig(scheme="lora", rank=4), seed=1)
+            for module in lora_module.adapter_modules([model]):  # B = 0 at the start: a gradient for A too
+                torch.nn.init.normal_(module.lora_b, std=0.1, generator=torch.Generator().manual_seed(5))
     recomputed.load_state_dict(stored.state_dict())
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 40, (3, 12), generator=generator)
@@ -115,5 +124,9 @@ def test_activation_recompute_keeps_loss_and_gradients(recompute):
         losses.append(loss.detach())
     assert (calls.count(stored), calls.count(recomputed)) == (1, 2)
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
-    for (name, want), got in zip(stored.named_parameters(), recomputed.parameters()):
+    trained = [(name, want, got) for (name, want), got in zip(stored.named_parameters(), recomputed.parameters())
+               if want.requires_grad]
+    assert len(trained) == (16 if lora else len(list(stored.parameters())))  # 2 layers x 4 targets x (A, B)
+    for name, want, got in trained:
+        assert want.grad is not None and want.grad.abs().sum() > 0, name
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-6, msg=name)
