@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aligner.models import lora as lora_module
 from aligner.models.gpt import GPTConfig, build_gpt_model, num_parameters, padded_vocab_size, transformer_config
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -97,7 +98,6 @@ def test_activation_recompute_keeps_loss_and_gradients(recompute, lora):
     the embedding is frozen, so the first recomputed block's input does not require grad: its adapters must
     still get their gradients (megatron's checkpoint is torch's reentrant one, which would drop them)."""
     from aligner.algorithms.sft import response_token_loss
-    from aligner.models import lora as lora_module
 
     cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=40,
                           make_vocab_size_divisible_by=8, max_position_embeddings=64)
