@@ -6,12 +6,14 @@
 toy: each seed trains its own SFT model (the seed sets the data order) and the group methods from it; every
 group row must beat that seed's SFT by TOY_MARGIN points of held-out greedy accuracy. real: the base model is
 imported and evaluated once; RLOO and iterative DPO run per seed (sampling, data order); each must beat the base
-by REAL_MARGIN points of held-out prompts satisfied and keep the general answers: no greedy answer to the five
-general prompts may gain a fault the base's answer lacks (`instructions.new_general_faults`: French words,
-the question echoed, the France answer without Paris), and the KL to the base on those prompts stays under
-REAL_MAX_KL nats per answer. The KL is a guard for a model moved far, not the test of the answers: the runs whose
-answers broke measured 1.9-6.0 nats (a French France answer) and 8.5-10.9 (many answers), runs with every answer
-intact up to 6.6 (docs/results/demo_real.md).
+by REAL_MARGIN points of held-out prompts satisfied and keep the general answers: on none of the five general
+prompts may the share of sampled answers with a fault (`instructions.general_answer_faults`: French words, the
+question echoed, the France answer without Paris; 64 answers at T=0.7 per prompt and model) be significantly
+higher than the base's (`intervals.rate_rose`), and the KL to the base on those prompts stays under REAL_MAX_KL
+nats per answer. Rates, not the greedy answer: the base's own greedy France answer wins a near-tie ("The" 0.15
+against "L" 0.14 for the first token) and 42 of its 64 sampled answers to that prompt have a fault, so a greedy
+answer that flips measures the tie (docs/results/demo_real.md). The greedy answers' new faults are printed
+beside. The KL is a guard for a model moved far: the runs whose answers broke wholesale measured 8.5-10.9 nats.
 
 Each seed's directory is a normal demo workdir (`--stages` re-runs work there); `--stages` here passes through
 (e.g. `--stages group_rl` re-runs only the RL stages on the seeds' SFT models). The table prints per seed, with
@@ -30,7 +32,7 @@ from run_demo import GROUP_RL_RUNS, REPO_ROOT
 
 from aligner.config import run_main
 from aligner.demo.instructions import new_general_faults
-from aligner.demo.intervals import format_interval
+from aligner.demo.intervals import format_interval, rate_rose
 
 TOY_MARGIN = 15.0  # points of held-out accuracy over the seed's SFT model, for every GRPO-family row
 REAL_MARGIN = 20.0  # points of held-out prompts satisfied over the base, for RLOO and iterative DPO
@@ -119,7 +121,9 @@ def real(workdir: Path, seeds: list[int], stages: str, rloo_settings: tuple[str,
             if margin < REAL_MARGIN:
                 failures.append(f"seed {seed}: {name} {satisfied(result):.1f} % is {margin:+.1f} points over the "
                                 f"base ({base:.1f} %), under the {REAL_MARGIN:.0f} required")
-            for fault in _broken_answers(table["base"]["general"], result["general"]):
+            for fault in _greedy_faults(table["base"]["general"], result["general"]):
+                print(f"    greedy: {fault}")
+            for fault in _raised_fault_rates(table["base"], result):
                 print(f"    {fault}")
                 failures.append(f"seed {seed}: {name}'s {fault}")
             if kl > REAL_MAX_KL:
@@ -129,8 +133,8 @@ def real(workdir: Path, seeds: list[int], stages: str, rloo_settings: tuple[str,
     return failures
 
 
-def _broken_answers(base: list[dict], answers: list[dict]) -> list[str]:
-    """One line per general answer with a fault the base's answer to the same prompt does not have."""
+def _greedy_faults(base: list[dict], answers: list[dict]) -> list[str]:
+    """One line per greedy general answer with a fault the base's greedy answer to the same prompt does not have."""
     broken = []
     for before, after in zip(base, answers):
         prompt = after["prompt"][0]["content"]
@@ -138,6 +142,19 @@ def _broken_answers(base: list[dict], answers: list[dict]) -> list[str]:
         if new:
             broken.append(f"answer to {prompt!r} {'; '.join(new)}: {after['response']!r}")
     return broken
+
+
+def _raised_fault_rates(base: dict, result: dict) -> list[str]:
+    """One line per general prompt whose sampled answers have a fault significantly more often than the base's."""
+    if "general_fault_counts" not in base or "general_fault_counts" not in result:
+        raise SystemExit("demo_seeds: an evaluation has no general_fault_counts (made before they were measured): "
+                         "re-run its evaluation (--stages base,rloo,dpo)")
+    raised = []
+    for before, after in zip(base["general_fault_counts"], result["general_fault_counts"]):
+        if rate_rose(before["faulty"], before["samples"], after["faulty"], after["samples"]):
+            raised.append(f"sampled answers to {after['prompt']!r} have a fault {after['faulty']}/{after['samples']} "
+                          f"times, the base's {before['faulty']}/{before['samples']}")
+    return raised
 
 
 def _spread(results: dict[int, dict[str, dict]], figure, what: str) -> None:

@@ -214,6 +214,10 @@ class RealDemo:
                 answer = self.results[name]["general"][index]["response"]
                 faults = instructions.new_general_faults(prompt, item["response"], answer)
                 print(f"    {name}: {answer!r}" + (f"  <- {'; '.join(faults)}" if faults else ""))
+            counts = [self.results[name].get("general_fault_counts") for name in names]
+            if all(counts):
+                print("    sampled answers with a fault: " + ", ".join(
+                    f"{name} {count[index]['faulty']}/{count[index]['samples']}" for name, count in zip(names, counts)))
         self.plot()
         print("stage times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.timings.items()))
 

@@ -35,7 +35,7 @@ def demo_module(monkeypatch):
 def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wrote(tmp_path, monkeypatch,
                                                                                      demo_module, capfd):
     from aligner import checkpointing
-    from aligner.demo.instructions import best_worst_pairs, satisfaction
+    from aligner.demo.instructions import best_worst_pairs, general_answer_faults, satisfaction
     from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
     from aligner.runtime import seeds
 
@@ -73,6 +73,14 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
         assert result["prompts"] == 12, name
         assert result["kl_to_base"] is not None and len(result["general"]) == 5
     assert results["base"]["kl_to_base"] == pytest.approx(0.0, abs=1e-6)  # the base against itself
+    for name, result in results.items():  # each general prompt's sampled answers, counted by the fault checker
+        samples = [json.loads(line) for line in (work / f"eval_{name}" / "general_samples.jsonl").read_text()
+                   .splitlines()]
+        assert len(samples) == 5 * 64
+        for count in result["general_fault_counts"]:
+            mine = [row for row in samples if row["prompt"] == count["prompt"]]
+            assert count["samples"] == len(mine) == 64
+            assert count["faulty"] == sum(bool(general_answer_faults(row["prompt"], row["response"])) for row in mine)
     assert results["rloo"]["kl_to_base"] != 0.0  # the adapters moved the policy
     # The base's table row is the checker's verdict on its held-out answers, as the report prints it.
     answers = [json.loads(line) for line in (work / "eval_base" / "heldout_answers.jsonl").read_text().splitlines()]
@@ -81,6 +89,10 @@ def test_every_stage_runs_on_a_tiny_chat_model_and_the_report_reads_what_they_wr
     table = next(line for line in out.splitlines() if line.startswith("prompts satisfied"))
     assert table.split()[2:] == " ".join(format_interval(results[name]["prompt_level"], 12)
                                          for name in ("base", "rloo", "dpo")).split()
+    france = results["base"]["general_fault_counts"][0]["prompt"]
+    counts = [results[name]["general_fault_counts"][0]["faulty"] for name in ("base", "rloo", "dpo")]
+    after = out[out.index(f"- {france}"):]
+    assert f"sampled answers with a fault: base {counts[0]}/64, rloo {counts[1]}/64, dpo {counts[2]}/64" in after
 
     # Iterative DPO: each round sampled from the previous round's policy, and its pairs are the checker's.
     metrics = [json.loads(line) for line in (work / "rloo" / "metrics.jsonl").read_text().splitlines()]

@@ -25,10 +25,14 @@ def _arithmetic(accuracy: float) -> dict:
 
 
 def _instructions(satisfied: float, kl: float, france: str = "The capital of France is Paris.",
-                  sky: str = "Sunlight scatters off the air.") -> dict:
-    general = [{"prompt": [{"role": "user", "content": "What is the capital of France?"}], "response": france},
-               {"prompt": [{"role": "user", "content": "Why is the sky blue?"}], "response": sky}]
-    return {"prompt_level": satisfied, "prompts": 200, "kl_to_base": kl, "mean_words": 12.0, "general": general}
+                  sky: str = "Sunlight scatters off the air.", faulty: tuple = (42, 0)) -> dict:
+    """An evaluation file: greedy general answers, and `faulty` of 64 sampled answers per general prompt."""
+    prompts = ["What is the capital of France?", "Why is the sky blue?"]
+    general = [{"prompt": [{"role": "user", "content": prompt}], "response": answer}
+               for prompt, answer in zip(prompts, (france, sky))]
+    counts = [{"prompt": prompt, "faulty": count, "samples": 64} for prompt, count in zip(prompts, faulty)]
+    return {"prompt_level": satisfied, "prompts": 200, "kl_to_base": kl, "mean_words": 12.0, "general": general,
+            "general_fault_counts": counts}
 
 
 def _fake_demo(monkeypatch, module, evaluations):
@@ -76,24 +80,28 @@ def test_toy_rows_under_the_margin_over_their_seeds_sft_fail_by_name(tmp_path, m
     assert ["GRPO", "78.0", "79.0", "80.0"] in [line.split() for line in spread.splitlines()]
 
 
-def test_real_methods_need_the_margin_and_the_general_answers(tmp_path, monkeypatch, seeds_module):
+def test_real_methods_need_the_margin_and_the_general_answers(tmp_path, monkeypatch, seeds_module, capsys):
     def evaluations(seed):
         return {"base": _instructions(0.13, 0.0),
                 "rloo": _instructions(0.36 if seed == 1 else 0.30, 4.2,
-                                      sky="The sky blue." if seed == 1 else "Sunlight scatters."),
+                                      sky="The sky blue." if seed == 1 else "Sunlight scatters.",
+                                      faulty=(40, 7 if seed == 1 else 1)),
                 "dpo": _instructions(0.40, 8.5 if seed == 2 else 6.5,
-                                     "Paris" if seed == 1 else "L'Étoile, la Marseillaise")}
+                                     "Paris" if seed == 1 else "L'Étoile, la Marseillaise",
+                                     faulty=(48 if seed == 2 else 30, 0))}
 
     commands = _fake_demo(monkeypatch, seeds_module, evaluations)
     failures = seeds_module.real(tmp_path, [1, 2], "model,data,base,rloo,dpo,report")
-    # a fault the base's answer does not have fails the row; a KL of 6.5 with every answer intact does not
+    # a fault rate risen over the base's fails the row (seed 1's sky answers: 7/64 against 0/64); a greedy answer
+    # that flipped on a prompt whose sampled answers fail as often as the base's does not (seed 2's French France
+    # answer: 48/64 against 42/64), nor does a KL of 6.5 with every rate kept
     assert failures == [
-        "seed 1: rloo's answer to 'Why is the sky blue?' echoes the question: 'The sky blue.'",
+        "seed 1: rloo's sampled answers to 'Why is the sky blue?' have a fault 7/64 times, the base's 0/64",
         "seed 2: rloo 30.0 % is +17.0 points over the base (13.0 %), under the 20 required",
-        "seed 2: dpo's answer to 'What is the capital of France?' French words (la, l'); does not name Paris: "
-        "\"L'Étoile, la Marseillaise\"",
         "seed 2: dpo's KL to the base on the general prompts, 8.50 nats, is over the 8 allowed",
     ]
+    out = capsys.readouterr().out
+    assert "greedy: answer to 'What is the capital of France?' French words (la, l'); does not name Paris" in out
     # the base is imported and evaluated once, in the first seed's directory; each seed trains with its seed
     assert [command[command.index("--stages") + 1] for command in commands] == [
         "model,data,base", "rloo,dpo,report", "rloo,dpo,report"]
@@ -113,3 +121,14 @@ def test_real_rloo_settings_reach_every_seeds_rloo_run_and_not_the_shared_base(t
     for command in per_seed:
         given = [command[index + 1] for index, part in enumerate(command) if part == "--rloo-set"]
         assert given == list(settings)
+
+
+def test_real_evaluations_made_before_the_fault_rates_ask_to_be_rerun(tmp_path, monkeypatch, seeds_module):
+    def evaluations(seed):
+        old = _instructions(0.40, 4.0)
+        del old["general_fault_counts"]
+        return {"base": _instructions(0.13, 0.0), "rloo": old, "dpo": _instructions(0.40, 4.0)}
+
+    _fake_demo(monkeypatch, seeds_module, evaluations)
+    with pytest.raises(SystemExit, match="no general_fault_counts .* re-run its evaluation"):
+        seeds_module.real(tmp_path, [1], "model,data,base,rloo,dpo,report")
