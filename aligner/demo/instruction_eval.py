@@ -28,7 +28,15 @@ from aligner.config import run_main
 from aligner.data.conversation import ChatEncoder
 from aligner.data.jsonl import read_jsonl
 from aligner.demo.instructions import general_answer_faults, satisfaction
-from aligner.generation.chat import ChatConfig, ChatSamplingConfig, answer_file, encode_record, load_chat_model
+from aligner.generation.chat import (
+    ChatConfig,
+    ChatSamplingConfig,
+    answer_file,
+    encode_record,
+    generate_tokens,
+    load_chat_model,
+    response_text,
+)
 from aligner.generation.engine import SamplingParams
 from aligner.models.forward import forward_logits
 from aligner.models.gpt import GPTConfig, build_model_chunks
@@ -71,14 +79,12 @@ def _general_fault_counts(model, prompts: list[list[int]], texts: list[str], sam
                           seed: int, answers_file: Path) -> list[dict]:
     """Per general prompt {"prompt", "faulty", "samples"}: how many of `samples` answers sampled at
     FAULT_TEMPERATURE have a fault; the answers go to `answers_file` ({"prompt", "response", "faults"} rows)."""
-    rollout = model.engine.generate([prompt for prompt in prompts for _ in range(samples)], SamplingParams(
+    tokens = generate_tokens(model, [prompt for prompt in prompts for _ in range(samples)], SamplingParams(
         max_new_tokens=max_new_tokens, temperature=FAULT_TEMPERATURE, greedy=False, seed=seed,
         stop_token_ids=model.stop_token_ids))
     counts, lines = [], []
     for index, text in enumerate(texts):
-        rows = range(index * samples, (index + 1) * samples)
-        answers = [model.tokenizer.decode(rollout.response_tokens[row, :int(rollout.response_lengths[row])].tolist())
-                   for row in rows]
+        answers = [response_text(model, row) for row in tokens[index * samples:(index + 1) * samples]]
         faults = [general_answer_faults(text, answer) for answer in answers]
         counts.append({"prompt": text, "faulty": sum(map(bool, faults)), "samples": samples})
         lines += [json.dumps({"prompt": text, "response": answer, "faults": found}) + "\n"
