@@ -10,6 +10,9 @@ metrics) and a `LoopState`: its step counter and its checkpoint and validation h
 
 A run made of iterations (SPIN, rejection sampling) calls `loop.step(...)` itself, marking the
 boundaries it cannot resume from, and `loop.check()` at its iteration ends.
+
+On a CPU the first rank of each machine also watches whether other work competes for the CPUs
+(`cpu_pressure`) and says so once, since contended OpenMP threads slow a run several-fold.
 """
 from __future__ import annotations
 
@@ -18,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
 
-from aligner.runtime import stopping
-from aligner.training.metrics import MetricsLogger
+import torch
+
+from aligner.runtime import cpu_bridge, cpu_pressure, stopping
+from aligner.runtime.distributed import rank_and_world_from_env
+from aligner.training.metrics import MetricsLogger, get_logger
 
 
 class LoopState(Protocol):
@@ -68,6 +74,7 @@ class RunLoop:
         self.cadence = cadence
         self.shown = shown  # metrics -> the progress bar's postfix
         self._stop = stop
+        self._pressure = _cpu_pressure()
 
     def check(self, resumable: bool = True, unsaved_reason: str = "") -> None:
         """A step boundary: on a stop signal, save (if this boundary can be resumed from) and raise `Stopped`."""
@@ -92,12 +99,23 @@ class RunLoop:
         interval = self.cadence.save_interval
         if interval > 0 and state.step % interval == 0 and (total is None or state.step < total):
             state.save()
+        warning = self._pressure.check() if self._pressure is not None else None
+        if warning:
+            get_logger().warning(warning)
         return metrics
 
     def run_until(self, total: int, step: Callable[[], dict]) -> None:
         """Steps until the state's counter reaches total."""
         while self.state.step < total:
             self.step(step, total=total)
+
+
+def _cpu_pressure() -> Optional[cpu_pressure.CpuPressure]:
+    """The CPU contention watch of a CPU run's first rank on its machine; None elsewhere (a GPU run's host
+    threads are not its compute)."""
+    if not cpu_bridge.is_applied() or rank_and_world_from_env()[1] != 0:
+        return None
+    return cpu_pressure.CpuPressure(cpu_pressure.pressure_file(), torch.get_num_threads())
 
 
 @contextlib.contextmanager
