@@ -4,7 +4,8 @@ Each benchmark prints its own absolute numbers and one `ratio NAME VALUE` line p
 (peer time / ours, or floor / ours: above 1 means we are faster than the peer, or slower than the
 floor allows); this script streams their output, collects those lines, and ends with a summary:
 the machine's matmul and read rates (measured here before and after), each benchmark's wall time,
-peak RSS and load, and every ratio.
+peak RSS, load and CPU pressure (the share of its wall time a task waited for a CPU: `aligner.runtime.
+cpu_pressure`; over half of it is flagged, since then its timings measure the contention), and every ratio.
 
     python benchmarks/run_bench.py [--set real|toy|gpu] [--only NAME,...] [--threads 2]
 
@@ -21,6 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+if not __package__:  # run as a file: make the `aligner` and `benchmarks` packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aligner.runtime import cpu_pressure  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RATIO_PATTERN = re.compile(r"^ratio (\S+) ([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)$")
@@ -95,12 +102,25 @@ class Outcome:
     peak_rss_mb: float
     load: str
     ratios: list[tuple[str, float]]
+    contended: Optional[float] = None  # the share of wall_s a task waited for a CPU; None: not measured (no PSI)
+
+    def describe(self) -> str:
+        state = "ok" if self.exit_code == 0 else f"FAILED (exit {self.exit_code})"
+        line = (f"{self.benchmark.name}: {state}, {self.wall_s:.0f} s, peak RSS {self.peak_rss_mb:.0f} MB, "
+                f"load {self.load}, ")
+        if self.contended is None:
+            return line + "CPU pressure not measured (no PSI)"
+        line += f"a task waited for a CPU {self.contended:.0%} of the time"
+        if self.contended > cpu_pressure.CONTENDED_SHARE:
+            line += " (flag: other work contended for the CPUs; these timings are not of record)"
+        return line
 
 
 def run(benchmark: Benchmark, threads: int) -> Outcome:
     """Run one benchmark to completion, echoing its output; its wall time, peak RSS (wait4) and ratios."""
     from benchmarks.machine import load_average
 
+    pressure = cpu_pressure.CpuPressure(cpu_pressure.pressure_file(), threads)
     command = [sys.executable, benchmark.script, *(arg.format(threads=threads) for arg in benchmark.args)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -116,8 +136,10 @@ def run(benchmark: Benchmark, threads: int) -> Outcome:
         lines.append(line)
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
+    measured = pressure.share(min_window_s=0.0)
     return Outcome(benchmark, process.returncode, time.perf_counter() - start, usage.ru_maxrss / 1024,
-                   f"{load_before:.2f}->{load_average():.2f}", parse_ratios("".join(lines)))
+                   f"{load_before:.2f}->{load_average():.2f}", parse_ratios("".join(lines)),
+                   None if measured is None else measured[0])
 
 
 def main() -> None:
@@ -157,9 +179,7 @@ def main() -> None:
     print(f"before: {rates_before.describe()}")
     print(f"after:  {rates_after.describe()}")
     for outcome in outcomes:
-        state = "ok" if outcome.exit_code == 0 else f"FAILED (exit {outcome.exit_code})"
-        print(f"{outcome.benchmark.name}: {state}, {outcome.wall_s:.0f} s, peak RSS {outcome.peak_rss_mb:.0f} MB, "
-              f"load {outcome.load}")
+        print(outcome.describe())
     for benchmark in skipped:
         print(f"{benchmark.name}: skipped ({benchmark.script} is not in this checkout)")
     for outcome in outcomes:
@@ -170,6 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if not __package__:  # run as a file: make the `benchmarks` package importable
-        sys.path.insert(0, str(REPO_ROOT))
     main()

@@ -70,12 +70,13 @@ class CpuPressure:
             self.path = None  # unreadable once: measure nothing more rather than fail the run
             return None
 
-    def share(self) -> Optional[tuple[float, float]]:
-        """(the share, the window's seconds) once a window of MIN_WINDOW_S has passed, else None."""
+    def share(self, min_window_s: Optional[float] = None) -> Optional[tuple[float, float]]:
+        """(the share, the window's seconds) since the last window once min_window_s (default MIN_WINDOW_S)
+        has passed, else None; the next window starts now."""
         if self._start is None:
             return None
         started, stalled = self._start
-        if self.clock() - started < MIN_WINDOW_S:
+        if self.clock() - started < (MIN_WINDOW_S if min_window_s is None else min_window_s):
             return None
         now = self._read()
         if now is None:

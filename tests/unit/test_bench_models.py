@@ -1,10 +1,11 @@
 """The benchmarks' arithmetic and plumbing that needs no timing: `ratio` lines, the decode-step floor,
-and `--model` resolution (both sides must hold the same weights)."""
+and `--model` resolution (both sides must hold the same weights), and a run on contended CPUs flagged."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from aligner.runtime import cpu_pressure
 from benchmarks.generation import (
     BatchResult,
     alternated,
@@ -16,7 +17,7 @@ from benchmarks.generation import (
     report,
 )
 from benchmarks.machine import MachineRates
-from benchmarks.run_bench import parse_ratios, ratio_line
+from benchmarks.run_bench import Benchmark, parse_ratios, ratio_line, run
 
 from ..chat_tokenizers import build_chat_tokenizer
 
@@ -36,6 +37,29 @@ def test_ratio_lines_are_read_back_and_other_lines_ignored():
                                     ("overflow", float("inf")), ("tiny", 1e-3)]
     with pytest.raises(ValueError, match="no spaces"):
         ratio_line("two words", 1.0)
+
+
+SPINNING_BENCHMARK = """
+import os, subprocess, sys, time
+spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+time.sleep(2.5)
+for spinner in spinners:
+    spinner.kill()
+    spinner.wait()
+print("ratio spun 1.0")
+"""
+
+
+@pytest.mark.skipif(not cpu_pressure.SYSTEM_PRESSURE.is_file(), reason="the kernel has no CPU pressure file (PSI)")
+def test_a_benchmark_run_on_contended_cpus_is_flagged(tmp_path):
+    """A benchmark whose run oversubscribes the CPUs (twice as many spinning processes as CPUs) has its
+    CPU pressure measured over its run and flagged in the summary line."""
+    script = tmp_path / "spin.py"
+    script.write_text(SPINNING_BENCHMARK)
+    outcome = run(Benchmark("spin", str(script)), threads=1)
+    assert outcome.exit_code == 0 and outcome.ratios == [("spun", 1.0)]
+    assert outcome.contended is not None and outcome.contended > cpu_pressure.CONTENDED_SHARE, outcome
+    assert "(flag: other work contended for the CPUs" in outcome.describe()
 
 
 @pytest.mark.parametrize("tied", [True, False])
