@@ -2,6 +2,7 @@
 warning, the run loop saying it, and the kernel's own file rising when the CPUs are oversubscribed."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -117,7 +118,7 @@ class State:
         return {}
 
 
-def test_the_run_loop_says_once_that_the_cpus_are_contended(handlers, tmp_path, monkeypatch, caplog):
+def test_the_run_loop_says_once_that_the_cpus_are_contended(handlers, tmp_path, monkeypatch):
     path = tmp_path / "cpu.pressure"
     path.write_text(pressure_text(0))
     clock = Clock()
@@ -129,12 +130,23 @@ def test_the_run_loop_says_once_that_the_cpus_are_contended(handlers, tmp_path, 
         path.write_text(pressure_text(stalled_us(path.read_text()) + 9_000_000))  # 90 % stalled
         return {"loss": 1.0, "lr": 0.1}
 
+    class Collect(logging.Handler):  # the aligner logger does not propagate; its own handler may be any test's
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    collect = Collect()
     logger = loop_module.get_logger()
-    monkeypatch.setattr(logger, "propagate", True)
-    with caplog.at_level("WARNING", logger=logger.name):
+    logger.addHandler(collect)
+    try:
         with run_loop(state, Cadence(save_at_end=False)) as loop:
             loop.run_until(6, step)
-    warnings = [record.getMessage() for record in caplog.records if "contended" in record.getMessage()]
+    finally:
+        logger.removeHandler(collect)
+    warnings = [message for message in collect.messages if "contended" in message]
     assert state.step == 6 and len(warnings) == 1 and "for 90% of the last 20 s" in warnings[0], warnings
 
 
