@@ -100,11 +100,16 @@ def decode_step_bytes(model, cfg, batch: int, context: float) -> float:
     return weights + kv
 
 
-def step_matmuls_seconds(engine, batch: int, repeats: int) -> float:
+def step_matmuls_seconds(engine, batch: int, repeats: int) -> Optional[float]:
     """The decode step's weight matmuls alone (W @ x with x [in, batch]) on the tensors the engine's products
     read (the weights, or their packed copies), as its last call ran them: through oneDNN on a CPU in fp32
-    (`aligner.runtime.cpu_products`), BLAS on the weights for a call of one sequence where BLAS is preferred."""
+    (`aligner.runtime.cpu_products`), BLAS on the weights for a call of one sequence where BLAS is preferred.
+    None where a step of one row runs in C++ (`aligner.generation.native.cpu_decode`): its products are not
+    calls of their own."""
     from aligner.runtime import cpu_products
+
+    if batch == 1 and engine.state.cpu_decode is not None and engine.state.cpu_decode.available():
+        return None
 
     segment = engine.state.segments[0]  # one process, one stage: every layer and the output layer
     on_blas = engine.state.single_sequence_on_blas
@@ -236,7 +241,7 @@ class BatchResult:
     native_prefill: float
     step_flops: float
     step_bytes: float
-    matmuls: float  # seconds of the step's weight products alone
+    matmuls: Optional[float]  # seconds of the step's weight products alone (None: run inside the C++ step)
     greedy_rows_equal: Optional[int]  # rows whose greedy tokens agree between the sides (None: sampling)
     # --compare-graphs: the engine with CUDA graphs, timed in the same rounds (None otherwise)
     graphs_tokens_per_s: Optional[float] = None
@@ -352,8 +357,11 @@ def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> lis
         f"{machine.matmul_flops / 1e9:.0f} GFLOP/s = {compute_floor * 1e3:.3f} ms, memory "
         f"{result.step_bytes / 1e6:.1f} MB (weights + KV) / {read_bytes / 1e9:.1f} GB/s = {memory_floor * 1e3:.3f} ms; "
         f"floor / native {floor / result.native_step:.2f}, floor / HF {floor / result.hf_step:.2f}",
-        f"  matmuls only  the step's weight products alone (W @ x, x [in, {result.batch}]): "
-        f"{result.matmuls * 1e3:.3f} ms = {result.step_flops / result.matmuls / 1e9:.0f} GFLOP/s (attention aside)",
+        f"  matmuls only  the step's weight products alone (W @ x, x [in, {result.batch}]): " + (
+            "not timed apart: they run inside the C++ step of one row (aligner/generation/native/cpu_decode.py)"
+            if result.matmuls is None else
+            f"{result.matmuls * 1e3:.3f} ms = {result.step_flops / result.matmuls / 1e9:.0f} GFLOP/s "
+            "(attention aside)"),
     ]
     if result.greedy_rows_equal is not None:
         lines.append(f"  greedy tokens equal in {result.greedy_rows_equal} of {result.batch} rows")

@@ -6,6 +6,9 @@
 Sides, all fp32 on the same weights (`benchmarks/models.py`), all greedy and fixed length (every row gets exactly
 --new-tokens tokens; stop tokens do not end a row):
 - ours: the native engine (as generation.py runs it);
+- ours general (batch 1, where the C++ step of one row applies): the engine with ALIGNER_CPU_DECODE=general, its
+  decode steps through torch's operations as at larger batches (aligner/generation/native/cpu_decode.py), so the
+  C++ step's share of the batch-1 ratio shows;
 - HF: transformers' `generate` as users call it (dynamic cache, eager);
 - tuned HF: `generate` on a static KV cache with the model's forward through `torch.compile` (the recipe
   transformers documents for fast generation), compiled in the warm-up;
@@ -110,7 +113,7 @@ def run(args, batches: list[int]) -> None:
     from transformers import StaticCache
 
     from aligner.generation.engine import SamplingParams
-    from aligner.generation.native import NativeEngine
+    from aligner.generation.native import NativeEngine, cpu_decode
     from aligner.runtime import distributed
     from benchmarks.models import resolve_model
 
@@ -141,7 +144,18 @@ def run(args, batches: list[int]) -> None:
         seconds, out = timed_call(call)
         return seconds, out[:, args.prompt_tokens:].tolist()
 
+    def ours_general(batch: int, new_tokens: int):  # ours without the C++ step of one row: what it gains
+        os.environ[cpu_decode.SETTING_VARIABLE] = "general"
+        try:
+            return ours(batch, new_tokens)
+        finally:
+            os.environ[cpu_decode.SETTING_VARIABLE] = setting
+
+    setting = os.environ.get(cpu_decode.SETTING_VARIABLE, "auto")
     sides = [Side("ours", ours, set(batches)), Side("HF", lambda b, n: hf_generate(b, n, False), set(batches))]
+    ours(1, 2)
+    if 1 in batches and engine.state.cpu_decode is not None and engine.state.cpu_decode.available():
+        sides.insert(1, Side("ours general", ours_general, {1}))
     compiled: Optional[Callable] = None
     if not args.no_tuned_hf:
         eager_forward = hf.forward
@@ -207,7 +221,7 @@ def report_batch(batch: int, sides: list[Side], args) -> None:
     for side in sides:
         name = side.name
         agree = sum(row == mine for row, mine in zip(tokens[name], tokens["ours"]))
-        line = (f"  {name:<10} {batch * args.new_tokens / statistics.median(full[name]):8.1f} tokens/s  decode "
+        line = (f"  {name:<12} {batch * args.new_tokens / statistics.median(full[name]):8.1f} tokens/s  decode "
                 f"{statistics.median(steps[name]) * 1e3:7.2f} ms/step (min {min(steps[name]) * 1e3:.2f})  prefill+1 "
                 f"{statistics.median(first[name]) * 1e3:7.2f} ms")
         if name != "ours":

@@ -158,8 +158,10 @@ def test_cpu_onednn_products_give_the_blas_products_rollouts(name):
 
 @pytest.mark.parametrize("library", ["blas", "onednn"])
 def test_a_single_sequence_decodes_on_the_preferred_library_with_the_same_tokens(monkeypatch, library):
-    """One sequence per call: the decode products on BLAS (the weights as they are) where BLAS is preferred,
-    on oneDNN (packed copies) otherwise; both give the rows of the many-sequence path within rounding."""
+    """One sequence per call on the general decode path (the C++ step off: test_cpu_decode.py): the decode
+    products on BLAS (the weights as they are) where BLAS is preferred, on oneDNN (packed copies) otherwise; both
+    give the rows of the many-sequence path within rounding."""
+    from aligner.generation.native import cpu_decode
     from aligner.runtime import cpu_products
 
     if not torch.backends.mkldnn.is_available():
@@ -169,6 +171,7 @@ def test_a_single_sequence_decodes_on_the_preferred_library_with_the_same_tokens
     sampling = SamplingParams(max_new_tokens=14, temperature=1.0, seed=5)
     expected = make_engine(cfg, model).generate(prompt * 2, sampling)  # two sequences: oneDNN, packed
     monkeypatch.setenv(cpu_products.PREFERENCE_VARIABLE, library)
+    monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
     engine = make_engine(cfg, model)
     calls = {"onednn": 0, "blas": 0}
     onednn_product, blas_product = cpu_products.weight_times_columns, torch.mm

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from aligner.generation import cuda_graphs as graphs
 from aligner.generation.engine import GenerationEngine, OnTurn, Rollout, SamplingParams, answer_of, turn_sampling
+from aligner.generation.native import cpu_decode
 from aligner.generation.native.forward import DecodeInputs, Forward, StaticDecodeStep
 from aligner.generation.native.sampling_state import SamplingState
 from aligner.generation.native.state import EngineState
@@ -211,6 +212,7 @@ class NativeEngine(GenerationEngine):
             # Padded vocabulary rows exist only to even out shards: never sampled, not in the softmax.
             state.vocab_padding = ids >= self.cfg.vocab_size
             state.has_vocab_padding = bool(state.vocab_padding.any())
+        state.cpu_decode = cpu_decode.bind(state, segments)
 
     def free(self) -> None:
         """Drop the KV cache, captured decode steps and packed weight copies (the weights are the training

@@ -127,6 +127,10 @@ class Forward:
         """
         state = self.state
         batch = tokens.shape[0]
+        cpu = state.cpu_decode
+        if (cpu is not None and batch == 1 and inputs.column_index is not None and inputs.attention_bias is None
+                and cpu.available()):  # one row on a CPU: the whole step in one C++ call (see cpu_decode)
+            return cpu.step(tokens, inputs.column_index, inputs.kv_len, inputs.rope, keys, values)
 
         def run(segment, hidden):
             for index, layer in enumerate(segment.layers):

@@ -1,0 +1,156 @@
+"""The native engine's decode step for one sequence on a CPU, in fp32, as one C++ call (`cpu_decode.cpp`).
+
+Why a hand-written kernel: at one row a decode step is a chain of matrix-vector products bound by how fast the
+weights stream from memory, plus about 40 small operations a layer. No library torch calls streams a weight at
+the memory's speed for a single column (on an AMD EPYC, SmolLM2's products through oneDNN read 19-33 GB/s, MKL
+11-12 GB/s on one thread), and each small torch operation costs microseconds of dispatch, more than its
+arithmetic: the general path's step took 23 ms there where llama.cpp, which is such a kernel, took 18
+(docs/results/benchmarks.md). The C++ step runs the general path's math (`forward.Forward._decode_layer`, which
+the tests compare it to) for Llama-style layers.
+
+It is used where `unsupported` finds nothing: fp32 on a CPU, one process (no tensor or pipeline parallelism),
+RMSNorm, rotary embeddings of one base, SwiGLU, linear biases or none, no live LoRA adapter, no MoE, no q/k
+norms, none of Gemma's norms or scalings; and for a step of one row (`Forward.decode_forward` checks the step).
+Everything else takes the general path. `ALIGNER_CPU_DECODE=general` turns it off.
+
+The extension is compiled on first use for this CPU (-march=native) by torch's extension loader, under a name
+that hashes the source, the flags and the CPU's flags (the machine may change under a shared home directory);
+later processes load the built library. A build that fails (no C++ compiler, say) leaves the general path, with
+one warning that says why.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils import cpp_extension
+
+from aligner.runtime.cpu_products import cpu_info
+from aligner.runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SETTING_VARIABLE = "ALIGNER_CPU_DECODE"
+SETTINGS = ("auto", "general")
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native"]
+MAX_HEAD_DIM = 1024  # cpu_decode.cpp's kMaxHeadDim
+_extension: dict = {}  # "module": the loaded extension, or None once a build failed
+
+
+def enabled() -> bool:
+    """Whether ALIGNER_CPU_DECODE allows the C++ step ("auto", the default) or not ("general")."""
+    setting = os.environ.get(SETTING_VARIABLE, "auto").strip().lower() or "auto"
+    if setting not in SETTINGS:
+        raise ConfigError(f"{SETTING_VARIABLE}={setting!r}: choose one of {', '.join(SETTINGS)}")
+    return setting == "auto"
+
+
+def unsupported(state, segments: list) -> Optional[str]:
+    """Why the C++ step cannot run the bound model (state: the engine's EngineState), or None when it can."""
+    cfg = state.cfg
+    if state.device is None or state.device.type != "cpu" or state.dtype != torch.float32:
+        return "not fp32 on a CPU"
+    if state.tp_size > 1 or state.pp_size > 1 or len(segments) != 1:
+        return "tensor or pipeline parallel"
+    for flag, name in ((cfg.normalization != "RMSNorm", "normalization"), (cfg.activation != "swiglu", "activation"),
+                       (cfg.position_embedding_type != "rope", "position embeddings"),
+                       (cfg.qk_layernorm, "qk_layernorm"), (cfg.zero_centered_norm, "zero_centered_norm"),
+                       (cfg.post_layer_norms, "post_layer_norms"), (cfg.scale_embeddings, "scale_embeddings"),
+                       (cfg.num_moe_experts is not None, "MoE")):
+        if flag:
+            return f"the model's {name}"
+    if state.head_dim > MAX_HEAD_DIM or state.head_dim % 2:
+        return f"head_dim {state.head_dim}"
+    segment = segments[0]
+    if segment.word_embeddings is None or segment.output_weight is None:
+        return "a segment without the embedding or the output layer"
+    for layer in segment.layers:
+        if layer.rope_half is not None:
+            return "two rotary bases"
+        if any(linear.lora_a is not None for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2)):
+            return "a live LoRA adapter"
+    tensors = [segment.word_embeddings, segment.output_weight, segment.final_norm[0]]
+    for layer in segment.layers:
+        tensors += [layer.input_norm.weight, layer.mlp_norm.weight]
+        for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2):
+            tensors += [linear.weight] + ([] if linear.bias is None else [linear.bias])
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
+        return "a weight that is not contiguous fp32"
+    return None
+
+
+def extension():
+    """The compiled extension, built on first use; None where it cannot be built (warned once)."""
+    if "module" not in _extension:
+        _extension["module"] = _build()
+    return _extension["module"]
+
+
+def _build():
+    source = SOURCE.read_text()
+    key = "\n".join([source, " ".join(FLAGS), cpu_info("flags"), torch.__version__])
+    name = f"aligner_cpu_decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    root = Path(cpp_extension.get_default_build_root())
+    build_dir = root / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # One process builds at a time; the kernel releases the lock of a process that dies. torch's own lock
+        # file, which a process killed mid-build leaves behind (and torch would then wait on forever), can only
+        # be stale while this lock is held.
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build_dir),
+                                      verbose=False)
+    # No compiler or ninja (RuntimeError, OSError), a read-only cache (OSError), a library that does not load
+    # (ImportError): the general path still runs.
+    except (RuntimeError, OSError, ImportError) as error:
+        reason = str(error).strip().splitlines()
+        log.warning("the C++ decode step for one sequence on a CPU could not be built (%s); decoding through the "
+                    "general path", reason[-1] if reason else type(error).__name__)
+        return None
+
+
+class CpuDecode:
+    """The bound model's C++ decode step (built on the first step that uses it): `step` -> logits [1, vocab]."""
+
+    def __init__(self, state, segment):
+        self.state, self.segment = state, segment
+        self._model = None
+
+    def available(self) -> bool:
+        """Whether the extension is (or can be) built; the first call builds it."""
+        return extension() is not None
+
+    def _bound(self):
+        if self._model is None:
+            module, state, segment = extension(), self.state, self.segment
+            layers = [module.LayerWeights(layer.input_norm.weight, layer.qkv.weight, layer.qkv.bias,
+                                          layer.proj.weight, layer.proj.bias, layer.mlp_norm.weight,
+                                          layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias)
+                      for layer in segment.layers]
+            self._model = module.DecodeModel(layers, segment.word_embeddings, segment.final_norm[0],
+                                             segment.output_weight, state.heads, state.groups, state.head_dim,
+                                             state.scale, state.cfg.norm_epsilon)
+        return self._model
+
+    def step(self, tokens: torch.Tensor, column: int, kv_len: int, rope: tuple, keys: torch.Tensor,
+             values: torch.Tensor) -> torch.Tensor:
+        """tokens [1] into cache column `column` (its position too), attending to columns 0 .. kv_len - 1;
+        rope: (cos, sin) [d, 1] at the position; keys [layers, rows, groups, d, len] and values [layers, rows,
+        groups, len, d] (row 0 is written and read)."""
+        cos, sin = (table.reshape(-1).contiguous() for table in rope)
+        return self._bound().step(tokens, column, kv_len, cos, sin, keys, values)
+
+
+def bind(state, segments: list) -> Optional[CpuDecode]:
+    """The C++ step for the bound model, or None where it does not apply (see `unsupported`)."""
+    if not enabled() or unsupported(state, segments) is not None:
+        return None
+    return CpuDecode(state, segments[0])

@@ -1,0 +1,161 @@
+"""The C++ decode step of one sequence on a CPU (aligner/generation/native/cpu_decode.py): the general path's
+tokens and the training forward's logprobs, where it applies; the general path everywhere else."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from aligner.generation.engine import SamplingParams
+from aligner.generation.native import cpu_decode
+from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.runtime.errors import ConfigError
+from tests.unit.test_native_engine import (
+    CONFIGS,
+    LOGPROB_TOLERANCE,
+    VOCAB,
+    make_engine,
+    make_prompts,
+    training_logprobs,
+)
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+SUPPORTED = {
+    "llama": CONFIGS["llama"],  # grouped-query attention, untied output layer
+    "qwen": CONFIGS["qwen"],  # qkv bias, tied embeddings, head_dim 32 != hidden / heads
+    # sizes that are no multiple of a vector (72, 100, head_dim 24), biases on every linear layer, one group
+    "odd": GPTConfig.llama(num_layers=2, hidden_size=72, num_attention_heads=3, num_query_groups=1, kv_channels=24,
+                           ffn_hidden_size=100, vocab_size=VOCAB, add_bias_linear=True, add_qkv_bias=True,
+                           make_vocab_size_divisible_by=64, max_position_embeddings=64),
+    # attention long enough to be split across threads (kv_len * head_dim * heads >= 2**16)
+    "long": GPTConfig.llama(num_layers=1, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
+                            ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+                            max_position_embeddings=320),
+}
+
+
+def build(cfg, seed: int = 0):
+    """A random model whose every tensor carries signal (norm weights near 1, biases non-zero)."""
+    model = build_gpt_model(cfg, transformer_config(cfg)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+@pytest.fixture
+def cpp_steps(monkeypatch):
+    """Counts the C++ steps run; skips where the extension cannot be built here (no compiler)."""
+    if cpu_decode.extension() is None:
+        pytest.skip("the C++ decode step could not be built on this machine")
+    calls = []
+    step = cpu_decode.CpuDecode.step
+
+    def counted(self, *args):
+        calls.append(args[2])  # kv_len
+        return step(self, *args)
+
+    monkeypatch.setattr(cpu_decode.CpuDecode, "step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_one_sequence_decodes_in_cpp_with_the_general_paths_tokens_and_the_training_logprobs(name, cpp_steps,
+                                                                                            monkeypatch):
+    cfg = SUPPORTED[name]
+    model = build(cfg)
+    length = 260 if name == "long" else 9
+    prompt = [torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(2)).tolist()]
+    max_len = length + 24
+    for sampling in (SamplingParams(max_new_tokens=20, greedy=True, fixed_length=True),
+                     SamplingParams(max_new_tokens=20, temperature=0.8, top_k=30, seed=7, fixed_length=True)):
+        cpp_steps.clear()
+        rollout = make_engine(cfg, model, max_sequence_length=max_len).generate(prompt, sampling)
+        assert cpp_steps == list(range(length + 1, length + 20))  # every decode step, each one column further
+        expected = training_logprobs(model, cfg, rollout, 1.0 if sampling.is_greedy else sampling.temperature)
+        assert float((rollout.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+        monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
+        general = make_engine(cfg, model, max_sequence_length=max_len).generate(prompt, sampling)
+        monkeypatch.delenv(cpu_decode.SETTING_VARIABLE)
+        assert len(cpp_steps) == 19  # the general engine ran none
+        assert torch.equal(rollout.response_tokens, general.response_tokens)
+        assert torch.allclose(rollout.logprobs, general.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_weights_changed_in_place_are_seen_and_many_sequences_take_the_general_path(cpp_steps):
+    cfg = SUPPORTED["llama"]
+    model = build(cfg)
+    engine = make_engine(cfg, model)
+    prompt = make_prompts()[1:2]
+    sampling = SamplingParams(max_new_tokens=12, greedy=True, fixed_length=True)
+    before = engine.generate(prompt, sampling)
+    with torch.no_grad():  # a training update, in place: the C++ step holds the same tensors
+        for param in model.parameters():
+            param.mul_(1.3)
+    after = engine.generate(prompt, sampling)
+    assert not torch.equal(before.logprobs, after.logprobs)
+    expected = training_logprobs(model, cfg, after, 1.0)
+    assert float((after.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+    cpp_steps.clear()
+    both = engine.generate(prompt * 2, sampling)  # two rows: the general path
+    assert cpp_steps == []
+    assert torch.equal(both.response_tokens[0], after.response_tokens[0])
+
+
+@pytest.mark.parametrize("name,reason", [("gpt2", "normalization"), ("moe", "qk_layernorm"),
+                                         ("gemma", "activation")])
+def test_models_the_cpp_step_cannot_run_decode_on_the_general_path(name, reason, cpp_steps):
+    cfg = CONFIGS[name]
+    engine = make_engine(cfg, build(cfg))
+    rollout = engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=6, greedy=True))
+    assert engine.state.cpu_decode is None and cpp_steps == [] and rollout.response_tokens.shape == (1, 6)
+    assert reason in cpu_decode.unsupported(engine.state, engine.state.segments)
+
+
+def test_a_live_lora_adapter_or_another_dtype_is_left_to_the_general_path():
+    cfg = SUPPORTED["llama"]
+    engine = make_engine(cfg, build(cfg))
+    engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
+    state, segments = engine.state, engine.state.segments
+    assert cpu_decode.unsupported(state, segments) is None and state.cpu_decode is not None
+    layer = segments[0].layers[0]
+    adapted = layer._replace(fc2=layer.fc2._replace(lora_a=torch.zeros(2, cfg.ffn_hidden_size)))
+    segments[0].layers[0] = adapted
+    assert cpu_decode.unsupported(state, segments) == "a live LoRA adapter"
+    segments[0].layers[0] = layer
+    state.dtype = torch.bfloat16
+    assert cpu_decode.unsupported(state, segments) == "not fp32 on a CPU"
+
+
+def test_the_setting_turns_it_off_and_a_wrong_value_is_one_line(monkeypatch):
+    cfg = SUPPORTED["llama"]
+    engine = make_engine(cfg, build(cfg))
+    monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
+    engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
+    assert engine.state.cpu_decode is None
+    monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "fast")
+    with pytest.raises(ConfigError, match=r"ALIGNER_CPU_DECODE='fast': choose one of auto, general"):
+        engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
+
+
+def test_a_failed_build_warns_once_and_decodes_on_the_general_path(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(cpu_decode, "_extension", {})
+    monkeypatch.setattr(cpu_decode.cpp_extension, "load", no_compiler)
+    cfg = SUPPORTED["llama"]
+    model = build(cfg)
+    sampling = SamplingParams(max_new_tokens=8, greedy=True, fixed_length=True)
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+        rollouts = [make_engine(cfg, model).generate(make_prompts()[2:3], sampling) for _ in range(2)]
+    warnings = [record.getMessage() for record in caplog.records if record.name == cpu_decode.__name__]
+    assert warnings == ["the C++ decode step for one sequence on a CPU could not be built (c++: command not "
+                        "found); decoding through the general path"]
+    expected = training_logprobs(model, cfg, rollouts[1], 1.0)
+    assert torch.equal(rollouts[0].response_tokens, rollouts[1].response_tokens)
+    assert float((rollouts[1].logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
