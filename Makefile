@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml constraints/ci.txt
 	$(PY) -m pip install --quiet -c constraints/ci.txt -e ".[test,gguf,docs]"
 	touch $(STAMP)
 
+# The native engine's C++ decode step of one sequence (aligner/generation/native/cpu_decode.py) is compiled for this
+# CPU here, once (about 40 s; later a check of a second), rather than inside the first generate call.
 install: $(STAMP)
+	$(PY) -c "from aligner.generation.native import cpu_decode; raise SystemExit(cpu_decode.main())"
 
 # The real-model demo: SmolLM2-135M-Instruct learns checkable instructions (RLOO and iterative DPO with LoRA); its
 # plot needs matplotlib (the demo extra).

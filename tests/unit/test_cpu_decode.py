@@ -159,3 +159,22 @@ def test_a_failed_build_warns_once_and_decodes_on_the_general_path(monkeypatch, 
     expected = training_logprobs(model, cfg, rollouts[1], 1.0)
     assert torch.equal(rollouts[0].response_tokens, rollouts[1].response_tokens)
     assert float((rollouts[1].logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_before_building(monkeypatch, tmp_path):
+    """torch's loader waits forever on the lock file of a build that was killed; under our own lock (which the
+    kernel releases when its process dies) such a file can only be stale, and is removed first."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    seen = {}
+
+    def load(name, sources, build_directory, **kwargs):
+        seen["lock left"] = (tmp_path / name / "lock").exists()
+        seen["sources"] = sources
+        return "module"
+
+    monkeypatch.setattr(cpu_decode.cpp_extension, "load", load)
+    monkeypatch.setattr(cpu_decode, "_extension", {})
+    first = cpu_decode._build()  # learns the name
+    (tmp_path / next(p.name for p in tmp_path.iterdir() if p.is_dir()) / "lock").write_text("")
+    assert first == "module" and cpu_decode._build() == "module"
+    assert seen == {"lock left": False, "sources": [str(cpu_decode.SOURCE)]}

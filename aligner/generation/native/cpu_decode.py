@@ -92,11 +92,16 @@ def extension():
     return _extension["module"]
 
 
+def build_root() -> Path:
+    """Where torch's extensions are built: $TORCH_EXTENSIONS_DIR, else torch's default (under ~/.cache)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
 def _build():
     source = SOURCE.read_text()
     key = "\n".join([source, " ".join(FLAGS), cpu_info("flags"), torch.__version__])
     name = f"aligner_cpu_decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    root = Path(cpp_extension.get_default_build_root())
+    root = build_root()
     build_dir = root / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -154,3 +159,16 @@ def bind(state, segments: list) -> Optional[CpuDecode]:
     if not enabled() or unsupported(state, segments) is not None:
         return None
     return CpuDecode(state, segments[0])
+
+
+def main() -> int:
+    """Build the extension now (`make install` does), one line."""
+    import time
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    start = time.perf_counter()
+    module = extension()
+    if module is not None:
+        print(f"C++ decode step for one sequence on a CPU: {module.__name__} ready "
+              f"({time.perf_counter() - start:.0f} s, {build_root()})")
+    return 0  # a machine without a compiler still decodes, on the general path (warned above)
