@@ -9,7 +9,7 @@ import torch
 
 from aligner.generation.engine import SamplingParams
 from aligner.generation.native import cpu_decode
-from aligner.models.gpt import GPTConfig, build_gpt_model, transformer_config
+from aligner.models.gpt import GPTConfig
 from aligner.runtime.errors import ConfigError
 from tests.unit.test_native_engine import (
     CONFIGS,
@@ -17,6 +17,7 @@ from tests.unit.test_native_engine import (
     VOCAB,
     make_engine,
     make_prompts,
+    signal_model,
     training_logprobs,
 )
 
@@ -34,17 +35,6 @@ SUPPORTED = {
                             ffn_hidden_size=128, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
                             max_position_embeddings=320),
 }
-
-
-def build(cfg, seed: int = 0):
-    """A random model whose every tensor carries signal (norm weights near 1, biases non-zero)."""
-    model = build_gpt_model(cfg, transformer_config(cfg)).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            is_norm_weight = "norm" in name and name.endswith("weight")
-            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
-    return model
 
 
 @pytest.fixture
@@ -67,7 +57,7 @@ def cpp_steps(monkeypatch):
 def test_one_sequence_decodes_in_cpp_with_the_general_paths_tokens_and_the_training_logprobs(name, cpp_steps,
                                                                                             monkeypatch):
     cfg = SUPPORTED[name]
-    model = build(cfg)
+    model = signal_model(cfg)
     length = 260 if name == "long" else 9
     prompt = [torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(2)).tolist()]
     max_len = length + 24
@@ -88,7 +78,7 @@ def test_one_sequence_decodes_in_cpp_with_the_general_paths_tokens_and_the_train
 
 def test_weights_changed_in_place_are_seen_and_many_sequences_take_the_general_path(cpp_steps):
     cfg = SUPPORTED["llama"]
-    model = build(cfg)
+    model = signal_model(cfg)
     engine = make_engine(cfg, model)
     prompt = make_prompts()[1:2]
     sampling = SamplingParams(max_new_tokens=12, greedy=True, fixed_length=True)
@@ -110,7 +100,7 @@ def test_weights_changed_in_place_are_seen_and_many_sequences_take_the_general_p
                                          ("gemma", "activation")])
 def test_models_the_cpp_step_cannot_run_decode_on_the_general_path(name, reason, cpp_steps):
     cfg = CONFIGS[name]
-    engine = make_engine(cfg, build(cfg))
+    engine = make_engine(cfg, signal_model(cfg))
     rollout = engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=6, greedy=True))
     assert engine.state.cpu_decode is None and cpp_steps == [] and rollout.response_tokens.shape == (1, 6)
     assert reason in cpu_decode.unsupported(engine.state, engine.state.segments)
@@ -118,7 +108,7 @@ def test_models_the_cpp_step_cannot_run_decode_on_the_general_path(name, reason,
 
 def test_a_live_lora_adapter_or_another_dtype_is_left_to_the_general_path():
     cfg = SUPPORTED["llama"]
-    engine = make_engine(cfg, build(cfg))
+    engine = make_engine(cfg, signal_model(cfg))
     engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
     state, segments = engine.state, engine.state.segments
     assert cpu_decode.unsupported(state, segments) is None and state.cpu_decode is not None
@@ -133,7 +123,7 @@ def test_a_live_lora_adapter_or_another_dtype_is_left_to_the_general_path():
 
 def test_the_setting_turns_it_off_and_a_wrong_value_is_one_line(monkeypatch):
     cfg = SUPPORTED["llama"]
-    engine = make_engine(cfg, build(cfg))
+    engine = make_engine(cfg, signal_model(cfg))
     monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
     engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
     assert engine.state.cpu_decode is None
@@ -149,7 +139,7 @@ def test_a_failed_build_warns_once_and_decodes_on_the_general_path(monkeypatch, 
     monkeypatch.setattr(cpu_decode, "_extension", {})
     monkeypatch.setattr(cpu_decode.cpp_extension, "load", no_compiler)
     cfg = SUPPORTED["llama"]
-    model = build(cfg)
+    model = signal_model(cfg)
     sampling = SamplingParams(max_new_tokens=8, greedy=True, fixed_length=True)
     with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
         rollouts = [make_engine(cfg, model).generate(make_prompts()[2:3], sampling) for _ in range(2)]

@@ -45,15 +45,19 @@ CONFIGS = {
 
 
 def make_model(name: str, seed: int = 0):
+    """CONFIGS[name] and its `signal_model`."""
+    return CONFIGS[name], signal_model(CONFIGS[name], seed)
+
+
+def signal_model(cfg, seed: int = 0):
     """A random model whose every tensor carries signal (not megatron's init: zero biases, unit norms)."""
-    cfg = CONFIGS[name]
     model = build_gpt_model(cfg, transformer_config(cfg)).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             is_norm_weight = "norm" in param_name and param_name.endswith("weight")
             param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
-    return cfg, model
+    return model
 
 
 def make_engine(cfg, model, **overrides) -> NativeEngine:
