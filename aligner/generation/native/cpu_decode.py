@@ -13,10 +13,10 @@ RMSNorm, rotary embeddings of one base, SwiGLU, linear biases or none, no live L
 norms, none of Gemma's norms or scalings; and for a step of one row (`Forward.decode_forward` checks the step).
 Everything else takes the general path. `ALIGNER_CPU_DECODE=general` turns it off.
 
-The extension is compiled on first use for this CPU (-march=native) by torch's extension loader, under a name
-that hashes the source, the flags and the CPU's flags (the machine may change under a shared home directory);
-later processes load the built library. A build that fails (no C++ compiler, say) leaves the general path, with
-one warning that says why.
+The extension is compiled for this CPU (-march=native) by torch's extension loader, by `make install` (`main`) or
+else on first use, under a name that hashes the source, the flags and the CPU's flags (the machine may change
+under a shared home directory); later processes load the built library. A build that fails (no C++ compiler,
+say) leaves the general path, with one warning that says why.
 """
 from __future__ import annotations
 
