@@ -168,3 +168,18 @@ def test_a_lock_left_by_a_killed_build_is_cleared_before_building(monkeypatch, t
     (tmp_path / next(p.name for p in tmp_path.iterdir() if p.is_dir()) / "lock").write_text("")
     assert first == "module" and cpu_decode._build() == "module"
     assert seen == {"lock left": False, "sources": [str(cpu_decode.SOURCE)]}
+
+
+def test_a_call_outside_the_cache_or_vocabulary_fails_with_a_message_not_a_bad_write(cpp_steps):
+    cfg = SUPPORTED["llama"]
+    engine = make_engine(cfg, signal_model(cfg))
+    engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
+    keys, values = engine._cache(1)
+    cpu, rope = engine.state.cpu_decode, tuple(t[:, :1] for t in engine.state.rope_columns)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.step(torch.tensor([5]), keys.shape[-1], keys.shape[-1] + 1, rope, keys[:, :1], values[:, :1])
+    last = keys.shape[-1] - 1
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        cpu.step(torch.tensor([10**6]), last, last + 1, rope, keys[:, :1], values[:, :1])
+    logits = cpu.step(torch.tensor([5]), last, last + 1, rope, keys[:, :1], values[:, :1])
+    assert logits.shape == (1, engine.state.segments[0].output_weight.shape[0]) and logits.isfinite().all()

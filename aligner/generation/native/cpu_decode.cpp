@@ -120,7 +120,18 @@ class DecodeModel {
   // values [layers, rows, groups, len, d], row 0 used. Returns the logits [1, vocab].
   torch::Tensor step(const torch::Tensor& tokens, int64_t column, int64_t kv_len, const torch::Tensor& cos,
                      const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values) {
+    // What the raw reads and writes below rely on: a wrong call fails here, never as memory corruption.
+    TORCH_CHECK(tokens.numel() == 1 && tokens.scalar_type() == torch::kLong, "cpu_decode: one long token");
+    TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.is_contiguous() && sin.is_contiguous(),
+                "cpu_decode: cos and sin of ", head_dim_, " contiguous values");
+    TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1 &&
+                    keys.size(0) == static_cast<int64_t>(layers_.size()) && keys.size(2) == groups_ &&
+                    keys.size(3) == head_dim_ && values.size(4) == head_dim_,
+                "cpu_decode: keys [layers, rows, groups, d, len] and values [layers, rows, groups, len, d]");
+    TORCH_CHECK(0 <= column && column < kv_len && kv_len <= keys.size(4) && kv_len <= values.size(3),
+                "cpu_decode: column ", column, " and kv_len ", kv_len, " outside the cache");
     const int64_t token = tokens.data_ptr<int64_t>()[0];
+    TORCH_CHECK(0 <= token && token < embedding_.size(0), "cpu_decode: token ", token, " outside the vocabulary");
     const float* row = embedding_.data_ptr<float>() + token * hidden_size_;
     std::copy(row, row + hidden_size_, hidden_.begin());
     std::vector<float> scores(static_cast<size_t>(heads_ * kv_len));
