@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -227,6 +228,14 @@ class DecodeModel {
   std::vector<float> hidden_, normed_, qkv_, context_, intermediate_;
 };
 
+// How many of torch's threads at::parallel_for runs here: 1 where the extension was built without OpenMP (then
+// at::parallel_for runs its whole range on the calling thread, whatever torch.get_num_threads() says).
+int64_t parallel_threads() {
+  std::atomic<int64_t> threads{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { ++threads; });
+  return threads;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -241,4 +250,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<std::vector<LayerWeights>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
       .def("step", &DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("parallel_threads", &parallel_threads);
 }
