@@ -6,9 +6,9 @@
 Sides, all fp32 on the same weights (`benchmarks/models.py`), all greedy and fixed length (every row gets exactly
 --new-tokens tokens; stop tokens do not end a row):
 - ours: the native engine (as generation.py runs it);
-- ours general (batch 1, where the C++ step of one row applies): the engine with ALIGNER_CPU_DECODE=general, its
-  decode steps through torch's operations as at larger batches (aligner/generation/native/cpu_decode.py), so the
-  C++ step's share of the batch-1 ratio shows;
+- ours general (where the engine's C++ decode step applies): the engine with ALIGNER_CPU_DECODE=general, its
+  decode steps through torch's operations (aligner/generation/native/cpu_decode.py), so the C++ step's share of
+  each ratio shows;
 - HF: transformers' `generate` as users call it (dynamic cache, eager);
 - tuned HF: `generate` on a static KV cache with the model's forward through `torch.compile` (the recipe
   transformers documents for fast generation), compiled in the warm-up;
@@ -144,7 +144,7 @@ def run(args, batches: list[int]) -> None:
         seconds, out = timed_call(call)
         return seconds, out[:, args.prompt_tokens:].tolist()
 
-    def ours_general(batch: int, new_tokens: int):  # ours without the C++ step of one row: what it gains
+    def ours_general(batch: int, new_tokens: int):  # ours without the C++ decode step: what it gains
         os.environ[cpu_decode.SETTING_VARIABLE] = "general"
         try:
             return ours(batch, new_tokens)
@@ -154,8 +154,9 @@ def run(args, batches: list[int]) -> None:
     setting = os.environ.get(cpu_decode.SETTING_VARIABLE, "auto")
     sides = [Side("ours", ours, set(batches)), Side("HF", lambda b, n: hf_generate(b, n, False), set(batches))]
     ours(1, 2)
-    if 1 in batches and engine.state.cpu_decode is not None and engine.state.cpu_decode.available():
-        sides.insert(1, Side("ours general", ours_general, {1}))
+    cpu = engine.state.cpu_decode
+    if cpu is not None and cpu.available():
+        sides.insert(1, Side("ours general", ours_general, {batch for batch in batches if cpu.runs(batch)}))
     compiled: Optional[Callable] = None
     if not args.no_tuned_hf:
         eager_forward = hf.forward

@@ -1,5 +1,5 @@
-"""The C++ decode step of one sequence on a CPU (aligner/generation/native/cpu_decode.py): the general path's
-tokens and the training forward's logprobs, where it applies; the general path everywhere else."""
+"""The C++ decode step on a CPU (aligner/generation/native/cpu_decode.py), of one row and of many: the general
+path's tokens and the training forward's logprobs, where it applies; the general path everywhere else."""
 from __future__ import annotations
 
 import logging
@@ -39,18 +39,27 @@ SUPPORTED = {
 
 @pytest.fixture
 def cpp_steps(monkeypatch):
-    """Counts the C++ steps run; skips where the extension cannot be built here (no compiler)."""
+    """Records the C++ steps run, (rows, kv_len) each; skips where the extension cannot be built (no compiler)."""
     if cpu_decode.extension() is None:
         pytest.skip("the C++ decode step could not be built on this machine")
     calls = []
     step = cpu_decode.CpuDecode.step
 
-    def counted(self, *args):
-        calls.append(args[2])  # kv_len
-        return step(self, *args)
+    def counted(self, tokens, inputs, keys, values):
+        calls.append((tokens.shape[0], inputs.kv_len))
+        return step(self, tokens, inputs, keys, values)
 
     monkeypatch.setattr(cpu_decode.CpuDecode, "step", counted)
     return calls
+
+
+def general_rollout(monkeypatch, cfg, model, prompts, sampling, **engine_options):
+    """The same call with the C++ step off."""
+    monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
+    try:
+        return make_engine(cfg, model, **engine_options).generate(prompts, sampling)
+    finally:
+        monkeypatch.delenv(cpu_decode.SETTING_VARIABLE)
 
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
@@ -65,35 +74,71 @@ def test_one_sequence_decodes_in_cpp_with_the_general_paths_tokens_and_the_train
                      SamplingParams(max_new_tokens=20, temperature=0.8, top_k=30, seed=7, fixed_length=True)):
         cpp_steps.clear()
         rollout = make_engine(cfg, model, max_sequence_length=max_len).generate(prompt, sampling)
-        assert cpp_steps == list(range(length + 1, length + 20))  # every decode step, each one column further
+        # every decode step, each one column further
+        assert cpp_steps == [(1, kv_len) for kv_len in range(length + 1, length + 20)]
         expected = training_logprobs(model, cfg, rollout, 1.0 if sampling.is_greedy else sampling.temperature)
         assert float((rollout.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
-        monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
-        general = make_engine(cfg, model, max_sequence_length=max_len).generate(prompt, sampling)
-        monkeypatch.delenv(cpu_decode.SETTING_VARIABLE)
+        general = general_rollout(monkeypatch, cfg, model, prompt, sampling, max_sequence_length=max_len)
         assert len(cpp_steps) == 19  # the general engine ran none
         assert torch.equal(rollout.response_tokens, general.response_tokens)
         assert torch.allclose(rollout.logprobs, general.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
-def test_weights_changed_in_place_are_seen_and_many_sequences_take_the_general_path(cpp_steps):
+@pytest.mark.parametrize("name", ["llama", "odd"])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_many_rows_decode_in_cpp_with_the_general_paths_tokens_and_the_training_logprobs(name, continuous,
+                                                                                          cpp_steps, monkeypatch):
+    """Prompts of several lengths: the static-batch loop (left padding: a bias and each row's own positions, one
+    shared column) and continuous batching (max_batch_size 3 for 7 prompts: each row at its own column)."""
+    cfg = SUPPORTED[name]
+    model = signal_model(cfg)
+    prompts = make_prompts()
+    options = dict(max_batch_size=3 if continuous else 8, continuous_batching=continuous)
+    for sampling in (SamplingParams(max_new_tokens=14, greedy=True, stop_token_ids=[VOCAB - 1]),
+                     SamplingParams(max_new_tokens=14, temperature=1.1, top_k=40, seed=8, stop_token_ids=[5, 6])):
+        cpp_steps.clear()
+        rollout = make_engine(cfg, model, **options).generate(prompts, sampling)
+        rows = {batch for batch, _ in cpp_steps}
+        assert max(rows) == (3 if continuous else 7) and len(cpp_steps) >= 13  # every step in C++, many rows
+        expected = training_logprobs(model, cfg, rollout, 1.0 if sampling.is_greedy else sampling.temperature)
+        assert float((rollout.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+        general = general_rollout(monkeypatch, cfg, model, prompts, sampling, **options)
+        assert torch.equal(rollout.response_tokens, general.response_tokens)
+        assert torch.equal(rollout.response_lengths, general.response_lengths)
+        assert torch.allclose(rollout.logprobs, general.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_weights_changed_in_place_are_seen_at_one_row_and_at_many(cpp_steps):
     cfg = SUPPORTED["llama"]
     model = signal_model(cfg)
     engine = make_engine(cfg, model)
-    prompt = make_prompts()[1:2]
     sampling = SamplingParams(max_new_tokens=12, greedy=True, fixed_length=True)
-    before = engine.generate(prompt, sampling)
-    with torch.no_grad():  # a training update, in place: the C++ step holds the same tensors
-        for param in model.parameters():
-            param.mul_(1.3)
-    after = engine.generate(prompt, sampling)
-    assert not torch.equal(before.logprobs, after.logprobs)
-    expected = training_logprobs(model, cfg, after, 1.0)
-    assert float((after.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+    for prompts in (make_prompts()[1:2], make_prompts()[:4]):
+        before = engine.generate(prompts, sampling)
+        with torch.no_grad():  # a training update, in place: the C++ step holds the same tensors
+            for param in model.parameters():
+                param.mul_(1.3)
+        cpp_steps.clear()
+        after = engine.generate(prompts, sampling)
+        assert {batch for batch, _ in cpp_steps} == {len(prompts)}
+        assert not torch.equal(before.logprobs, after.logprobs)
+        expected = training_logprobs(model, cfg, after, 1.0)
+        assert float((after.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
+
+
+def test_without_packed_weights_many_rows_and_the_static_step_take_the_general_path(cpp_steps):
+    cfg = SUPPORTED["llama"]
+    model = signal_model(cfg)
+    prompts, sampling = make_prompts()[:3], SamplingParams(max_new_tokens=6, greedy=True, fixed_length=True)
+    unpacked = make_engine(cfg, model, pack_weights=False)
+    many = unpacked.generate(prompts, sampling)
+    assert cpp_steps == [] and not unpacked.state.cpu_decode.batched
+    one = unpacked.generate(prompts[:1], sampling)  # one row: its own products, no packed copy needed
+    assert {batch for batch, _ in cpp_steps} == {1}
+    assert torch.equal(one.response_tokens[0], many.response_tokens[0])
     cpp_steps.clear()
-    both = engine.generate(prompt * 2, sampling)  # two rows: the general path
-    assert cpp_steps == []
-    assert torch.equal(both.response_tokens[0], after.response_tokens[0])
+    static = make_engine(cfg, model, static_decode=True).generate(prompts, sampling)  # what a graph captures
+    assert cpp_steps == [] and torch.equal(static.response_tokens, many.response_tokens)
 
 
 @pytest.mark.parametrize("name,reason", [("gpt2", "normalization"), ("moe", "qk_layernorm"),
@@ -144,8 +189,8 @@ def test_a_failed_build_warns_once_and_decodes_on_the_general_path(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
         rollouts = [make_engine(cfg, model).generate(make_prompts()[2:3], sampling) for _ in range(2)]
     warnings = [record.getMessage() for record in caplog.records if record.name == cpu_decode.__name__]
-    assert warnings == ["the C++ decode step for one sequence on a CPU could not be built (c++: command not "
-                        "found); decoding through the general path"]
+    assert warnings == ["the C++ decode step on a CPU could not be built (c++: command not found); decoding "
+                        "through the general path"]
     expected = training_logprobs(model, cfg, rollouts[1], 1.0)
     assert torch.equal(rollouts[0].response_tokens, rollouts[1].response_tokens)
     assert float((rollouts[1].logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
@@ -173,16 +218,26 @@ def test_a_lock_left_by_a_killed_build_is_cleared_before_building(monkeypatch, t
 def test_a_call_outside_the_cache_or_vocabulary_fails_with_a_message_not_a_bad_write(cpp_steps):
     cfg = SUPPORTED["llama"]
     engine = make_engine(cfg, signal_model(cfg))
-    engine.generate(make_prompts()[:1], SamplingParams(max_new_tokens=2, greedy=True))
-    keys, values = engine._cache(1)
-    cpu, rope = engine.state.cpu_decode, tuple(t[:, :1] for t in engine.state.rope_columns)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu.step(torch.tensor([5]), keys.shape[-1], keys.shape[-1] + 1, rope, keys[:, :1], values[:, :1])
-    last = keys.shape[-1] - 1
-    with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        cpu.step(torch.tensor([10**6]), last, last + 1, rope, keys[:, :1], values[:, :1])
-    logits = cpu.step(torch.tensor([5]), last, last + 1, rope, keys[:, :1], values[:, :1])
-    assert logits.shape == (1, engine.state.segments[0].output_weight.shape[0]) and logits.isfinite().all()
+    engine.generate(make_prompts()[:2], SamplingParams(max_new_tokens=2, greedy=True))
+    keys, values = engine._cache(2)
+    state = engine.state
+    rope = tuple(table[:, :2] for table in state.rope_columns)
+    length = keys.shape[-1]
+
+    def step(tokens, column, kv_len, bias=None):
+        inputs = engine.forward.decode_inputs(torch.tensor(column), None, kv_len, bias, rope)
+        return state.cpu_decode.step(torch.tensor(tokens), inputs, keys[:, :2], values[:, :2])
+
+    with pytest.raises(RuntimeError, match=f"kv_len {length + 1} outside the cache"):
+        step([5, 6], [3, 4], length + 1)
+    with pytest.raises(RuntimeError, match="column 9 outside the cache"):
+        step([5, 6], [3, 9], 8)
+    with pytest.raises(RuntimeError, match="token 1000000 outside the vocabulary"):
+        step([5, 10**6], [3, 4], 8)
+    with pytest.raises(RuntimeError, match=r"bias \[batch \* groups, kv_len\]"):
+        step([5, 6], [3, 4], 8, bias=torch.zeros(2 * state.groups, 1, 7))
+    logits = step([5, 6], [3, 4], 8, bias=torch.zeros(2 * state.groups, 1, 8))
+    assert logits.shape == (2, state.segments[0].output_weight.shape[0]) and logits.isfinite().all()
 
 
 def test_the_products_run_on_torchs_threads(cpp_steps):

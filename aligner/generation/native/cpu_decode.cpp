@@ -1,25 +1,30 @@
-// The native engine's decode step for one sequence on a CPU, in fp32: every layer of a Llama-style model
-// (RMSNorm, rotary, grouped-query attention, SwiGLU; optional linear biases) in one call from Python.
+// The native engine's decode step on a CPU, in fp32: every layer of a Llama-style model (RMSNorm, rotary,
+// grouped-query attention, SwiGLU; optional linear biases) for every row of the step in one call from Python.
 //
 // Why it is written by hand (see cpu_decode.py): at one row a decode step is a chain of matrix-vector
 // products, bound by how fast the weights stream from memory, and about 40 small operations a layer. Neither
 // library torch calls streams the weights at the memory's speed for a single column (oneDNN 19-33 GB/s over
 // SmolLM2's shapes, MKL 11-12 GB/s on one thread), and each small torch operation costs a few microseconds of
-// dispatch, more than its arithmetic. Here the products are one row's dot product after another (one
-// sequential stream of the weight per thread, the vector held in L1), and the rest runs in place on
+// dispatch, more than its arithmetic. Here, at one row, the products are one row's dot product after another
+// (one sequential stream of the weight per thread, the vector held in L1); at more rows they are oneDNN's on the
+// engine's packed copies (a hand-written blocked product was slower from 4 rows); the rest runs in place on
 // small buffers. The math is the general path's (forward.py's `_decode_layer`), which the tests compare it to.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <sleef.h>  // torch's vectorised math library (libtorch_cpu exports it): the exp of torch's own kernels
 #endif
 
 namespace {
@@ -55,6 +60,78 @@ inline float dot(const float* w, const float* x, int64_t n) {
 #endif
   for (; k < n; ++k) sum += w[k] * x[k];
   return sum;
+}
+
+// x[i] = exp(x[i]) over n floats: Sleef's vectorised exp (what torch's silu and softmax call), std::exp for the
+// tail and where neither vector set is there.
+inline void exp_in_place(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, Sleef_expf8_u10avx2(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// out = silu(gate) * up = gate / (1 + exp(-gate)) * up over n floats (out may be gate).
+inline void silu_times(const float* gate, const float* up, float* out, int64_t n, float* scratch) {
+  for (int64_t i = 0; i < n; ++i) scratch[i] = -gate[i];
+  exp_in_place(scratch, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + scratch[i]) * up[i];
+}
+
+// s[j] = query . key column j for the W columns j0 .. j0 + W - 1 of keys [d, len] (rows key_row apart), their sums
+// kept in registers over the d rows (W = 64: four independent vectors of 16, so the multiply-adds do not wait on
+// each other) instead of read and written back for each row.
+template <int W>
+inline void score_block(const float* query, const float* keys, int64_t key_row, int64_t d, int64_t j0, float* s) {
+  float sum[W] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const float q = query[i];
+    const float* key = keys + i * key_row + j0;
+    for (int t = 0; t < W; ++t) sum[t] += q * key[t];
+  }
+  std::copy(sum, sum + W, s + j0);
+}
+
+// s[j] = query . key column j for j < kv_len.
+inline void scores(const float* query, const float* keys, int64_t key_row, int64_t d, int64_t kv_len, float* s) {
+  int64_t j0 = 0;
+  for (; j0 + 64 <= kv_len; j0 += 64) score_block<64>(query, keys, key_row, d, j0, s);
+  for (; j0 + 16 <= kv_len; j0 += 16) score_block<16>(query, keys, key_row, d, j0, s);
+  for (int64_t j = j0; j < kv_len; ++j) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sum += query[i] * keys[i * key_row + j];
+    s[j] = sum;
+  }
+}
+
+// out[i] = sum_j p[j] * values[j][i] for the W features i0 .. i0 + W - 1 of values [len, d] (rows value_row apart),
+// kept in registers over the kv_len rows.
+template <int W>
+inline void weighted_block(const float* p, const float* values, int64_t value_row, int64_t kv_len, int64_t i0,
+                           float* out) {
+  float sum[W] = {};
+  for (int64_t j = 0; j < kv_len; ++j) {
+    const float weight = p[j];
+    const float* value = values + j * value_row + i0;
+    for (int t = 0; t < W; ++t) sum[t] += weight * value[t];
+  }
+  std::copy(sum, sum + W, out + i0);
+}
+
+// out[i] = sum_j p[j] * values[j][i] for i < d.
+inline void weighted_sum(const float* p, const float* values, int64_t value_row, int64_t d, int64_t kv_len,
+                         float* out) {
+  int64_t i0 = 0;
+  for (; i0 + 64 <= d; i0 += 64) weighted_block<64>(p, values, value_row, kv_len, i0, out);
+  for (; i0 + 16 <= d; i0 += 16) weighted_block<16>(p, values, value_row, kv_len, i0, out);
+  for (int64_t i = i0; i < d; ++i) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < kv_len; ++j) sum += p[j] * values[j * value_row + i];
+    out[i] = sum;
+  }
 }
 
 // Rows a thread takes at least: below this a product runs on one thread (a fork costs more than it saves).
@@ -94,138 +171,240 @@ const float* optional_data(const c10::optional<torch::Tensor>& tensor) {
   return tensor.has_value() ? tensor->data_ptr<float>() : nullptr;
 }
 
-struct LayerWeights {
-  torch::Tensor input_norm, qkv, proj, mlp_norm, fc1, fc2;
-  c10::optional<torch::Tensor> qkv_bias, proj_bias, fc1_bias, fc2_bias;
+// The product the general path runs at more than one row: oneDNN's linear on the weight's packed copy
+// (cpu_products.pack), x [batch, in] -> [batch, out] (+ bias). Called boxed: the op's schema is all we rely on.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<c10::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// A linear layer: its weight [out, in], bias or none, and the weight's oneDNN-packed copy (the steps of more than
+// one row need it; none where the engine does not pack).
+struct Linear {
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> bias, packed;
 };
 
-// The model's weights (references to the training tensors: updates in place are seen) and the step's buffers.
+// y [batch, out] = x [batch, in] W^T (+ bias) (+ residual [batch, out]; y may be the residual: each entry is read,
+// then written). One row: the dot-product kernel above on the weight itself; more: oneDNN on the packed copy.
+void linear(const Linear& layer, const float* x, int64_t batch, const float* residual, float* y) {
+  const int64_t out = layer.weight.size(0), in = layer.weight.size(1);
+  if (batch == 1) {
+    matrix_vector(layer.weight.data_ptr<float>(), x, optional_data(layer.bias), residual, y, out, in);
+    return;
+  }
+  const torch::Tensor product = onednn_linear(
+      torch::from_blob(const_cast<float*>(x), {batch, in}, torch::kFloat32), *layer.packed, layer.bias);
+  const float* values = product.data_ptr<float>();
+  const int64_t count = batch * out;
+  if (residual) {
+    for (int64_t i = 0; i < count; ++i) y[i] = values[i] + residual[i];
+  } else {
+    std::copy(values, values + count, y);
+  }
+}
+
+struct LayerWeights {
+  torch::Tensor input_norm, mlp_norm;
+  Linear qkv, proj, fc1, fc2;
+};
+
+// The model's weights (references to the training tensors and the engine's packed copies: updates in place are
+// seen) and the step's buffers.
 class DecodeModel {
  public:
-  DecodeModel(std::vector<LayerWeights> layers, torch::Tensor embedding, torch::Tensor final_norm,
-              torch::Tensor output, int64_t heads, int64_t groups, int64_t head_dim, double scale, double eps)
-      : layers_(std::move(layers)), embedding_(embedding), final_norm_(final_norm), output_(output), heads_(heads),
-        groups_(groups), head_dim_(head_dim), scale_(static_cast<float>(scale)), eps_(static_cast<float>(eps)) {
+  DecodeModel(std::vector<LayerWeights> layers, torch::Tensor embedding, torch::Tensor final_norm, Linear output,
+              int64_t heads, int64_t groups, int64_t head_dim, double scale, double eps)
+      : layers_(std::move(layers)), embedding_(embedding), final_norm_(final_norm), output_(std::move(output)),
+        heads_(heads), groups_(groups), head_dim_(head_dim), scale_(static_cast<float>(scale)),
+        eps_(static_cast<float>(eps)) {
     hidden_size_ = embedding_.size(1);
-    ffn_ = layers_.empty() ? 0 : layers_[0].fc2.size(1);
-    const int64_t qkv_rows = (heads_ + 2 * groups_) * head_dim_;
-    hidden_.resize(hidden_size_);
-    normed_.resize(hidden_size_);
-    qkv_.resize(qkv_rows);
-    context_.resize(heads_ * head_dim_);
-    intermediate_.resize(2 * ffn_);
+    ffn_ = layers_.empty() ? 0 : layers_[0].fc2.weight.size(1);
+    qkv_rows_ = (heads_ + 2 * groups_) * head_dim_;
+    packed_ = output_.packed.has_value();
+    for (const LayerWeights& layer : layers_)
+      for (const Linear* part : {&layer.qkv, &layer.proj, &layer.fc1, &layer.fc2})
+        packed_ = packed_ && part->packed.has_value();
   }
 
-  // One token (tokens [1] long) at cache column `column` (also its position), attending to columns
-  // 0 .. kv_len - 1. cos, sin [d] the rotary angles at the position; keys [layers, rows, groups, d, len] and
-  // values [layers, rows, groups, len, d], row 0 used. Returns the logits [1, vocab].
-  torch::Tensor step(const torch::Tensor& tokens, int64_t column, int64_t kv_len, const torch::Tensor& cos,
-                     const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values) {
+  // Whether steps of more than one row can run (every weight has its packed copy).
+  bool batched() const { return packed_; }
+
+  // One token a row (tokens [batch]); row b's key and value go to cache column columns[b] (also the token's
+  // position less the row's left padding: the rotary tables say which), and every row reads columns
+  // 0 .. kv_len - 1. cos, sin [batch, d]: the rotary angles of each row's token; bias [batch * groups, kv_len]
+  // (rows bias_stride apart) added to the attention scores (0, or the dtype's minimum where a column is not the
+  // row's to see), or none; keys [layers, >= batch, groups, d, len] and values [layers, >= batch, groups, len, d].
+  // Returns the logits [batch, vocab].
+  torch::Tensor step(const torch::Tensor& tokens, const torch::Tensor& columns, int64_t kv_len,
+                     const torch::Tensor& cos, const torch::Tensor& sin, const c10::optional<torch::Tensor>& bias,
+                     const torch::Tensor& keys, const torch::Tensor& values) {
     // What the raw reads and writes below rely on: a wrong call fails here, never as memory corruption.
-    TORCH_CHECK(tokens.numel() == 1 && tokens.scalar_type() == torch::kLong, "cpu_decode: one long token");
-    TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.is_contiguous() && sin.is_contiguous(),
-                "cpu_decode: cos and sin of ", head_dim_, " contiguous values");
+    TORCH_CHECK(tokens.dim() == 1 && tokens.numel() >= 1 && tokens.scalar_type() == torch::kLong &&
+                    tokens.is_contiguous(), "cpu_decode: tokens [batch] long");
+    const int64_t batch = tokens.numel();
+    TORCH_CHECK(batch == 1 || packed_, "cpu_decode: a step of ", batch, " rows needs the packed weights");
+    TORCH_CHECK(columns.numel() == batch && columns.scalar_type() == torch::kLong && columns.is_contiguous(),
+                "cpu_decode: columns [batch] long");
+    TORCH_CHECK(cos.numel() == batch * head_dim_ && sin.numel() == batch * head_dim_ && cos.is_contiguous() &&
+                    sin.is_contiguous(), "cpu_decode: cos and sin [batch, ", head_dim_, "] contiguous");
     TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1 &&
                     keys.size(0) == static_cast<int64_t>(layers_.size()) && keys.size(2) == groups_ &&
-                    keys.size(3) == head_dim_ && values.size(4) == head_dim_,
+                    keys.size(3) == head_dim_ && values.size(4) == head_dim_ && keys.size(1) >= batch &&
+                    values.size(1) >= batch,
                 "cpu_decode: keys [layers, rows, groups, d, len] and values [layers, rows, groups, len, d]");
-    TORCH_CHECK(0 <= column && column < kv_len && kv_len <= keys.size(4) && kv_len <= values.size(3),
-                "cpu_decode: column ", column, " and kv_len ", kv_len, " outside the cache");
-    const int64_t token = tokens.data_ptr<int64_t>()[0];
-    TORCH_CHECK(0 <= token && token < embedding_.size(0), "cpu_decode: token ", token, " outside the vocabulary");
-    const float* row = embedding_.data_ptr<float>() + token * hidden_size_;
-    std::copy(row, row + hidden_size_, hidden_.begin());
-    std::vector<float> scores(static_cast<size_t>(heads_ * kv_len));
-    for (size_t index = 0; index < layers_.size(); ++index) {
-      const Cache cache{keys.data_ptr<float>() + index * keys.stride(0), keys.stride(2), keys.stride(3),
-                        values.data_ptr<float>() + index * values.stride(0), values.stride(2), values.stride(3)};
-      layer(layers_[index], column, kv_len, cos.data_ptr<float>(), sin.data_ptr<float>(), cache, scores.data());
+    TORCH_CHECK(0 < kv_len && kv_len <= keys.size(4) && kv_len <= values.size(3), "cpu_decode: kv_len ", kv_len,
+                " outside the cache");
+    const int64_t* column = columns.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(0 <= column[b] && column[b] < kv_len, "cpu_decode: column ", column[b], " outside the cache");
+    TORCH_CHECK(!bias.has_value() || (bias->dim() == 2 && bias->scalar_type() == torch::kFloat &&
+                                      bias->size(0) == batch * groups_ &&
+                                      bias->size(1) == kv_len && bias->stride(1) == 1),
+                "cpu_decode: bias [batch * groups, kv_len]");
+    const int64_t* token = tokens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(0 <= token[b] && token[b] < embedding_.size(0), "cpu_decode: token ", token[b],
+                  " outside the vocabulary");
+    resize(batch, kv_len);
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* row = embedding_.data_ptr<float>() + token[b] * hidden_size_;
+      std::copy(row, row + hidden_size_, hidden_.begin() + b * hidden_size_);
     }
-    rms_norm(hidden_.data(), final_norm_.data_ptr<float>(), eps_, normed_.data(), hidden_size_);
-    const int64_t vocab = output_.size(0);
-    torch::Tensor logits = torch::empty({1, vocab}, output_.options());
-    matrix_vector(output_.data_ptr<float>(), normed_.data(), nullptr, nullptr, logits.data_ptr<float>(), vocab,
-                  hidden_size_);
+    const Step at{batch, column, kv_len, cos.data_ptr<float>(), sin.data_ptr<float>(), optional_data(bias),
+                  bias.has_value() ? bias->stride(0) : 0};
+    for (size_t index = 0; index < layers_.size(); ++index) {
+      const Cache cache{keys.data_ptr<float>() + index * keys.stride(0), keys.stride(1), keys.stride(2),
+                        keys.stride(3), values.data_ptr<float>() + index * values.stride(0), values.stride(1),
+                        values.stride(2), values.stride(3)};
+      layer(layers_[index], at, cache);
+    }
+    for (int64_t b = 0; b < batch; ++b)
+      rms_norm(hidden_.data() + b * hidden_size_, final_norm_.data_ptr<float>(), eps_,
+               normed_.data() + b * hidden_size_, hidden_size_);
+    if (batch > 1)
+      return onednn_linear(torch::from_blob(normed_.data(), {batch, hidden_size_}, torch::kFloat32),
+                           *output_.packed, output_.bias);
+    torch::Tensor logits = torch::empty({1, output_.weight.size(0)}, output_.weight.options());
+    linear(output_, normed_.data(), 1, nullptr, logits.data_ptr<float>());
     return logits;
   }
 
  private:
-  // One layer's cache of row 0: keys [groups, d, len] and values [groups, len, d], by their strides (elements).
+  // What a step's layers share: its rows, their cache columns, the attended columns, rotary tables and bias.
+  struct Step {
+    int64_t batch;
+    const int64_t* columns;
+    int64_t kv_len;
+    const float *cos, *sin, *bias;
+    int64_t bias_stride;
+  };
+  // One layer's cache: keys [rows, groups, d, len] and values [rows, groups, len, d], by their strides (elements).
   struct Cache {
     float* keys;
-    int64_t key_group, key_row;  // between groups; between feature rows of a group (the cache's length)
+    int64_t key_batch, key_group, key_row;  // between batch rows; groups; feature rows of a group (the length)
     float* values;
-    int64_t value_group, value_row;  // between groups; between columns of a group
+    int64_t value_batch, value_group, value_row;  // between batch rows; groups; columns of a group
   };
 
-  void layer(const LayerWeights& w, int64_t column, int64_t kv_len, const float* cos, const float* sin,
-             const Cache& cache, float* scores) {
-    const int64_t d = head_dim_, per_group = heads_ / groups_, hidden = hidden_size_;
-    const int64_t key_group = cache.key_group, key_row = cache.key_row;
-    const int64_t value_group = cache.value_group, value_row = cache.value_row;
-    float* key_cache = cache.keys;
-    float* value_cache = cache.values;
-    rms_norm(hidden_.data(), w.input_norm.data_ptr<float>(), eps_, normed_.data(), hidden);
-    matrix_vector(w.qkv.data_ptr<float>(), normed_.data(), optional_data(w.qkv_bias), nullptr, qkv_.data(),
-                  w.qkv.size(0), hidden);
-    // qkv per group: [q_1 .. q_per_group, k, v] (megatron's interleaved layout); rotary on the queries and the key
+  void resize(int64_t batch, int64_t kv_len) {
+    hidden_.resize(batch * hidden_size_);
+    normed_.resize(batch * hidden_size_);
+    qkv_.resize(batch * qkv_rows_);
+    context_.resize(batch * heads_ * head_dim_);
+    intermediate_.resize(batch * 2 * ffn_);
+    activated_.resize(batch * ffn_);
+    negated_.resize(batch * ffn_);
+    scores_.resize(batch * heads_ * kv_len);
+  }
+
+  void layer(const LayerWeights& w, const Step& at, const Cache& cache) {
+    const int64_t d = head_dim_, per_group = heads_ / groups_, hidden = hidden_size_, batch = at.batch;
+    const int64_t kv_len = at.kv_len;
+    for (int64_t b = 0; b < batch; ++b)
+      rms_norm(hidden_.data() + b * hidden, w.input_norm.data_ptr<float>(), eps_, normed_.data() + b * hidden,
+               hidden);
+    linear(w.qkv, normed_.data(), batch, nullptr, qkv_.data());
+    // qkv per row and group: [q_1 .. q_per_group, k, v] (megatron's interleaved layout); rotary on the queries
+    // and the key, then the key and value into the row's cache at its column
     float scratch[kMaxHeadDim];
-    for (int64_t g = 0; g < groups_; ++g) {
-      float* block = qkv_.data() + g * (per_group + 2) * d;
-      for (int64_t h = 0; h <= per_group; ++h) rotate(block + h * d, cos, sin, d, scratch);
-      const float* key = block + per_group * d;
-      const float* value = key + d;
-      float* keys_g = key_cache + g * key_group;
-      for (int64_t i = 0; i < d; ++i) keys_g[i * key_row + column] = key[i];
-      std::copy(value, value + d, value_cache + g * value_group + column * value_row);
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* cos = at.cos + b * d;
+      const float* sin = at.sin + b * d;
+      const int64_t column = at.columns[b];
+      for (int64_t g = 0; g < groups_; ++g) {
+        float* block = qkv_.data() + b * qkv_rows_ + g * (per_group + 2) * d;
+        for (int64_t h = 0; h <= per_group; ++h) rotate(block + h * d, cos, sin, d, scratch);
+        const float* key = block + per_group * d;
+        const float* value = key + d;
+        float* keys_g = cache.keys + b * cache.key_batch + g * cache.key_group;
+        for (int64_t i = 0; i < d; ++i) keys_g[i * cache.key_row + column] = key[i];
+        std::copy(value, value + d,
+                  cache.values + b * cache.value_batch + g * cache.value_group + column * cache.value_row);
+      }
     }
-    // attention, head by head: scores over the seen columns, softmax, the values' weighted sum
-    const bool threaded = kv_len * d * heads_ >= (1 << 16);
-    at::parallel_for(0, heads_, threaded ? 1 : heads_, [&](int64_t begin, int64_t end) {
-      for (int64_t head = begin; head < end; ++head) {
+    // attention, a (row, head) pair at a time: scores over the attended columns plus the row's bias, softmax,
+    // the values' weighted sum
+    const bool threaded = batch * kv_len * d * heads_ >= (1 << 16);
+    at::parallel_for(0, batch * heads_, threaded ? 1 : batch * heads_, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t b = pair / heads_, head = pair % heads_;
         const int64_t g = head / per_group, q_index = head % per_group;
-        const float* query = qkv_.data() + (g * (per_group + 2) + q_index) * d;
-        const float* keys_g = key_cache + g * key_group;
-        float* s = scores + head * kv_len;
-        std::fill(s, s + kv_len, 0.0f);
-        for (int64_t i = 0; i < d; ++i) {
-          const float q = query[i];
-          const float* key_row_i = keys_g + i * key_row;
-          for (int64_t j = 0; j < kv_len; ++j) s[j] += q * key_row_i[j];
-        }
+        const float* query = qkv_.data() + b * qkv_rows_ + (g * (per_group + 2) + q_index) * d;
+        const float* keys_g = cache.keys + b * cache.key_batch + g * cache.key_group;
+        float* s = scores_.data() + pair * kv_len;
+        scores(query, keys_g, cache.key_row, d, kv_len, s);
+        const float* bias = at.bias ? at.bias + (b * groups_ + g) * at.bias_stride : nullptr;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < kv_len; ++j) top = std::max(top, s[j] *= scale_);
-        float total = 0.0f;
-        for (int64_t j = 0; j < kv_len; ++j) total += (s[j] = std::exp(s[j] - top));
-        const float inverse = 1.0f / total;
-        float* out = context_.data() + head * d;
-        std::fill(out, out + d, 0.0f);
-        const float* values_g = value_cache + g * value_group;
         for (int64_t j = 0; j < kv_len; ++j) {
-          const float p = s[j] * inverse;
-          const float* v = values_g + j * value_row;
-          for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+          s[j] = s[j] * scale_ + (bias ? bias[j] : 0.0f);
+          top = std::max(top, s[j]);
         }
+        for (int64_t j = 0; j < kv_len; ++j) s[j] -= top;
+        exp_in_place(s, kv_len);
+        float total = 0.0f;
+        for (int64_t j = 0; j < kv_len; ++j) total += s[j];
+        const float inverse = 1.0f / total;
+        for (int64_t j = 0; j < kv_len; ++j) s[j] *= inverse;
+        weighted_sum(s, cache.values + b * cache.value_batch + g * cache.value_group, cache.value_row, d, kv_len,
+                     context_.data() + pair * d);
       }
     });
-    // hidden += proj(context) (+ bias), in place: each row of the product reads hidden[r] once, then writes it
-    matrix_vector(w.proj.data_ptr<float>(), context_.data(), optional_data(w.proj_bias), hidden_.data(),
-                  hidden_.data(), hidden, heads_ * d);
-    rms_norm(hidden_.data(), w.mlp_norm.data_ptr<float>(), eps_, normed_.data(), hidden);
-    matrix_vector(w.fc1.data_ptr<float>(), normed_.data(), optional_data(w.fc1_bias), nullptr, intermediate_.data(),
-                  2 * ffn_, hidden);
-    float* gate = intermediate_.data();
-    const float* up = gate + ffn_;
-    for (int64_t i = 0; i < ffn_; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // silu(gate) * up
-    matrix_vector(w.fc2.data_ptr<float>(), gate, optional_data(w.fc2_bias), hidden_.data(), hidden_.data(), hidden,
-                  ffn_);
+    // hidden += proj(context) (+ bias), in place
+    linear(w.proj, context_.data(), batch, hidden_.data(), hidden_.data());
+    for (int64_t b = 0; b < batch; ++b)
+      rms_norm(hidden_.data() + b * hidden, w.mlp_norm.data_ptr<float>(), eps_, normed_.data() + b * hidden,
+               hidden);
+    linear(w.fc1, normed_.data(), batch, nullptr, intermediate_.data());
+    // silu(gate) * up, rows split over the threads where there are many (scratch: the gate's half, used)
+    at::parallel_for(0, batch, std::max<int64_t>(1, 8192 / std::max<int64_t>(ffn_, 1)), [&](int64_t begin,
+                                                                                            int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        float* gate = intermediate_.data() + b * 2 * ffn_;
+        silu_times(gate, gate + ffn_, activated_.data() + b * ffn_, ffn_, negated_.data() + b * ffn_);
+      }
+    });
+    linear(w.fc2, activated_.data(), batch, hidden_.data(), hidden_.data());
   }
 
   std::vector<LayerWeights> layers_;
-  torch::Tensor embedding_, final_norm_, output_;
-  int64_t heads_, groups_, head_dim_, hidden_size_, ffn_;
+  torch::Tensor embedding_, final_norm_;
+  Linear output_;
+  int64_t heads_, groups_, head_dim_, hidden_size_, ffn_, qkv_rows_;
   float scale_, eps_;
-  std::vector<float> hidden_, normed_, qkv_, context_, intermediate_;
+  bool packed_;
+  std::vector<float> hidden_, normed_, qkv_, context_, intermediate_, activated_, negated_, scores_;
 };
 
 // How many of torch's threads at::parallel_for runs here: 1 where the extension was built without OpenMP (then
@@ -239,16 +418,16 @@ int64_t parallel_threads() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  pybind11::class_<Linear>(module, "Linear")
+      .def(pybind11::init([](torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                             c10::optional<torch::Tensor> packed) { return Linear{weight, bias, packed}; }));
   pybind11::class_<LayerWeights>(module, "LayerWeights")
-      .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                             torch::Tensor proj, c10::optional<torch::Tensor> proj_bias, torch::Tensor mlp_norm,
-                             torch::Tensor fc1, c10::optional<torch::Tensor> fc1_bias, torch::Tensor fc2,
-                             c10::optional<torch::Tensor> fc2_bias) {
-        return LayerWeights{input_norm, qkv, proj, mlp_norm, fc1, fc2, qkv_bias, proj_bias, fc1_bias, fc2_bias};
-      }));
+      .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor mlp_norm, Linear qkv, Linear proj, Linear fc1,
+                             Linear fc2) { return LayerWeights{input_norm, mlp_norm, qkv, proj, fc1, fc2}; }));
   pybind11::class_<DecodeModel>(module, "DecodeModel")
-      .def(pybind11::init<std::vector<LayerWeights>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                          int64_t, double, double>())
+      .def(pybind11::init<std::vector<LayerWeights>, torch::Tensor, torch::Tensor, Linear, int64_t, int64_t, int64_t,
+                          double, double>())
+      .def("batched", &DecodeModel::batched)
       .def("step", &DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("parallel_threads", &parallel_threads);
 }

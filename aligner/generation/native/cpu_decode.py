@@ -1,17 +1,21 @@
-"""The native engine's decode step for one sequence on a CPU, in fp32, as one C++ call (`cpu_decode.cpp`).
+"""The native engine's decode step on a CPU, in fp32, as one C++ call (`cpu_decode.cpp`).
 
 Why a hand-written kernel: at one row a decode step is a chain of matrix-vector products bound by how fast the
 weights stream from memory, plus about 40 small operations a layer. No library torch calls streams a weight at
 the memory's speed for a single column (on an AMD EPYC, SmolLM2's products through oneDNN read 19-33 GB/s, MKL
 11-12 GB/s on one thread), and each small torch operation costs microseconds of dispatch, more than its
-arithmetic: the general path's step took 23 ms there where llama.cpp, which is such a kernel, took 18
-(docs/results/benchmarks.md). The C++ step runs the general path's math (`forward.Forward._decode_layer`, which
-the tests compare it to) for Llama-style layers.
+arithmetic. So at one row the step runs its own products; at more rows it runs oneDNN's products on the
+engine's packed weight copies (the general path's) and everything between them in C++ (norms, rotary, cache
+writes, attention, activation): on SmolLM2 and an AMD EPYC 1.4x the general path's speed at one row, 1.15-1.4x
+at 2-32, level at 64 (docs/results/benchmarks.md). The C++ step runs the general path's math
+(`forward.Forward._decode_layer`, which the tests compare it to) for Llama-style layers.
 
 It is used where `unsupported` finds nothing: fp32 on a CPU, one process (no tensor or pipeline parallelism),
 RMSNorm, rotary embeddings of one base, SwiGLU, linear biases or none, no live LoRA adapter, no MoE, no q/k
-norms, none of Gemma's norms or scalings; and for a step of one row (`Forward.decode_forward` checks the step).
-Everything else takes the general path. `ALIGNER_CPU_DECODE=general` turns it off.
+norms, none of Gemma's norms or scalings; a step of more than one row also needs the packed copies
+(`NativeEngine(pack_weights=True)`, the default on a CPU). The static step (`static_decode`, what a CUDA graph
+captures) stays on torch's operations. Everything else takes the general path. `ALIGNER_CPU_DECODE=general`
+turns it off.
 
 The extension is compiled for this CPU (-march=native) by torch's extension loader, by `make install` (`main`) or
 else on first use, under a name that hashes the source, the flags and the CPU's flags (the machine may change
@@ -120,41 +124,60 @@ def _build():
     # (ImportError): the general path still runs.
     except (RuntimeError, OSError, ImportError) as error:
         reason = str(error).strip().splitlines()
-        log.warning("the C++ decode step for one sequence on a CPU could not be built (%s); decoding through the "
+        log.warning("the C++ decode step on a CPU could not be built (%s); decoding through the "
                     "general path", reason[-1] if reason else type(error).__name__)
         return None
 
 
 class CpuDecode:
-    """The bound model's C++ decode step (built on the first step that uses it): `step` -> logits [1, vocab]."""
+    """The bound model's C++ decode step (built on the first step that uses it): `step` -> logits [batch, vocab].
+
+    One row runs its own products (`matrix_vector` in the .cpp); more rows run oneDNN's products on the engine's
+    packed weight copies, so `batched` only where the engine packs its weights (`pack_weights`, the default).
+    """
 
     def __init__(self, state, segment):
         self.state, self.segment = state, segment
+        self.batched = segment.output_product is not segment.output_weight and all(
+            linear.product is not linear.weight
+            for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2))
         self._model = None
 
     def available(self) -> bool:
         """Whether the extension is (or can be) built; the first call builds it."""
         return extension() is not None
 
+    def runs(self, batch: int) -> bool:
+        """Whether a step of `batch` rows runs here (one row always; more with packed weights)."""
+        return batch == 1 or self.batched
+
     def _bound(self):
         if self._model is None:
             module, state, segment = extension(), self.state, self.segment
-            layers = [module.LayerWeights(layer.input_norm.weight, layer.qkv.weight, layer.qkv.bias,
-                                          layer.proj.weight, layer.proj.bias, layer.mlp_norm.weight,
-                                          layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias)
+
+            def linear(weight, bias, product):
+                return module.Linear(weight, bias, None if product is weight else product)
+
+            layers = [module.LayerWeights(layer.input_norm.weight, layer.mlp_norm.weight,
+                                          *(linear(part.weight, part.bias, part.product)
+                                            for part in (layer.qkv, layer.proj, layer.fc1, layer.fc2)))
                       for layer in segment.layers]
-            self._model = module.DecodeModel(layers, segment.word_embeddings, segment.final_norm[0],
-                                             segment.output_weight, state.heads, state.groups, state.head_dim,
-                                             state.scale, state.cfg.norm_epsilon)
+            output = linear(segment.output_weight, None, segment.output_product)
+            self._model = module.DecodeModel(layers, segment.word_embeddings, segment.final_norm[0], output,
+                                             state.heads, state.groups, state.head_dim, state.scale,
+                                             state.cfg.norm_epsilon)
         return self._model
 
-    def step(self, tokens: torch.Tensor, column: int, kv_len: int, rope: tuple, keys: torch.Tensor,
-             values: torch.Tensor) -> torch.Tensor:
-        """tokens [1] into cache column `column` (its position too), attending to columns 0 .. kv_len - 1;
-        rope: (cos, sin) [d, 1] at the position; keys [layers, rows, groups, d, len] and values [layers, rows,
-        groups, len, d] (row 0 is written and read)."""
-        cos, sin = (table.reshape(-1).contiguous() for table in rope)
-        return self._bound().step(tokens, column, kv_len, cos, sin, keys, values)
+    def step(self, tokens: torch.Tensor, inputs, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """tokens [batch], one a row, with the step's forward.DecodeInputs (every row's cache column, the columns
+        read, the rotary tables [d, batch], the attention bias [batch * groups, 1, kv_len] or None); keys
+        [layers, rows, groups, d, len] and values [layers, rows, groups, len, d] (rows 0 .. batch - 1 are
+        written and read)."""
+        batch = tokens.shape[0]
+        columns = inputs.column.expand(batch).contiguous()
+        cos, sin = (table.t().contiguous() for table in inputs.rope)
+        bias = None if inputs.attention_bias is None else inputs.attention_bias.squeeze(1)
+        return self._bound().step(tokens.contiguous(), columns, inputs.kv_len, cos, sin, bias, keys, values)
 
 
 def bind(state, segments: list) -> Optional[CpuDecode]:
@@ -172,7 +195,7 @@ def main() -> int:
     start = time.perf_counter()
     module = extension()
     if module is not None:
-        print(f"C++ decode step for one sequence on a CPU: {module.__name__} ready on "
+        print(f"C++ decode step on a CPU: {module.__name__} ready on "
               f"{module.parallel_threads()} of torch's {torch.get_num_threads()} threads "
               f"({time.perf_counter() - start:.0f} s, {build_root()})")
     return 0  # a machine without a compiler still decodes, on the general path (warned above)

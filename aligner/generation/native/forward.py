@@ -114,7 +114,8 @@ class Forward:
         return self._through_stages(run, logits, lambda segment: self._embed(segment, tokens, positions),
                                     (batch, seq, state.cfg.hidden_size))
 
-    def decode_forward(self, tokens, positions, keys, values, inputs: DecodeInputs) -> Optional[torch.Tensor]:
+    def decode_forward(self, tokens, positions, keys, values, inputs: DecodeInputs,
+                       general: bool = False) -> Optional[torch.Tensor]:
         """One new token per row (tokens, positions [batch]) into cache column `inputs.column`.
 
         Returns logits [batch, vocab_shard] on the last pipeline stage, else None.
@@ -123,14 +124,14 @@ class Forward:
         (3.2x for the 512 -> 128 projection at batch 32 on the CPU, 1.6x over a whole decode
         step's matmuls), on the training weights as they are: no transposed copy. On a CPU the
         products run on oneDNN instead (`cpu_products`, faster still), whose outputs are token-major
-        storage read feature-major.
+        storage read feature-major. Where the C++ step applies (`cpu_decode`) it runs the whole step instead,
+        unless `general` (the static step, whose torch operations are what a graph captures).
         """
         state = self.state
         batch = tokens.shape[0]
         cpu = state.cpu_decode
-        if (cpu is not None and batch == 1 and inputs.column_index is not None and inputs.attention_bias is None
-                and cpu.available()):  # one row on a CPU: the whole step in one C++ call (see cpu_decode)
-            return cpu.step(tokens, inputs.column_index, inputs.kv_len, inputs.rope, keys, values)
+        if cpu is not None and not general and cpu.runs(batch) and cpu.available():
+            return cpu.step(tokens, inputs, keys, values)  # on a CPU: the whole step in one C++ call (cpu_decode)
 
         def run(segment, hidden):
             for index, layer in enumerate(segment.layers):
@@ -429,7 +430,9 @@ class StaticDecodeStep:
         if state.rope is not None:
             rope = tuple(table.index_select(1, self.positions) for table in state.rope_columns)
         inputs = self.forward_pass.decode_inputs(self.column, None, length, bias.view(-1, 1, length), rope)
-        return self.forward_pass.decode_forward(self.tokens, self.positions, self.keys, self.values, inputs)
+        # general: the step a graph captures is torch's operations (the C++ step is not capturable)
+        return self.forward_pass.decode_forward(self.tokens, self.positions, self.keys, self.values, inputs,
+                                                general=True)
 
     def run(self) -> Optional[torch.Tensor]:
         """The step on the buffers' current contents (captured at the first call when capturing).

@@ -48,6 +48,6 @@ class EngineState:
     vocab_start: int = 0  # the first vocabulary id of this rank's output shard (last stage)
     vocab_padding: Optional[torch.Tensor] = None  # [vocab_shard] bool: padded rows, never sampled
     has_vocab_padding: bool = False
-    cpu_decode: Optional[object] = None  # cpu_decode.CpuDecode: the C++ step of one row, where it applies
+    cpu_decode: Optional[object] = None  # cpu_decode.CpuDecode: the C++ decode step, where it applies
     # -- per generate call
     single_sequence_on_blas: bool = False  # a call of one sequence runs its decode products on BLAS
