@@ -81,56 +81,30 @@ inline void silu_times(const float* gate, const float* up, float* out, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + scratch[i]) * up[i];
 }
 
-// s[j] = query . key column j for the W columns j0 .. j0 + W - 1 of keys [d, len] (rows key_row apart), their sums
-// kept in registers over the d rows (W = 64: four independent vectors of 16, so the multiply-adds do not wait on
-// each other) instead of read and written back for each row.
+// out[t] = sum_k a[k] * M[k][t0 + t] for the W columns t0 .. t0 + W - 1 of M [count, >= t0 + W] (rows `row`
+// apart), the sums kept in registers over the count rows (W = 64: four independent vectors of 16, so the
+// multiply-adds do not wait on each other) instead of read and written back for each row.
 template <int W>
-inline void score_block(const float* query, const float* keys, int64_t key_row, int64_t d, int64_t j0, float* s) {
+inline void combine_block(const float* a, const float* M, int64_t row, int64_t count, int64_t t0, float* out) {
   float sum[W] = {};
-  for (int64_t i = 0; i < d; ++i) {
-    const float q = query[i];
-    const float* key = keys + i * key_row + j0;
-    for (int t = 0; t < W; ++t) sum[t] += q * key[t];
+  for (int64_t k = 0; k < count; ++k) {
+    const float weight = a[k];
+    const float* m = M + k * row + t0;
+    for (int t = 0; t < W; ++t) sum[t] += weight * m[t];
   }
-  std::copy(sum, sum + W, s + j0);
+  std::copy(sum, sum + W, out + t0);
 }
 
-// s[j] = query . key column j for j < kv_len.
-inline void scores(const float* query, const float* keys, int64_t key_row, int64_t d, int64_t kv_len, float* s) {
-  int64_t j0 = 0;
-  for (; j0 + 64 <= kv_len; j0 += 64) score_block<64>(query, keys, key_row, d, j0, s);
-  for (; j0 + 16 <= kv_len; j0 += 16) score_block<16>(query, keys, key_row, d, j0, s);
-  for (int64_t j = j0; j < kv_len; ++j) {
+// out [width] = a [count] @ M [count, width] (rows `row` apart): attention's scores (a query over the keys
+// [d, len]) and its weighted sum (the probabilities over the values [len, d]).
+inline void vector_matrix(const float* a, const float* M, int64_t row, int64_t count, int64_t width, float* out) {
+  int64_t t0 = 0;
+  for (; t0 + 64 <= width; t0 += 64) combine_block<64>(a, M, row, count, t0, out);
+  for (; t0 + 16 <= width; t0 += 16) combine_block<16>(a, M, row, count, t0, out);
+  for (int64_t t = t0; t < width; ++t) {
     float sum = 0.0f;
-    for (int64_t i = 0; i < d; ++i) sum += query[i] * keys[i * key_row + j];
-    s[j] = sum;
-  }
-}
-
-// out[i] = sum_j p[j] * values[j][i] for the W features i0 .. i0 + W - 1 of values [len, d] (rows value_row apart),
-// kept in registers over the kv_len rows.
-template <int W>
-inline void weighted_block(const float* p, const float* values, int64_t value_row, int64_t kv_len, int64_t i0,
-                           float* out) {
-  float sum[W] = {};
-  for (int64_t j = 0; j < kv_len; ++j) {
-    const float weight = p[j];
-    const float* value = values + j * value_row + i0;
-    for (int t = 0; t < W; ++t) sum[t] += weight * value[t];
-  }
-  std::copy(sum, sum + W, out + i0);
-}
-
-// out[i] = sum_j p[j] * values[j][i] for i < d.
-inline void weighted_sum(const float* p, const float* values, int64_t value_row, int64_t d, int64_t kv_len,
-                         float* out) {
-  int64_t i0 = 0;
-  for (; i0 + 64 <= d; i0 += 64) weighted_block<64>(p, values, value_row, kv_len, i0, out);
-  for (; i0 + 16 <= d; i0 += 16) weighted_block<16>(p, values, value_row, kv_len, i0, out);
-  for (int64_t i = i0; i < d; ++i) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < kv_len; ++j) sum += p[j] * values[j * value_row + i];
-    out[i] = sum;
+    for (int64_t k = 0; k < count; ++k) sum += a[k] * M[k * row + t];
+    out[t] = sum;
   }
 }
 
@@ -364,7 +338,7 @@ class DecodeModel {
         const float* query = qkv_.data() + b * qkv_rows_ + (g * (per_group + 2) + q_index) * d;
         const float* keys_g = cache.keys + b * cache.key_batch + g * cache.key_group;
         float* s = scores_.data() + pair * kv_len;
-        scores(query, keys_g, cache.key_row, d, kv_len, s);
+        vector_matrix(query, keys_g, cache.key_row, d, kv_len, s);
         const float* bias = at.bias ? at.bias + (b * groups_ + g) * at.bias_stride : nullptr;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < kv_len; ++j) {
@@ -377,8 +351,8 @@ class DecodeModel {
         for (int64_t j = 0; j < kv_len; ++j) total += s[j];
         const float inverse = 1.0f / total;
         for (int64_t j = 0; j < kv_len; ++j) s[j] *= inverse;
-        weighted_sum(s, cache.values + b * cache.value_batch + g * cache.value_group, cache.value_row, d, kv_len,
-                     context_.data() + pair * d);
+        vector_matrix(s, cache.values + b * cache.value_batch + g * cache.value_group, cache.value_row, kv_len, d,
+                      context_.data() + pair * d);
       }
     });
     // hidden += proj(context) (+ bias), in place
