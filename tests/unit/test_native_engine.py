@@ -1,6 +1,9 @@
 """The native engine on one process: parity with megatron's own forward, sampling rules, refit."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -256,8 +259,11 @@ def test_packed_copies_are_remade_for_changed_weights_only():
     assert all(copy is not packed[key] for key, copy in copies().items())
     assert responses(engine.generate(prompts, greedy)) == expected()
     cache_bytes = engine.kv_cache_bytes
+    alive = [weakref.ref(copy) for copy in copies().values()]
     engine.release_for_update()  # what the RL actor does before training: the cache stays
     assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == cache_bytes > 0
+    gc.collect()
+    assert not any(ref() is not None for ref in alive)  # nothing (segments, the C++ step) holds a copy: freed
     assert responses(engine.generate(prompts, greedy)) == expected() and len(copies()) == len(packed)
     engine.free()
     assert engine.packed_weight_bytes == 0 and engine.kv_cache_bytes == 0

@@ -22,7 +22,13 @@ from aligner.generation.native.forward import DecodeInputs, Forward, StaticDecod
 from aligner.generation.native.sampling_state import SamplingState
 from aligner.generation.native.state import EngineState
 from aligner.generation.native.turns import EpisodeRows
-from aligner.generation.native.weights import bind_segments, pack_products, rope_tables, weight_pointers
+from aligner.generation.native.weights import (
+    bind_segments,
+    pack_products,
+    rope_tables,
+    unpack_products,
+    weight_pointers,
+)
 from aligner.models import parameter_names as param_names
 from aligner.models.gpt import GPTConfig
 from aligner.runtime import cpu_products
@@ -224,6 +230,9 @@ class NativeEngine(GenerationEngine):
         """Free the packed weight copies (the update makes them stale; the next generate call repacks),
         keeping the KV cache, which is small and reused by the next step."""
         self._packed = {}
+        # the bound segments and the C++ decode step reference the copies too (both are made again by _bind)
+        unpack_products(self.state.segments)
+        self.state.cpu_decode = None
 
     @property
     def packed_weight_bytes(self) -> int:

@@ -2,8 +2,9 @@
 
 `layer_weights` reads a transformer layer's parameters by megatron's names (`aligner.models.parameter_names`)
 into typed records (never copies); `pack_products` gives the linear layers oneDNN-packed copies to run
-their products on (`cpu_products.pack`), remade only for weights that changed; `weight_pointers` says
-whether a captured CUDA graph still reads the bound storage; `rope_tables` are megatron's rotary angles.
+their products on (`cpu_products.pack`), remade only for weights that changed (`unpack_products` lets go of
+them); `weight_pointers` says whether a captured CUDA graph still reads the bound storage; `rope_tables` are
+megatron's rotary angles.
 """
 from __future__ import annotations
 
@@ -148,12 +149,24 @@ def pack_products(segments: list, previous: dict, packed_copies: dict) -> None:
         packed_copies[key] = entry
         return entry.packed
 
-    def packed(linear: Optional[Linear]) -> Optional[Linear]:
+    _set_products(segments, product)
+
+
+def unpack_products(segments: list) -> None:
+    """Point the segments' products back at the weights themselves, so that no packed copy stays referenced."""
+    _set_products(segments, lambda weight: weight)
+
+
+def _set_products(segments: list, product) -> None:
+    """Each linear layer's (and the output layer's) product := product(its weight)."""
+
+    def with_product(linear: Optional[Linear]) -> Optional[Linear]:
         return None if linear is None else linear._replace(product=product(linear.weight))
 
     for segment in segments:
-        segment.layers = [layer._replace(qkv=packed(layer.qkv), proj=packed(layer.proj), fc1=packed(layer.fc1),
-                                         fc2=packed(layer.fc2)) for layer in segment.layers]
+        segment.layers = [layer._replace(qkv=with_product(layer.qkv), proj=with_product(layer.proj),
+                                         fc1=with_product(layer.fc1), fc2=with_product(layer.fc2))
+                          for layer in segment.layers]
         if segment.output_weight is not None:
             segment.output_product = product(segment.output_weight)
 
