@@ -194,8 +194,8 @@ struct LayerWeights {
   Linear qkv, proj, fc1, fc2;
 };
 
-// The model's weights (references to the training tensors and the engine's packed copies: updates in place are
-// seen) and the step's buffers.
+// The model's weights (references to the training tensors, whose updates in place are seen, and to the packed
+// copies the engine made for this generate call: CpuDecode is made again at every bind) and the step's buffers.
 class DecodeModel {
  public:
   DecodeModel(std::vector<LayerWeights> layers, torch::Tensor embedding, torch::Tensor final_norm, Linear output,
