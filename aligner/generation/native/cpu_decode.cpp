@@ -146,7 +146,8 @@ const float* optional_data(const c10::optional<torch::Tensor>& tensor) {
 }
 
 // The product the general path runs at more than one row: oneDNN's linear on the weight's packed copy
-// (cpu_products.pack), x [batch, in] -> [batch, out] (+ bias). Called boxed: the op's schema is all we rely on.
+// (cpu_products.pack), x [batch, in] -> [batch, out] (+ bias): the same call as cpu_products._onednn_linear,
+// which the general path makes. Called boxed: the op's schema is all we rely on.
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias) {
   static const c10::OperatorHandle op =
@@ -211,9 +212,6 @@ class DecodeModel {
       for (const Linear* part : {&layer.qkv, &layer.proj, &layer.fc1, &layer.fc2})
         packed_ = packed_ && part->packed.has_value();
   }
-
-  // Whether steps of more than one row can run (every weight has its packed copy).
-  bool batched() const { return packed_; }
 
   // One token a row (tokens [batch]); row b's key and value go to cache column columns[b] (also the token's
   // position less the row's left padding: the rotary tables say which), and every row reads columns
@@ -401,7 +399,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<DecodeModel>(module, "DecodeModel")
       .def(pybind11::init<std::vector<LayerWeights>, torch::Tensor, torch::Tensor, Linear, int64_t, int64_t, int64_t,
                           double, double>())
-      .def("batched", &DecodeModel::batched)
       .def("step", &DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("parallel_threads", &parallel_threads);
 }
