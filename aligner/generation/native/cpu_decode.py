@@ -7,7 +7,7 @@ the memory's speed for a single column (on an AMD EPYC, SmolLM2's products throu
 arithmetic. So at one row the step runs its own products; at more rows it runs oneDNN's products on the
 engine's packed weight copies (the general path's) and everything between them in C++ (norms, rotary, cache
 writes, attention, activation): on SmolLM2 and an AMD EPYC 1.4x the general path's speed at one row, 1.15-1.4x
-at 2-32, level at 64 (docs/results/benchmarks.md). The C++ step runs the general path's math
+at 2-32, level at 64 (docs/concepts/performance.md). The C++ step runs the general path's math
 (`forward.Forward._decode_layer`, which the tests compare it to) for Llama-style layers.
 
 It is used where `unsupported` finds nothing: fp32 on a CPU, one process (no tensor or pipeline parallelism),
