@@ -104,11 +104,12 @@ def step_matmuls_seconds(engine, batch: int, repeats: int) -> Optional[float]:
     """The decode step's weight matmuls alone (W @ x with x [in, batch]) on the tensors the engine's products
     read (the weights, or their packed copies), as its last call ran them: through oneDNN on a CPU in fp32
     (`aligner.runtime.cpu_products`), BLAS on the weights for a call of one sequence where BLAS is preferred.
-    None where a step of one row runs in C++ (`aligner.generation.native.cpu_decode`): its products are not
-    calls of their own."""
+    None where the step runs in C++ on its own products (`aligner.generation.native.cpu_decode`: one row, or up
+    to its own_rows): they are not calls of their own."""
     from aligner.runtime import cpu_products
 
-    if batch == 1 and engine.state.cpu_decode is not None and engine.state.cpu_decode.available():
+    cpu = engine.state.cpu_decode
+    if cpu is not None and batch <= cpu.own_rows and cpu.available():
         return None
 
     segment = engine.state.segments[0]  # one process, one stage: every layer and the output layer
@@ -358,7 +359,8 @@ def report(result: BatchResult, machine: MachineRates, read_bytes: float) -> lis
         f"{result.step_bytes / 1e6:.1f} MB (weights + KV) / {read_bytes / 1e9:.1f} GB/s = {memory_floor * 1e3:.3f} ms; "
         f"floor / native {floor / result.native_step:.2f}, floor / HF {floor / result.hf_step:.2f}",
         f"  matmuls only  the step's weight products alone (W @ x, x [in, {result.batch}]): " + (
-            "not timed apart: they run inside the C++ step of one row (aligner/generation/native/cpu_decode.py)"
+            "not timed apart: they run inside the C++ step, on its own products (aligner/generation/native/"
+            "cpu_decode.py)"
             if result.matmuls is None else
             f"{result.matmuls * 1e3:.3f} ms = {result.step_flops / result.matmuls / 1e9:.0f} GFLOP/s "
             "(attention aside)"),

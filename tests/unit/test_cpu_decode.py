@@ -53,6 +53,19 @@ def cpp_steps(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["own", "onednn"])
+def products(request, monkeypatch):
+    """Both routes of a step of many rows, whatever this CPU chooses: the C++ step's own products for up to 8 rows
+    ("own", cpu_decode.cpp's rows_times_matrix) or oneDNN's from 2 ("onednn"). Returns the most own rows."""
+    if cpu_decode.extension() is None:
+        pytest.skip("the C++ decode step could not be built on this machine")
+    most = 1 if request.param == "onednn" else cpu_decode.extension().max_own_rows
+    if most == 1 and request.param == "own":
+        pytest.skip("built without vector registers: one row at most runs the own products")
+    monkeypatch.setattr(cpu_decode, "own_rows", lambda flags: most)
+    return most
+
+
 def general_rollout(monkeypatch, cfg, model, prompts, sampling, **engine_options):
     """The same call with the C++ step off."""
     monkeypatch.setenv(cpu_decode.SETTING_VARIABLE, "general")
@@ -86,7 +99,7 @@ def test_one_sequence_decodes_in_cpp_with_the_general_paths_tokens_and_the_train
 
 @pytest.mark.parametrize("name", ["llama", "odd"])
 @pytest.mark.parametrize("continuous", [False, True])
-def test_many_rows_decode_in_cpp_with_the_general_paths_tokens_and_the_training_logprobs(name, continuous,
+def test_many_rows_decode_in_cpp_with_the_general_paths_tokens_and_the_training_logprobs(name, continuous, products,
                                                                                           cpp_steps, monkeypatch):
     """Prompts of several lengths: the static-batch loop (left padding: a bias and each row's own positions, one
     shared column) and continuous batching (max_batch_size 3 for 7 prompts: each row at its own column)."""
@@ -108,7 +121,7 @@ def test_many_rows_decode_in_cpp_with_the_general_paths_tokens_and_the_training_
         assert torch.allclose(rollout.logprobs, general.logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
-def test_weights_changed_in_place_are_seen_at_one_row_and_at_many(cpp_steps):
+def test_weights_changed_in_place_are_seen_at_one_row_and_at_many(products, cpp_steps):
     cfg = SUPPORTED["llama"]
     model = signal_model(cfg)
     engine = make_engine(cfg, model)
@@ -126,16 +139,18 @@ def test_weights_changed_in_place_are_seen_at_one_row_and_at_many(cpp_steps):
         assert float((after.logprobs - expected).abs().max()) < LOGPROB_TOLERANCE
 
 
-def test_without_packed_weights_many_rows_and_the_static_step_take_the_general_path(cpp_steps):
+def test_without_packed_weights_rows_beyond_the_own_products_and_the_static_step_take_the_general_path(
+        products, cpp_steps):
     cfg = SUPPORTED["llama"]
     model = signal_model(cfg)
-    prompts, sampling = make_prompts()[:3], SamplingParams(max_new_tokens=6, greedy=True, fixed_length=True)
-    unpacked = make_engine(cfg, model, pack_weights=False)
+    prompts, sampling = make_prompts(), SamplingParams(max_new_tokens=6, greedy=True, fixed_length=True)
+    prompts = (prompts * 2)[:products + 1]  # one row more than the own products serve
+    unpacked = make_engine(cfg, model, pack_weights=False, max_batch_size=len(prompts))
     many = unpacked.generate(prompts, sampling)
     assert cpp_steps == [] and not unpacked.state.cpu_decode.batched
-    one = unpacked.generate(prompts[:1], sampling)  # one row: its own products, no packed copy needed
-    assert {batch for batch, _ in cpp_steps} == {1}
-    assert torch.equal(one.response_tokens[0], many.response_tokens[0])
+    fewer = unpacked.generate(prompts[:products], sampling)  # no packed copy needed
+    assert {batch for batch, _ in cpp_steps} == {products}
+    assert torch.equal(fewer.response_tokens, many.response_tokens[:products])
     cpp_steps.clear()
     static = make_engine(cfg, model, static_decode=True).generate(prompts, sampling)  # what a graph captures
     assert cpp_steps == [] and torch.equal(static.response_tokens, many.response_tokens)
@@ -238,6 +253,12 @@ def test_a_call_outside_the_cache_or_vocabulary_fails_with_a_message_not_a_bad_w
         step([5, 6], [3, 4], 8, bias=torch.zeros(2 * state.groups, 1, 7))
     logits = step([5, 6], [3, 4], 8, bias=torch.zeros(2 * state.groups, 1, 8))
     assert logits.shape == (2, state.segments[0].output_weight.shape[0]) and logits.isfinite().all()
+
+
+def test_the_own_products_serve_many_rows_only_without_avx512():
+    assert cpu_decode.own_rows("fpu sse2 avx avx2 fma bmi2") == cpu_decode.OWN_ROWS_WITHOUT_AVX512 == 8
+    assert cpu_decode.own_rows("fpu sse2 avx avx2 fma avx512f avx512_bf16") == 1
+    assert cpu_decode.own_rows("fpu sse2 avx") == 1  # no AVX2: plain loops, one row
 
 
 def test_the_products_run_on_torchs_threads(cpp_steps):

@@ -5,10 +5,10 @@
 // products, bound by how fast the weights stream from memory, and about 40 small operations a layer. Neither
 // library torch calls streams the weights at the memory's speed for a single column (oneDNN 19-33 GB/s over
 // SmolLM2's shapes, MKL 11-12 GB/s on one thread), and each small torch operation costs a few microseconds of
-// dispatch, more than its arithmetic. Here, at one row, the products are one row's dot product after another
-// (one sequential stream of the weight per thread, the vector held in L1); at more rows they are oneDNN's on the
-// engine's packed copies (a hand-written blocked product was slower from 4 rows); the rest runs in place on
-// small buffers. The math is the general path's (forward.py's `_decode_layer`), which the tests compare it to.
+// dispatch, more than its arithmetic. Here, up to own_rows rows, the products are one weight row's dot products
+// with every row of the step after another (one sequential stream of the weight per thread, the step's rows held
+// in the cache); at more rows they are oneDNN's on the engine's packed copies (cpu_decode.py's own_rows says
+// where, per CPU); the rest runs in place on small buffers. The math is the general path's (forward.py's `_decode_layer`), which the tests compare it to.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -29,38 +29,79 @@
 
 namespace {
 
+// The vector registers this build has: 16 floats (AVX-512), 8 (AVX2 with FMA) or none (then plain loops).
+#if defined(__AVX512F__)
+#define ALIGNER_VECTORS 1
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ALIGNER_VECTORS 1
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+#endif
+
 // w . x over n floats. Four independent accumulators keep the fused multiply-adds from waiting on each other.
 inline float dot(const float* w, const float* x, int64_t n) {
   int64_t k = 0;
   float sum = 0.0f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (; k + 64 <= n; k += 64) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+#if defined(ALIGNER_VECTORS)
+  Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
+    a0 = vfma(vload(w + k), vload(x + k), a0);
+    a1 = vfma(vload(w + k + kLanes), vload(x + k + kLanes), a1);
+    a2 = vfma(vload(w + k + 2 * kLanes), vload(x + k + 2 * kLanes), a2);
+    a3 = vfma(vload(w + k + 3 * kLanes), vload(x + k + 3 * kLanes), a3);
   }
-  for (; k + 16 <= n; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  for (; k + 32 <= n; k += 32) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-  }
-  for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-  __m256 all = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  sum = _mm_cvtss_f32(half);
+  for (; k + kLanes <= n; k += kLanes) a0 = vfma(vload(w + k), vload(x + k), a0);
+  sum = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 #endif
   for (; k < n; ++k) sum += w[k] * x[k];
   return sum;
 }
+
+#if defined(ALIGNER_VECTORS)
+// sums[j] = w . x[j] for the R rows x [R, n] (rows n apart): the weight row read once for all of them, one
+// accumulator a row (R of them: R >= 2 keeps the multiply-adds from waiting on each other).
+template <int R>
+inline void dots(const float* w, const float* x, int64_t n, float* sums) {
+  Vec acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const Vec weight = vload(w + k);
+    for (int j = 0; j < R; ++j) acc[j] = vfma(weight, vload(x + j * n + k), acc[j]);
+  }
+  for (int j = 0; j < R; ++j) {
+    float sum = vsum(acc[j]);
+    for (int64_t t = k; t < n; ++t) sum += w[t] * x[j * n + t];
+    sums[j] = sum;
+  }
+}
+#endif
+
+// The most rows the products below serve (cpu_decode.py's own_rows chooses how many, up to this); 1 where the
+// build has no vector registers. More rows, in groups of 8 a weight row, lost to oneDNN on an AMD EPYC with AVX2
+// (0.94x its speed at 12 rows, 0.79x at 16).
+#if defined(ALIGNER_VECTORS)
+constexpr int64_t kMaxOwnRows = 8;
+#else
+constexpr int64_t kMaxOwnRows = 1;
+#endif
 
 // x[i] = exp(x[i]) over n floats: Sleef's vectorised exp (what torch's silu and softmax call), std::exp for the
 // tail and where neither vector set is there.
@@ -113,15 +154,31 @@ constexpr int64_t kRowsPerThread = 32;
 // The largest head the step's rotary scratch holds (cpu_decode.py refuses larger ones).
 constexpr int64_t kMaxHeadDim = 1024;
 
-// y[r] = W[r] . x (+ bias[r]) (+ residual[r]) for rows 0 .. out - 1 of W [out, in] (row-major).
-void matrix_vector(const float* W, const float* x, const float* bias, const float* residual, float* y, int64_t out,
-                   int64_t in) {
+// y[b][r] = W[r] . x[b] (+ bias[r]) (+ residual[b][r]) for the rows b of x [batch, in] (batch <= kMaxOwnRows) and
+// rows r of W [out, in] (row-major): each weight row streamed once from memory for every row of x, which stays in
+// the cache. y may be the residual (each entry is read, then written).
+void rows_times_matrix(const float* W, const float* x, int64_t batch, const float* bias, const float* residual,
+                       float* y, int64_t out, int64_t in) {
   at::parallel_for(0, out, kRowsPerThread, [&](int64_t begin, int64_t end) {
+    float sums[kMaxOwnRows];
     for (int64_t r = begin; r < end; ++r) {
-      float value = dot(W + r * in, x, in);
-      if (bias) value += bias[r];
-      if (residual) value += residual[r];
-      y[r] = value;
+      const float* w = W + r * in;
+      switch (batch) {
+#if defined(ALIGNER_VECTORS)
+        case 2: dots<2>(w, x, in, sums); break;
+        case 3: dots<3>(w, x, in, sums); break;
+        case 4: dots<4>(w, x, in, sums); break;
+        case 5: dots<5>(w, x, in, sums); break;
+        case 6: dots<6>(w, x, in, sums); break;
+        case 7: dots<7>(w, x, in, sums); break;
+        case 8: dots<8>(w, x, in, sums); break;
+#endif
+        default: sums[0] = dot(w, x, in);
+      }
+      for (int64_t b = 0; b < batch; ++b) {
+        const float value = sums[b] + (bias ? bias[r] : 0.0f);
+        y[b * out + r] = residual ? value + residual[b * out + r] : value;
+      }
     }
   });
 }
@@ -172,11 +229,11 @@ struct Linear {
 };
 
 // y [batch, out] = x [batch, in] W^T (+ bias) (+ residual [batch, out]; y may be the residual: each entry is read,
-// then written). One row: the dot-product kernel above on the weight itself; more: oneDNN on the packed copy.
-void linear(const Linear& layer, const float* x, int64_t batch, const float* residual, float* y) {
+// then written). Up to own_rows rows: the products above on the weight itself; more: oneDNN on the packed copy.
+void linear(const Linear& layer, const float* x, int64_t batch, int64_t own_rows, const float* residual, float* y) {
   const int64_t out = layer.weight.size(0), in = layer.weight.size(1);
-  if (batch == 1) {
-    matrix_vector(layer.weight.data_ptr<float>(), x, optional_data(layer.bias), residual, y, out, in);
+  if (batch <= own_rows) {
+    rows_times_matrix(layer.weight.data_ptr<float>(), x, batch, optional_data(layer.bias), residual, y, out, in);
     return;
   }
   const torch::Tensor product = onednn_linear(
@@ -199,11 +256,15 @@ struct LayerWeights {
 // copies the engine made for this generate call: CpuDecode is made again at every bind) and the step's buffers.
 class DecodeModel {
  public:
+  // own_rows: the most rows a step runs through the products above (more go to oneDNN); cpu_decode.py's
+  // own_rows chooses it for the CPU.
   DecodeModel(std::vector<LayerWeights> layers, torch::Tensor embedding, torch::Tensor final_norm, Linear output,
-              int64_t heads, int64_t groups, int64_t head_dim, double scale, double eps)
+              int64_t heads, int64_t groups, int64_t head_dim, double scale, double eps, int64_t own_rows)
       : layers_(std::move(layers)), embedding_(embedding), final_norm_(final_norm), output_(std::move(output)),
         heads_(heads), groups_(groups), head_dim_(head_dim), scale_(static_cast<float>(scale)),
-        eps_(static_cast<float>(eps)) {
+        eps_(static_cast<float>(eps)), own_rows_(own_rows) {
+    TORCH_CHECK(1 <= own_rows && own_rows <= kMaxOwnRows, "cpu_decode: own_rows ", own_rows, " outside 1 .. ",
+                kMaxOwnRows);
     hidden_size_ = embedding_.size(1);
     ffn_ = layers_.empty() ? 0 : layers_[0].fc2.weight.size(1);
     qkv_rows_ = (heads_ + 2 * groups_) * head_dim_;
@@ -226,7 +287,7 @@ class DecodeModel {
     TORCH_CHECK(tokens.dim() == 1 && tokens.numel() >= 1 && tokens.scalar_type() == torch::kLong &&
                     tokens.is_contiguous(), "cpu_decode: tokens [batch] long");
     const int64_t batch = tokens.numel();
-    TORCH_CHECK(batch == 1 || packed_, "cpu_decode: a step of ", batch, " rows needs the packed weights");
+    TORCH_CHECK(batch <= own_rows_ || packed_, "cpu_decode: a step of ", batch, " rows needs the packed weights");
     TORCH_CHECK(columns.numel() == batch && columns.scalar_type() == torch::kLong && columns.is_contiguous(),
                 "cpu_decode: columns [batch] long");
     TORCH_CHECK(cos.numel() == batch * head_dim_ && sin.numel() == batch * head_dim_ && cos.is_contiguous() &&
@@ -265,11 +326,11 @@ class DecodeModel {
     for (int64_t b = 0; b < batch; ++b)
       rms_norm(hidden_.data() + b * hidden_size_, final_norm_.data_ptr<float>(), eps_,
                normed_.data() + b * hidden_size_, hidden_size_);
-    if (batch > 1)
+    if (batch > own_rows_)
       return onednn_linear(torch::from_blob(normed_.data(), {batch, hidden_size_}, torch::kFloat32),
                            *output_.packed, output_.bias);
-    torch::Tensor logits = torch::empty({1, output_.weight.size(0)}, output_.weight.options());
-    linear(output_, normed_.data(), 1, nullptr, logits.data_ptr<float>());
+    torch::Tensor logits = torch::empty({batch, output_.weight.size(0)}, output_.weight.options());
+    linear(output_, normed_.data(), batch, own_rows_, nullptr, logits.data_ptr<float>());
     return logits;
   }
 
@@ -307,7 +368,7 @@ class DecodeModel {
     for (int64_t b = 0; b < batch; ++b)
       rms_norm(hidden_.data() + b * hidden, w.input_norm.data_ptr<float>(), eps_, normed_.data() + b * hidden,
                hidden);
-    linear(w.qkv, normed_.data(), batch, nullptr, qkv_.data());
+    linear(w.qkv, normed_.data(), batch, own_rows_, nullptr, qkv_.data());
     // qkv per row and group: [q_1 .. q_per_group, k, v] (megatron's interleaved layout); rotary on the queries
     // and the key, then the key and value into the row's cache at its column
     float scratch[kMaxHeadDim];
@@ -354,11 +415,11 @@ class DecodeModel {
       }
     });
     // hidden += proj(context) (+ bias), in place
-    linear(w.proj, context_.data(), batch, hidden_.data(), hidden_.data());
+    linear(w.proj, context_.data(), batch, own_rows_, hidden_.data(), hidden_.data());
     for (int64_t b = 0; b < batch; ++b)
       rms_norm(hidden_.data() + b * hidden, w.mlp_norm.data_ptr<float>(), eps_, normed_.data() + b * hidden,
                hidden);
-    linear(w.fc1, normed_.data(), batch, nullptr, intermediate_.data());
+    linear(w.fc1, normed_.data(), batch, own_rows_, nullptr, intermediate_.data());
     // silu(gate) * up, rows split over the threads where there are many (scratch: the gate's half, used)
     at::parallel_for(0, batch, std::max<int64_t>(1, 8192 / std::max<int64_t>(ffn_, 1)), [&](int64_t begin,
                                                                                             int64_t end) {
@@ -367,7 +428,7 @@ class DecodeModel {
         silu_times(gate, gate + ffn_, activated_.data() + b * ffn_, ffn_, negated_.data() + b * ffn_);
       }
     });
-    linear(w.fc2, activated_.data(), batch, hidden_.data(), hidden_.data());
+    linear(w.fc2, activated_.data(), batch, own_rows_, hidden_.data(), hidden_.data());
   }
 
   std::vector<LayerWeights> layers_;
@@ -375,6 +436,7 @@ class DecodeModel {
   Linear output_;
   int64_t heads_, groups_, head_dim_, hidden_size_, ffn_, qkv_rows_;
   float scale_, eps_;
+  int64_t own_rows_;
   bool packed_;
   std::vector<float> hidden_, normed_, qkv_, context_, intermediate_, activated_, negated_, scores_;
 };
@@ -398,7 +460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                              Linear fc2) { return LayerWeights{input_norm, mlp_norm, qkv, proj, fc1, fc2}; }));
   pybind11::class_<DecodeModel>(module, "DecodeModel")
       .def(pybind11::init<std::vector<LayerWeights>, torch::Tensor, torch::Tensor, Linear, int64_t, int64_t, int64_t,
-                          double, double>())
+                          double, double, int64_t>())
       .def("step", &DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("parallel_threads", &parallel_threads);
+  module.attr("max_own_rows") = kMaxOwnRows;
 }

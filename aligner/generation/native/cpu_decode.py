@@ -4,10 +4,11 @@ Why a hand-written kernel: at one row a decode step is a chain of matrix-vector 
 weights stream from memory, plus about 40 small operations a layer. No library torch calls streams a weight at
 the memory's speed for a single column (on an AMD EPYC, SmolLM2's products through oneDNN read 19-33 GB/s, MKL
 11-12 GB/s on one thread), and each small torch operation costs microseconds of dispatch, more than its
-arithmetic. So at one row the step runs its own products; at more rows it runs oneDNN's products on the
-engine's packed weight copies (the general path's) and everything between them in C++ (norms, rotary, cache
-writes, attention, activation): on SmolLM2 and an AMD EPYC 1.4x the general path's speed at one row, 1.15-1.4x
-at 2-32, level at 64 (docs/concepts/performance.md). The C++ step runs the general path's math
+arithmetic. So up to `own_rows` rows the step runs its own products (each weight row streamed once for every
+row of the step); at more it runs oneDNN's products on the engine's packed weight copies (the general path's),
+and everything between them in C++ (norms, rotary, cache writes, attention, activation): on SmolLM2 and an AMD
+EPYC with AVX-512 1.4x the general path's speed at one row, 1.15-1.4x at 2-32, level at 64
+(docs/concepts/performance.md). The C++ step runs the general path's math
 (`forward.Forward._decode_layer`, which the tests compare it to) for Llama-style layers.
 
 It is used where `unsupported` finds nothing: fp32 on a CPU, one process (no tensor or pipeline parallelism),
@@ -47,6 +48,12 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # libgomp torch has already loaded (one OpenMP runtime, one thread pool in the process).
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 MAX_HEAD_DIM = 1024  # cpu_decode.cpp's kMaxHeadDim
+# The most rows the C++ step's own products serve on a CPU without AVX-512 (at most cpu_decode.cpp's kMaxOwnRows).
+# SmolLM2's greedy decode on an AMD EPYC with AVX2 only: 1.42 / 1.37 / 1.33x the speed of the same step on oneDNN's
+# products at 2 / 4 / 8 rows (docs/concepts/performance.md). With AVX-512, oneDNN's products were the faster from
+# 4 rows on an AMD EPYC (a hand-written blocked product 0.91-0.98x at 4 rows, 0.54-0.77x at 8), so there the own
+# products serve one row.
+OWN_ROWS_WITHOUT_AVX512 = 8
 _extension: dict = {}  # "module": the loaded extension, or None once a build failed
 
 
@@ -92,6 +99,13 @@ def unsupported(state, segments: list) -> Optional[str]:
     return None
 
 
+def own_rows(flags: str) -> int:
+    """The most rows a step runs through the C++ step's own products on a CPU with these /proc/cpuinfo flags (the
+    extension is built for this CPU: with AVX2 and FMA and without AVX-512 it has the products of many rows)."""
+    present = set(flags.split())
+    return OWN_ROWS_WITHOUT_AVX512 if {"avx2", "fma"} <= present and "avx512f" not in present else 1
+
+
 def extension():
     """The compiled extension, built on first use; None where it cannot be built (warned once)."""
     if "module" not in _extension:
@@ -132,12 +146,14 @@ def _build():
 class CpuDecode:
     """The bound model's C++ decode step (built on the first step that uses it): `step` -> logits [batch, vocab].
 
-    One row runs its own products (`matrix_vector` in the .cpp); more rows run oneDNN's products on the engine's
-    packed weight copies, so `batched` only where the engine packs its weights (`pack_weights`, the default).
+    Up to `own_rows` rows run its own products (`rows_times_matrix` in the .cpp); more rows run oneDNN's products
+    on the engine's packed weight copies, so only where the engine packs its weights (`batched`: `pack_weights`,
+    the default).
     """
 
     def __init__(self, state, segment):
         self.state, self.segment = state, segment
+        self.own_rows = own_rows(cpu_info("flags"))
         self.batched = segment.output_product is not segment.output_weight and all(
             linear.product is not linear.weight
             for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2))
@@ -148,8 +164,8 @@ class CpuDecode:
         return extension() is not None
 
     def runs(self, batch: int) -> bool:
-        """Whether a step of `batch` rows runs here (one row always; more with packed weights)."""
-        return batch == 1 or self.batched
+        """Whether a step of `batch` rows runs here (up to own_rows always; more with packed weights)."""
+        return batch <= self.own_rows or self.batched
 
     def _bound(self):
         if self._model is None:
@@ -165,7 +181,7 @@ class CpuDecode:
             output = linear(segment.output_weight, None, segment.output_product)
             self._model = module.DecodeModel(layers, segment.word_embeddings, segment.final_norm[0], output,
                                              state.heads, state.groups, state.head_dim, state.scale,
-                                             state.cfg.norm_epsilon)
+                                             state.cfg.norm_epsilon, self.own_rows)
         return self._model
 
     def step(self, tokens: torch.Tensor, inputs, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
