@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ import torch.distributed as dist
 from aligner.runtime import cpu_bridge, stopping
 from aligner.runtime.distributed import stream_address
 from aligner.runtime.errors import UserError
+
+if TYPE_CHECKING:  # PyTriton is imported where a server starts (prepare_environment names the fix when it is missing)
+    from pytriton.triton import Triton
 
 LOGGER = logging.getLogger(__name__)
 
@@ -52,6 +55,14 @@ EXIT_TIMEOUT_S = 3
 STOP_LOCK_TIMEOUT_S = 10.0
 # How long Triton may take to report the models ready after it started.
 MODEL_READY_TIMEOUT_S = 120.0
+# How many times serve() starts Triton when `tritonserver` crashes (ends by a signal) while loading the models.
+# Seen under load: Triton's Python backend aborting on `boost::interprocess::lock_exception` during a model load
+# (reported upstream as triton-inference-server/server#5949 and #8882). Nothing is served yet, so nothing is lost.
+START_ATTEMPTS = 3
+# How often the processes Triton starts are looked up while it starts (they are ended if the start fails).
+START_WATCH_S = 0.1
+# How long a crashed start waits for PyTriton to record tritonserver's exit status.
+EXIT_CODE_WAIT_S = 5.0
 # The process Triton's Python backend runs each model instance in (PyTriton's proxy to our callbacks).
 BACKEND_STUB_NAME = "triton_python_backend_stub"
 # Lines of Triton's own log shown when it fails.
@@ -448,10 +459,18 @@ class TritonProcesses:
         import psutil
 
         self._triton = triton
-        found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
-        self.server_process = found[0] if found else None
+        self.server_process: Optional[psutil.Process] = None  # found by remember_descendants once it runs
         self._shared_memory: set[str] = set()  # /dev/shm files Triton's processes map
         self._seen: dict[int, tuple["psutil.Process", str]] = {}  # pid: (process, name; a dead one has none)
+        self._find_server()
+
+    def _find_server(self) -> None:
+        import psutil
+
+        if self.server_process is None:
+            with contextlib.suppress(psutil.Error):
+                found = [child for child in psutil.Process().children() if child.name() == "tritonserver"]
+                self.server_process = found[0] if found else None
 
     @property
     def exit_code(self) -> Optional[int]:
@@ -463,6 +482,7 @@ class TritonProcesses:
     def remember_descendants(self) -> None:
         import psutil
 
+        self._find_server()
         if self.server_process is None:
             return
         try:
@@ -473,6 +493,38 @@ class TritonProcesses:
             pass
         for process in [self.server_process, *(process for process, _ in self._seen.values())]:
             self._shared_memory |= _mapped_shared_memory(process.pid)
+
+    @contextlib.contextmanager
+    def watched(self, every_s: float = START_WATCH_S):
+        """Remember the processes Triton starts while the block runs (a thread; for Triton's start, during
+        which a crash would otherwise leave processes nobody saw)."""
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(every_s):
+                self.remember_descendants()
+
+        thread = threading.Thread(target=watch, name="triton-start-watch", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            done.set()
+            thread.join()
+            self.remember_descendants()
+            # Triton runs a short-lived stub to read a model's config before the instance's own stub: one that
+            # ended while Triton started is not a dead backend (the shared memory it mapped is still removed)
+            self._seen = {pid: seen for pid, seen in self._seen.items() if _running(seen[0])}
+
+    def crashed(self) -> bool:
+        """`tritonserver` has ended by a signal (an abort or a crash), not with an exit status of its own (which
+        is Triton refusing something: a setting, a port). Read after PyTriton's stop, which waits for it."""
+        if self.server_process is None or _running(self.server_process):
+            return False
+        deadline = time.monotonic() + EXIT_CODE_WAIT_S  # PyTriton's runner records the status a moment later
+        while (code := self.exit_code) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code is not None and code < 0
 
     def dead_backend(self):  # -> Optional[psutil.Process]
         """A Python-backend stub (one per model instance; Triton never restarts one) that has died."""
@@ -538,33 +590,30 @@ def _running(process) -> bool:
         return False
 
 
-def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
-          ready_message: str = "", poll_s: float = 0.5) -> None:
-    """Serve `models` until SIGINT/SIGTERM or until Triton stops.
+def _stop(triton: Triton, processes: TritonProcesses) -> None:
+    """Stop Triton and end what it started (a killed tritonserver, or a stop that timed out, leaves its stubs)."""
+    with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
+        triton.stop()
+        processes.end_leftovers()
 
-    With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
-    `ready_message` is printed (flushed) once Triton reports every model ready. A signal ends it with
-    `stopping.Interrupted` (entry points exit 128 + the signal number) after a clean shutdown; if
-    Triton stops on its own, raises `TritonDied` (after the same shutdown) naming what died.
+
+def start(server: ServerConfig, models: Sequence[TritonModel]) -> tuple[Triton, TritonProcesses, Path]:
+    """Start Triton with `models` bound and wait until it reports them ready: (Triton, its processes, its log).
+
+    When `tritonserver` crashes while loading the models (see START_ATTEMPTS), what it started is ended and it
+    starts again, up to START_ATTEMPTS times, with one warning line each time; the crashed start's log is kept.
+    Any other failure (a setting Triton refuses, models not ready in time, an interrupt) stops Triton and raises.
     """
-    if collective is not None and not collective.is_server:
-        collective.follow()
-        return
-    server.validate()
-    prepare_environment()
-    check_ports_free(server)
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.triton import Triton
 
-    log_file = new_triton_log(server)
-    triton = Triton(config=triton_config(server, log_file))
-    LOGGER.info("Triton's log: %s", log_file)
-    stopped_cleanly = False
-    interrupt: Optional[KeyboardInterrupt] = None
-    processes: Optional[TritonProcesses] = None
-    try:
-        with _sigterm_as_keyboard_interrupt():
-            try:
+    for attempt in range(1, START_ATTEMPTS + 1):
+        log_file = new_triton_log(server)
+        LOGGER.info("Triton's log: %s", log_file)
+        triton = Triton(config=triton_config(server, log_file))
+        processes = TritonProcesses(triton)
+        try:
+            with processes.watched():
                 for model in models:
                     batcher = DynamicBatcher(max_queue_delay_microseconds=model.max_queue_delay_microseconds,
                                              preferred_batch_size=list(model.preferred_batch_sizes) or None)
@@ -572,8 +621,47 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                                 outputs=model.outputs,
                                 config=ModelConfig(max_batch_size=model.max_batch_size, batcher=batcher))
                 triton.run()  # starts Triton and waits (a bounded time) for the bound models
-                processes = TritonProcesses(triton)
                 wait_models_ready(server, [model.name for model in models], log_file)
+            return triton, processes, log_file
+        except BaseException as error:
+            _stop(triton, processes)
+            if isinstance(error, KeyboardInterrupt):
+                log_file.unlink(missing_ok=True)
+                raise
+            if not processes.crashed():
+                raise
+            what = f"{processes.what_died()} while loading the models on {server.http_url}"
+            if attempt == START_ATTEMPTS:
+                raise TritonDied(f"{what}, at each of {START_ATTEMPTS} starts; the server stops (Triton's log: "
+                                 f"{log_file})") from error
+            LOGGER.warning("%s (start %d of %d; Triton's log: %s); starting Triton again", what, attempt,
+                           START_ATTEMPTS, log_file)
+    raise AssertionError("unreachable: the last start returns or raises")
+
+
+def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optional[CollectiveServing] = None, *,
+          ready_message: str = "", poll_s: float = 0.5) -> None:
+    """Serve `models` until SIGINT/SIGTERM or until Triton stops.
+
+    With `collective`, only rank 0 runs Triton; the other ranks follow it and return when it stops.
+    `ready_message` is printed (flushed) once Triton reports every model ready (`start`: a Triton that crashes
+    while loading them is started again). A signal ends it with `stopping.Interrupted` (entry points exit
+    128 + the signal number) after a clean shutdown; if Triton stops on its own, raises `TritonDied` (after
+    the same shutdown) naming what died.
+    """
+    if collective is not None and not collective.is_server:
+        collective.follow()
+        return
+    server.validate()
+    prepare_environment()
+    check_ports_free(server)
+    triton = processes = log_file = None
+    stopped_cleanly = False
+    interrupt: Optional[KeyboardInterrupt] = None
+    try:
+        with _sigterm_as_keyboard_interrupt():
+            try:
+                triton, processes, log_file = start(server, models)
                 if ready_message:
                     print(ready_message, flush=True)
                 while triton.is_alive():
@@ -588,13 +676,12 @@ def serve(server: ServerConfig, models: Sequence[TritonModel], collective: Optio
                 stopped_cleanly = True
                 interrupt = received
     finally:
-        with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
-            triton.stop()
-            if processes is not None:  # a killed tritonserver, or a stop that timed out, leaves its stubs behind
-                processes.end_leftovers()
+        with _signals_ignored():
+            if triton is not None:
+                _stop(triton, processes)
             if collective is not None:
                 collective.stop()
-            if stopped_cleanly:
+            if stopped_cleanly and log_file is not None:
                 log_file.unlink(missing_ok=True)
     sys.stdout.flush()
     if interrupt is not None:

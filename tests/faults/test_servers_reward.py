@@ -6,6 +6,10 @@ Guarantees checked here, each against the real entry point in a subprocess and t
   timeout; the server exits with status 1 and one line naming what died (`error: Triton's server
   process (tritonserver, pid N) was killed by SIGKILL ...`); no process Triton started stays behind,
   nor any of the shared memory (/dev/shm) they mapped.
+* `tritonserver` aborting while it loads the models (seen under load: its Python backend on a
+  `boost::interprocess::lock_exception`; `triton_crashes.py` stands in for it): the server warns in
+  one line and starts Triton again, then answers exactly as in process; at every one of its
+  START_ATTEMPTS starts it exits with status 1 and one line; nothing the crashed starts ran stays.
 * The Python server process SIGKILLed under load: the same for the clients; Triton and everything it
   started end with it (parent-death signal), so nothing stays behind (processes, shared memory).
 * A request over `server.max_request_bytes` (token ids or texts) gets one error naming the cap and
@@ -18,12 +22,14 @@ Guarantees checked here, each against the real entry point in a subprocess and t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -51,11 +57,16 @@ WILDCARDS = {"0.0.0.0", "::"}
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # aligner/conf/inference_rm.yaml
 
 
-def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1") -> ServerProcess:
+def server_command(checkpoint, port: int, *extra: str, host: str = "127.0.0.1", wrapper: tuple = ()) -> list[str]:
+    """The reward server's command line; `wrapper`: a script (and its arguments) that runs the entry point."""
+    return [sys.executable, *wrapper, str(ENTRY_POINT), f"init_from={checkpoint}", f"server.host={host}",
+            f"server.port={port}", "inference.micro_batch_size=3", *extra]
+
+
+def start_server(checkpoint, log_path, *extra: str, host: str = "127.0.0.1", wrapper: tuple = ()) -> ServerProcess:
     for _ in range(3):  # a port found free may be taken (as an ephemeral port) before the server binds it
         port = free_port_block()
-        process = ServerProcess([sys.executable, str(ENTRY_POINT), f"init_from={checkpoint}", f"server.host={host}",
-                                 f"server.port={port}", "inference.micro_batch_size=3", *extra], log_path)
+        process = ServerProcess(server_command(checkpoint, port, *extra, host=host, wrapper=wrapper), log_path)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while process.process.poll() is None and "server ready on" not in process.log() and time.monotonic() < deadline:
             time.sleep(0.25)
@@ -216,6 +227,77 @@ def test_server_process_killed_under_load_fails_clients_and_leaves_nothing(rewar
         # tritonserver, its Python backend and PyTriton's helpers
         assert processes_alive(server.tree, GONE_WITHIN_S) == []
         assert _shared_memory_left(server) == []
+    finally:
+        server.kill()
+
+
+# ------------------------------------------------------------------------------------------
+# tritonserver crashing while it loads the models
+
+CRASHING_TRITON = Path(__file__).with_name("triton_crashes.py")
+
+
+def _crashed_processes(pids_file: Path) -> list[psutil.Process]:
+    """The crashed starts' tritonserver and what it had started (pids triton_crashes.py wrote), still known."""
+    processes = []
+    for line in pids_file.read_text().splitlines():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(int(line.split()[0])))
+    return processes
+
+
+def test_a_triton_that_crashes_while_loading_the_models_is_started_again(reward_model, pool, tmp_path):  # noqa: F811 - a fixture imported above
+    checkpoint, _ = reward_model
+    sequences, reference = pool
+    pids_file = tmp_path / "crashed.pids"
+    server = start_server(checkpoint, tmp_path / "server.log", wrapper=(str(CRASHING_TRITON), "1", str(pids_file)))
+    try:
+        warnings = [line for line in server.log().splitlines() if "while loading the models" in line]
+        assert len(warnings) == 1, server.log()[-3000:]
+        crashed_pid = pids_file.read_text().split()[0]
+        assert re.search(rf"WARNING servers\.triton: Triton's server process \(tritonserver, pid {crashed_pid}\) was "
+                         rf"killed by SIGABRT while loading the models on http://127\.0\.0\.1:{server.port} \(start 1 "
+                         r"of 3; Triton's log: (\S+)\); starting Triton again$", warnings[0]), warnings[0]
+        kept_log = Path(re.search(r"Triton's log: (\S+)\)", warnings[0]).group(1))
+        assert "loading: reward_model" in kept_log.read_text()  # the crashed start's log is kept
+        assert len(pids_file.read_text().splitlines()) >= 2  # tritonserver and its Python-backend stub
+        assert processes_alive(_crashed_processes(pids_file), GONE_WITHIN_S) == []
+        with RewardClient("127.0.0.1", server.port, timeout_s=60, ready_timeout_s=30) as client:
+            rewards = client.infer(sequences[:8])
+        np.testing.assert_allclose(rewards, reference[:8], atol=1e-6, rtol=0)
+        tree = process_tree(server.process.pid)
+        assert [process.name() for process in tree].count("tritonserver") == 1
+        code, _ = server.stop(signal.SIGTERM)
+        assert code == 128 + signal.SIGTERM, server.log()[-3000:]
+        assert processes_alive(tree, GONE_WITHIN_S) == []
+        assert not re.search(r'File ".*/(servers|aligner)/', server.log()), server.log()[-3000:]
+        kept_log.unlink()
+    finally:
+        server.kill()
+
+
+def test_a_triton_that_crashes_at_every_start_ends_the_server_in_one_line(reward_model, tmp_path):  # noqa: F811 - a fixture imported above
+    checkpoint, _ = reward_model
+    pids_file = tmp_path / "crashed.pids"
+    port = free_port_block()
+    server = ServerProcess(server_command(checkpoint, port, wrapper=(str(CRASHING_TRITON), "3", str(pids_file))),
+                           tmp_path / "server.log")
+    try:
+        code = server.process.wait(timeout=3 * READY_TIMEOUT_S)
+        log = server.log()
+        assert code == 1, log[-3000:]
+        starts = [line.split()[0] for line in pids_file.read_text().splitlines() if line.endswith(" tritonserver")]
+        assert len(starts) == 3
+        warnings = [line for line in log.splitlines() if "starting Triton again" in line]
+        assert [re.search(r"pid (\d+)\)", line).group(1) for line in warnings] == starts[:2], log[-3000:]
+        last_line = log.strip().splitlines()[-1]
+        assert re.fullmatch(rf"error: Triton's server process \(tritonserver, pid {starts[2]}\) was killed by SIGABRT "
+                            rf"while loading the models on http://127\.0\.0\.1:{port}, at each of 3 starts; the server "
+                            r"stops \(Triton's log: \S+\)", last_line), last_line
+        assert not re.search(r'File ".*/(servers|aligner)/', log), log[-3000:]
+        assert processes_alive(_crashed_processes(pids_file), GONE_WITHIN_S) == []
+        for line in [*warnings, last_line]:
+            Path(re.search(r"Triton's log: (\S+?)\)", line).group(1)).unlink()
     finally:
         server.kill()
 
