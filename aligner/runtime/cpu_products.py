@@ -24,6 +24,7 @@ a decode step's products much more than a prefill's (benchmarks/README.md).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -33,7 +34,6 @@ from aligner.runtime.errors import ConfigError
 
 PREFERENCE_VARIABLE = "ALIGNER_CPU_PRODUCTS"
 LIBRARIES = ("auto", "onednn", "blas")
-_preferred_libraries: dict = {}  # the variable's value -> the library it gives (the CPU's vendor read once)
 
 
 def cpu_info(field: str, cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -49,6 +49,12 @@ def cpu_info(field: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     return ""
 
 
+@functools.cache
+def this_cpu(field: str) -> str:
+    """`cpu_info(field)` of this machine, read once a process (decisions taken on every call read it)."""
+    return cpu_info(field)
+
+
 def choose_library(setting: str, vendor: str) -> str:
     """"onednn" or "blas" for a value of ALIGNER_CPU_PRODUCTS and the CPU's vendor_id: auto (or empty) is
     BLAS on Intel's CPUs, oneDNN on any other (see the module's docstring)."""
@@ -62,11 +68,7 @@ def choose_library(setting: str, vendor: str) -> str:
 
 def preferred_library() -> str:
     """"onednn" or "blas": the library for training's fp32 products and a single sequence's decode products."""
-    setting = os.environ.get(PREFERENCE_VARIABLE, "auto")
-    library = _preferred_libraries.get(setting)
-    if library is None:
-        library = _preferred_libraries[setting] = choose_library(setting, cpu_info("vendor_id"))
-    return library
+    return choose_library(os.environ.get(PREFERENCE_VARIABLE, "auto"), this_cpu("vendor_id"))
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

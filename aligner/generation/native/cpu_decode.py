@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch.utils import cpp_extension
 
-from aligner.runtime.cpu_products import cpu_info
+from aligner.runtime.cpu_products import this_cpu
 from aligner.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def build_root() -> Path:
 
 def _build():
     source = SOURCE.read_text()
-    key = "\n".join([source, " ".join(FLAGS), cpu_info("flags"), torch.__version__])
+    key = "\n".join([source, " ".join(FLAGS), this_cpu("flags"), torch.__version__])
     name = f"aligner_cpu_decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     root = build_root()
     build_dir = root / name
@@ -153,7 +153,7 @@ class CpuDecode:
 
     def __init__(self, state, segment):
         self.state, self.segment = state, segment
-        self.own_rows = own_rows(cpu_info("flags"))
+        self.own_rows = own_rows(this_cpu("flags"))
         self.batched = segment.output_product is not segment.output_weight and all(
             linear.product is not linear.weight
             for layer in segment.layers for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2))
