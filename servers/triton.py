@@ -7,7 +7,8 @@ Two pieces:
   models ready, run until SIGINT/SIGTERM or until Triton dies, then shut down within seconds.
   If Triton's own process (`tritonserver`) or its Python-backend process dies, the server exits
   with status 1 and one line saying so (`TritonDied`), so a supervisor restarts it; the processes
-  a dead `tritonserver` leaves behind are ended too.
+  a dead `tritonserver` leaves behind are ended too. A `tritonserver` that crashes while it loads the models,
+  before anything is served, is started again (`start`, up to START_ATTEMPTS times).
 * `CollectiveServing`: "rank 0 serves, the other ranks follow". A model sharded over a
   distributed job (TP/PP/DP) is computed by a collective function that *every* rank must call
   with the same inputs. Only rank 0 runs Triton; its inference callback calls `run(*tensors)`,
