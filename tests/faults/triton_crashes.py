@@ -10,14 +10,14 @@ appended to PIDS_FILE ("pid name" a line) before the abort, for the test to chec
 """
 from __future__ import annotations
 
-import contextlib
 import runpy
 import signal
 import sys
-import time
 
 import psutil
 from pytriton.models.manager import ModelManager
+
+from tests.conftest import processes_alive
 
 crashes_left = int(sys.argv[1])
 pids_file = sys.argv[2]
@@ -37,13 +37,8 @@ def load_models_then_abort(manager: ModelManager) -> None:
     with open(pids_file, "a") as out:
         out.writelines(f"{process.pid} {process.name()}\n" for process in [server, *started])
     server.send_signal(signal.SIGABRT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # not server.wait(): reaping it here would take its status from PyTriton
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if server.status() != psutil.STATUS_ZOMBIE:
-                time.sleep(0.05)
-                continue
-        break
+    # polled, not server.wait(): reaping it here would take its exit status from PyTriton
+    assert processes_alive([server], timeout_s=60) == [], "tritonserver outlived SIGABRT"
     raise ConnectionError("connection closed (tritonserver aborted while loading the models)")
 
 
